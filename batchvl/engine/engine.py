@@ -1,0 +1,268 @@
+"""The engine loop: add requests, step until done. Each step is schedule -> encode -> forward -> sample.
+
+Bookkeeping (scheduler, block manager, encoder-cache manager) holds ints and hashes; the model runner
+holds the tensors. A request that can never run (prompt too long for the model, or larger than the KV
+cache) comes back at once as an error result instead of stalling or failing the job.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from batchvl.engine.encoder_cache import EncoderCacheManager
+from batchvl.engine.kv_cache import BlockManager
+from batchvl.engine.model_runner import ModelRunner, PreparedImage, kv_bytes_per_block
+from batchvl.engine.request import ImageSpan, Request, SamplingParams, ScheduledChunk
+from batchvl.engine.sampler import make_generator, sample_token
+from batchvl.engine.scheduler import Scheduler
+from batchvl.errors import SampleError, UserError
+from batchvl.models.adapter import VLMAdapter
+
+logger = logging.getLogger(__name__)
+
+MB = 1 << 20
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    kv_cache_mb: float = 1024
+    block_size: int = 16
+    encoder_cache_mb: float = 512
+
+
+@dataclass
+class EngineRequest:
+    """What the engine needs for one (sample, prompt); `tag` is the caller's, returned untouched."""
+
+    prompt_token_ids: list[int]
+    images: list[PreparedImage]
+    sampling: SamplingParams
+    tag: Any = None
+
+
+@dataclass
+class EngineResult:
+    tag: Any
+    output_token_ids: list[int] = field(default_factory=list)
+    text: str | None = None
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    error: SampleError | None = None
+    latency_s: float = 0.0
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+
+@dataclass
+class EngineStats:
+    images_total: int = 0
+    images_encoded: int = 0
+    encoder_cache_hits: int = 0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    prefill_tokens_computed: int = 0
+    steps: int = 0
+    preemptions: int = 0
+
+
+@dataclass
+class _Live:
+    """Per-request state the engine keeps besides the scheduler's counters."""
+
+    request: Request
+    tag: Any
+    images: dict[str, PreparedImage]
+    generator: torch.Generator | None
+    pinned: set[str] = field(default_factory=set)
+    start_time: float = field(default_factory=time.perf_counter)
+
+
+class Engine:
+    def __init__(self, adapter: VLMAdapter, tokenizer, limits: EngineLimits, eos_token_ids: list[int]):
+        self.adapter = adapter
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self.eos_token_ids = set(eos_token_ids)
+        num_blocks = int(limits.kv_cache_mb * MB) // kv_bytes_per_block(adapter, limits.block_size)
+        if num_blocks < 1:
+            raise UserError(f"engine.kv_cache_mb={limits.kv_cache_mb} holds no KV block; raise it")
+        self.block_manager = BlockManager(num_blocks, limits.block_size)
+        self.scheduler = Scheduler(limits.max_num_seqs, limits.max_num_batched_tokens, self.block_manager)
+        self.encoder_cache = EncoderCacheManager(int(limits.encoder_cache_mb * MB))
+        self.runner = ModelRunner(adapter, num_blocks, limits.block_size)
+        self.stats = EngineStats()
+        self._live: dict[int, _Live] = {}
+        self._rejected: list[EngineResult] = []
+        self._next_id = 0
+        logger.info("KV cache: %d blocks of %d tokens", num_blocks, limits.block_size)
+
+    @property
+    def num_unfinished(self) -> int:
+        return self.scheduler.num_unfinished + len(self._rejected)
+
+    def add_request(self, item: EngineRequest) -> None:
+        try:
+            spans = self._image_spans(item)
+            self._check_fits(item)
+        except SampleError as exc:
+            self._rejected.append(
+                EngineResult(item.tag, num_prompt_tokens=len(item.prompt_token_ids), error=exc)
+            )
+            return
+        request = Request(self._next_id, list(item.prompt_token_ids), spans, item.sampling)
+        self._next_id += 1
+        generator = None if item.sampling.is_greedy else make_generator(item.sampling.seed)
+        images = {img.content_hash: img for img in item.images}
+        self._live[request.request_id] = _Live(request, item.tag, images, generator)
+        self.runner.add_request(request.request_id, request.prompt_token_ids, item.images)
+        self.scheduler.add(request)
+        self.stats.images_total += len(item.images)
+        self.stats.prompt_tokens += request.num_prompt_tokens
+
+    def step(self) -> list[EngineResult]:
+        """Run one scheduler step; returns the requests that finished (or were rejected) in it."""
+        results, self._rejected = self._rejected, []
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return results
+        self._encode_images_for(chunks)
+        logits = self.runner.execute(chunks, self.block_manager)
+        self.scheduler.commit(chunks)
+        self.stats.steps += 1
+        self.stats.preemptions = self.scheduler.num_preemptions
+        sampling_chunks = [chunk for chunk in chunks if chunk.samples_next_token]
+        for chunk in chunks:
+            if chunk.start < chunk.request.num_prompt_tokens:
+                self.stats.prefill_tokens_computed += chunk.num_tokens
+            self._unpin_prefilled_images(self._live[chunk.request.request_id])
+        for chunk, row in zip(sampling_chunks, logits, strict=True):
+            live = self._live[chunk.request.request_id]
+            token = sample_token(row, live.request.sampling, live.generator)
+            live.request.output_token_ids.append(token)
+            self.stats.output_tokens += 1
+            reason = self._finish_reason(live.request)
+            if reason is not None:
+                results.append(self._finish(live, reason))
+        return results
+
+    def _image_spans(self, item: EngineRequest) -> list[ImageSpan]:
+        """Find each image's placeholder run in the prompt, in order."""
+        image_token = self.adapter.image_token_id
+        ids = item.prompt_token_ids
+        runs = []
+        index = 0
+        while index < len(ids):
+            if ids[index] == image_token:
+                end = index
+                while end < len(ids) and ids[end] == image_token:
+                    end += 1
+                runs.append((index, end - index))
+                index = end
+            else:
+                index += 1
+        if len(runs) != len(item.images):
+            raise SampleError(
+                "prompt_mismatch",
+                f"prompt has {len(runs)} image placeholder runs for {len(item.images)} images",
+            )
+        return [
+            ImageSpan(offset, length, img.content_hash)
+            for (offset, length), img in zip(runs, item.images, strict=True)
+        ]
+
+    def _check_fits(self, item: EngineRequest) -> None:
+        num_prompt = len(item.prompt_token_ids)
+        max_len = self.adapter.geometry.max_model_len
+        if num_prompt >= max_len:
+            raise SampleError(
+                "context_too_long",
+                f"prompt has {num_prompt} tokens with its images but the model's context is {max_len}; "
+                "lower preprocess.max_pixels or shorten the prompt",
+            )
+        needed = min(num_prompt + item.sampling.max_new_tokens, max_len)
+        if needed > self.block_manager.capacity_tokens:
+            raise SampleError(
+                "kv_cache_too_small",
+                f"request needs {needed} tokens of KV cache but engine.kv_cache_mb holds "
+                f"{self.block_manager.capacity_tokens}; raise engine.kv_cache_mb",
+            )
+
+    def _encode_images_for(self, chunks: list[ScheduledChunk]) -> None:
+        """Pin every image a chunk touches; encode the ones not cached, all in one vision call."""
+        missing: dict[str, PreparedImage] = {}
+        for chunk in chunks:
+            live = self._live[chunk.request.request_id]
+            for span in chunk.request.images_overlapping(chunk.start, chunk.end):
+                if span.content_hash in live.pinned:
+                    continue
+                live.pinned.add(span.content_hash)
+                if self.encoder_cache.acquire(span.content_hash) or span.content_hash in missing:
+                    self.stats.encoder_cache_hits += 1
+                else:
+                    missing[span.content_hash] = live.images[span.content_hash]
+        if not missing:
+            return
+        sizes = self.runner.encode(list(missing.values()))
+        self.stats.images_encoded += len(missing)
+        for content_hash, num_bytes in sizes.items():
+            self.runner.drop_embeddings(self.encoder_cache.insert(content_hash, num_bytes))
+
+    def _unpin_prefilled_images(self, live: _Live) -> None:
+        request = live.request
+        for span in request.images:
+            if span.content_hash in live.pinned and span.end <= request.num_computed_tokens:
+                self._unpin(live, span.content_hash)
+
+    def _unpin(self, live: _Live, content_hash: str) -> None:
+        live.pinned.discard(content_hash)
+        self.runner.drop_embeddings(self.encoder_cache.release(content_hash))
+
+    def _finish_reason(self, request: Request) -> str | None:
+        params = request.sampling
+        token = request.output_token_ids[-1]
+        if not params.ignore_eos and token in self.eos_token_ids:
+            return "stop"
+        if token in params.stop_token_ids:
+            return "stop"
+        if params.stop and self._stop_string_index(request) is not None:
+            return "stop"
+        if request.num_output_tokens >= params.max_new_tokens:
+            return "length"
+        if request.num_tokens >= self.adapter.geometry.max_model_len:
+            return "length"
+        return None
+
+    def _stop_string_index(self, request: Request) -> int | None:
+        text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
+        found = [text.find(stop) for stop in request.sampling.stop if stop and stop in text]
+        return min(found) if found else None
+
+    def _finish(self, live: _Live, reason: str) -> EngineResult:
+        request = live.request
+        self.scheduler.finish(request, reason)
+        for content_hash in list(live.pinned):
+            self._unpin(live, content_hash)
+        self.runner.remove_request(request.request_id)
+        del self._live[request.request_id]
+        text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
+        if request.sampling.stop:
+            cut = self._stop_string_index(request)
+            if cut is not None:
+                text = text[:cut]
+        return EngineResult(
+            tag=live.tag,
+            output_token_ids=list(request.output_token_ids),
+            text=text,
+            finish_reason=reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            latency_s=time.perf_counter() - live.start_time,
+        )

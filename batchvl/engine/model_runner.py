@@ -1,0 +1,133 @@
+"""The tensor side of the engine: KV cache, image embeddings, packed forward passes.
+
+The scheduler decides what runs; the runner turns a step's chunks into one packed forward: token
+embeddings with image rows scattered in, per-request positions, cache slots, and the logits of the
+chunks that end at a request's last known token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from batchvl.engine.attention import KVCache, PagedAttentionMetadata, SequenceSlice, chunk_mask
+from batchvl.engine.kv_cache import BlockManager
+from batchvl.engine.request import ScheduledChunk
+from batchvl.models.adapter import VLMAdapter
+
+
+@dataclass(frozen=True)
+class PreparedImage:
+    """A preprocessed image as the engine receives it: plain arrays and its content hash."""
+
+    pixel_values: np.ndarray  # (num_patches, channels * temporal_patch * patch * patch), float32
+    grid_thw: tuple[int, int, int]
+    content_hash: str
+
+
+@dataclass
+class RequestPositions:
+    prompt: torch.Tensor  # (axes, num_prompt_tokens)
+    delta: int  # generated token i (0-based over prompt + output) sits at position i + delta
+
+
+def kv_bytes_per_block(adapter: VLMAdapter, block_size: int) -> int:
+    geo = adapter.geometry
+    element = torch.tensor([], dtype=adapter.dtype).element_size()
+    return 2 * geo.num_layers * block_size * geo.num_kv_heads * geo.head_dim * element
+
+
+class ModelRunner:
+    def __init__(self, adapter: VLMAdapter, num_blocks: int, block_size: int):
+        self.adapter = adapter
+        geo = adapter.geometry
+        self.kv_cache = KVCache.allocate(
+            geo.num_layers,
+            num_blocks * block_size,
+            geo.num_kv_heads,
+            geo.head_dim,
+            adapter.dtype,
+            adapter.device,
+        )
+        self.embeddings: dict[str, torch.Tensor] = {}
+        self.positions: dict[int, RequestPositions] = {}
+
+    def add_request(self, request_id: int, prompt_token_ids: list[int], images: list[PreparedImage]) -> None:
+        prompt, delta = self.adapter.prompt_positions(prompt_token_ids, [img.grid_thw for img in images])
+        self.positions[request_id] = RequestPositions(prompt, delta)
+
+    def remove_request(self, request_id: int) -> None:
+        self.positions.pop(request_id, None)
+
+    @torch.inference_mode()
+    def encode(self, images: list[PreparedImage]) -> dict[str, int]:
+        """Encode images in one vision call; returns the embedding size in bytes per content hash."""
+        pixel_values = torch.from_numpy(np.concatenate([img.pixel_values for img in images]))
+        grid = torch.tensor([img.grid_thw for img in images], dtype=torch.long)
+        sizes = {}
+        for img, emb in zip(images, self.adapter.encode_images(pixel_values, grid), strict=True):
+            self.embeddings[img.content_hash] = emb
+            sizes[img.content_hash] = emb.numel() * emb.element_size()
+        return sizes
+
+    def drop_embeddings(self, hashes: list[str]) -> None:
+        for content_hash in hashes:
+            del self.embeddings[content_hash]
+
+    def _chunk_positions(self, request_id: int, start: int, end: int) -> torch.Tensor:
+        pos = self.positions[request_id]
+        num_prompt = pos.prompt.shape[1]
+        if end <= num_prompt:
+            return pos.prompt[:, start:end]
+        generated = torch.arange(max(start, num_prompt), end) + pos.delta
+        generated = generated.expand(pos.prompt.shape[0], -1)
+        if start >= num_prompt:
+            return generated
+        return torch.cat([pos.prompt[:, start:], generated], dim=1)
+
+    @torch.inference_mode()
+    def execute(self, chunks: list[ScheduledChunk], block_manager: BlockManager) -> torch.Tensor:
+        """Run one packed forward; returns float32 logits for the chunks with `samples_next_token`."""
+        token_ids: list[int] = []
+        positions, slot_mapping, sequences = [], [], []
+        query_start = 0
+        for chunk in chunks:
+            request = chunk.request
+            token_ids.extend(request.token_ids(chunk.start, chunk.end))
+            positions.append(self._chunk_positions(request.request_id, chunk.start, chunk.end))
+            key_slots = block_manager.slots(request, chunk.end)
+            slot_mapping.append(key_slots[chunk.start :])
+            sequences.append(
+                SequenceSlice(
+                    query_start, chunk.num_tokens, key_slots, chunk_mask(chunk.start, chunk.num_tokens, "cpu")
+                )
+            )
+            query_start += chunk.num_tokens
+
+        embeds = self.adapter.embed_tokens(torch.tensor(token_ids, dtype=torch.long))
+        self._scatter_image_embeddings(embeds, chunks, sequences)
+        device = self.adapter.device
+        for seq in sequences:
+            seq.key_slots = seq.key_slots.to(device)
+            if seq.mask is not None:
+                seq.mask = seq.mask.to(device)
+        meta = PagedAttentionMetadata(self.kv_cache, torch.cat(slot_mapping).to(device), sequences)
+        hidden = self.adapter.forward_text(embeds, torch.cat(positions, dim=1), batchvl_attention=meta)
+        last_rows = [
+            seq.query_start + seq.num_queries - 1
+            for chunk, seq in zip(chunks, sequences, strict=True)
+            if chunk.samples_next_token
+        ]
+        return self.adapter.compute_logits(hidden[last_rows])
+
+    def _scatter_image_embeddings(
+        self, embeds: torch.Tensor, chunks: list[ScheduledChunk], sequences: list[SequenceSlice]
+    ) -> None:
+        """Put the slice of each image's embedding that falls inside a chunk onto its placeholder rows."""
+        for chunk, seq in zip(chunks, sequences, strict=True):
+            for span in chunk.request.images_overlapping(chunk.start, chunk.end):
+                lo, hi = max(chunk.start, span.offset), min(chunk.end, span.end)
+                rows = slice(seq.query_start + lo - chunk.start, seq.query_start + hi - chunk.start)
+                embeds[rows] = self.embeddings[span.content_hash][lo - span.offset : hi - span.offset]

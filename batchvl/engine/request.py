@@ -1,0 +1,106 @@
+"""Engine-side request bookkeeping: counters and token ids, no tensors.
+
+A request is one (sample, prompt). Its progress is two counters: `num_computed_tokens` (tokens whose K/V
+are in the cache) and the chunk the scheduler gives it this step. Prefill, chunked prefill, decode and
+recompute after preemption are the same state machine over these counters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class RequestStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class ImageSpan:
+    """Where one image's placeholder run sits in the prompt, and which embedding fills it."""
+
+    offset: int  # index of the first placeholder token in the prompt
+    length: int  # number of placeholder tokens (= rows of the image's merged embedding)
+    content_hash: str
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+@dataclass
+class Request:
+    request_id: int
+    prompt_token_ids: list[int]
+    images: list[ImageSpan]
+    sampling: SamplingParams
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_prefill_done(self) -> bool:
+        return self.num_computed_tokens >= self.num_prompt_tokens
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Token ids of positions [start, end) over prompt + output."""
+        num_prompt = self.num_prompt_tokens
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt : end - num_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
+
+    def images_overlapping(self, start: int, end: int) -> list[ImageSpan]:
+        return [span for span in self.images if span.offset < end and span.end > start]
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """`num_tokens` tokens of `request`, starting at position `start`, computed this step."""
+
+    request: Request
+    start: int
+    num_tokens: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    @property
+    def samples_next_token(self) -> bool:
+        # Only a chunk that reaches the last known token yields logits worth sampling from.
+        return self.end == self.request.num_tokens

@@ -1,0 +1,25 @@
+"""Exceptions that carry a user-facing, one-line message.
+
+`UserError` is a mistake the user can fix (bad job file, wrong path, unknown model family): the CLI
+prints its message on one line and exits with code 2. `SampleError` is bad input for one sample: it
+becomes an error row (`status="error"`) and the job goes on.
+"""
+
+from __future__ import annotations
+
+
+class UserError(Exception):
+    """A mistake in how batchvl was called; the message names the problem and the fix."""
+
+
+class ConfigError(UserError):
+    """The job file (or a --set override) is invalid."""
+
+
+class SampleError(Exception):
+    """One sample (or one request) cannot be processed; it becomes an error row."""
+
+    def __init__(self, error_type: str, message: str):
+        super().__init__(message)
+        self.error_type = error_type
+        self.message = message

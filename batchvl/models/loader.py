@@ -1,0 +1,109 @@
+"""Load a checkpoint folder into (adapter, processor), safely and offline-friendly.
+
+Safe by default: `trust_remote_code` is off unless the job sets it, and weights must be safetensors, so
+nothing untrusted is unpickled.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from batchvl.errors import UserError
+from batchvl.models.adapter import VLMAdapter
+from batchvl.models.registry import adapter_class
+
+logger = logging.getLogger(__name__)
+
+PAGED_ATTENTION_NAME = "batchvl_paged"
+
+
+@dataclass
+class LoadedModel:
+    adapter: VLMAdapter
+    processor: object  # a Hugging Face processor: .tokenizer, .image_processor, .apply_chat_template
+    model_type: str
+    path: str
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UserError("model.device is 'cuda' but no CUDA device is available; use 'cpu' or 'auto'")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "float32":
+        return torch.float32
+    if dtype == "bfloat16":
+        return torch.bfloat16
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+    # bf16 matmuls are fast only on CPUs with AVX-512 (bf16) or AMX; elsewhere fp32 is quicker. Never fp16.
+    return torch.bfloat16 if "AVX512" in torch.backends.cpu.get_cpu_capability() else torch.float32
+
+
+def read_model_type(path: str, trust_remote_code: bool = False) -> str:
+    from transformers import AutoConfig
+
+    if not Path(path, "config.json").is_file():
+        raise UserError(
+            f"model.path '{path}' is not a model folder (no config.json); "
+            "build one with `batchvl make-tiny-model DIR` or point model.path at a checkpoint folder"
+        )
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    return config.model_type
+
+
+def load_processor(path: str, trust_remote_code: bool = False):
+    """The checkpoint's processor; where torchvision is missing, an image-only one built from its parts."""
+    from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
+
+    from batchvl.models.processor import QwenVLImageOnlyProcessor
+
+    try:
+        return AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (ImportError, ValueError, OSError, TypeError) as exc:
+        # Stock Qwen-VL processors carry a video processor that needs torchvision.
+        logger.debug("AutoProcessor failed (%s); building an image-only processor", exc)
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        image_processor = AutoImageProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
+        return QwenVLImageOnlyProcessor(
+            image_processor=image_processor, tokenizer=tokenizer, chat_template=tokenizer.chat_template
+        )
+
+
+def load_model(
+    path: str, dtype: str = "auto", device: str = "auto", trust_remote_code: bool = False
+) -> LoadedModel:
+    from transformers import AutoModelForImageTextToText
+
+    from batchvl.engine.attention import register_paged_attention
+
+    model_type = read_model_type(path, trust_remote_code)
+    cls = adapter_class(model_type)
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device)
+    if not any(Path(path).glob("*.safetensors")):
+        raise UserError(
+            f"model.path '{path}' has no .safetensors weights; convert the checkpoint to safetensors"
+        )
+    model = AutoModelForImageTextToText.from_pretrained(
+        path, dtype=torch_dtype, trust_remote_code=trust_remote_code, use_safetensors=True
+    )
+    model.to(torch_device).eval()
+    register_paged_attention(PAGED_ATTENTION_NAME)
+    # Text attention goes through the engine's paged KV cache; the vision tower keeps its own attention.
+    model.set_attn_implementation({"text_config": PAGED_ATTENTION_NAME})
+    logger.info("loaded %s (%s) on %s as %s", path, model_type, torch_device, torch_dtype)
+    return LoadedModel(
+        adapter=cls(model, torch_dtype, torch_device),
+        processor=load_processor(path, trust_remote_code),
+        model_type=model_type,
+        path=path,
+    )

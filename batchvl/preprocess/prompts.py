@@ -1,0 +1,43 @@
+"""Render each (sample, prompt) with the model's chat template and expand image placeholders.
+
+Contract: ONE user turn holding the sample's image(s) followed by the prompt text, rendered with
+`add_generation_prompt=True`. Each image placeholder token then becomes as many placeholders as the
+image has merged patches, exactly as the model's processor does.
+"""
+
+from __future__ import annotations
+
+from batchvl.engine.model_runner import PreparedImage
+from batchvl.errors import SampleError
+
+
+class PromptRenderer:
+    def __init__(self, processor):
+        self.processor = processor
+        self.tokenizer = processor.tokenizer
+        self.image_token_id = self.tokenizer.convert_tokens_to_ids(processor.image_token)
+        self.merge_length = processor.image_processor.merge_size**2
+
+    def render(self, prompt_text: str, num_images: int) -> str:
+        content = [{"type": "image"} for _ in range(num_images)] + [{"type": "text", "text": prompt_text}]
+        messages = [{"role": "user", "content": content}]
+        return self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+    def token_ids(self, rendered: str, images: list[PreparedImage]) -> list[int]:
+        ids = self.tokenizer(rendered, add_special_tokens=False)["input_ids"]
+        num_placeholders = sum(token == self.image_token_id for token in ids)
+        if num_placeholders != len(images):
+            raise SampleError(
+                "prompt_mismatch",
+                f"rendered prompt has {num_placeholders} image placeholders for {len(images)} images",
+            )
+        counts = iter(
+            img.grid_thw[0] * img.grid_thw[1] * img.grid_thw[2] // self.merge_length for img in images
+        )
+        expanded: list[int] = []
+        for token in ids:
+            if token == self.image_token_id:
+                expanded.extend([token] * next(counts))
+            else:
+                expanded.append(token)
+        return expanded
