@@ -28,6 +28,14 @@ class LoadedModel:
     model_type: str
     path: str
 
+    def eos_token_ids(self) -> list[int]:
+        """End-of-sequence ids as `generate` would use them: the generation config's, else the tokenizer's."""
+        generation_config = getattr(self.adapter.model, "generation_config", None)
+        eos = getattr(generation_config, "eos_token_id", None)
+        if eos is None:
+            eos = self.processor.tokenizer.eos_token_id
+        return [eos] if isinstance(eos, int) else list(eos or [])
+
 
 def resolve_device(device: str) -> torch.device:
     if device == "auto":

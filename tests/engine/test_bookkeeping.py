@@ -1,0 +1,157 @@
+"""Scheduler, block manager and encoder-cache bookkeeping, without tensors."""
+
+import pytest
+
+from batchvl.engine.encoder_cache import EncoderCacheManager
+from batchvl.engine.kv_cache import BlockManager
+from batchvl.engine.request import ImageSpan, Request, RequestStatus, SamplingParams
+from batchvl.engine.scheduler import Scheduler
+
+
+def make_request(request_id: int, num_prompt: int, images=()) -> Request:
+    return Request(request_id, list(range(num_prompt)), list(images), SamplingParams(max_new_tokens=4))
+
+
+def run_step(scheduler: Scheduler, new_token: int = 7):
+    """Schedule, mark computed, append one output token to requests whose chunk reached the end."""
+    chunks = scheduler.schedule()
+    scheduler.commit(chunks)
+    for chunk in chunks:
+        if chunk.samples_next_token:
+            chunk.request.output_token_ids.append(new_token)
+    return chunks
+
+
+def test_block_manager_allocates_whole_blocks_and_frees():
+    manager = BlockManager(num_blocks=4, block_size=4)
+    request = make_request(0, 6)
+    assert manager.can_allocate(request, 6)
+    manager.allocate(request, 6)
+    assert len(request.block_ids) == 2 and manager.num_free_blocks == 2
+    request.num_computed_tokens = 6
+    manager.allocate(request, 2)  # positions 6, 7 still fit in block 2
+    assert len(request.block_ids) == 2
+    manager.allocate(request, 3)  # positions 6..8 need a third block
+    assert len(request.block_ids) == 3
+    assert not manager.can_allocate(make_request(1, 9), 9)
+    manager.free(request)
+    assert request.block_ids == [] and manager.num_free_blocks == 4
+
+
+def test_block_manager_slots_follow_block_table():
+    manager = BlockManager(num_blocks=8, block_size=4)
+    manager.allocate(make_request(9, 3), 3)  # take block 0 so the next request's table is not the identity
+    request = make_request(0, 6)
+    manager.allocate(request, 6)
+    blocks = request.block_ids
+    expected = [blocks[p // 4] * 4 + p % 4 for p in range(6)]
+    assert manager.slots(request, 6).tolist() == expected
+    assert blocks == [1, 2]
+
+
+def test_chunked_prefill_splits_prompt_by_budget():
+    scheduler = Scheduler(max_num_seqs=4, max_num_batched_tokens=5, block_manager=BlockManager(16, 4))
+    request = make_request(0, 12)
+    scheduler.add(request)
+    sizes = []
+    while not request.output_token_ids:
+        chunks = run_step(scheduler)
+        sizes.append([(c.start, c.num_tokens) for c in chunks])
+    assert sizes == [[(0, 5)], [(5, 5)], [(10, 2)]]
+    assert request.num_computed_tokens == 12
+    # decode: one token per step
+    assert [(c.start, c.num_tokens) for c in run_step(scheduler)] == [(12, 1)]
+
+
+def test_budget_is_shared_between_decode_and_new_prefill():
+    scheduler = Scheduler(max_num_seqs=4, max_num_batched_tokens=6, block_manager=BlockManager(32, 4))
+    first, second = make_request(0, 3), make_request(1, 20)
+    scheduler.add(first)
+    run_step(scheduler)  # first prefilled
+    scheduler.add(second)
+    chunks = run_step(scheduler)
+    assert [(c.request.request_id, c.start, c.num_tokens) for c in chunks] == [(0, 3, 1), (1, 0, 5)]
+
+
+def test_max_num_seqs_limits_running():
+    scheduler = Scheduler(max_num_seqs=2, max_num_batched_tokens=100, block_manager=BlockManager(64, 4))
+    for i in range(5):
+        scheduler.add(make_request(i, 3))
+    chunks = run_step(scheduler)
+    assert [c.request.request_id for c in chunks] == [0, 1]
+    assert len(scheduler.waiting) == 3
+
+
+def test_admission_stops_when_blocks_run_out():
+    scheduler = Scheduler(max_num_seqs=8, max_num_batched_tokens=100, block_manager=BlockManager(3, 4))
+    scheduler.add(make_request(0, 8))
+    scheduler.add(make_request(1, 8))
+    chunks = run_step(scheduler)
+    assert [c.request.request_id for c in chunks] == [0]
+    assert scheduler.waiting[0].request_id == 1
+
+
+def test_preemption_frees_newest_and_recomputes_it_later():
+    manager = BlockManager(num_blocks=4, block_size=4)
+    scheduler = Scheduler(max_num_seqs=8, max_num_batched_tokens=100, block_manager=manager)
+    old, new = make_request(0, 8), make_request(1, 8)
+    scheduler.add(old)
+    scheduler.add(new)
+    run_step(scheduler)  # both prefilled: 4 blocks used, 1 output token each
+    assert manager.num_free_blocks == 0
+    chunks = run_step(scheduler)  # old needs a 3rd block: new is preempted
+    assert [c.request.request_id for c in chunks] == [0]
+    assert new.status is RequestStatus.WAITING and new.num_computed_tokens == 0 and new.block_ids == []
+    assert new.output_token_ids == [7]  # its output so far is kept and recomputed
+    assert scheduler.waiting[0] is new and scheduler.num_preemptions == 1
+    scheduler.finish(old, "stop")
+    chunks = run_step(scheduler)
+    assert [(c.request.request_id, c.start, c.num_tokens) for c in chunks] == [(1, 0, 9)]
+
+
+def test_preempting_itself_when_it_is_the_only_one():
+    manager = BlockManager(num_blocks=2, block_size=4)
+    scheduler = Scheduler(max_num_seqs=8, max_num_batched_tokens=100, block_manager=manager)
+    request = make_request(0, 8)
+    scheduler.add(request)
+    run_step(scheduler)
+    chunks = scheduler.schedule()  # needs a 3rd block, none exists: preempts itself, schedules nothing
+    assert chunks == [] and request.status is RequestStatus.WAITING
+
+
+def test_images_overlapping_chunk():
+    span = ImageSpan(offset=5, length=10, content_hash="a")
+    request = make_request(0, 20, [span])
+    assert request.images_overlapping(0, 5) == []
+    assert request.images_overlapping(0, 6) == [span]
+    assert request.images_overlapping(14, 16) == [span]
+    assert request.images_overlapping(15, 20) == []
+
+
+def test_encoder_cache_pins_and_evicts_lru():
+    cache = EncoderCacheManager(capacity_bytes=100)
+    assert cache.acquire("a") is False
+    assert cache.insert("a", 60) == []
+    assert cache.acquire("b") is False
+    assert cache.insert("b", 60) == []  # over budget, but both pinned: nothing evicted
+    assert cache.used_bytes == 120
+    assert cache.release("a") == ["a"]  # unpinned and over budget: evicted
+    assert "a" not in cache
+    assert cache.acquire("b") is True  # second user of b: a hit
+    assert cache.release("b") == [] and cache.release("b") == []  # fits in budget: stays
+    assert "b" in cache and cache.num_hits == 1 and cache.num_misses == 2 and cache.num_evictions == 1
+
+
+def test_encoder_cache_zero_capacity_keeps_only_pinned():
+    cache = EncoderCacheManager(capacity_bytes=0)
+    cache.acquire("a")
+    cache.insert("a", 10)
+    cache.acquire("a")
+    assert cache.release("a") == []
+    assert cache.release("a") == ["a"]
+
+
+@pytest.mark.parametrize("num_blocks", [0, -1])
+def test_block_manager_rejects_empty_cache(num_blocks):
+    with pytest.raises(ValueError):
+        BlockManager(num_blocks, 4)
