@@ -1,0 +1,36 @@
+# Set-up in two commands: `make demo` and `make test`. Both create .venv on first use.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# torch is installed first and pinned: a bare `torch` requirement would pull a multi-GB CUDA build.
+# On a GPU machine, set TORCH_SPEC to the CUDA build you want (e.g. TORCH_SPEC=torch==2.13.0).
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: install demo test lint format clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev,demo]"
+	touch $@
+
+demo: install
+	@test -f demo/model/config.json || $(VENV)/bin/batchvl make-tiny-model demo/model --size tiny
+	@test -d demo/data || $(VENV)/bin/batchvl make-sample-data demo/data
+	$(VENV)/bin/batchvl run jobs/demo.yaml
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: lint
+	HF_HUB_OFFLINE=1 $(VENV)/bin/python -m pytest -q
+
+format: install
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+clean:
+	rm -rf demo .pytest_cache .ruff_cache

@@ -1,0 +1,3 @@
+from batchvl.cli import main
+
+main()

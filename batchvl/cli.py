@@ -1,0 +1,139 @@
+"""The `batchvl` command: each subcommand parses its arguments and calls one library function.
+
+Known mistakes (`UserError`) print one line and exit 2; set BATCHVL_DEBUG=1 to see the traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import click
+import typer
+
+from batchvl.errors import UserError
+
+app = typer.Typer(
+    add_completion=False,
+    pretty_exceptions_show_locals=False,
+    no_args_is_help=True,
+    help="Batch captioning and visual question answering with vision-language models.",
+)
+
+JobFile = Annotated[Path, typer.Argument(help="Job file (YAML).", show_default=False)]
+SetOption = Annotated[
+    list[str] | None,
+    typer.Option("--set", help="Override a job key: section.key=value (repeatable).", show_default=False),
+]
+LogLevel = Annotated[str, typer.Option("--log-level", help="Logging level: debug, info, warning, error.")]
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    # transformers' own progress bars and notices are noise in a batch job's log.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+@app.command()
+def run(
+    job_file: JobFile,
+    set_: SetOption = None,
+    progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
+    log_level: LogLevel = "warning",
+) -> None:
+    """Run a job: caption / answer every (sample, prompt) and write one Parquet file per input shard."""
+    _setup_logging(log_level)
+    from batchvl.config import load_job_config
+    from batchvl.job import run_job
+
+    cfg = load_job_config(job_file, set_ or [])
+    summary = run_job(cfg, show_progress=progress)
+    s = summary.stats
+    typer.echo(
+        f"done: {s['samples']} samples, {s['ok']} ok, {s['errors']} errors, "
+        f"{s['shards_committed']} shard(s) written, {s['shards_skipped']} already done; "
+        f"{s['samples_per_s']} samples/s, {s['output_tokens_per_s']} output tok/s"
+    )
+    typer.echo(f"output: {summary.output_dir}")
+    typer.echo(f"stats: {summary.stats_path}")
+
+
+@app.command()
+def validate(job_file: JobFile, set_: SetOption = None, log_level: LogLevel = "warning") -> None:
+    """Check a job file, list its input shards and load the model's config, without running."""
+    _setup_logging(log_level)
+    from batchvl.config import load_job_config
+    from batchvl.io.readers import list_shards
+    from batchvl.models.loader import read_model_type
+    from batchvl.models.registry import adapter_class
+
+    cfg = load_job_config(job_file, set_ or [])
+    shards = list_shards(cfg.input.paths)
+    model_type = read_model_type(cfg.model.path, cfg.model.trust_remote_code)
+    adapter_class(model_type)
+    typer.echo(f"job file ok: {job_file}")
+    typer.echo(f"model: {cfg.model.path} ({model_type})")
+    typer.echo(f"prompts: {', '.join(p.name for p in cfg.prompts)}")
+    typer.echo(f"input: {len(shards)} shard(s), {sum(s.num_rows for s in shards)} samples")
+    for shard in shards:
+        typer.echo(f"  {shard.shard}  {shard.num_rows} rows")
+    typer.echo(f"output: {cfg.output.dir}")
+
+
+@app.command("make-tiny-model")
+def make_tiny_model(
+    out_dir: Annotated[Path, typer.Argument(help="Folder to write the checkpoint to.", show_default=False)],
+    family: Annotated[str, typer.Option(help="Model family.")] = "qwen2_vl",
+    size: Annotated[
+        str, typer.Option(help="tiny (tests, seconds) or small (~90M params, benchmarks).")
+    ] = "tiny",
+    seed: Annotated[int, typer.Option(help="Seed for tokenizer corpus and weights.")] = 0,
+) -> None:
+    """Build a random-weight checkpoint locally (no hub needed). It writes meaningless text."""
+    _setup_logging("warning")
+    from batchvl.models.tiny import build_tiny_model
+
+    path = build_tiny_model(out_dir, family=family, size=size, seed=seed)
+    typer.echo(f"wrote {family} ({size}) to {path}")
+
+
+@app.command("make-sample-data")
+def make_sample_data(
+    out_dir: Annotated[Path, typer.Argument(help="Folder to write Parquet shards to.", show_default=False)],
+    num_shards: Annotated[int, typer.Option(help="Number of Parquet shards.")] = 2,
+) -> None:
+    """Write a small dataset of real photos (scikit-image's samples) at varied sizes as Parquet shards."""
+    from batchvl.sample_data import write_sample_data
+
+    paths = write_sample_data(out_dir, num_shards=num_shards)
+    typer.echo(f"wrote {len(paths)} shard(s) to {out_dir}")
+
+
+def main() -> None:
+    try:
+        app(standalone_mode=False)
+    except UserError as exc:
+        if os.environ.get("BATCHVL_DEBUG"):
+            raise
+        typer.echo(f"error: {exc}", err=True)
+        sys.exit(2)
+    except click.ClickException as exc:  # usage errors: wrong option, missing argument
+        exc.show()
+        sys.exit(exc.exit_code)
+    except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)
+    except click.exceptions.Abort:
+        typer.echo("aborted", err=True)
+        sys.exit(130)

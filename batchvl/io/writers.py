@@ -1,0 +1,95 @@
+"""Parquet output: one file per input shard, committed atomically (temp file, fsync, rename)."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+RESULT_SCHEMA = pa.schema(
+    [
+        ("key", pa.string()),
+        ("sample_index", pa.int64()),
+        ("prompt", pa.string()),
+        ("text", pa.string()),
+        ("status", pa.string()),
+        ("error_type", pa.string()),
+        ("error_message", pa.string()),
+        ("num_prompt_tokens", pa.int64()),
+        ("num_output_tokens", pa.int64()),
+        ("finish_reason", pa.string()),
+        ("num_images", pa.int64()),
+        ("latency_s", pa.float64()),
+    ]
+)
+
+
+@dataclass
+class ResultRow:
+    key: str
+    sample_index: int
+    prompt: str
+    prompt_index: int  # orders rows within a sample; not written
+    text: str | None
+    status: str
+    error_type: str | None
+    error_message: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    finish_reason: str | None
+    num_images: int
+    latency_s: float | None
+    fields: dict[str, Any] = field(default_factory=dict)
+
+
+def output_path(out_dir: str, shard: str) -> str:
+    stem = shard[: -len(".parquet")] if shard.endswith(".parquet") else shard
+    return os.path.join(out_dir, f"{stem}.parquet")
+
+
+def is_committed(out_dir: str, shard: str) -> bool:
+    # Only complete files are ever renamed into place, so existence means committed.
+    return os.path.isfile(output_path(out_dir, shard))
+
+
+def _atomic_write(path: str, write) -> None:
+    folder = os.path.dirname(path)
+    os.makedirs(folder, exist_ok=True)
+    tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp-{os.getpid()}")
+    try:
+        write(tmp)
+        with open(tmp, "rb") as handle:
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def rows_to_table(rows: list[ResultRow], metadata: dict[str, str]) -> pa.Table:
+    rows = sorted(rows, key=lambda r: (r.sample_index, r.prompt_index))
+    columns = {name: [getattr(r, name) for r in rows] for name in RESULT_SCHEMA.names}
+    table = pa.Table.from_pydict(columns, schema=RESULT_SCHEMA)
+    field_names: list[str] = []
+    for row in rows:
+        field_names.extend(name for name in row.fields if name not in field_names)
+    for name in field_names:
+        column = f"input_{name}" if name in RESULT_SCHEMA.names else name
+        table = table.append_column(column, pa.array([r.fields.get(name) for r in rows]))
+    return table.replace_schema_metadata({k.encode(): v.encode() for k, v in metadata.items()})
+
+
+def write_shard(out_dir: str, shard: str, rows: list[ResultRow], metadata: dict[str, str]) -> str:
+    path = output_path(out_dir, shard)
+    table = rows_to_table(rows, metadata)
+    _atomic_write(path, lambda tmp: pq.write_table(table, tmp))
+    return path
+
+
+def write_json_atomic(path: str, obj: Any) -> None:
+    _atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(obj, indent=2, sort_keys=True)))

@@ -1,0 +1,318 @@
+"""run_job: plan -> read -> preprocess -> engine -> write, one direction, nothing lost.
+
+Every (sample, prompt) ends as exactly one row: `ok` with its text, or `error` with a type and message.
+Rows are buffered per input shard and the shard's Parquet file is committed (temp file + rename) once
+every row of that shard has an outcome; committed shards are skipped on rerun.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import xxhash
+from tqdm.auto import tqdm
+
+from batchvl import __version__
+from batchvl.config import JobConfig, config_fingerprint, config_to_dict
+from batchvl.engine.engine import Engine, EngineLimits, EngineRequest, EngineResult
+from batchvl.engine.request import SamplingParams
+from batchvl.errors import SampleError
+from batchvl.io.readers import ParquetReader, list_shards
+from batchvl.io.types import Sample, ShardInfo
+from batchvl.io.writers import ResultRow, is_committed, write_json_atomic, write_shard
+from batchvl.models.loader import LoadedModel, load_model
+from batchvl.preprocess.image import decode_image, prepare_image
+from batchvl.preprocess.prompts import PromptRenderer
+from batchvl.utils.stats import RunStats
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RowTag:
+    """Where an engine result belongs: shard, sample and prompt."""
+
+    shard: str
+    sample_index: int
+    prompt_index: int
+
+
+@dataclass
+class ShardProgress:
+    info: ShardInfo
+    rows: list[ResultRow] = field(default_factory=list)
+    expected_rows: int | None = None  # known once the whole shard has been read
+    # samples with requests still in the engine -> how many of their prompts are unfinished
+    in_flight: dict[int, tuple[Sample, int]] = field(default_factory=dict)
+    committed: bool = False
+
+    @property
+    def is_complete(self) -> bool:
+        return self.expected_rows is not None and len(self.rows) == self.expected_rows
+
+
+@dataclass
+class RunSummary:
+    output_dir: str
+    stats_path: str
+    stats: dict
+
+
+def request_seed(base_seed: int, shard: str, key: str, prompt_name: str) -> int:
+    """A per-request seed, so a sampled output does not depend on batch composition or run order."""
+    return (
+        xxhash.xxh64_intdigest(f"{base_seed}\0{shard}\0{key}\0{prompt_name}".encode()) & 0x7FFF_FFFF_FFFF_FFFF
+    )
+
+
+def engine_limits(cfg: JobConfig) -> EngineLimits:
+    e = cfg.engine
+    return EngineLimits(
+        max_num_seqs=e.max_num_seqs,
+        max_num_batched_tokens=e.max_num_batched_tokens,
+        kv_cache_mb=e.kv_cache_mb,
+        block_size=e.block_size,
+        encoder_cache_mb=e.encoder_cache_mb,
+    )
+
+
+class RequestBuilder:
+    """Turns a sample into one engine request per prompt (decode, resize, render, tokenize)."""
+
+    def __init__(self, cfg: JobConfig, loaded: LoadedModel):
+        self.cfg = cfg
+        self.image_processor = loaded.processor.image_processor
+        self.renderer = PromptRenderer(loaded.processor)
+
+    def build(self, sample: Sample) -> list[EngineRequest]:
+        if sample.error is not None:
+            raise sample.error
+        pre = self.cfg.preprocess
+        images = [
+            prepare_image(
+                decode_image(ref.data, ref.path, pre.max_image_pixels),
+                self.image_processor,
+                pre.min_pixels,
+                pre.max_pixels,
+            )
+            for ref in sample.images
+        ]
+        requests = []
+        for prompt_index, prompt in enumerate(self.cfg.prompts):
+            rendered = self.renderer.render(prompt.text, len(images))
+            requests.append(
+                EngineRequest(
+                    prompt_token_ids=self.renderer.token_ids(rendered, images),
+                    images=images,
+                    sampling=self.sampling_for(sample, prompt.name),
+                    tag=RowTag(sample.shard, sample.index, prompt_index),
+                )
+            )
+        return requests
+
+    def sampling_for(self, sample: Sample, prompt_name: str) -> SamplingParams:
+        s = self.cfg.sampling
+        return SamplingParams(
+            max_new_tokens=s.max_new_tokens,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            seed=request_seed(s.seed, sample.shard, sample.key, prompt_name),
+            stop=tuple(s.stop),
+            stop_token_ids=tuple(s.stop_token_ids),
+            ignore_eos=s.ignore_eos,
+        )
+
+
+def _row(sample: Sample, prompt_index: int, prompt_name: str, **values) -> ResultRow:
+    return ResultRow(
+        key=sample.key,
+        sample_index=sample.index,
+        prompt=prompt_name,
+        prompt_index=prompt_index,
+        num_images=len(sample.images),
+        fields=sample.fields,
+        **values,
+    )
+
+
+def error_row(sample: Sample, prompt_index: int, prompt_name: str, error: SampleError) -> ResultRow:
+    return _row(
+        sample,
+        prompt_index,
+        prompt_name,
+        text=None,
+        status="error",
+        error_type=error.error_type,
+        error_message=error.message,
+        num_prompt_tokens=0,
+        num_output_tokens=0,
+        finish_reason=None,
+        latency_s=None,
+    )
+
+
+def result_row(sample: Sample, prompt_name: str, result: EngineResult) -> ResultRow:
+    tag: RowTag = result.tag
+    if result.error is not None:
+        row = error_row(sample, tag.prompt_index, prompt_name, result.error)
+        row.num_prompt_tokens = result.num_prompt_tokens
+        return row
+    return _row(
+        sample,
+        tag.prompt_index,
+        prompt_name,
+        text=result.text,
+        status="ok",
+        error_type=None,
+        error_message=None,
+        num_prompt_tokens=result.num_prompt_tokens,
+        num_output_tokens=result.num_output_tokens,
+        finish_reason=result.finish_reason,
+        latency_s=round(result.latency_s, 6),
+    )
+
+
+class JobRunner:
+    def __init__(self, cfg: JobConfig, loaded: LoadedModel | None = None, show_progress: bool = True):
+        self.cfg = cfg
+        self.loaded = loaded
+        self.show_progress = show_progress
+        self.stats = RunStats()
+        self.out_dir = cfg.output.dir
+        self.metadata = {
+            "batchvl_version": __version__,
+            "model_path": cfg.model.path,
+            "config_fingerprint": config_fingerprint(cfg),
+            "job_config": json.dumps(config_to_dict(cfg), sort_keys=True),
+        }
+
+    def run(self) -> RunSummary:
+        start = time.perf_counter()
+        shards = list_shards(self.cfg.input.paths)
+        pending = [s for s in shards if self.cfg.output.overwrite or not is_committed(self.out_dir, s.shard)]
+        self.stats.shards_total = len(shards)
+        self.stats.shards_skipped = len(shards) - len(pending)
+        if self.stats.shards_skipped:
+            logger.info("skipping %d committed shard(s) in %s", self.stats.shards_skipped, self.out_dir)
+        engine = None
+        if pending:
+            if self.loaded is None:
+                m = self.cfg.model
+                self.loaded = load_model(m.path, m.dtype, m.device, m.trust_remote_code)
+            engine = Engine(
+                self.loaded.adapter,
+                self.loaded.processor.tokenizer,
+                engine_limits(self.cfg),
+                self.loaded.eos_token_ids(),
+            )
+            self._process(pending, engine)
+        self.stats.wall_s = round(time.perf_counter() - start, 3)
+        stats = self.stats.to_dict(engine.stats if engine else _empty_engine_stats())
+        stats_path = self._write_stats(stats)
+        return RunSummary(self.out_dir, stats_path, stats)
+
+    def _process(self, shards: list[ShardInfo], engine: Engine) -> None:
+        builder = RequestBuilder(self.cfg, self.loaded)
+        reader = ParquetReader(self.cfg.input.image_column, self.cfg.input.key_column, self.cfg.input.root)
+        progress = {s.shard: ShardProgress(s) for s in shards}
+        lookahead = max(2 * self.cfg.engine.max_num_seqs, 8)
+        bar = tqdm(
+            total=sum(s.num_rows for s in shards),
+            unit="sample",
+            disable=not self.show_progress,
+            dynamic_ncols=True,
+        )
+        with bar:
+            for sample in self._samples(shards, reader, progress):
+                self.stats.samples += 1
+                self._submit(sample, builder, engine, progress[sample.shard], bar)
+                while engine.num_unfinished >= lookahead:
+                    self._step(engine, progress, bar)
+            while engine.num_unfinished:
+                self._step(engine, progress, bar)
+        for shard_progress in progress.values():
+            if not shard_progress.committed:
+                raise RuntimeError(f"shard {shard_progress.info.shard} ended incomplete; this is a bug")
+
+    def _samples(self, shards, reader: ParquetReader, progress) -> Iterator[Sample]:
+        for shard in shards:
+            count = 0
+            for sample in reader.iter_shard(shard):
+                count += 1
+                yield sample
+            progress[shard.shard].expected_rows = count * len(self.cfg.prompts)
+            self._commit_if_complete(progress[shard.shard])
+
+    def _submit(
+        self, sample: Sample, builder: RequestBuilder, engine: Engine, shard: ShardProgress, bar
+    ) -> None:
+        try:
+            requests = builder.build(sample)
+        except SampleError as exc:
+            self._add_error_rows(sample, shard, exc)
+            bar.update(1)
+            return
+        except Exception as exc:  # bad input must never end the job; keep the traceback for debugging
+            logger.debug("preprocessing %s/%s failed", sample.shard, sample.key, exc_info=True)
+            self._add_error_rows(
+                sample, shard, SampleError("preprocess_error", f"{type(exc).__name__}: {exc}")
+            )
+            bar.update(1)
+            return
+        shard.in_flight[sample.index] = (sample, len(requests))
+        for request in requests:
+            engine.add_request(request)
+
+    def _add_error_rows(self, sample: Sample, shard: ShardProgress, error: SampleError) -> None:
+        for prompt_index, prompt in enumerate(self.cfg.prompts):
+            self._add_row(shard, error_row(sample, prompt_index, prompt.name, error))
+
+    def _step(self, engine: Engine, progress: dict[str, ShardProgress], bar) -> None:
+        for result in engine.step():
+            tag: RowTag = result.tag
+            shard = progress[tag.shard]
+            sample, remaining = shard.in_flight[tag.sample_index]
+            if remaining > 1:
+                shard.in_flight[tag.sample_index] = (sample, remaining - 1)
+            else:
+                del shard.in_flight[tag.sample_index]
+                bar.update(1)
+            self._add_row(shard, result_row(sample, self.cfg.prompts[tag.prompt_index].name, result))
+        elapsed = max(bar.format_dict["elapsed"], 1e-9)
+        bar.set_postfix(out_tok_s=f"{engine.stats.output_tokens / elapsed:.1f}", refresh=False)
+
+    def _add_row(self, shard: ShardProgress, row: ResultRow) -> None:
+        shard.rows.append(row)
+        self.stats.record_row(row.status, row.error_type)
+        self._commit_if_complete(shard)
+
+    def _commit_if_complete(self, shard: ShardProgress) -> None:
+        if shard.is_complete and not shard.committed:
+            path = write_shard(self.out_dir, shard.info.shard, shard.rows, self.metadata)
+            self.stats.shards_committed += 1
+            logger.info("committed %s (%d rows)", path, len(shard.rows))
+            shard.committed = True
+            shard.rows = []  # written; free the memory
+
+    def _write_stats(self, stats: dict) -> str:
+        folder = Path(self.out_dir, "_batchvl", "stats")
+        path = folder / f"run-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.json"
+        write_json_atomic(str(path), stats)
+        return str(path)
+
+
+def _empty_engine_stats():
+    from batchvl.engine.engine import EngineStats
+
+    return EngineStats()
+
+
+def run_job(cfg: JobConfig, loaded: LoadedModel | None = None, show_progress: bool = True) -> RunSummary:
+    return JobRunner(cfg, loaded, show_progress).run()

@@ -1,0 +1,39 @@
+"""Run counters, merged from the job loop and the engine into one stats JSON per run."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+
+from batchvl.engine.engine import EngineStats
+
+
+@dataclass
+class RunStats:
+    shards_total: int = 0
+    shards_skipped: int = 0
+    shards_committed: int = 0
+    samples: int = 0
+    requests: int = 0
+    ok: int = 0
+    errors: int = 0
+    errors_by_type: Counter = field(default_factory=Counter)
+    wall_s: float = 0.0
+    engine_wait_s: float = 0.0  # time the engine had nothing to run while input was being prepared
+
+    def record_row(self, status: str, error_type: str | None) -> None:
+        self.requests += 1
+        if status == "ok":
+            self.ok += 1
+        else:
+            self.errors += 1
+            self.errors_by_type[error_type] += 1
+
+    def to_dict(self, engine: EngineStats) -> dict:
+        out = asdict(self)
+        out["errors_by_type"] = dict(self.errors_by_type)
+        out.update(asdict(engine))
+        wall = max(self.wall_s, 1e-9)
+        out["samples_per_s"] = round(self.samples / wall, 3)
+        out["output_tokens_per_s"] = round(engine.output_tokens / wall, 3)
+        return out
