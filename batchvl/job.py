@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 import xxhash
 from tqdm.auto import tqdm
 
@@ -26,7 +27,8 @@ from batchvl.errors import SampleError
 from batchvl.io.readers import ParquetReader, list_shards
 from batchvl.io.types import Sample, ShardInfo
 from batchvl.io.writers import ResultRow, is_committed, write_json_atomic, write_shard
-from batchvl.models.loader import LoadedModel, load_model
+from batchvl.models.loader import LoadedModel, load_model, read_model_type
+from batchvl.models.registry import adapter_class
 from batchvl.preprocess.image import decode_image, prepare_image
 from batchvl.preprocess.prompts import PromptRenderer
 from batchvl.utils.stats import RunStats
@@ -195,6 +197,8 @@ class JobRunner:
 
     def run(self) -> RunSummary:
         start = time.perf_counter()
+        # Check the model folder even when every shard is done: a wrong path is a mistake to report.
+        adapter_class(read_model_type(self.cfg.model.path, self.cfg.model.trust_remote_code))
         shards = list_shards(self.cfg.input.paths)
         pending = [s for s in shards if self.cfg.output.overwrite or not is_committed(self.out_dir, s.shard)]
         self.stats.shards_total = len(shards)
@@ -203,6 +207,8 @@ class JobRunner:
             logger.info("skipping %d committed shard(s) in %s", self.stats.shards_skipped, self.out_dir)
         engine = None
         if pending:
+            if self.cfg.engine.threads > 0:
+                torch.set_num_threads(self.cfg.engine.threads)
             if self.loaded is None:
                 m = self.cfg.model
                 self.loaded = load_model(m.path, m.dtype, m.device, m.trust_remote_code)

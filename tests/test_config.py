@@ -1,0 +1,148 @@
+import re
+from pathlib import Path
+
+import pytest
+
+from batchvl.config import (
+    JobConfig,
+    config_fingerprint,
+    describe_keys,
+    job_config_from_dict,
+    keys_markdown_table,
+    load_job_config,
+)
+from batchvl.errors import ConfigError
+
+MINIMAL = """
+model: {path: /models/m}
+input: {paths: ["data/*.parquet"]}
+output: {dir: out}
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "job.yaml"
+    path.write_text(text)
+    return path
+
+
+def error_of(tmp_path, text, overrides=()) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_job_config(write(tmp_path, text), overrides)
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+def test_minimal_job_gets_defaults_and_resolved_paths(tmp_path):
+    cfg = load_job_config(write(tmp_path, MINIMAL))
+    assert isinstance(cfg, JobConfig)
+    assert cfg.input.paths == [str(tmp_path / "data" / "*.parquet")]
+    assert cfg.output.dir == str(tmp_path / "out")
+    assert cfg.model.path == "/models/m" and cfg.model.dtype == "auto"
+    assert [(p.name, p.text) for p in cfg.prompts] == [("caption", "Describe this image.")]
+    assert cfg.engine.max_num_seqs == 64 and cfg.sampling.temperature == 0.0
+
+
+def test_unknown_key_suggests_the_close_one(tmp_path):
+    message = error_of(tmp_path, MINIMAL + "engine: {max_num_seq: 4}\n")
+    assert "engine.max_num_seq" in message and "did you mean 'engine.max_num_seqs'" in message
+
+
+def test_unknown_section_suggests(tmp_path):
+    assert "did you mean 'sampling'" in error_of(tmp_path, MINIMAL + "sampeling: {}\n")
+
+
+def test_missing_required_key(tmp_path):
+    assert "missing required key 'output.dir'" in error_of(
+        tmp_path, MINIMAL.replace("output: {dir: out}", "output: {}")
+    )
+
+
+@pytest.mark.parametrize(
+    ("extra", "fragment"),
+    [
+        ("engine: {max_num_seqs: abc}", "'engine.max_num_seqs' must be an integer"),
+        ("engine: {max_num_seqs: true}", "'engine.max_num_seqs' must be an integer"),
+        ("engine: {max_num_seqs: 0}", "'engine.max_num_seqs' must be positive"),
+        ("sampling: {top_p: 0}", "'sampling.top_p'"),
+        ("sampling: {stop: 3}", "'sampling.stop' must be a list"),
+        ("prompts: [{name: a, text: x}, {name: b, text: 5}]", "'prompts[1].text' must be a string"),
+        ("prompts: [{name: a, text: x}, {name: a, text: y}]", "unique"),
+        ("preprocess: {min_pixels: 10, max_pixels: 5}", "preprocess.min_pixels"),
+        ("engine: 3", "'engine' must be a mapping"),
+    ],
+)
+def test_bad_values_name_their_key(tmp_path, extra, fragment):
+    assert fragment in error_of(tmp_path, MINIMAL + extra + "\n")
+
+
+def test_literal_choices(tmp_path):
+    message = error_of(tmp_path, MINIMAL.replace("{path: /models/m}", "{path: /m, dtype: fp16}"))
+    assert "'model.dtype' must be one of float32, bfloat16, auto" in message
+
+
+def test_int_is_accepted_for_float(tmp_path):
+    cfg = load_job_config(write(tmp_path, MINIMAL + "sampling: {temperature: 1}\n"))
+    assert cfg.sampling.temperature == 1.0 and isinstance(cfg.sampling.temperature, float)
+
+
+def test_yaml_syntax_error_and_missing_file(tmp_path):
+    assert "line" in error_of(tmp_path, "model: [\n")
+    with pytest.raises(ConfigError, match="job file not found"):
+        load_job_config(tmp_path / "nope.yaml")
+
+
+def test_overrides(tmp_path):
+    path = write(tmp_path, MINIMAL)
+    cfg = load_job_config(
+        path,
+        [
+            "engine.max_num_seqs=8",
+            'sampling.stop=["\\n", END]',
+            "prompts=[{name: q, text: why}]",
+            "model.path=/x",
+        ],
+    )
+    assert cfg.engine.max_num_seqs == 8
+    assert cfg.sampling.stop == ["\n", "END"]
+    assert [(p.name, p.text) for p in cfg.prompts] == [("q", "why")]
+    assert cfg.model.path == "/x"
+    with pytest.raises(ConfigError, match="did you mean 'engine.max_num_seqs'"):
+        load_job_config(path, ["engine.max_num_sqs=8"])
+    with pytest.raises(ConfigError, match="section.key=value"):
+        load_job_config(path, ["engine.max_num_seqs"])
+
+
+def test_fingerprint_tracks_outputs_not_engine_limits():
+    base = {"model": {"path": "/m"}, "input": {"paths": ["/d/*.parquet"]}, "output": {"dir": "/o"}}
+    fp = config_fingerprint(job_config_from_dict(base))
+    assert fp == config_fingerprint(job_config_from_dict(base, overrides=["engine.max_num_seqs=3"]))
+    assert fp != config_fingerprint(job_config_from_dict(base, overrides=["sampling.max_new_tokens=3"]))
+
+
+def test_every_leaf_key_is_described_and_in_the_readme():
+    import dataclasses
+    import typing
+
+    def leaves(cls, prefix=""):
+        out = []
+        for f in dataclasses.fields(cls):
+            tp = typing.get_type_hints(cls)[f.name]
+            args = typing.get_args(tp)
+            if dataclasses.is_dataclass(tp):
+                out += leaves(tp, f"{prefix}{f.name}.")
+            elif args and dataclasses.is_dataclass(args[0]):
+                out += leaves(args[0], f"{prefix}{f.name}[].")
+            else:
+                out.append(prefix + f.name)
+        return out
+
+    described = [row[0] for row in describe_keys()]
+    assert described == leaves(JobConfig)
+    assert all(row[3] for row in describe_keys()), "every key needs help text"
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    table = re.search(r"<!-- keys-table:start -->\n(.*)\n<!-- keys-table:end -->", readme, re.S).group(1)
+    assert table == keys_markdown_table(), (
+        "README key table is stale: regenerate it from keys_markdown_table()"
+    )

@@ -1,0 +1,134 @@
+import io
+import os
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from PIL import Image
+
+from batchvl.errors import UserError
+from batchvl.io.readers import ParquetReader, list_shards
+from batchvl.io.writers import ResultRow, is_committed, write_shard
+
+
+def png_bytes(color=(255, 0, 0)) -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", (4, 4), color).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def write_table(path, columns: dict):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table(columns), path)
+    return path
+
+
+def read_all(path, **kwargs):
+    (shard,) = list_shards([str(path)])
+    return list(
+        ParquetReader(**{"image_column": "image", "key_column": None, "root": None, **kwargs}).iter_shard(
+            shard
+        )
+    )
+
+
+def test_list_shards_sorts_and_names_by_relative_path(tmp_path):
+    for name in ["b/part-1.parquet", "a/part-0.parquet", "a/part-2.parquet"]:
+        write_table(tmp_path / name, {"image": [b"x"]})
+    shards = list_shards([str(tmp_path / "**" / "*.parquet")])
+    assert [s.shard for s in shards] == ["a/part-0.parquet", "a/part-2.parquet", "b/part-1.parquet"]
+    assert all(s.num_rows == 1 for s in shards)
+    with pytest.raises(UserError, match="no Parquet files match"):
+        list_shards([str(tmp_path / "missing" / "*.parquet")])
+
+
+def test_bytes_struct_list_and_missing_cells(tmp_path):
+    image = png_bytes()
+    struct = pa.array(
+        [{"bytes": image, "path": None}, {"bytes": None, "path": None}],
+        type=pa.struct([("bytes", pa.binary()), ("path", pa.string())]),
+    )
+    samples = read_all(write_table(tmp_path / "s.parquet", {"image": struct, "caption": ["a", "b"]}))
+    assert samples[0].images[0].data == image and samples[0].error is None
+    assert samples[0].fields == {"caption": "a"}
+    assert samples[1].error.error_type == "missing_image"
+
+    samples = read_all(write_table(tmp_path / "l.parquet", {"image": [[image, image], None]}))
+    assert len(samples[0].images) == 2
+    assert samples[1].error.error_type == "missing_image"
+
+
+def test_path_column_is_confined_to_root(tmp_path):
+    root = tmp_path / "data"
+    (root / "img").mkdir(parents=True)
+    (root / "img" / "ok.png").write_bytes(png_bytes())
+    (tmp_path / "secret.png").write_bytes(png_bytes())
+    os.symlink(tmp_path / "secret.png", root / "img" / "link.png")
+    paths = ["img/ok.png", "../../etc/passwd", "/etc/passwd", "img/link.png", "img/missing.png"]
+    samples = read_all(write_table(root / "p.parquet", {"image": paths}))
+    assert samples[0].error is None and samples[0].images[0].path == str(root / "img" / "ok.png")
+    assert [s.error.error_type for s in samples[1:]] == [
+        "path_outside_root",
+        "path_outside_root",
+        "path_outside_root",
+        "file_not_found",
+    ]
+
+
+def test_key_column_and_missing_columns(tmp_path):
+    path = write_table(tmp_path / "k.parquet", {"image": [b"x", b"y"], "id": [10, 11]})
+    assert [s.key for s in read_all(path, key_column="id")] == ["10", "11"]
+    with pytest.raises(UserError, match="input.key_column"):
+        read_all(path, key_column="nope")
+    with pytest.raises(UserError, match="input.image_column"):
+        read_all(path, image_column="img")
+
+
+def test_streams_large_file_in_order(tmp_path):
+    path = write_table(tmp_path / "big.parquet", {"image": [b"x"] * 5000})
+    (shard,) = list_shards([str(path)])
+    reader = ParquetReader("image", None, None, batch_rows=100)
+    assert [s.index for s in reader.iter_shard(shard)] == list(range(5000))
+
+
+def row(sample_index, prompt_index, **fields):
+    return ResultRow(
+        key=str(sample_index),
+        sample_index=sample_index,
+        prompt=f"p{prompt_index}",
+        prompt_index=prompt_index,
+        text="t",
+        status="ok",
+        error_type=None,
+        error_message=None,
+        num_prompt_tokens=3,
+        num_output_tokens=2,
+        finish_reason="stop",
+        num_images=1,
+        latency_s=0.1,
+        fields=fields,
+    )
+
+
+def test_write_shard_orders_rows_and_keeps_metadata(tmp_path):
+    rows = [row(1, 1, source="b"), row(0, 1, status="x"), row(1, 0, source="b"), row(0, 0, status="x")]
+    path = write_shard(str(tmp_path), "sub/part-0.parquet", rows, {"job": "j"})
+    assert path == str(tmp_path / "sub" / "part-0.parquet") and is_committed(
+        str(tmp_path), "sub/part-0.parquet"
+    )
+    table = pq.read_table(path)
+    assert list(zip(table["sample_index"].to_pylist(), table["prompt"].to_pylist(), strict=True)) == [
+        (0, "p0"),
+        (0, "p1"),
+        (1, "p0"),
+        (1, "p1"),
+    ]
+    assert table["source"].to_pylist() == [None, None, "b", "b"]
+    assert table["input_status"].to_pylist() == ["x", "x", None, None]  # a clash with a result column
+    assert table.schema.metadata[b"job"] == b"j"
+    assert sorted(os.listdir(tmp_path / "sub")) == ["part-0.parquet"]  # no temp file left
+
+
+def test_write_empty_shard(tmp_path):
+    path = write_shard(str(tmp_path), "empty.parquet", [], {})
+    assert pq.read_table(path).num_rows == 0
