@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from batchvl import __version__
 from batchvl.config import JobConfig, config_fingerprint, config_to_dict
-from batchvl.engine.engine import Engine, EngineLimits, EngineRequest, EngineResult
+from batchvl.engine.engine import Engine, EngineLimits, EngineRequest, EngineResult, EngineStats
 from batchvl.engine.request import SamplingParams
 from batchvl.errors import SampleError
 from batchvl.io.readers import ParquetReader, list_shards
@@ -220,7 +220,7 @@ class JobRunner:
             )
             self._process(pending, engine)
         self.stats.wall_s = round(time.perf_counter() - start, 3)
-        stats = self.stats.to_dict(engine.stats if engine else _empty_engine_stats())
+        stats = self.stats.to_dict(engine.stats if engine else EngineStats())
         stats_path = self._write_stats(stats)
         return RunSummary(self.out_dir, stats_path, stats)
 
@@ -312,12 +312,6 @@ class JobRunner:
         path = folder / f"run-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.json"
         write_json_atomic(str(path), stats)
         return str(path)
-
-
-def _empty_engine_stats():
-    from batchvl.engine.engine import EngineStats
-
-    return EngineStats()
 
 
 def run_job(cfg: JobConfig, loaded: LoadedModel | None = None, show_progress: bool = True) -> RunSummary:

@@ -19,7 +19,6 @@ class RunStats:
     errors: int = 0
     errors_by_type: Counter = field(default_factory=Counter)
     wall_s: float = 0.0
-    engine_wait_s: float = 0.0  # time the engine had nothing to run while input was being prepared
 
     def record_row(self, status: str, error_type: str | None) -> None:
         self.requests += 1

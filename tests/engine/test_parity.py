@@ -117,3 +117,28 @@ def test_request_larger_than_kv_cache_is_an_error_not_a_stall(loaded_fp32, cases
     _, results = run_engine(loaded_fp32, cases[:2], limits)
     assert {r.error.error_type for r in results.values()} == {"kv_cache_too_small"}
     assert all("engine.kv_cache_mb" in r.error.message for r in results.values())
+
+
+def test_several_images_in_one_prompt(tiny_model_dir, loaded_fp32):
+    images = [random_image(80, 120, 7), random_image(140, 60, 8)]
+    processor = AutoProcessor.from_pretrained(tiny_model_dir)
+    reference = AutoModelForImageTextToText.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    renderer = PromptRenderer(loaded_fp32.processor)
+    prepared = [prepare_image(image, loaded_fp32.processor.image_processor) for image in images]
+    rendered = renderer.render("Compare the two images.", 2)
+    ids = renderer.token_ids(rendered, prepared)
+    inputs = processor(text=[rendered], images=images, return_tensors="pt")
+    assert inputs["input_ids"][0].tolist() == ids
+    expected = reference.generate(**inputs, max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
+    expected = expected[0, inputs["input_ids"].shape[1] :].tolist()
+    engine = Engine(
+        loaded_fp32.adapter,
+        loaded_fp32.processor.tokenizer,
+        EngineLimits(max_num_batched_tokens=23),
+        loaded_fp32.eos_token_ids(),
+    )
+    engine.add_request(EngineRequest(ids, prepared, SamplingParams(MAX_NEW_TOKENS), "two"))
+    results = []
+    while engine.num_unfinished:
+        results += engine.step()
+    assert results[0].output_token_ids == expected
