@@ -75,20 +75,23 @@ def validate(job_file: JobFile, set_: SetOption = None, log_level: LogLevel = "w
     """Check a job file, list its input shards and load the model's config, without running."""
     _setup_logging(log_level)
     from batchvl.config import load_job_config
-    from batchvl.io.readers import list_shards
+    from batchvl.io.sources import make_source
     from batchvl.models.loader import read_model_type
     from batchvl.models.registry import adapter_class
 
     cfg = load_job_config(job_file, set_ or [])
-    shards = list_shards(cfg.input.paths)
+    shards = make_source(cfg.input).list_shards()
     model_type = read_model_type(cfg.model.path, cfg.model.trust_remote_code)
     adapter_class(model_type)
     typer.echo(f"job file ok: {job_file}")
     typer.echo(f"model: {cfg.model.path} ({model_type})")
     typer.echo(f"prompts: {', '.join(p.name for p in cfg.prompts)}")
-    typer.echo(f"input: {len(shards)} shard(s), {sum(s.num_rows for s in shards)} samples")
+    counts = [s.num_rows for s in shards]
+    total = f"{sum(counts)} samples" if None not in counts else "sample count known after reading"
+    typer.echo(f"input ({cfg.input.format}): {len(shards)} shard(s), {total}")
     for shard in shards:
-        typer.echo(f"  {shard.shard}  {shard.num_rows} rows")
+        rows = "?" if shard.num_rows is None else shard.num_rows
+        typer.echo(f"  {shard.shard}  {rows} samples")
     typer.echo(f"output: {cfg.output.dir}")
 
 

@@ -44,21 +44,30 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class InputConfig:
-    paths: list[str] = _key(help="Glob patterns of input Parquet files; each file is one shard")
-    format: Literal["parquet"] = _key("parquet", "Input format")
+    paths: list[str] = _key(
+        help="Glob patterns: Parquet files, tar files, `save_to_disk` folders or media folders (by format)"
+    )
+    format: Literal["parquet", "webdataset", "hf_dataset", "folder"] = _key(
+        "parquet",
+        "parquet: each file a shard; webdataset: tar shards; hf_dataset: each Arrow file a shard; "
+        "folder: image/video files",
+    )
     image_column: str = _key(
-        "image", "Column with image bytes, a {bytes, path} struct, a path, or a list of these"
+        "image", "Table column with image bytes, a {bytes, path} struct, a path, or a list of these"
     )
     key_column: str | None = _key(None, "Column used as the sample key (null: the row index)")
     root: str | None = _key(
-        None, "Folder that relative image paths resolve against (null: the Parquet file's folder)"
+        None, "Folder that relative media paths in tables resolve against (null: the table file's folder)"
     )
+    files_per_shard: int = _key(1000, "`folder` input: files per shard (the unit of output and resume)")
 
 
 @dataclass(frozen=True)
 class PromptConfig:
     name: str = _key(help="Prompt name, written to the `prompt` column")
-    text: str = _key(help="Prompt text, placed after the sample's images in one user turn")
+    text: str = _key(
+        help="Prompt text after the sample's images in one user turn; `{field}` inserts a field of the sample"
+    )
 
 
 @dataclass(frozen=True)
@@ -92,6 +101,13 @@ class PreprocessConfig:
     min_pixels: int | None = _key(None, "Smallest resized pixel count (null: the model processor's own)")
     max_pixels: int | None = _key(None, "Largest resized pixel count (null: the model processor's own)")
     max_image_pixels: int = _key(50_000_000, "Images over this many pixels are refused before full decode")
+    workers: int | None = _key(
+        None, "Preprocessing worker processes (0: in the main process; null: half the CPU cores, 1 to 8)"
+    )
+    prefetch: int = _key(8, "Prepared samples each worker may hold ready ahead of the engine")
+    timeout_s: float = _key(
+        120.0, "A sample whose preprocessing takes longer becomes an error row (its worker is restarted)"
+    )
 
 
 @dataclass(frozen=True)
@@ -199,6 +215,12 @@ def _check_values(cfg: JobConfig) -> None:
         positive(f"engine.{name}", getattr(e, name))
     positive("sampling.max_new_tokens", s.max_new_tokens)
     positive("preprocess.max_image_pixels", p.max_image_pixels)
+    positive("preprocess.prefetch", p.prefetch)
+    positive("input.files_per_shard", cfg.input.files_per_shard)
+    if p.timeout_s <= 0:
+        raise ConfigError(f"'preprocess.timeout_s' must be positive, got {p.timeout_s}")
+    if p.workers is not None and p.workers < 0:
+        raise ConfigError(f"'preprocess.workers' must be >= 0, got {p.workers}")
     for key, value in (
         ("engine.encoder_cache_mb", e.encoder_cache_mb),
         ("engine.threads", e.threads),
@@ -212,7 +234,7 @@ def _check_values(cfg: JobConfig) -> None:
     if p.min_pixels is not None and p.max_pixels is not None and p.min_pixels > p.max_pixels:
         raise ConfigError("'preprocess.min_pixels' must not exceed 'preprocess.max_pixels'")
     if not cfg.input.paths:
-        raise ConfigError("'input.paths' must list at least one Parquet file or glob")
+        raise ConfigError("'input.paths' must list at least one path or glob")
     if not cfg.prompts:
         raise ConfigError("'prompts' must hold at least one prompt")
     names = [prompt.name for prompt in cfg.prompts]
@@ -297,7 +319,7 @@ def config_fingerprint(cfg: JobConfig) -> str:
         "model": {"path": d["model"]["path"], "dtype": d["model"]["dtype"]},
         "prompts": d["prompts"],
         "sampling": d["sampling"],
-        "preprocess": d["preprocess"],
+        "preprocess": {k: d["preprocess"][k] for k in ("min_pixels", "max_pixels", "max_image_pixels")},
     }
     return xxhash.xxh3_64_hexdigest(json.dumps(relevant, sort_keys=True).encode())
 

@@ -23,3 +23,7 @@ class SampleError(Exception):
         super().__init__(message)
         self.error_type = error_type
         self.message = message
+
+    def __reduce__(self):
+        # Crosses process boundaries (preprocessing workers): rebuild from both fields, not from args.
+        return (SampleError, (self.error_type, self.message))

@@ -1,4 +1,4 @@
-"""run_job: plan -> read -> preprocess -> engine -> write, one direction, nothing lost.
+"""run_job: plan -> read and preprocess (worker pool) -> engine -> write, one direction, nothing lost.
 
 Every (sample, prompt) ends as exactly one row: `ok` with its text, or `error` with a type and message.
 Rows are buffered per input shard and the shard's Parquet file is committed (temp file + rename) once
@@ -7,11 +7,12 @@ every row of that shard has an outcome; committed shards are skipped on rerun.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
+import queue
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,13 +25,15 @@ from batchvl.config import JobConfig, config_fingerprint, config_to_dict
 from batchvl.engine.engine import Engine, EngineLimits, EngineRequest, EngineResult, EngineStats
 from batchvl.engine.request import SamplingParams
 from batchvl.errors import SampleError
-from batchvl.io.readers import ParquetReader, list_shards
-from batchvl.io.types import Sample, ShardInfo
+from batchvl.io.sources import make_source
+from batchvl.io.types import ShardEnd, ShardInfo
 from batchvl.io.writers import ResultRow, is_committed, write_json_atomic, write_shard
 from batchvl.models.loader import LoadedModel, load_model, read_model_type
 from batchvl.models.registry import adapter_class
-from batchvl.preprocess.image import decode_image, prepare_image
-from batchvl.preprocess.prompts import PromptRenderer
+from batchvl.preprocess.pool import PreprocessPool, default_workers
+from batchvl.preprocess.qwen_vision import QwenVisionSpec, prepare_image
+from batchvl.preprocess.sample import PreparedSample, SampleProcessor
+from batchvl.utils.background import END, BackgroundIterator
 from batchvl.utils.stats import RunStats
 
 logger = logging.getLogger(__name__)
@@ -51,7 +54,7 @@ class ShardProgress:
     rows: list[ResultRow] = field(default_factory=list)
     expected_rows: int | None = None  # known once the whole shard has been read
     # samples with requests still in the engine -> how many of their prompts are unfinished
-    in_flight: dict[int, tuple[Sample, int]] = field(default_factory=dict)
+    in_flight: dict[int, tuple[PreparedSample, int]] = field(default_factory=dict)
     committed: bool = False
 
     @property
@@ -84,67 +87,43 @@ def engine_limits(cfg: JobConfig) -> EngineLimits:
     )
 
 
-class RequestBuilder:
-    """Turns a sample into one engine request per prompt (decode, resize, render, tokenize)."""
-
-    def __init__(self, cfg: JobConfig, loaded: LoadedModel):
-        self.cfg = cfg
-        self.image_processor = loaded.processor.image_processor
-        self.renderer = PromptRenderer(loaded.processor)
-
-    def build(self, sample: Sample) -> list[EngineRequest]:
-        if sample.error is not None:
-            raise sample.error
-        pre = self.cfg.preprocess
-        images = [
-            prepare_image(
-                decode_image(ref.data, ref.path, pre.max_image_pixels),
-                self.image_processor,
-                pre.min_pixels,
-                pre.max_pixels,
-            )
-            for ref in sample.images
-        ]
-        requests = []
-        for prompt_index, prompt in enumerate(self.cfg.prompts):
-            rendered = self.renderer.render(prompt.text, len(images))
-            requests.append(
-                EngineRequest(
-                    prompt_token_ids=self.renderer.token_ids(rendered, images),
-                    images=images,
-                    sampling=self.sampling_for(sample, prompt.name),
-                    tag=RowTag(sample.shard, sample.index, prompt_index),
-                )
-            )
-        return requests
-
-    def sampling_for(self, sample: Sample, prompt_name: str) -> SamplingParams:
-        s = self.cfg.sampling
-        return SamplingParams(
-            max_new_tokens=s.max_new_tokens,
-            temperature=s.temperature,
-            top_p=s.top_p,
-            top_k=s.top_k,
-            seed=request_seed(s.seed, sample.shard, sample.key, prompt_name),
-            stop=tuple(s.stop),
-            stop_token_ids=tuple(s.stop_token_ids),
-            ignore_eos=s.ignore_eos,
-        )
+def sampling_params(cfg: JobConfig, shard: str, key: str, prompt_name: str) -> SamplingParams:
+    s = cfg.sampling
+    return SamplingParams(
+        max_new_tokens=s.max_new_tokens,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        seed=request_seed(s.seed, shard, key, prompt_name),
+        stop=tuple(s.stop),
+        stop_token_ids=tuple(s.stop_token_ids),
+        ignore_eos=s.ignore_eos,
+    )
 
 
-def _row(sample: Sample, prompt_index: int, prompt_name: str, **values) -> ResultRow:
+def sample_processor(cfg: JobConfig, loaded: LoadedModel) -> SampleProcessor:
+    pre = cfg.preprocess
+    spec = QwenVisionSpec.from_image_processor(
+        loaded.processor.image_processor, pre.min_pixels, pre.max_pixels
+    )
+    return SampleProcessor(
+        loaded.processor, functools.partial(prepare_image, spec=spec), cfg.prompts, pre.max_image_pixels
+    )
+
+
+def _row(sample: PreparedSample, prompt_index: int, prompt_name: str, **values) -> ResultRow:
     return ResultRow(
         key=sample.key,
         sample_index=sample.index,
         prompt=prompt_name,
         prompt_index=prompt_index,
-        num_images=len(sample.images),
+        num_images=sample.num_images,
         fields=sample.fields,
         **values,
     )
 
 
-def error_row(sample: Sample, prompt_index: int, prompt_name: str, error: SampleError) -> ResultRow:
+def error_row(sample: PreparedSample, prompt_index: int, prompt_name: str, error: SampleError) -> ResultRow:
     return _row(
         sample,
         prompt_index,
@@ -160,7 +139,7 @@ def error_row(sample: Sample, prompt_index: int, prompt_name: str, error: Sample
     )
 
 
-def result_row(sample: Sample, prompt_name: str, result: EngineResult) -> ResultRow:
+def result_row(sample: PreparedSample, prompt_name: str, result: EngineResult) -> ResultRow:
     tag: RowTag = result.tag
     if result.error is not None:
         row = error_row(sample, tag.prompt_index, prompt_name, result.error)
@@ -199,7 +178,7 @@ class JobRunner:
         start = time.perf_counter()
         # Check the model folder even when every shard is done: a wrong path is a mistake to report.
         adapter_class(read_model_type(self.cfg.model.path, self.cfg.model.trust_remote_code))
-        shards = list_shards(self.cfg.input.paths)
+        shards = make_source(self.cfg.input).list_shards()
         pending = [s for s in shards if self.cfg.output.overwrite or not is_committed(self.out_dir, s.shard)]
         self.stats.shards_total = len(shards)
         self.stats.shards_skipped = len(shards) - len(pending)
@@ -225,63 +204,97 @@ class JobRunner:
         return RunSummary(self.out_dir, stats_path, stats)
 
     def _process(self, shards: list[ShardInfo], engine: Engine) -> None:
-        builder = RequestBuilder(self.cfg, self.loaded)
-        reader = ParquetReader(self.cfg.input.image_column, self.cfg.input.key_column, self.cfg.input.root)
+        pre = self.cfg.preprocess
+        workers = default_workers() if pre.workers is None else pre.workers
+        pool = PreprocessPool(
+            make_source(self.cfg.input),
+            shards,
+            sample_processor(self.cfg, self.loaded),
+            workers,
+            pre.prefetch,
+            pre.timeout_s,
+        )
+        self.stats.preprocess_workers = workers
         progress = {s.shard: ShardProgress(s) for s in shards}
         lookahead = max(2 * self.cfg.engine.max_num_seqs, 8)
+        known = [s.num_rows for s in shards]
         bar = tqdm(
-            total=sum(s.num_rows for s in shards),
+            total=sum(known) if None not in known else None,
             unit="sample",
             disable=not self.show_progress,
             dynamic_ncols=True,
         )
-        with bar:
-            for sample in self._samples(shards, reader, progress):
-                self.stats.samples += 1
-                self._submit(sample, builder, engine, progress[sample.shard], bar)
-                while engine.num_unfinished >= lookahead:
+        feed = BackgroundIterator(pool, maxsize=max(4, workers * 2))
+        try:
+            with bar:
+                while True:
+                    if engine.num_unfinished >= lookahead:
+                        self._step(engine, progress, bar)
+                        continue
+                    idle = engine.num_unfinished == 0
+                    waited_from = time.perf_counter()
+                    try:
+                        # Poll while the engine has work: it keeps stepping until input is ready.
+                        item = feed.get(block=idle)
+                    except queue.Empty:
+                        self._step(engine, progress, bar)
+                        continue
+                    if idle:
+                        self.stats.input_wait_s += time.perf_counter() - waited_from
+                    if item is END:
+                        break
+                    if isinstance(item, ShardEnd):
+                        progress[item.shard].expected_rows = item.num_samples * len(self.cfg.prompts)
+                        self._commit_if_complete(progress[item.shard])
+                    else:
+                        self._submit(item, engine, progress[item.shard], bar)
+                while engine.num_unfinished:
                     self._step(engine, progress, bar)
-            while engine.num_unfinished:
-                self._step(engine, progress, bar)
+        finally:
+            feed.close()
+            self.stats.worker_restarts = pool.stats.worker_restarts
+            self.stats.samples_crashed = pool.stats.samples_crashed
+            self.stats.samples_timed_out = pool.stats.samples_timed_out
         for shard_progress in progress.values():
             if not shard_progress.committed:
                 raise RuntimeError(f"shard {shard_progress.info.shard} ended incomplete; this is a bug")
 
-    def _samples(self, shards, reader: ParquetReader, progress) -> Iterator[Sample]:
-        for shard in shards:
-            count = 0
-            for sample in reader.iter_shard(shard):
-                count += 1
-                yield sample
-            progress[shard.shard].expected_rows = count * len(self.cfg.prompts)
-            self._commit_if_complete(progress[shard.shard])
-
-    def _submit(
-        self, sample: Sample, builder: RequestBuilder, engine: Engine, shard: ShardProgress, bar
-    ) -> None:
-        try:
-            requests = builder.build(sample)
-        except SampleError as exc:
-            self._add_error_rows(sample, shard, exc)
+    def _submit(self, sample: PreparedSample, engine: Engine, shard: ShardProgress, bar) -> None:
+        self.stats.samples += 1
+        self.stats.preprocess_s += sample.preprocess_s
+        if sample.error is not None:
+            self._add_error_rows(sample, shard, sample.error)
             bar.update(1)
             return
-        except Exception as exc:  # bad input must never end the job; keep the traceback for debugging
-            logger.debug("preprocessing %s/%s failed", sample.shard, sample.key, exc_info=True)
-            self._add_error_rows(
-                sample, shard, SampleError("preprocess_error", f"{type(exc).__name__}: {exc}")
+        requests = []
+        for prompt_index, (prompt, prepared) in enumerate(zip(self.cfg.prompts, sample.prompts, strict=True)):
+            if prepared.error is not None:
+                self._add_row(shard, error_row(sample, prompt_index, prompt.name, prepared.error))
+                continue
+            requests.append(
+                EngineRequest(
+                    prompt_token_ids=prepared.token_ids,
+                    images=sample.images,
+                    sampling=sampling_params(self.cfg, sample.shard, sample.key, prompt.name),
+                    tag=RowTag(sample.shard, sample.index, prompt_index),
+                )
             )
+        if not requests:
             bar.update(1)
             return
         shard.in_flight[sample.index] = (sample, len(requests))
         for request in requests:
             engine.add_request(request)
 
-    def _add_error_rows(self, sample: Sample, shard: ShardProgress, error: SampleError) -> None:
+    def _add_error_rows(self, sample: PreparedSample, shard: ShardProgress, error: SampleError) -> None:
         for prompt_index, prompt in enumerate(self.cfg.prompts):
             self._add_row(shard, error_row(sample, prompt_index, prompt.name, error))
 
     def _step(self, engine: Engine, progress: dict[str, ShardProgress], bar) -> None:
-        for result in engine.step():
+        started = time.perf_counter()
+        results = engine.step()
+        self.stats.engine_s += time.perf_counter() - started
+        for result in results:
             tag: RowTag = result.tag
             shard = progress[tag.shard]
             sample, remaining = shard.in_flight[tag.sample_index]

@@ -7,7 +7,9 @@ import pytest
 from PIL import Image
 
 from batchvl.errors import UserError
-from batchvl.io.readers import ParquetReader, list_shards
+from batchvl.config import InputConfig
+from batchvl.io.parquet import ParquetSource
+from batchvl.io.types import ShardEnd
 from batchvl.io.writers import ResultRow, is_committed, write_shard
 
 
@@ -23,13 +25,16 @@ def write_table(path, columns: dict):
     return path
 
 
-def read_all(path, **kwargs):
-    (shard,) = list_shards([str(path)])
-    return list(
-        ParquetReader(**{"image_column": "image", "key_column": None, "root": None, **kwargs}).iter_shard(
-            shard
-        )
-    )
+def list_shards(patterns):
+    return ParquetSource(InputConfig(paths=patterns)).list_shards()
+
+
+def read_all(path, keep=lambda index: True, **kwargs):
+    source = ParquetSource(InputConfig(paths=[str(path)], **kwargs))
+    (shard,) = source.list_shards()
+    items = list(source.iter_shard(shard, keep))
+    assert items[-1] == ShardEnd(shard.shard, shard.num_rows)  # the count covers every row, kept or not
+    return items[:-1]
 
 
 def test_list_shards_sorts_and_names_by_relative_path(tmp_path):
@@ -84,11 +89,12 @@ def test_key_column_and_missing_columns(tmp_path):
         read_all(path, image_column="img")
 
 
-def test_streams_large_file_in_order(tmp_path):
+def test_streams_large_file_in_order_and_splits_it_between_workers(tmp_path):
     path = write_table(tmp_path / "big.parquet", {"image": [b"x"] * 5000})
-    (shard,) = list_shards([str(path)])
-    reader = ParquetReader("image", None, None, batch_rows=100)
-    assert [s.index for s in reader.iter_shard(shard)] == list(range(5000))
+    assert [s.index for s in read_all(path)] == list(range(5000))
+    parts = [[s.index for s in read_all(path, keep=lambda i, w=w: i % 3 == w)] for w in range(3)]
+    assert sorted(sum(parts, [])) == list(range(5000))
+    assert all(index % 3 == w for w, part in enumerate(parts) for index in part)
 
 
 def row(sample_index, prompt_index, **fields):

@@ -16,12 +16,13 @@ import torch
 
 from batchvl.engine.encoder_cache import EncoderCacheManager
 from batchvl.engine.kv_cache import BlockManager
-from batchvl.engine.model_runner import ModelRunner, PreparedImage, kv_bytes_per_block
+from batchvl.engine.model_runner import ModelRunner, kv_bytes_per_block
 from batchvl.engine.request import ImageSpan, Request, SamplingParams, ScheduledChunk
 from batchvl.engine.sampler import make_generator, sample_token
 from batchvl.engine.scheduler import Scheduler
 from batchvl.errors import SampleError, UserError
 from batchvl.models.adapter import VLMAdapter
+from batchvl.preprocess.media import PreparedImage
 
 logger = logging.getLogger(__name__)
 

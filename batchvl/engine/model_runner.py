@@ -16,15 +16,7 @@ from batchvl.engine.attention import KVCache, PagedAttentionMetadata, SequenceSl
 from batchvl.engine.kv_cache import BlockManager
 from batchvl.engine.request import ScheduledChunk
 from batchvl.models.adapter import VLMAdapter
-
-
-@dataclass(frozen=True)
-class PreparedImage:
-    """A preprocessed image as the engine receives it: plain arrays and its content hash."""
-
-    pixel_values: np.ndarray  # (num_patches, channels * temporal_patch * patch * patch), float32
-    grid_thw: tuple[int, int, int]
-    content_hash: str
+from batchvl.preprocess.media import PreparedImage
 
 
 @dataclass

@@ -7,27 +7,44 @@ from typing import Any
 
 from batchvl.errors import SampleError
 
+IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff")
+VIDEO_EXTENSIONS = ("mp4", "webm", "avi", "mkv", "mov")
+
 
 @dataclass(frozen=True)
 class MediaRef:
-    """One image of a sample, not decoded yet: encoded bytes, or a checked absolute path."""
+    """One image or video of a sample, not decoded yet: encoded bytes, or a checked absolute path."""
 
     data: bytes | None
     path: str | None
+    kind: str = "image"  # "image" or "video"
 
 
 @dataclass(frozen=True)
 class ShardInfo:
     shard: str  # id: the input path relative to the inputs' common folder; names its output file
-    path: str  # absolute input path
-    num_rows: int
+    path: str  # absolute input path (for `folder` input: the folder)
+    num_rows: int | None  # None where only reading the shard tells (tar files)
+    members: tuple[str, ...] = ()  # `folder` input: the files of this shard, relative to `path`
 
 
 @dataclass
 class Sample:
     shard: str
-    index: int  # row index within the shard (input order)
+    index: int  # position within the shard (input order)
     key: str
     images: list[MediaRef]
-    fields: dict[str, Any] = field(default_factory=dict)  # other scalar columns, passed through
-    error: SampleError | None = None  # the row itself is unusable: becomes error rows downstream
+    fields: dict[str, Any] = field(default_factory=dict)  # other scalar values, passed through
+    error: SampleError | None = None  # the sample itself is unusable: becomes error rows downstream
+
+
+@dataclass(frozen=True)
+class ShardEnd:
+    """Emitted after a shard's last sample: how many samples it held (errors included)."""
+
+    shard: str
+    num_samples: int
+
+
+def is_scalar(value: Any) -> bool:
+    return value is None or isinstance(value, str | int | float | bool)

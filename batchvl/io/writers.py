@@ -47,8 +47,12 @@ class ResultRow:
     fields: dict[str, Any] = field(default_factory=dict)
 
 
+INPUT_SUFFIXES = (".parquet", ".tar.gz", ".tgz", ".tar", ".arrow")
+
+
 def output_path(out_dir: str, shard: str) -> str:
-    stem = shard[: -len(".parquet")] if shard.endswith(".parquet") else shard
+    """The output file of a shard: its id with the input suffix replaced by .parquet."""
+    stem = next((shard[: -len(s)] for s in INPUT_SUFFIXES if shard.endswith(s)), shard)
     return os.path.join(out_dir, f"{stem}.parquet")
 
 

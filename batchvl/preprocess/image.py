@@ -1,4 +1,4 @@
-"""Decode one image safely and turn it into the model's patch layout plus a content hash."""
+"""Decode one image safely: pixel-count check before the full decode, EXIF rotation, any mode -> RGB."""
 
 from __future__ import annotations
 
@@ -6,21 +6,20 @@ import io
 import warnings
 
 import numpy as np
-import xxhash
 from PIL import Image, ImageOps
 
-from batchvl.engine.model_runner import PreparedImage
 from batchvl.errors import SampleError
 
+SIXTEEN_BIT_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I")
 
-def decode_image(data: bytes | None, path: str | None, max_image_pixels: int) -> Image.Image:
-    """Open, check the pixel count before the full decode, apply EXIF rotation, convert to RGB."""
+
+def open_image(data: bytes | None, path: str | None, max_image_pixels: int) -> Image.Image:
+    """Open and fully decode, refusing images over `max_image_pixels` from their header alone."""
     try:
-        source = io.BytesIO(data) if data is not None else path
         with warnings.catch_warnings():
             # Pillow's own bomb check warns or raises at its fixed limit; ours is the job's setting.
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            image = Image.open(source)
+            image = Image.open(io.BytesIO(data) if data is not None else path)
             width, height = image.size
             if width * height > max_image_pixels:
                 raise SampleError(
@@ -28,41 +27,38 @@ def decode_image(data: bytes | None, path: str | None, max_image_pixels: int) ->
                     f"image is {width}x{height} = {width * height} pixels, over "
                     f"preprocess.max_image_pixels={max_image_pixels}",
                 )
-            image.load()
-        image = ImageOps.exif_transpose(image)
-        if image.mode != "RGB":
-            image = image.convert("RGBA").convert("RGB") if "A" in image.getbands() else image.convert("RGB")
+            image.load()  # an animated image (GIF, APNG, WebP) stays on its first frame
         return image
     except SampleError:
         raise
     except FileNotFoundError as exc:
         raise SampleError("file_not_found", f"image file not found: {path}") from exc
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
+        if data is not None and len(data) == 0:
+            raise SampleError("image_decode_error", "image is empty (0 bytes)") from exc
         raise SampleError("image_decode_error", f"cannot decode image: {exc}") from exc
 
 
-def content_hash(pixel_values: np.ndarray, grid_thw: tuple[int, int, int]) -> str:
-    """xxh3-128 of the preprocessed pixels and grid: equal for identical images after preprocessing."""
-    digest = xxhash.xxh3_128()
-    digest.update(np.ascontiguousarray(pixel_values).tobytes())
-    digest.update(np.asarray(grid_thw, dtype=np.int64).tobytes())
-    return digest.hexdigest()
+def to_rgb(image: Image.Image) -> Image.Image:
+    """Any Pillow mode -> RGB, the way the Hugging Face processors do it (transparency composited on
+    white), except 16-bit images, which Pillow would clip to white: they are scaled to 8 bits."""
+    if image.mode in SIXTEEN_BIT_MODES:
+        values = np.asarray(image, dtype=np.float64)
+        if image.mode != "I" or values.max(initial=0) > 255:
+            values = values / 257.0  # 0..65535 -> 0..255
+        image = Image.fromarray(np.clip(np.rint(values), 0, 255).astype(np.uint8), mode="L")
+    if image.mode == "RGB":
+        return image
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        background = Image.new("RGBA", image.size, (255, 255, 255, 255))
+        return Image.alpha_composite(background, image.convert("RGBA")).convert("RGB")
+    return image.convert("RGB")
 
 
-def prepare_image(
-    image: Image.Image, image_processor, min_pixels: int | None = None, max_pixels: int | None = None
-) -> PreparedImage:
-    """Resize, normalize and patchify with the model's image processor."""
-    kwargs = {}
-    if min_pixels is not None:
-        kwargs["min_pixels"] = min_pixels
-    if max_pixels is not None:
-        kwargs["max_pixels"] = max_pixels
+def decode_image(data: bytes | None, path: str | None, max_image_pixels: int) -> Image.Image:
+    """Bytes or a path -> an upright RGB image, or a SampleError saying what is wrong with it."""
+    image = open_image(data, path, max_image_pixels)
     try:
-        out = image_processor(images=[image], return_tensors="np", **kwargs)
-    except ValueError as exc:
-        # e.g. an aspect ratio the resize rule refuses (Qwen: over 200:1)
-        raise SampleError("image_preprocess_error", f"cannot preprocess image: {exc}") from exc
-    pixel_values = np.ascontiguousarray(out["pixel_values"], dtype=np.float32)
-    grid = tuple(int(v) for v in out["image_grid_thw"][0])
-    return PreparedImage(pixel_values, grid, content_hash(pixel_values, grid))
+        return to_rgb(ImageOps.exif_transpose(image))
+    except (OSError, ValueError) as exc:
+        raise SampleError("image_decode_error", f"cannot convert image to RGB: {exc}") from exc

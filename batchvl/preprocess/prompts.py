@@ -7,8 +7,33 @@ image has merged patches, exactly as the model's processor does.
 
 from __future__ import annotations
 
-from batchvl.engine.model_runner import PreparedImage
+import re
+from typing import Any
+
 from batchvl.errors import SampleError
+from batchvl.preprocess.media import PreparedImage
+
+# `{name}` with an identifier inside; `{{` and `}}` are literal braces. Other braces (e.g. a JSON example
+# in the prompt) are left alone, so a prompt without fields never needs escaping.
+TEMPLATE_FIELD = re.compile(r"\{\{|\}\}|\{([A-Za-z_][A-Za-z0-9_]*)\}")
+
+
+def fill_template(text: str, fields: dict[str, Any]) -> str:
+    """Insert the sample's fields into a prompt; a missing or empty field is that request's error."""
+
+    def replace(match: re.Match) -> str:
+        name = match.group(1)
+        if name is None:
+            return match.group(0)[0]
+        value = fields.get(name)
+        if value is None:
+            available = ", ".join(sorted(fields)) or "none"
+            raise SampleError(
+                "missing_field", f"prompt uses field '{name}', which this sample lacks (has: {available})"
+            )
+        return str(value)
+
+    return TEMPLATE_FIELD.sub(replace, text)
 
 
 class PromptRenderer:

@@ -19,6 +19,13 @@ class RunStats:
     errors: int = 0
     errors_by_type: Counter = field(default_factory=Counter)
     wall_s: float = 0.0
+    input_wait_s: float = 0.0  # the engine had nothing to do and waited for prepared samples
+    engine_s: float = 0.0  # inside engine steps
+    preprocess_s: float = 0.0  # summed over samples, in the workers (runs in parallel with the engine)
+    preprocess_workers: int = 0
+    worker_restarts: int = 0
+    samples_crashed: int = 0
+    samples_timed_out: int = 0
 
     def record_row(self, status: str, error_type: str | None) -> None:
         self.requests += 1
@@ -35,4 +42,7 @@ class RunStats:
         wall = max(self.wall_s, 1e-9)
         out["samples_per_s"] = round(self.samples / wall, 3)
         out["output_tokens_per_s"] = round(engine.output_tokens / wall, 3)
+        out["input_wait_share"] = round(self.input_wait_s / wall, 4)
+        for key in ("input_wait_s", "engine_s", "preprocess_s"):
+            out[key] = round(out[key], 3)
         return out

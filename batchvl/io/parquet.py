@@ -1,0 +1,41 @@
+"""`parquet` input: each file is a shard, streamed batch by batch (memory does not grow with file size)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from batchvl.config import InputConfig
+from batchvl.errors import UserError
+from batchvl.io.paths import match_files, relative_ids
+from batchvl.io.rows import RowSampler
+from batchvl.io.types import Sample, ShardEnd, ShardInfo
+
+BATCH_ROWS = 256
+
+
+class ParquetSource:
+    def __init__(self, cfg: InputConfig):
+        self.paths = cfg.paths
+        self.rows = RowSampler(cfg.image_column, cfg.key_column, cfg.root)
+
+    def list_shards(self) -> list[ShardInfo]:
+        paths = match_files(self.paths, (".parquet",), "Parquet files")
+        shards = []
+        for path, shard_id in zip(paths, relative_ids(paths), strict=True):
+            try:
+                num_rows = pq.ParquetFile(path).metadata.num_rows
+            except (pa.ArrowInvalid, OSError) as exc:
+                raise UserError(f"input file '{path}' is not a readable Parquet file: {exc}") from None
+            shards.append(ShardInfo(shard_id, path, num_rows))
+        return shards
+
+    def iter_shard(self, shard: ShardInfo, keep: Callable[[int], bool]) -> Iterator[Sample | ShardEnd]:
+        parquet = pq.ParquetFile(shard.path)
+        self.rows.check_columns(parquet.schema_arrow.names, shard.path)
+        yield from self.rows.samples(
+            shard, parquet.iter_batches(batch_size=BATCH_ROWS), keep, os.path.dirname(shard.path)
+        )

@@ -1,0 +1,35 @@
+"""The input formats, each a Source: list the shards, then stream one shard's samples.
+
+`iter_shard(shard, keep)` yields the samples whose index `keep` accepts (a worker's part of the stream;
+the rest are skipped as cheaply as the format allows) and ends with a `ShardEnd` giving the count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Protocol
+
+from batchvl.config import InputConfig
+from batchvl.io.folder import FolderSource
+from batchvl.io.hf_dataset import HFDatasetSource
+from batchvl.io.parquet import ParquetSource
+from batchvl.io.types import Sample, ShardEnd, ShardInfo
+from batchvl.io.webdataset import WebDatasetSource
+
+
+class Source(Protocol):
+    def list_shards(self) -> list[ShardInfo]: ...
+
+    def iter_shard(self, shard: ShardInfo, keep: Callable[[int], bool]) -> Iterator[Sample | ShardEnd]: ...
+
+
+SOURCES = {
+    "parquet": ParquetSource,
+    "webdataset": WebDatasetSource,
+    "hf_dataset": HFDatasetSource,
+    "folder": FolderSource,
+}
+
+
+def make_source(cfg: InputConfig) -> Source:
+    return SOURCES[cfg.format](cfg)

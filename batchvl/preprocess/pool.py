@@ -1,0 +1,282 @@
+"""The preprocessing pool: a torch DataLoader over the input stream, robust to crashing and hanging workers.
+
+Each worker reads the shards and keeps every n-th sample (a disjoint part of the stream), preprocesses
+it (decode, resize, patchify, hash, tokenize) and hands plain arrays back; `in_order=False` lets a slow
+sample hold back only itself. Workers record what they are doing in shared memory. A watchdog thread
+kills a worker stuck on one sample longer than `timeout_s`; when a worker dies (killed, segfault, out of
+memory) the loader is rebuilt, the sample it was working on is reported as an error, and every sample
+not yet delivered is processed again, so one bad sample costs that sample only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import multiprocessing
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import psutil
+import torch.utils.data
+
+from batchvl.errors import SampleError, UserError
+from batchvl.io.sources import Source
+from batchvl.io.types import ShardEnd, ShardInfo
+from batchvl.preprocess.sample import PreparedSample, SampleProcessor
+
+logger = logging.getLogger(__name__)
+
+IDLE, BUSY, TIMED_OUT = 0, 1, 2
+SLOT_FIELDS = 5  # pid, state, shard number, sample index, start time
+
+
+def default_workers() -> int:
+    return max(1, min(8, (os.cpu_count() or 2) // 2))
+
+
+@dataclass
+class PoolStats:
+    worker_restarts: int = 0
+    samples_crashed: int = 0
+    samples_timed_out: int = 0
+
+
+@dataclass(frozen=True)
+class SlotState:
+    pid: int
+    state: int
+    shard_no: int
+    index: int
+    started: float
+
+
+class WorkerSlots:
+    """Shared memory where each worker says which sample it is on and since when."""
+
+    def __init__(self, context, num_workers: int):
+        self.array = context.Array(ctypes.c_double, num_workers * SLOT_FIELDS)
+        self.num_workers = num_workers
+
+    def begin(self, worker: int, shard_no: int, index: int) -> None:
+        with self.array.get_lock():
+            base = worker * SLOT_FIELDS
+            self.array[base : base + SLOT_FIELDS] = [os.getpid(), BUSY, shard_no, index, time.monotonic()]
+
+    def end(self, worker: int) -> None:
+        with self.array.get_lock():
+            self.array[worker * SLOT_FIELDS + 1] = IDLE
+
+    def snapshot(self) -> list[SlotState]:
+        with self.array.get_lock():
+            values = list(self.array)
+        return [
+            SlotState(int(v[0]), int(v[1]), int(v[2]), int(v[3]), v[4])
+            for v in (values[i * SLOT_FIELDS : (i + 1) * SLOT_FIELDS] for i in range(self.num_workers))
+        ]
+
+    def mark_timed_out(self, worker: int) -> None:
+        with self.array.get_lock():
+            self.array[worker * SLOT_FIELDS + 1] = TIMED_OUT
+
+
+@dataclass(frozen=True)
+class ReaderFailure:
+    """A mistake found while reading (e.g. a missing column), raised as a UserError in the main process."""
+
+    message: str
+
+
+class PreprocessDataset(torch.utils.data.IterableDataset):
+    def __init__(
+        self,
+        source: Source,
+        shards: list[ShardInfo],
+        processor: SampleProcessor,
+        delivered: frozenset[tuple[str, int]],
+        failed: dict[tuple[str, int], SampleError],
+        slots: WorkerSlots | None,
+    ):
+        self.source = source
+        self.shards = shards
+        self.processor = processor
+        self.delivered = delivered
+        self.failed = failed
+        self.slots = slots
+
+    def __iter__(self) -> Iterator[PreparedSample | ShardEnd | ReaderFailure]:
+        info = torch.utils.data.get_worker_info()
+        worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        try:
+            for shard_no, shard in enumerate(self.shards):
+                name = shard.shard
+
+                def keep(index: int, name: str = name) -> bool:
+                    return index % num_workers == worker and (name, index) not in self.delivered
+
+                for item in self.source.iter_shard(shard, keep):
+                    if isinstance(item, ShardEnd):
+                        if worker == 0:  # every worker counts the shard; one reports it
+                            yield item
+                        continue
+                    failure = self.failed.get((name, item.index))
+                    if failure is not None:
+                        yield PreparedSample.failed(item, failure)
+                        continue
+                    if self.slots is not None:
+                        self.slots.begin(worker, shard_no, item.index)
+                    prepared = self.processor(item)
+                    if self.slots is not None:
+                        self.slots.end(worker)
+                    yield prepared
+        except UserError as exc:
+            yield ReaderFailure(str(exc))
+
+
+def _identity(item):
+    return item
+
+
+class Watchdog:
+    """Kills a worker that spent more than `timeout_s` on one sample; the pool then reports that sample."""
+
+    def __init__(self, slots: WorkerSlots, timeout_s: float):
+        self.slots = slots
+        self.timeout_s = timeout_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="batchvl-watchdog", daemon=True)
+
+    def __enter__(self) -> Watchdog:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        interval = min(0.5, self.timeout_s / 4)
+        while not self._stop.wait(interval):
+            now = time.monotonic()
+            for worker, slot in enumerate(self.slots.snapshot()):
+                if slot.state == BUSY and now - slot.started > self.timeout_s:
+                    self.slots.mark_timed_out(worker)
+                    logger.warning(
+                        "preprocessing worker %d exceeded %.0f s on one sample", slot.pid, self.timeout_s
+                    )
+                    with contextlib.suppress(ProcessLookupError):  # it may have just finished
+                        os.kill(slot.pid, signal.SIGKILL)
+
+
+def _is_dead(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+class PreprocessPool:
+    """Iterate prepared samples (and shard ends) over `shards`; every sample comes out exactly once."""
+
+    def __init__(
+        self,
+        source: Source,
+        shards: list[ShardInfo],
+        processor: SampleProcessor,
+        workers: int,
+        prefetch: int,
+        timeout_s: float,
+    ):
+        self.source = source
+        self.shards = shards
+        self.processor = processor
+        self.workers = workers
+        self.prefetch = prefetch
+        self.timeout_s = timeout_s
+        self.stats = PoolStats()
+        start_methods = multiprocessing.get_all_start_methods()
+        # fork: workers start at once and share the tokenizer without pickling; they never run torch ops.
+        self.context = multiprocessing.get_context("fork" if "fork" in start_methods else "spawn")
+
+    def __iter__(self) -> Iterator[PreparedSample | ShardEnd]:
+        delivered: set[tuple[str, int]] = set()
+        sizes: dict[str, int] = {}  # shard -> number of samples, known from its ShardEnd
+        failed: dict[tuple[str, int], SampleError] = {}
+        while True:
+            # A shard is finished once its end was seen and all of its samples came out.
+            finished = {name for name, size in sizes.items() if self._count(delivered, name) == size}
+            shards = [s for s in self.shards if s.shard not in finished]
+            slots = WorkerSlots(self.context, self.workers) if self.workers else None
+            dataset = PreprocessDataset(
+                self.source, shards, self.processor, frozenset(delivered), failed, slots
+            )
+            if slots is None:
+                yield from self._checked(iter(dataset), delivered, sizes)
+                return
+            loader = torch.utils.data.DataLoader(
+                dataset,
+                batch_size=None,
+                num_workers=self.workers,
+                prefetch_factor=self.prefetch,
+                collate_fn=_identity,
+                multiprocessing_context=self.context,
+                in_order=False,
+            )
+            items = iter(loader)
+            try:
+                with Watchdog(slots, self.timeout_s):
+                    yield from self._checked(items, delivered, sizes)
+                return
+            except RuntimeError as exc:
+                if "exited unexpectedly" not in str(exc):
+                    raise
+                lost = self._lost_samples(slots, shards)
+                if not lost:
+                    raise RuntimeError(f"a preprocessing worker died outside any sample: {exc}") from exc
+                failed.update(lost)
+                self.stats.worker_restarts += 1
+                logger.warning("restarting preprocessing workers after: %s", exc)
+            finally:
+                del items  # shuts the workers down
+
+    @staticmethod
+    def _count(delivered: set[tuple[str, int]], shard: str) -> int:
+        return sum(1 for name, _ in delivered if name == shard)
+
+    def _checked(self, items, delivered: set, sizes: dict) -> Iterator[PreparedSample | ShardEnd]:
+        for item in items:
+            if isinstance(item, ReaderFailure):
+                raise UserError(item.message)
+            if isinstance(item, ShardEnd):
+                if item.shard in sizes:
+                    continue  # already reported before a restart
+                sizes[item.shard] = item.num_samples
+            else:
+                delivered.add((item.shard, item.index))
+            yield item
+
+    def _lost_samples(
+        self, slots: WorkerSlots, shards: list[ShardInfo]
+    ) -> dict[tuple[str, int], SampleError]:
+        lost = {}
+        for slot in slots.snapshot():
+            if slot.state == TIMED_OUT:
+                self.stats.samples_timed_out += 1
+                error = SampleError(
+                    "preprocess_timeout",
+                    f"preprocessing took longer than preprocess.timeout_s={self.timeout_s:g} s; "
+                    "the worker was stopped",
+                )
+            elif slot.state == BUSY and _is_dead(slot.pid):
+                self.stats.samples_crashed += 1
+                error = SampleError(
+                    "preprocess_crash", "the preprocessing worker crashed on this sample (killed or segfault)"
+                )
+            else:
+                continue
+            lost[(shards[slot.shard_no].shard, slot.index)] = error
+        return lost

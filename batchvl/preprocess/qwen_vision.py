@@ -1,0 +1,117 @@
+"""Qwen-VL image preprocessing without transformers or torchvision: resize, normalize, patchify.
+
+It reproduces the model's own image processor (checked by a parity test against it) with numpy and
+Pillow only, so it runs in worker processes that never import torch models, and on machines where
+torchvision is missing. Everything it needs from the processor is copied into a small, picklable spec.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from PIL import Image
+
+from batchvl.errors import SampleError
+from batchvl.preprocess.media import PreparedImage, content_hash
+
+MAX_ASPECT_RATIO = 200  # the Qwen-VL processors refuse more elongated images
+
+
+@dataclass(frozen=True)
+class QwenVisionSpec:
+    patch_size: int
+    temporal_patch_size: int
+    merge_size: int
+    min_pixels: int
+    max_pixels: int
+    image_mean: tuple[float, float, float]
+    image_std: tuple[float, float, float]
+    rescale_factor: float
+    resample: int  # a PIL resampling filter
+
+    @property
+    def factor(self) -> int:
+        """Resized sides are multiples of this: one merged patch."""
+        return self.patch_size * self.merge_size
+
+    @classmethod
+    def from_image_processor(
+        cls, image_processor, min_pixels: int | None = None, max_pixels: int | None = None
+    ) -> QwenVisionSpec:
+        size = image_processor.size
+        # transformers 5 keeps pixel COUNTS in shortest_edge / longest_edge; older ones used min/max_pixels.
+        own_min = size.get("shortest_edge") or size.get("min_pixels") or image_processor.min_pixels
+        own_max = size.get("longest_edge") or size.get("max_pixels") or image_processor.max_pixels
+        return cls(
+            patch_size=int(image_processor.patch_size),
+            temporal_patch_size=int(image_processor.temporal_patch_size),
+            merge_size=int(image_processor.merge_size),
+            min_pixels=int(min_pixels if min_pixels is not None else own_min),
+            max_pixels=int(max_pixels if max_pixels is not None else own_max),
+            image_mean=tuple(float(v) for v in image_processor.image_mean),
+            image_std=tuple(float(v) for v in image_processor.image_std),
+            rescale_factor=float(image_processor.rescale_factor),
+            resample=int(image_processor.resample),
+        )
+
+    def num_image_tokens(self, grid_thw: tuple[int, int, int]) -> int:
+        t, h, w = grid_thw
+        return t * h * w // self.merge_size**2
+
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """Sides that are multiples of `factor`, with a pixel count within [min_pixels, max_pixels],
+    keeping the aspect ratio as closely as possible (the Qwen-VL rule)."""
+    if min(height, width) < 1:
+        raise SampleError("image_too_small", f"image is {width}x{height}; it has no pixels")
+    ratio = max(height, width) / min(height, width)
+    if ratio > MAX_ASPECT_RATIO:
+        raise SampleError(
+            "extreme_aspect_ratio",
+            f"image is {width}x{height} (aspect ratio {ratio:.0f}:1); the model accepts at most "
+            f"{MAX_ASPECT_RATIO}:1",
+        )
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def normalize(frames: np.ndarray, spec: QwenVisionSpec) -> np.ndarray:
+    """uint8 (..., H, W, C) -> float32 (..., C, H, W), rescaled and normalized per channel."""
+    pixels = frames.astype(np.float32) * np.float32(spec.rescale_factor)
+    pixels -= np.asarray(spec.image_mean, dtype=np.float32)
+    pixels /= np.asarray(spec.image_std, dtype=np.float32)
+    return np.moveaxis(pixels, -1, -3)
+
+
+def patchify(frames: np.ndarray, spec: QwenVisionSpec) -> tuple[np.ndarray, tuple[int, int, int]]:
+    """(T, C, H, W) float32 with T a multiple of the temporal patch -> (t*h*w, C*tp*p*p) rows in the
+    order the vision tower expects: merge windows contiguous, so merged tokens follow row-major order."""
+    num_frames, channels, height, width = frames.shape
+    p, m, tp = spec.patch_size, spec.merge_size, spec.temporal_patch_size
+    grid_t, grid_h, grid_w = num_frames // tp, height // p, width // p
+    patches = frames.reshape(grid_t, tp, channels, grid_h // m, m, p, grid_w // m, m, p)
+    patches = patches.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
+    rows = patches.reshape(grid_t * grid_h * grid_w, channels * tp * p * p)
+    return np.ascontiguousarray(rows), (grid_t, grid_h, grid_w)
+
+
+def prepare_image(image: Image.Image, spec: QwenVisionSpec) -> PreparedImage:
+    """An RGB PIL image -> the model's pixel_values rows, grid and content hash."""
+    height, width = smart_resize(image.height, image.width, spec.factor, spec.min_pixels, spec.max_pixels)
+    resized = image.resize((width, height), resample=spec.resample)
+    frame = normalize(np.asarray(resized), spec)
+    # A still image is its own temporal neighbour: repeat it to fill the temporal patch.
+    frames = np.broadcast_to(frame, (spec.temporal_patch_size, *frame.shape))
+    pixel_values, grid = patchify(frames, spec)
+    return PreparedImage(pixel_values, grid, content_hash(pixel_values, grid))

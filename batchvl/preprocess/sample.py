@@ -1,0 +1,98 @@
+"""One sample -> everything the engine needs, computed in a worker process and never raising.
+
+Decode and convert each image, resize/normalize/patchify it, hash it, then fill, render and tokenize
+each prompt with placeholders expanded. Whatever goes wrong becomes an error on the sample (bad media)
+or on one prompt (a template field the sample lacks); the result is plain data that pickles cheaply.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from PIL import Image
+
+from batchvl.config import PromptConfig
+from batchvl.errors import SampleError
+from batchvl.io.types import MediaRef, Sample
+from batchvl.preprocess.image import decode_image
+from batchvl.preprocess.media import PreparedImage
+from batchvl.preprocess.prompts import PromptRenderer, fill_template
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PreparedPrompt:
+    token_ids: list[int] | None
+    error: SampleError | None = None
+
+
+@dataclass
+class PreparedSample:
+    shard: str
+    index: int
+    key: str
+    fields: dict[str, Any]
+    num_images: int
+    images: list[PreparedImage] = field(default_factory=list)
+    prompts: list[PreparedPrompt] = field(default_factory=list)
+    error: SampleError | None = None  # the whole sample failed: every prompt becomes an error row
+    preprocess_s: float = 0.0
+
+    @classmethod
+    def failed(cls, sample: Sample, error: SampleError) -> PreparedSample:
+        return cls(sample.shard, sample.index, sample.key, sample.fields, len(sample.images), error=error)
+
+
+class SampleProcessor:
+    def __init__(
+        self,
+        processor,
+        prepare_image: Callable[[Image.Image], PreparedImage],
+        prompts: list[PromptConfig],
+        max_image_pixels: int,
+    ):
+        self.renderer = PromptRenderer(processor)
+        self.prepare_image = prepare_image
+        self.prompts = prompts
+        self.max_image_pixels = max_image_pixels
+
+    def __call__(self, sample: Sample) -> PreparedSample:
+        start = time.perf_counter()
+        try:
+            prepared = self._process(sample)
+        except SampleError as exc:
+            prepared = PreparedSample.failed(sample, exc)
+        except Exception as exc:  # bad input must never end the job; keep the traceback for debugging
+            logger.debug("preprocessing %s/%s failed", sample.shard, sample.key, exc_info=True)
+            prepared = PreparedSample.failed(
+                sample, SampleError("preprocess_error", f"{type(exc).__name__}: {exc}")
+            )
+        prepared.preprocess_s = time.perf_counter() - start
+        return prepared
+
+    def _process(self, sample: Sample) -> PreparedSample:
+        if sample.error is not None:
+            raise sample.error
+        images = [self._media(ref) for ref in sample.images]
+        prepared = PreparedSample(
+            sample.shard, sample.index, sample.key, sample.fields, len(images), images=images
+        )
+        for prompt in self.prompts:
+            try:
+                rendered = self.renderer.render(fill_template(prompt.text, sample.fields), len(images))
+                prepared.prompts.append(PreparedPrompt(self.renderer.token_ids(rendered, images)))
+            except SampleError as exc:
+                prepared.prompts.append(PreparedPrompt(None, exc))
+        return prepared
+
+    def _media(self, ref: MediaRef) -> PreparedImage:
+        if ref.kind == "video":
+            raise SampleError(
+                "unsupported_media", "video input is not supported by this model's preprocessing"
+            )
+        return self.prepare_image(decode_image(ref.data, ref.path, self.max_image_pixels))
