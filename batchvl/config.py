@@ -66,7 +66,8 @@ class InputConfig:
 class PromptConfig:
     name: str = _key(help="Prompt name, written to the `prompt` column")
     text: str = _key(
-        help="Prompt text after the sample's images in one user turn; `{field}` inserts a field of the sample"
+        help="Prompt text after the sample's images in one user turn; "
+        "`{field}` inserts a field of the sample, `{key}` its key"
     )
 
 

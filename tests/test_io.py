@@ -6,8 +6,8 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from batchvl.errors import UserError
 from batchvl.config import InputConfig
+from batchvl.errors import UserError
 from batchvl.io.parquet import ParquetSource
 from batchvl.io.types import ShardEnd
 from batchvl.io.writers import ResultRow, is_committed, write_shard

@@ -69,10 +69,10 @@ class RowSampler:
 
     def media(self, cell: Any, root: str) -> MediaRef:
         if isinstance(cell, dict):  # the Hugging Face Image feature: {bytes, path}
-            if cell.get("bytes"):
+            if cell.get("bytes") is not None:
                 return MediaRef(cell["bytes"], None)
             cell = cell.get("path")
-        if isinstance(cell, bytes) and cell:
+        if isinstance(cell, bytes):  # empty bytes too: that is a broken image, not a missing one
             return MediaRef(cell, None)
         if isinstance(cell, str) and cell:
             kind = "video" if cell.lower().endswith(VIDEO_EXTENSIONS) else "image"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 import warnings
 
 import numpy as np
@@ -15,6 +16,8 @@ SIXTEEN_BIT_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I")
 
 def open_image(data: bytes | None, path: str | None, max_image_pixels: int) -> Image.Image:
     """Open and fully decode, refusing images over `max_image_pixels` from their header alone."""
+    if (data is not None and len(data) == 0) or (data is None and path and _is_empty_file(path)):
+        raise SampleError("empty_image", f"image {'file ' + path if path else 'data'} is empty (0 bytes)")
     try:
         with warnings.catch_warnings():
             # Pillow's own bomb check warns or raises at its fixed limit; ours is the job's setting.
@@ -34,9 +37,14 @@ def open_image(data: bytes | None, path: str | None, max_image_pixels: int) -> I
     except FileNotFoundError as exc:
         raise SampleError("file_not_found", f"image file not found: {path}") from exc
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
-        if data is not None and len(data) == 0:
-            raise SampleError("image_decode_error", "image is empty (0 bytes)") from exc
         raise SampleError("image_decode_error", f"cannot decode image: {exc}") from exc
+
+
+def _is_empty_file(path: str) -> bool:
+    try:
+        return os.path.getsize(path) == 0
+    except OSError:
+        return False  # a missing file is reported by open()
 
 
 def to_rgb(image: Image.Image) -> Image.Image:

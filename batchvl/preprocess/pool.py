@@ -18,6 +18,7 @@ import os
 import signal
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -217,16 +218,19 @@ class PreprocessPool:
             if slots is None:
                 yield from self._checked(iter(dataset), delivered, sizes)
                 return
-            loader = torch.utils.data.DataLoader(
-                dataset,
-                batch_size=None,
-                num_workers=self.workers,
-                prefetch_factor=self.prefetch,
-                collate_fn=_identity,
-                multiprocessing_context=self.context,
-                in_order=False,
-            )
-            items = iter(loader)
+            with warnings.catch_warnings():
+                # torch warns when workers outnumber its CPU estimate; the count is the user's choice.
+                warnings.filterwarnings("ignore", message="This DataLoader will create")
+                loader = torch.utils.data.DataLoader(
+                    dataset,
+                    batch_size=None,
+                    num_workers=self.workers,
+                    prefetch_factor=self.prefetch,
+                    collate_fn=_identity,
+                    multiprocessing_context=self.context,
+                    in_order=False,
+                )
+                items = iter(loader)
             try:
                 with Watchdog(slots, self.timeout_s):
                     yield from self._checked(items, delivered, sizes)

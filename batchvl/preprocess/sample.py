@@ -82,9 +82,10 @@ class SampleProcessor:
         prepared = PreparedSample(
             sample.shard, sample.index, sample.key, sample.fields, len(images), images=images
         )
+        values = {**sample.fields, "key": sample.key}
         for prompt in self.prompts:
             try:
-                rendered = self.renderer.render(fill_template(prompt.text, sample.fields), len(images))
+                rendered = self.renderer.render(fill_template(prompt.text, values), len(images))
                 prepared.prompts.append(PreparedPrompt(self.renderer.token_ids(rendered, images)))
             except SampleError as exc:
                 prepared.prompts.append(PreparedPrompt(None, exc))

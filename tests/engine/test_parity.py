@@ -25,7 +25,9 @@ def cases(tiny_model_dir, loaded_fp32):
     renderer = PromptRenderer(loaded_fp32.processor)
     out = []
     for i, image in enumerate(images):
-        prepared = prepare_image(image, QwenVisionSpec.from_image_processor(loaded_fp32.processor.image_processor))
+        prepared = prepare_image(
+            image, QwenVisionSpec.from_image_processor(loaded_fp32.processor.image_processor)
+        )
         for j, prompt in enumerate(PROMPTS):
             rendered = renderer.render(prompt, 1)
             ids = renderer.token_ids(rendered, [prepared])
@@ -124,7 +126,10 @@ def test_several_images_in_one_prompt(tiny_model_dir, loaded_fp32):
     processor = AutoProcessor.from_pretrained(tiny_model_dir)
     reference = AutoModelForImageTextToText.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     renderer = PromptRenderer(loaded_fp32.processor)
-    prepared = [prepare_image(image, QwenVisionSpec.from_image_processor(loaded_fp32.processor.image_processor)) for image in images]
+    prepared = [
+        prepare_image(image, QwenVisionSpec.from_image_processor(loaded_fp32.processor.image_processor))
+        for image in images
+    ]
     rendered = renderer.render("Compare the two images.", 2)
     ids = renderer.token_ids(rendered, prepared)
     inputs = processor(text=[rendered], images=images, return_tensors="pt")

@@ -1,0 +1,98 @@
+"""The preprocessing pool: every sample exactly once, and a crashing or hanging worker costs one sample."""
+
+import io
+import os
+import time
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import batchvl.preprocess.sample as sample_module
+from batchvl.config import InputConfig, PromptConfig
+from batchvl.io.parquet import ParquetSource
+from batchvl.io.types import ShardEnd
+from batchvl.preprocess.pool import PreprocessPool
+from batchvl.preprocess.qwen_vision import QwenVisionSpec, prepare_image
+from batchvl.preprocess.sample import PreparedSample, SampleProcessor
+from tests.conftest import random_image
+
+
+def png(seed: int) -> bytes:
+    buffer = io.BytesIO()
+    random_image(30 + seed % 7, 40, seed).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+@pytest.fixture()
+def shards(tmp_path):
+    for name, seeds in (("a.parquet", range(0, 7)), ("b.parquet", range(7, 12))):
+        pq.write_table(
+            pa.table({"image": [png(s) for s in seeds], "id": [f"s{s}" for s in seeds]}), tmp_path / name
+        )
+    source = ParquetSource(InputConfig(paths=[str(tmp_path / "*.parquet")], key_column="id"))
+    return source, source.list_shards()
+
+
+def processor(loaded):
+    spec = QwenVisionSpec.from_image_processor(loaded.processor.image_processor)
+    prompts = [PromptConfig("caption", "Describe."), PromptConfig("ask", "Is it {key}?")]
+    return SampleProcessor(loaded.processor, lambda image: prepare_image(image, spec), prompts, 10**8)
+
+
+def collect(pool):
+    samples, ends = {}, {}
+    for item in pool:
+        if isinstance(item, ShardEnd):
+            assert item.shard not in ends
+            ends[item.shard] = item.num_samples
+        else:
+            assert isinstance(item, PreparedSample)
+            assert (item.shard, item.index) not in samples, "a sample came out twice"
+            samples[(item.shard, item.index)] = item
+    return samples, ends
+
+
+@pytest.mark.parametrize("workers", [0, 1, 3])
+def test_every_sample_exactly_once(loaded_fp32, shards, workers):
+    source, infos = shards
+    samples, ends = collect(PreprocessPool(source, infos, processor(loaded_fp32), workers, 2, 60))
+    assert ends == {"a.parquet": 7, "b.parquet": 5}
+    assert sorted(samples) == [("a.parquet", i) for i in range(7)] + [("b.parquet", i) for i in range(5)]
+    for sample in samples.values():
+        assert sample.error is None and len(sample.images) == 1
+        assert [p.error for p in sample.prompts] == [None, None]
+    # the prompt template used the sample's field: prompts differ per sample
+    asks = {tuple(s.prompts[1].token_ids) for s in samples.values()}
+    assert len(asks) == len(samples)
+
+
+@pytest.fixture()
+def poisoned(monkeypatch):
+    """Decoding the 3rd image of shard a crashes its worker; the 2nd of shard b hangs."""
+    crash, hang = png(2), png(8)
+    real_decode = sample_module.decode_image
+
+    def decode(data, path, limit):
+        if data == crash:
+            os._exit(11)  # like a segfault in a native decoder: the process is gone
+        if data == hang:
+            time.sleep(3600)
+        return real_decode(data, path, limit)
+
+    # Workers are forked, so they inherit the patched function.
+    monkeypatch.setattr(sample_module, "decode_image", decode)
+
+
+def test_crashing_and_hanging_samples_cost_only_themselves(loaded_fp32, shards, poisoned):
+    source, infos = shards
+    pool = PreprocessPool(source, infos, processor(loaded_fp32), workers=2, prefetch=2, timeout_s=2)
+    samples, ends = collect(pool)
+    assert ends == {"a.parquet": 7, "b.parquet": 5}
+    assert len(samples) == 12
+    errors = {k: s.error.error_type for k, s in samples.items() if s.error is not None}
+    assert errors == {("a.parquet", 2): "preprocess_crash", ("b.parquet", 1): "preprocess_timeout"}
+    assert samples[("a.parquet", 2)].key == "s2"  # the error row still carries the sample's key
+    assert "preprocess.timeout_s=2" in samples[("b.parquet", 1)].error.message
+    assert pool.stats.worker_restarts == 2
+    assert (pool.stats.samples_crashed, pool.stats.samples_timed_out) == (1, 1)
