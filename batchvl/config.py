@@ -102,6 +102,12 @@ class PreprocessConfig:
     min_pixels: int | None = _key(None, "Smallest resized pixel count (null: the model processor's own)")
     max_pixels: int | None = _key(None, "Largest resized pixel count (null: the model processor's own)")
     max_image_pixels: int = _key(50_000_000, "Images over this many pixels are refused before full decode")
+    video_fps: float = _key(2.0, "Video frames sampled per second of video")
+    video_min_frames: int = _key(4, "Fewest frames sampled from a video")
+    video_max_frames: int = _key(64, "Most frames sampled from a video")
+    video_max_pixels: int = _key(
+        20_000_000, "Pixel budget of one video over all its frames (each frame gets an even share)"
+    )
     workers: int | None = _key(
         None, "Preprocessing worker processes (0: in the main process; null: half the CPU cores, 1 to 8)"
     )
@@ -129,7 +135,7 @@ class JobConfig:
     prompts: list[PromptConfig] = _key(help="One request per (sample, prompt)", factory=_default_prompts)
     sampling: SamplingConfig = _key(help="Decoding", factory=SamplingConfig)
     engine: EngineConfig = _key(help="Engine limits", factory=EngineConfig)
-    preprocess: PreprocessConfig = _key(help="Image preprocessing", factory=PreprocessConfig)
+    preprocess: PreprocessConfig = _key(help="Image and video preprocessing", factory=PreprocessConfig)
 
 
 # ---- conversion -------------------------------------------------------------------------------------
@@ -217,6 +223,11 @@ def _check_values(cfg: JobConfig) -> None:
     positive("sampling.max_new_tokens", s.max_new_tokens)
     positive("preprocess.max_image_pixels", p.max_image_pixels)
     positive("preprocess.prefetch", p.prefetch)
+    positive("preprocess.video_min_frames", p.video_min_frames)
+    positive("preprocess.video_max_frames", p.video_max_frames)
+    positive("preprocess.video_max_pixels", p.video_max_pixels)
+    if p.video_fps <= 0:
+        raise ConfigError(f"'preprocess.video_fps' must be positive, got {p.video_fps}")
     positive("input.files_per_shard", cfg.input.files_per_shard)
     if p.timeout_s <= 0:
         raise ConfigError(f"'preprocess.timeout_s' must be positive, got {p.timeout_s}")

@@ -7,7 +7,6 @@ every row of that shard has an outcome; committed shards are skipped on rerun.
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import os
@@ -31,8 +30,9 @@ from batchvl.io.writers import ResultRow, is_committed, write_json_atomic, write
 from batchvl.models.loader import LoadedModel, load_model, read_model_type
 from batchvl.models.registry import adapter_class
 from batchvl.preprocess.pool import PreprocessPool, default_workers
-from batchvl.preprocess.qwen_vision import QwenVisionSpec, prepare_image
+from batchvl.preprocess.qwen_vision import QwenMediaPreparer, QwenVisionSpec
 from batchvl.preprocess.sample import PreparedSample, SampleProcessor
+from batchvl.preprocess.video import FrameSampling
 from batchvl.utils.background import END, BackgroundIterator
 from batchvl.utils.stats import RunStats
 
@@ -106,9 +106,13 @@ def sample_processor(cfg: JobConfig, loaded: LoadedModel) -> SampleProcessor:
     spec = QwenVisionSpec.from_image_processor(
         loaded.processor.image_processor, pre.min_pixels, pre.max_pixels
     )
-    return SampleProcessor(
-        loaded.processor, functools.partial(prepare_image, spec=spec), cfg.prompts, pre.max_image_pixels
+    media = QwenMediaPreparer(
+        spec,
+        FrameSampling(pre.video_fps, pre.video_min_frames, pre.video_max_frames),
+        pre.video_max_pixels,
+        pre.max_image_pixels,
     )
+    return SampleProcessor(loaded.processor, media, cfg.prompts)
 
 
 def _row(sample: PreparedSample, prompt_index: int, prompt_name: str, **values) -> ResultRow:

@@ -24,3 +24,22 @@ def loaded_fp32(tiny_model_dir):
 def random_image(height: int, width: int, seed: int) -> Image.Image:
     rng = np.random.default_rng(seed)
     return Image.fromarray(rng.integers(0, 256, size=(height, width, 3), dtype=np.uint8))
+
+
+def video_bytes(num_frames: int, fps: int, height: int = 64, width: int = 96, seed: int = 0) -> bytes:
+    """An mp4 clip whose frame i has mean brightness about 8 * i (so decoded frames can be identified)."""
+    import io
+
+    import av
+
+    rng = np.random.default_rng(seed)
+    buffer = io.BytesIO()
+    with av.open(buffer, mode="w", format="mp4") as container:
+        stream = container.add_stream("mpeg4", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        stream.options = {"qscale": "2"}
+        for i in range(num_frames):
+            pixels = np.clip(8 * i + rng.integers(-4, 5, size=(height, width, 3)), 0, 255).astype(np.uint8)
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")))
+        container.mux(stream.encode())
+    return buffer.getvalue()

@@ -156,28 +156,29 @@ class Engine:
         return results
 
     def _image_spans(self, item: EngineRequest) -> list[ImageSpan]:
-        """Find each image's placeholder run in the prompt, in order."""
-        image_token = self.adapter.image_token_id
+        """Find each image's (or video's) placeholder run in the prompt, in order."""
+        kinds = {token: kind for kind, token in self.adapter.placeholder_token_ids.items()}
         ids = item.prompt_token_ids
-        runs = []
+        runs = []  # (offset, length, kind)
         index = 0
         while index < len(ids):
-            if ids[index] == image_token:
-                end = index
-                while end < len(ids) and ids[end] == image_token:
-                    end += 1
-                runs.append((index, end - index))
-                index = end
-            else:
+            kind = kinds.get(ids[index])
+            if kind is None:
                 index += 1
-        if len(runs) != len(item.images):
+                continue
+            end = index
+            while end < len(ids) and ids[end] == ids[index]:
+                end += 1
+            runs.append((index, end - index, kind))
+            index = end
+        if [r[2] for r in runs] != [img.kind for img in item.images]:
             raise SampleError(
                 "prompt_mismatch",
-                f"prompt has {len(runs)} image placeholder runs for {len(item.images)} images",
+                f"prompt has placeholders {[r[2] for r in runs]} for media {[i.kind for i in item.images]}",
             )
         return [
             ImageSpan(offset, length, img.content_hash)
-            for (offset, length), img in zip(runs, item.images, strict=True)
+            for (offset, length, _), img in zip(runs, item.images, strict=True)
         ]
 
     def _check_fits(self, item: EngineRequest) -> None:

@@ -47,7 +47,9 @@ class ModelRunner:
         self.positions: dict[int, RequestPositions] = {}
 
     def add_request(self, request_id: int, prompt_token_ids: list[int], images: list[PreparedImage]) -> None:
-        prompt, delta = self.adapter.prompt_positions(prompt_token_ids, [img.grid_thw for img in images])
+        prompt, delta = self.adapter.prompt_positions(
+            prompt_token_ids, [(img.kind, img.grid_thw) for img in images]
+        )
         self.positions[request_id] = RequestPositions(prompt, delta)
 
     def remove_request(self, request_id: int) -> None:
@@ -55,13 +57,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def encode(self, images: list[PreparedImage]) -> dict[str, int]:
-        """Encode images in one vision call; returns the embedding size in bytes per content hash."""
-        pixel_values = torch.from_numpy(np.concatenate([img.pixel_values for img in images]))
-        grid = torch.tensor([img.grid_thw for img in images], dtype=torch.long)
+        """Encode images (one vision call per media kind); returns embedding bytes per content hash."""
         sizes = {}
-        for img, emb in zip(images, self.adapter.encode_images(pixel_values, grid), strict=True):
-            self.embeddings[img.content_hash] = emb
-            sizes[img.content_hash] = emb.numel() * emb.element_size()
+        for kind in sorted({img.kind for img in images}):
+            batch = [img for img in images if img.kind == kind]
+            pixel_values = torch.from_numpy(np.concatenate([img.pixel_values for img in batch]))
+            grid = torch.tensor([img.grid_thw for img in batch], dtype=torch.long)
+            for img, emb in zip(batch, self.adapter.encode(kind, pixel_values, grid), strict=True):
+                self.embeddings[img.content_hash] = emb
+                sizes[img.content_hash] = emb.numel() * emb.element_size()
         return sizes
 
     def drop_embeddings(self, hashes: list[str]) -> None:

@@ -22,19 +22,20 @@ class TextGeometry:
 
 
 class VLMAdapter(Protocol):
-    image_token_id: int
+    placeholder_token_ids: dict[str, int]  # media kind ("image", "video") -> its placeholder token id
     geometry: TextGeometry
     dtype: torch.dtype
     device: torch.device
 
-    def encode_images(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]:
-        """Merged embeddings per image, one (num_tokens, hidden) tensor each, in input order."""
+    def encode(self, kind: str, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]:
+        """Merged embeddings per image (or video), one (num_tokens, hidden) tensor each, in input order."""
         ...
 
     def prompt_positions(
-        self, prompt_token_ids: list[int], grid_thw: list[tuple[int, int, int]]
+        self, prompt_token_ids: list[int], media: list[tuple[str, tuple[int, int, int]]]
     ) -> tuple[torch.Tensor, int]:
-        """Positions of the prompt tokens, shape (num_pos_axes, L), and the offset for generated tokens."""
+        """Positions of the prompt tokens, shape (num_pos_axes, L), and the offset for generated tokens;
+        `media` lists (kind, grid_thw) of the prompt's images and videos in order."""
         ...
 
     def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor: ...

@@ -15,15 +15,17 @@ class PreparedImage:
     pixel_values: np.ndarray  # (num_patches, channels * temporal_patch * patch * patch), float32
     grid_thw: tuple[int, int, int]
     content_hash: str
+    kind: str = "image"  # "image" or "video": which placeholder token and vision entry point
 
     @property
     def num_patches(self) -> int:
         return self.pixel_values.shape[0]
 
 
-def content_hash(pixel_values: np.ndarray, grid_thw: tuple[int, int, int]) -> str:
-    """xxh3-128 of the preprocessed pixels and grid: equal for identical images after preprocessing."""
+def content_hash(pixel_values: np.ndarray, grid_thw: tuple[int, int, int], kind: str = "image") -> str:
+    """xxh3-128 of the preprocessed pixels, grid and kind: equal for identical media after preprocessing."""
     digest = xxhash.xxh3_128()
+    digest.update(kind.encode())
     digest.update(np.ascontiguousarray(pixel_values).tobytes())
     digest.update(np.asarray(grid_thw, dtype=np.int64).tobytes())
     return digest.hexdigest()

@@ -40,28 +40,33 @@ class PromptRenderer:
     def __init__(self, processor):
         self.processor = processor
         self.tokenizer = processor.tokenizer
-        self.image_token_id = self.tokenizer.convert_tokens_to_ids(processor.image_token)
+        video_token = getattr(processor, "video_token", None) or "<|video_pad|>"
+        self.placeholder_ids = {
+            "image": self.tokenizer.convert_tokens_to_ids(processor.image_token),
+            "video": self.tokenizer.convert_tokens_to_ids(video_token),
+        }
         self.merge_length = processor.image_processor.merge_size**2
 
-    def render(self, prompt_text: str, num_images: int) -> str:
-        content = [{"type": "image"} for _ in range(num_images)] + [{"type": "text", "text": prompt_text}]
+    def render(self, prompt_text: str, media_kinds: int | list[str]) -> str:
+        """Chat-template text of one user turn: the media (an int: that many images), then the text."""
+        kinds = ["image"] * media_kinds if isinstance(media_kinds, int) else media_kinds
+        content = [{"type": kind} for kind in kinds] + [{"type": "text", "text": prompt_text}]
         messages = [{"role": "user", "content": content}]
         return self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
-    def token_ids(self, rendered: str, images: list[PreparedImage]) -> list[int]:
+    def token_ids(self, rendered: str, media: list[PreparedImage]) -> list[int]:
         ids = self.tokenizer(rendered, add_special_tokens=False)["input_ids"]
-        num_placeholders = sum(token == self.image_token_id for token in ids)
-        if num_placeholders != len(images):
+        kind_of = {token: kind for kind, token in self.placeholder_ids.items()}
+        found = [kind_of[token] for token in ids if token in kind_of]
+        if found != [m.kind for m in media]:
             raise SampleError(
                 "prompt_mismatch",
-                f"rendered prompt has {num_placeholders} image placeholders for {len(images)} images",
+                f"rendered prompt has placeholders {found} for media {[m.kind for m in media]}",
             )
-        counts = iter(
-            img.grid_thw[0] * img.grid_thw[1] * img.grid_thw[2] // self.merge_length for img in images
-        )
+        counts = iter(m.grid_thw[0] * m.grid_thw[1] * m.grid_thw[2] // self.merge_length for m in media)
         expanded: list[int] = []
         for token in ids:
-            if token == self.image_token_id:
+            if token in kind_of:
                 expanded.extend([token] * next(counts))
             else:
                 expanded.append(token)

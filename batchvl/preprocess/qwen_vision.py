@@ -1,4 +1,4 @@
-"""Qwen-VL image preprocessing without transformers or torchvision: resize, normalize, patchify.
+"""Qwen-VL image and video preprocessing without transformers or torchvision: resize, normalize, patchify.
 
 It reproduces the model's own image processor (checked by a parity test against it) with numpy and
 Pillow only, so it runs in worker processes that never import torch models, and on machines where
@@ -14,7 +14,10 @@ import numpy as np
 from PIL import Image
 
 from batchvl.errors import SampleError
+from batchvl.io.types import MediaRef
+from batchvl.preprocess.image import decode_image
 from batchvl.preprocess.media import PreparedImage, content_hash
+from batchvl.preprocess.video import FrameSampling, decode_video
 
 MAX_ASPECT_RATIO = 200  # the Qwen-VL processors refuse more elongated images
 
@@ -115,3 +118,43 @@ def prepare_image(image: Image.Image, spec: QwenVisionSpec) -> PreparedImage:
     frames = np.broadcast_to(frame, (spec.temporal_patch_size, *frame.shape))
     pixel_values, grid = patchify(frames, spec)
     return PreparedImage(pixel_values, grid, content_hash(pixel_values, grid))
+
+
+def video_frame_max_pixels(spec: QwenVisionSpec, video_max_pixels: int, num_frames: int) -> int:
+    """Per-frame pixel cap: an even share of the clip's budget (per temporal patch), never below the
+    image minimum (x1.05) nor above the image maximum (the qwen-vl-utils rule)."""
+    share = video_max_pixels * spec.temporal_patch_size // num_frames
+    return max(min(spec.max_pixels, share), int(spec.min_pixels * 1.05))
+
+
+def prepare_video(frames: np.ndarray, spec: QwenVisionSpec, video_max_pixels: int) -> PreparedImage:
+    """uint8 frames (T, H, W, 3), T a multiple of the temporal patch -> pixel_values rows and grid."""
+    num_frames, height, width, _ = frames.shape
+    max_pixels = video_frame_max_pixels(spec, video_max_pixels, num_frames)
+    new_height, new_width = smart_resize(height, width, spec.factor, spec.min_pixels, max_pixels)
+    resized = np.stack(
+        [
+            np.asarray(Image.fromarray(f).resize((new_width, new_height), resample=spec.resample))
+            for f in frames
+        ]
+    )
+    pixel_values, grid = patchify(normalize(resized, spec), spec)
+    return PreparedImage(pixel_values, grid, content_hash(pixel_values, grid, "video"), "video")
+
+
+@dataclass(frozen=True)
+class QwenMediaPreparer:
+    """MediaRef -> PreparedImage for the Qwen-VL families; picklable, so it can run in worker processes."""
+
+    spec: QwenVisionSpec
+    frames: FrameSampling
+    video_max_pixels: int
+    max_image_pixels: int
+
+    def __call__(self, ref: MediaRef) -> PreparedImage:
+        if ref.kind == "video":
+            clip = decode_video(
+                ref.data, ref.path, self.frames, self.spec.temporal_patch_size, self.max_image_pixels
+            )
+            return prepare_video(clip, self.spec, self.video_max_pixels)
+        return prepare_image(decode_image(ref.data, ref.path, self.max_image_pixels), self.spec)

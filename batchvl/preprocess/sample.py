@@ -13,12 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from PIL import Image
-
 from batchvl.config import PromptConfig
 from batchvl.errors import SampleError
 from batchvl.io.types import MediaRef, Sample
-from batchvl.preprocess.image import decode_image
 from batchvl.preprocess.media import PreparedImage
 from batchvl.preprocess.prompts import PromptRenderer, fill_template
 
@@ -52,14 +49,12 @@ class SampleProcessor:
     def __init__(
         self,
         processor,
-        prepare_image: Callable[[Image.Image], PreparedImage],
+        prepare_media: Callable[[MediaRef], PreparedImage],
         prompts: list[PromptConfig],
-        max_image_pixels: int,
     ):
         self.renderer = PromptRenderer(processor)
-        self.prepare_image = prepare_image
+        self.prepare_media = prepare_media
         self.prompts = prompts
-        self.max_image_pixels = max_image_pixels
 
     def __call__(self, sample: Sample) -> PreparedSample:
         start = time.perf_counter()
@@ -78,22 +73,15 @@ class SampleProcessor:
     def _process(self, sample: Sample) -> PreparedSample:
         if sample.error is not None:
             raise sample.error
-        images = [self._media(ref) for ref in sample.images]
+        images = [self.prepare_media(ref) for ref in sample.images]
         prepared = PreparedSample(
             sample.shard, sample.index, sample.key, sample.fields, len(images), images=images
         )
         values = {**sample.fields, "key": sample.key}
         for prompt in self.prompts:
             try:
-                rendered = self.renderer.render(fill_template(prompt.text, values), len(images))
+                rendered = self.renderer.render(fill_template(prompt.text, values), [m.kind for m in images])
                 prepared.prompts.append(PreparedPrompt(self.renderer.token_ids(rendered, images)))
             except SampleError as exc:
                 prepared.prompts.append(PreparedPrompt(None, exc))
         return prepared
-
-    def _media(self, ref: MediaRef) -> PreparedImage:
-        if ref.kind == "video":
-            raise SampleError(
-                "unsupported_media", "video input is not supported by this model's preprocessing"
-            )
-        return self.prepare_image(decode_image(ref.data, ref.path, self.max_image_pixels))

@@ -8,13 +8,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-import batchvl.preprocess.sample as sample_module
+import batchvl.preprocess.qwen_vision as qwen_vision
 from batchvl.config import InputConfig, PromptConfig
 from batchvl.io.parquet import ParquetSource
 from batchvl.io.types import ShardEnd
 from batchvl.preprocess.pool import PreprocessPool
-from batchvl.preprocess.qwen_vision import QwenVisionSpec, prepare_image
+from batchvl.preprocess.qwen_vision import QwenMediaPreparer, QwenVisionSpec
 from batchvl.preprocess.sample import PreparedSample, SampleProcessor
+from batchvl.preprocess.video import FrameSampling
 from tests.conftest import random_image
 
 
@@ -37,7 +38,8 @@ def shards(tmp_path):
 def processor(loaded):
     spec = QwenVisionSpec.from_image_processor(loaded.processor.image_processor)
     prompts = [PromptConfig("caption", "Describe."), PromptConfig("ask", "Is it {key}?")]
-    return SampleProcessor(loaded.processor, lambda image: prepare_image(image, spec), prompts, 10**8)
+    media = QwenMediaPreparer(spec, FrameSampling(2.0, 4, 16), 10**7, 10**8)
+    return SampleProcessor(loaded.processor, media, prompts)
 
 
 def collect(pool):
@@ -71,7 +73,7 @@ def test_every_sample_exactly_once(loaded_fp32, shards, workers):
 def poisoned(monkeypatch):
     """Decoding the 3rd image of shard a crashes its worker; the 2nd of shard b hangs."""
     crash, hang = png(2), png(8)
-    real_decode = sample_module.decode_image
+    real_decode = qwen_vision.decode_image
 
     def decode(data, path, limit):
         if data == crash:
@@ -81,7 +83,7 @@ def poisoned(monkeypatch):
         return real_decode(data, path, limit)
 
     # Workers are forked, so they inherit the patched function.
-    monkeypatch.setattr(sample_module, "decode_image", decode)
+    monkeypatch.setattr(qwen_vision, "decode_image", decode)
 
 
 def test_crashing_and_hanging_samples_cost_only_themselves(loaded_fp32, shards, poisoned):
