@@ -16,6 +16,12 @@ import typer
 
 from batchvl.errors import UserError
 
+# torch's oneDNN CPU kernels keep one compiled primitive per distinct matmul shape, 1024 by default; the
+# engine's packed steps have many shapes, so that cache alone grew resident memory by hundreds of MB over
+# a job. 64 keeps the recurring shapes (same speed in the input-pipeline benchmark) and bounds memory.
+# Read when torch first uses oneDNN, so it is set before any command imports torch; a user's value wins.
+os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
+
 app = typer.Typer(
     add_completion=False,
     pretty_exceptions_show_locals=False,

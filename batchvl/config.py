@@ -113,7 +113,9 @@ class PreprocessConfig:
     )
     prefetch: int = _key(8, "Prepared samples each worker may hold ready ahead of the engine")
     timeout_s: float = _key(
-        120.0, "A sample whose preprocessing takes longer becomes an error row (its worker is restarted)"
+        120.0,
+        "A sample whose preprocessing takes longer becomes an error row and its worker is replaced "
+        "(needs workers >= 1)",
     )
 
 

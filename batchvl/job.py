@@ -34,6 +34,7 @@ from batchvl.preprocess.qwen_vision import QwenMediaPreparer, QwenVisionSpec
 from batchvl.preprocess.sample import PreparedSample, SampleProcessor
 from batchvl.preprocess.video import FrameSampling
 from batchvl.utils.background import END, BackgroundIterator
+from batchvl.utils.memory import HeapTrimmer
 from batchvl.utils.stats import RunStats
 
 logger = logging.getLogger(__name__)
@@ -170,6 +171,7 @@ class JobRunner:
         self.loaded = loaded
         self.show_progress = show_progress
         self.stats = RunStats()
+        self.trimmer = HeapTrimmer()
         self.out_dir = cfg.output.dir
         self.metadata = {
             "batchvl_version": __version__,
@@ -194,7 +196,9 @@ class JobRunner:
                 torch.set_num_threads(self.cfg.engine.threads)
             if self.loaded is None:
                 m = self.cfg.model
+                loading = time.perf_counter()
                 self.loaded = load_model(m.path, m.dtype, m.device, m.trust_remote_code)
+                self.stats.model_load_s = round(time.perf_counter() - loading, 3)
             engine = Engine(
                 self.loaded.adapter,
                 self.loaded.processor.tokenizer,
@@ -298,6 +302,7 @@ class JobRunner:
         started = time.perf_counter()
         results = engine.step()
         self.stats.engine_s += time.perf_counter() - started
+        self.trimmer.maybe_trim()
         for result in results:
             tag: RowTag = result.tag
             shard = progress[tag.shard]

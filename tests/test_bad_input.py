@@ -197,3 +197,28 @@ def test_bad_paths_and_truncated_tar_through_a_job(tmp_path, loaded_fp32):
     assert all(s[2] == "ok" for s in statuses if s[0] != last)
     assert {s[3] for s in statuses if s[0] == last} == {"truncated_shard"}
     assert len(statuses) >= 4  # at least the first two samples were readable
+
+
+def test_a_crashing_worker_costs_one_sample_in_a_job(tmp_path, loaded_fp32, monkeypatch):
+    import batchvl.preprocess.qwen_vision as qwen_vision
+
+    images = [encode(random_image(40 + i, 50, 10 + i), "PNG") for i in range(8)]
+    real_decode = qwen_vision.decode_image
+
+    def decode(data, path, limit):
+        if data == images[5]:
+            os._exit(9)  # the worker process dies, as in a native decoder crash
+        return real_decode(data, path, limit)
+
+    monkeypatch.setattr(qwen_vision, "decode_image", decode)  # inherited by the forked workers
+    data = tmp_path / "data"
+    data.mkdir()
+    keys = [f"k{i}" for i in range(8)]
+    pq.write_table(pa.table({"key": keys, "image": images, "question": ["q"] * 8}), data / "c.parquet")
+    cfg = job(tmp_path, loaded_fp32.path, [str(data / "*.parquet")])
+    summary = run_job(cfg, loaded=loaded_fp32, show_progress=False)
+    rows = rows_by_key(cfg.output.dir, "c.parquet")
+    assert len(rows) == 16
+    failed = {key for (key, _), row in rows.items() if row["status"] != "ok"}
+    assert failed == {"k5"} and rows[("k5", "caption")]["error_type"] == "preprocess_crash"
+    assert summary.stats["worker_restarts"] == 1 and summary.stats["samples_crashed"] == 1

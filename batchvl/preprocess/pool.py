@@ -218,6 +218,8 @@ class PreprocessPool:
             if slots is None:
                 yield from self._checked(iter(dataset), delivered, sizes)
                 return
+            # Forked workers tokenize; the Rust tokenizer's thread pool must not be inherited mid-use.
+            os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
             with warnings.catch_warnings():
                 # torch warns when workers outnumber its CPU estimate; the count is the user's choice.
                 warnings.filterwarnings("ignore", message="This DataLoader will create")

@@ -19,6 +19,7 @@ class RunStats:
     errors: int = 0
     errors_by_type: Counter = field(default_factory=Counter)
     wall_s: float = 0.0
+    model_load_s: float = 0.0
     input_wait_s: float = 0.0  # the engine had nothing to do and waited for prepared samples
     engine_s: float = 0.0  # inside engine steps
     preprocess_s: float = 0.0  # summed over samples, in the workers (runs in parallel with the engine)
@@ -42,7 +43,8 @@ class RunStats:
         wall = max(self.wall_s, 1e-9)
         out["samples_per_s"] = round(self.samples / wall, 3)
         out["output_tokens_per_s"] = round(engine.output_tokens / wall, 3)
-        out["input_wait_share"] = round(self.input_wait_s / wall, 4)
+        # share of the time after the model is loaded, the part the input pipeline can starve
+        out["input_wait_share"] = round(self.input_wait_s / max(self.wall_s - self.model_load_s, 1e-9), 4)
         for key in ("input_wait_s", "engine_s", "preprocess_s"):
             out[key] = round(out[key], 3)
         return out

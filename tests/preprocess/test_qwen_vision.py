@@ -113,13 +113,16 @@ def test_sixteen_bit_images_keep_their_range():
 
 
 def test_exif_rotation_is_applied():
-    image = Image.fromarray(gradient(40, 100, 3))
+    pixels = np.full((40, 100, 3), 255, dtype=np.uint8)
+    pixels[:, :50] = 0  # stored: left half black, right half white
     exif = Image.Exif()
     exif[0x0112] = 6  # orientation: rotate 90 degrees clockwise to display
     buffer = io.BytesIO()
-    image.save(buffer, format="JPEG", exif=exif)
-    decoded = decode_image(buffer.getvalue(), None, 10**8)
-    assert decoded.size == (40, 100)
+    Image.fromarray(pixels).save(buffer, format="JPEG", exif=exif)
+    decoded = np.asarray(decode_image(buffer.getvalue(), None, 10**8))
+    assert decoded.shape == (100, 40, 3)
+    # turned clockwise, the stored left side is now on top
+    assert decoded[:45].mean() < 20 and decoded[55:].mean() > 235
 
 
 def test_sample_errors_survive_pickling():
