@@ -164,13 +164,29 @@ class Watchdog:
         while not self._stop.wait(interval):
             now = time.monotonic()
             for worker, slot in enumerate(self.slots.snapshot()):
-                if slot.state == BUSY and now - slot.started > self.timeout_s:
+                # A worker that already died is a crash, reported as such once the loader notices.
+                if slot.state == BUSY and now - slot.started > self.timeout_s and not _is_dead(slot.pid):
                     self.slots.mark_timed_out(worker)
                     logger.warning(
                         "preprocessing worker %d exceeded %.0f s on one sample", slot.pid, self.timeout_s
                     )
                     with contextlib.suppress(ProcessLookupError):  # it may have just finished
                         os.kill(slot.pid, signal.SIGKILL)
+
+
+def _unregister_from_sigchld(iterator) -> None:
+    """Keep torch's SIGCHLD handler from raising in the main thread when one of our workers dies.
+
+    Once any DataLoader has been iterated in the main thread, torch raises from a SIGCHLD handler
+    wherever the main thread happens to be (mid engine step) for every registered worker that exits.
+    A dying worker is an event this pool handles (the loader's own liveness check reports it here), so
+    its workers are taken off that list. Uses the iterator's private bookkeeping, checked defensively.
+    """
+    from torch.utils.data._utils import signal_handling
+
+    if getattr(iterator, "_worker_pids_set", False):
+        signal_handling._remove_worker_pids(id(iterator))
+        iterator._worker_pids_set = False
 
 
 def _is_dead(pid: int) -> bool:
@@ -233,6 +249,7 @@ class PreprocessPool:
                     in_order=False,
                 )
                 items = iter(loader)
+                _unregister_from_sigchld(items)
             try:
                 with Watchdog(slots, self.timeout_s):
                     yield from self._checked(items, delivered, sizes)
