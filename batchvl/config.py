@@ -94,6 +94,18 @@ class EngineConfig:
     encoder_cache_mb: int = _key(
         512, "Memory for cached image embeddings, in MiB (0: keep only while in use)"
     )
+    max_patches_per_encode: int = _key(
+        4096, "Most image patches in one vision-tower call (images are grouped by patch count)"
+    )
+    prefix_caching: bool = _key(
+        True, "Reuse the KV cache of shared prompt prefixes (system prompt + image) across requests"
+    )
+    lookahead: int = _key(
+        64, "Requests waiting in the engine, admitted cheapest image first (1: strict arrival order)"
+    )
+    disable_chunked_mm_input: bool = _key(
+        False, "Never split an image's placeholder tokens across prefill chunks"
+    )
     threads: int = _key(0, "torch intra-op threads (0: torch's default)")
 
 
@@ -220,7 +232,14 @@ def _check_values(cfg: JobConfig) -> None:
             raise ConfigError(f"'{key}' must be positive, got {value}")
 
     e, s, p = cfg.engine, cfg.sampling, cfg.preprocess
-    for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_mb", "block_size"):
+    for name in (
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "kv_cache_mb",
+        "block_size",
+        "max_patches_per_encode",
+        "lookahead",
+    ):
         positive(f"engine.{name}", getattr(e, name))
     positive("sampling.max_new_tokens", s.max_new_tokens)
     positive("preprocess.max_image_pixels", p.max_image_pixels)

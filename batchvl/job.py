@@ -85,6 +85,10 @@ def engine_limits(cfg: JobConfig) -> EngineLimits:
         kv_cache_mb=e.kv_cache_mb,
         block_size=e.block_size,
         encoder_cache_mb=e.encoder_cache_mb,
+        max_patches_per_encode=e.max_patches_per_encode,
+        prefix_caching=e.prefix_caching,
+        lookahead=e.lookahead,
+        disable_chunked_mm_input=e.disable_chunked_mm_input,
     )
 
 
@@ -224,7 +228,7 @@ class JobRunner:
         )
         self.stats.preprocess_workers = workers
         progress = {s.shard: ShardProgress(s) for s in shards}
-        lookahead = max(2 * self.cfg.engine.max_num_seqs, 8)
+        lookahead = self.cfg.engine.lookahead
         known = [s.num_rows for s in shards]
         bar = tqdm(
             total=sum(known) if None not in known else None,
@@ -236,7 +240,7 @@ class JobRunner:
         try:
             with bar:
                 while True:
-                    if engine.num_unfinished >= lookahead:
+                    if engine.num_waiting >= lookahead:
                         self._step(engine, progress, bar)
                         continue
                     idle = engine.num_unfinished == 0

@@ -103,7 +103,9 @@ def test_run_writes_one_row_per_sample_and_prompt_equal_to_generate(job, tiny_mo
     (stats_file,) = (root / "out" / "_batchvl" / "stats").glob("run-*.json")
     stats = json.loads(stats_file.read_text())
     assert (stats["samples"], stats["requests"], stats["ok"], stats["errors"]) == (4, 8, 6, 2)
-    assert stats["images_total"] == 6 and stats["images_encoded"] == 3 and stats["encoder_cache_hits"] == 3
+    assert stats["images_total"] == 6 and stats["images_encoded"] == 3
+    # the second prompt of an image takes system prompt + image from the prefix cache (or the encoder cache)
+    assert stats["prefix_cache_hit_tokens"] > 0 or stats["encoder_cache_hits"] == 3
     assert stats["output_tokens"] == sum(r["num_output_tokens"] for r in table) + sum(
         r["num_output_tokens"] for r in pq.read_table(root / "out" / "part-1.parquet").to_pylist()
     )

@@ -36,6 +36,10 @@ class EngineLimits:
     kv_cache_mb: float = 1024
     block_size: int = 16
     encoder_cache_mb: float = 512
+    max_patches_per_encode: int = 4096
+    prefix_caching: bool = True
+    lookahead: int = 64
+    disable_chunked_mm_input: bool = False
 
 
 @dataclass
@@ -68,9 +72,13 @@ class EngineStats:
     images_total: int = 0
     images_encoded: int = 0
     encoder_cache_hits: int = 0
+    encoder_cache_evictions: int = 0
+    patches_encoded: int = 0
+    encode_s: float = 0.0
     prompt_tokens: int = 0
     output_tokens: int = 0
     prefill_tokens_computed: int = 0
+    prefix_cache_hit_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache, not computed
     steps: int = 0
     preemptions: int = 0
 
@@ -96,8 +104,14 @@ class Engine:
         num_blocks = int(limits.kv_cache_mb * MB) // kv_bytes_per_block(adapter, limits.block_size)
         if num_blocks < 1:
             raise UserError(f"engine.kv_cache_mb={limits.kv_cache_mb} holds no KV block; raise it")
-        self.block_manager = BlockManager(num_blocks, limits.block_size)
-        self.scheduler = Scheduler(limits.max_num_seqs, limits.max_num_batched_tokens, self.block_manager)
+        self.block_manager = BlockManager(num_blocks, limits.block_size, limits.prefix_caching)
+        self.scheduler = Scheduler(
+            limits.max_num_seqs,
+            limits.max_num_batched_tokens,
+            self.block_manager,
+            limits.lookahead,
+            limits.disable_chunked_mm_input,
+        )
         self.encoder_cache = EncoderCacheManager(int(limits.encoder_cache_mb * MB))
         self.runner = ModelRunner(adapter, num_blocks, limits.block_size)
         self.stats = EngineStats()
@@ -110,10 +124,15 @@ class Engine:
     def num_unfinished(self) -> int:
         return self.scheduler.num_unfinished + len(self._rejected)
 
+    @property
+    def num_waiting(self) -> int:
+        """Requests not admitted yet: the look-ahead window the scheduler picks from."""
+        return len(self.scheduler.waiting) + len(self._rejected)
+
     def add_request(self, item: EngineRequest) -> None:
         try:
             spans = self._image_spans(item)
-            self._check_fits(item)
+            self._check_fits(item, spans)
         except SampleError as exc:
             self._rejected.append(
                 EngineResult(item.tag, num_prompt_tokens=len(item.prompt_token_ids), error=exc)
@@ -140,6 +159,7 @@ class Engine:
         self.scheduler.commit(chunks)
         self.stats.steps += 1
         self.stats.preemptions = self.scheduler.num_preemptions
+        self.stats.prefix_cache_hit_tokens = self.scheduler.num_prefix_cached_tokens
         sampling_chunks = [chunk for chunk in chunks if chunk.samples_next_token]
         for chunk in chunks:
             if chunk.start < chunk.request.num_prompt_tokens:
@@ -181,7 +201,7 @@ class Engine:
             for (offset, length, _), img in zip(runs, item.images, strict=True)
         ]
 
-    def _check_fits(self, item: EngineRequest) -> None:
+    def _check_fits(self, item: EngineRequest, spans: list[ImageSpan]) -> None:
         num_prompt = len(item.prompt_token_ids)
         max_len = self.adapter.geometry.max_model_len
         if num_prompt >= max_len:
@@ -197,9 +217,17 @@ class Engine:
                 f"request needs {needed} tokens of KV cache but engine.kv_cache_mb holds "
                 f"{self.block_manager.capacity_tokens}; raise engine.kv_cache_mb",
             )
+        budget = self.limits.max_num_batched_tokens
+        if self.limits.disable_chunked_mm_input and spans and max(s.length for s in spans) > budget:
+            raise SampleError(
+                "image_exceeds_chunk",
+                f"an image takes {max(s.length for s in spans)} tokens, more than one step's "
+                f"engine.max_num_batched_tokens={budget}, and engine.disable_chunked_mm_input keeps an image "
+                "in one chunk; raise max_num_batched_tokens or lower preprocess.max_pixels",
+            )
 
     def _encode_images_for(self, chunks: list[ScheduledChunk]) -> None:
-        """Pin every image a chunk touches; encode the ones not cached, all in one vision call."""
+        """Pin every image a chunk touches; encode the ones not cached, in batches grouped by patch count."""
         missing: dict[str, PreparedImage] = {}
         for chunk in chunks:
             live = self._live[chunk.request.request_id]
@@ -213,10 +241,14 @@ class Engine:
                     missing[span.content_hash] = live.images[span.content_hash]
         if not missing:
             return
-        sizes = self.runner.encode(list(missing.values()))
+        started = time.perf_counter()
+        sizes = self.runner.encode(list(missing.values()), self.limits.max_patches_per_encode)
+        self.stats.encode_s += time.perf_counter() - started
         self.stats.images_encoded += len(missing)
+        self.stats.patches_encoded += sum(img.num_patches for img in missing.values())
         for content_hash, num_bytes in sizes.items():
             self.runner.drop_embeddings(self.encoder_cache.insert(content_hash, num_bytes))
+        self.stats.encoder_cache_evictions = self.encoder_cache.num_evictions
 
     def _unpin_prefilled_images(self, live: _Live) -> None:
         request = live.request
@@ -227,6 +259,7 @@ class Engine:
     def _unpin(self, live: _Live, content_hash: str) -> None:
         live.pinned.discard(content_hash)
         self.runner.drop_embeddings(self.encoder_cache.release(content_hash))
+        self.stats.encoder_cache_evictions = self.encoder_cache.num_evictions
 
     def _finish_reason(self, request: Request) -> str | None:
         params = request.sampling

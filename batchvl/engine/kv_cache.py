@@ -1,13 +1,21 @@
-"""Paged KV-cache bookkeeping: fixed-size blocks from a free list, a block table per request.
+"""Paged KV-cache bookkeeping: fixed-size blocks from a free list, a block table per request, and a
+prefix cache of full blocks keyed by their chain hash (see `prefix_cache.py`).
 
-Only ints live here (`slots` turns a block table into an index tensor for the runner); the
-model runner owns the K/V tensors and addresses them by slot (`block_id * block_size + offset`).
+Only ints live here (`slots` turns a block table into an index tensor for the runner); the model runner
+owns the K/V tensors and addresses them by slot (`block_id * block_size + offset`).
+
+A block is shared by every request whose prefix hashes to it (a reference count per block). When its
+last user lets go, a block holding a hashed prefix is not wiped: it waits in an LRU and is handed out
+again on a hash match, or reused for new tokens only when no plain free block is left.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 
+from batchvl.engine.prefix_cache import extend_block_hashes
 from batchvl.engine.request import Request
 
 
@@ -16,40 +24,117 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
         if num_blocks <= 0:
             raise ValueError("the KV cache must hold at least one block")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
         # A stack: the most recently freed blocks are reused first. Their memory is warm in the CPU cache,
         # and blocks never needed are never touched, so resident memory follows the working set instead
         # of creeping up to the whole (lazily zeroed) pool as a FIFO would make it.
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._free_cached: OrderedDict[int, None] = (
+            OrderedDict()
+        )  # unreferenced blocks with a hash, LRU first
+        self._refs = [0] * num_blocks
+        self._block_of_hash: dict[int, int] = {}
+        self._hash_of_block: dict[int, int] = {}
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return len(self._free) + len(self._free_cached)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._block_of_hash)
 
     @property
     def capacity_tokens(self) -> int:
         return self.num_blocks * self.block_size
 
+    # --- prefix cache -------------------------------------------------------------------------------
+    def cached_prefix(self, request: Request) -> list[int]:
+        """Blocks holding the longest cached prefix of a request that has nothing computed yet.
+
+        At least one token is always left to compute: the step that computes it yields the logits."""
+        if not self.enable_prefix_caching or request.block_ids:
+            return []
+        limit = (request.num_tokens - 1) // self.block_size
+        blocks = []
+        for block_hash in extend_block_hashes(request, self.block_size, limit):
+            block = self._block_of_hash.get(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def first_uncached_hash(self, request: Request, num_cached_blocks: int) -> int | None:
+        """The hash of the request's first prompt block past its cached prefix, if it has one."""
+        hashes = extend_block_hashes(request, self.block_size, num_cached_blocks + 1)
+        return hashes[num_cached_blocks] if len(hashes) > num_cached_blocks else None
+
+    def can_admit(self, request: Request, cached: list[int], num_new_tokens: int) -> bool:
+        reviving = sum(1 for block in cached if self._refs[block] == 0)  # these leave the free pool
+        needed = blocks_needed(len(cached) * self.block_size + num_new_tokens, self.block_size) - len(cached)
+        return needed <= self.num_free_blocks - reviving
+
+    def admit(self, request: Request, cached: list[int], num_new_tokens: int) -> None:
+        """Give a waiting request its cached prefix blocks, then room for `num_new_tokens` more."""
+        for block in cached:
+            if self._refs[block] == 0:
+                del self._free_cached[block]
+            self._refs[block] += 1
+        request.block_ids = list(cached)
+        request.num_computed_tokens = request.num_cached_tokens = len(cached) * self.block_size
+        self.allocate(request, num_new_tokens)
+
+    def register_full_blocks(self, request: Request) -> None:
+        """Publish the hashes of the request's blocks that its computed tokens now fill."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = request.num_computed_tokens // self.block_size
+        hashes = extend_block_hashes(request, self.block_size, num_full)
+        for block, block_hash in zip(request.block_ids[:num_full], hashes, strict=True):
+            if block_hash not in self._block_of_hash and block not in self._hash_of_block:
+                self._block_of_hash[block_hash] = block
+                self._hash_of_block[block] = block_hash
+
+    # --- allocation ---------------------------------------------------------------------------------
     def num_new_blocks(self, request: Request, num_new_tokens: int) -> int:
         needed = blocks_needed(request.num_computed_tokens + num_new_tokens, self.block_size)
         return max(0, needed - len(request.block_ids))
 
     def can_allocate(self, request: Request, num_new_tokens: int) -> bool:
-        return self.num_new_blocks(request, num_new_tokens) <= len(self._free)
+        return self.num_new_blocks(request, num_new_tokens) <= self.num_free_blocks
 
     def allocate(self, request: Request, num_new_tokens: int) -> None:
         """Grow the request's block table to hold its computed tokens plus `num_new_tokens`."""
         num_blocks = self.num_new_blocks(request, num_new_tokens)
-        if num_blocks > len(self._free):
+        if num_blocks > self.num_free_blocks:
             raise RuntimeError("allocate() called without can_allocate()")
-        request.block_ids.extend(self._free.pop() for _ in range(num_blocks))
+        for _ in range(num_blocks):
+            block = self._take_free_block()
+            self._refs[block] = 1
+            request.block_ids.append(block)
+
+    def _take_free_block(self) -> int:
+        if self._free:
+            return self._free.pop()
+        block, _ = self._free_cached.popitem(last=False)  # evict the least recently used cached prefix
+        del self._block_of_hash[self._hash_of_block.pop(block)]
+        return block
 
     def free(self, request: Request) -> None:
-        self._free.extend(request.block_ids)
+        # Last blocks first, so that within a request the tail of a prefix is evicted before its head.
+        for block in reversed(request.block_ids):
+            self._refs[block] -= 1
+            if self._refs[block] > 0:
+                continue
+            if block in self._hash_of_block:
+                self._free_cached[block] = None
+            else:
+                self._free.append(block)
         request.block_ids = []
 
     def slots(self, request: Request, end: int) -> torch.Tensor:

@@ -31,6 +31,32 @@ def kv_bytes_per_block(adapter: VLMAdapter, block_size: int) -> int:
     return 2 * geo.num_layers * block_size * geo.num_kv_heads * geo.head_dim * element
 
 
+SIMILAR_PATCHES = 1.25  # images of one vision call differ in patch count by at most this factor
+
+
+def encode_batches(images: list[PreparedImage], max_patches: int) -> list[list[PreparedImage]]:
+    """Vision calls for a set of images: one media kind per call, images sorted by patch count, a call
+    holding images within SIMILAR_PATCHES of each other and at most `max_patches` patches (an image
+    larger than that goes alone). The vision attention runs one batched call per layer padded to the
+    longest image, so alike sizes keep the padding small (none when sizes are equal)."""
+    batches: list[list[PreparedImage]] = []
+    current: list[PreparedImage] = []
+    patches = 0
+    for img in sorted(images, key=lambda img: (img.kind, img.num_patches)):
+        if current and (
+            img.kind != current[0].kind
+            or patches + img.num_patches > max_patches
+            or img.num_patches > SIMILAR_PATCHES * current[0].num_patches
+        ):
+            batches.append(current)
+            current, patches = [], 0
+        current.append(img)
+        patches += img.num_patches
+    if current:
+        batches.append(current)
+    return batches
+
+
 class ModelRunner:
     def __init__(self, adapter: VLMAdapter, num_blocks: int, block_size: int):
         self.adapter = adapter
@@ -56,14 +82,13 @@ class ModelRunner:
         self.positions.pop(request_id, None)
 
     @torch.inference_mode()
-    def encode(self, images: list[PreparedImage]) -> dict[str, int]:
-        """Encode images (one vision call per media kind); returns embedding bytes per content hash."""
+    def encode(self, images: list[PreparedImage], max_patches_per_call: int) -> dict[str, int]:
+        """Encode images; returns embedding bytes per content hash. See `encode_batches` for the grouping."""
         sizes = {}
-        for kind in sorted({img.kind for img in images}):
-            batch = [img for img in images if img.kind == kind]
+        for batch in encode_batches(images, max_patches_per_call):
             pixel_values = torch.from_numpy(np.concatenate([img.pixel_values for img in batch]))
             grid = torch.tensor([img.grid_thw for img in batch], dtype=torch.long)
-            for img, emb in zip(batch, self.adapter.encode(kind, pixel_values, grid), strict=True):
+            for img, emb in zip(batch, self.adapter.encode(batch[0].kind, pixel_values, grid), strict=True):
                 self.embeddings[img.content_hash] = emb
                 sizes[img.content_hash] = emb.numel() * emb.element_size()
         return sizes

@@ -5,27 +5,45 @@ Continuous batching and chunked prefill are one loop (vLLM v1 / nano-vllm style)
 requests are admitted while the budget, `max_num_seqs` and free KV blocks allow. When a running request
 needs a block and none is free, the newest running request is preempted (its blocks freed, recomputed
 later from its prompt and the tokens it already produced), so the job never fails for lack of KV space.
+
+Admission order (see `_admission_order`): the waiting requests form a look-ahead window, admitted
+cheapest image first so that encode batches and prefill chunks are alike in size; prompts of one sample
+share their images and so stay next to each other. Nothing waits forever: a request passed over by
+`lookahead` later admissions goes first. With prefix caching, a request whose next prefix block is
+being computed right now by a running request waits for it instead of computing it a second time.
 """
 
 from __future__ import annotations
 
-from collections import deque
-
 from batchvl.engine.kv_cache import BlockManager
+from batchvl.engine.prefix_cache import extend_block_hashes
 from batchvl.engine.request import Request, RequestStatus, ScheduledChunk
 
 
 class Scheduler:
-    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, block_manager: BlockManager):
+    def __init__(
+        self,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        block_manager: BlockManager,
+        lookahead: int = 64,
+        disable_chunked_mm_input: bool = False,
+    ):
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.block_manager = block_manager
-        self.waiting: deque[Request] = deque()
+        self.lookahead = lookahead
+        self.disable_chunked_mm_input = disable_chunked_mm_input
+        self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_admitted = 0
+        self.num_prefix_cached_tokens = 0  # tokens admitted requests took from the prefix cache
+        self._admitted_before: dict[int, int] = {}  # request id -> admissions counted when it arrived
 
     def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
+        self._admitted_before[request.request_id] = self.num_admitted
         self.waiting.append(request)
 
     @property
@@ -40,7 +58,10 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = self._chunk_size(request, budget)
+            if num_new == 0:  # its next image does not fit in what is left of the budget
+                index += 1
+                continue
             while not self.block_manager.can_allocate(request, num_new):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -55,23 +76,39 @@ class Scheduler:
             index += 1
 
         # A step that had to preempt admits nobody new: the freed blocks go to the requests already running.
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self.block_manager.can_allocate(request, num_new):
+        if preempted:
+            return chunks
+        being_computed = self._prefix_hashes_being_computed()
+        for request in self._admission_order():
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
-            self.waiting.popleft()
-            self.block_manager.allocate(request, num_new)
+            cached = self._usable_cached_prefix(request)
+            if being_computed and self._next_block_hash(request, cached) in being_computed:
+                continue  # a running request is computing this prefix now; reuse it once it is cached
+            num_computed = len(cached) * self.block_manager.block_size
+            num_new = self._chunk_size(request, budget, num_computed)
+            if num_new == 0:
+                continue
+            if not self.block_manager.can_admit(request, cached, num_new):
+                break
+            self.block_manager.admit(request, cached, num_new)
+            self.num_prefix_cached_tokens += num_computed
+            self.waiting.remove(request)
+            del self._admitted_before[request.request_id]
+            self.num_admitted += 1
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             chunks.append(ScheduledChunk(request, request.num_computed_tokens, num_new))
             budget -= num_new
+            if being_computed is not None:
+                being_computed.update(self._uncomputed_prompt_hashes(request))
         return chunks
 
     def commit(self, chunks: list[ScheduledChunk]) -> None:
-        """Record that the chunks' K/V are now in the cache."""
+        """Record that the chunks' K/V are now in the cache (and publish the blocks they filled)."""
         for chunk in chunks:
             chunk.request.num_computed_tokens = chunk.end
+            self.block_manager.register_full_blocks(chunk.request)
 
     def finish(self, request: Request, reason: str) -> None:
         request.status = RequestStatus.FINISHED
@@ -85,5 +122,61 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING
-        self.waiting.appendleft(request)
+        self._admitted_before[request.request_id] = self.num_admitted
+        self.waiting.append(request)
         self.num_preemptions += 1
+
+    def _admission_order(self) -> list[Request]:
+        """Preempted requests first (they were admitted before), then overdue ones, then cheapest image."""
+
+        def key(request: Request) -> tuple[int, int, int]:
+            if request.num_preemptions:
+                return (0, 0, request.request_id)
+            if (
+                self.lookahead <= 1
+                or self.num_admitted - self._admitted_before[request.request_id] >= self.lookahead
+            ):
+                return (1, 0, request.request_id)
+            return (2, sum(span.length for span in request.images), request.request_id)
+
+        return sorted(self.waiting, key=key)
+
+    def _chunk_size(self, request: Request, budget: int, num_computed: int | None = None) -> int:
+        start = request.num_computed_tokens if num_computed is None else num_computed
+        num_new = min(request.num_tokens - start, budget)
+        if self.disable_chunked_mm_input:
+            end = start + num_new
+            for span in request.images_overlapping(start, end):
+                if span.end > end:  # the chunk would cut this image: stop before it
+                    return max(0, span.offset - start)
+        return num_new
+
+    def _usable_cached_prefix(self, request: Request) -> list[int]:
+        cached = self.block_manager.cached_prefix(request)
+        if self.disable_chunked_mm_input:
+            # The cached prefix must not end inside an image either, or the image would be split.
+            size = self.block_manager.block_size
+            while cached and any(span.offset < len(cached) * size < span.end for span in request.images):
+                cached.pop()
+        return cached
+
+    def _prefix_hashes_being_computed(self) -> set[int] | None:
+        """Hashes of prompt blocks that running requests have yet to compute (None: no prefix caching)."""
+        if not self.block_manager.enable_prefix_caching:
+            return None
+        hashes: set[int] = set()
+        for request in self.running:
+            hashes.update(self._uncomputed_prompt_hashes(request))
+        return hashes
+
+    def _uncomputed_prompt_hashes(self, request: Request) -> list[int]:
+        if request.is_prefill_done:
+            return []
+        size = self.block_manager.block_size
+        prompt_blocks = extend_block_hashes(request, size, request.num_prompt_tokens // size)
+        return prompt_blocks[request.num_computed_tokens // size :]
+
+    def _next_block_hash(self, request: Request, cached: list[int]) -> int | None:
+        if len(cached) >= (request.num_tokens - 1) // self.block_manager.block_size:
+            return None  # nothing more could come from the cache
+        return self.block_manager.first_uncached_hash(request, len(cached))

@@ -92,6 +92,7 @@ def load_model(
     from transformers import AutoModelForImageTextToText
 
     from batchvl.engine.attention import register_paged_attention
+    from batchvl.engine.vision_attention import VISION_ATTENTION_NAME, register_vision_attention
 
     model_type = read_model_type(path, trust_remote_code)
     cls = adapter_class(model_type)
@@ -106,8 +107,12 @@ def load_model(
     )
     model.to(torch_device).eval()
     register_paged_attention(PAGED_ATTENTION_NAME)
-    # Text attention goes through the engine's paged KV cache; the vision tower keeps its own attention.
-    model.set_attn_implementation({"text_config": PAGED_ATTENTION_NAME})
+    register_vision_attention()
+    # Text attention goes through the engine's paged KV cache; the vision tower attends over all images of
+    # an encode batch in one call per layer.
+    model.set_attn_implementation(
+        {"text_config": PAGED_ATTENTION_NAME, "vision_config": VISION_ATTENTION_NAME}
+    )
     logger.info("loaded %s (%s) on %s as %s", path, model_type, torch_device, torch_dtype)
     return LoadedModel(
         adapter=cls(model, torch_dtype, torch_device),

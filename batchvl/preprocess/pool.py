@@ -32,7 +32,8 @@ from batchvl.preprocess.sample import PreparedSample, SampleProcessor
 
 logger = logging.getLogger(__name__)
 
-IDLE, BUSY, TIMED_OUT = 0, 1, 2
+# STOPPED: killed because another worker failed (its sample is redone); DONE: finished its part and exits
+IDLE, BUSY, TIMED_OUT, STOPPED, DONE = range(5)
 SLOT_FIELDS = 5  # pid, state, shard number, sample index, start time
 
 
@@ -57,32 +58,43 @@ class SlotState:
 
 
 class WorkerSlots:
-    """Shared memory where each worker says which sample it is on and since when."""
+    """Shared memory where each worker says which sample it is on and since when.
+
+    Lock-free on purpose: workers get SIGKILLed, and one killed while holding a lock would leave it held
+    forever. Each worker writes only its own slot, one aligned double at a time, and `begin` writes the
+    sample's fields before the BUSY state, so a reader that sees BUSY also sees the sample it belongs to.
+    """
+
+    PID, STATE, SHARD, INDEX, STARTED = range(SLOT_FIELDS)
 
     def __init__(self, context, num_workers: int):
-        self.array = context.Array(ctypes.c_double, num_workers * SLOT_FIELDS)
+        self.array = context.Array(ctypes.c_double, num_workers * SLOT_FIELDS, lock=False)
         self.num_workers = num_workers
 
+    def register(self, worker: int) -> None:
+        base = worker * SLOT_FIELDS
+        self.array[base + self.STATE] = IDLE
+        self.array[base + self.PID] = os.getpid()
+
     def begin(self, worker: int, shard_no: int, index: int) -> None:
-        with self.array.get_lock():
-            base = worker * SLOT_FIELDS
-            self.array[base : base + SLOT_FIELDS] = [os.getpid(), BUSY, shard_no, index, time.monotonic()]
+        base = worker * SLOT_FIELDS
+        self.array[base + self.SHARD] = shard_no
+        self.array[base + self.INDEX] = index
+        self.array[base + self.STARTED] = time.monotonic()
+        self.array[base + self.STATE] = BUSY
 
     def end(self, worker: int) -> None:
-        with self.array.get_lock():
-            self.array[worker * SLOT_FIELDS + 1] = IDLE
+        self.array[worker * SLOT_FIELDS + self.STATE] = IDLE
+
+    def mark(self, worker: int, state: int) -> None:
+        self.array[worker * SLOT_FIELDS + self.STATE] = state
 
     def snapshot(self) -> list[SlotState]:
-        with self.array.get_lock():
-            values = list(self.array)
+        values = self.array[:]  # state comes before the fields it vouches for
         return [
             SlotState(int(v[0]), int(v[1]), int(v[2]), int(v[3]), v[4])
             for v in (values[i * SLOT_FIELDS : (i + 1) * SLOT_FIELDS] for i in range(self.num_workers))
         ]
-
-    def mark_timed_out(self, worker: int) -> None:
-        with self.array.get_lock():
-            self.array[worker * SLOT_FIELDS + 1] = TIMED_OUT
 
 
 @dataclass(frozen=True)
@@ -112,6 +124,8 @@ class PreprocessDataset(torch.utils.data.IterableDataset):
     def __iter__(self) -> Iterator[PreparedSample | ShardEnd | ReaderFailure]:
         info = torch.utils.data.get_worker_info()
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        if self.slots is not None:
+            self.slots.register(worker)
         try:
             for shard_no, shard in enumerate(self.shards):
                 name = shard.shard
@@ -136,6 +150,8 @@ class PreprocessDataset(torch.utils.data.IterableDataset):
                     yield prepared
         except UserError as exc:
             yield ReaderFailure(str(exc))
+        if self.slots is not None:
+            self.slots.mark(worker, DONE)  # the loader lets a worker exit once its part is done
 
 
 def _identity(item):
@@ -143,11 +159,19 @@ def _identity(item):
 
 
 class Watchdog:
-    """Kills a worker that spent more than `timeout_s` on one sample; the pool then reports that sample."""
+    """Watches the workers; when one dies or spends more than `timeout_s` on a sample, stops them all.
+
+    A worker that hangs is killed and its sample reported as timed out. Once any worker has died, the
+    others are killed too (their samples are simply redone), because a worker can die while its queue
+    thread is halfway through sending an earlier result: the main process would then wait forever for
+    the rest of that message. With every writer gone, the read ends instead, the loader reports the
+    death, and the pool restarts.
+    """
 
     def __init__(self, slots: WorkerSlots, timeout_s: float):
         self.slots = slots
         self.timeout_s = timeout_s
+        self.tripped = False  # it found a failure and stopped the workers
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="batchvl-watchdog", daemon=True)
 
@@ -162,16 +186,46 @@ class Watchdog:
     def _run(self) -> None:
         interval = min(0.5, self.timeout_s / 4)
         while not self._stop.wait(interval):
-            now = time.monotonic()
-            for worker, slot in enumerate(self.slots.snapshot()):
-                # A worker that already died is a crash, reported as such once the loader notices.
-                if slot.state == BUSY and now - slot.started > self.timeout_s and not _is_dead(slot.pid):
-                    self.slots.mark_timed_out(worker)
-                    logger.warning(
-                        "preprocessing worker %d exceeded %.0f s on one sample", slot.pid, self.timeout_s
-                    )
-                    with contextlib.suppress(ProcessLookupError):  # it may have just finished
-                        os.kill(slot.pid, signal.SIGKILL)
+            if self._check():
+                self.tripped = True
+                self._stop_all()
+                return
+
+    def _check(self) -> bool:
+        """True once a worker died before finishing its part, or was killed for hanging."""
+        now = time.monotonic()
+        for worker, slot in enumerate(self.slots.snapshot()):
+            if slot.pid <= 0 or slot.state == DONE:
+                continue  # not started yet, or exited normally
+            if _is_dead(slot.pid):
+                return True  # a crash if it was on a sample; the pool reports it
+            if slot.state == BUSY and now - slot.started > self.timeout_s:
+                self.slots.mark(worker, TIMED_OUT)
+                logger.warning(
+                    "preprocessing worker %d exceeded %.0f s on one sample", slot.pid, self.timeout_s
+                )
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(slot.pid, signal.SIGKILL)
+                return True
+        return False
+
+    def _stop_all(self) -> None:
+        for worker, slot in enumerate(self.slots.snapshot()):
+            if slot.pid <= 0 or _is_dead(slot.pid):
+                continue
+            if slot.state == BUSY:
+                self.slots.mark(worker, STOPPED)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(slot.pid, signal.SIGKILL)
+
+
+def _close_parent_write_end(iterator) -> None:
+    """Close the main process's copy of the result queue's write end (it never writes to it), so that
+    a read cut short by dying workers ends instead of waiting for bytes only a worker could send."""
+    result_queue = getattr(iterator, "_worker_result_queue", None)
+    writer = getattr(result_queue, "_writer", None)
+    if writer is not None and not writer.closed:
+        writer.close()
 
 
 def _unregister_from_sigchld(iterator) -> None:
@@ -187,6 +241,14 @@ def _unregister_from_sigchld(iterator) -> None:
     if getattr(iterator, "_worker_pids_set", False):
         signal_handling._remove_worker_pids(id(iterator))
         iterator._worker_pids_set = False
+
+
+def _wait_until_exited(slots: WorkerSlots, timeout_s: float = 5.0) -> None:
+    """Give killed workers a moment to finish exiting, so their slots tell dead from alive."""
+    deadline = time.monotonic() + timeout_s
+    pids = [slot.pid for slot in slots.snapshot() if slot.pid > 0 and slot.state != DONE]
+    while any(not _is_dead(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def _is_dead(pid: int) -> bool:
@@ -250,13 +312,19 @@ class PreprocessPool:
                 )
                 items = iter(loader)
                 _unregister_from_sigchld(items)
+                _close_parent_write_end(items)
+            watchdog = Watchdog(slots, self.timeout_s)
             try:
-                with Watchdog(slots, self.timeout_s):
+                with watchdog:
                     yield from self._checked(items, delivered, sizes)
                 return
-            except RuntimeError as exc:
-                if "exited unexpectedly" not in str(exc):
+            except (RuntimeError, EOFError, OSError) as exc:
+                # After a failure the watchdog stops every worker; the loader then either sees a worker
+                # gone ("exited unexpectedly") or first reads the end of the queue, possibly in the middle
+                # of a result a dying worker was sending (EOFError / OSError).
+                if not (watchdog.tripped or "exited unexpectedly" in str(exc)):
                     raise
+                _wait_until_exited(slots)
                 lost = self._lost_samples(slots, shards)
                 if not lost:
                     raise RuntimeError(f"a preprocessing worker died outside any sample: {exc}") from exc

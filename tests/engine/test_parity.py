@@ -1,5 +1,7 @@
 """The first gate: the engine's greedy tokens equal transformers `generate` in fp32, for every setting."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from transformers import AutoModelForImageTextToText, AutoProcessor
@@ -59,8 +61,21 @@ def run_engine(loaded, cases, limits: EngineLimits, sampling: SamplingParams | N
         EngineLimits(max_num_batched_tokens=4096, max_num_seqs=64),  # everything in one prefill step
         EngineLimits(max_num_batched_tokens=64, max_num_seqs=64, kv_cache_mb=0.2),  # forces preemption
         EngineLimits(max_num_batched_tokens=37, max_num_seqs=8, encoder_cache_mb=0, block_size=3),
+        EngineLimits(max_num_batched_tokens=37, block_size=4, prefix_caching=False),
+        EngineLimits(max_num_batched_tokens=37, block_size=4, disable_chunked_mm_input=True),
+        EngineLimits(max_num_batched_tokens=16, block_size=4, lookahead=1),
     ],
-    ids=["budget16", "budget37-seqs3", "budget64-seqs1", "one-step", "preempt", "no-encoder-cache"],
+    ids=[
+        "budget16",
+        "budget37-seqs3",
+        "budget64-seqs1",
+        "one-step",
+        "preempt",
+        "no-encoder-cache",
+        "no-prefix-cache",
+        "whole-images",
+        "arrival-order",
+    ],
 )
 def test_greedy_tokens_equal_generate(loaded_fp32, cases, limits):
     engine, results = run_engine(loaded_fp32, cases, limits)
@@ -76,10 +91,40 @@ def test_greedy_tokens_equal_generate(loaded_fp32, cases, limits):
 
 
 def test_duplicate_images_are_encoded_once(loaded_fp32, cases):
-    engine, _ = run_engine(loaded_fp32, cases, EngineLimits(max_num_batched_tokens=4096))
+    # prefix caching off: with it, later prompts of an image skip its placeholders and never ask for it
+    engine, _ = run_engine(
+        loaded_fp32, cases, EngineLimits(max_num_batched_tokens=4096, prefix_caching=False)
+    )
     assert engine.stats.images_total == len(cases)
     assert engine.stats.images_encoded == len(IMAGE_SIZES)  # 5 images, one a duplicate, 2 prompts each
     assert engine.stats.encoder_cache_hits == len(cases) - len(IMAGE_SIZES)
+
+
+def test_prefix_cache_skips_the_shared_system_prompt_and_image(loaded_fp32, cases):
+    limits = EngineLimits(max_num_batched_tokens=4096, block_size=4)
+    on, _ = run_engine(loaded_fp32, cases, limits)
+    off, _ = run_engine(loaded_fp32, cases, replace(limits, prefix_caching=False))
+    total_prompt = sum(len(ids) for _, ids, _, _ in cases)
+    assert off.stats.prefill_tokens_computed == total_prompt and off.stats.prefix_cache_hit_tokens == 0
+    saved = on.stats.prefix_cache_hit_tokens
+    assert on.stats.prefill_tokens_computed + saved == total_prompt
+    # each image's second prompt (and the duplicate image's two) skips at least system prompt + image
+    pad = image_pad(loaded_fp32)
+    image_end = {tag[0]: len(ids) - ids[::-1].index(pad) for tag, ids, _, _ in cases}
+    assert saved >= sum((end // 4) * 4 for end in image_end.values())
+
+
+def test_same_text_before_a_different_image_shares_only_the_text(loaded_fp32, cases):
+    (_, first, _, expected_first), (_, second, _, expected_second) = cases[2], cases[4]  # images 1, 2
+    pad = image_pad(loaded_fp32)
+    assert first[: first.index(pad)] == second[: second.index(pad)] and first != second
+    engine, results = run_engine(loaded_fp32, [cases[2], cases[4]], EngineLimits(block_size=4))
+    assert engine.stats.prefix_cache_hit_tokens == (first.index(pad) // 4) * 4
+    assert [r.output_token_ids for r in results.values()] == [expected_first, expected_second]
+
+
+def image_pad(loaded) -> int:
+    return loaded.adapter.placeholder_token_ids["image"]
 
 
 def test_sampled_output_does_not_depend_on_batch(loaded_fp32, cases):

@@ -2,6 +2,7 @@
 
 import io
 import os
+import threading
 import time
 
 import pyarrow as pa
@@ -98,3 +99,35 @@ def test_crashing_and_hanging_samples_cost_only_themselves(loaded_fp32, shards, 
     assert "preprocess.timeout_s=2" in samples[("b.parquet", 1)].error.message
     assert pool.stats.worker_restarts in (1, 2)  # both may be noticed in the same restart
     assert (pool.stats.samples_crashed, pool.stats.samples_timed_out) == (1, 1)
+
+
+def test_a_worker_dying_while_it_sends_a_result_does_not_hang_the_pool(loaded_fp32, tmp_path, monkeypatch):
+    """A worker's queue thread sends results while the worker goes on; a crash then cuts a message."""
+    big = io.BytesIO()
+    random_image(600, 600, 1).save(big, format="PNG")  # ~1 MB of pixel values: more than a pipe holds
+    images = [png(0), big.getvalue(), png(2), png(3)]
+    real_decode = qwen_vision.decode_image
+
+    def decode(data, path, limit):
+        if data == images[2]:
+            os._exit(11)
+        return real_decode(data, path, limit)
+
+    monkeypatch.setattr(qwen_vision, "decode_image", decode)
+    pq.write_table(pa.table({"image": images, "id": ["s0", "s1", "s2", "s3"]}), tmp_path / "a.parquet")
+    source = ParquetSource(InputConfig(paths=[str(tmp_path / "a.parquet")], key_column="id"))
+    pool = PreprocessPool(source, source.list_shards(), processor(loaded_fp32), 1, 2, 60)
+    items = iter(pool)
+    first = next(items)
+    # Not reading now: the worker's queue thread blocks halfway through sending the big sample into the
+    # full pipe while the worker itself moves on and dies on the next one.
+    time.sleep(1.5)
+    rest = []
+    reader = threading.Thread(target=lambda: rest.extend(items), daemon=True)
+    reader.start()
+    reader.join(timeout=60)
+    assert not reader.is_alive(), "the pool hung on a half-sent result"
+    samples = {i.index: i for i in [first, *rest] if isinstance(i, PreparedSample)}
+    assert sorted(samples) == [0, 1, 2, 3]
+    assert samples[2].error.error_type == "preprocess_crash"
+    assert all(samples[i].error is None for i in (0, 1, 3))

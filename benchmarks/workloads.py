@@ -1,0 +1,17 @@
+"""Synthetic workloads shared by the benchmarks (random pixels: no download, same on every machine)."""
+
+from __future__ import annotations
+
+import numpy as np
+from PIL import Image
+
+
+def mixed_size_images(count: int, seed: int = 0) -> list[Image.Image]:
+    rng = np.random.default_rng(seed)
+    images = []
+    for _ in range(count):
+        side = float(np.clip(rng.lognormal(np.log(220), 0.6), 64, 800))  # long tail of large images
+        aspect = rng.uniform(0.5, 2.0)
+        height, width = int(side), int(np.clip(side * aspect, 64, 1200))
+        images.append(Image.fromarray(rng.integers(0, 256, size=(height, width, 3), dtype=np.uint8)))
+    return images

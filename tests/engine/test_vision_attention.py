@@ -1,0 +1,74 @@
+"""Vision encoding: grouped, one attention call per layer, and equal to encoding each image alone."""
+
+import pytest
+import torch
+from transformers import AttentionInterface, AutoModelForImageTextToText
+
+from batchvl.engine import vision_attention
+from batchvl.engine.model_runner import encode_batches
+from batchvl.preprocess.media import PreparedImage
+from batchvl.preprocess.qwen_vision import QwenVisionSpec, prepare_image, prepare_video
+from batchvl.preprocess.video import FrameSampling, decode_video
+from tests.conftest import random_image, video_bytes
+
+SIZES = [(60, 60), (60, 60), (120, 80), (30, 300), (200, 150), (60, 60), (90, 90)]
+
+
+@pytest.fixture(scope="module")
+def media(loaded_fp32):
+    spec = QwenVisionSpec.from_image_processor(loaded_fp32.processor.image_processor)
+    images = [prepare_image(random_image(h, w, seed), spec) for seed, (h, w) in enumerate(SIZES)]
+    clip = decode_video(video_bytes(12, 10, 56, 84), None, FrameSampling(2.0, 4, 8), 2, 10**8)
+    return images, prepare_video(clip, spec, 10**6)
+
+
+@pytest.fixture(scope="module")
+def stock(tiny_model_dir):
+    """The model as transformers runs it: SDPA, one attention call per image."""
+    return AutoModelForImageTextToText.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+def stock_features(stock, item: PreparedImage) -> torch.Tensor:
+    features = stock.model.get_video_features if item.kind == "video" else stock.model.get_image_features
+    with torch.inference_mode():
+        out = features(torch.from_numpy(item.pixel_values), torch.tensor([item.grid_thw]), return_dict=True)
+    return out.pooler_output[0]
+
+
+def test_one_call_per_layer_equals_each_image_alone(loaded_fp32, stock, media, monkeypatch):
+    images, clip = media
+    calls = []
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs["cu_seq_lens_q"].numel() - 1)
+        return vision_attention.varlen_vision_attention(*args, **kwargs)
+
+    AttentionInterface.register(vision_attention.VISION_ATTENTION_NAME, counting)
+    try:
+        pixel_values = torch.cat([torch.from_numpy(img.pixel_values) for img in images])
+        grid = torch.tensor([img.grid_thw for img in images])
+        together = loaded_fp32.adapter.encode("image", pixel_values, grid)
+        video = loaded_fp32.adapter.encode(
+            "video", torch.from_numpy(clip.pixel_values), torch.tensor([clip.grid_thw])
+        )
+    finally:
+        vision_attention.register_vision_attention()
+    depth = loaded_fp32.adapter.model.config.vision_config.depth
+    # one call per layer for all 7 images; then one per layer for the video's 2 frame groups
+    assert calls == [len(images)] * depth + [clip.grid_thw[0]] * depth
+    for img, emb in zip(images, together, strict=True):
+        torch.testing.assert_close(emb, stock_features(stock, img), rtol=0, atol=1e-5)
+    torch.testing.assert_close(video[0], stock_features(stock, clip), rtol=0, atol=1e-5)
+
+
+def test_encode_batches_group_by_kind_and_patch_count(media):
+    images, clip = media
+    batches = encode_batches([*images, clip], max_patches=2 * images[0].num_patches)
+    assert sorted(id(img) for batch in batches for img in batch) == sorted(id(i) for i in [*images, clip])
+    for batch in batches:
+        assert len({img.kind for img in batch}) == 1
+        assert len(batch) == 1 or sum(img.num_patches for img in batch) <= 2 * images[0].num_patches
+    sizes = [[img.num_patches for img in batch] for batch in batches if batch[0].kind == "image"]
+    flat = [n for batch in sizes for n in batch]
+    assert flat == sorted(flat)  # ascending patch counts: neighbours in a call are alike
+    assert [img.num_patches for img in batches[0]] == [images[0].num_patches] * 2  # the equal 60x60 pair
