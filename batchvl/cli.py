@@ -66,6 +66,8 @@ def run(
 
     cfg = load_job_config(job_file, set_ or [])
     summary = run_job(cfg, show_progress=progress)
+    if not summary.is_driver:
+        return  # a rank that served ViT encode rounds; rank 0 reports
     s = summary.stats
     typer.echo(
         f"done: {s['samples']} samples, {s['ok']} ok, {s['errors']} errors, "

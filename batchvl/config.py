@@ -106,6 +106,9 @@ class EngineConfig:
     disable_chunked_mm_input: bool = _key(
         False, "Never split an image's placeholder tokens across prefill chunks"
     )
+    vit_parallel: str = _key(
+        "none", "'data': split each encode step's images across torchrun ranks (ViT data parallelism)"
+    )
     threads: int = _key(0, "torch intra-op threads (0: torch's default)")
 
 
@@ -262,6 +265,8 @@ def _check_values(cfg: JobConfig) -> None:
     ):
         if value < 0:
             raise ConfigError(f"'{key}' must be >= 0, got {value}")
+    if e.vit_parallel not in ("none", "data"):
+        raise ConfigError(f"'engine.vit_parallel' must be 'none' or 'data', got '{e.vit_parallel}'")
     if not 0 < s.top_p <= 1:
         raise ConfigError(f"'sampling.top_p' must be in (0, 1], got {s.top_p}")
     if p.min_pixels is not None and p.max_pixels is not None and p.min_pixels > p.max_pixels:

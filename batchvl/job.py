@@ -7,6 +7,7 @@ every row of that shard has an outcome; committed shards are skipped on rerun.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -22,8 +23,17 @@ from tqdm.auto import tqdm
 from batchvl import __version__
 from batchvl.config import JobConfig, config_fingerprint, config_to_dict
 from batchvl.engine.engine import Engine, EngineLimits, EngineRequest, EngineResult, EngineStats
+from batchvl.engine.model_runner import encode_images
 from batchvl.engine.request import SamplingParams
-from batchvl.errors import SampleError
+from batchvl.engine.vit_dp import (
+    DataParallelEncoder,
+    DistributedContext,
+    init_distributed,
+    launched_world_size,
+    release_serving_ranks,
+    serve_encode_rounds,
+)
+from batchvl.errors import SampleError, UserError
 from batchvl.io.sources import make_source
 from batchvl.io.types import ShardEnd, ShardInfo
 from batchvl.io.writers import ResultRow, is_committed, write_json_atomic, write_shard
@@ -68,6 +78,7 @@ class RunSummary:
     output_dir: str
     stats_path: str
     stats: dict
+    is_driver: bool = True  # False on a rank that only served ViT encode rounds
 
 
 def request_seed(base_seed: int, shard: str, key: str, prompt_name: str) -> int:
@@ -185,6 +196,47 @@ class JobRunner:
         }
 
     def run(self) -> RunSummary:
+        world_size = launched_world_size()
+        if world_size == 1:
+            return self._run()
+        if self.cfg.engine.vit_parallel != "data":
+            raise UserError(
+                f"launched as {world_size} processes (WORLD_SIZE={world_size}) but engine.vit_parallel is "
+                f"'{self.cfg.engine.vit_parallel}'; set engine.vit_parallel: data, or run without torchrun"
+            )
+        import torch.distributed as dist
+
+        context = init_distributed(self.cfg.model.device)
+        try:
+            return self._run(context) if context.is_driver else self._serve(context)
+        finally:
+            if context.is_driver:
+                release_serving_ranks(context.world_size)
+            dist.destroy_process_group()
+
+    def _load(self) -> LoadedModel:
+        if self.loaded is None:
+            m = self.cfg.model
+            loading = time.perf_counter()
+            self.loaded = load_model(m.path, m.dtype, m.device, m.trust_remote_code)
+            self.stats.model_load_s = round(time.perf_counter() - loading, 3)
+        return self.loaded
+
+    def _local_encode(self, loaded: LoadedModel):
+        return functools.partial(
+            encode_images, loaded.adapter, max_patches=self.cfg.engine.max_patches_per_encode
+        )
+
+    def _serve(self, context: DistributedContext) -> RunSummary:
+        """A rank other than 0: encode its share of every round rank 0 sends, until it says stop."""
+        if self.cfg.engine.threads > 0:
+            torch.set_num_threads(self.cfg.engine.threads)
+        loaded = self._load()
+        rounds = serve_encode_rounds(self._local_encode(loaded), loaded.adapter.device)
+        logger.info("rank %d served %d encode rounds", context.rank, rounds)
+        return RunSummary(self.out_dir, "", {"rank": context.rank, "encode_rounds": rounds}, is_driver=False)
+
+    def _run(self, context: DistributedContext | None = None) -> RunSummary:
         start = time.perf_counter()
         # Check the model folder even when every shard is done: a wrong path is a mistake to report.
         adapter_class(read_model_type(self.cfg.model.path, self.cfg.model.trust_remote_code))
@@ -198,20 +250,23 @@ class JobRunner:
         if pending:
             if self.cfg.engine.threads > 0:
                 torch.set_num_threads(self.cfg.engine.threads)
-            if self.loaded is None:
-                m = self.cfg.model
-                loading = time.perf_counter()
-                self.loaded = load_model(m.path, m.dtype, m.device, m.trust_remote_code)
-                self.stats.model_load_s = round(time.perf_counter() - loading, 3)
+            loaded = self._load()
+            parallel_encoder = None
+            if context is not None:
+                parallel_encoder = DataParallelEncoder(
+                    context, self._local_encode(loaded), loaded.adapter.device
+                )
             engine = Engine(
-                self.loaded.adapter,
-                self.loaded.processor.tokenizer,
+                loaded.adapter,
+                loaded.processor.tokenizer,
                 engine_limits(self.cfg),
-                self.loaded.eos_token_ids(),
+                loaded.eos_token_ids(),
+                parallel_encoder,
             )
             self._process(pending, engine)
         self.stats.wall_s = round(time.perf_counter() - start, 3)
         stats = self.stats.to_dict(engine.stats if engine else EngineStats())
+        stats["vit_parallel_ranks"] = context.world_size if context else 1
         stats_path = self._write_stats(stats)
         return RunSummary(self.out_dir, stats_path, stats)
 

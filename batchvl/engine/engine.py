@@ -20,6 +20,7 @@ from batchvl.engine.model_runner import ModelRunner, kv_bytes_per_block
 from batchvl.engine.request import ImageSpan, Request, SamplingParams, ScheduledChunk
 from batchvl.engine.sampler import make_generator, sample_token
 from batchvl.engine.scheduler import Scheduler
+from batchvl.engine.vit_dp import DataParallelEncoder
 from batchvl.errors import SampleError, UserError
 from batchvl.models.adapter import VLMAdapter
 from batchvl.preprocess.media import PreparedImage
@@ -74,6 +75,7 @@ class EngineStats:
     encoder_cache_hits: int = 0
     encoder_cache_evictions: int = 0
     patches_encoded: int = 0
+    patches_encoded_per_rank: list[int] = field(default_factory=list)  # under ViT data parallelism
     encode_s: float = 0.0
     prompt_tokens: int = 0
     output_tokens: int = 0
@@ -96,7 +98,14 @@ class _Live:
 
 
 class Engine:
-    def __init__(self, adapter: VLMAdapter, tokenizer, limits: EngineLimits, eos_token_ids: list[int]):
+    def __init__(
+        self,
+        adapter: VLMAdapter,
+        tokenizer,
+        limits: EngineLimits,
+        eos_token_ids: list[int],
+        parallel_encoder: DataParallelEncoder | None = None,
+    ):
         self.adapter = adapter
         self.tokenizer = tokenizer
         self.limits = limits
@@ -113,7 +122,7 @@ class Engine:
             limits.disable_chunked_mm_input,
         )
         self.encoder_cache = EncoderCacheManager(int(limits.encoder_cache_mb * MB))
-        self.runner = ModelRunner(adapter, num_blocks, limits.block_size)
+        self.runner = ModelRunner(adapter, num_blocks, limits.block_size, parallel_encoder)
         self.stats = EngineStats()
         self._live: dict[int, _Live] = {}
         self._rejected: list[EngineResult] = []
@@ -246,6 +255,8 @@ class Engine:
         self.stats.encode_s += time.perf_counter() - started
         self.stats.images_encoded += len(missing)
         self.stats.patches_encoded += sum(img.num_patches for img in missing.values())
+        if self.runner.parallel_encoder is not None:
+            self.stats.patches_encoded_per_rank = list(self.runner.parallel_encoder.patches_per_rank)
         for content_hash, num_bytes in sizes.items():
             self.runner.drop_embeddings(self.encoder_cache.insert(content_hash, num_bytes))
         self.stats.encoder_cache_evictions = self.encoder_cache.num_evictions

@@ -15,6 +15,7 @@ import torch
 from batchvl.engine.attention import KVCache, PagedAttentionMetadata, SequenceSlice, chunk_mask
 from batchvl.engine.kv_cache import BlockManager
 from batchvl.engine.request import ScheduledChunk
+from batchvl.engine.vit_dp import DataParallelEncoder
 from batchvl.models.adapter import VLMAdapter
 from batchvl.preprocess.media import PreparedImage
 
@@ -57,9 +58,29 @@ def encode_batches(images: list[PreparedImage], max_patches: int) -> list[list[P
     return batches
 
 
+@torch.inference_mode()
+def encode_images(adapter: VLMAdapter, images: list[PreparedImage], max_patches: int) -> list[torch.Tensor]:
+    """Embeddings of `images`, in their order, computed in vision calls grouped by `encode_batches`."""
+    position = {id(img): i for i, img in enumerate(images)}
+    out: list[torch.Tensor | None] = [None] * len(images)
+    for batch in encode_batches(images, max_patches):
+        pixel_values = torch.from_numpy(np.concatenate([img.pixel_values for img in batch]))
+        grid = torch.tensor([img.grid_thw for img in batch], dtype=torch.long)
+        for img, embedding in zip(batch, adapter.encode(batch[0].kind, pixel_values, grid), strict=True):
+            out[position[id(img)]] = embedding
+    return out
+
+
 class ModelRunner:
-    def __init__(self, adapter: VLMAdapter, num_blocks: int, block_size: int):
+    def __init__(
+        self,
+        adapter: VLMAdapter,
+        num_blocks: int,
+        block_size: int,
+        parallel_encoder: DataParallelEncoder | None = None,
+    ):
         self.adapter = adapter
+        self.parallel_encoder = parallel_encoder
         geo = adapter.geometry
         self.kv_cache = KVCache.allocate(
             geo.num_layers,
@@ -81,16 +102,17 @@ class ModelRunner:
     def remove_request(self, request_id: int) -> None:
         self.positions.pop(request_id, None)
 
-    @torch.inference_mode()
     def encode(self, images: list[PreparedImage], max_patches_per_call: int) -> dict[str, int]:
-        """Encode images; returns embedding bytes per content hash. See `encode_batches` for the grouping."""
+        """Encode images (here, or split across ranks under ViT data parallelism); returns embedding
+        bytes per content hash. See `encode_batches` for the grouping."""
+        if self.parallel_encoder is not None:
+            embeddings = self.parallel_encoder.encode(images)
+        else:
+            embeddings = encode_images(self.adapter, images, max_patches_per_call)
         sizes = {}
-        for batch in encode_batches(images, max_patches_per_call):
-            pixel_values = torch.from_numpy(np.concatenate([img.pixel_values for img in batch]))
-            grid = torch.tensor([img.grid_thw for img in batch], dtype=torch.long)
-            for img, emb in zip(batch, self.adapter.encode(batch[0].kind, pixel_values, grid), strict=True):
-                self.embeddings[img.content_hash] = emb
-                sizes[img.content_hash] = emb.numel() * emb.element_size()
+        for img, embedding in zip(images, embeddings, strict=True):
+            self.embeddings[img.content_hash] = embedding
+            sizes[img.content_hash] = embedding.numel() * embedding.element_size()
         return sizes
 
     def drop_embeddings(self, hashes: list[str]) -> None:

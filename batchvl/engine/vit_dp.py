@@ -1,0 +1,156 @@
+"""ViT data parallelism under torch.distributed: the images of an encode step are split across ranks.
+
+Rank 0 runs the job (scheduler, language model, writer). Whenever it has images to encode it assigns
+them to ranks by greedy longest-processing-time on patch counts (`lpt_assignment`), sends each rank its
+share, encodes its own, and all-gathers the embeddings (padded to the longest share), which it puts back
+in the original order. The other ranks hold a replica of the model and serve encode rounds until rank 0
+says stop (`serve_encode_rounds`). Launched by `torchrun --nproc-per-node N -m batchvl run job.yaml`
+with `engine.vit_parallel: data`: gloo on CPU, nccl on GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from batchvl.errors import UserError
+from batchvl.preprocess.media import PreparedImage
+
+logger = logging.getLogger(__name__)
+
+# Encodes one rank's share; returns one embedding per image, in the order given.
+LocalEncode = Callable[[list[PreparedImage]], list[torch.Tensor]]
+
+
+def lpt_assignment(patch_counts: list[int], world_size: int) -> list[list[int]]:
+    """Image indices per rank: largest image first, each to the least-loaded rank (lowest rank on ties)."""
+    loads = [0] * world_size
+    shares: list[list[int]] = [[] for _ in range(world_size)]
+    for index in sorted(range(len(patch_counts)), key=lambda i: (-patch_counts[i], i)):
+        rank = min(range(world_size), key=lambda r: (loads[r], r))
+        shares[rank].append(index)
+        loads[rank] += patch_counts[index]
+    return shares
+
+
+@dataclass(frozen=True)
+class DistributedContext:
+    rank: int
+    world_size: int
+
+    @property
+    def is_driver(self) -> bool:
+        return self.rank == 0
+
+
+def launched_world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def init_distributed(device: str) -> DistributedContext:
+    """Join the process group torchrun set up (gloo on CPU, nccl on CUDA)."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        raise UserError("this torch build has no torch.distributed; run without torchrun")
+    if not dist.is_initialized():
+        backend = "nccl" if device.startswith("cuda") else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend)
+    return DistributedContext(dist.get_rank(), dist.get_world_size())
+
+
+def _share_message(images: list[PreparedImage]) -> list[tuple[np.ndarray, tuple[int, int, int], str, str]]:
+    return [(img.pixel_values, img.grid_thw, img.content_hash, img.kind) for img in images]
+
+
+def _from_message(message) -> list[PreparedImage]:
+    return [
+        PreparedImage(pixels, tuple(grid), content_hash, kind) for pixels, grid, content_hash, kind in message
+    ]
+
+
+class DataParallelEncoder:
+    """Rank 0's side of an encode round."""
+
+    def __init__(self, context: DistributedContext, local_encode: LocalEncode, device: torch.device):
+        self.context = context
+        self.local_encode = local_encode
+        self.device = device
+        self.patches_per_rank = [0] * context.world_size
+
+    def encode(self, images: list[PreparedImage]) -> list[torch.Tensor]:
+        import torch.distributed as dist
+
+        shares = lpt_assignment([img.num_patches for img in images], self.context.world_size)
+        for rank, share in enumerate(shares):
+            self.patches_per_rank[rank] += sum(images[i].num_patches for i in share)
+        messages = [("encode", _share_message([images[i] for i in share])) for share in shares]
+        received: list = [None]
+        dist.scatter_object_list(received, messages, src=0)
+        gathered = _encode_and_gather(self.local_encode, _from_message(received[0][1]), self.device)
+        out: list[torch.Tensor | None] = [None] * len(images)
+        for share, embeddings in zip(shares, gathered, strict=True):
+            for index, embedding in zip(share, embeddings, strict=True):
+                out[index] = embedding
+        return out
+
+
+def release_serving_ranks(world_size: int) -> None:
+    """Rank 0, once, when the job is over or has failed: tell the serving ranks to stop."""
+    import torch.distributed as dist
+
+    dist.scatter_object_list([None], [("stop", None)] * world_size, src=0)
+
+
+def serve_encode_rounds(local_encode: LocalEncode, device: torch.device) -> int:
+    """A serving rank's loop: encode its share of each round until rank 0 says stop; returns rounds served."""
+    import torch.distributed as dist
+
+    rounds = 0
+    while True:
+        received: list = [None]
+        dist.scatter_object_list(received, None, src=0)
+        op, message = received[0]
+        if op == "stop":
+            return rounds
+        _encode_and_gather(local_encode, _from_message(message), device)
+        rounds += 1
+
+
+def _encode_and_gather(
+    local_encode: LocalEncode, images: list[PreparedImage], device: torch.device
+) -> list[list[torch.Tensor]]:
+    """Encode this rank's share, then all-gather every rank's embeddings; returns them per rank."""
+    import torch.distributed as dist
+
+    world_size = dist.get_world_size()
+    embeddings = local_encode(images) if images else []
+    # Row counts per image, and (hidden size, dtype) from each rank that encoded something, so every
+    # rank can size the padded exchange.
+    mine_meta = (
+        [int(e.shape[0]) for e in embeddings],
+        (int(embeddings[0].shape[1]), str(embeddings[0].dtype).removeprefix("torch."))
+        if embeddings
+        else None,
+    )
+    metas: list = [None] * world_size
+    dist.all_gather_object(metas, mine_meta)
+    hidden, dtype_name = next(shape for _, shape in metas if shape is not None)
+    longest = max(sum(rows) for rows, _ in metas)
+    mine = torch.zeros((longest, hidden), dtype=getattr(torch, dtype_name), device=device)
+    if embeddings:
+        flat = torch.cat(embeddings)
+        mine[: flat.shape[0]] = flat
+    buffers = [torch.empty_like(mine) for _ in range(world_size)]
+    dist.all_gather(buffers, mine)
+    return [
+        list(torch.split(buffer[: sum(rows)], rows)) if rows else []
+        for buffer, (rows, _) in zip(buffers, metas, strict=True)
+    ]
