@@ -3,7 +3,8 @@
 One engine run per setting, on the same prepared requests (the `small` model, mixed image sizes with a
 long tail, a share of duplicate images, two prompts per image), fed the way a job feeds the engine
 (at most `lookahead` requests waiting). Each row adds one mechanism to the row above; every row's greedy
-outputs are checked equal to the first row's.
+outputs are compared with the first row's (in float32 they are equal; in bfloat16 a different batch
+composition rounds differently, so a few greedy continuations may part ways).
 
     python benchmarks/vision_side.py --json benchmarks/results/vision_side.json [--samples 48]
 """
@@ -86,6 +87,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--lookahead", type=int, default=64)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
 
@@ -99,10 +101,17 @@ def main() -> None:
     base = EngineLimits(max_num_seqs=16, max_num_batched_tokens=1024)
     run(loaded, samples[:4], base, 4)  # warm-up: kernel selection, allocator pools
 
+    # Every setting runs `repeats` times, interleaved with the others so drifts in machine speed hit all
+    # of them alike; a row reports its fastest run.
+    runs = {name: [] for name, _ in settings(args)}
+    for _ in range(args.repeats):
+        for name, changes in settings(args):
+            runs[name].append(run(loaded, samples, replace(base, **changes), args.max_new_tokens))
     rows, reference = [], None
-    for name, changes in settings(args):
-        seconds, stats, outputs = run(loaded, samples, replace(base, **changes), args.max_new_tokens)
+    for name, results in runs.items():
+        seconds, stats, outputs = min(results, key=lambda r: r[0])
         reference = reference or outputs
+        same = sum(outputs[tag] == reference[tag] for tag in reference)
         rows.append(
             {
                 "setting": name,
@@ -113,7 +122,8 @@ def main() -> None:
                 "encode_s": round(stats.encode_s, 2),
                 "prefill_tokens_computed": stats.prefill_tokens_computed,
                 "prefix_cache_hit_tokens": stats.prefix_cache_hit_tokens,
-                "same_outputs": outputs == reference,
+                "steps": stats.steps,
+                "same_outputs": f"{same}/{len(reference)}",
             }
         )
     first = rows[0]["samples_per_s"]
