@@ -215,6 +215,8 @@ class JobRunner:
             dist.destroy_process_group()
 
     def _load(self) -> LoadedModel:
+        if self.cfg.engine.threads > 0:
+            torch.set_num_threads(self.cfg.engine.threads)
         if self.loaded is None:
             m = self.cfg.model
             loading = time.perf_counter()
@@ -229,8 +231,6 @@ class JobRunner:
 
     def _serve(self, context: DistributedContext) -> RunSummary:
         """A rank other than 0: encode its share of every round rank 0 sends, until it says stop."""
-        if self.cfg.engine.threads > 0:
-            torch.set_num_threads(self.cfg.engine.threads)
         loaded = self._load()
         rounds = serve_encode_rounds(self._local_encode(loaded), loaded.adapter.device)
         logger.info("rank %d served %d encode rounds", context.rank, rounds)
@@ -248,8 +248,6 @@ class JobRunner:
             logger.info("skipping %d committed shard(s) in %s", self.stats.shards_skipped, self.out_dir)
         engine = None
         if pending:
-            if self.cfg.engine.threads > 0:
-                torch.set_num_threads(self.cfg.engine.threads)
             loaded = self._load()
             parallel_encoder = None
             if context is not None:

@@ -26,6 +26,21 @@ def random_image(height: int, width: int, seed: int) -> Image.Image:
     return Image.fromarray(rng.integers(0, 256, size=(height, width, 3), dtype=np.uint8))
 
 
+def two_prompt_job_yaml(model_dir, engine: str, extra: str = "") -> str:
+    """A job file over `data/*.parquet` (key column `key`) with two prompts, written to `out`."""
+    return f"""
+model: {{path: {model_dir}, dtype: float32, device: cpu}}
+input: {{paths: ["data/*.parquet"], key_column: key}}
+prompts:
+  - {{name: caption, text: Describe this image.}}
+  - {{name: short, text: One word.}}
+sampling: {{max_new_tokens: 6}}
+engine: {engine}
+{extra}
+output: {{dir: out}}
+"""
+
+
 def video_bytes(num_frames: int, fps: int, height: int = 64, width: int = 96, seed: int = 0) -> bytes:
     """An mp4 clip whose frame i has mean brightness about 8 * i (so decoded frames can be identified)."""
     import io

@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
-from tests.conftest import random_image
+from tests.conftest import random_image, two_prompt_job_yaml
 
 
 def batchvl(*args, cwd=None):
@@ -47,18 +47,7 @@ def job(tmp_path_factory, tiny_model_dir):
     pq.write_table(
         pa.table({"key": ["d"], "image": [png(images[2])], "lang": ["de"]}), root / "data" / "part-1.parquet"
     )
-    (root / "job.yaml").write_text(
-        f"""
-model: {{path: {tiny_model_dir}, dtype: float32, device: cpu}}
-input: {{paths: ["data/*.parquet"], key_column: key}}
-prompts:
-  - {{name: caption, text: Describe this image.}}
-  - {{name: short, text: One word.}}
-sampling: {{max_new_tokens: 6}}
-engine: {{max_num_batched_tokens: 40}}
-output: {{dir: out}}
-"""
-    )
+    (root / "job.yaml").write_text(two_prompt_job_yaml(tiny_model_dir, "{max_num_batched_tokens: 40}"))
     return root, images
 
 

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+PAGED_ATTENTION_NAME = "batchvl_paged"
+
 
 @dataclass
 class KVCache:
@@ -100,7 +102,7 @@ def paged_attention(
     return out[None], None
 
 
-def register_paged_attention(name: str) -> None:
+def register_paged_attention() -> None:
     from transformers import AttentionInterface
 
-    AttentionInterface.register(name, paged_attention)
+    AttentionInterface.register(PAGED_ATTENTION_NAME, paged_attention)

@@ -227,10 +227,11 @@ class Engine:
                 f"{self.block_manager.capacity_tokens}; raise engine.kv_cache_mb",
             )
         budget = self.limits.max_num_batched_tokens
-        if self.limits.disable_chunked_mm_input and spans and max(s.length for s in spans) > budget:
+        largest = max((span.length for span in spans), default=0)
+        if self.limits.disable_chunked_mm_input and largest > budget:
             raise SampleError(
                 "image_exceeds_chunk",
-                f"an image takes {max(s.length for s in spans)} tokens, more than one step's "
+                f"an image takes {largest} tokens, more than one step's "
                 f"engine.max_num_batched_tokens={budget}, and engine.disable_chunked_mm_input keeps an image "
                 "in one chunk; raise max_num_batched_tokens or lower preprocess.max_pixels",
             )
@@ -258,8 +259,7 @@ class Engine:
         if self.runner.parallel_encoder is not None:
             self.stats.patches_encoded_per_rank = list(self.runner.parallel_encoder.patches_per_rank)
         for content_hash, num_bytes in sizes.items():
-            self.runner.drop_embeddings(self.encoder_cache.insert(content_hash, num_bytes))
-        self.stats.encoder_cache_evictions = self.encoder_cache.num_evictions
+            self._drop_evicted(self.encoder_cache.insert(content_hash, num_bytes))
 
     def _unpin_prefilled_images(self, live: _Live) -> None:
         request = live.request
@@ -269,7 +269,10 @@ class Engine:
 
     def _unpin(self, live: _Live, content_hash: str) -> None:
         live.pinned.discard(content_hash)
-        self.runner.drop_embeddings(self.encoder_cache.release(content_hash))
+        self._drop_evicted(self.encoder_cache.release(content_hash))
+
+    def _drop_evicted(self, hashes: list[str]) -> None:
+        self.runner.drop_embeddings(hashes)
         self.stats.encoder_cache_evictions = self.encoder_cache.num_evictions
 
     def _finish_reason(self, request: Request) -> str | None:

@@ -34,9 +34,8 @@ class BlockManager:
         # and blocks never needed are never touched, so resident memory follows the working set instead
         # of creeping up to the whole (lazily zeroed) pool as a FIFO would make it.
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
-        self._free_cached: OrderedDict[int, None] = (
-            OrderedDict()
-        )  # unreferenced blocks with a hash, LRU first
+        # Unreferenced blocks that still hold a hashed prefix, least recently used first.
+        self._free_cached: OrderedDict[int, None] = OrderedDict()
         self._refs = [0] * num_blocks
         self._block_of_hash: dict[int, int] = {}
         self._hash_of_block: dict[int, int] = {}
@@ -86,7 +85,7 @@ class BlockManager:
                 del self._free_cached[block]
             self._refs[block] += 1
         request.block_ids = list(cached)
-        request.num_computed_tokens = request.num_cached_tokens = len(cached) * self.block_size
+        request.num_computed_tokens = len(cached) * self.block_size
         self.allocate(request, num_new_tokens)
 
     def register_full_blocks(self, request: Request) -> None:

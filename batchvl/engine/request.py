@@ -55,10 +55,8 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(
-        default_factory=list
-    )  # chain hashes of its full blocks, for prefix caching
-    num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache at the last admission
+    # Chain hashes of its full blocks, for prefix caching (kept: a waiting request is matched every step).
+    block_hashes: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0

@@ -76,7 +76,7 @@ class Scheduler:
             index += 1
 
         # A step that had to preempt admits nobody new: the freed blocks go to the requests already running.
-        if preempted:
+        if preempted or not self.waiting:
             return chunks
         being_computed = self._prefix_hashes_being_computed()
         for request in self._admission_order():

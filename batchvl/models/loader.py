@@ -18,8 +18,6 @@ from batchvl.models.registry import adapter_class
 
 logger = logging.getLogger(__name__)
 
-PAGED_ATTENTION_NAME = "batchvl_paged"
-
 
 @dataclass
 class LoadedModel:
@@ -91,7 +89,7 @@ def load_model(
 ) -> LoadedModel:
     from transformers import AutoModelForImageTextToText
 
-    from batchvl.engine.attention import register_paged_attention
+    from batchvl.engine.attention import PAGED_ATTENTION_NAME, register_paged_attention
     from batchvl.engine.vision_attention import VISION_ATTENTION_NAME, register_vision_attention
 
     model_type = read_model_type(path, trust_remote_code)
@@ -106,7 +104,7 @@ def load_model(
         path, dtype=torch_dtype, trust_remote_code=trust_remote_code, use_safetensors=True
     )
     model.to(torch_device).eval()
-    register_paged_attention(PAGED_ATTENTION_NAME)
+    register_paged_attention()
     register_vision_attention()
     # Text attention goes through the engine's paged KV cache; the vision tower attends over all images of
     # an encode batch in one call per layer.

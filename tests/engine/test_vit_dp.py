@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchvl.engine.vit_dp import lpt_assignment
-from tests.conftest import random_image
+from tests.conftest import random_image, two_prompt_job_yaml
 
 
 def test_lpt_gives_each_image_to_the_least_loaded_rank_largest_first():
@@ -53,17 +53,9 @@ def dp_job(tmp_path_factory, tiny_model_dir):
         pa.table({"key": [f"k{i}" for i in range(len(images))], "image": images}), root / "data" / "s.parquet"
     )
     (root / "job.yaml").write_text(
-        f"""
-model: {{path: {tiny_model_dir}, dtype: float32, device: cpu}}
-input: {{paths: ["data/*.parquet"], key_column: key}}
-prompts:
-  - {{name: caption, text: Describe this image.}}
-  - {{name: short, text: One word.}}
-sampling: {{max_new_tokens: 6}}
-engine: {{max_num_batched_tokens: 512, vit_parallel: data}}
-preprocess: {{workers: 1}}
-output: {{dir: out}}
-"""
+        two_prompt_job_yaml(
+            tiny_model_dir, "{max_num_batched_tokens: 512, vit_parallel: data}", "preprocess: {workers: 1}"
+        )
     )
     return root
 
