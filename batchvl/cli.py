@@ -85,12 +85,12 @@ def validate(job_file: JobFile, set_: SetOption = None, log_level: LogLevel = "w
     from batchvl.config import load_job_config
     from batchvl.io.sources import make_source
     from batchvl.models.loader import read_model_type
-    from batchvl.models.registry import adapter_class
+    from batchvl.models.registry import model_family
 
     cfg = load_job_config(job_file, set_ or [])
     shards = make_source(cfg.input).list_shards()
     model_type = read_model_type(cfg.model.path, cfg.model.trust_remote_code)
-    adapter_class(model_type)
+    model_family(model_type)
     typer.echo(f"job file ok: {job_file}")
     typer.echo(f"model: {cfg.model.path} ({model_type})")
     typer.echo(f"prompts: {', '.join(p.name for p in cfg.prompts)}")
@@ -106,7 +106,9 @@ def validate(job_file: JobFile, set_: SetOption = None, log_level: LogLevel = "w
 @app.command("make-tiny-model")
 def make_tiny_model(
     out_dir: Annotated[Path, typer.Argument(help="Folder to write the checkpoint to.", show_default=False)],
-    family: Annotated[str, typer.Option(help="Model family.")] = "qwen2_vl",
+    family: Annotated[
+        str, typer.Option(help="Model family: qwen2_vl, qwen2_5_vl, qwen3_vl or llava.")
+    ] = "qwen2_vl",
     size: Annotated[
         str, typer.Option(help="tiny (tests, seconds) or small (~90M params, benchmarks).")
     ] = "tiny",

@@ -38,11 +38,9 @@ from batchvl.io.sources import make_source
 from batchvl.io.types import ShardEnd, ShardInfo
 from batchvl.io.writers import ResultRow, is_committed, write_json_atomic, write_shard
 from batchvl.models.loader import LoadedModel, load_model, read_model_type
-from batchvl.models.registry import adapter_class
+from batchvl.models.registry import model_family
 from batchvl.preprocess.pool import PreprocessPool, default_workers
-from batchvl.preprocess.qwen_vision import QwenMediaPreparer, QwenVisionSpec
 from batchvl.preprocess.sample import PreparedSample, SampleProcessor
-from batchvl.preprocess.video import FrameSampling
 from batchvl.utils.background import END, BackgroundIterator
 from batchvl.utils.memory import HeapTrimmer
 from batchvl.utils.stats import RunStats
@@ -118,16 +116,7 @@ def sampling_params(cfg: JobConfig, shard: str, key: str, prompt_name: str) -> S
 
 
 def sample_processor(cfg: JobConfig, loaded: LoadedModel) -> SampleProcessor:
-    pre = cfg.preprocess
-    spec = QwenVisionSpec.from_image_processor(
-        loaded.processor.image_processor, pre.min_pixels, pre.max_pixels
-    )
-    media = QwenMediaPreparer(
-        spec,
-        FrameSampling(pre.video_fps, pre.video_min_frames, pre.video_max_frames),
-        pre.video_max_pixels,
-        pre.max_image_pixels,
-    )
+    media = loaded.family.media_preparer(loaded.processor, cfg.preprocess)
     return SampleProcessor(loaded.processor, media, cfg.prompts)
 
 
@@ -239,7 +228,7 @@ class JobRunner:
     def _run(self, context: DistributedContext | None = None) -> RunSummary:
         start = time.perf_counter()
         # Check the model folder even when every shard is done: a wrong path is a mistake to report.
-        adapter_class(read_model_type(self.cfg.model.path, self.cfg.model.trust_remote_code))
+        model_family(read_model_type(self.cfg.model.path, self.cfg.model.trust_remote_code))
         shards = make_source(self.cfg.input).list_shards()
         pending = [s for s in shards if self.cfg.output.overwrite or not is_committed(self.out_dir, s.shard)]
         self.stats.shards_total = len(shards)

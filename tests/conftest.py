@@ -21,6 +21,34 @@ def loaded_fp32(tiny_model_dir):
     return load_model(str(tiny_model_dir), dtype="float32", device="cpu")
 
 
+NEW_FAMILIES = ["qwen2_5_vl", "qwen3_vl", "llava"]  # qwen2_vl is the `tiny_model_dir` of the other tests
+
+
+@pytest.fixture(scope="session")
+def family_models(tmp_path_factory):
+    """family -> (model folder, model loaded in fp32), built on first use."""
+    from batchvl.models.loader import load_model
+    from batchvl.models.tiny import build_tiny_model
+
+    built = {}
+
+    def get(family: str):
+        if family not in built:
+            path = build_tiny_model(tmp_path_factory.mktemp("models") / family, family=family, seed=0)
+            built[family] = (path, load_model(str(path), dtype="float32", device="cpu"))
+        return built[family]
+
+    return get
+
+
+def png_bytes(image: Image.Image) -> bytes:
+    import io
+
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
 def random_image(height: int, width: int, seed: int) -> Image.Image:
     rng = np.random.default_rng(seed)
     return Image.fromarray(rng.integers(0, 256, size=(height, width, 3), dtype=np.uint8))

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from batchvl.engine.encoder_cache import EncoderCacheManager
@@ -185,30 +186,38 @@ class Engine:
         return results
 
     def _image_spans(self, item: EngineRequest) -> list[ImageSpan]:
-        """Find each image's (or video's) placeholder run in the prompt, in order."""
-        kinds = {token: kind for kind, token in self.adapter.placeholder_token_ids.items()}
-        ids = item.prompt_token_ids
-        runs = []  # (offset, length, kind)
-        index = 0
-        while index < len(ids):
-            kind = kinds.get(ids[index])
-            if kind is None:
-                index += 1
-                continue
-            end = index
-            while end < len(ids) and ids[end] == ids[index]:
-                end += 1
-            runs.append((index, end - index, kind))
-            index = end
-        if [r[2] for r in runs] != [img.kind for img in item.images]:
-            raise SampleError(
-                "prompt_mismatch",
-                f"prompt has placeholders {[r[2] for r in runs]} for media {[i.kind for i in item.images]}",
-            )
-        return [
-            ImageSpan(offset, length, img.content_hash)
-            for (offset, length, _), img in zip(runs, item.images, strict=True)
-        ]
+        """Each image (or video) takes the next `num_tokens` placeholder tokens of its kind, in prompt order;
+        they form one run or several (tiles, frames), each filled by the next rows of its embedding."""
+        ids = np.asarray(item.prompt_token_ids)
+        placeholders = {
+            kind: np.flatnonzero(ids == token) for kind, token in self.adapter.placeholder_token_ids.items()
+        }
+        taken = dict.fromkeys(placeholders, 0)
+        none = np.empty(0, dtype=np.int64)  # a kind the model has no placeholder for
+        spans = []
+        for img in item.images:
+            first = taken.get(img.kind, 0)
+            positions = placeholders.get(img.kind, none)[first : first + img.num_tokens]
+            if len(positions) < img.num_tokens:
+                raise self._placeholder_mismatch(item, placeholders)
+            taken[img.kind] = first + img.num_tokens
+            run_starts = np.flatnonzero(np.diff(positions, prepend=-2) != 1)
+            run_ends = np.append(run_starts[1:], len(positions))
+            spans += [
+                ImageSpan(int(positions[lo]), int(hi - lo), img.content_hash, int(lo))
+                for lo, hi in zip(run_starts, run_ends, strict=True)
+            ]
+        if any(taken[kind] != len(found) for kind, found in placeholders.items()):
+            raise self._placeholder_mismatch(item, placeholders)
+        return sorted(spans, key=lambda span: span.offset)
+
+    @staticmethod
+    def _placeholder_mismatch(item: EngineRequest, placeholders: dict[str, np.ndarray]) -> SampleError:
+        found = {kind: len(positions) for kind, positions in placeholders.items()}
+        wanted = [(img.kind, img.num_tokens) for img in item.images]
+        return SampleError(
+            "prompt_mismatch", f"prompt has placeholder tokens {found} for media (kind, tokens) {wanted}"
+        )
 
     def _check_fits(self, item: EngineRequest, spans: list[ImageSpan]) -> None:
         num_prompt = len(item.prompt_token_ids)
@@ -262,10 +271,15 @@ class Engine:
             self._drop_evicted(self.encoder_cache.insert(content_hash, num_bytes))
 
     def _unpin_prefilled_images(self, live: _Live) -> None:
+        """Release the images whose every placeholder run is in the KV cache."""
+        if not live.pinned:
+            return
         request = live.request
-        for span in request.images:
-            if span.content_hash in live.pinned and span.end <= request.num_computed_tokens:
-                self._unpin(live, span.content_hash)
+        still_needed = {
+            span.content_hash for span in request.images if span.end > request.num_computed_tokens
+        }
+        for content_hash in live.pinned - still_needed:
+            self._unpin(live, content_hash)
 
     def _unpin(self, live: _Live, content_hash: str) -> None:
         live.pinned.discard(content_hash)

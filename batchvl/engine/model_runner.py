@@ -94,9 +94,7 @@ class ModelRunner:
         self.positions: dict[int, RequestPositions] = {}
 
     def add_request(self, request_id: int, prompt_token_ids: list[int], images: list[PreparedImage]) -> None:
-        prompt, delta = self.adapter.prompt_positions(
-            prompt_token_ids, [(img.kind, img.grid_thw) for img in images]
-        )
+        prompt, delta = self.adapter.prompt_positions(prompt_token_ids, images)
         self.positions[request_id] = RequestPositions(prompt, delta)
 
     def remove_request(self, request_id: int) -> None:
@@ -149,15 +147,20 @@ class ModelRunner:
             )
             query_start += chunk.num_tokens
 
-        embeds = self.adapter.embed_tokens(torch.tensor(token_ids, dtype=torch.long))
-        self._scatter_image_embeddings(embeds, chunks, sequences)
+        media_mask, media_rows = self._media_rows(len(token_ids), chunks, sequences)
         device = self.adapter.device
         for seq in sequences:
             seq.key_slots = seq.key_slots.to(device)
             if seq.mask is not None:
                 seq.mask = seq.mask.to(device)
         meta = PagedAttentionMetadata(self.kv_cache, torch.cat(slot_mapping).to(device), sequences)
-        hidden = self.adapter.forward_text(embeds, torch.cat(positions, dim=1), batchvl_attention=meta)
+        hidden = self.adapter.forward(
+            torch.tensor(token_ids, dtype=torch.long),
+            torch.cat(positions, dim=1),
+            media_mask,
+            media_rows,
+            batchvl_attention=meta,
+        )
         last_rows = [
             seq.query_start + seq.num_queries - 1
             for chunk, seq in zip(chunks, sequences, strict=True)
@@ -165,12 +168,21 @@ class ModelRunner:
         ]
         return self.adapter.compute_logits(hidden[last_rows])
 
-    def _scatter_image_embeddings(
-        self, embeds: torch.Tensor, chunks: list[ScheduledChunk], sequences: list[SequenceSlice]
-    ) -> None:
-        """Put the slice of each image's embedding that falls inside a chunk onto its placeholder rows."""
+    def _media_rows(
+        self, num_tokens: int, chunks: list[ScheduledChunk], sequences: list[SequenceSlice]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Which packed rows are media placeholders, and the embedding rows that fill them, in order: for a
+        chunk that cuts through an image, just the slice of its embedding that falls inside the chunk."""
+        mask = torch.zeros(num_tokens, dtype=torch.bool)
+        pieces = []
         for chunk, seq in zip(chunks, sequences, strict=True):
             for span in chunk.request.images_overlapping(chunk.start, chunk.end):
                 lo, hi = max(chunk.start, span.offset), min(chunk.end, span.end)
-                rows = slice(seq.query_start + lo - chunk.start, seq.query_start + hi - chunk.start)
-                embeds[rows] = self.embeddings[span.content_hash][lo - span.offset : hi - span.offset]
+                first = seq.query_start + lo - chunk.start
+                mask[first : first + hi - lo] = True
+                rows = span.row_offset + lo - span.offset
+                pieces.append((first, self.embeddings[span.content_hash][rows : rows + hi - lo]))
+        if not pieces:
+            return mask, None
+        # Chunks are packed in order and a request's runs are sorted by offset: pieces follow the mask.
+        return mask, torch.cat([rows for _, rows in pieces])

@@ -19,13 +19,15 @@ from batchvl.engine.request import Request
 ROOT_HASH = 0
 
 
-def block_hash(parent: int, token_ids: list[int], images: list[tuple[int, str]]) -> int:
-    """Hash of one full block; `images` holds (placeholder offset relative to the block, content hash)."""
+def block_hash(parent: int, token_ids: list[int], images: list[tuple[int, int, str]]) -> int:
+    """Hash of one full block; `images` holds (run offset relative to the block, the run's first embedding
+    row, content hash) of every placeholder run overlapping it."""
     digest = xxhash.xxh3_128()
     digest.update(parent.to_bytes(16, "little"))
     digest.update(np.asarray(token_ids, dtype=np.int64).tobytes())
-    for offset, content_hash in images:
+    for offset, row_offset, content_hash in images:
         digest.update(offset.to_bytes(8, "little", signed=True))
+        digest.update(row_offset.to_bytes(8, "little"))
         digest.update(content_hash.encode())
     return digest.intdigest()
 
@@ -40,7 +42,10 @@ def extend_block_hashes(request: Request, block_size: int, num_blocks: int) -> l
     while len(hashes) < num_blocks:
         start = len(hashes) * block_size
         end = start + block_size
-        images = [(span.offset - start, span.content_hash) for span in request.images_overlapping(start, end)]
+        images = [
+            (span.offset - start, span.row_offset, span.content_hash)
+            for span in request.images_overlapping(start, end)
+        ]
         parent = hashes[-1] if hashes else ROOT_HASH
         hashes.append(block_hash(parent, request.token_ids(start, end), images))
     return hashes[:num_blocks]

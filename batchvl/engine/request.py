@@ -35,11 +35,15 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class ImageSpan:
-    """Where one image's placeholder run sits in the prompt, and which embedding fills it."""
+    """One run of an image's placeholder tokens in the prompt, and which embedding rows fill it.
 
-    offset: int  # index of the first placeholder token in the prompt
-    length: int  # number of placeholder tokens (= rows of the image's merged embedding)
+    An image is one run for most families; tiled images (a run per tile) and Qwen3-VL videos (a run per
+    frame, timestamps between) are several, each taking the next rows of the image's embedding."""
+
+    offset: int  # index of the first placeholder token of the run in the prompt
+    length: int  # number of placeholder tokens in the run
     content_hash: str
+    row_offset: int = 0  # the image embedding's row that fills the run's first token
 
     @property
     def end(self) -> int:

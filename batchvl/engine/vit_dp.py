@@ -15,7 +15,6 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from batchvl.errors import UserError
@@ -66,16 +65,6 @@ def init_distributed(device: str) -> DistributedContext:
     return DistributedContext(dist.get_rank(), dist.get_world_size())
 
 
-def _share_message(images: list[PreparedImage]) -> list[tuple[np.ndarray, tuple[int, int, int], str, str]]:
-    return [(img.pixel_values, img.grid_thw, img.content_hash, img.kind) for img in images]
-
-
-def _from_message(message) -> list[PreparedImage]:
-    return [
-        PreparedImage(pixels, tuple(grid), content_hash, kind) for pixels, grid, content_hash, kind in message
-    ]
-
-
 class DataParallelEncoder:
     """Rank 0's side of an encode round."""
 
@@ -91,10 +80,10 @@ class DataParallelEncoder:
         shares = lpt_assignment([img.num_patches for img in images], self.context.world_size)
         for rank, share in enumerate(shares):
             self.patches_per_rank[rank] += sum(images[i].num_patches for i in share)
-        messages = [("encode", _share_message([images[i] for i in share])) for share in shares]
+        messages = [("encode", [images[i] for i in share]) for share in shares]
         received: list = [None]
         dist.scatter_object_list(received, messages, src=0)
-        gathered = _encode_and_gather(self.local_encode, _from_message(received[0][1]), self.device)
+        gathered = _encode_and_gather(self.local_encode, received[0][1], self.device)
         out: list[torch.Tensor | None] = [None] * len(images)
         for share, embeddings in zip(shares, gathered, strict=True):
             for index, embedding in zip(share, embeddings, strict=True):
@@ -120,7 +109,7 @@ def serve_encode_rounds(local_encode: LocalEncode, device: torch.device) -> int:
         op, message = received[0]
         if op == "stop":
             return rounds
-        _encode_and_gather(local_encode, _from_message(message), device)
+        _encode_and_gather(local_encode, message, device)
         rounds += 1
 
 

@@ -1,8 +1,10 @@
-"""The interface between the engine and a model family.
+"""The interface between the engine and a model family, and the part every Hugging Face VLM shares.
 
 The engine owns scheduling, the KV cache, attention, positions, embedding fusion and sampling; an adapter
 exposes the pieces of a Hugging Face model it needs (vision tower, token embeddings, decoder stack,
-lm_head, the family's position rule), so the engine has no family-specific branches.
+lm_head, the family's position rule), so the engine has no family-specific branches. `DecoderAdapter`
+implements what the families have in common (a decoder reached as `model.model.language_model`, media
+rows written over placeholder embeddings, 1-D positions); a family overrides what differs.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+from batchvl.preprocess.media import PreparedImage
 
 
 @dataclass(frozen=True)
@@ -28,22 +32,93 @@ class VLMAdapter(Protocol):
     device: torch.device
 
     def encode(self, kind: str, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]:
-        """Merged embeddings per image (or video), one (num_tokens, hidden) tensor each, in input order."""
+        """Embedding rows per item (image or video), one (num_tokens, feature_dim) tensor each, in input
+        order. Rows are what fills the item's placeholder tokens (a family may carry more than the input
+        embedding in a row, e.g. Qwen3-VL's deepstack features side by side)."""
         ...
 
     def prompt_positions(
-        self, prompt_token_ids: list[int], media: list[tuple[str, tuple[int, int, int]]]
+        self, prompt_token_ids: list[int], media: list[PreparedImage]
     ) -> tuple[torch.Tensor, int]:
-        """Positions of the prompt tokens, shape (num_pos_axes, L), and the offset for generated tokens;
-        `media` lists (kind, grid_thw) of the prompt's images and videos in order."""
+        """Positions of the prompt tokens, shape (num_pos_axes, L), and the offset for generated tokens
+        (generated token i, counted over prompt + output, sits at position i + offset)."""
         ...
 
-    def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor: ...
-
-    def forward_text(
-        self, inputs_embeds: torch.Tensor, positions: torch.Tensor, **attn_kwargs
+    def forward(
+        self,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        media_mask: torch.Tensor,
+        media_rows: torch.Tensor | None,
+        **attn_kwargs,
     ) -> torch.Tensor:
-        """Run the decoder over packed tokens (T, hidden) at positions (axes, T); returns (T, hidden)."""
+        """Run the decoder over packed tokens (T,) at positions (axes, T), with the rows selected by
+        `media_mask` (T,) filled by `media_rows`; returns hidden states (T, hidden)."""
         ...
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+
+class DecoderAdapter:
+    """Shared implementation: subclasses set `placeholder_token_ids` and implement `encode`."""
+
+    placeholder_token_ids: dict[str, int]
+
+    def __init__(self, model, dtype: torch.dtype, device: torch.device):
+        self.model = model
+        self.dtype = dtype
+        self.device = device
+        text = model.config.text_config
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        self.geometry = TextGeometry(
+            num_layers=text.num_hidden_layers,
+            num_kv_heads=text.num_key_value_heads,
+            head_dim=head_dim,
+            max_model_len=text.max_position_embeddings,
+        )
+        self.hidden_size = text.hidden_size
+        self.language_model = model.model.language_model
+        self._embed = model.model.get_input_embeddings()
+
+    def encode(self, kind: str, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def prompt_positions(
+        self, prompt_token_ids: list[int], media: list[PreparedImage]
+    ) -> tuple[torch.Tensor, int]:
+        return torch.arange(len(prompt_token_ids))[None], 0
+
+    def embed(self, token_ids: torch.Tensor, media_mask: torch.Tensor, media_rows: torch.Tensor | None):
+        embeds = self._embed(token_ids.to(self.device))
+        if media_rows is not None:
+            embeds[media_mask.to(self.device)] = media_rows[:, : self.hidden_size].to(embeds.dtype)
+        return embeds
+
+    def forward(
+        self,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        media_mask: torch.Tensor,
+        media_rows: torch.Tensor | None,
+        **attn_kwargs,
+    ) -> torch.Tensor:
+        out = self.language_model(
+            inputs_embeds=self.embed(token_ids, media_mask, media_rows)[None],
+            position_ids=self.position_ids(positions.to(self.device)),
+            past_key_values=None,
+            use_cache=False,
+            **self.media_kwargs(media_mask, media_rows),
+            **attn_kwargs,
+        )
+        return out.last_hidden_state[0]
+
+    def media_kwargs(self, media_mask: torch.Tensor, media_rows: torch.Tensor | None) -> dict:
+        """Extra decoder arguments carrying media beyond the input embeddings (none by default)."""
+        return {}
+
+    def position_ids(self, positions: torch.Tensor) -> torch.Tensor:
+        """(axes, T) -> what the decoder takes: (1, T) for 1-D rope."""
+        return positions
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.lm_head(hidden).float()

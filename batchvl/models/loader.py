@@ -14,7 +14,7 @@ import torch
 
 from batchvl.errors import UserError
 from batchvl.models.adapter import VLMAdapter
-from batchvl.models.registry import adapter_class
+from batchvl.models.registry import ModelFamily, model_family
 
 logger = logging.getLogger(__name__)
 
@@ -23,8 +23,12 @@ logger = logging.getLogger(__name__)
 class LoadedModel:
     adapter: VLMAdapter
     processor: object  # a Hugging Face processor: .tokenizer, .image_processor, .apply_chat_template
-    model_type: str
+    family: ModelFamily
     path: str
+
+    @property
+    def model_type(self) -> str:
+        return self.family.model_type
 
     def eos_token_ids(self) -> list[int]:
         """End-of-sequence ids as `generate` would use them: the generation config's, else the tokenizer's."""
@@ -66,20 +70,22 @@ def read_model_type(path: str, trust_remote_code: bool = False) -> str:
     return config.model_type
 
 
-def load_processor(path: str, trust_remote_code: bool = False):
+def load_processor(path: str, model_type: str, trust_remote_code: bool = False):
     """The checkpoint's processor; where torchvision is missing, an image-only one built from its parts."""
     from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
 
-    from batchvl.models.processor import QwenVLImageOnlyProcessor
+    from batchvl.models.processor import IMAGE_ONLY_PROCESSORS
 
     try:
         return AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (ImportError, ValueError, OSError, TypeError) as exc:
         # Stock Qwen-VL processors carry a video processor that needs torchvision.
+        if model_type not in IMAGE_ONLY_PROCESSORS:
+            raise UserError(f"cannot load the processor of '{path}': {exc}") from exc
         logger.debug("AutoProcessor failed (%s); building an image-only processor", exc)
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         image_processor = AutoImageProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
-        return QwenVLImageOnlyProcessor(
+        return IMAGE_ONLY_PROCESSORS[model_type](
             image_processor=image_processor, tokenizer=tokenizer, chat_template=tokenizer.chat_template
         )
 
@@ -92,8 +98,7 @@ def load_model(
     from batchvl.engine.attention import PAGED_ATTENTION_NAME, register_paged_attention
     from batchvl.engine.vision_attention import VISION_ATTENTION_NAME, register_vision_attention
 
-    model_type = read_model_type(path, trust_remote_code)
-    cls = adapter_class(model_type)
+    family = model_family(read_model_type(path, trust_remote_code))
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     if not any(Path(path).glob("*.safetensors")):
@@ -106,15 +111,18 @@ def load_model(
     model.to(torch_device).eval()
     register_paged_attention()
     register_vision_attention()
-    # Text attention goes through the engine's paged KV cache; the vision tower attends over all images of
-    # an encode batch in one call per layer.
+    # Text attention goes through the engine's paged KV cache; a varlen vision tower attends over all
+    # images of an encode batch in one call per layer.
     model.set_attn_implementation(
-        {"text_config": PAGED_ATTENTION_NAME, "vision_config": VISION_ATTENTION_NAME}
+        {
+            "text_config": PAGED_ATTENTION_NAME,
+            "vision_config": VISION_ATTENTION_NAME if family.varlen_vision else "sdpa",
+        }
     )
-    logger.info("loaded %s (%s) on %s as %s", path, model_type, torch_device, torch_dtype)
+    logger.info("loaded %s (%s) on %s as %s", path, family.model_type, torch_device, torch_dtype)
     return LoadedModel(
-        adapter=cls(model, torch_dtype, torch_device),
-        processor=load_processor(path, trust_remote_code),
-        model_type=model_type,
+        adapter=family.adapter(model, torch_dtype, torch_device),
+        processor=load_processor(path, family.model_type, trust_remote_code),
+        family=family,
         path=path,
     )

@@ -1,76 +1,86 @@
-"""Adapter for the Qwen2-VL family (mrope positions, merged-patch image embeddings)."""
+"""Adapters for the Qwen-VL families: Qwen2-VL, Qwen2.5-VL and Qwen3-VL.
+
+All three take patch rows and a (t, h, w) grid in the vision tower and place tokens with multimodal
+rope (3 position axes). Qwen2.5-VL spaces video frames in time by seconds (`second_per_grid_ts`);
+Qwen3-VL also adds deepstack features (intermediate vision layers) to the first decoder layers' hidden
+states at image tokens, on every prefill chunk.
+"""
 
 from __future__ import annotations
 
 import torch
 
-from batchvl.models.adapter import TextGeometry
+from batchvl.models.adapter import DecoderAdapter
+from batchvl.preprocess.media import PreparedImage
 
 MM_TEXT, MM_IMAGE, MM_VIDEO = 0, 1, 2  # mm_token_type_ids values
 
 
-class QwenVLAdapter:
+class Qwen2VLAdapter(DecoderAdapter):
     def __init__(self, model, dtype: torch.dtype, device: torch.device):
-        self.model = model
-        self.dtype = dtype
-        self.device = device
+        super().__init__(model, dtype, device)
         config = model.config
-        text = config.text_config
         self.placeholder_token_ids = {"image": config.image_token_id, "video": config.video_token_id}
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        self.geometry = TextGeometry(
-            num_layers=text.num_hidden_layers,
-            num_kv_heads=text.num_key_value_heads,
-            head_dim=head_dim,
-            max_model_len=text.max_position_embeddings,
-        )
-        self._embed = model.model.get_input_embeddings()
 
     @torch.inference_mode()
     def encode(self, kind: str, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]:
+        out = self._vision_features(kind, pixel_values, grid_thw)
+        return list(out.pooler_output)
+
+    def _vision_features(self, kind: str, pixel_values: torch.Tensor, grid_thw: torch.Tensor):
         features = (
             self.model.model.get_video_features if kind == "video" else self.model.model.get_image_features
         )
-        out = features(pixel_values.to(self.device, self.dtype), grid_thw.to(self.device), return_dict=True)
-        return list(out.pooler_output)
+        return features(pixel_values.to(self.device, self.dtype), grid_thw.to(self.device), return_dict=True)
 
     @torch.inference_mode()
     def prompt_positions(
-        self, prompt_token_ids: list[int], media: list[tuple[str, tuple[int, int, int]]]
+        self, prompt_token_ids: list[int], media: list[PreparedImage]
     ) -> tuple[torch.Tensor, int]:
         ids = torch.tensor([prompt_token_ids], dtype=torch.long)
         if not media:
-            positions = torch.arange(ids.shape[1]).expand(3, -1)
-            return positions.contiguous(), 0
+            return torch.arange(ids.shape[1]).expand(3, -1).contiguous(), 0
         token_types = torch.full_like(ids, MM_TEXT)
         token_types[ids == self.placeholder_token_ids["image"]] = MM_IMAGE
         token_types[ids == self.placeholder_token_ids["video"]] = MM_VIDEO
-        grids = {
-            kind: torch.tensor([g for k, g in media if k == kind], dtype=torch.long)
-            if any(k == kind for k, _ in media)
-            else None
-            for kind in ("image", "video")
-        }
         # get_rope_index is a pure function of ids and grids; rope_deltas cached on the module is never used.
-        positions, deltas = self.model.model.get_rope_index(
-            ids, token_types, image_grid_thw=grids["image"], video_grid_thw=grids["video"]
-        )
+        positions, deltas = self.model.model.get_rope_index(ids, token_types, **self._rope_media(media))
         return positions[:, 0, :].contiguous(), int(deltas[0, 0])
 
-    def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
-        return self._embed(token_ids.to(self.device))
+    def _rope_media(self, media: list[PreparedImage]) -> dict:
+        grids = {}
+        for kind in ("image", "video"):
+            chosen = [m.grid_thw for m in media if m.kind == kind]
+            grids[f"{kind}_grid_thw"] = torch.tensor(chosen, dtype=torch.long) if chosen else None
+        return grids
 
-    def forward_text(
-        self, inputs_embeds: torch.Tensor, positions: torch.Tensor, **attn_kwargs
-    ) -> torch.Tensor:
-        out = self.model.model.language_model(
-            inputs_embeds=inputs_embeds[None],
-            position_ids=positions[:, None, :].to(self.device),
-            past_key_values=None,
-            use_cache=False,
-            **attn_kwargs,
-        )
-        return out.last_hidden_state[0]
+    def position_ids(self, positions: torch.Tensor) -> torch.Tensor:
+        return positions[:, None, :]  # (3, T) -> (3, batch 1, T)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.lm_head(hidden).float()
+
+class Qwen2_5_VLAdapter(Qwen2VLAdapter):
+    def _rope_media(self, media: list[PreparedImage]) -> dict:
+        videos = [m.seconds_per_grid_t for m in media if m.kind == "video"]
+        return {**super()._rope_media(media), "second_per_grid_ts": torch.tensor(videos) if videos else None}
+
+
+class Qwen3VLAdapter(Qwen2VLAdapter):
+    """Embedding rows hold the merged features and each deepstack layer's features side by side."""
+
+    @torch.inference_mode()
+    def encode(self, kind: str, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]:
+        out = self._vision_features(kind, pixel_values, grid_thw)
+        # deepstack_features: per deepstack layer, a tuple of per-item tensors
+        return [
+            torch.cat(per_item, dim=-1)
+            for per_item in zip(out.pooler_output, *out.deepstack_features, strict=True)
+        ]
+
+    def media_kwargs(self, media_mask: torch.Tensor, media_rows: torch.Tensor | None) -> dict:
+        if media_rows is None:
+            return {}
+        deepstack = media_rows[:, self.hidden_size :].to(self.device, self.dtype)
+        return {
+            "visual_pos_masks": media_mask[None].to(self.device),
+            "deepstack_visual_embeds": list(deepstack.split(self.hidden_size, dim=-1)),
+        }

@@ -1,20 +1,64 @@
-"""Model families batchvl supports, keyed by the Hugging Face config's `model_type`."""
+"""Model families batchvl supports, keyed by the Hugging Face config's `model_type`.
+
+A family is everything family-specific in one record: the engine adapter, the preprocessing that turns
+media into the vision tower's input and the prompt's placeholder text, which vision attention to plug in,
+and what it accepts. The engine, the job and the CLI only ever go through this table.
+"""
 
 from __future__ import annotations
 
-from batchvl.errors import UserError
-from batchvl.models.qwen_vl import QwenVLAdapter
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
 
-ADAPTERS = {
-    "qwen2_vl": QwenVLAdapter,
+from batchvl.config import PreprocessConfig
+from batchvl.errors import UserError
+from batchvl.io.types import MediaRef
+from batchvl.models.llava import LlavaAdapter
+from batchvl.models.qwen_vl import Qwen2_5_VLAdapter, Qwen2VLAdapter, Qwen3VLAdapter
+from batchvl.preprocess.clip_vision import ClipMediaPreparer
+from batchvl.preprocess.media import PreparedImage
+from batchvl.preprocess.qwen_vision import QwenMediaPreparer
+
+MediaPreparer = Callable[[MediaRef], PreparedImage]
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    model_type: str
+    adapter: type
+    # (processor, preprocess config) -> a picklable MediaRef -> PreparedImage function for worker processes
+    media_preparer: Callable[[object, PreprocessConfig], MediaPreparer]
+    video: bool
+    multi_image: bool
+    # The vision tower takes packed patches with cu_seqlens (Qwen): plug in batchvl's one-call-per-layer
+    # varlen attention. Otherwise (CLIP-style towers over a batch of equal crops) stock SDPA is right.
+    varlen_vision: bool
+
+
+FAMILIES = {
+    family.model_type: family
+    for family in (
+        ModelFamily("qwen2_vl", Qwen2VLAdapter, QwenMediaPreparer.from_config, True, True, True),
+        ModelFamily("qwen2_5_vl", Qwen2_5_VLAdapter, QwenMediaPreparer.from_config, True, True, True),
+        ModelFamily(
+            "qwen3_vl",
+            Qwen3VLAdapter,
+            functools.partial(QwenMediaPreparer.from_config, video_timestamps=True),
+            True,
+            True,
+            True,
+        ),
+        ModelFamily("llava", LlavaAdapter, ClipMediaPreparer.from_config, False, True, False),
+    )
 }
 
 
-def adapter_class(model_type: str):
+def model_family(model_type: str) -> ModelFamily:
     try:
-        return ADAPTERS[model_type]
+        return FAMILIES[model_type]
     except KeyError:
-        supported = ", ".join(sorted(ADAPTERS))
+        supported = ", ".join(sorted(FAMILIES))
         raise UserError(
             f"model type '{model_type}' is not supported; supported model types: {supported}"
         ) from None

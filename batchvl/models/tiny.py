@@ -1,49 +1,19 @@
 """Build small random-weight VLM checkpoints locally, for tests, the demo and benchmarks.
 
-No model hub is needed: the tokenizer is a byte-level BPE trained here on a generated corpus, loaded
-into the family's real tokenizer class with the family's special tokens; the model is built from its
-config class with seeded random weights and saved with `save_pretrained`, so it loads offline exactly
-like a real checkpoint folder. A random model writes meaningless text; only the shapes are realistic.
+No model hub is needed: the tokenizer is a BPE trained here, loaded into the family's real tokenizer
+class with the family's special tokens; the model is built from its config class with seeded random
+weights and saved with `save_pretrained` beside its processor, so it loads offline exactly like a real
+checkpoint folder. A random model writes meaningless text; only the shapes are realistic.
 """
 
 from __future__ import annotations
 
-import json
-import random
 from dataclasses import dataclass
 from pathlib import Path
 
 from batchvl.errors import UserError
-
-QWEN_SPECIAL_TOKENS = [
-    "<|endoftext|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "<|vision_start|>",
-    "<|vision_end|>",
-    "<|image_pad|>",
-    "<|video_pad|>",
-]
-
-# The Qwen2-VL chat template (one system turn by default, images as vision_start/pad/end).
-QWEN2_VL_CHAT_TEMPLATE = (
-    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
-    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
-    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
-    "<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
-    "{% else %}{% for content in message['content'] %}"
-    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
-    "{% set image_count.value = image_count.value + 1 %}"
-    "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}"
-    "<|vision_start|><|image_pad|><|vision_end|>"
-    "{% elif content['type'] == 'video' or 'video' in content %}"
-    "{% set video_count.value = video_count.value + 1 %}"
-    "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}"
-    "<|vision_start|><|video_pad|><|vision_end|>"
-    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
-    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+from batchvl.models import chat_templates
+from batchvl.models.tiny_tokenizers import QWEN_SPECIAL_TOKENS, build_llama_tokenizer, build_qwen_tokenizer
 
 
 @dataclass(frozen=True)
@@ -54,16 +24,29 @@ class TinySize:
     num_layers: int
     num_heads: int
     num_kv_heads: int
-    mrope_section: tuple[int, int, int]  # sums to head_dim / 2
     vit_depth: int
     vit_dim: int
     vit_heads: int
-    min_pixels: int
-    max_pixels: int
+    merged_patches: tuple[int, int]  # Qwen: fewest and most merged patches per image (pixel limits)
+    clip_image_size: int  # LLaVA: the square crop side
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    def mrope_section(self, interleaved: bool) -> list[int]:
+        """Rope frequencies per (t, h, w) axis, summing to head_dim / 2, in the real checkpoints' ratios:
+        Qwen2-VL 16:24:24, Qwen3-VL (interleaved) 24:20:20."""
+        half = self.head_dim // 2
+        if interleaved:
+            spatial = half * 5 // 16
+            return [half - 2 * spatial, spatial, spatial]
+        temporal = half // 4
+        return [temporal, (half - temporal) // 2, half - temporal - (half - temporal) // 2]
 
 
 SIZES = {
-    # Seconds to build and run; for tests. head_dim 16 -> mrope_section sums to 8.
+    # Seconds to build and run; for tests. head_dim 16.
     "tiny": TinySize(
         vocab_size=1024,
         hidden_size=64,
@@ -71,14 +54,13 @@ SIZES = {
         num_layers=2,
         num_heads=4,
         num_kv_heads=2,
-        mrope_section=(2, 3, 3),
         vit_depth=2,
         vit_dim=64,
         vit_heads=4,
-        min_pixels=28 * 28 * 4,
-        max_pixels=28 * 28 * 64,
+        merged_patches=(4, 64),
+        clip_image_size=56,
     ),
-    # ~90M parameters with a 32k vocabulary; for benchmarks. head_dim 64 -> mrope_section sums to 32.
+    # ~90M parameters with a 32k vocabulary; for benchmarks. head_dim 64.
     "small": TinySize(
         vocab_size=32768,
         hidden_size=512,
@@ -86,63 +68,185 @@ SIZES = {
         num_layers=8,
         num_heads=8,
         num_kv_heads=2,
-        mrope_section=(8, 12, 12),
         vit_depth=6,
         vit_dim=512,
         vit_heads=8,
-        min_pixels=28 * 28 * 4,
-        max_pixels=28 * 28 * 256,
+        merged_patches=(4, 256),
+        clip_image_size=224,
     ),
 }
 
-FAMILIES = ("qwen2_vl",)
 
-_SYLLABLE_GROUPS = (
-    "ka ri to ne sa mi lo be du an el in on or ar en st th ch sh qu pr tr bl gr wa yo ze fi ho ve",
-    "cat dog sky red sea sun tree house car road bird blue green white black small large photo image",
-)
-_SYLLABLES = tuple(" ".join(_SYLLABLE_GROUPS).split())
+def _qwen_text_config(spec: TinySize, vocab_size: int, ids: dict[str, int], interleaved: bool) -> dict:
+    return {
+        "vocab_size": vocab_size,
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size,
+        "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads,
+        "head_dim": spec.head_dim,
+        "max_position_embeddings": 32768,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 1_000_000.0,
+            "mrope_section": spec.mrope_section(interleaved),
+        },
+        "bos_token_id": ids["<|endoftext|>"],
+        "eos_token_id": ids["<|im_end|>"],
+        "pad_token_id": ids["<|endoftext|>"],
+    }
 
 
-def _training_corpus(num_words: int, seed: int) -> list[str]:
-    """A deterministic text with enough distinct substrings for BPE to learn the requested vocab."""
-    rng = random.Random(seed)
-    lines = []
-    for _ in range(num_words // 12):
-        words = ["".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(1, 4))) for _ in range(12)]
-        lines.append(" ".join(words).capitalize() + rng.choice([".", ",", "!", "?", ":"]))
-    return lines
+def _qwen_vision_config(family: str, spec: TinySize) -> dict:
+    common = {"depth": spec.vit_depth, "num_heads": spec.vit_heads, "spatial_merge_size": 2}
+    common["temporal_patch_size"] = 2
+    if family == "qwen2_vl":
+        return {**common, "embed_dim": spec.vit_dim, "hidden_size": spec.hidden_size, "patch_size": 14}
+    wide = {
+        **common,
+        "hidden_size": spec.vit_dim,
+        "intermediate_size": 2 * spec.vit_dim,
+        "out_hidden_size": spec.hidden_size,
+    }
+    if family == "qwen2_5_vl":
+        # Window attention in every block but the odd ones; windows of 2x2 merged patches (tiny images
+        # span several windows, so the windowed blocks really see several).
+        return {
+            **wide,
+            "patch_size": 14,
+            "window_size": 56,
+            "fullatt_block_indexes": list(range(1, spec.vit_depth, 2)),
+            "tokens_per_second": 2,
+        }
+    return {  # qwen3_vl
+        **wide,
+        "patch_size": 16,
+        "hidden_act": "gelu_pytorch_tanh",
+        "num_position_embeddings": 64,  # a square: an 8x8 learned grid, interpolated
+        "deepstack_visual_indexes": list(range(min(spec.vit_depth, spec.num_layers))),
+    }
 
 
-def build_tokenizer(vocab_size: int, seed: int):
-    """Train a byte-level BPE and wrap it in Qwen2Tokenizer with the Qwen special tokens."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import Qwen2Tokenizer
-
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size - len(QWEN_SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
+def _build_qwen(out: Path, family: str, spec: TinySize, seed: int) -> None:
+    import torch
+    from transformers import (
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2VLConfig,
+        Qwen2VLForConditionalGeneration,
+        Qwen2VLImageProcessorPil,
+        Qwen3VLConfig,
+        Qwen3VLForConditionalGeneration,
     )
-    bpe.train_from_iterator(_training_corpus(max(20_000, vocab_size * 8), seed), trainer=trainer)
-    # The tokenizers API exposes the trained vocab and merges through the serialized model.
-    trained = json.loads(bpe.to_str())["model"]
-    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in trained["merges"]]
-    tokenizer = Qwen2Tokenizer(
-        vocab=trained["vocab"],
-        merges=merges,
-        unk_token=None,
-        bos_token=None,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
+
+    from batchvl.models.processor import IMAGE_ONLY_PROCESSORS
+
+    config_class, model_class = {
+        "qwen2_vl": (Qwen2VLConfig, Qwen2VLForConditionalGeneration),
+        "qwen2_5_vl": (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration),
+        "qwen3_vl": (Qwen3VLConfig, Qwen3VLForConditionalGeneration),
+    }[family]
+    is_qwen3 = family == "qwen3_vl"
+    template = chat_templates.QWEN3_VL if is_qwen3 else chat_templates.QWEN2_VL
+    tokenizer = build_qwen_tokenizer(spec.vocab_size, seed, template)
+    ids = {tok: tokenizer.convert_tokens_to_ids(tok) for tok in QWEN_SPECIAL_TOKENS}
+    vocab_size = max(spec.vocab_size, len(tokenizer))
+    config = config_class(
+        text_config=_qwen_text_config(spec, vocab_size, ids, interleaved=is_qwen3),
+        vision_config=_qwen_vision_config(family, spec),
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        **({"tie_word_embeddings": False} if is_qwen3 else {}),
     )
-    tokenizer.add_special_tokens({"additional_special_tokens": QWEN_SPECIAL_TOKENS[1:]})
-    tokenizer.add_tokens(["<|endoftext|>"], special_tokens=True)
-    tokenizer.chat_template = QWEN2_VL_CHAT_TEMPLATE
-    return tokenizer
+    torch.manual_seed(seed)
+    model = model_class(config).eval()
+    model.generation_config.eos_token_id = [ids["<|im_end|>"], ids["<|endoftext|>"]]
+    model.generation_config.pad_token_id = ids["<|endoftext|>"]
+    model.generation_config.bos_token_id = ids["<|endoftext|>"]
+    model.save_pretrained(out)
+    merged = (32 if is_qwen3 else 28) ** 2  # pixels of one merged patch
+    normalization = {"image_mean": [0.5] * 3, "image_std": [0.5] * 3} if is_qwen3 else {}
+    image_processor = Qwen2VLImageProcessorPil(
+        size={
+            "shortest_edge": merged * spec.merged_patches[0],
+            "longest_edge": merged * spec.merged_patches[1],
+        },
+        patch_size=16 if is_qwen3 else 14,
+        merge_size=2,
+        temporal_patch_size=2,
+        **normalization,
+    )
+    processor = IMAGE_ONLY_PROCESSORS[family](
+        image_processor=image_processor, tokenizer=tokenizer, chat_template=template
+    )
+    processor.save_pretrained(out)
+
+
+def _build_llava(out: Path, spec: TinySize, seed: int) -> None:
+    """LLaVA-1.5 layout: CLIP vision (layer -2, CLS dropped), a 2-layer projector, a Llama decoder."""
+    import torch
+    from transformers import CLIPImageProcessorPil, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
+
+    tokenizer = build_llama_tokenizer(spec.vocab_size, seed, chat_templates.LLAVA)
+    pad_id = tokenizer.convert_tokens_to_ids("<pad>")
+    side, patch = spec.clip_image_size, 14
+    config = LlavaConfig(
+        vision_config={
+            "model_type": "clip_vision_model",
+            "hidden_size": spec.vit_dim,
+            "intermediate_size": 2 * spec.vit_dim,
+            "num_hidden_layers": spec.vit_depth + 1,  # the last layer is computed but not used (layer -2)
+            "num_attention_heads": spec.vit_heads,
+            "image_size": side,
+            "patch_size": patch,
+            "projection_dim": spec.vit_dim,
+            "hidden_act": "quick_gelu",
+        },
+        text_config={
+            "model_type": "llama",
+            "vocab_size": len(tokenizer),
+            "hidden_size": spec.hidden_size,
+            "intermediate_size": spec.intermediate_size,
+            "num_hidden_layers": spec.num_layers,
+            "num_attention_heads": spec.num_heads,
+            "num_key_value_heads": spec.num_kv_heads,
+            "max_position_embeddings": 4096,
+            "rms_norm_eps": 1e-5,
+            "bos_token_id": tokenizer.bos_token_id,
+            "eos_token_id": tokenizer.eos_token_id,
+            "pad_token_id": pad_id,
+        },
+        image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
+        image_seq_length=(side // patch) ** 2,
+        projector_hidden_act="gelu",
+        vision_feature_select_strategy="default",
+        vision_feature_layer=-2,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config).eval()
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = pad_id
+    model.generation_config.bos_token_id = tokenizer.bos_token_id
+    model.save_pretrained(out)
+    # llava-hf's LLaVA-1.5 checkpoints use the CLIP image processor: shortest edge, centre crop, no padding.
+    image_processor = CLIPImageProcessorPil(
+        size={"shortest_edge": side}, crop_size={"height": side, "width": side}
+    )
+    LlavaProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=patch,
+        vision_feature_select_strategy="default",
+        chat_template=chat_templates.LLAVA,
+        num_additional_image_tokens=1,  # CLIP's CLS; the "default" strategy drops it again
+    ).save_pretrained(out)
+
+
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava")
 
 
 def build_tiny_model(
@@ -153,59 +257,10 @@ def build_tiny_model(
         raise UserError(f"unknown family '{family}'; supported: {', '.join(FAMILIES)}")
     if size not in SIZES:
         raise UserError(f"unknown size '{size}'; supported: {', '.join(SIZES)}")
-    import torch
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessorPil
-
-    from batchvl.models.processor import QwenVLImageOnlyProcessor
-
-    spec = SIZES[size]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(spec.vocab_size, seed)
-    ids = {tok: tokenizer.convert_tokens_to_ids(tok) for tok in QWEN_SPECIAL_TOKENS}
-    config = Qwen2VLConfig(
-        text_config={
-            "vocab_size": max(spec.vocab_size, len(tokenizer)),
-            "hidden_size": spec.hidden_size,
-            "intermediate_size": spec.intermediate_size,
-            "num_hidden_layers": spec.num_layers,
-            "num_attention_heads": spec.num_heads,
-            "num_key_value_heads": spec.num_kv_heads,
-            "max_position_embeddings": 32768,
-            "rope_parameters": {
-                "rope_type": "default",
-                "rope_theta": 1_000_000.0,
-                "mrope_section": list(spec.mrope_section),
-            },
-            "bos_token_id": ids["<|endoftext|>"],
-            "eos_token_id": ids["<|im_end|>"],
-            "pad_token_id": ids["<|endoftext|>"],
-        },
-        vision_config={
-            "depth": spec.vit_depth,
-            "embed_dim": spec.vit_dim,
-            "hidden_size": spec.hidden_size,
-            "num_heads": spec.vit_heads,
-            "patch_size": 14,
-            "spatial_merge_size": 2,
-            "temporal_patch_size": 2,
-        },
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
-    )
-    torch.manual_seed(seed)
-    model = Qwen2VLForConditionalGeneration(config).eval()
-    model.generation_config.eos_token_id = [ids["<|im_end|>"], ids["<|endoftext|>"]]
-    model.generation_config.pad_token_id = ids["<|endoftext|>"]
-    model.generation_config.bos_token_id = ids["<|endoftext|>"]
-    model.save_pretrained(out)
-    image_processor = Qwen2VLImageProcessorPil(
-        size={"shortest_edge": spec.min_pixels, "longest_edge": spec.max_pixels}
-    )
-    processor = QwenVLImageOnlyProcessor(
-        image_processor=image_processor, tokenizer=tokenizer, chat_template=QWEN2_VL_CHAT_TEMPLATE
-    )
-    processor.save_pretrained(out)
+    if family == "llava":
+        _build_llava(out, SIZES[size], seed)
+    else:
+        _build_qwen(out, family, SIZES[size], seed)
     return out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -10,16 +11,26 @@ import xxhash
 
 @dataclass(frozen=True)
 class PreparedImage:
-    """A preprocessed image (or video clip): the vision tower's input rows and its patch grid."""
+    """A preprocessed image (or video clip) in its family's layout, and how it appears in the prompt.
 
-    pixel_values: np.ndarray  # (num_patches, channels * temporal_patch * patch * patch), float32
-    grid_thw: tuple[int, int, int]
+    `pixel_values` is what the family's vision tower takes for this one item, stacked along axis 0 with
+    other items of an encode call (Qwen: patch rows; CLIP-style towers: whole (3, H, W) crops or tiles).
+    `placeholder` replaces the item's single placeholder token in the chat-template text; it holds
+    `num_tokens` placeholder tokens (possibly in several runs, with text between), which the item's
+    `num_tokens` embedding rows fill in order.
+    """
+
+    pixel_values: np.ndarray
+    grid_thw: tuple[int, int, int]  # patch grid: (frames / tiles, rows, columns); its product is the cost
     content_hash: str
+    num_tokens: int
+    placeholder: str
     kind: str = "image"  # "image" or "video": which placeholder token and vision entry point
+    seconds_per_grid_t: float = 0.0  # video: seconds of video per temporal grid step (Qwen2.5-VL positions)
 
     @property
     def num_patches(self) -> int:
-        return self.pixel_values.shape[0]
+        return math.prod(self.grid_thw)
 
 
 def content_hash(pixel_values: np.ndarray, grid_thw: tuple[int, int, int], kind: str = "image") -> str:

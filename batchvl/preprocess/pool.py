@@ -191,6 +191,21 @@ class Watchdog:
                 self._stop_all()
                 return
 
+    def confirm_failure(self, grace_s: float = 2.0) -> bool:
+        """After the loader failed to read: whether a worker failure caused it. The read can end before the
+        next periodic check sees the death (a lone worker's exit closes the queue at once), so look now,
+        for up to `grace_s` while the dying process becomes a zombie."""
+        deadline = time.monotonic() + grace_s
+        while not self.tripped:
+            if self._check():
+                self.tripped = True
+                self._stop_all()
+            elif time.monotonic() > deadline:
+                break
+            else:
+                time.sleep(0.05)
+        return self.tripped
+
     def _check(self) -> bool:
         """True once a worker died before finishing its part, or was killed for hanging."""
         now = time.monotonic()
@@ -322,7 +337,7 @@ class PreprocessPool:
                 # After a failure the watchdog stops every worker; the loader then either sees a worker
                 # gone ("exited unexpectedly") or first reads the end of the queue, possibly in the middle
                 # of a result a dying worker was sending (EOFError / OSError).
-                if not (watchdog.tripped or "exited unexpectedly" in str(exc)):
+                if not ("exited unexpectedly" in str(exc) or watchdog.confirm_failure()):
                     raise
                 _wait_until_exited(slots)
                 lost = self._lost_samples(slots, shards)

@@ -1,8 +1,9 @@
 """Render each (sample, prompt) with the model's chat template and expand image placeholders.
 
 Contract: ONE user turn holding the sample's image(s) followed by the prompt text, rendered with
-`add_generation_prompt=True`. Each image placeholder token then becomes as many placeholders as the
-image has merged patches, exactly as the model's processor does.
+`add_generation_prompt=True`. Each media placeholder token then becomes the media's placeholder text
+(as many placeholder tokens as the media has embedding rows, with the family's markers between tiles or
+frames), exactly as the model's processor does.
 """
 
 from __future__ import annotations
@@ -37,15 +38,19 @@ def fill_template(text: str, fields: dict[str, Any]) -> str:
 
 
 class PromptRenderer:
+    """Chat-template rendering and tokenization, the same for every family: each media placeholder token of
+    the rendered text is replaced by that media's own `placeholder` text (as the family's processor does),
+    then the text is tokenized as the processor tokenizes it."""
+
     def __init__(self, processor):
         self.processor = processor
         self.tokenizer = processor.tokenizer
-        video_token = getattr(processor, "video_token", None) or "<|video_pad|>"
-        self.placeholder_ids = {
-            "image": self.tokenizer.convert_tokens_to_ids(processor.image_token),
-            "video": self.tokenizer.convert_tokens_to_ids(video_token),
-        }
-        self.merge_length = processor.image_processor.merge_size**2
+        self.placeholder_kinds = {processor.image_token: "image"}
+        video_token = getattr(processor, "video_token", None)
+        if video_token:
+            self.placeholder_kinds[video_token] = "video"
+        tokens = sorted(self.placeholder_kinds, key=len, reverse=True)  # longest first: no prefix shadowing
+        self._placeholders = re.compile("(" + "|".join(re.escape(token) for token in tokens) + ")")
 
     def render(self, prompt_text: str, media_kinds: int | list[str]) -> str:
         """Chat-template text of one user turn: the media (an int: that many images), then the text."""
@@ -55,19 +60,13 @@ class PromptRenderer:
         return self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
     def token_ids(self, rendered: str, media: list[PreparedImage]) -> list[int]:
-        ids = self.tokenizer(rendered, add_special_tokens=False)["input_ids"]
-        kind_of = {token: kind for kind, token in self.placeholder_ids.items()}
-        found = [kind_of[token] for token in ids if token in kind_of]
+        pieces = self._placeholders.split(rendered)  # text, placeholder, text, ..., text
+        found = [self.placeholder_kinds[token] for token in pieces[1::2]]
         if found != [m.kind for m in media]:
             raise SampleError(
                 "prompt_mismatch",
                 f"rendered prompt has placeholders {found} for media {[m.kind for m in media]}",
             )
-        counts = iter(m.grid_thw[0] * m.grid_thw[1] * m.grid_thw[2] // self.merge_length for m in media)
-        expanded: list[int] = []
-        for token in ids:
-            if token in kind_of:
-                expanded.extend([token] * next(counts))
-            else:
-                expanded.append(token)
-        return expanded
+        for i, item in enumerate(media):
+            pieces[2 * i + 1] = item.placeholder
+        return self.tokenizer("".join(pieces))["input_ids"]

@@ -3,6 +3,8 @@
 It reproduces the model's own image processor (checked by a parity test against it) with numpy and
 Pillow only, so it runs in worker processes that never import torch models, and on machines where
 torchvision is missing. Everything it needs from the processor is copied into a small, picklable spec.
+Qwen2-VL, Qwen2.5-VL and Qwen3-VL share it; they differ in the spec's numbers (patch 14 or 16, the
+normalization) and in how a video appears in the prompt (Qwen3-VL puts a timestamp before each frame).
 """
 
 from __future__ import annotations
@@ -13,11 +15,12 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
+from batchvl.config import PreprocessConfig
 from batchvl.errors import SampleError
 from batchvl.io.types import MediaRef
 from batchvl.preprocess.image import decode_image
 from batchvl.preprocess.media import PreparedImage, content_hash
-from batchvl.preprocess.video import FrameSampling, decode_video
+from batchvl.preprocess.video import DecodedVideo, FrameSampling, decode_video
 
 MAX_ASPECT_RATIO = 200  # the Qwen-VL processors refuse more elongated images
 
@@ -33,6 +36,12 @@ class QwenVisionSpec:
     image_std: tuple[float, float, float]
     rescale_factor: float
     resample: int  # a PIL resampling filter
+    image_token: str = "<|image_pad|>"
+    video_token: str = "<|video_pad|>"
+    # Qwen3-VL: each temporal step of a video is "<t seconds><|vision_start|>pads<|vision_end|>"
+    video_timestamps: bool = False
+    vision_start: str = "<|vision_start|>"
+    vision_end: str = "<|vision_end|>"
 
     @property
     def factor(self) -> int:
@@ -41,7 +50,11 @@ class QwenVisionSpec:
 
     @classmethod
     def from_image_processor(
-        cls, image_processor, min_pixels: int | None = None, max_pixels: int | None = None
+        cls,
+        image_processor,
+        min_pixels: int | None = None,
+        max_pixels: int | None = None,
+        video_timestamps: bool = False,
     ) -> QwenVisionSpec:
         size = image_processor.size
         # transformers 5 keeps pixel COUNTS in shortest_edge / longest_edge; older ones used min/max_pixels.
@@ -57,11 +70,27 @@ class QwenVisionSpec:
             image_std=tuple(float(v) for v in image_processor.image_std),
             rescale_factor=float(image_processor.rescale_factor),
             resample=int(image_processor.resample),
+            video_timestamps=video_timestamps,
         )
 
     def num_image_tokens(self, grid_thw: tuple[int, int, int]) -> int:
         t, h, w = grid_thw
         return t * h * w // self.merge_size**2
+
+    def video_placeholder(self, grid_thw: tuple[int, int, int], video: DecodedVideo) -> str:
+        """What a video's placeholder token becomes in the prompt."""
+        num_tokens = self.num_image_tokens(grid_thw)
+        if not self.video_timestamps:
+            return self.video_token * num_tokens
+        # The time of a temporal step is the mean of its first and last frame (the Qwen3-VL processor's rule).
+        tp = self.temporal_patch_size
+        seconds = [index / video.native_fps for index in video.frame_indices]
+        per_frame = num_tokens // grid_thw[0]
+        return "".join(
+            f"<{(seconds[i] + seconds[i + tp - 1]) / 2:.1f} seconds>"
+            f"{self.vision_start}{self.video_token * per_frame}{self.vision_end}"
+            for i in range(0, len(seconds), tp)
+        )
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
@@ -117,7 +146,10 @@ def prepare_image(image: Image.Image, spec: QwenVisionSpec) -> PreparedImage:
     # A still image is its own temporal neighbour: repeat it to fill the temporal patch.
     frames = np.broadcast_to(frame, (spec.temporal_patch_size, *frame.shape))
     pixel_values, grid = patchify(frames, spec)
-    return PreparedImage(pixel_values, grid, content_hash(pixel_values, grid))
+    num_tokens = spec.num_image_tokens(grid)
+    return PreparedImage(
+        pixel_values, grid, content_hash(pixel_values, grid), num_tokens, spec.image_token * num_tokens
+    )
 
 
 def video_frame_max_pixels(spec: QwenVisionSpec, video_max_pixels: int, num_frames: int) -> int:
@@ -127,8 +159,9 @@ def video_frame_max_pixels(spec: QwenVisionSpec, video_max_pixels: int, num_fram
     return max(min(spec.max_pixels, share), int(spec.min_pixels * 1.05))
 
 
-def prepare_video(frames: np.ndarray, spec: QwenVisionSpec, video_max_pixels: int) -> PreparedImage:
-    """uint8 frames (T, H, W, 3), T a multiple of the temporal patch -> pixel_values rows and grid."""
+def prepare_video(video: DecodedVideo, spec: QwenVisionSpec, video_max_pixels: int) -> PreparedImage:
+    """Sampled frames (T a multiple of the temporal patch) -> pixel_values rows, grid and placeholder."""
+    frames = video.frames
     num_frames, height, width, _ = frames.shape
     max_pixels = video_frame_max_pixels(spec, video_max_pixels, num_frames)
     new_height, new_width = smart_resize(height, width, spec.factor, spec.min_pixels, max_pixels)
@@ -139,7 +172,15 @@ def prepare_video(frames: np.ndarray, spec: QwenVisionSpec, video_max_pixels: in
         ]
     )
     pixel_values, grid = patchify(normalize(resized, spec), spec)
-    return PreparedImage(pixel_values, grid, content_hash(pixel_values, grid, "video"), "video")
+    return PreparedImage(
+        pixel_values,
+        grid,
+        content_hash(pixel_values, grid, "video"),
+        spec.num_image_tokens(grid),
+        spec.video_placeholder(grid, video),
+        kind="video",
+        seconds_per_grid_t=spec.temporal_patch_size / video.sampled_fps,
+    )
 
 
 @dataclass(frozen=True)
@@ -150,6 +191,20 @@ class QwenMediaPreparer:
     frames: FrameSampling
     video_max_pixels: int
     max_image_pixels: int
+
+    @classmethod
+    def from_config(
+        cls, processor, pre: PreprocessConfig, video_timestamps: bool = False
+    ) -> QwenMediaPreparer:
+        spec = QwenVisionSpec.from_image_processor(
+            processor.image_processor, pre.min_pixels, pre.max_pixels, video_timestamps
+        )
+        return cls(
+            spec,
+            FrameSampling(pre.video_fps, pre.video_min_frames, pre.video_max_frames),
+            pre.video_max_pixels,
+            pre.max_image_pixels,
+        )
 
     def __call__(self, ref: MediaRef) -> PreparedImage:
         if ref.kind == "video":

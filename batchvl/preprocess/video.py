@@ -17,6 +17,16 @@ from batchvl.errors import SampleError
 
 
 @dataclass(frozen=True)
+class DecodedVideo:
+    """The sampled frames of a clip, padded to a multiple of the temporal patch, and where they came from."""
+
+    frames: np.ndarray  # uint8 (T, H, W, 3)
+    frame_indices: list[int]  # index in the clip of each of the T frames (a repeated frame repeats its index)
+    native_fps: float  # the clip's own frame rate: frame i is at i / native_fps seconds
+    sampled_fps: float  # frames sampled per second of video (qwen-vl-utils' rule: sampled / duration)
+
+
+@dataclass(frozen=True)
 class FrameSampling:
     fps: float
     min_frames: int
@@ -41,17 +51,20 @@ def frame_indices(total_frames: int, num_frames: int) -> list[int]:
     return [int(i * step) for i in range(num_frames)]
 
 
-def pad_to_temporal_patch(frames: np.ndarray, temporal_patch: int) -> np.ndarray:
+def pad_to_temporal_patch(
+    frames: np.ndarray, indices: list[int], temporal_patch: int
+) -> tuple[np.ndarray, list[int]]:
     """Repeat the last frame until the count is a multiple of the temporal patch."""
     missing = -len(frames) % temporal_patch
     if missing:
         frames = np.concatenate([frames, np.repeat(frames[-1:], missing, axis=0)])
-    return frames
+        indices = indices + [indices[-1]] * missing
+    return frames, indices
 
 
 def decode_video(
     data: bytes | None, path: str | None, sampling: FrameSampling, temporal_patch: int, max_frame_pixels: int
-) -> np.ndarray:
+) -> DecodedVideo:
     """Decode the sampled frames of a clip: uint8 (T, H, W, 3), T a multiple of `temporal_patch`."""
     try:
         import av
@@ -65,7 +78,7 @@ def decode_video(
         if total == 0:
             raise SampleError("video_decode_error", "video has no decodable frames")
         wanted = frame_indices(total, num_sampled_frames(total, native_fps, sampling, temporal_patch))
-        frames = []
+        frames, indices = [], []
         with av.open(io.BytesIO(data) if data is not None else path) as container:
             stream = container.streams.video[0]
             width, height = stream.codec_context.width, stream.codec_context.height
@@ -79,12 +92,14 @@ def decode_video(
             for index, frame in enumerate(container.decode(stream)):
                 while target is not None and index == target:
                     frames.append(frame.to_ndarray(format="rgb24"))
+                    indices.append(index)
                     target = next(targets, None)
                 if target is None:
                     break
         if not frames:
             raise SampleError("video_decode_error", "no frame of the video could be decoded")
-        return pad_to_temporal_patch(np.stack(frames), temporal_patch)
+        padded, padded_indices = pad_to_temporal_patch(np.stack(frames), indices, temporal_patch)
+        return DecodedVideo(padded, padded_indices, native_fps, len(frames) * native_fps / total)
     except SampleError:
         raise
     except FileNotFoundError as exc:

@@ -2,7 +2,9 @@
 
 The Hugging Face video processor needs torchvision, which is not available everywhere, so the reference
 gets batchvl's own pixel_values_videos / video_grid_thw / input_ids; what is checked here is the model
-side: video placeholders, 3-D positions with a temporal axis, embeddings cut across prefill chunks.
+side: video placeholders, 3-D positions with a temporal axis, embeddings cut across prefill chunks, for
+each Qwen family (Qwen2.5-VL: positions spaced by seconds; Qwen3-VL: a timestamp and a placeholder run
+per frame, deepstack features).
 """
 
 import pytest
@@ -19,9 +21,14 @@ from tests.conftest import random_image, video_bytes
 MAX_NEW_TOKENS = 8
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_model_dir):
-    return AutoModelForImageTextToText.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def family(request, family_models):
+    """(loaded model, reference model) of one Qwen family."""
+    if request.param == "qwen2_vl":
+        path, loaded = request.getfixturevalue("tiny_model_dir"), request.getfixturevalue("loaded_fp32")
+    else:
+        path, loaded = family_models(request.param)
+    return loaded, AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
 
 
 def expected_tokens(reference, adapter, ids, media):
@@ -42,21 +49,29 @@ def expected_tokens(reference, adapter, ids, media):
         if chosen:
             inputs[pixels_key] = torch.cat([torch.from_numpy(m.pixel_values) for m in chosen])
             inputs[grid_key] = torch.tensor([m.grid_thw for m in chosen])
+    if reference.config.model_type == "qwen2_5_vl":
+        inputs["second_per_grid_ts"] = torch.tensor(
+            [m.seconds_per_grid_t for m in media if m.kind == "video"]
+        )
     out = reference.generate(**inputs, max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
     return out[0, len(ids) :].tolist()
 
 
 @pytest.mark.parametrize("budget", [16, 53, 4096])
-def test_video_and_image_with_video_match_generate(loaded_fp32, reference, budget):
+def test_video_and_image_with_video_match_generate(family, budget):
+    loaded_fp32, reference = family
     processor = loaded_fp32.processor
-    spec = QwenVisionSpec.from_image_processor(processor.image_processor)
+    spec = QwenVisionSpec.from_image_processor(
+        processor.image_processor, video_timestamps=loaded_fp32.model_type == "qwen3_vl"
+    )
     renderer = PromptRenderer(processor)
-    sampling = FrameSampling(fps=2.0, min_frames=4, max_frames=8)
+    sampling = FrameSampling(fps=4.0, min_frames=4, max_frames=8)
     clip = prepare_video(
         decode_video(video_bytes(30, 10, 56, 84, seed=1), None, sampling, 2, 10**8), spec, 10**6
     )
     image = prepare_image(random_image(60, 90, 3), spec)
-    assert clip.grid_thw[0] == 3  # 3 s at 2 fps = 6 frames -> 3 temporal patches
+    # 3 s at 4 fps would be 12 frames, capped at 8 -> 4 temporal patches; 8 frames over 3 s -> 0.75 s each
+    assert clip.grid_thw[0] == 4 and clip.seconds_per_grid_t == pytest.approx(0.75)
     cases = {"video": [clip], "image+video": [image, clip]}
     engine = Engine(
         loaded_fp32.adapter,
@@ -75,3 +90,28 @@ def test_video_and_image_with_video_match_generate(loaded_fp32, reference, budge
     while engine.num_unfinished:
         results.update({r.tag: r.output_token_ids for r in engine.step()})
     assert results == expected
+
+
+def test_qwen2_5_video_positions_are_spaced_by_seconds(family_models):
+    # Random tiny weights rarely change a greedy token for a small position shift, so check the positions.
+    path, loaded = family_models("qwen2_5_vl")
+    reference = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    spec = QwenVisionSpec.from_image_processor(loaded.processor.image_processor)
+    sampling = FrameSampling(fps=4.0, min_frames=4, max_frames=8)
+    clip = prepare_video(decode_video(video_bytes(30, 10, 56, 84), None, sampling, 2, 10**8), spec, 10**6)
+    renderer = PromptRenderer(loaded.processor)
+    ids = renderer.token_ids(renderer.render("What happens?", ["video"]), [clip])
+    tensor_ids = torch.tensor([ids])
+    token_types = (tensor_ids == loaded.adapter.placeholder_token_ids["video"]).long() * 2
+    grid = torch.tensor([clip.grid_thw])
+
+    def rope_index(seconds):
+        positions, delta = reference.model.get_rope_index(
+            tensor_ids, token_types, video_grid_thw=grid, second_per_grid_ts=torch.tensor([seconds])
+        )
+        return positions[:, 0], int(delta[0, 0])
+
+    positions, delta = loaded.adapter.prompt_positions(ids, [clip])
+    expected, expected_delta = rope_index(0.75)
+    assert torch.equal(positions, expected) and delta == expected_delta
+    assert not torch.equal(positions, rope_index(1.0)[0])  # one second per step would place it elsewhere

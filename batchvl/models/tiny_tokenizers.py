@@ -1,0 +1,100 @@
+"""Tokenizers for locally built checkpoints: a BPE trained here, in the family's real tokenizer class.
+
+Qwen families get a byte-level BPE in `Qwen2Tokenizer` with the Qwen special tokens; Llama-style families
+(LLaVA) a Metaspace BPE with byte fallback in `LlamaTokenizer` (`<unk> <s> </s>`, the 256 byte tokens),
+adding BOS like Llama does, plus `<image>` and `<pad>`.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+QWEN_SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
+
+_SYLLABLE_GROUPS = (
+    "ka ri to ne sa mi lo be du an el in on or ar en st th ch sh qu pr tr bl gr wa yo ze fi ho ve",
+    "cat dog sky red sea sun tree house car road bird blue green white black small large photo image",
+)
+_SYLLABLES = tuple(" ".join(_SYLLABLE_GROUPS).split())
+
+
+def _training_corpus(num_words: int, seed: int) -> list[str]:
+    """A deterministic text with enough distinct substrings for BPE to learn the requested vocab."""
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(num_words // 12):
+        words = ["".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(1, 4))) for _ in range(12)]
+        lines.append(" ".join(words).capitalize() + rng.choice([".", ",", "!", "?", ":"]))
+    return lines
+
+
+def _train_bpe(vocab_size: int, seed: int, pre_tokenizer, alphabet: list[str], special: list[str]):
+    """(vocab, merges) of a BPE trained on the generated corpus."""
+    from tokenizers import Tokenizer, models, trainers
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizer
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, initial_alphabet=alphabet, special_tokens=special, show_progress=False
+    )
+    bpe.train_from_iterator(_training_corpus(max(20_000, vocab_size * 8), seed), trainer=trainer)
+    # The tokenizers API exposes the trained vocab and merges through the serialized model.
+    trained = json.loads(bpe.to_str())["model"]
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in trained["merges"]]
+    return trained["vocab"], merges
+
+
+def build_qwen_tokenizer(vocab_size: int, seed: int, chat_template: str):
+    from tokenizers import pre_tokenizers
+    from transformers import Qwen2Tokenizer
+
+    vocab, merges = _train_bpe(
+        vocab_size - len(QWEN_SPECIAL_TOKENS),
+        seed,
+        pre_tokenizers.ByteLevel(add_prefix_space=False),
+        pre_tokenizers.ByteLevel.alphabet(),
+        [],
+    )
+    tokenizer = Qwen2Tokenizer(
+        vocab=vocab,
+        merges=merges,
+        unk_token=None,
+        bos_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+    )
+    tokenizer.add_special_tokens({"additional_special_tokens": QWEN_SPECIAL_TOKENS[1:]})
+    tokenizer.add_tokens(["<|endoftext|>"], special_tokens=True)
+    tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+def build_llama_tokenizer(vocab_size: int, seed: int, chat_template: str):
+    from tokenizers import pre_tokenizers
+    from transformers import LlamaTokenizer
+
+    byte_tokens = [f"<0x{i:02X}>" for i in range(256)]
+    vocab, merges = _train_bpe(
+        vocab_size - 2,  # room for <image> and <pad>
+        seed,
+        # split while training so merges never cross words, as sentencepiece's never do
+        pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=True),
+        [],
+        ["<unk>", "<s>", "</s>", *byte_tokens],
+    )
+    tokenizer = LlamaTokenizer(
+        vocab=vocab, merges=merges, unk_token="<unk>", bos_token="<s>", eos_token="</s>", add_bos_token=True
+    )
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    tokenizer.add_special_tokens({"pad_token": "<pad>"})
+    tokenizer.chat_template = chat_template
+    return tokenizer

@@ -1,0 +1,129 @@
+"""LLaVA-1.5-style preprocessing (CLIP image processor) without transformers: one fixed-size crop per image.
+
+The CLIP rule: optionally pad to a square with the mean colour (LLaVA's `do_pad`), resize so the
+shortest edge is `shortest_edge` (bicubic, long edge truncated), centre-crop to `crop_size`, rescale and
+normalize. Every image becomes the same (3, H, W) crop and the same number of placeholder tokens, so
+encode calls are plain batches. Checked against the model's Hugging Face image processor by a test.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from PIL import Image
+
+from batchvl.config import PreprocessConfig
+from batchvl.errors import SampleError
+from batchvl.io.types import MediaRef
+from batchvl.preprocess.image import decode_image
+from batchvl.preprocess.media import PreparedImage, content_hash
+
+MAX_ASPECT_RATIO = 200  # more elongated images would be resized to absurd sizes before the crop
+
+
+@dataclass(frozen=True)
+class ClipVisionSpec:
+    shortest_edge: int
+    crop_height: int
+    crop_width: int
+    pad_to_square: bool
+    image_mean: tuple[float, float, float]
+    image_std: tuple[float, float, float]
+    rescale_factor: float
+    resample: int  # a PIL resampling filter
+    patch_size: int
+    num_image_tokens: int  # placeholder tokens (= embedding rows) per image
+    image_token: str = "<image>"
+
+    @classmethod
+    def from_processor(cls, processor) -> ClipVisionSpec:
+        image_processor = processor.image_processor
+        crop = image_processor.crop_size
+        patch = int(processor.patch_size)
+        num_tokens = (crop["height"] // patch) * (crop["width"] // patch)
+        num_tokens += int(getattr(processor, "num_additional_image_tokens", 0) or 0)
+        if getattr(processor, "vision_feature_select_strategy", None) == "default":
+            num_tokens -= 1  # the CLS token's feature is dropped
+        return cls(
+            shortest_edge=int(image_processor.size["shortest_edge"]),
+            crop_height=int(crop["height"]),
+            crop_width=int(crop["width"]),
+            pad_to_square=bool(getattr(image_processor, "do_pad", False)),
+            image_mean=tuple(float(v) for v in image_processor.image_mean),
+            image_std=tuple(float(v) for v in image_processor.image_std),
+            rescale_factor=float(image_processor.rescale_factor),
+            resample=int(image_processor.resample),
+            patch_size=patch,
+            num_image_tokens=num_tokens,
+            image_token=processor.image_token,
+        )
+
+
+def square_pad(image: Image.Image, mean: tuple[float, float, float]) -> Image.Image:
+    """Centre the image on a square of the mean colour (LLaVA's pad_to_square)."""
+    side = max(image.size)
+    if image.width == image.height:
+        return image
+    canvas = Image.new("RGB", (side, side), tuple(int(m * 255) for m in mean))
+    canvas.paste(image, ((side - image.width) // 2, (side - image.height) // 2))
+    return canvas
+
+
+def resize_shortest_edge(image: Image.Image, spec: ClipVisionSpec) -> Image.Image:
+    short, long = sorted((image.width, image.height))
+    if long / short > MAX_ASPECT_RATIO:
+        raise SampleError(
+            "extreme_aspect_ratio",
+            f"image is {image.width}x{image.height} (aspect ratio {long / short:.0f}:1); at most "
+            f"{MAX_ASPECT_RATIO}:1 is accepted",
+        )
+    new_long = int(spec.shortest_edge * long / short)
+    size = (spec.shortest_edge, new_long) if image.width <= image.height else (new_long, spec.shortest_edge)
+    return image.resize(size, resample=spec.resample)
+
+
+def center_crop(pixels: np.ndarray, height: int, width: int) -> np.ndarray:
+    """(H, W, C) -> (height, width, C) from the centre; zero padding where the image is smaller."""
+    pad_h, pad_w = max(height - pixels.shape[0], 0), max(width - pixels.shape[1], 0)
+    if pad_h or pad_w:
+        top, left = math.ceil(pad_h / 2), math.ceil(pad_w / 2)
+        pixels = np.pad(pixels, ((top, pad_h - top), (left, pad_w - left), (0, 0)))
+    top = (pixels.shape[0] - height) // 2
+    left = (pixels.shape[1] - width) // 2
+    return pixels[top : top + height, left : left + width]
+
+
+def prepare_clip_image(image: Image.Image, spec: ClipVisionSpec) -> PreparedImage:
+    if spec.pad_to_square:
+        image = square_pad(image, spec.image_mean)
+    crop = center_crop(np.asarray(resize_shortest_edge(image, spec)), spec.crop_height, spec.crop_width)
+    pixels = crop.astype(np.float32) * np.float32(spec.rescale_factor)
+    pixels = (pixels - np.asarray(spec.image_mean, np.float32)) / np.asarray(spec.image_std, np.float32)
+    pixel_values = np.ascontiguousarray(np.moveaxis(pixels, -1, 0)[None])  # (1, 3, H, W)
+    grid = (1, spec.crop_height // spec.patch_size, spec.crop_width // spec.patch_size)
+    return PreparedImage(
+        pixel_values,
+        grid,
+        content_hash(pixel_values, grid),
+        spec.num_image_tokens,
+        spec.image_token * spec.num_image_tokens,
+    )
+
+
+@dataclass(frozen=True)
+class ClipMediaPreparer:
+    """MediaRef -> PreparedImage for LLaVA-1.5-style models; images only. Picklable for worker processes."""
+
+    spec: ClipVisionSpec
+    max_image_pixels: int
+
+    @classmethod
+    def from_config(cls, processor, pre: PreprocessConfig) -> ClipMediaPreparer:
+        return cls(ClipVisionSpec.from_processor(processor), pre.max_image_pixels)
+
+    def __call__(self, ref: MediaRef) -> PreparedImage:
+        if ref.kind == "video":
+            raise SampleError("unsupported_media", "this model family takes images only, not video")
+        return prepare_clip_image(decode_image(ref.data, ref.path, self.max_image_pixels), self.spec)

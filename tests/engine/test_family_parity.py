@@ -1,0 +1,92 @@
+"""Every family beyond Qwen2-VL: batchvl's preprocessing equals the family's processor, and the engine's
+greedy tokens equal transformers `generate` in fp32, with prompts cut inside images and caches on or off."""
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForImageTextToText
+
+from batchvl.config import PreprocessConfig
+from batchvl.engine.engine import Engine, EngineLimits, EngineRequest
+from batchvl.engine.request import SamplingParams
+from batchvl.io.types import MediaRef
+from batchvl.preprocess.prompts import PromptRenderer
+from tests.conftest import NEW_FAMILIES, png_bytes, random_image
+
+MAX_NEW_TOKENS = 8
+IMAGE_SIZES = [(100, 150), (60, 60), (200, 90), (28, 300)]
+PROMPTS = ["Describe this image.", "What is in the picture? Answer in one short sentence, please."]
+LIMITS = {
+    "budget16": EngineLimits(max_num_batched_tokens=16, block_size=4),  # chunks cut through every image
+    "budget37-seqs3": EngineLimits(max_num_batched_tokens=37, max_num_seqs=3),
+    "no-caches": EngineLimits(max_num_batched_tokens=37, encoder_cache_mb=0, prefix_caching=False),
+    "one-step": EngineLimits(max_num_batched_tokens=4096),
+}
+
+
+def prepare(loaded, images):
+    prepare_media = loaded.family.media_preparer(loaded.processor, PreprocessConfig())
+    return [prepare_media(MediaRef(png_bytes(image), None)) for image in images]
+
+
+@pytest.fixture(scope="module", params=NEW_FAMILIES)
+def family_cases(request, family_models):
+    """(family, loaded model, cases) where a case is (tag, prompt ids, prepared images, expected tokens);
+    cases cover each image x prompt (image 0 twice) and one prompt with two images."""
+    path, loaded = family_models(request.param)
+    processor = loaded.processor
+    reference = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    renderer = PromptRenderer(processor)
+    images = [random_image(h, w, seed) for seed, (h, w) in enumerate(IMAGE_SIZES)]
+    groups = [[image] for image in images] + [[images[0]], [images[1], images[2]]]
+    cases = []
+    for i, group in enumerate(groups):
+        prepared = prepare(loaded, group)
+        for j, prompt in enumerate(PROMPTS):
+            rendered = renderer.render(prompt, len(group))
+            ids = renderer.token_ids(rendered, prepared)
+            inputs = processor(text=[rendered], images=group, return_tensors="pt")
+            # the preprocessing gate: same prompt ids and pixels as the family's own processor
+            assert inputs["input_ids"][0].tolist() == ids
+            ours = np.concatenate([p.pixel_values for p in prepared])
+            np.testing.assert_allclose(ours, inputs["pixel_values"].numpy(), rtol=0, atol=1e-5)
+            generated = reference.generate(**inputs, max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
+            cases.append(((i, j), ids, prepared, generated[0, inputs["input_ids"].shape[1] :].tolist()))
+    return request.param, loaded, cases
+
+
+def run_engine(loaded, cases, limits):
+    engine = Engine(loaded.adapter, loaded.processor.tokenizer, limits, loaded.eos_token_ids())
+    for tag, ids, prepared, _ in cases:
+        engine.add_request(EngineRequest(ids, prepared, SamplingParams(MAX_NEW_TOKENS), tag))
+    results = {}
+    while engine.num_unfinished:
+        results.update({result.tag: result for result in engine.step()})
+    return engine, results
+
+
+@pytest.mark.parametrize("limits", LIMITS.values(), ids=LIMITS.keys())
+def test_greedy_tokens_equal_generate(family_cases, limits):
+    _, loaded, cases = family_cases
+    _, results = run_engine(loaded, cases, limits)
+    for tag, _, _, expected in cases:
+        assert results[tag].error is None
+        assert results[tag].output_token_ids == expected, tag
+
+
+def test_caches_change_work_not_outputs(family_cases):
+    _, loaded, cases = family_cases
+    limits = EngineLimits(max_num_batched_tokens=4096, block_size=4)
+    cached, with_caches = run_engine(loaded, cases, limits)
+    plain, without = run_engine(loaded, cases, replace(limits, encoder_cache_mb=0, prefix_caching=False))
+    assert {t: r.output_token_ids for t, r in with_caches.items()} == {
+        t: r.output_token_ids for t, r in without.items()
+    }
+    total_prompt = sum(len(ids) for _, ids, _, _ in cases)
+    assert plain.stats.prefill_tokens_computed == total_prompt
+    assert cached.stats.prefix_cache_hit_tokens > 0
+    assert cached.stats.prefill_tokens_computed + cached.stats.prefix_cache_hit_tokens == total_prompt
+    distinct = {img.content_hash for _, _, prepared, _ in cases for img in prepared}
+    assert cached.stats.images_encoded == len(distinct) < len(cases)  # each image once, not per request
