@@ -107,7 +107,7 @@ def validate(job_file: JobFile, set_: SetOption = None, log_level: LogLevel = "w
 def make_tiny_model(
     out_dir: Annotated[Path, typer.Argument(help="Folder to write the checkpoint to.", show_default=False)],
     family: Annotated[
-        str, typer.Option(help="Model family: qwen2_vl, qwen2_5_vl, qwen3_vl or llava.")
+        str, typer.Option(help="Model family: qwen2_vl, qwen2_5_vl, qwen3_vl, llava or idefics3.")
     ] = "qwen2_vl",
     size: Annotated[
         str, typer.Option(help="tiny (tests, seconds) or small (~90M params, benchmarks).")

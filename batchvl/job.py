@@ -116,7 +116,7 @@ def sampling_params(cfg: JobConfig, shard: str, key: str, prompt_name: str) -> S
 
 
 def sample_processor(cfg: JobConfig, loaded: LoadedModel) -> SampleProcessor:
-    media = loaded.family.media_preparer(loaded.processor, cfg.preprocess)
+    media = loaded.family.media_preparer(loaded.processor, loaded.adapter.model.config, cfg.preprocess)
     return SampleProcessor(loaded.processor, media, cfg.prompts)
 
 

@@ -21,7 +21,12 @@ def loaded_fp32(tiny_model_dir):
     return load_model(str(tiny_model_dir), dtype="float32", device="cpu")
 
 
-NEW_FAMILIES = ["qwen2_5_vl", "qwen3_vl", "llava"]  # qwen2_vl is the `tiny_model_dir` of the other tests
+NEW_FAMILIES = [
+    "qwen2_5_vl",
+    "qwen3_vl",
+    "llava",
+    "idefics3",
+]  # qwen2_vl is the `tiny_model_dir` of the other tests
 
 
 @pytest.fixture(scope="session")

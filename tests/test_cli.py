@@ -134,7 +134,10 @@ def test_unknown_model_type_is_a_user_error(job, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
     result = batchvl("validate", root / "job.yaml", "--set", f"model.path={tmp_path}")
     assert result.returncode == 2
-    assert "not supported" in result.stderr and "qwen2_vl" in result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert "'bert' is not supported" in line
+    for family in ("idefics3", "llava", "qwen2_5_vl", "qwen2_vl", "qwen3_vl"):
+        assert family in line
 
 
 def test_make_tiny_model_is_deterministic(tmp_path):

@@ -3,7 +3,7 @@
 The engine owns scheduling, the KV cache, attention, positions, embedding fusion and sampling; an adapter
 exposes the pieces of a Hugging Face model it needs (vision tower, token embeddings, decoder stack,
 lm_head, the family's position rule), so the engine has no family-specific branches. `DecoderAdapter`
-implements what the families have in common (a decoder reached as `model.model.language_model`, media
+implements what the families have in common (a decoder stack on `model.model`, media
 rows written over placeholder embeddings, 1-D positions); a family overrides what differs.
 """
 
@@ -63,6 +63,7 @@ class DecoderAdapter:
     """Shared implementation: subclasses set `placeholder_token_ids` and implement `encode`."""
 
     placeholder_token_ids: dict[str, int]
+    decoder_name = "language_model"  # the decoder stack's attribute on `model.model`
 
     def __init__(self, model, dtype: torch.dtype, device: torch.device):
         self.model = model
@@ -77,7 +78,7 @@ class DecoderAdapter:
             max_model_len=text.max_position_embeddings,
         )
         self.hidden_size = text.hidden_size
-        self.language_model = model.model.language_model
+        self.language_model = getattr(model.model, self.decoder_name)
         self._embed = model.model.get_input_embeddings()
 
     def encode(self, kind: str, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]:

@@ -49,3 +49,12 @@ LLAVA = (
     "{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}ASSISTANT:{% endif %}"
 )
+
+# Idefics3 (Llama 3 text): "<|begin_of_text|>User:<image>{text}<end_of_utterance>\nAssistant:".
+IDEFICS3 = (
+    "<|begin_of_text|>{% for message in messages %}{{message['role'].capitalize()}}"
+    "{% if message['content'][0]['type'] == 'image' %}{{':'}}{% else %}{{': '}}{% endif %}"
+    "{% for line in message['content'] %}{% if line['type'] == 'text' %}{{line['text']}}"
+    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}<end_of_utterance>\n"
+    "{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)

@@ -14,11 +14,13 @@ from dataclasses import dataclass
 from batchvl.config import PreprocessConfig
 from batchvl.errors import UserError
 from batchvl.io.types import MediaRef
+from batchvl.models.idefics3 import Idefics3Adapter
 from batchvl.models.llava import LlavaAdapter
 from batchvl.models.qwen_vl import Qwen2_5_VLAdapter, Qwen2VLAdapter, Qwen3VLAdapter
 from batchvl.preprocess.clip_vision import ClipMediaPreparer
 from batchvl.preprocess.media import PreparedImage
 from batchvl.preprocess.qwen_vision import QwenMediaPreparer
+from batchvl.preprocess.tiled_vision import TiledMediaPreparer
 
 MediaPreparer = Callable[[MediaRef], PreparedImage]
 
@@ -27,8 +29,9 @@ MediaPreparer = Callable[[MediaRef], PreparedImage]
 class ModelFamily:
     model_type: str
     adapter: type
-    # (processor, preprocess config) -> a picklable MediaRef -> PreparedImage function for worker processes
-    media_preparer: Callable[[object, PreprocessConfig], MediaPreparer]
+    # (processor, HF model config, preprocess config) -> a picklable MediaRef -> PreparedImage function
+    # for worker processes
+    media_preparer: Callable[[object, object, PreprocessConfig], MediaPreparer]
     video: bool
     multi_image: bool
     # The vision tower takes packed patches with cu_seqlens (Qwen): plug in batchvl's one-call-per-layer
@@ -50,6 +53,7 @@ FAMILIES = {
             True,
         ),
         ModelFamily("llava", LlavaAdapter, ClipMediaPreparer.from_config, False, True, False),
+        ModelFamily("idefics3", Idefics3Adapter, TiledMediaPreparer.from_config, False, True, False),
     )
 }
 

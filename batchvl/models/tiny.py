@@ -13,7 +13,12 @@ from pathlib import Path
 
 from batchvl.errors import UserError
 from batchvl.models import chat_templates
-from batchvl.models.tiny_tokenizers import QWEN_SPECIAL_TOKENS, build_llama_tokenizer, build_qwen_tokenizer
+from batchvl.models.tiny_tokenizers import (
+    QWEN_SPECIAL_TOKENS,
+    build_idefics3_tokenizer,
+    build_llama_tokenizer,
+    build_qwen_tokenizer,
+)
 
 
 @dataclass(frozen=True)
@@ -29,6 +34,7 @@ class TinySize:
     vit_heads: int
     merged_patches: tuple[int, int]  # Qwen: fewest and most merged patches per image (pixel limits)
     clip_image_size: int  # LLaVA: the square crop side
+    tile_size: int  # Idefics3: the tile side (an even number of 14-pixel patches, for the pixel shuffle)
 
     @property
     def head_dim(self) -> int:
@@ -59,6 +65,7 @@ SIZES = {
         vit_heads=4,
         merged_patches=(4, 64),
         clip_image_size=56,
+        tile_size=84,
     ),
     # ~90M parameters with a 32k vocabulary; for benchmarks. head_dim 64.
     "small": TinySize(
@@ -73,6 +80,7 @@ SIZES = {
         vit_heads=8,
         merged_patches=(4, 256),
         clip_image_size=224,
+        tile_size=252,
     ),
 }
 
@@ -246,7 +254,65 @@ def _build_llava(out: Path, spec: TinySize, seed: int) -> None:
     ).save_pretrained(out)
 
 
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava")
+def _build_idefics3(out: Path, spec: TinySize, seed: int) -> None:
+    """Idefics3 layout: SigLIP-like tiles, a pixel-shuffle connector (scale 2), a Llama decoder. An image
+    is resized to 4 tiles on its longest edge (as the real 1456 / 364), so it becomes up to 4x4 tiles plus
+    a global view."""
+    import torch
+    from transformers import (
+        Idefics3Config,
+        Idefics3ForConditionalGeneration,
+        Idefics3ImageProcessorPil,
+        Idefics3Processor,
+    )
+
+    tokenizer = build_idefics3_tokenizer(spec.vocab_size, seed, chat_templates.IDEFICS3)
+    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in tokenizer.all_special_tokens}
+    tile, patch, scale = spec.tile_size, 14, 2
+    config = Idefics3Config(
+        vision_config={
+            "hidden_size": spec.vit_dim,
+            "intermediate_size": 2 * spec.vit_dim,
+            "num_hidden_layers": spec.vit_depth,
+            "num_attention_heads": spec.vit_heads,
+            "image_size": tile,
+            "patch_size": patch,
+        },
+        text_config={
+            "model_type": "llama",
+            "vocab_size": len(tokenizer),
+            "hidden_size": spec.hidden_size,
+            "intermediate_size": spec.intermediate_size,
+            "num_hidden_layers": spec.num_layers,
+            "num_attention_heads": spec.num_heads,
+            "num_key_value_heads": spec.num_kv_heads,
+            "max_position_embeddings": 8192,
+            "bos_token_id": ids["<|begin_of_text|>"],
+            "eos_token_id": ids["<end_of_utterance>"],
+            "pad_token_id": ids["<|finetune_right_pad_id|>"],
+        },
+        scale_factor=scale,
+        image_token_id=ids["<image>"],
+        pad_token_id=ids["<|finetune_right_pad_id|>"],
+    )
+    torch.manual_seed(seed)
+    model = Idefics3ForConditionalGeneration(config).eval()
+    model.generation_config.eos_token_id = [ids["<end_of_utterance>"], ids["<|end_of_text|>"]]
+    model.generation_config.pad_token_id = ids["<|finetune_right_pad_id|>"]
+    model.generation_config.bos_token_id = ids["<|begin_of_text|>"]
+    model.save_pretrained(out)
+    image_processor = Idefics3ImageProcessorPil(
+        size={"longest_edge": 4 * tile}, max_image_size={"longest_edge": tile}
+    )
+    Idefics3Processor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        image_seq_len=(tile // patch) ** 2 // scale**2,
+        chat_template=chat_templates.IDEFICS3,
+    ).save_pretrained(out)
+
+
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "idefics3")
 
 
 def build_tiny_model(
@@ -261,6 +327,8 @@ def build_tiny_model(
     out.mkdir(parents=True, exist_ok=True)
     if family == "llava":
         _build_llava(out, SIZES[size], seed)
+    elif family == "idefics3":
+        _build_idefics3(out, SIZES[size], seed)
     else:
         _build_qwen(out, family, SIZES[size], seed)
     return out

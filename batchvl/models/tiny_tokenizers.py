@@ -2,7 +2,8 @@
 
 Qwen families get a byte-level BPE in `Qwen2Tokenizer` with the Qwen special tokens; Llama-style families
 (LLaVA) a Metaspace BPE with byte fallback in `LlamaTokenizer` (`<unk> <s> </s>`, the 256 byte tokens),
-adding BOS like Llama does, plus `<image>` and `<pad>`.
+adding BOS like Llama does, plus `<image>` and `<pad>`; Idefics3 (Llama 3 text) a byte-level BPE in a
+`PreTrainedTokenizerFast` with the Idefics3 image tokens (its chat template writes the BOS).
 """
 
 from __future__ import annotations
@@ -96,5 +97,43 @@ def build_llama_tokenizer(vocab_size: int, seed: int, chat_template: str):
     )
     tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
     tokenizer.add_special_tokens({"pad_token": "<pad>"})
+    tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+IDEFICS3_SPECIAL_TOKENS = [
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|finetune_right_pad_id|>",
+    "<fake_token_around_image>",
+    "<image>",
+    "<global-img>",
+    "<end_of_utterance>",
+    *[f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)],
+]
+
+
+def build_idefics3_tokenizer(vocab_size: int, seed: int, chat_template: str):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab, merges = _train_bpe(
+        vocab_size - len(IDEFICS3_SPECIAL_TOKENS),
+        seed,
+        pre_tokenizers.ByteLevel(add_prefix_space=False),
+        pre_tokenizers.ByteLevel.alphabet(),
+        [],
+    )
+    bpe = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe,
+        bos_token="<|begin_of_text|>",
+        eos_token="<|end_of_text|>",
+        pad_token="<|finetune_right_pad_id|>",
+        unk_token=None,
+    )
+    tokenizer.add_special_tokens({"additional_special_tokens": IDEFICS3_SPECIAL_TOKENS[3:]})
     tokenizer.chat_template = chat_template
     return tokenizer

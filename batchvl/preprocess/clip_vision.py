@@ -120,7 +120,7 @@ class ClipMediaPreparer:
     max_image_pixels: int
 
     @classmethod
-    def from_config(cls, processor, pre: PreprocessConfig) -> ClipMediaPreparer:
+    def from_config(cls, processor, model_config, pre: PreprocessConfig) -> ClipMediaPreparer:
         return cls(ClipVisionSpec.from_processor(processor), pre.max_image_pixels)
 
     def __call__(self, ref: MediaRef) -> PreparedImage:

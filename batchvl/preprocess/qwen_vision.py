@@ -194,7 +194,7 @@ class QwenMediaPreparer:
 
     @classmethod
     def from_config(
-        cls, processor, pre: PreprocessConfig, video_timestamps: bool = False
+        cls, processor, model_config, pre: PreprocessConfig, video_timestamps: bool = False
     ) -> QwenMediaPreparer:
         spec = QwenVisionSpec.from_image_processor(
             processor.image_processor, pre.min_pixels, pre.max_pixels, video_timestamps

@@ -27,7 +27,9 @@ LIMITS = {
 
 
 def prepare(loaded, images):
-    prepare_media = loaded.family.media_preparer(loaded.processor, PreprocessConfig())
+    prepare_media = loaded.family.media_preparer(
+        loaded.processor, loaded.adapter.model.config, PreprocessConfig()
+    )
     return [prepare_media(MediaRef(png_bytes(image), None)) for image in images]
 
 
@@ -51,7 +53,9 @@ def family_cases(request, family_models):
             # the preprocessing gate: same prompt ids and pixels as the family's own processor
             assert inputs["input_ids"][0].tolist() == ids
             ours = np.concatenate([p.pixel_values for p in prepared])
-            np.testing.assert_allclose(ours, inputs["pixel_values"].numpy(), rtol=0, atol=1e-5)
+            # (tiled families batch the frames of a sample as (1, frames, 3, H, W))
+            theirs = inputs["pixel_values"].numpy().reshape(ours.shape)
+            np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-5)
             generated = reference.generate(**inputs, max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
             cases.append(((i, j), ids, prepared, generated[0, inputs["input_ids"].shape[1] :].tolist()))
     return request.param, loaded, cases
@@ -90,3 +94,22 @@ def test_caches_change_work_not_outputs(family_cases):
     assert cached.stats.prefill_tokens_computed + cached.stats.prefix_cache_hit_tokens == total_prompt
     distinct = {img.content_hash for _, _, prepared, _ in cases for img in prepared}
     assert cached.stats.images_encoded == len(distinct) < len(cases)  # each image once, not per request
+
+
+ODD_SIZES = [(1, 1), (3, 600), (1000, 37), (17, 300), (84, 84), (400, 250)]
+
+
+@pytest.mark.parametrize("family", NEW_FAMILIES)
+def test_preprocessing_matches_the_processor_on_odd_sizes_and_modes(family_models, family):
+    _, loaded = family_models(family)
+    processor = loaded.processor
+    renderer = PromptRenderer(processor)
+    rendered = renderer.render("What is this?", 1)
+    images = [random_image(h, w, seed=h + w) for h, w in ODD_SIZES]
+    images += [random_image(90, 60, 1).convert("L"), random_image(70, 120, 2).convert("RGBA")]
+    for image in images:
+        (prepared,) = prepare(loaded, [image])
+        inputs = processor(text=[rendered], images=[image], return_tensors="np")
+        assert renderer.token_ids(rendered, [prepared]) == inputs["input_ids"][0].tolist(), image.size
+        theirs = inputs["pixel_values"].reshape(prepared.pixel_values.shape)
+        np.testing.assert_allclose(prepared.pixel_values, theirs, rtol=0, atol=1e-5, err_msg=str(image.size))
