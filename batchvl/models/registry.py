@@ -17,10 +17,10 @@ from batchvl.io.types import MediaRef
 from batchvl.models.idefics3 import Idefics3Adapter
 from batchvl.models.llava import LlavaAdapter
 from batchvl.models.qwen_vl import Qwen2_5_VLAdapter, Qwen2VLAdapter, Qwen3VLAdapter
-from batchvl.preprocess.clip_vision import ClipMediaPreparer
+from batchvl.preprocess.clip_vision import clip_media_preparer
 from batchvl.preprocess.media import PreparedImage
 from batchvl.preprocess.qwen_vision import QwenMediaPreparer
-from batchvl.preprocess.tiled_vision import TiledMediaPreparer
+from batchvl.preprocess.tiled_vision import tiled_media_preparer
 
 MediaPreparer = Callable[[MediaRef], PreparedImage]
 
@@ -52,8 +52,8 @@ FAMILIES = {
             True,
             True,
         ),
-        ModelFamily("llava", LlavaAdapter, ClipMediaPreparer.from_config, False, True, False),
-        ModelFamily("idefics3", Idefics3Adapter, TiledMediaPreparer.from_config, False, True, False),
+        ModelFamily("llava", LlavaAdapter, clip_media_preparer, False, True, False),
+        ModelFamily("idefics3", Idefics3Adapter, tiled_media_preparer, False, True, False),
     )
 }
 

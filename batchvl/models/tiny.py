@@ -136,8 +136,19 @@ def _qwen_vision_config(family: str, spec: TinySize) -> dict:
     }
 
 
-def _build_qwen(out: Path, family: str, spec: TinySize, seed: int) -> None:
+def _save_model(model_class, config, seed: int, out: Path, eos: int | list[int], pad: int, bos: int) -> None:
+    """Seeded random weights, the generation config `generate` reads its special tokens from, saved."""
     import torch
+
+    torch.manual_seed(seed)
+    model = model_class(config).eval()
+    model.generation_config.eos_token_id = eos
+    model.generation_config.pad_token_id = pad
+    model.generation_config.bos_token_id = bos
+    model.save_pretrained(out)
+
+
+def _build_qwen(out: Path, family: str, spec: TinySize, seed: int) -> None:
     from transformers import (
         Qwen2_5_VLConfig,
         Qwen2_5_VLForConditionalGeneration,
@@ -169,12 +180,8 @@ def _build_qwen(out: Path, family: str, spec: TinySize, seed: int) -> None:
         vision_end_token_id=ids["<|vision_end|>"],
         **({"tie_word_embeddings": False} if is_qwen3 else {}),
     )
-    torch.manual_seed(seed)
-    model = model_class(config).eval()
-    model.generation_config.eos_token_id = [ids["<|im_end|>"], ids["<|endoftext|>"]]
-    model.generation_config.pad_token_id = ids["<|endoftext|>"]
-    model.generation_config.bos_token_id = ids["<|endoftext|>"]
-    model.save_pretrained(out)
+    eos = [ids["<|im_end|>"], ids["<|endoftext|>"]]
+    _save_model(model_class, config, seed, out, eos, pad=ids["<|endoftext|>"], bos=ids["<|endoftext|>"])
     merged = (32 if is_qwen3 else 28) ** 2  # pixels of one merged patch
     normalization = {"image_mean": [0.5] * 3, "image_std": [0.5] * 3} if is_qwen3 else {}
     image_processor = Qwen2VLImageProcessorPil(
@@ -195,7 +202,6 @@ def _build_qwen(out: Path, family: str, spec: TinySize, seed: int) -> None:
 
 def _build_llava(out: Path, spec: TinySize, seed: int) -> None:
     """LLaVA-1.5 layout: CLIP vision (layer -2, CLS dropped), a 2-layer projector, a Llama decoder."""
-    import torch
     from transformers import CLIPImageProcessorPil, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
 
     tokenizer = build_llama_tokenizer(spec.vocab_size, seed, chat_templates.LLAVA)
@@ -234,12 +240,15 @@ def _build_llava(out: Path, spec: TinySize, seed: int) -> None:
         vision_feature_layer=-2,
         tie_word_embeddings=False,
     )
-    torch.manual_seed(seed)
-    model = LlavaForConditionalGeneration(config).eval()
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = pad_id
-    model.generation_config.bos_token_id = tokenizer.bos_token_id
-    model.save_pretrained(out)
+    _save_model(
+        LlavaForConditionalGeneration,
+        config,
+        seed,
+        out,
+        tokenizer.eos_token_id,
+        pad_id,
+        tokenizer.bos_token_id,
+    )
     # llava-hf's LLaVA-1.5 checkpoints use the CLIP image processor: shortest edge, centre crop, no padding.
     image_processor = CLIPImageProcessorPil(
         size={"shortest_edge": side}, crop_size={"height": side, "width": side}
@@ -258,7 +267,6 @@ def _build_idefics3(out: Path, spec: TinySize, seed: int) -> None:
     """Idefics3 layout: SigLIP-like tiles, a pixel-shuffle connector (scale 2), a Llama decoder. An image
     is resized to 4 tiles on its longest edge (as the real 1456 / 364), so it becomes up to 4x4 tiles plus
     a global view."""
-    import torch
     from transformers import (
         Idefics3Config,
         Idefics3ForConditionalGeneration,
@@ -295,12 +303,9 @@ def _build_idefics3(out: Path, spec: TinySize, seed: int) -> None:
         image_token_id=ids["<image>"],
         pad_token_id=ids["<|finetune_right_pad_id|>"],
     )
-    torch.manual_seed(seed)
-    model = Idefics3ForConditionalGeneration(config).eval()
-    model.generation_config.eos_token_id = [ids["<end_of_utterance>"], ids["<|end_of_text|>"]]
-    model.generation_config.pad_token_id = ids["<|finetune_right_pad_id|>"]
-    model.generation_config.bos_token_id = ids["<|begin_of_text|>"]
-    model.save_pretrained(out)
+    eos = [ids["<end_of_utterance>"], ids["<|end_of_text|>"]]
+    pad, bos = ids["<|finetune_right_pad_id|>"], ids["<|begin_of_text|>"]
+    _save_model(Idefics3ForConditionalGeneration, config, seed, out, eos, pad, bos)
     image_processor = Idefics3ImageProcessorPil(
         size={"longest_edge": 4 * tile}, max_image_size={"longest_edge": tile}
     )

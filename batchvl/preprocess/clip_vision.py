@@ -8,6 +8,7 @@ encode calls are plain batches. Checked against the model's Hugging Face image p
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -15,12 +16,8 @@ import numpy as np
 from PIL import Image
 
 from batchvl.config import PreprocessConfig
-from batchvl.errors import SampleError
-from batchvl.io.types import MediaRef
-from batchvl.preprocess.image import decode_image
+from batchvl.preprocess.image import ImagePreparer, check_aspect_ratio
 from batchvl.preprocess.media import PreparedImage, content_hash
-
-MAX_ASPECT_RATIO = 200  # more elongated images would be resized to absurd sizes before the crop
 
 
 @dataclass(frozen=True)
@@ -72,13 +69,8 @@ def square_pad(image: Image.Image, mean: tuple[float, float, float]) -> Image.Im
 
 
 def resize_shortest_edge(image: Image.Image, spec: ClipVisionSpec) -> Image.Image:
+    check_aspect_ratio(image.height, image.width)
     short, long = sorted((image.width, image.height))
-    if long / short > MAX_ASPECT_RATIO:
-        raise SampleError(
-            "extreme_aspect_ratio",
-            f"image is {image.width}x{image.height} (aspect ratio {long / short:.0f}:1); at most "
-            f"{MAX_ASPECT_RATIO}:1 is accepted",
-        )
     new_long = int(spec.shortest_edge * long / short)
     size = (spec.shortest_edge, new_long) if image.width <= image.height else (new_long, spec.shortest_edge)
     return image.resize(size, resample=spec.resample)
@@ -93,6 +85,11 @@ def center_crop(pixels: np.ndarray, height: int, width: int) -> np.ndarray:
     top = (pixels.shape[0] - height) // 2
     left = (pixels.shape[1] - width) // 2
     return pixels[top : top + height, left : left + width]
+
+
+def clip_media_preparer(processor, model_config, pre: PreprocessConfig) -> ImagePreparer:
+    spec = ClipVisionSpec.from_processor(processor)
+    return ImagePreparer(functools.partial(prepare_clip_image, spec=spec), pre.max_image_pixels)
 
 
 def prepare_clip_image(image: Image.Image, spec: ClipVisionSpec) -> PreparedImage:
@@ -110,20 +107,3 @@ def prepare_clip_image(image: Image.Image, spec: ClipVisionSpec) -> PreparedImag
         spec.num_image_tokens,
         spec.image_token * spec.num_image_tokens,
     )
-
-
-@dataclass(frozen=True)
-class ClipMediaPreparer:
-    """MediaRef -> PreparedImage for LLaVA-1.5-style models; images only. Picklable for worker processes."""
-
-    spec: ClipVisionSpec
-    max_image_pixels: int
-
-    @classmethod
-    def from_config(cls, processor, model_config, pre: PreprocessConfig) -> ClipMediaPreparer:
-        return cls(ClipVisionSpec.from_processor(processor), pre.max_image_pixels)
-
-    def __call__(self, ref: MediaRef) -> PreparedImage:
-        if ref.kind == "video":
-            raise SampleError("unsupported_media", "this model family takes images only, not video")
-        return prepare_clip_image(decode_image(ref.data, ref.path, self.max_image_pixels), self.spec)

@@ -5,11 +5,15 @@ from __future__ import annotations
 import io
 import os
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 from PIL import Image, ImageOps
 
 from batchvl.errors import SampleError
+from batchvl.io.types import MediaRef
+from batchvl.preprocess.media import PreparedImage
 
 SIXTEEN_BIT_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I")
 
@@ -61,6 +65,35 @@ def to_rgb(image: Image.Image) -> Image.Image:
         background = Image.new("RGBA", image.size, (255, 255, 255, 255))
         return Image.alpha_composite(background, image.convert("RGBA")).convert("RGB")
     return image.convert("RGB")
+
+
+MAX_ASPECT_RATIO = 200  # the Qwen-VL processors' limit; others would resize such images to absurd sizes
+
+
+def check_aspect_ratio(height: int, width: int) -> None:
+    if min(height, width) < 1:
+        raise SampleError("image_too_small", f"image is {width}x{height}; it has no pixels")
+    ratio = max(height, width) / min(height, width)
+    if ratio > MAX_ASPECT_RATIO:
+        raise SampleError(
+            "extreme_aspect_ratio",
+            f"image is {width}x{height} (aspect ratio {ratio:.0f}:1); "
+            f"at most {MAX_ASPECT_RATIO}:1 is accepted",
+        )
+
+
+@dataclass(frozen=True)
+class ImagePreparer:
+    """MediaRef -> PreparedImage for families that take images only; picklable for worker processes.
+    `prepare` is a module-level function (or a partial of one) from an RGB image to the family's input."""
+
+    prepare: Callable[[Image.Image], PreparedImage]
+    max_image_pixels: int
+
+    def __call__(self, ref: MediaRef) -> PreparedImage:
+        if ref.kind == "video":
+            raise SampleError("unsupported_media", "this model family takes images only, not video")
+        return self.prepare(decode_image(ref.data, ref.path, self.max_image_pixels))
 
 
 def decode_image(data: bytes | None, path: str | None, max_image_pixels: int) -> Image.Image:

@@ -16,13 +16,10 @@ import numpy as np
 from PIL import Image
 
 from batchvl.config import PreprocessConfig
-from batchvl.errors import SampleError
 from batchvl.io.types import MediaRef
-from batchvl.preprocess.image import decode_image
+from batchvl.preprocess.image import check_aspect_ratio, decode_image
 from batchvl.preprocess.media import PreparedImage, content_hash
 from batchvl.preprocess.video import DecodedVideo, FrameSampling, decode_video
-
-MAX_ASPECT_RATIO = 200  # the Qwen-VL processors refuse more elongated images
 
 
 @dataclass(frozen=True)
@@ -96,15 +93,7 @@ class QwenVisionSpec:
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
     """Sides that are multiples of `factor`, with a pixel count within [min_pixels, max_pixels],
     keeping the aspect ratio as closely as possible (the Qwen-VL rule)."""
-    if min(height, width) < 1:
-        raise SampleError("image_too_small", f"image is {width}x{height}; it has no pixels")
-    ratio = max(height, width) / min(height, width)
-    if ratio > MAX_ASPECT_RATIO:
-        raise SampleError(
-            "extreme_aspect_ratio",
-            f"image is {width}x{height} (aspect ratio {ratio:.0f}:1); the model accepts at most "
-            f"{MAX_ASPECT_RATIO}:1",
-        )
+    check_aspect_ratio(height, width)
     h_bar = round(height / factor) * factor
     w_bar = round(width / factor) * factor
     if h_bar * w_bar > max_pixels:

@@ -12,6 +12,7 @@ model's Hugging Face processor by a test.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -19,13 +20,10 @@ import numpy as np
 from PIL import Image
 
 from batchvl.config import PreprocessConfig
-from batchvl.errors import SampleError
-from batchvl.io.types import MediaRef
-from batchvl.preprocess.image import decode_image
+from batchvl.preprocess.image import ImagePreparer, check_aspect_ratio
 from batchvl.preprocess.media import PreparedImage, content_hash
 
 MAX_SIDE = 4096  # the processor caps the resized longest edge here
-MAX_ASPECT_RATIO = 200  # more elongated images would be resized to absurd sizes
 
 
 @dataclass(frozen=True)
@@ -122,14 +120,13 @@ def split_into_tiles(image: Image.Image, spec: TiledVisionSpec) -> tuple[list[np
     return frames, rows, cols
 
 
+def tiled_media_preparer(processor, model_config, pre: PreprocessConfig) -> ImagePreparer:
+    spec = TiledVisionSpec.from_processor(processor, int(model_config.vision_config.patch_size))
+    return ImagePreparer(functools.partial(prepare_tiled_image, spec=spec), pre.max_image_pixels)
+
+
 def prepare_tiled_image(image: Image.Image, spec: TiledVisionSpec) -> PreparedImage:
-    long, short = max(image.size), min(image.size)
-    if long / short > MAX_ASPECT_RATIO:
-        raise SampleError(
-            "extreme_aspect_ratio",
-            f"image is {image.width}x{image.height} (aspect ratio {long / short:.0f}:1); at most "
-            f"{MAX_ASPECT_RATIO}:1 is accepted",
-        )
+    check_aspect_ratio(image.height, image.width)
     if spec.longest_edge is not None:
         height, width = longest_edge_size(image.height, image.width, spec.longest_edge)
         image = image.resize((width, height), resample=spec.resample)
@@ -146,21 +143,3 @@ def prepare_tiled_image(image: Image.Image, spec: TiledVisionSpec) -> PreparedIm
         len(frames) * spec.image_seq_len,
         spec.placeholder(rows, cols),
     )
-
-
-@dataclass(frozen=True)
-class TiledMediaPreparer:
-    """MediaRef -> PreparedImage for Idefics3-style models; images only. Picklable for worker processes."""
-
-    spec: TiledVisionSpec
-    max_image_pixels: int
-
-    @classmethod
-    def from_config(cls, processor, model_config, pre: PreprocessConfig) -> TiledMediaPreparer:
-        spec = TiledVisionSpec.from_processor(processor, int(model_config.vision_config.patch_size))
-        return cls(spec, pre.max_image_pixels)
-
-    def __call__(self, ref: MediaRef) -> PreparedImage:
-        if ref.kind == "video":
-            raise SampleError("unsupported_media", "this model family takes images only, not video")
-        return prepare_tiled_image(decode_image(ref.data, ref.path, self.max_image_pixels), self.spec)
