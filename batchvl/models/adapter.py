@@ -2,15 +2,14 @@
 
 The engine owns scheduling, the KV cache, attention, positions, embedding fusion and sampling; an adapter
 exposes the pieces of a Hugging Face model it needs (vision tower, token embeddings, decoder stack,
-lm_head, the family's position rule), so the engine has no family-specific branches. `DecoderAdapter`
-implements what the families have in common (a decoder stack on `model.model`, media
-rows written over placeholder embeddings, 1-D positions); a family overrides what differs.
+lm_head, the family's position rule), so the engine has no family-specific branches. `VLMAdapter`
+is that interface and implements what the families have in common (a decoder stack on `model.model`,
+media rows written over placeholder embeddings, 1-D positions); a family overrides what differs.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
@@ -25,42 +24,9 @@ class TextGeometry:
     max_model_len: int
 
 
-class VLMAdapter(Protocol):
-    placeholder_token_ids: dict[str, int]  # media kind ("image", "video") -> its placeholder token id
-    geometry: TextGeometry
-    dtype: torch.dtype
-    device: torch.device
-
-    def encode(self, kind: str, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]:
-        """Embedding rows per item (image or video), one (num_tokens, feature_dim) tensor each, in input
-        order. Rows are what fills the item's placeholder tokens (a family may carry more than the input
-        embedding in a row, e.g. Qwen3-VL's deepstack features side by side)."""
-        ...
-
-    def prompt_positions(
-        self, prompt_token_ids: list[int], media: list[PreparedImage]
-    ) -> tuple[torch.Tensor, int]:
-        """Positions of the prompt tokens, shape (num_pos_axes, L), and the offset for generated tokens
-        (generated token i, counted over prompt + output, sits at position i + offset)."""
-        ...
-
-    def forward(
-        self,
-        token_ids: torch.Tensor,
-        positions: torch.Tensor,
-        media_mask: torch.Tensor,
-        media_rows: torch.Tensor | None,
-        **attn_kwargs,
-    ) -> torch.Tensor:
-        """Run the decoder over packed tokens (T,) at positions (axes, T), with the rows selected by
-        `media_mask` (T,) filled by `media_rows`; returns hidden states (T, hidden)."""
-        ...
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
-
-
-class DecoderAdapter:
-    """Shared implementation: subclasses set `placeholder_token_ids` and implement `encode`."""
+class VLMAdapter:
+    """Subclasses set `placeholder_token_ids` (media kind -> its placeholder token id) and implement
+    `encode`; they override positions and extra decoder inputs where their family differs."""
 
     placeholder_token_ids: dict[str, int]
     decoder_name = "language_model"  # the decoder stack's attribute on `model.model`
@@ -82,11 +48,16 @@ class DecoderAdapter:
         self._embed = model.model.get_input_embeddings()
 
     def encode(self, kind: str, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]:
+        """Embedding rows per item (image or video), one (num_tokens, feature_dim) tensor each, in input
+        order. Rows are what fills the item's placeholder tokens (a family may carry more than the input
+        embedding in a row, e.g. Qwen3-VL's deepstack features side by side)."""
         raise NotImplementedError
 
     def prompt_positions(
         self, prompt_token_ids: list[int], media: list[PreparedImage]
     ) -> tuple[torch.Tensor, int]:
+        """Positions of the prompt tokens, shape (num_pos_axes, L), and the offset for generated tokens
+        (generated token i, counted over prompt + output, sits at position i + offset). Default: 1-D."""
         return torch.arange(len(prompt_token_ids))[None], 0
 
     def embed(self, token_ids: torch.Tensor, media_mask: torch.Tensor, media_rows: torch.Tensor | None):
@@ -103,6 +74,8 @@ class DecoderAdapter:
         media_rows: torch.Tensor | None,
         **attn_kwargs,
     ) -> torch.Tensor:
+        """Run the decoder over packed tokens (T,) at positions (axes, T), with the rows selected by
+        `media_mask` (T,) filled by `media_rows`; returns hidden states (T, hidden)."""
         out = self.language_model(
             inputs_embeds=self.embed(token_ids, media_mask, media_rows)[None],
             position_ids=self.position_ids(positions.to(self.device)),

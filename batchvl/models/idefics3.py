@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from batchvl.models.adapter import DecoderAdapter
+from batchvl.models.adapter import VLMAdapter
 
 
-class Idefics3Adapter(DecoderAdapter):
+class Idefics3Adapter(VLMAdapter):
     decoder_name = "text_model"
 
     def __init__(self, model, dtype: torch.dtype, device: torch.device):

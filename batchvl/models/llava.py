@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from batchvl.models.adapter import DecoderAdapter
+from batchvl.models.adapter import VLMAdapter
 
 
-class LlavaAdapter(DecoderAdapter):
+class LlavaAdapter(VLMAdapter):
     def __init__(self, model, dtype: torch.dtype, device: torch.device):
         super().__init__(model, dtype, device)
         self.placeholder_token_ids = {"image": model.config.image_token_id}

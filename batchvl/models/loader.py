@@ -26,10 +26,6 @@ class LoadedModel:
     family: ModelFamily
     path: str
 
-    @property
-    def model_type(self) -> str:
-        return self.family.model_type
-
     def eos_token_ids(self) -> list[int]:
         """End-of-sequence ids as `generate` would use them: the generation config's, else the tokenizer's."""
         generation_config = getattr(self.adapter.model, "generation_config", None)

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import torch
 
-from batchvl.models.adapter import DecoderAdapter
+from batchvl.models.adapter import VLMAdapter
 from batchvl.preprocess.media import PreparedImage
 
 MM_TEXT, MM_IMAGE, MM_VIDEO = 0, 1, 2  # mm_token_type_ids values
 
 
-class Qwen2VLAdapter(DecoderAdapter):
+class Qwen2VLAdapter(VLMAdapter):
     def __init__(self, model, dtype: torch.dtype, device: torch.device):
         super().__init__(model, dtype, device)
         config = model.config

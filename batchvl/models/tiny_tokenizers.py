@@ -54,17 +54,22 @@ def _train_bpe(vocab_size: int, seed: int, pre_tokenizer, alphabet: list[str], s
     return trained["vocab"], merges
 
 
-def build_qwen_tokenizer(vocab_size: int, seed: int, chat_template: str):
+def _train_byte_level_bpe(vocab_size: int, seed: int):
     from tokenizers import pre_tokenizers
-    from transformers import Qwen2Tokenizer
 
-    vocab, merges = _train_bpe(
-        vocab_size - len(QWEN_SPECIAL_TOKENS),
+    return _train_bpe(
+        vocab_size,
         seed,
         pre_tokenizers.ByteLevel(add_prefix_space=False),
         pre_tokenizers.ByteLevel.alphabet(),
         [],
     )
+
+
+def build_qwen_tokenizer(vocab_size: int, seed: int, chat_template: str):
+    from transformers import Qwen2Tokenizer
+
+    vocab, merges = _train_byte_level_bpe(vocab_size - len(QWEN_SPECIAL_TOKENS), seed)
     tokenizer = Qwen2Tokenizer(
         vocab=vocab,
         merges=merges,
@@ -117,13 +122,7 @@ def build_idefics3_tokenizer(vocab_size: int, seed: int, chat_template: str):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab, merges = _train_bpe(
-        vocab_size - len(IDEFICS3_SPECIAL_TOKENS),
-        seed,
-        pre_tokenizers.ByteLevel(add_prefix_space=False),
-        pre_tokenizers.ByteLevel.alphabet(),
-        [],
-    )
+    vocab, merges = _train_byte_level_bpe(vocab_size - len(IDEFICS3_SPECIAL_TOKENS), seed)
     bpe = Tokenizer(models.BPE(vocab=vocab, merges=merges))
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()

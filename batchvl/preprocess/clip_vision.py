@@ -16,7 +16,7 @@ import numpy as np
 from PIL import Image
 
 from batchvl.config import PreprocessConfig
-from batchvl.preprocess.image import ImagePreparer, check_aspect_ratio
+from batchvl.preprocess.image import ImagePreparer, check_aspect_ratio, normalize
 from batchvl.preprocess.media import PreparedImage, content_hash
 
 
@@ -96,9 +96,7 @@ def prepare_clip_image(image: Image.Image, spec: ClipVisionSpec) -> PreparedImag
     if spec.pad_to_square:
         image = square_pad(image, spec.image_mean)
     crop = center_crop(np.asarray(resize_shortest_edge(image, spec)), spec.crop_height, spec.crop_width)
-    pixels = crop.astype(np.float32) * np.float32(spec.rescale_factor)
-    pixels = (pixels - np.asarray(spec.image_mean, np.float32)) / np.asarray(spec.image_std, np.float32)
-    pixel_values = np.ascontiguousarray(np.moveaxis(pixels, -1, 0)[None])  # (1, 3, H, W)
+    pixel_values = np.ascontiguousarray(normalize(crop, spec)[None])  # (1, 3, H, W)
     grid = (1, spec.crop_height // spec.patch_size, spec.crop_width // spec.patch_size)
     return PreparedImage(
         pixel_values,

@@ -17,7 +17,7 @@ from PIL import Image
 
 from batchvl.config import PreprocessConfig
 from batchvl.io.types import MediaRef
-from batchvl.preprocess.image import check_aspect_ratio, decode_image
+from batchvl.preprocess.image import check_aspect_ratio, decode_image, normalize
 from batchvl.preprocess.media import PreparedImage, content_hash
 from batchvl.preprocess.video import DecodedVideo, FrameSampling, decode_video
 
@@ -105,14 +105,6 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
         h_bar = math.ceil(height * beta / factor) * factor
         w_bar = math.ceil(width * beta / factor) * factor
     return h_bar, w_bar
-
-
-def normalize(frames: np.ndarray, spec: QwenVisionSpec) -> np.ndarray:
-    """uint8 (..., H, W, C) -> float32 (..., C, H, W), rescaled and normalized per channel."""
-    pixels = frames.astype(np.float32) * np.float32(spec.rescale_factor)
-    pixels -= np.asarray(spec.image_mean, dtype=np.float32)
-    pixels /= np.asarray(spec.image_std, dtype=np.float32)
-    return np.moveaxis(pixels, -1, -3)
 
 
 def patchify(frames: np.ndarray, spec: QwenVisionSpec) -> tuple[np.ndarray, tuple[int, int, int]]:

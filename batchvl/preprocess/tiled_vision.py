@@ -20,7 +20,7 @@ import numpy as np
 from PIL import Image
 
 from batchvl.config import PreprocessConfig
-from batchvl.preprocess.image import ImagePreparer, check_aspect_ratio
+from batchvl.preprocess.image import ImagePreparer, check_aspect_ratio, normalize
 from batchvl.preprocess.media import PreparedImage, content_hash
 
 MAX_SIDE = 4096  # the processor caps the resized longest edge here
@@ -131,9 +131,7 @@ def prepare_tiled_image(image: Image.Image, spec: TiledVisionSpec) -> PreparedIm
         height, width = longest_edge_size(image.height, image.width, spec.longest_edge)
         image = image.resize((width, height), resample=spec.resample)
     frames, rows, cols = split_into_tiles(image, spec)
-    pixels = (np.stack(frames).astype(np.float64) * spec.rescale_factor).astype(np.float32)
-    pixels = (pixels - np.asarray(spec.image_mean, np.float32)) / np.asarray(spec.image_std, np.float32)
-    pixel_values = np.ascontiguousarray(np.moveaxis(pixels, -1, 1))  # (frames, 3, T, T)
+    pixel_values = np.ascontiguousarray(normalize(np.stack(frames), spec))  # (frames, 3, T, T)
     side = spec.tile // spec.patch_size
     grid = (len(frames), side, side)
     return PreparedImage(

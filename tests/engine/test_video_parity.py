@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForImageTextToText
 
+from batchvl.config import PreprocessConfig
 from batchvl.engine.engine import Engine, EngineLimits, EngineRequest
 from batchvl.engine.request import SamplingParams
 from batchvl.preprocess.prompts import PromptRenderer
@@ -61,9 +62,8 @@ def expected_tokens(reference, adapter, ids, media):
 def test_video_and_image_with_video_match_generate(family, budget):
     loaded_fp32, reference = family
     processor = loaded_fp32.processor
-    spec = QwenVisionSpec.from_image_processor(
-        processor.image_processor, video_timestamps=loaded_fp32.model_type == "qwen3_vl"
-    )
+    # the family's own spec: Qwen3-VL's has frame timestamps
+    spec = loaded_fp32.family.media_preparer(processor, reference.config, PreprocessConfig()).spec
     renderer = PromptRenderer(processor)
     sampling = FrameSampling(fps=4.0, min_frames=4, max_frames=8)
     clip = prepare_video(
