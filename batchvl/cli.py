@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -14,7 +15,7 @@ from typing import Annotated
 import click
 import typer
 
-from batchvl.errors import UserError
+from batchvl.errors import JobEnded, UserError
 
 # torch's oneDNN CPU kernels keep one compiled primitive per distinct matmul shape, 1024 by default; the
 # engine's packed steps have many shapes, so that cache alone grew resident memory by hundreds of MB over
@@ -56,21 +57,51 @@ def _setup_logging(level: str) -> None:
 def run(
     job_file: JobFile,
     set_: SetOption = None,
+    shard: Annotated[
+        str | None,
+        typer.Option(
+            "--shard",
+            help="Run task I of N (I/N, from 0): a balanced, deterministic slice of the input shards. "
+            "Under a Slurm array the task's environment gives it.",
+            show_default=False,
+        ),
+    ] = None,
+    overwrite: Annotated[
+        bool, typer.Option("--overwrite", help="Recompute committed shards, even ones from another config.")
+    ] = False,
+    requeue: Annotated[
+        bool,
+        typer.Option(
+            "--requeue",
+            help="Under Slurm: after a clean stop on SIGUSR1 (time limit near), requeue this task.",
+        ),
+    ] = False,
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
     log_level: LogLevel = "warning",
 ) -> None:
     """Run a job: caption / answer every (sample, prompt) and write one Parquet file per input shard."""
     _setup_logging(log_level)
     from batchvl.config import load_job_config
+    from batchvl.errors import StoppedBySignal
     from batchvl.job import run_job
+    from batchvl.slurm import requeue_this_task
+    from batchvl.tasks import parse_task_slice, slurm_task_slice
 
-    cfg = load_job_config(job_file, set_ or [])
-    summary = run_job(cfg, show_progress=progress)
+    overrides = [*(set_ or []), *(["output.overwrite=true"] if overwrite else [])]
+    cfg = load_job_config(job_file, overrides)
+    task = parse_task_slice(shard) if shard is not None else slurm_task_slice()
+    try:
+        summary = run_job(cfg, show_progress=progress, task=task)
+    except StoppedBySignal as stopped:
+        if requeue and stopped.exit_code == 128 + signal.SIGUSR1:
+            requeue_this_task()
+        raise
     if not summary.is_driver:
         return  # a rank that served ViT encode rounds; rank 0 reports
     s = summary.stats
+    task_note = f"task {s['task']}: " if s.get("task") else ""
     typer.echo(
-        f"done: {s['samples']} samples, {s['ok']} ok, {s['errors']} errors, "
+        f"{task_note}done: {s['samples']} samples, {s['ok']} ok, {s['errors']} errors, "
         f"{s['shards_committed']} shard(s) written, {s['shards_skipped']} already done; "
         f"{s['samples_per_s']} samples/s, {s['output_tokens_per_s']} output tok/s"
     )
@@ -142,6 +173,9 @@ def main() -> None:
             raise
         typer.echo(f"error: {exc}", err=True)
         sys.exit(2)
+    except JobEnded as ended:
+        typer.echo(f"batchvl: {ended}", err=True)
+        sys.exit(ended.exit_code)
     except click.ClickException as exc:  # usage errors: wrong option, missing argument
         exc.show()
         sys.exit(exc.exit_code)

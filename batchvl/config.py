@@ -137,7 +137,14 @@ class PreprocessConfig:
 @dataclass(frozen=True)
 class OutputConfig:
     dir: str = _key(help="Output folder: one Parquet file per input shard, stats in _batchvl/")
-    overwrite: bool = _key(False, "Recompute shards that are already written")
+    overwrite: bool = _key(
+        False, "Recompute shards that are already written, even when they were written with another config"
+    )
+    max_error_rate: float | None = _key(
+        None,
+        "Largest share of error rows a run may write (0.05 = 5%); over it the run exits with code 3 after "
+        "committing its shards (null: no limit)",
+    )
 
 
 def _default_prompts() -> list[PromptConfig]:
@@ -269,6 +276,9 @@ def _check_values(cfg: JobConfig) -> None:
         raise ConfigError(f"'engine.vit_parallel' must be 'none' or 'data', got '{e.vit_parallel}'")
     if not 0 < s.top_p <= 1:
         raise ConfigError(f"'sampling.top_p' must be in (0, 1], got {s.top_p}")
+    rate = cfg.output.max_error_rate
+    if rate is not None and not 0 <= rate <= 1:
+        raise ConfigError(f"'output.max_error_rate' must be in [0, 1] (a share of rows), got {rate}")
     if p.min_pixels is not None and p.max_pixels is not None and p.min_pixels > p.max_pixels:
         raise ConfigError("'preprocess.min_pixels' must not exceed 'preprocess.max_pixels'")
     if not cfg.input.paths:
@@ -350,16 +360,50 @@ def config_to_dict(cfg: JobConfig) -> dict:
     return dataclasses.asdict(cfg)
 
 
+# What a shard's rows depend on: the model, the prompts, decoding, preprocessing and how samples are read.
+# Engine limits, worker counts and the input file list are left out: they change speed or which shards
+# exist, not the rows of a shard (the engine's outputs do not depend on its batch sizes).
+OUTPUT_DEFINING_KEYS = {
+    "model": ("path", "dtype", "trust_remote_code"),
+    "input": ("format", "image_column", "key_column", "root", "files_per_shard"),
+    "prompts": None,
+    "sampling": None,
+    "preprocess": (
+        "min_pixels",
+        "max_pixels",
+        "max_image_pixels",
+        "video_fps",
+        "video_min_frames",
+        "video_max_frames",
+        "video_max_pixels",
+    ),
+}
+
+
+def output_defining_config(cfg: JobConfig) -> dict:
+    """The part of the job config that a shard's rows depend on, as plain JSON values."""
+    d = config_to_dict(cfg)
+    return {
+        section: d[section] if keys is None else {k: d[section][k] for k in keys}
+        for section, keys in OUTPUT_DEFINING_KEYS.items()
+    }
+
+
 def config_fingerprint(cfg: JobConfig) -> str:
     """Hash of what changes outputs (model, prompts, sampling, preprocessing), not of engine limits."""
-    d = config_to_dict(cfg)
-    relevant = {
-        "model": {"path": d["model"]["path"], "dtype": d["model"]["dtype"]},
-        "prompts": d["prompts"],
-        "sampling": d["sampling"],
-        "preprocess": {k: d["preprocess"][k] for k in ("min_pixels", "max_pixels", "max_image_pixels")},
-    }
-    return xxhash.xxh3_64_hexdigest(json.dumps(relevant, sort_keys=True).encode())
+    return fingerprint_of(output_defining_config(cfg))
+
+
+def fingerprint_of(output_defining: dict) -> str:
+    return xxhash.xxh3_64_hexdigest(json.dumps(output_defining, sort_keys=True).encode())
+
+
+def changed_keys(old: Any, new: Any, prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two config dicts (a changed list is one key)."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        keys = sorted(set(old) | set(new))
+        return [k for key in keys for k in changed_keys(old.get(key), new.get(key), f"{prefix}{key}.")]
+    return [] if old == new else [prefix.rstrip(".")]
 
 
 def describe_keys() -> list[tuple[str, str, str, str]]:

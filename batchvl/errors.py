@@ -2,7 +2,9 @@
 
 `UserError` is a mistake the user can fix (bad job file, wrong path, unknown model family): the CLI
 prints its message on one line and exits with code 2. `SampleError` is bad input for one sample: it
-becomes an error row (`status="error"`) and the job goes on.
+becomes an error row (`status="error"`) and the job goes on. `JobEnded` is a run that committed what
+it could and stopped early on purpose (a signal, the error budget): the CLI prints its message and
+exits with its code.
 """
 
 from __future__ import annotations
@@ -27,3 +29,21 @@ class SampleError(Exception):
     def __reduce__(self):
         # Crosses process boundaries (preprocessing workers): rebuild from both fields, not from args.
         return (SampleError, (self.error_type, self.message))
+
+
+class JobEnded(Exception):
+    """The run stopped early after committing every complete shard; `exit_code` says why."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class StoppedBySignal(JobEnded):
+    """SIGTERM or SIGUSR1 arrived: the run stopped after the current step. Exit code 128 + signal."""
+
+
+class ErrorBudgetExceeded(JobEnded):
+    """More error rows than `output.max_error_rate` allows. Exit code 3."""
+
+    EXIT_CODE = 3

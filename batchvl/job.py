@@ -1,8 +1,9 @@
 """run_job: plan -> read and preprocess (worker pool) -> engine -> write, one direction, nothing lost.
 
 Every (sample, prompt) ends as exactly one row: `ok` with its text, or `error` with a type and message.
-Rows are buffered per input shard and the shard's Parquet file is committed (temp file + rename) once
-every row of that shard has an outcome; committed shards are skipped on rerun.
+Rows are buffered per input shard and the shard is committed (Parquet file, then completion marker) once
+every row of that shard has an outcome; committed shards are skipped on rerun. A run can be one task of
+a split job (`TaskSlice`), and stops cleanly between engine steps on SIGTERM / SIGUSR1.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import xxhash
 from tqdm.auto import tqdm
 
 from batchvl import __version__
-from batchvl.config import JobConfig, config_fingerprint, config_to_dict
+from batchvl.config import JobConfig, config_to_dict, fingerprint_of, output_defining_config
 from batchvl.engine.engine import Engine, EngineLimits, EngineRequest, EngineResult, EngineStats
 from batchvl.engine.model_runner import encode_images
 from batchvl.engine.request import SamplingParams
@@ -30,22 +31,29 @@ from batchvl.engine.vit_dp import (
     DistributedContext,
     init_distributed,
     launched_world_size,
+    leave_process_group,
     release_serving_ranks,
     serve_encode_rounds,
 )
-from batchvl.errors import SampleError, UserError
+from batchvl.errors import ErrorBudgetExceeded, SampleError, StoppedBySignal, UserError
+from batchvl.io.commit import ShardMarker, commit_shard
 from batchvl.io.sources import make_source
 from batchvl.io.types import ShardEnd, ShardInfo
-from batchvl.io.writers import ResultRow, is_committed, write_json_atomic, write_shard
+from batchvl.io.writers import ResultRow, write_json_atomic
 from batchvl.models.loader import LoadedModel, load_model, read_model_type
 from batchvl.models.registry import model_family
 from batchvl.preprocess.pool import PreprocessPool, default_workers
 from batchvl.preprocess.sample import PreparedSample, SampleProcessor
+from batchvl.resume import plan_shards
+from batchvl.tasks import TaskSlice, shards_of_task
 from batchvl.utils.background import END, BackgroundIterator
 from batchvl.utils.memory import HeapTrimmer
 from batchvl.utils.stats import RunStats
+from batchvl.utils.stop import StopRequests
 
 logger = logging.getLogger(__name__)
+
+IDLE_POLL_S = 0.5  # how long an idle run waits for input before looking at stop requests again
 
 
 @dataclass(frozen=True)
@@ -170,17 +178,27 @@ def result_row(sample: PreparedSample, prompt_name: str, result: EngineResult) -
 
 
 class JobRunner:
-    def __init__(self, cfg: JobConfig, loaded: LoadedModel | None = None, show_progress: bool = True):
+    def __init__(
+        self,
+        cfg: JobConfig,
+        loaded: LoadedModel | None = None,
+        show_progress: bool = True,
+        task: TaskSlice | None = None,
+    ):
         self.cfg = cfg
         self.loaded = loaded
         self.show_progress = show_progress
-        self.stats = RunStats()
+        self.task = task
+        self.stats = RunStats(task=str(task) if task else None)
         self.trimmer = HeapTrimmer()
+        self.stop = StopRequests()
         self.out_dir = cfg.output.dir
+        self.output_defining = output_defining_config(cfg)
+        self.fingerprint = fingerprint_of(self.output_defining)
         self.metadata = {
             "batchvl_version": __version__,
             "model_path": cfg.model.path,
-            "config_fingerprint": config_fingerprint(cfg),
+            "config_fingerprint": self.fingerprint,
             "job_config": json.dumps(config_to_dict(cfg), sort_keys=True),
         }
 
@@ -193,15 +211,13 @@ class JobRunner:
                 f"launched as {world_size} processes (WORLD_SIZE={world_size}) but engine.vit_parallel is "
                 f"'{self.cfg.engine.vit_parallel}'; set engine.vit_parallel: data, or run without torchrun"
             )
-        import torch.distributed as dist
-
         context = init_distributed(self.cfg.model.device)
         try:
             return self._run(context) if context.is_driver else self._serve(context)
         finally:
             if context.is_driver:
                 release_serving_ranks(context.world_size)
-            dist.destroy_process_group()
+            leave_process_group()
 
     def _load(self) -> LoadedModel:
         if self.cfg.engine.threads > 0:
@@ -226,17 +242,26 @@ class JobRunner:
         return RunSummary(self.out_dir, "", {"rank": context.rank, "encode_rounds": rounds}, is_driver=False)
 
     def _run(self, context: DistributedContext | None = None) -> RunSummary:
+        with self.stop:
+            summary = self._run_shards(context)
+        self._check_ending(summary.stats)
+        return summary
+
+    def _run_shards(self, context: DistributedContext | None) -> RunSummary:
         start = time.perf_counter()
         # Check the model folder even when every shard is done: a wrong path is a mistake to report.
         model_family(read_model_type(self.cfg.model.path, self.cfg.model.trust_remote_code))
-        shards = make_source(self.cfg.input).list_shards()
-        pending = [s for s in shards if self.cfg.output.overwrite or not is_committed(self.out_dir, s.shard)]
+        shards = shards_of_task(make_source(self.cfg.input).list_shards(), self.task)
+        plan = plan_shards(
+            self.out_dir, shards, self.output_defining, self.fingerprint, self.cfg.output.overwrite
+        )
+        pending = plan.pending
         self.stats.shards_total = len(shards)
-        self.stats.shards_skipped = len(shards) - len(pending)
+        self.stats.shards_skipped = plan.num_done
         if self.stats.shards_skipped:
             logger.info("skipping %d committed shard(s) in %s", self.stats.shards_skipped, self.out_dir)
         engine = None
-        if pending:
+        if pending and not self.stop.requested:
             loaded = self._load()
             parallel_encoder = None
             if context is not None:
@@ -254,8 +279,28 @@ class JobRunner:
         self.stats.wall_s = round(time.perf_counter() - start, 3)
         stats = self.stats.to_dict(engine.stats if engine else EngineStats())
         stats["vit_parallel_ranks"] = context.world_size if context else 1
+        stats["stopped_by"] = self.stop.signal_name or None
         stats_path = self._write_stats(stats)
         return RunSummary(self.out_dir, stats_path, stats)
+
+    def _check_ending(self, stats: dict) -> None:
+        """Raise when the run ended early on purpose; its shards are committed by now."""
+        left = stats["shards_total"] - stats["shards_skipped"] - stats["shards_committed"]
+        if self.stop.requested:
+            raise StoppedBySignal(
+                f"stopped by {self.stop.signal_name} after committing {stats['shards_committed']} shard(s); "
+                f"{left} shard(s) left for the next run of the same command",
+                128 + int(self.stop.signum),
+            )
+        limit = self.cfg.output.max_error_rate
+        rows = stats["ok"] + stats["errors"]
+        if limit is not None and rows and stats["errors"] / rows > limit:
+            raise ErrorBudgetExceeded(
+                f"{stats['errors']} of {rows} rows are errors ({stats['errors'] / rows:.1%}), over "
+                f"output.max_error_rate={limit:g}; the shards are committed, error rows show why "
+                "(batchvl status, then batchvl retry-failed)",
+                ErrorBudgetExceeded.EXIT_CODE,
+            )
 
     def _process(self, shards: list[ShardInfo], engine: Engine) -> None:
         pre = self.cfg.preprocess
@@ -281,7 +326,7 @@ class JobRunner:
         feed = BackgroundIterator(pool, maxsize=max(4, workers * 2))
         try:
             with bar:
-                while True:
+                while not self.stop.requested:
                     if engine.num_waiting >= lookahead:
                         self._step(engine, progress, bar)
                         continue
@@ -289,9 +334,12 @@ class JobRunner:
                     waited_from = time.perf_counter()
                     try:
                         # Poll while the engine has work: it keeps stepping until input is ready.
-                        item = feed.get(block=idle)
+                        item = feed.get(timeout=IDLE_POLL_S) if idle else feed.get(block=False)
                     except queue.Empty:
-                        self._step(engine, progress, bar)
+                        if idle:
+                            self.stats.input_wait_s += time.perf_counter() - waited_from
+                        else:
+                            self._step(engine, progress, bar)
                         continue
                     if idle:
                         self.stats.input_wait_s += time.perf_counter() - waited_from
@@ -302,13 +350,15 @@ class JobRunner:
                         self._commit_if_complete(progress[item.shard])
                     else:
                         self._submit(item, engine, progress[item.shard], bar)
-                while engine.num_unfinished:
+                while engine.num_unfinished and not self.stop.requested:
                     self._step(engine, progress, bar)
         finally:
             feed.close()
             self.stats.worker_restarts = pool.stats.worker_restarts
             self.stats.samples_crashed = pool.stats.samples_crashed
             self.stats.samples_timed_out = pool.stats.samples_timed_out
+        if self.stop.requested:
+            return  # unfinished shards stay uncommitted; the next run redoes them
         for shard_progress in progress.values():
             if not shard_progress.committed:
                 raise RuntimeError(f"shard {shard_progress.info.shard} ended incomplete; this is a bug")
@@ -369,7 +419,15 @@ class JobRunner:
 
     def _commit_if_complete(self, shard: ShardProgress) -> None:
         if shard.is_complete and not shard.committed:
-            path = write_shard(self.out_dir, shard.info.shard, shard.rows, self.metadata)
+            marker = ShardMarker.for_rows(
+                shard.info.shard,
+                shard.rows,
+                self.output_defining,
+                self.fingerprint,
+                task=str(self.task) if self.task else None,
+                batchvl_version=__version__,
+            )
+            path = commit_shard(self.out_dir, shard.info.shard, shard.rows, self.metadata, marker)
             self.stats.shards_committed += 1
             logger.info("committed %s (%d rows)", path, len(shard.rows))
             shard.committed = True
@@ -382,5 +440,10 @@ class JobRunner:
         return str(path)
 
 
-def run_job(cfg: JobConfig, loaded: LoadedModel | None = None, show_progress: bool = True) -> RunSummary:
-    return JobRunner(cfg, loaded, show_progress).run()
+def run_job(
+    cfg: JobConfig,
+    loaded: LoadedModel | None = None,
+    show_progress: bool = True,
+    task: TaskSlice | None = None,
+) -> RunSummary:
+    return JobRunner(cfg, loaded, show_progress, task).run()

@@ -10,7 +10,7 @@ from batchvl.config import InputConfig
 from batchvl.errors import UserError
 from batchvl.io.parquet import ParquetSource
 from batchvl.io.types import ShardEnd
-from batchvl.io.writers import ResultRow, is_committed, write_shard
+from batchvl.io.writers import ResultRow, write_shard
 
 
 def png_bytes(color=(255, 0, 0)) -> bytes:
@@ -119,9 +119,7 @@ def row(sample_index, prompt_index, **fields):
 def test_write_shard_orders_rows_and_keeps_metadata(tmp_path):
     rows = [row(1, 1, source="b"), row(0, 1, status="x"), row(1, 0, source="b"), row(0, 0, status="x")]
     path = write_shard(str(tmp_path), "sub/part-0.parquet", rows, {"job": "j"})
-    assert path == str(tmp_path / "sub" / "part-0.parquet") and is_committed(
-        str(tmp_path), "sub/part-0.parquet"
-    )
+    assert path == str(tmp_path / "sub" / "part-0.parquet")
     table = pq.read_table(path)
     assert list(zip(table["sample_index"].to_pylist(), table["prompt"].to_pylist(), strict=True)) == [
         (0, "p0"),

@@ -19,22 +19,12 @@ import torch
 
 from batchvl.errors import UserError
 from batchvl.preprocess.media import PreparedImage
+from batchvl.utils.balance import lpt_assignment
 
 logger = logging.getLogger(__name__)
 
 # Encodes one rank's share; returns one embedding per image, in the order given.
 LocalEncode = Callable[[list[PreparedImage]], list[torch.Tensor]]
-
-
-def lpt_assignment(patch_counts: list[int], world_size: int) -> list[list[int]]:
-    """Image indices per rank: largest image first, each to the least-loaded rank (lowest rank on ties)."""
-    loads = [0] * world_size
-    shares: list[list[int]] = [[] for _ in range(world_size)]
-    for index in sorted(range(len(patch_counts)), key=lambda i: (-patch_counts[i], i)):
-        rank = min(range(world_size), key=lambda r: (loads[r], r))
-        shares[rank].append(index)
-        loads[rank] += patch_counts[index]
-    return shares
 
 
 @dataclass(frozen=True)
@@ -96,6 +86,18 @@ def release_serving_ranks(world_size: int) -> None:
     import torch.distributed as dist
 
     dist.scatter_object_list([None], [("stop", None)] * world_size, src=0)
+
+
+def leave_process_group() -> None:
+    """Every rank, last: wait for all ranks to be done with the group, then tear it down together.
+
+    Without the barrier a rank could tear down its connections while a peer is still finishing the
+    last exchange, and gloo then aborts the process at exit.
+    """
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def serve_encode_rounds(local_encode: LocalEncode, device: torch.device) -> int:

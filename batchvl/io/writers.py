@@ -1,9 +1,11 @@
-"""Parquet output: one file per input shard, committed atomically (temp file, fsync, rename)."""
+"""Parquet output: one file per input shard, written atomically (temp file, fsync, rename)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,15 +58,36 @@ def output_path(out_dir: str, shard: str) -> str:
     return os.path.join(out_dir, f"{stem}.parquet")
 
 
-def is_committed(out_dir: str, shard: str) -> bool:
-    # Only complete files are ever renamed into place, so existence means committed.
-    return os.path.isfile(output_path(out_dir, shard))
+TEMP_INFIX = ".tmp-"  # temp files: .<name>.tmp-<host>-<pid>, hidden, never matching *.parquet
+
+
+def remove_stale_temps(path: str) -> None:
+    """Remove temp files of `path` left by killed runs on this host (their pid is gone)."""
+    folder, name = os.path.split(path)
+    prefix = f".{name}{TEMP_INFIX}{socket.gethostname()}-"
+    if not os.path.isdir(folder):
+        return
+    for entry in os.listdir(folder):
+        pid = entry.removeprefix(prefix)
+        if entry.startswith(prefix) and pid.isdigit() and not _pid_alive(int(pid)):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(folder, entry))
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _atomic_write(path: str, write) -> None:
     folder = os.path.dirname(path)
     os.makedirs(folder, exist_ok=True)
-    tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp-{os.getpid()}")
+    tmp = os.path.join(folder, f".{os.path.basename(path)}{TEMP_INFIX}{socket.gethostname()}-{os.getpid()}")
     try:
         write(tmp)
         with open(tmp, "rb") as handle:

@@ -40,6 +40,12 @@ def open_image(data: bytes | None, path: str | None, max_image_pixels: int) -> I
         raise
     except FileNotFoundError as exc:
         raise SampleError("file_not_found", f"image file not found: {path}") from exc
+    except Image.UnidentifiedImageError as exc:
+        # Pillow's message names the in-memory buffer object; say what was read instead.
+        source = path if data is None else f"{len(data)} bytes"
+        raise SampleError(
+            "image_decode_error", f"cannot decode image: not a format Pillow can read ({source})"
+        ) from exc
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
         raise SampleError("image_decode_error", f"cannot decode image: {exc}") from exc
 

@@ -44,9 +44,9 @@ class BackgroundIterator:
             if close is not None:
                 close()  # a generator's finally blocks run here (e.g. worker shutdown)
 
-    def get(self, block: bool = True):
-        """The next item, END when exhausted; raises queue.Empty if `block` is False and none is ready."""
-        kind, value = self._queue.get(block=block)
+    def get(self, block: bool = True, timeout: float | None = None):
+        """The next item, END when exhausted; raises queue.Empty if none is ready (now or within timeout)."""
+        kind, value = self._queue.get(block=block, timeout=timeout)
         if kind == "error":
             raise value
         return END if kind == "end" else value

@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from batchvl.engine.vit_dp import lpt_assignment
+from batchvl.utils.balance import lpt_assignment
 from tests.conftest import random_image, two_prompt_job_yaml
 
 

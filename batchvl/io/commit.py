@@ -1,0 +1,86 @@
+"""Shard commits: the shard's Parquet file, then a completion marker saying which config wrote it.
+
+A shard is committed once both exist. The Parquet file is renamed into place only when complete, and
+the marker is written (also atomically) after it, so a crash at any point leaves either a committed
+shard or one that the next run redoes from scratch, never a partial one. The marker records the
+output-defining config, so a rerun with a changed config is detected and the changed keys named.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from dataclasses import asdict, dataclass, field
+
+from batchvl.io.writers import ResultRow, output_path, write_json_atomic, write_shard
+
+MARKER_DIR = os.path.join("_batchvl", "done")
+
+
+@dataclass
+class ShardMarker:
+    shard: str
+    fingerprint: str  # hash of `config`
+    config: dict  # the output-defining part of the job config that wrote the rows
+    rows: int
+    ok: int
+    errors: int
+    errors_by_type: dict[str, int]
+    task: str | None  # "I/N" when the run was one task of a split job
+    host: str = field(default_factory=socket.gethostname)
+    written_at: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+    batchvl_version: str = ""
+    retries: list[dict] = field(default_factory=list)  # one record per `retry-failed` that changed rows
+
+    @classmethod
+    def for_rows(
+        cls, shard: str, rows: list[ResultRow], config: dict, fingerprint: str, **extra
+    ) -> ShardMarker:
+        errors_by_type: dict[str, int] = {}
+        for row in rows:
+            if row.status != "ok":
+                errors_by_type[row.error_type or "unknown"] = (
+                    errors_by_type.get(row.error_type or "unknown", 0) + 1
+                )
+        errors = sum(errors_by_type.values())
+        return cls(
+            shard=shard,
+            fingerprint=fingerprint,
+            config=config,
+            rows=len(rows),
+            ok=len(rows) - errors,
+            errors=errors,
+            errors_by_type=errors_by_type,
+            **extra,
+        )
+
+
+def marker_path(out_dir: str, shard: str) -> str:
+    relative = os.path.relpath(output_path(out_dir, shard), out_dir)
+    return os.path.join(out_dir, MARKER_DIR, relative.removesuffix(".parquet") + ".json")
+
+
+def read_marker(out_dir: str, shard: str) -> ShardMarker | None:
+    """The shard's marker, or None when the shard is not committed (no marker, no output, or unreadable)."""
+    if not os.path.isfile(output_path(out_dir, shard)):
+        return None
+    try:
+        with open(marker_path(out_dir, shard)) as handle:
+            return ShardMarker(**json.load(handle))
+    except (OSError, ValueError, TypeError):
+        return None  # a marker from a killed write or another version: the shard is redone
+
+
+def is_committed(out_dir: str, shard: str) -> bool:
+    return read_marker(out_dir, shard) is not None
+
+
+def commit_shard(
+    out_dir: str, shard: str, rows: list[ResultRow], metadata: dict[str, str], marker: ShardMarker
+) -> str:
+    """Write the shard's rows, then its marker; returns the Parquet path."""
+    path = write_shard(out_dir, shard, rows, metadata)
+    write_json_atomic(marker_path(out_dir, shard), asdict(marker))
+    return path

@@ -1,0 +1,50 @@
+"""Which of a task's shards to run: resume is the default, a changed config is refused.
+
+A shard with a marker from the same output-defining config is done and skipped. One without a marker
+(never run, or killed before its commit) is redone from scratch. One whose marker names another config
+would mix outputs of two configs in one folder: refused, with the changed keys and the two ways out,
+unless `--overwrite` asks to recompute everything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from batchvl.config import changed_keys
+from batchvl.errors import UserError
+from batchvl.io.commit import read_marker
+from batchvl.io.types import ShardInfo
+from batchvl.io.writers import output_path, remove_stale_temps
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    shards: list[ShardInfo]  # the task's shards
+    pending: list[ShardInfo]  # to run now
+
+    @property
+    def num_done(self) -> int:
+        return len(self.shards) - len(self.pending)
+
+
+def plan_shards(
+    out_dir: str, shards: list[ShardInfo], output_defining: dict, fingerprint: str, overwrite: bool
+) -> ShardPlan:
+    pending, stale = [], []
+    changed: set[str] = set()
+    for shard in shards:
+        marker = read_marker(out_dir, shard.shard)
+        if marker is None or overwrite:
+            pending.append(shard)
+        elif marker.fingerprint != fingerprint:
+            stale.append(shard)
+            changed.update(changed_keys(marker.config, output_defining))
+    if stale:
+        keys = ", ".join(sorted(changed)) or "the output-defining config"
+        raise UserError(
+            f"{out_dir} holds {len(stale)} shard(s) written with a different config (changed: {keys}); "
+            "rerun with --overwrite to recompute them, or set output.dir to a new folder"
+        )
+    for shard in shards:
+        remove_stale_temps(output_path(out_dir, shard.shard))
+    return ShardPlan(shards, pending)
