@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # On a GPU machine, set TORCH_SPEC to the CUDA build you want (e.g. TORCH_SPEC=torch==2.13.0).
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install demo test lint format clean
+.PHONY: install demo test lint format clean slurm
 
 install: $(VENV)/.installed
 
@@ -20,6 +20,10 @@ demo: install
 	@test -f demo/model/config.json || $(VENV)/bin/batchvl make-tiny-model demo/model --size tiny
 	@test -d demo/data || $(VENV)/bin/batchvl make-sample-data demo/data
 	$(VENV)/bin/batchvl run jobs/demo.yaml
+
+# A local Slurm (Debian packages, root) for the tests that run array jobs on a real cluster.
+slurm:
+	bash scripts/install-slurm.sh
 
 lint: install
 	$(VENV)/bin/ruff check .

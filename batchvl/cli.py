@@ -134,6 +134,83 @@ def validate(job_file: JobFile, set_: SetOption = None, log_level: LogLevel = "w
     typer.echo(f"output: {cfg.output.dir}")
 
 
+@app.command()
+def slurm(
+    job_file: JobFile,
+    array: Annotated[int, typer.Option("--array", help="Number of array tasks N (task I runs --shard I/N).")],
+    submit: Annotated[bool, typer.Option("--submit", help="Submit the script with sbatch.")] = False,
+    sbatch_arg: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--sbatch-arg",
+            help="An #SBATCH option for every task, e.g. --sbatch-arg=--time=04:00:00 (repeatable).",
+            show_default=False,
+        ),
+    ] = None,
+    signal_lead_s: Annotated[
+        int,
+        typer.Option("--signal-lead", help="Seconds before the time limit that SIGUSR1 asks a task to stop."),
+    ] = 300,
+    set_: SetOption = None,
+) -> None:
+    """Write an sbatch script for a Slurm array job running `batchvl run` (and submit it with --submit)."""
+    _setup_logging("warning")
+    from batchvl.config import load_job_config
+    from batchvl.io.sources import make_source
+    from batchvl.slurm import ArrayJob, write_array_job
+    from batchvl.slurm import submit as sbatch_submit
+
+    cfg = load_job_config(job_file, set_ or [])
+    num_shards = len(make_source(cfg.input).list_shards())
+    job = ArrayJob(
+        job_file=str(job_file.resolve()),
+        out_dir=cfg.output.dir,
+        num_tasks=array,
+        overrides=list(set_ or []),
+        sbatch_args=list(sbatch_arg or []),
+        signal_lead_s=signal_lead_s,
+    )
+    script = write_array_job(job)
+    typer.echo(f"wrote {script} ({array} task(s) over {num_shards} input shard(s); logs in {job.log_dir})")
+    if array > num_shards:
+        typer.echo(f"note: {array - num_shards} task(s) will have no shard to run")
+    if submit:
+        typer.echo(f"submitted Slurm job {sbatch_submit(script)}")
+    else:
+        typer.echo(f"submit: sbatch {script}")
+
+
+@app.command()
+def status(
+    job_file: JobFile,
+    tasks: Annotated[
+        int | None,
+        typer.Option(
+            help="Tasks N the job is split into (default: the array `batchvl slurm` wrote, or the runs').",
+            show_default=False,
+        ),
+    ] = None,
+    json_output: Annotated[bool, typer.Option("--json", help="Print the status as JSON.")] = False,
+    set_: SetOption = None,
+) -> None:
+    """Report shards done / pending, rows ok / error, per-task throughput, and how to rerun the rest."""
+    _setup_logging("warning")
+    from batchvl.config import load_job_config
+    from batchvl.status import format_status, job_status
+
+    cfg = load_job_config(job_file, set_ or [])
+    report = job_status(cfg, tasks)
+    if json_output:
+        import dataclasses
+        import json
+
+        typer.echo(
+            json.dumps({**dataclasses.asdict(report), "missing_tasks": report.missing_tasks}, indent=2)
+        )
+    else:
+        typer.echo(format_status(report, str(job_file)))
+
+
 @app.command("make-tiny-model")
 def make_tiny_model(
     out_dir: Annotated[Path, typer.Argument(help="Folder to write the checkpoint to.", show_default=False)],

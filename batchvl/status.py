@@ -1,0 +1,146 @@
+"""`batchvl status`: what a job's output folder holds, task by task, and what to rerun.
+
+Reads only the input listing, the completion markers and the per-run stats files, so it is cheap on
+a job of hundreds of shards and safe to run while tasks are writing.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from batchvl.config import JobConfig, config_fingerprint
+from batchvl.io.commit import read_marker
+from batchvl.io.sources import make_source
+from batchvl.slurm import array_expression, read_array_job
+from batchvl.tasks import TaskSlice, shards_of_task
+
+
+@dataclass
+class TaskStatus:
+    index: int
+    shards: int = 0
+    done: int = 0
+    stale: int = 0  # committed by another config: a rerun refuses until --overwrite
+    samples_per_s: float | None = None  # of the task's latest run
+    output_tokens_per_s: float | None = None
+    last_run: str | None = None  # the latest stats file's name
+
+    @property
+    def pending(self) -> int:
+        return self.shards - self.done
+
+
+@dataclass
+class JobStatus:
+    out_dir: str
+    num_tasks: int
+    tasks: list[TaskStatus]
+    rows_ok: int = 0
+    rows_error: int = 0
+    errors_by_type: Counter = field(default_factory=Counter)
+    script: str | None = None  # the array's sbatch script, when `batchvl slurm` wrote one
+
+    @property
+    def shards_total(self) -> int:
+        return sum(t.shards for t in self.tasks)
+
+    @property
+    def shards_done(self) -> int:
+        return sum(t.done for t in self.tasks)
+
+    @property
+    def missing_tasks(self) -> list[int]:
+        return [t.index for t in self.tasks if t.pending]
+
+
+def job_status(cfg: JobConfig, num_tasks: int | None = None) -> JobStatus:
+    out_dir = cfg.output.dir
+    array = read_array_job(out_dir)
+    stats = _latest_stats_per_task(out_dir)
+    if num_tasks is None:
+        num_tasks = array.num_tasks if array else max((n for n, _ in stats), default=1)
+    fingerprint = config_fingerprint(cfg)
+    listing = make_source(cfg.input).list_shards()
+    status = JobStatus(out_dir, num_tasks, [], script=array.script_path if array else None)
+    for index in range(num_tasks):
+        task = TaskStatus(index)
+        for shard in shards_of_task(listing, TaskSlice(index, num_tasks)):
+            task.shards += 1
+            marker = read_marker(out_dir, shard.shard)
+            if marker is None:
+                continue
+            if marker.fingerprint != fingerprint:
+                task.stale += 1
+                continue
+            task.done += 1
+            status.rows_ok += marker.ok
+            status.rows_error += marker.errors
+            status.errors_by_type.update(marker.errors_by_type)
+        latest = stats.get((num_tasks, index))
+        if latest is not None:
+            name, run = latest
+            task.samples_per_s = run.get("samples_per_s")
+            task.output_tokens_per_s = run.get("output_tokens_per_s")
+            task.last_run = name
+        status.tasks.append(task)
+    return status
+
+
+def _latest_stats_per_task(out_dir: str) -> dict[tuple[int, int], tuple[str, dict]]:
+    """(N, task index) -> (file name, stats) of the newest run that did work, from `_batchvl/stats`."""
+    latest: dict[tuple[int, int], tuple[str, dict]] = {}
+    files = sorted(Path(out_dir, "_batchvl", "stats").glob("run-*.json"), key=lambda p: p.stat().st_mtime)
+    for path in files:
+        try:
+            run = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if not run.get("samples"):
+            continue  # a rerun that found everything done says nothing about speed
+        index, count = map(int, (run.get("task") or "0/1").split("/"))
+        latest[(count, index)] = (path.name, run)
+    return latest
+
+
+def format_status(status: JobStatus, job_file: str) -> str:
+    lines = [
+        f"output: {status.out_dir}",
+        f"shards: {status.shards_done} of {status.shards_total} done, "
+        f"{status.shards_total - status.shards_done} pending",
+        f"rows: {status.rows_ok} ok, {status.rows_error} error"
+        + (
+            " (" + ", ".join(f"{k} {v}" for k, v in status.errors_by_type.most_common()) + ")"
+            if status.errors_by_type
+            else ""
+        ),
+    ]
+    stale = sum(t.stale for t in status.tasks)
+    if stale:
+        lines.append(
+            f"{stale} shard(s) were written by a different config; rerun with --overwrite to redo them"
+        )
+    lines.append(f"tasks: {status.num_tasks}")
+    lines.append(f"  {'task':>5} {'shards':>6} {'done':>5} {'pending':>7} {'samples/s':>9} {'out tok/s':>9}")
+    for t in status.tasks:
+        speed = (
+            f"{t.samples_per_s:>9.2f} {t.output_tokens_per_s:>9.1f}"
+            if t.samples_per_s
+            else f"{'-':>9} {'-':>9}"
+        )
+        lines.append(f"  {t.index:>5} {t.shards:>6} {t.done:>5} {t.pending:>7} {speed}")
+    missing = status.missing_tasks
+    if not missing:
+        lines.append("complete: every shard is committed")
+    elif status.script:
+        lines.append(f"rerun missing tasks: sbatch --array={array_expression(missing)} {status.script}")
+    elif status.num_tasks == 1:
+        lines.append(f"rerun: batchvl run {job_file}")
+    else:
+        lines.append(
+            f"rerun missing tasks ({array_expression(missing)}): "
+            f"batchvl run {job_file} --shard I/{status.num_tasks}"
+        )
+    return "\n".join(lines)
