@@ -134,6 +134,46 @@ def validate(job_file: JobFile, set_: SetOption = None, log_level: LogLevel = "w
     typer.echo(f"output: {cfg.output.dir}")
 
 
+@app.command("retry-failed")
+def retry_failed_command(
+    job_file: JobFile,
+    set_: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--set",
+            help="Override a key for the retry only, e.g. preprocess.max_pixels=4000000 (repeatable).",
+            show_default=False,
+        ),
+    ] = None,
+    shard: Annotated[
+        str | None,
+        typer.Option("--shard", help="Retry only task I of N's shards (I/N).", show_default=False),
+    ] = None,
+    progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
+    log_level: LogLevel = "warning",
+) -> None:
+    """Rerun only the error rows of committed shards and merge the new rows back into them."""
+    _setup_logging(log_level)
+    from batchvl.config import load_job_config
+    from batchvl.retry import retry_failed
+    from batchvl.tasks import parse_task_slice, slurm_task_slice
+
+    job = load_job_config(job_file)
+    retry = load_job_config(job_file, set_ or [])
+    task = parse_task_slice(shard) if shard is not None else slurm_task_slice()
+    summary = retry_failed(job, retry, list(set_ or []), show_progress=progress, task=task)
+    s = summary.stats
+    typer.echo(
+        f"retried {s['requests']} error row(s) in {s['shards_committed']} shard(s): {s['ok']} ok now, "
+        f"{s['errors']} still errors"
+    )
+    if s["shards_not_committed"]:
+        typer.echo(
+            f"note: {s['shards_not_committed']} shard(s) are not committed yet; `batchvl run` them first"
+        )
+    typer.echo(f"output: {summary.output_dir}")
+
+
 @app.command()
 def slurm(
     job_file: JobFile,

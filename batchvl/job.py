@@ -178,6 +178,8 @@ def result_row(sample: PreparedSample, prompt_name: str, result: EngineResult) -
 
 
 class JobRunner:
+    enforce_error_budget = True  # output.max_error_rate applies to this kind of run
+
     def __init__(
         self,
         cfg: JobConfig,
@@ -192,6 +194,8 @@ class JobRunner:
         self.stats = RunStats(task=str(task) if task else None)
         self.trimmer = HeapTrimmer()
         self.stop = StopRequests()
+        # shard -> sample index -> prompt indices to run; None runs every (sample, prompt) of a shard
+        self.selection: dict[str, dict[int, frozenset[int]]] | None = None
         self.out_dir = cfg.output.dir
         self.output_defining = output_defining_config(cfg)
         self.fingerprint = fingerprint_of(self.output_defining)
@@ -252,14 +256,9 @@ class JobRunner:
         # Check the model folder even when every shard is done: a wrong path is a mistake to report.
         model_family(read_model_type(self.cfg.model.path, self.cfg.model.trust_remote_code))
         shards = shards_of_task(make_source(self.cfg.input).list_shards(), self.task)
-        plan = plan_shards(
-            self.out_dir, shards, self.output_defining, self.fingerprint, self.cfg.output.overwrite
-        )
-        pending = plan.pending
         self.stats.shards_total = len(shards)
-        self.stats.shards_skipped = plan.num_done
-        if self.stats.shards_skipped:
-            logger.info("skipping %d committed shard(s) in %s", self.stats.shards_skipped, self.out_dir)
+        pending = self._pending_shards(shards)
+        self.stats.shards_skipped = len(shards) - len(pending)
         engine = None
         if pending and not self.stop.requested:
             loaded = self._load()
@@ -283,6 +282,15 @@ class JobRunner:
         stats_path = self._write_stats(stats)
         return RunSummary(self.out_dir, stats_path, stats)
 
+    def _pending_shards(self, shards: list[ShardInfo]) -> list[ShardInfo]:
+        """The task's shards to run now: those not committed (all with overwrite)."""
+        plan = plan_shards(
+            self.out_dir, shards, self.output_defining, self.fingerprint, self.cfg.output.overwrite
+        )
+        if plan.num_done:
+            logger.info("skipping %d committed shard(s) in %s", plan.num_done, self.out_dir)
+        return plan.pending
+
     def _check_ending(self, stats: dict) -> None:
         """Raise when the run ended early on purpose; its shards are committed by now."""
         left = stats["shards_total"] - stats["shards_skipped"] - stats["shards_committed"]
@@ -292,7 +300,7 @@ class JobRunner:
                 f"{left} shard(s) left for the next run of the same command",
                 128 + int(self.stop.signum),
             )
-        limit = self.cfg.output.max_error_rate
+        limit = self.cfg.output.max_error_rate if self.enforce_error_budget else None
         rows = stats["ok"] + stats["errors"]
         if limit is not None and rows and stats["errors"] / rows > limit:
             raise ErrorBudgetExceeded(
@@ -312,11 +320,18 @@ class JobRunner:
             workers,
             pre.prefetch,
             pre.timeout_s,
+            {name: frozenset(samples) for name, samples in self.selection.items()}
+            if self.selection
+            else None,
         )
         self.stats.preprocess_workers = workers
         progress = {s.shard: ShardProgress(s) for s in shards}
         lookahead = self.cfg.engine.lookahead
-        known = [s.num_rows for s in shards]
+        known = (
+            [s.num_rows for s in shards]
+            if self.selection is None
+            else [len(self.selection[s.shard]) for s in shards]
+        )
         bar = tqdm(
             total=sum(known) if None not in known else None,
             unit="sample",
@@ -346,7 +361,7 @@ class JobRunner:
                     if item is END:
                         break
                     if isinstance(item, ShardEnd):
-                        progress[item.shard].expected_rows = item.num_samples * len(self.cfg.prompts)
+                        progress[item.shard].expected_rows = self._expected_rows(item.shard, item.num_samples)
                         self._commit_if_complete(progress[item.shard])
                     else:
                         self._submit(item, engine, progress[item.shard], bar)
@@ -371,7 +386,8 @@ class JobRunner:
             bar.update(1)
             return
         requests = []
-        for prompt_index, (prompt, prepared) in enumerate(zip(self.cfg.prompts, sample.prompts, strict=True)):
+        for prompt_index in self._prompt_indices(sample):
+            prompt, prepared = self.cfg.prompts[prompt_index], sample.prompts[prompt_index]
             if prepared.error is not None:
                 self._add_row(shard, error_row(sample, prompt_index, prompt.name, prepared.error))
                 continue
@@ -391,8 +407,19 @@ class JobRunner:
             engine.add_request(request)
 
     def _add_error_rows(self, sample: PreparedSample, shard: ShardProgress, error: SampleError) -> None:
-        for prompt_index, prompt in enumerate(self.cfg.prompts):
-            self._add_row(shard, error_row(sample, prompt_index, prompt.name, error))
+        for prompt_index in self._prompt_indices(sample):
+            self._add_row(shard, error_row(sample, prompt_index, self.cfg.prompts[prompt_index].name, error))
+
+    def _prompt_indices(self, sample: PreparedSample) -> list[int]:
+        """The prompts to run for a sample: all of them, or those selected for it."""
+        if self.selection is None:
+            return list(range(len(self.cfg.prompts)))
+        return sorted(self.selection[sample.shard][sample.index])
+
+    def _expected_rows(self, shard: str, num_samples: int) -> int:
+        if self.selection is None:
+            return num_samples * len(self.cfg.prompts)
+        return sum(len(prompts) for index, prompts in self.selection[shard].items() if index < num_samples)
 
     def _step(self, engine: Engine, progress: dict[str, ShardProgress], bar) -> None:
         started = time.perf_counter()
@@ -419,19 +446,22 @@ class JobRunner:
 
     def _commit_if_complete(self, shard: ShardProgress) -> None:
         if shard.is_complete and not shard.committed:
-            marker = ShardMarker.for_rows(
-                shard.info.shard,
-                shard.rows,
-                self.output_defining,
-                self.fingerprint,
-                task=str(self.task) if self.task else None,
-                batchvl_version=__version__,
-            )
-            path = commit_shard(self.out_dir, shard.info.shard, shard.rows, self.metadata, marker)
+            path = self._commit(shard)
             self.stats.shards_committed += 1
             logger.info("committed %s (%d rows)", path, len(shard.rows))
             shard.committed = True
             shard.rows = []  # written; free the memory
+
+    def _commit(self, shard: ShardProgress) -> str:
+        marker = ShardMarker.for_rows(
+            shard.info.shard,
+            shard.rows,
+            self.output_defining,
+            self.fingerprint,
+            task=str(self.task) if self.task else None,
+            batchvl_version=__version__,
+        )
+        return commit_shard(self.out_dir, shard.info.shard, shard.rows, self.metadata, marker)
 
     def _write_stats(self, stats: dict) -> str:
         folder = Path(self.out_dir, "_batchvl", "stats")

@@ -98,8 +98,8 @@ def _latest_stats_per_task(out_dir: str) -> dict[tuple[int, int], tuple[str, dic
             run = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-        if not run.get("samples"):
-            continue  # a rerun that found everything done says nothing about speed
+        if not run.get("samples") or run.get("mode", "run") != "run":
+            continue  # a rerun that found everything done, or a retry of a few rows, says nothing about speed
         index, count = map(int, (run.get("task") or "0/1").split("/"))
         latest[(count, index)] = (path.name, run)
     return latest

@@ -38,23 +38,20 @@ class ShardMarker:
     def for_rows(
         cls, shard: str, rows: list[ResultRow], config: dict, fingerprint: str, **extra
     ) -> ShardMarker:
-        errors_by_type: dict[str, int] = {}
-        for row in rows:
-            if row.status != "ok":
-                errors_by_type[row.error_type or "unknown"] = (
-                    errors_by_type.get(row.error_type or "unknown", 0) + 1
-                )
-        errors = sum(errors_by_type.values())
-        return cls(
-            shard=shard,
-            fingerprint=fingerprint,
-            config=config,
-            rows=len(rows),
-            ok=len(rows) - errors,
-            errors=errors,
-            errors_by_type=errors_by_type,
-            **extra,
-        )
+        marker = cls(shard, fingerprint, config, rows=0, ok=0, errors=0, errors_by_type={}, **extra)
+        marker.count([(row.status, row.error_type) for row in rows])
+        return marker
+
+    def count(self, statuses: list[tuple[str, str | None]]) -> None:
+        """Set the row counts from each row's (status, error_type)."""
+        self.errors_by_type = {}
+        for status, error_type in statuses:
+            if status != "ok":
+                name = error_type or "unknown"
+                self.errors_by_type[name] = self.errors_by_type.get(name, 0) + 1
+        self.rows = len(statuses)
+        self.errors = sum(self.errors_by_type.values())
+        self.ok = self.rows - self.errors
 
 
 def marker_path(out_dir: str, shard: str) -> str:
@@ -82,5 +79,9 @@ def commit_shard(
 ) -> str:
     """Write the shard's rows, then its marker; returns the Parquet path."""
     path = write_shard(out_dir, shard, rows, metadata)
-    write_json_atomic(marker_path(out_dir, shard), asdict(marker))
+    write_marker(out_dir, marker)
     return path
+
+
+def write_marker(out_dir: str, marker: ShardMarker) -> None:
+    write_json_atomic(marker_path(out_dir, marker.shard), asdict(marker))

@@ -113,9 +113,12 @@ def rows_to_table(rows: list[ResultRow], metadata: dict[str, str]) -> pa.Table:
 
 def write_shard(out_dir: str, shard: str, rows: list[ResultRow], metadata: dict[str, str]) -> str:
     path = output_path(out_dir, shard)
-    table = rows_to_table(rows, metadata)
-    _atomic_write(path, lambda tmp: pq.write_table(table, tmp))
+    write_table_atomic(path, rows_to_table(rows, metadata))
     return path
+
+
+def write_table_atomic(path: str, table: pa.Table) -> None:
+    _atomic_write(path, lambda tmp: pq.write_table(table, tmp))
 
 
 def write_json_atomic(path: str, obj: Any) -> None:

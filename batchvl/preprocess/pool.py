@@ -113,10 +113,12 @@ class PreprocessDataset(torch.utils.data.IterableDataset):
         delivered: frozenset[tuple[str, int]],
         failed: dict[tuple[str, int], SampleError],
         slots: WorkerSlots | None,
+        wanted: dict[str, frozenset[int]] | None = None,
     ):
         self.source = source
         self.shards = shards
         self.processor = processor
+        self.wanted = wanted
         self.delivered = delivered
         self.failed = failed
         self.slots = slots
@@ -131,7 +133,11 @@ class PreprocessDataset(torch.utils.data.IterableDataset):
                 name = shard.shard
 
                 def keep(index: int, name: str = name) -> bool:
-                    return index % num_workers == worker and (name, index) not in self.delivered
+                    return (
+                        index % num_workers == worker
+                        and (name, index) not in self.delivered
+                        and (self.wanted is None or index in self.wanted[name])
+                    )
 
                 for item in self.source.iter_shard(shard, keep):
                     if isinstance(item, ShardEnd):
@@ -274,7 +280,11 @@ def _is_dead(pid: int) -> bool:
 
 
 class PreprocessPool:
-    """Iterate prepared samples (and shard ends) over `shards`; every sample comes out exactly once."""
+    """Iterate prepared samples (and shard ends) over `shards`; every sample comes out exactly once.
+
+    With `wanted`, only those samples of each shard are read and prepared (a retry of failed rows);
+    shard ends still report the shard's full sample count.
+    """
 
     def __init__(
         self,
@@ -284,8 +294,10 @@ class PreprocessPool:
         workers: int,
         prefetch: int,
         timeout_s: float,
+        wanted: dict[str, frozenset[int]] | None = None,
     ):
         self.source = source
+        self.wanted = wanted  # per shard, the only sample indices to read (None: all)
         self.shards = shards
         self.processor = processor
         self.workers = workers
@@ -302,11 +314,15 @@ class PreprocessPool:
         failed: dict[tuple[str, int], SampleError] = {}
         while True:
             # A shard is finished once its end was seen and all of its samples came out.
-            finished = {name for name, size in sizes.items() if self._count(delivered, name) == size}
+            finished = {
+                name
+                for name, size in sizes.items()
+                if self._count(delivered, name) == self._expected(name, size)
+            }
             shards = [s for s in self.shards if s.shard not in finished]
             slots = WorkerSlots(self.context, self.workers) if self.workers else None
             dataset = PreprocessDataset(
-                self.source, shards, self.processor, frozenset(delivered), failed, slots
+                self.source, shards, self.processor, frozenset(delivered), failed, slots, self.wanted
             )
             if slots is None:
                 yield from self._checked(iter(dataset), delivered, sizes)
@@ -352,6 +368,12 @@ class PreprocessPool:
     @staticmethod
     def _count(delivered: set[tuple[str, int]], shard: str) -> int:
         return sum(1 for name, _ in delivered if name == shard)
+
+    def _expected(self, shard: str, size: int) -> int:
+        """How many samples of a shard of `size` samples come out."""
+        if self.wanted is None:
+            return size
+        return sum(1 for index in self.wanted[shard] if index < size)
 
     def _checked(self, items, delivered: set, sizes: dict) -> Iterator[PreparedSample | ShardEnd]:
         for item in items:

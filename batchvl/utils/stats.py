@@ -10,6 +10,7 @@ from batchvl.engine.engine import EngineStats
 
 @dataclass
 class RunStats:
+    mode: str = "run"  # or "retry-failed"
     task: str | None = None  # "I/N" when the run is one task of a split job
     shards_total: int = 0
     shards_skipped: int = 0

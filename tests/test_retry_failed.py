@@ -1,0 +1,116 @@
+"""`batchvl retry-failed`: only error rows are rerun, with overrides, and merged back into their shards."""
+
+import os
+import subprocess
+import sys
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from batchvl.config import load_job_config
+from batchvl.errors import UserError
+from batchvl.io.commit import read_marker
+from batchvl.io.writers import output_path
+from batchvl.job import run_job
+from batchvl.retry import retry_failed
+from tests.conftest import png_bytes, random_image, two_prompt_job_yaml
+
+# per shard: image sizes; (120, 120) is over the job's max_image_pixels of 5000, None is not an image
+SHARDS = [[(40, 50), (120, 120), (45, 60)], [(40, 40), (50, 40)], [None, (120, 120), (50, 50), (110, 100)]]
+LARGE = "preprocess.max_image_pixels=100000"
+
+
+@pytest.fixture(scope="module")
+def job_dir(tmp_path_factory, tiny_model_dir):
+    root = tmp_path_factory.mktemp("retry")
+    (root / "data").mkdir()
+    for number, sizes in enumerate(SHARDS):
+        images = [
+            png_bytes(random_image(*size, seed=number * 10 + i)) if size else b"junk"
+            for i, size in enumerate(sizes)
+        ]
+        keys = [f"k{number}-{i}" for i in range(len(sizes))]
+        pq.write_table(pa.table({"key": keys, "image": images}), root / "data" / f"part-{number}.parquet")
+    (root / "job.yaml").write_text(
+        two_prompt_job_yaml(tiny_model_dir, "{}", "preprocess: {workers: 1, max_image_pixels: 5000}")
+    )
+    return root
+
+
+def rows_of(out_dir) -> list[dict]:
+    return [
+        row
+        for number in range(len(SHARDS))
+        for row in pq.read_table(output_path(str(out_dir), f"part-{number}.parquet"))
+        .drop(["latency_s"])
+        .to_pylist()
+    ]
+
+
+def test_retry_reruns_only_error_rows_and_merges_them_in_order(job_dir, loaded_fp32):
+    job = load_job_config(job_dir / "job.yaml")
+    run_job(job, loaded=loaded_fp32, show_progress=False)
+    before = rows_of(job_dir / "out")
+    assert sorted(r["error_type"] for r in before if r["status"] == "error") == (
+        ["image_decode_error"] * 2 + ["image_too_large"] * 6
+    )
+    untouched = os.stat(output_path(str(job_dir / "out"), "part-1.parquet")).st_mtime_ns  # no errors there
+    metadata = pq.read_schema(output_path(str(job_dir / "out"), "part-0.parquet")).metadata
+
+    summary = retry_failed(
+        job, load_job_config(job_dir / "job.yaml", [LARGE]), [LARGE], loaded=loaded_fp32, show_progress=False
+    )
+    assert (summary.stats["requests"], summary.stats["ok"], summary.stats["errors"]) == (8, 6, 2)
+    assert summary.stats["shards_committed"] == 2
+
+    # The same rows as a job run with the larger limit from the start; kept rows are untouched.
+    reference = job_dir / "reference"
+    run_job(
+        load_job_config(job_dir / "job.yaml", [LARGE, f"output.dir={reference}"]),
+        loaded=loaded_fp32,
+        show_progress=False,
+    )
+    after = rows_of(job_dir / "out")
+    assert after == rows_of(reference)
+    assert [r for r in after if r["status"] == "ok" and r in before] == [
+        r for r in before if r["status"] == "ok"
+    ]
+    assert os.stat(output_path(str(job_dir / "out"), "part-1.parquet")).st_mtime_ns == untouched
+    assert pq.read_schema(output_path(str(job_dir / "out"), "part-0.parquet")).metadata == metadata
+
+    marker = read_marker(str(job_dir / "out"), "part-2.parquet")
+    assert (marker.rows, marker.ok, marker.errors, marker.errors_by_type) == (
+        8,
+        6,
+        2,
+        {"image_decode_error": 2},
+    )
+    assert marker.retries[0]["overrides"] == [LARGE] and marker.retries[0]["rows_fixed"] == 4
+    # The job is still complete for `batchvl run` (the markers keep the job's own config).
+    rerun = run_job(job, loaded=loaded_fp32, show_progress=False)
+    assert rerun.stats["shards_skipped"] == 3 and rerun.stats["shards_committed"] == 0
+
+    # From the command line, without overrides: only the two rows that still fail are retried.
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "batchvl", "retry-failed", "job.yaml", "--no-progress"],
+        cwd=job_dir,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "retried 2 error row(s) in 1 shard(s): 0 ok now, 2 still errors" in result.stdout
+    assert rows_of(job_dir / "out") == after
+    assert len(read_marker(str(job_dir / "out"), "part-2.parquet").retries) == 2
+
+
+def test_retry_may_not_change_prompts_or_inputs(job_dir):
+    job = load_job_config(job_dir / "job.yaml")
+    for override, key in (
+        ("prompts=[{name: x, text: y}]", "prompts"),
+        ("input.key_column=image", "input.key_column"),
+    ):
+        with pytest.raises(UserError, match=f"may not change {key}"):
+            retry_failed(job, load_job_config(job_dir / "job.yaml", [override]), [override])
