@@ -129,7 +129,11 @@ def requeue_this_task() -> None:
     if not job_id or scontrol is None:
         logger.warning("--requeue: not running under Slurm; nothing to requeue")
         return
-    result = subprocess.run([scontrol, "requeue", job_id], capture_output=True, text=True)
+    try:
+        result = subprocess.run([scontrol, "requeue", job_id], capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        print(f"batchvl: scontrol requeue {job_id} did not answer in 120 s", file=sys.stderr, flush=True)
+        return
     if result.returncode == 0:
         print(f"batchvl: requeued Slurm job {job_id}", file=sys.stderr, flush=True)
     else:

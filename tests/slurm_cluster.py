@@ -84,6 +84,7 @@ def start_cluster() -> SlurmCluster:
     key, sock = munge_dir / "munge.key", munge_dir / "munge.sock"
     subprocess.run(["runuser", "-u", "munge", "--", "mungekey", "-c", "-k", str(key)], check=True)
     conf = root / "slurm.conf"
+    # cred_expire: how long a requeued job waits before it may start again (120 s by default).
     conf.write_text(
         f"""ClusterName=batchvltest
 SlurmctldHost={host}(127.0.0.1)
@@ -91,7 +92,7 @@ SlurmctldPort={_free_port()}
 SlurmdPort={_free_port()}
 SlurmUser=root
 AuthType=auth/munge
-AuthInfo=socket={sock}
+AuthInfo=socket={sock},cred_expire=10
 CredType=cred/munge
 StateSaveLocation={root / "state"}
 SlurmdSpoolDir={root / "spool"}
