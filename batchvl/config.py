@@ -74,6 +74,9 @@ class PromptConfig:
 @dataclass(frozen=True)
 class SamplingConfig:
     max_new_tokens: int = _key(128, "Most tokens generated per request")
+    max_new_tokens_field: str | None = _key(
+        None, "Sample field (input column) holding a per-sample token limit, used instead of max_new_tokens"
+    )
     temperature: float = _key(0.0, "0 = greedy")
     top_p: float = _key(1.0, "Nucleus sampling mass (1 = off)")
     top_k: int = _key(0, "Sample among the k most likely tokens (0 = off)")

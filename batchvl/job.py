@@ -109,10 +109,26 @@ def engine_limits(cfg: JobConfig) -> EngineLimits:
     )
 
 
-def sampling_params(cfg: JobConfig, shard: str, key: str, prompt_name: str) -> SamplingParams:
+def max_new_tokens_of(cfg: JobConfig, fields: dict) -> int:
+    """The sample's token limit: `sampling.max_new_tokens`, or its own from `max_new_tokens_field`."""
+    name = cfg.sampling.max_new_tokens_field
+    if name is None:
+        return cfg.sampling.max_new_tokens
+    value = fields.get(name)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise SampleError(
+            "missing_field",
+            f"sampling.max_new_tokens_field '{name}' must hold a positive integer, got {value!r}",
+        )
+    return value
+
+
+def sampling_params(
+    cfg: JobConfig, shard: str, key: str, prompt_name: str, max_new_tokens: int | None = None
+) -> SamplingParams:
     s = cfg.sampling
     return SamplingParams(
-        max_new_tokens=s.max_new_tokens,
+        max_new_tokens=s.max_new_tokens if max_new_tokens is None else max_new_tokens,
         temperature=s.temperature,
         top_p=s.top_p,
         top_k=s.top_k,
@@ -385,6 +401,12 @@ class JobRunner:
             self._add_error_rows(sample, shard, sample.error)
             bar.update(1)
             return
+        try:
+            max_new_tokens = max_new_tokens_of(self.cfg, sample.fields)
+        except SampleError as error:
+            self._add_error_rows(sample, shard, error)
+            bar.update(1)
+            return
         requests = []
         for prompt_index in self._prompt_indices(sample):
             prompt, prepared = self.cfg.prompts[prompt_index], sample.prompts[prompt_index]
@@ -395,7 +417,7 @@ class JobRunner:
                 EngineRequest(
                     prompt_token_ids=prepared.token_ids,
                     images=sample.images,
-                    sampling=sampling_params(self.cfg, sample.shard, sample.key, prompt.name),
+                    sampling=sampling_params(self.cfg, sample.shard, sample.key, prompt.name, max_new_tokens),
                     tag=RowTag(sample.shard, sample.index, prompt_index),
                 )
             )

@@ -78,6 +78,7 @@ class EngineStats:
     patches_encoded: int = 0
     patches_encoded_per_rank: list[int] = field(default_factory=list)  # under ViT data parallelism
     encode_s: float = 0.0
+    forward_s: float = 0.0  # in the language model's packed forward (with logits)
     prompt_tokens: int = 0
     output_tokens: int = 0
     prefill_tokens_computed: int = 0
@@ -166,6 +167,7 @@ class Engine:
             return results
         self._encode_images_for(chunks)
         logits = self.runner.execute(chunks, self.block_manager)
+        self.stats.forward_s = self.runner.forward_s
         self.scheduler.commit(chunks)
         self.stats.steps += 1
         self.stats.preemptions = self.scheduler.num_preemptions

@@ -7,6 +7,7 @@ chunks that end at a request's last known token.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -92,6 +93,7 @@ class ModelRunner:
         )
         self.embeddings: dict[str, torch.Tensor] = {}
         self.positions: dict[int, RequestPositions] = {}
+        self.forward_s = 0.0  # summed time of the language model's forwards
 
     def add_request(self, request_id: int, prompt_token_ids: list[int], images: list[PreparedImage]) -> None:
         prompt, delta = self.adapter.prompt_positions(prompt_token_ids, images)
@@ -154,6 +156,7 @@ class ModelRunner:
             if seq.mask is not None:
                 seq.mask = seq.mask.to(device)
         meta = PagedAttentionMetadata(self.kv_cache, torch.cat(slot_mapping).to(device), sequences)
+        started = time.perf_counter()
         hidden = self.adapter.forward(
             torch.tensor(token_ids, dtype=torch.long),
             torch.cat(positions, dim=1),
@@ -166,7 +169,9 @@ class ModelRunner:
             for chunk, seq in zip(chunks, sequences, strict=True)
             if chunk.samples_next_token
         ]
-        return self.adapter.compute_logits(hidden[last_rows])
+        logits = self.adapter.compute_logits(hidden[last_rows])
+        self.forward_s += time.perf_counter() - started
+        return logits
 
     def _media_rows(
         self, num_tokens: int, chunks: list[ScheduledChunk], sequences: list[SequenceSlice]
