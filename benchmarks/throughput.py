@@ -1,0 +1,398 @@
+"""Throughput against the baselines users have: a transformers loop (batch 1), transformers `generate` on
+left-padded batches of 8, and `batchvl run`, on the same model and data, in bf16 and fp32.
+
+The workload: the `small` model; images of 64 to 800 px with a long tail, a share of them repeating an
+earlier image; half the samples with one prompt, half with two; each sample's output length drawn from
+a range (`--min-tokens`..`--max-tokens`), with EOS ignored, as real captions vary. Every method gets the
+same encoded image bytes and decodes them itself; images keep the processor's own pixel limits.
+
+Each method runs in its own child process (so peak RSS is its own) after the model is loaded; the
+clock covers preprocessing, encoding, prefill and decode, not process start or model load. Reported:
+samples/s, output tok/s, prefill tok/s and encode patches/s (workload amounts over wall time), peak
+RSS, the ratios of batchvl to each baseline, and FLOPs (vision tower + prefill + decode, counted from
+the model's own layers) over wall time as a share of the matmul peak measured in the same child. Two
+FLOP counts: the workload's (every request encodes its image and prefills its whole prompt, as the
+baselines do) and what batchvl executed (each distinct image once, prefix-cache hits not recomputed).
+For batchvl, "engine idle" is the share of wall time outside vision-tower and language-model forwards.
+
+    python benchmarks/throughput.py --json benchmarks/results/throughput.json [--samples 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from workloads import mixed_size_images
+
+PROMPTS = {
+    "caption": "Describe this image in one sentence.",
+    "objects": "List the main colors and objects you can see in this picture.",
+}
+# Two parts: the first with one prompt per sample, the second with two.
+PARTS = {"one_prompt": ["caption"], "two_prompts": ["caption", "objects"]}
+METHODS = {
+    "a": "transformers loop, batch 1",
+    "b": "transformers generate, batches of 8",
+    "c": "batchvl run",
+}
+BATCH = 8
+SUMMED_STATS = (
+    "output_tokens",
+    "images_encoded",
+    "patches_encoded",
+    "prefill_tokens_computed",
+    "encode_s",
+    "forward_s",
+    "input_wait_s",
+    "ok",
+    "errors",
+)
+
+
+# ---- the workload ----------------------------------------------------------------------------------
+
+
+def write_workload(
+    root: Path, samples: int, duplicate_share: float, min_tokens: int, max_tokens: int
+) -> None:
+    rng = np.random.default_rng(0)
+    unique = mixed_size_images(samples, seed=0)
+    images = [
+        unique[int(rng.integers(0, i))] if i and rng.random() < duplicate_share else unique[i]
+        for i in range(samples)
+    ]
+    encoded = []
+    for i, image in enumerate(images):
+        buffer = io.BytesIO()
+        image.save(buffer, format="JPEG" if i % 2 else "PNG", quality=90)
+        encoded.append(buffer.getvalue())
+    budgets = rng.integers(min_tokens, max_tokens + 1, size=samples).tolist()
+    half = samples // 2
+    for number, (part, slice_) in enumerate(zip(PARTS, (slice(0, half), slice(half, samples)), strict=True)):
+        folder = root / "data" / part
+        folder.mkdir(parents=True)
+        keys = [f"s{i}" for i in range(samples)][slice_]
+        table = pa.table({"key": keys, "image": encoded[slice_], "budget": budgets[slice_]})
+        pq.write_table(table, folder / f"part-{number}.parquet")
+
+
+def read_part(root: Path, part: str) -> list[dict]:
+    (path,) = (root / "data" / part).glob("*.parquet")
+    return pq.read_table(path).to_pylist()
+
+
+# ---- the three methods (run in a child process) ------------------------------------------------------
+
+
+def hf_model(model_dir: str, dtype: torch.dtype):
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    import batchvl.models.processor  # noqa: F401  registers the tiny model's image-only processor class
+
+    processor = AutoProcessor.from_pretrained(model_dir)
+    processor.tokenizer.padding_side = "left"
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=dtype).eval()
+    return processor, model
+
+
+def rendered_prompt(processor, text: str) -> str:
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
+    return processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+def requests_of(root: Path) -> list[tuple[bytes, str, int]]:
+    """(image bytes, prompt name, tokens to generate) per request, in dataset order."""
+    return [
+        (row["image"], name, row["budget"]) for part, names in PARTS.items() for row in read_part(root, part)
+        for name in names
+    ]  # fmt: skip
+
+
+def run_transformers(root: Path, model_dir: str, dtype: torch.dtype, batch: int) -> dict:
+    from PIL import Image
+
+    processor, model = hf_model(model_dir, dtype)
+    texts = {name: rendered_prompt(processor, text) for name, text in PROMPTS.items()}
+    requests = requests_of(root)
+    output_tokens = 0
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for first in range(0, len(requests), batch):
+            group = requests[first : first + batch]
+            images = [Image.open(io.BytesIO(data)).convert("RGB") for data, _, _ in group]
+            inputs = processor(
+                text=[texts[name] for _, name, _ in group], images=images, return_tensors="pt", padding=True
+            )
+            inputs["pixel_values"] = inputs["pixel_values"].to(dtype)
+            longest = max(tokens for _, _, tokens in group)
+            # EOS ignored: every sequence runs to the batch's longest budget; each keeps its own budget.
+            model.generate(**inputs, max_new_tokens=longest, min_new_tokens=longest, do_sample=False)
+            output_tokens += sum(tokens for _, _, tokens in group)
+    return {"wall_s": time.perf_counter() - start, "output_tokens": output_tokens}
+
+
+def run_batchvl(root: Path, model_dir: str, dtype_name: str) -> dict:
+    from batchvl.config import job_config_from_dict
+    from batchvl.job import run_job
+    from batchvl.models.loader import load_model
+
+    loaded = load_model(model_dir, dtype=dtype_name, device="cpu")
+    totals: dict = {}
+    wall = 0.0
+    for part, names in PARTS.items():
+        cfg = job_config_from_dict(
+            {
+                "model": {"path": model_dir, "dtype": dtype_name, "device": "cpu"},
+                "input": {"paths": [str(root / "data" / part / "*.parquet")], "key_column": "key"},
+                "prompts": [{"name": name, "text": PROMPTS[name]} for name in names],
+                "sampling": {"max_new_tokens_field": "budget", "ignore_eos": True},
+                "output": {"dir": str(root / "out" / dtype_name / part), "overwrite": True},
+            }
+        )
+        stats = run_job(cfg, loaded=loaded, show_progress=False).stats
+        wall += stats["wall_s"]
+        for key in SUMMED_STATS:
+            totals[key] = totals.get(key, 0) + stats[key]
+    return {"wall_s": wall, **totals}
+
+
+def matmul_peak(dtype: torch.dtype, size: int = 2048, repeats: int = 5) -> float:
+    """Best FLOP/s of a square matmul at this dtype and thread count."""
+    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+    torch.matmul(a, b)  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.matmul(a, b)
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best
+
+
+def child(args) -> None:
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
+    root = Path(args.root)
+    if args.method == "c":
+        result = run_batchvl(root, args.model, args.dtype)
+    else:
+        result = run_transformers(root, args.model, dtype, 1 if args.method == "a" else BATCH)
+    result["matmul_peak_flops"] = matmul_peak(dtype)
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    workers = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    result["peak_rss_mb"] = round(own, 1)
+    result["peak_rss_workers_mb"] = round(workers, 1)
+    print(json.dumps(result))
+
+
+# ---- counting the work ------------------------------------------------------------------------------
+
+
+def linear_params(module) -> int:
+    return sum(m.weight.numel() for m in module.modules() if isinstance(m, torch.nn.Linear | torch.nn.Conv3d))
+
+
+class FlopCounter:
+    """FLOPs of the Qwen2-VL parts from their layers: 2 per multiply-add of each weight, plus attention."""
+
+    def __init__(self, model_dir: str):
+        from transformers import AutoModelForImageTextToText
+
+        model = AutoModelForImageTextToText.from_pretrained(model_dir)
+        vision, text = model.config.vision_config, model.config.text_config
+        inner = model.model
+        self.vit_per_patch = 2 * (
+            linear_params(inner.visual.patch_embed) + linear_params(inner.visual.blocks)
+        )
+        self.merge = vision.spatial_merge_size**2
+        self.merger_per_token = 2 * linear_params(inner.visual.merger)
+        self.vit_attention = 4 * vision.embed_dim * vision.depth  # per patch per patch of its image
+        self.lm_per_token = 2 * linear_params(inner.language_model)
+        self.head_per_token = 2 * model.lm_head.weight.numel()
+        head_dim = text.hidden_size // text.num_attention_heads
+        self.lm_attention = (
+            4 * text.num_attention_heads * head_dim * text.num_hidden_layers
+        )  # per (query, key)
+
+    def image(self, patches: int) -> float:
+        return patches * (self.vit_per_patch + self.vit_attention * patches) + patches / self.merge * (
+            self.merger_per_token
+        )
+
+    def prefill(self, start: int, end: int) -> float:
+        """Prompt positions start..end-1 (keys: all positions up to each query)."""
+        tokens = end - start
+        keys = (end * (end + 1) - start * (start + 1)) / 2
+        return tokens * self.lm_per_token + keys * self.lm_attention
+
+    def decode(self, prompt: int, generated: int) -> float:
+        fed = max(generated - 1, 0)  # the last token is sampled, never fed back
+        keys = sum(prompt + k + 1 for k in range(fed))
+        return fed * self.lm_per_token + keys * self.lm_attention + generated * self.head_per_token
+
+
+def workload_flops(counter: FlopCounter, root: Path, dtype_name: str, model_dir: Path) -> dict:
+    """From batchvl's own rows (prompt lengths) and the images' patch counts."""
+    from PIL import Image
+
+    from batchvl.models.loader import load_model
+    from batchvl.preprocess.qwen_vision import QwenVisionSpec, prepare_image
+
+    loaded = load_model(str(model_dir), dtype="float32", device="cpu")
+    spec = QwenVisionSpec.from_image_processor(loaded.processor.image_processor)
+    totals = {"vit": 0.0, "prefill": 0.0, "decode": 0.0, "patches": 0, "prompt_tokens": 0, "requests": 0}
+    for part in PARTS:
+        patches = {}
+        for row in read_part(root, part):
+            image = prepare_image(Image.open(io.BytesIO(row["image"])).convert("RGB"), spec)
+            patches[row["key"]] = image.num_patches
+        (out,) = (root / "out" / dtype_name / part).glob("*.parquet")
+        for row in pq.read_table(out).to_pylist():
+            prompt, generated = row["num_prompt_tokens"], row["num_output_tokens"]
+            totals["vit"] += counter.image(patches[row["key"]])
+            totals["prefill"] += counter.prefill(0, prompt)
+            totals["decode"] += counter.decode(prompt, generated)
+            totals["patches"] += patches[row["key"]]
+            totals["prompt_tokens"] += prompt
+            totals["requests"] += 1
+    return totals
+
+
+# ---- the parent: build, run each method, report ----------------------------------------------------
+
+
+def run_child(script: str, method: str, dtype: str, root: Path, model_dir: Path) -> dict:
+    command = [sys.executable, script, "--child", "--method", method, "--dtype", dtype, "--root", str(root),
+               "--model", str(model_dir)]  # fmt: skip
+    result = subprocess.run(
+        command, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}
+    )
+    if result.returncode != 0:
+        raise RuntimeError(f"method {method} ({dtype}) failed:\n{result.stderr[-3000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--json", type=Path, help="Write the results here.")
+    parser.add_argument("--samples", type=int, default=200)
+    parser.add_argument("--duplicate-share", type=float, default=0.15)
+    parser.add_argument("--min-tokens", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--dtypes", default="bfloat16,float32")
+    parser.add_argument("--methods", default="a,b,c")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--method", help=argparse.SUPPRESS)
+    parser.add_argument("--dtype", help=argparse.SUPPRESS)
+    parser.add_argument("--root", help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(args)
+        return
+
+    from batchvl.models.tiny import build_tiny_model
+
+    work = Path(tempfile.mkdtemp(prefix="batchvl-throughput-"))
+    model_dir = build_tiny_model(work / "model", size="small", seed=0)
+    write_workload(work, args.samples, args.duplicate_share, args.min_tokens, args.max_tokens)
+    # Qwen2-VL's image processor: size.shortest_edge / longest_edge are its min / max pixels per image.
+    size = json.loads((model_dir / "processor_config.json").read_text())["image_processor"]["size"]
+    counter = FlopCounter(str(model_dir))
+    samples = args.samples
+    report = {
+        "samples": samples,
+        "requests": samples // 2 + 2 * (samples - samples // 2),
+        "duplicate_share": args.duplicate_share,
+        "output_tokens_per_request": [args.min_tokens, args.max_tokens],
+        "image_pixel_limits": {"min_pixels": size["shortest_edge"], "max_pixels": size["longest_edge"]},
+        "torch_threads": torch.get_num_threads(),
+        "runs": {},
+    }
+    methods = args.methods.split(",")
+    for dtype in args.dtypes.split(","):
+        runs = {}
+        for method in methods:
+            print(f"running {METHODS[method]} in {dtype} ...", file=sys.stderr, flush=True)
+            runs[method] = run_child(__file__, method, dtype, work, model_dir)
+        work_done = workload_flops(counter, work, dtype, model_dir) if "c" in runs else None
+        for method, run in runs.items():
+            wall = run["wall_s"]
+            row = {
+                "method": METHODS[method],
+                "wall_s": round(wall, 2),
+                "samples_per_s": round(samples / wall, 3),
+                "output_tokens_per_s": round(run["output_tokens"] / wall, 1),
+                "peak_rss_mb": run["peak_rss_mb"],
+                "matmul_peak_gflops": round(run["matmul_peak_flops"] / 1e9, 1),
+            }
+            if work_done:
+                total = work_done["vit"] + work_done["prefill"] + work_done["decode"]
+                row["prefill_tokens_per_s"] = round(work_done["prompt_tokens"] / wall, 1)
+                row["encode_patches_per_s"] = round(work_done["patches"] / wall, 1)
+                row["workload_flops_share_of_peak"] = round(total / wall / run["matmul_peak_flops"], 4)
+            if method == "c":
+                row["peak_rss_workers_mb"] = run["peak_rss_workers_mb"]
+                busy = run["encode_s"] + run["forward_s"]
+                row["engine_idle_share"] = round(1 - busy / wall, 4)
+                row["input_wait_share"] = round(run["input_wait_s"] / wall, 4)
+                if work_done:
+                    executed = (
+                        work_done["vit"] * run["patches_encoded"] / max(work_done["patches"], 1)
+                        + work_done["prefill"]
+                        * run["prefill_tokens_computed"]
+                        / max(work_done["prompt_tokens"], 1)
+                        + work_done["decode"]
+                    )
+                    row["executed_flops_share_of_peak"] = round(executed / wall / run["matmul_peak_flops"], 4)
+            runs[method] = row
+        if "c" in runs:
+            for base in ("a", "b"):
+                if base in runs:
+                    runs["c"][f"speedup_vs_{base}"] = round(runs[base]["wall_s"] / runs["c"]["wall_s"], 2)
+        report["runs"][dtype] = runs
+        print_table(dtype, runs)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2))
+
+
+def print_table(dtype: str, runs: dict) -> None:
+    columns = [
+        ("samples/s", "samples_per_s"),
+        ("out tok/s", "output_tokens_per_s"),
+        ("prefill tok/s", "prefill_tokens_per_s"),
+        ("patches/s", "encode_patches_per_s"),
+        ("peak RSS MB", "peak_rss_mb"),
+        ("FLOPs/peak", "workload_flops_share_of_peak"),
+        ("vs a", "speedup_vs_a"),
+        ("vs b", "speedup_vs_b"),
+    ]
+    print(f"\n{dtype}")
+    print(f"{'method':<38}" + "".join(f"{name:>14}" for name, _ in columns))
+    for row in runs.values():
+        print(f"{row['method']:<38}" + "".join(f"{row.get(key, ''):>14}" for _, key in columns))
+    if "c" in runs:
+        c = runs["c"]
+        print(
+            f"batchvl: engine idle {c['engine_idle_share']:.1%} of wall time (waiting for input "
+            f"{c['input_wait_share']:.1%}); "
+            f"executed FLOPs {c.get('executed_flops_share_of_peak', 0):.1%} of peak"
+        )
+
+
+if __name__ == "__main__":
+    main()
