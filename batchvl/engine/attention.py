@@ -48,10 +48,44 @@ class SequenceSlice:
 
 
 @dataclass
+class DecodeBatch:
+    """The step's single-query sequences (decodes), attended in one call over keys padded to the longest.
+
+    One attention call instead of one per sequence: on a decode-heavy step the per-call overhead of
+    dozens of small calls outweighed the padding. Built once per step, used by every layer.
+    """
+
+    rows: torch.Tensor  # (B,) packed row of each query
+    key_slots: torch.Tensor  # (B, L) cache slots of each sequence's keys, padded with slot 0
+    mask: torch.Tensor  # (B, 1, 1, L) bool, True = a real key
+
+    @classmethod
+    def build(cls, sequences: list[SequenceSlice], device) -> DecodeBatch:
+        longest = max(len(seq.key_slots) for seq in sequences)
+        key_slots = torch.zeros((len(sequences), longest), dtype=torch.long)
+        lengths = torch.tensor([len(seq.key_slots) for seq in sequences])
+        for i, seq in enumerate(sequences):
+            key_slots[i, : len(seq.key_slots)] = seq.key_slots
+        mask = torch.arange(longest)[None, :] < lengths[:, None]
+        rows = torch.tensor([seq.query_start for seq in sequences])
+        return cls(rows.to(device), key_slots.to(device), mask[:, None, None, :].to(device))
+
+
+@dataclass
 class PagedAttentionMetadata:
     kv_cache: KVCache
     slot_mapping: torch.Tensor  # (T,) cache slot of each packed token
-    sequences: list[SequenceSlice]
+    sequences: list[SequenceSlice]  # attended one by one (prefill chunks)
+    decode: DecodeBatch | None = None  # the single-query sequences, attended together
+
+
+def split_decodes(sequences: list[SequenceSlice], device) -> tuple[list[SequenceSlice], DecodeBatch | None]:
+    """Sequences with one query and no mask (they attend to all their keys) go into one DecodeBatch."""
+    single = [seq for seq in sequences if seq.num_queries == 1 and seq.mask is None]
+    if len(single) < 2:
+        return sequences, None
+    others = [seq for seq in sequences if not (seq.num_queries == 1 and seq.mask is None)]
+    return others, DecodeBatch.build(single, device)
 
 
 def chunk_mask(start: int, num_queries: int, device) -> torch.Tensor | None:
@@ -86,6 +120,13 @@ def paged_attention(
 
     num_tokens = query.shape[2]
     out = query.new_empty((num_tokens, query.shape[1], query.shape[3]))
+    decode = meta.decode
+    if decode is not None:
+        q = query[0, :, decode.rows].transpose(0, 1)[:, :, None]  # (B, H, 1, D)
+        k = k_cache[decode.key_slots].transpose(1, 2)  # (B, L, Hkv, D) -> (B, Hkv, L, D)
+        v = v_cache[decode.key_slots].transpose(1, 2)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=decode.mask, scale=scaling, enable_gqa=True)
+        out[decode.rows] = o[:, :, 0]
     for seq in meta.sequences:
         rows = slice(seq.query_start, seq.query_start + seq.num_queries)
         q = query[:, :, rows]

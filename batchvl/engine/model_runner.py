@@ -13,7 +13,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from batchvl.engine.attention import KVCache, PagedAttentionMetadata, SequenceSlice, chunk_mask
+from batchvl.engine.attention import (
+    KVCache,
+    PagedAttentionMetadata,
+    SequenceSlice,
+    chunk_mask,
+    split_decodes,
+)
 from batchvl.engine.kv_cache import BlockManager
 from batchvl.engine.request import ScheduledChunk
 from batchvl.engine.vit_dp import DataParallelEncoder
@@ -155,7 +161,8 @@ class ModelRunner:
             seq.key_slots = seq.key_slots.to(device)
             if seq.mask is not None:
                 seq.mask = seq.mask.to(device)
-        meta = PagedAttentionMetadata(self.kv_cache, torch.cat(slot_mapping).to(device), sequences)
+        one_by_one, decode = split_decodes(sequences, device)
+        meta = PagedAttentionMetadata(self.kv_cache, torch.cat(slot_mapping).to(device), one_by_one, decode)
         started = time.perf_counter()
         hidden = self.adapter.forward(
             torch.tensor(token_ids, dtype=torch.long),
