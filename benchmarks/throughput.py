@@ -169,7 +169,7 @@ def run_batchvl(root: Path, model_dir: str, dtype_name: str) -> dict:
     return {"wall_s": wall, **totals}
 
 
-def matmul_peak(dtype: torch.dtype, size: int = 2048, repeats: int = 5) -> float:
+def matmul_peak(dtype: torch.dtype, size: int = 2048, repeats: int = 10) -> float:
     """Best FLOP/s of a square matmul at this dtype and thread count."""
     a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
     torch.matmul(a, b)  # warm-up
