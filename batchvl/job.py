@@ -124,11 +124,11 @@ def max_new_tokens_of(cfg: JobConfig, fields: dict) -> int:
 
 
 def sampling_params(
-    cfg: JobConfig, shard: str, key: str, prompt_name: str, max_new_tokens: int | None = None
+    cfg: JobConfig, shard: str, key: str, prompt_name: str, max_new_tokens: int
 ) -> SamplingParams:
     s = cfg.sampling
     return SamplingParams(
-        max_new_tokens=s.max_new_tokens if max_new_tokens is None else max_new_tokens,
+        max_new_tokens=max_new_tokens,
         temperature=s.temperature,
         top_p=s.top_p,
         top_k=s.top_k,

@@ -70,10 +70,6 @@ def read_marker(out_dir: str, shard: str) -> ShardMarker | None:
         return None  # a marker from a killed write or another version: the shard is redone
 
 
-def is_committed(out_dir: str, shard: str) -> bool:
-    return read_marker(out_dir, shard) is not None
-
-
 def commit_shard(
     out_dir: str, shard: str, rows: list[ResultRow], metadata: dict[str, str], marker: ShardMarker
 ) -> str:
