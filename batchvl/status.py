@@ -15,7 +15,7 @@ from batchvl.config import JobConfig, config_fingerprint
 from batchvl.io.commit import read_marker
 from batchvl.io.sources import make_source
 from batchvl.slurm import array_expression, read_array_job
-from batchvl.tasks import TaskSlice, shards_of_task
+from batchvl.tasks import TaskSlice, parse_task_slice, shards_of_task
 
 
 @dataclass
@@ -100,8 +100,8 @@ def _latest_stats_per_task(out_dir: str) -> dict[tuple[int, int], tuple[str, dic
             continue
         if not run.get("samples") or run.get("mode", "run") != "run":
             continue  # a rerun that found everything done, or a retry of a few rows, says nothing about speed
-        index, count = map(int, (run.get("task") or "0/1").split("/"))
-        latest[(count, index)] = (path.name, run)
+        task = parse_task_slice(run.get("task") or "0/1")
+        latest[(task.count, task.index)] = (path.name, run)
     return latest
 
 

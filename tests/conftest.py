@@ -54,6 +54,21 @@ def png_bytes(image: Image.Image) -> bytes:
     return buffer.getvalue()
 
 
+def output_rows(out_dir, num_shards: int) -> list[dict]:
+    """Every row of output shards part-0 .. part-{num_shards-1}, in order, without the timing column."""
+    import pyarrow.parquet as pq
+
+    from batchvl.io.writers import output_path
+
+    return [
+        row
+        for number in range(num_shards)
+        for row in pq.read_table(output_path(str(out_dir), f"part-{number}.parquet"))
+        .drop(["latency_s"])
+        .to_pylist()
+    ]
+
+
 def random_image(height: int, width: int, seed: int) -> Image.Image:
     rng = np.random.default_rng(seed)
     return Image.fromarray(rng.integers(0, 256, size=(height, width, 3), dtype=np.uint8))

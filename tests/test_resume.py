@@ -18,7 +18,7 @@ from batchvl.io.commit import marker_path, read_marker
 from batchvl.io.writers import output_path
 from batchvl.job import run_job
 from batchvl.tasks import TaskSlice
-from tests.conftest import png_bytes, random_image, two_prompt_job_yaml
+from tests.conftest import output_rows, png_bytes, random_image, two_prompt_job_yaml
 
 SHARD_SIZES = [3, 4, 2, 5, 3, 4]
 BAD = ("part-2.parquet", 1)  # an undecodable image: error rows, not a crash
@@ -48,12 +48,7 @@ def config(job_dir, out: str, *overrides: str):
 
 
 def rows_of(out_dir) -> list[dict]:
-    """Every row of every shard, without the timing column, in a stable order."""
-    rows = []
-    for number in range(len(SHARD_SIZES)):
-        table = pq.read_table(output_path(str(out_dir), f"part-{number}.parquet")).drop(["latency_s"])
-        rows.extend({"shard": number, **row} for row in table.to_pylist())
-    return rows
+    return output_rows(out_dir, len(SHARD_SIZES))
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from batchvl.io.commit import read_marker
 from batchvl.io.writers import output_path
 from batchvl.job import run_job
 from batchvl.retry import retry_failed
-from tests.conftest import png_bytes, random_image, two_prompt_job_yaml
+from tests.conftest import output_rows, png_bytes, random_image, two_prompt_job_yaml
 
 # per shard: image sizes; (120, 120) is over the job's max_image_pixels of 5000, None is not an image
 SHARDS = [[(40, 50), (120, 120), (45, 60)], [(40, 40), (50, 40)], [None, (120, 120), (50, 50), (110, 100)]]
@@ -39,13 +39,7 @@ def job_dir(tmp_path_factory, tiny_model_dir):
 
 
 def rows_of(out_dir) -> list[dict]:
-    return [
-        row
-        for number in range(len(SHARDS))
-        for row in pq.read_table(output_path(str(out_dir), f"part-{number}.parquet"))
-        .drop(["latency_s"])
-        .to_pylist()
-    ]
+    return output_rows(out_dir, len(SHARDS))
 
 
 def test_retry_reruns_only_error_rows_and_merges_them_in_order(job_dir, loaded_fp32):

@@ -15,9 +15,8 @@ import pytest
 
 from batchvl.config import load_job_config
 from batchvl.io.commit import read_marker
-from batchvl.io.writers import output_path
 from batchvl.job import run_job
-from tests.conftest import png_bytes, random_image, two_prompt_job_yaml
+from tests.conftest import output_rows, png_bytes, random_image, two_prompt_job_yaml
 from tests.slurm_cluster import missing_reason, start_cluster
 
 NUM_SHARDS, SHARD_SIZE = 5, 6
@@ -51,11 +50,7 @@ def job_dir(tmp_path_factory, tiny_model_dir):
 
 
 def rows_of(out_dir) -> list[dict]:
-    rows = []
-    for number in range(NUM_SHARDS):
-        table = pq.read_table(output_path(str(out_dir), f"part-{number}.parquet")).drop(["latency_s"])
-        rows.extend(table.to_pylist())
-    return rows
+    return output_rows(out_dir, NUM_SHARDS)
 
 
 @pytest.fixture(scope="module")
