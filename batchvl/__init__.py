@@ -1,3 +1,27 @@
-"""batchvl: batch, offline captioning and visual question answering with vision-language models."""
+"""batchvl: batch, offline captioning and visual question answering with vision-language models.
+
+The Python API (`batchvl.caption`, `batchvl.run`, `batchvl.load_model`, `batchvl.read_results`) is
+imported on first use, so `import batchvl` stays light.
+"""
+
+import os
+
+# torch's oneDNN CPU kernels keep one compiled primitive per distinct matmul shape, 1024 by default; the
+# engine's packed steps have many shapes, so that cache alone grew resident memory by hundreds of MB over
+# a job. 64 keeps the recurring shapes (same speed in the input-pipeline benchmark) and bounds memory.
+# Read when torch first uses oneDNN, so it is set on `import batchvl`, before the API or a command runs
+# anything in torch; a user's value wins.
+os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
 
 __version__ = "0.1.0"
+
+_API = ("Results", "caption", "load_model", "read_results", "run")
+__all__ = ["__version__", *_API]
+
+
+def __getattr__(name: str):
+    if name in _API:
+        from batchvl import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'batchvl' has no attribute {name!r}")

@@ -17,12 +17,6 @@ import typer
 
 from batchvl.errors import JobEnded, UserError
 
-# torch's oneDNN CPU kernels keep one compiled primitive per distinct matmul shape, 1024 by default; the
-# engine's packed steps have many shapes, so that cache alone grew resident memory by hundreds of MB over
-# a job. 64 keeps the recurring shapes (same speed in the input-pipeline benchmark) and bounds memory.
-# Read when torch first uses oneDNN, so it is set before any command imports torch; a user's value wins.
-os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
-
 app = typer.Typer(
     add_completion=False,
     pretty_exceptions_show_locals=False,
@@ -249,6 +243,31 @@ def status(
         )
     else:
         typer.echo(format_status(report, str(job_file)))
+
+
+@app.command()
+def report(
+    job_file: JobFile,
+    set_: SetOption = None,
+    samples: Annotated[int, typer.Option(help="Inputs shown in the gallery (a seeded random choice).")] = 24,
+    seed: Annotated[int, typer.Option(help="Seed of the gallery's choice.")] = 0,
+    out: Annotated[
+        Path | None, typer.Option(help="Where to write the page (default: output.dir/report.html).")
+    ] = None,
+) -> None:
+    """Write a self-contained HTML page: run stats, token-length plots, a gallery and every error row."""
+    _setup_logging("warning")
+    from batchvl.config import load_job_config
+    from batchvl.report.page import write_report
+
+    if samples < 0:
+        raise typer.BadParameter(f"--samples must be 0 or more, got {samples}")
+    cfg = load_job_config(job_file, set_ or [])
+    path, written = write_report(cfg, str(out) if out else None, samples, seed)
+    typer.echo(
+        f"report: {path} ({written.rows} rows, {written.errors} errors, "
+        f"{written.gallery_samples} in the gallery)"
+    )
 
 
 @app.command("make-tiny-model")

@@ -122,4 +122,8 @@ def write_table_atomic(path: str, table: pa.Table) -> None:
 
 
 def write_json_atomic(path: str, obj: Any) -> None:
-    _atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(obj, indent=2, sort_keys=True)))
+    write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=True))
+
+
+def write_text_atomic(path: str, text: str) -> None:
+    _atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))

@@ -1,0 +1,239 @@
+"""The Python API: run jobs from notebooks and scripts, and get the rows back as a `datasets.Dataset`.
+
+    import batchvl
+
+    model = batchvl.load_model("models/qwen2-vl")  # optional: load once, reuse across calls
+    results = batchvl.caption(ds, model=model, prompts="Describe this image.", output_dir="captions")
+    results.dataset          # datasets.Dataset: one row per (sample, prompt), in input order
+    results.errors           # only the error rows
+    results.to_pandas()
+    results.gallery(8)       # images beside their outputs, displayed by notebooks
+
+This is the CLI's code path: the same job runner, engine, error rows and resume (calling again with the
+same `output_dir` skips what is committed). `caption` stores an in-memory dataset in the output folder
+as a saved `datasets` dataset and runs an `hf_dataset` job over it.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+import shutil
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from batchvl.config import JobConfig, job_config_from_dict, load_job_config
+from batchvl.errors import UserError
+from batchvl.io.results import results_table
+from batchvl.models.loader import LoadedModel
+from batchvl.models.loader import load_model as _load_model
+
+if TYPE_CHECKING:
+    import datasets
+    import pandas
+
+CAPTION_KEY_COLUMN = "__batchvl_row__"  # caption(): the key is the row's index in the caller's dataset
+STAGED_INPUT_DIR = os.path.join("_batchvl", "input")
+
+
+@dataclass
+class Results:
+    """A job's committed rows and the stats of the run that produced them."""
+
+    dataset: datasets.Dataset  # shard, key, sample_index, prompt, text, status, ... in input order
+    stats: dict  # this run's stats (as in output.dir/_batchvl/stats/run-*.json)
+    output_dir: str
+    config: JobConfig
+
+    @property
+    def ok(self) -> datasets.Dataset:
+        return self.dataset.filter(lambda status: status == "ok", input_columns="status")
+
+    @property
+    def errors(self) -> datasets.Dataset:
+        return self.dataset.filter(lambda status: status != "ok", input_columns="status")
+
+    def to_pandas(self) -> pandas.DataFrame:
+        return self.dataset.to_pandas()
+
+    def gallery(self, n: int = 8, seed: int = 0):
+        """`n` sampled inputs beside their outputs, as HTML a notebook displays (`IPython.display.HTML`)."""
+        from IPython.display import HTML
+
+        from batchvl.report.gallery import gallery_html, gallery_items
+
+        table = self.dataset.data.table
+        return HTML(gallery_html(gallery_items(self.config, table, n, seed)))
+
+    def report(self, path: str | None = None, samples: int = 24, seed: int = 0) -> str:
+        """Write the HTML report (as `batchvl report` does; default: output_dir/report.html); its path."""
+        from batchvl.report.page import write_report
+
+        return write_report(self.config, path, samples, seed)[0]
+
+    def __repr__(self) -> str:
+        rows = self.dataset.num_rows
+        errors = sum(status != "ok" for status in self.dataset["status"])
+        return f"Results({rows} rows: {rows - errors} ok, {errors} error; output_dir={self.output_dir!r})"
+
+
+def load_model(path: str | Path, dtype: str = "auto", device: str = "auto") -> LoadedModel:
+    """Load a checkpoint once, to pass as `model=` to several `run` / `caption` calls."""
+    return _load_model(str(Path(path).resolve()), dtype, device)
+
+
+def run(
+    job: JobConfig | Mapping[str, Any] | str | Path,
+    *,
+    overrides: Sequence[str] = (),
+    model: LoadedModel | None = None,
+    progress: bool = True,
+) -> Results:
+    """Run a job (a `JobConfig`, a dict shaped like the job file, or a job file's path) and read its rows.
+
+    Relative paths in a dict resolve against the current folder. `overrides` are `--set` strings."""
+    cfg = _job_config(job, overrides)
+    if model is not None and os.path.realpath(model.path) != os.path.realpath(cfg.model.path):
+        raise UserError(
+            f"model= was loaded from '{model.path}' but the job's model.path is '{cfg.model.path}'; "
+            "pass the same checkpoint, or leave model= out"
+        )
+    from batchvl.job import run_job
+
+    summary = run_job(cfg, loaded=model, show_progress=progress)
+    return Results(read_results(cfg), summary.stats, cfg.output.dir, cfg)
+
+
+def caption(
+    dataset: datasets.Dataset,
+    *,
+    model: LoadedModel | str | Path,
+    prompts: str | Mapping[str, str] | Sequence[str | Mapping[str, str]] = "Describe this image.",
+    output_dir: str | Path,
+    image_column: str = "image",
+    rows_per_shard: int = 1000,
+    sampling: Mapping[str, Any] | None = None,
+    engine: Mapping[str, Any] | None = None,
+    preprocess: Mapping[str, Any] | None = None,
+    dtype: str = "auto",
+    overwrite: bool = False,
+    progress: bool = True,
+) -> Results:
+    """Caption (or ask `prompts` about) every row of an in-memory `datasets.Dataset`.
+
+    `image_column` holds images (an `Image` feature, bytes or paths, or a list of these). Each row's
+    key is its index in `dataset`. Calling again with the same `output_dir` resumes; a different
+    dataset there is refused unless `overwrite=True`."""
+    import datasets
+
+    if isinstance(dataset, datasets.DatasetDict):
+        raise UserError(
+            f"caption() takes one split, e.g. dataset['{next(iter(dataset))}'], not a DatasetDict"
+        )
+    if image_column not in dataset.column_names:
+        raise UserError(
+            f"image_column '{image_column}' is not a column of the dataset (columns: "
+            f"{', '.join(dataset.column_names)}); pass image_column="
+        )
+    if rows_per_shard <= 0:
+        raise UserError(f"rows_per_shard must be positive, got {rows_per_shard}")
+    out = Path(output_dir).resolve()
+    input_folder = stage_dataset(dataset, out, rows_per_shard, overwrite)
+    loaded = model if isinstance(model, LoadedModel) else None
+    job = {
+        "model": {
+            "path": loaded.path if loaded else str(Path(model).resolve()),
+            "dtype": str(loaded.adapter.dtype).removeprefix("torch.") if loaded else dtype,
+            "device": loaded.adapter.device.type if loaded else "auto",
+        },
+        "input": {
+            "format": "hf_dataset",
+            "paths": [glob.escape(str(input_folder))],
+            "image_column": image_column,
+            "key_column": CAPTION_KEY_COLUMN,
+        },
+        "prompts": _prompt_list(prompts),
+        "sampling": dict(sampling or {}),
+        "engine": dict(engine or {}),
+        "preprocess": dict(preprocess or {}),
+        "output": {"dir": str(out), "overwrite": overwrite},
+    }
+    return run(job, model=loaded, progress=progress)
+
+
+def read_results(job: JobConfig | Mapping[str, Any] | str | Path) -> datasets.Dataset:
+    """The committed rows of a job (run by the CLI, `run` or `caption`) as one `datasets.Dataset`."""
+    import datasets
+    from datasets.table import InMemoryTable
+
+    cfg = _job_config(job, ())
+    return datasets.Dataset(InMemoryTable(results_table(cfg)))
+
+
+def stage_dataset(dataset: datasets.Dataset, out: Path, rows_per_shard: int, overwrite: bool) -> Path:
+    """Save `dataset` (with its row index as the key) under `out`, once; refuse a different one there.
+
+    The folder is named by the dataset's fingerprint, which `datasets` derives from its content and
+    the transforms that made it, so rerunning a notebook finds the same folder and resumes."""
+    staged = dataset.add_column(CAPTION_KEY_COLUMN, list(range(dataset.num_rows)))
+    fingerprint = staged._fingerprint  # no public accessor; stable across datasets releases
+    root = out / STAGED_INPUT_DIR
+    record_path = root / "dataset.json"
+    folder = root / fingerprint
+    if record_path.is_file():
+        previous = json.loads(record_path.read_text())["fingerprint"]
+        if previous != fingerprint:
+            if not overwrite:
+                raise UserError(
+                    f"{out} holds results of another dataset (fingerprint {previous}, this one is "
+                    f"{fingerprint}); pass another output_dir, or overwrite=True to replace them"
+                )
+            shutil.rmtree(root / previous, ignore_errors=True)
+    if not (folder / "state.json").is_file():
+        _save_atomically(staged, folder, max(1, math.ceil(staged.num_rows / rows_per_shard)))
+    root.mkdir(parents=True, exist_ok=True)
+    record_path.write_text(json.dumps({"fingerprint": fingerprint, "num_rows": staged.num_rows}))
+    return folder
+
+
+def _save_atomically(dataset: datasets.Dataset, folder: Path, num_shards: int) -> None:
+    from datasets.utils import disable_progress_bars, enable_progress_bars, is_progress_bar_enabled
+
+    temporary = folder.with_name(folder.name + f".tmp-{os.getpid()}")
+    shutil.rmtree(temporary, ignore_errors=True)
+    was_enabled = is_progress_bar_enabled()
+    disable_progress_bars()  # saving is quick; one bar (the job's) is what a notebook should show
+    try:
+        dataset.save_to_disk(str(temporary), num_shards=num_shards)
+    finally:
+        if was_enabled:
+            enable_progress_bars()
+    shutil.rmtree(folder, ignore_errors=True)
+    os.replace(temporary, folder)
+
+
+def _prompt_list(prompts) -> list[dict[str, str]]:
+    if isinstance(prompts, str):
+        return [{"name": "caption", "text": prompts}]
+    if isinstance(prompts, Mapping):
+        return [{"name": str(name), "text": str(text)} for name, text in prompts.items()]
+    listed = []
+    for number, prompt in enumerate(prompts):
+        listed.append(
+            dict(prompt) if isinstance(prompt, Mapping) else {"name": f"prompt_{number}", "text": prompt}
+        )
+    return listed
+
+
+def _job_config(job, overrides: Sequence[str]) -> JobConfig:
+    if isinstance(job, JobConfig):
+        if overrides:
+            raise UserError("overrides apply to a dict or a job file; change the JobConfig itself instead")
+        return job
+    if isinstance(job, Mapping):
+        return job_config_from_dict(job, Path.cwd(), overrides)
+    return load_job_config(job, overrides)

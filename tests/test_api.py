@@ -1,0 +1,163 @@
+"""The Python API: the CLI's rows from an in-memory dataset or a config dict, resume, and its mistakes."""
+
+import io
+import os
+import subprocess
+import sys
+
+import datasets
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import batchvl
+from batchvl.errors import UserError
+from tests.conftest import png_bytes, random_image
+
+COMPARED = [
+    "key",
+    "prompt",
+    "text",
+    "status",
+    "error_type",
+    "error_message",
+    "num_prompt_tokens",
+    "num_output_tokens",
+    "finish_reason",
+    "num_images",
+    "question",
+]
+PROMPTS = {"caption": "Describe this image.", "vqa": "{question}"}
+
+
+def jpeg_bytes(image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="JPEG", quality=90)
+    return buffer.getvalue()
+
+
+@pytest.fixture(scope="module")
+def images():
+    """Image bytes: varied sizes, a repeat, a JPEG and one that is not an image."""
+    made = [png_bytes(random_image(40 + 30 * i, 90 - 10 * i, seed=i)) for i in range(4)]
+    return [made[0], made[1], b"not an image at all", made[2], made[0], jpeg_bytes(random_image(70, 50, 9))]
+
+
+@pytest.fixture(scope="module")
+def questions(images):
+    return [f"What is in picture {i}?" for i in range(len(images))]
+
+
+@pytest.fixture(scope="module")
+def in_memory(images, questions):
+    return datasets.Dataset.from_dict(
+        {"image": [{"bytes": b, "path": None} for b in images], "question": questions},
+        features=datasets.Features({"image": datasets.Image(), "question": datasets.Value("string")}),
+    )
+
+
+def cli_rows(tmp_path, model_dir, images, questions) -> list[dict]:
+    """The same samples as a Parquet shard through `python -m batchvl run` (keys = row indices)."""
+    (tmp_path / "data").mkdir(parents=True)
+    pq.write_table(
+        pa.table({"key": [str(i) for i in range(len(images))], "image": images, "question": questions}),
+        tmp_path / "data" / "part-0.parquet",
+    )
+    (tmp_path / "job.yaml").write_text(
+        f"model: {{path: {model_dir}, dtype: float32, device: cpu}}\n"
+        'input: {paths: ["data/*.parquet"], key_column: key}\n'
+        "prompts: [{name: caption, text: Describe this image.}, {name: vqa, text: '{question}'}]\n"
+        "sampling: {max_new_tokens: 7}\n"
+        "engine: {max_num_batched_tokens: 64}\n"
+        "output: {dir: out}\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "batchvl", "run", "job.yaml", "--no-progress"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert done.returncode == 0, done.stderr
+    return pq.read_table(tmp_path / "out" / "part-0.parquet").select(COMPARED).to_pylist()
+
+
+def test_caption_gives_the_cli_rows(tmp_path, tiny_model_dir, loaded_fp32, in_memory, images, questions):
+    results = batchvl.caption(
+        in_memory,
+        model=loaded_fp32,
+        prompts=PROMPTS,
+        output_dir=tmp_path / "captions",
+        sampling={"max_new_tokens": 7},
+        engine={"max_num_batched_tokens": 64},
+        rows_per_shard=4,  # two shards: keys are still the rows of the caller's dataset
+        progress=False,
+    )
+    assert isinstance(results.dataset, datasets.Dataset)
+    assert results.dataset.num_rows == 2 * len(images)
+    assert results.dataset.select_columns(COMPARED).to_list() == cli_rows(
+        tmp_path / "cli", tiny_model_dir, images, questions
+    )
+    errors = results.errors
+    assert errors["key"] == ["2", "2"] and set(errors["error_type"]) == {"image_decode_error"}
+    assert results.ok.num_rows == 2 * len(images) - 2
+    frame = results.to_pandas()
+    assert list(frame["key"]) == [str(i) for i in range(len(images)) for _ in PROMPTS]
+    assert sorted(set(frame["shard"])) == ["data-00000-of-00002.arrow", "data-00001-of-00002.arrow"]
+    assert results.stats["images_encoded"] == 4  # the repeated image is encoded once
+
+
+def test_caption_resumes_and_refuses_another_dataset(tmp_path, loaded_fp32, in_memory):
+    options = dict(model=loaded_fp32, prompts="Describe this image.", sampling={"max_new_tokens": 4})
+    out = tmp_path / "captions"
+    first = batchvl.caption(in_memory, output_dir=out, progress=False, **options)
+    again = batchvl.caption(in_memory, output_dir=out, progress=False, **options)
+    assert again.stats["shards_skipped"] == 1 and again.stats["samples"] == 0
+    assert again.dataset.to_list() == first.dataset.to_list()
+
+    subset = in_memory.select([0, 1, 3])
+    with pytest.raises(UserError, match="another dataset"):
+        batchvl.caption(subset, output_dir=out, progress=False, **options)
+    replaced = batchvl.caption(subset, output_dir=out, overwrite=True, progress=False, **options)
+    assert replaced.dataset["key"] == ["0", "1", "2"]
+    assert replaced.dataset["text"] == [first.dataset["text"][i] for i in (0, 1, 3)]
+    assert len(os.listdir(out / "_batchvl" / "input")) == 2  # dataset.json and the one staged dataset
+
+
+def test_run_from_a_dict_and_read_results(
+    tmp_path, tiny_model_dir, loaded_fp32, images, questions, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    for number, part in enumerate((slice(0, 4), slice(4, 6))):
+        pq.write_table(
+            pa.table({"image": images[part], "question": questions[part], "shard": ["ab"[number]] * len(images[part])}),
+            tmp_path / "data" / f"part-{number}.parquet",
+        )
+    job = {
+        "model": {"path": str(tiny_model_dir), "dtype": "float32", "device": "cpu"},
+        "input": {"paths": ["data/*.parquet"]},
+        "prompts": [{"name": "vqa", "text": "{question}"}],
+        "sampling": {"max_new_tokens": 5},
+        "output": {"dir": "out"},
+    }
+    results = batchvl.run(job, model=loaded_fp32, progress=False)
+    rows = results.dataset.to_list()
+    assert [(r["shard"], r["sample_index"]) for r in rows] == [("part-0.parquet", i) for i in range(4)] + [
+        ("part-1.parquet", i) for i in range(2)
+    ]
+    assert [r["input_shard"] for r in rows] == ["a"] * 4 + ["b"] * 2  # an input column named shard
+    assert results.output_dir == str(tmp_path / "out")
+    assert batchvl.read_results(job).to_list() == rows
+    files = [pq.read_table(tmp_path / "out" / f"part-{n}.parquet") for n in range(2)]
+    assert [r["text"] for r in rows] == [t for table in files for t in table["text"].to_pylist()]
+
+
+def test_api_mistakes_are_user_errors(tmp_path, loaded_fp32, in_memory):
+    with pytest.raises(UserError, match="image_column 'picture' is not a column .*image, question"):
+        batchvl.caption(in_memory, model=loaded_fp32, output_dir=tmp_path, image_column="picture")
+    with pytest.raises(UserError, match=r"one split, e.g. dataset\['train'\]"):
+        batchvl.caption(datasets.DatasetDict({"train": in_memory}), model=loaded_fp32, output_dir=tmp_path)
+    other = {"model": {"path": str(tmp_path)}, "input": {"paths": ["x"]}, "output": {"dir": "o"}}
+    with pytest.raises(UserError, match="model= was loaded from"):
+        batchvl.run(other, model=loaded_fp32)
