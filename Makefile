@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # On a GPU machine, set TORCH_SPEC to the CUDA build you want (e.g. TORCH_SPEC=torch==2.13.0).
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install demo test lint format clean slurm
+.PHONY: install demo test lint format clean slurm browser
 
 install: $(VENV)/.installed
 
@@ -24,6 +24,10 @@ demo: install
 # A local Slurm (Debian packages, root) for the tests that run array jobs on a real cluster.
 slurm:
 	bash scripts/install-slurm.sh
+
+# Debian's Chromium and chromium-driver (root) for the test that opens `batchvl report`'s page.
+browser:
+	bash scripts/install-browser.sh
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -51,11 +51,15 @@ class Results:
 
     @property
     def ok(self) -> datasets.Dataset:
-        return self.dataset.filter(lambda status: status == "ok", input_columns="status")
+        return self._rows_where(lambda status: status == "ok")
 
     @property
     def errors(self) -> datasets.Dataset:
-        return self.dataset.filter(lambda status: status != "ok", input_columns="status")
+        return self._rows_where(lambda status: status != "ok")
+
+    def _rows_where(self, keep) -> datasets.Dataset:
+        # `select` on a status scan instead of `Dataset.filter`: no progress bar, nothing written to disk.
+        return self.dataset.select([i for i, status in enumerate(self.dataset["status"]) if keep(status)])
 
     def to_pandas(self) -> pandas.DataFrame:
         return self.dataset.to_pandas()
@@ -83,7 +87,15 @@ class Results:
 
 def load_model(path: str | Path, dtype: str = "auto", device: str = "auto") -> LoadedModel:
     """Load a checkpoint once, to pass as `model=` to several `run` / `caption` calls."""
-    return _load_model(str(Path(path).resolve()), dtype, device)
+    from transformers.utils import logging as hf_logging
+
+    bar_was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # the job's bar is the one worth a line in a notebook
+    try:
+        return _load_model(str(Path(path).resolve()), dtype, device)
+    finally:
+        if bar_was_enabled:
+            hf_logging.enable_progress_bar()
 
 
 def run(

@@ -130,8 +130,9 @@ def test_run_from_a_dict_and_read_results(
     monkeypatch.chdir(tmp_path)
     (tmp_path / "data").mkdir()
     for number, part in enumerate((slice(0, 4), slice(4, 6))):
+        shard_column = ["ab"[number]] * len(images[part])  # an input column that clashes with `shard`
         pq.write_table(
-            pa.table({"image": images[part], "question": questions[part], "shard": ["ab"[number]] * len(images[part])}),
+            pa.table({"image": images[part], "question": questions[part], "shard": shard_column}),
             tmp_path / "data" / f"part-{number}.parquet",
         )
     job = {

@@ -137,7 +137,7 @@ GALLERY_CSS = """
 .bvl-card{border:1px solid #ccd;border-radius:6px;padding:8px;background:#fff}
 .bvl-card img{max-width:224px;max-height:224px;display:block;margin:0 auto 6px auto}
 .bvl-key{font:12px monospace;color:#556}
-.bvl-out{margin:4px 0;font-size:14px}
+.bvl-out{margin:4px 0;font-size:14px;overflow-wrap:anywhere}
 .bvl-prompt{font-weight:600}
 .bvl-error{color:#a00}
 .bvl-note{color:#a60;font-size:12px}

@@ -101,7 +101,7 @@ def _summary_section(table: pa.Table, runs: list[dict], shards_total: int) -> st
                 sum(r.get("encoder_cache_hits", 0) for r in job_runs),
                 sum(r.get("images_total", 0) for r in job_runs),
             ),
-            "of images, not encoded again",
+            "of image uses, served without encoding",
         ),
         _stat(
             "prefix cache hits",
