@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING, Any
 
 from batchvl.config import JobConfig, job_config_from_dict, load_job_config
 from batchvl.errors import UserError
-from batchvl.io.results import results_table
+from batchvl.io.results import committed_outputs, results_table
+from batchvl.io.sources import make_source
 from batchvl.models.loader import LoadedModel
 from batchvl.models.loader import load_model as _load_model
 
@@ -183,7 +184,8 @@ def read_results(job: JobConfig | Mapping[str, Any] | str | Path) -> datasets.Da
     from datasets.table import InMemoryTable
 
     cfg = _job_config(job, ())
-    return datasets.Dataset(InMemoryTable(results_table(cfg)))
+    outputs = committed_outputs(cfg.output.dir, make_source(cfg.input).list_shards())
+    return datasets.Dataset(InMemoryTable(results_table(outputs)))
 
 
 def stage_dataset(dataset: datasets.Dataset, out: Path, rows_per_shard: int, overwrite: bool) -> Path:

@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchvl.config import JobConfig
 from batchvl.io.commit import read_marker
-from batchvl.io.sources import make_source
 from batchvl.io.types import ShardInfo
 from batchvl.io.writers import RESULT_SCHEMA, output_path
 
@@ -22,30 +19,23 @@ class ShardOutput:
     path: str  # the committed Parquet file
 
 
-def committed_outputs(cfg: JobConfig) -> list[ShardOutput]:
-    """The job's input shards that are committed (output file and marker), in shard order."""
+def committed_outputs(out_dir: str, shards: list[ShardInfo]) -> list[ShardOutput]:
+    """Those of `shards` that are committed in out_dir (output file and marker), in the given order."""
     outputs = []
-    for shard in make_source(cfg.input).list_shards():
-        path = output_path(cfg.output.dir, shard.shard)
-        if read_marker(cfg.output.dir, shard.shard) is not None and os.path.isfile(path):
+    for shard in shards:
+        path = output_path(out_dir, shard.shard)
+        if read_marker(out_dir, shard.shard) is not None and os.path.isfile(path):
             outputs.append(ShardOutput(shard, path))
     return outputs
 
 
-def iter_output_tables(cfg: JobConfig) -> Iterator[tuple[ShardOutput, pa.Table]]:
-    for output in committed_outputs(cfg):
-        yield output, pq.read_table(output.path).replace_schema_metadata(None)
+def results_table(outputs: list[ShardOutput]) -> pa.Table:
+    """Every row of the committed outputs, in order, with a first column `shard` naming its shard.
 
-
-def concat_outputs(tables: list[pa.Table]) -> pa.Table:
-    """One table from shard tables whose pass-through columns may differ (missing ones become null)."""
-    return pa.concat_tables(tables, promote_options="default")
-
-
-def results_table(cfg: JobConfig) -> pa.Table:
-    """Every committed row of the job in input order, with a first column `shard` naming its shard."""
+    Shards' pass-through columns may differ; a column a shard lacks is null in its rows."""
     tables = []
-    for output, table in iter_output_tables(cfg):
+    for output in outputs:
+        table = pq.read_table(output.path).replace_schema_metadata(None)
         if "shard" in table.column_names:  # a pass-through input column: prefixed, as for the others
             table = table.rename_columns(["input_shard" if c == "shard" else c for c in table.column_names])
         tables.append(
@@ -53,4 +43,4 @@ def results_table(cfg: JobConfig) -> pa.Table:
         )
     if not tables:
         return RESULT_SCHEMA.empty_table().add_column(0, "shard", pa.array([], pa.string()))
-    return concat_outputs(tables)
+    return pa.concat_tables(tables, promote_options="default")

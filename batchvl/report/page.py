@@ -17,10 +17,11 @@ from collections import Counter
 from dataclasses import dataclass
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from batchvl import __version__
 from batchvl.config import JobConfig
-from batchvl.io.results import results_table
+from batchvl.io.results import committed_outputs, results_table
 from batchvl.io.sources import make_source
 from batchvl.io.writers import write_text_atomic
 from batchvl.report.gallery import GALLERY_CSS, gallery_html, gallery_items
@@ -81,34 +82,32 @@ def _table(headers: list[str], rows: list[list], table_id: str) -> str:
     return f'<table id="{table_id}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
 
 
-def _summary_section(table: pa.Table, runs: list[dict], shards_total: int) -> str:
-    statuses = Counter(table["status"].to_pylist())
-    rows, errors = table.num_rows, table.num_rows - statuses["ok"]
+def _summary_section(ok: pa.Table, errors: pa.Table, runs: list[dict], shards: str) -> str:
+    rows = ok.num_rows + errors.num_rows
     job_runs = [r for r in runs if r.get("mode", "run") == "run"]
-    samples = sum(r["samples"] for r in job_runs)
-    busy = sum(r["wall_s"] - r.get("model_load_s", 0.0) for r in job_runs)
-    output_tokens = sum(r.get("output_tokens", 0) for r in job_runs)
-    shards_done = len(set(table["shard"].to_pylist()))
+
+    def total(key: str) -> float:
+        return sum(r.get(key, 0) for r in job_runs)
+
+    busy = total("wall_s") - total("model_load_s")
     cards = [
-        _stat("shards written", f"{shards_done} / {shards_total}"),
-        _stat("rows ok", f"{statuses['ok']:,}"),
-        _stat("error rows", f"{errors:,}", _ratio(errors, rows) + " of rows" if rows else ""),
-        _stat("samples/s", f"{samples / busy:.2f}" if busy else "n/a", "per process, after model load"),
-        _stat("output tok/s", f"{output_tokens / busy:.1f}" if busy else "n/a", "per process"),
+        _stat("shards written", shards),
+        _stat("rows ok", f"{ok.num_rows:,}"),
+        _stat(
+            "error rows", f"{errors.num_rows:,}", _ratio(errors.num_rows, rows) + " of rows" if rows else ""
+        ),
+        _stat(
+            "samples/s", f"{total('samples') / busy:.2f}" if busy else "n/a", "per process, after model load"
+        ),
+        _stat("output tok/s", f"{total('output_tokens') / busy:.1f}" if busy else "n/a", "per process"),
         _stat(
             "encoder cache hits",
-            _ratio(
-                sum(r.get("encoder_cache_hits", 0) for r in job_runs),
-                sum(r.get("images_total", 0) for r in job_runs),
-            ),
+            _ratio(total("encoder_cache_hits"), total("images_total")),
             "of image uses, served without encoding",
         ),
         _stat(
             "prefix cache hits",
-            _ratio(
-                sum(r.get("prefix_cache_hit_tokens", 0) for r in job_runs),
-                sum(r.get("prompt_tokens", 0) for r in job_runs),
-            ),
+            _ratio(total("prefix_cache_hit_tokens"), total("prompt_tokens")),
             "of prompt tokens, not computed again",
         ),
     ]
@@ -135,38 +134,34 @@ def _runs_section(runs: list[dict]) -> str:
     return f'<section id="runs"><h2>Runs</h2>{_table(headers, rows, "runs-table")}</section>'
 
 
-def _errors_by_type_section(table: pa.Table) -> str:
-    counts = Counter(
-        t
-        for t, s in zip(table["error_type"].to_pylist(), table["status"].to_pylist(), strict=True)
-        if s != "ok"
-    )
+def _errors_by_type_section(errors: pa.Table) -> str:
+    counts = Counter(errors["error_type"].to_pylist())
     rows = [[error_type, count] for error_type, count in counts.most_common()]
     body = _table(["error_type", "rows"], rows, "errors-by-type") if rows else "<p>No error rows.</p>"
     return f'<section id="error-types"><h2>Errors by type</h2>{body}</section>'
 
 
-def _histograms_section(table: pa.Table) -> str:
-    ok = [s == "ok" for s in table["status"].to_pylist()]
-    prompt_tokens = [v for v, keep in zip(table["num_prompt_tokens"].to_pylist(), ok, strict=True) if keep]
-    output_tokens = [v for v, keep in zip(table["num_output_tokens"].to_pylist(), ok, strict=True) if keep]
+def _histograms_section(ok: pa.Table) -> str:
+    prompt_tokens, output_tokens = ok["num_prompt_tokens"].to_pylist(), ok["num_output_tokens"].to_pylist()
     plots = histogram_svg(prompt_tokens, "Prompt length (ok rows)", "prompt tokens, images included")
     plots += histogram_svg(output_tokens, "Output length (ok rows)", "output tokens")
     return f'<section id="lengths"><h2>Token lengths</h2><div class="bvl-plots">{plots}</div></section>'
 
 
-def _error_rows_section(table: pa.Table) -> str:
+def _error_rows_section(errors: pa.Table) -> str:
     columns = ["shard", "key", "prompt", "error_type", "error_message"]
-    errors = table.filter(pa.array([s != "ok" for s in table["status"].to_pylist()], pa.bool_()))
     rows = [[row[c] for c in columns] for row in errors.select(columns).to_pylist()]
     body = _table(columns, rows, "error-rows") if rows else "<p>No error rows.</p>"
     return f'<section id="errors"><h2>Error rows ({len(rows):,})</h2>{body}</section>'
 
 
 def build_report(cfg: JobConfig, samples: int = 24, seed: int = 0) -> Report:
-    table = results_table(cfg)
+    shards = make_source(cfg.input).list_shards()
+    outputs = committed_outputs(cfg.output.dir, shards)
+    table = results_table(outputs)
+    is_ok = pc.equal(table["status"], "ok")
+    ok, errors = table.filter(is_ok), table.filter(pc.invert(is_ok))
     runs = run_stats(cfg.output.dir)
-    shards_total = len(make_source(cfg.input).list_shards())
     items = gallery_items(cfg, table, samples, seed)
     title = f"batchvl report: {os.path.basename(cfg.output.dir.rstrip(os.sep))}"
     subtitle = (
@@ -179,18 +174,17 @@ def build_report(cfg: JobConfig, samples: int = 24, seed: int = 0) -> Report:
         f'<meta http-equiv="Content-Security-Policy" content="{CSP}">'
         f"<title>{html.escape(title)}</title><style>{PAGE_CSS}{GALLERY_CSS}</style></head><body>"
         f'<h1>{html.escape(title)}</h1><p class="bvl-sub">{html.escape(subtitle)}</p>'
-        + _summary_section(table, runs, shards_total)
-        + _errors_by_type_section(table)
-        + _histograms_section(table)
+        + _summary_section(ok, errors, runs, f"{len(outputs)} / {len(shards)}")
+        + _errors_by_type_section(errors)
+        + _histograms_section(ok)
         + f'<section id="gallery-section"><h2>Gallery ({len(items)} sampled inputs)</h2>'
         + gallery_html(items, with_style=False)
         + "</section>"
         + _runs_section(runs)
-        + _error_rows_section(table)
+        + _error_rows_section(errors)
         + "</body></html>\n"
     )
-    errors = table.num_rows - sum(s == "ok" for s in table["status"].to_pylist())
-    return Report(page, table.num_rows, errors, len(items))
+    return Report(page, table.num_rows, errors.num_rows, len(items))
 
 
 def write_report(
