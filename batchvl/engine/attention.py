@@ -19,10 +19,14 @@ PAGED_ATTENTION_NAME = "batchvl_paged"
 
 @dataclass
 class KVCache:
-    """Per layer, K and V of every slot: (num_slots, num_kv_heads, head_dim)."""
+    """Per layer, K and V of every slot in one tensor, head-major: (2, num_kv_heads, num_slots, head_dim).
 
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
+    Head-major, so that a gather lands in the (kv_heads, keys, dim) layout the attention matmuls read
+    without a transposing copy; K and V in one tensor, so that one `index_select` gathers both (advanced
+    indexing with a slot tensor was about 10x slower for the same rows).
+    """
+
+    layers: list[torch.Tensor]
 
     @classmethod
     def allocate(cls, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int, dtype, device):
@@ -30,14 +34,31 @@ class KVCache:
         # at once). A slot is always written before a request reads it, except slot 0, which pads the
         # decode batch's key lists (masked out); it is zeroed so the padding is finite, since a masked
         # weight of 0 times a NaN is still NaN.
-        shape = (num_slots, num_kv_heads, head_dim)
-        cache = cls(
-            keys=[torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)],
-            values=[torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)],
-        )
-        for tensor in (*cache.keys, *cache.values):
-            tensor[0].zero_()
-        return cache
+        shape = (2, num_kv_heads, num_slots, head_dim)
+        layers = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        for layer in layers:
+            layer[:, :, 0].zero_()
+        return cls(layers)
+
+    def write(self, layer: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Store a step's K and V, each (num_kv_heads, T, head_dim), at `slots` (T,)."""
+        kv = self.layers[layer]
+        kv[0].index_copy_(1, slots, key)
+        kv[1].index_copy_(1, slots, value)
+
+    def gather_rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """The rows of a flattened layer that hold K, then V, of every head at `slots` (any shape, flattened).
+        The same for every layer: a step computes them once per sequence."""
+        _, kv_heads, num_slots, _ = self.layers[0].shape
+        first = torch.arange(2 * kv_heads, device=slots.device)[:, None] * num_slots
+        return (first + slots.reshape(1, -1)).reshape(-1)
+
+    def gather(self, layer: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V at the slots that `rows` came from, each (num_kv_heads, num_slots_gathered, head_dim)."""
+        kv = self.layers[layer]
+        _, kv_heads, _, dim = kv.shape
+        picked = kv.view(-1, dim).index_select(0, rows).view(2, kv_heads, -1, dim)
+        return picked[0], picked[1]
 
 
 @dataclass
@@ -48,6 +69,7 @@ class SequenceSlice:
     num_queries: int
     key_slots: torch.Tensor  # cache slots of all its tokens so far (context + this chunk), in position order
     mask: torch.Tensor | None  # (num_queries, num_keys) bool, True = attend; None = causal from 0 or decode
+    key_rows: torch.Tensor | None = None  # KVCache.gather_rows(key_slots), when it reads from the cache
 
     @property
     def is_full_causal(self) -> bool:
@@ -64,10 +86,11 @@ class DecodeBatch:
 
     rows: torch.Tensor  # (B,) packed row of each query
     key_slots: torch.Tensor  # (B, L) cache slots of each sequence's keys, padded with slot 0
-    mask: torch.Tensor  # (B, 1, 1, L) bool, True = a real key
+    key_rows: torch.Tensor  # KVCache.gather_rows(key_slots)
+    mask: torch.Tensor  # (B, L) bool, True = a real key
 
     @classmethod
-    def build(cls, sequences: list[SequenceSlice], device) -> DecodeBatch:
+    def build(cls, sequences: list[SequenceSlice], kv_cache: KVCache, device) -> DecodeBatch:
         longest = max(len(seq.key_slots) for seq in sequences)
         key_slots = torch.zeros((len(sequences), longest), dtype=torch.long)
         lengths = torch.tensor([len(seq.key_slots) for seq in sequences])
@@ -75,7 +98,8 @@ class DecodeBatch:
             key_slots[i, : len(seq.key_slots)] = seq.key_slots
         mask = torch.arange(longest)[None, :] < lengths[:, None]
         rows = torch.tensor([seq.query_start for seq in sequences])
-        return cls(rows.to(device), key_slots.to(device), mask[:, None, None, :].to(device))
+        key_slots = key_slots.to(device)
+        return cls(rows.to(device), key_slots, kv_cache.gather_rows(key_slots), mask.to(device))
 
 
 @dataclass
@@ -85,14 +109,27 @@ class PagedAttentionMetadata:
     sequences: list[SequenceSlice]  # attended one by one (prefill chunks)
     decode: DecodeBatch | None = None  # the single-query sequences, attended together
 
+    @classmethod
+    def build(
+        cls, kv_cache: KVCache, slot_mapping: torch.Tensor, sequences: list[SequenceSlice], device
+    ) -> PagedAttentionMetadata:
+        """Split off the decodes and compute, once for all layers, the cache rows each sequence reads."""
+        one_by_one, decode = split_decodes(sequences, kv_cache, device)
+        for seq in one_by_one:
+            if not seq.is_full_causal:
+                seq.key_rows = kv_cache.gather_rows(seq.key_slots)
+        return cls(kv_cache, slot_mapping, one_by_one, decode)
 
-def split_decodes(sequences: list[SequenceSlice], device) -> tuple[list[SequenceSlice], DecodeBatch | None]:
+
+def split_decodes(
+    sequences: list[SequenceSlice], kv_cache: KVCache, device
+) -> tuple[list[SequenceSlice], DecodeBatch | None]:
     """Sequences with one query and no mask (they attend to all their keys) go into one DecodeBatch."""
     single = [seq for seq in sequences if seq.num_queries == 1 and seq.mask is None]
     if len(single) < 2:
         return sequences, None
     others = [seq for seq in sequences if not (seq.num_queries == 1 and seq.mask is None)]
-    return others, DecodeBatch.build(single, device)
+    return others, DecodeBatch.build(single, kv_cache, device)
 
 
 def chunk_mask(start: int, num_queries: int, device) -> torch.Tensor | None:
@@ -120,17 +157,15 @@ def paged_attention(
             "paged attention needs batchvl_attention metadata; run the model through the engine"
         )
     layer = module.layer_idx
-    k_cache, v_cache = meta.kv_cache.keys[layer], meta.kv_cache.values[layer]
-    # (1, Hkv, T, D) -> (T, Hkv, D), the cache's slot layout.
-    k_cache.index_copy_(0, meta.slot_mapping, key[0].transpose(0, 1))
-    v_cache.index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1))
+    cache = meta.kv_cache
+    cache.write(layer, meta.slot_mapping, key[0], value[0])  # (1, Hkv, T, D): already head-major
 
     num_tokens = query.shape[2]
     out = query.new_empty((num_tokens, query.shape[1], query.shape[3]))
     decode = meta.decode
     if decode is not None:
         q = query[0, :, decode.rows].transpose(0, 1)  # (B, H, D)
-        out[decode.rows] = decode_attention(q, k_cache, v_cache, decode, scaling)
+        out[decode.rows] = decode_attention(q, *cache.gather(layer, decode.key_rows), decode, scaling)
     for seq in meta.sequences:
         rows = slice(seq.query_start, seq.query_start + seq.num_queries)
         q = query[:, :, rows]
@@ -138,8 +173,7 @@ def paged_attention(
             # The whole context is this chunk: its K/V are the inputs themselves, no gather needed.
             k, v = key[:, :, rows], value[:, :, rows]
         else:
-            k = k_cache[seq.key_slots].transpose(0, 1)[None]
-            v = v_cache[seq.key_slots].transpose(0, 1)[None]
+            k, v = (t[None] for t in cache.gather(layer, seq.key_rows))
         o = F.scaled_dot_product_attention(
             q, k, v, attn_mask=seq.mask, is_causal=seq.is_full_causal, scale=scaling, enable_gqa=True
         )
@@ -148,32 +182,33 @@ def paged_attention(
 
 
 def decode_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, decode: DecodeBatch, scaling: float | None
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, decode: DecodeBatch, scaling: float | None
 ) -> torch.Tensor:
-    """(B, H, D) queries, one per sequence, over their cached keys; returns (B, H, D)."""
-    k = k_cache[decode.key_slots]  # (B, L, Hkv, D)
-    v = v_cache[decode.key_slots]
+    """(B, H, D) queries, one per sequence, over their gathered keys and values, each (Hkv, B * L, D);
+    returns (B, H, D)."""
+    batch, heads, dim = q.shape
+    kv_heads = keys.shape[0]
+    keys = keys.view(kv_heads, batch, -1, dim)  # (Hkv, B, L, D)
+    values = values.view(kv_heads, batch, -1, dim)
     if q.dtype == torch.float32:
         # torch's fused CPU kernel is fastest in float32 (and is what the reference model runs).
         o = F.scaled_dot_product_attention(
             q[:, :, None],
-            k.transpose(1, 2),
-            v.transpose(1, 2),
-            attn_mask=decode.mask,
+            keys.transpose(0, 1),
+            values.transpose(0, 1),
+            attn_mask=decode.mask[:, None, None, :],
             scale=scaling,
             enable_gqa=True,
         )
         return o[:, :, 0]
     # In bf16 torch's CPU kernel is about twice as slow as two batched matmuls with the query heads of
     # each K/V head grouped (no K/V repeat), scores and softmax in float32.
-    batch, heads, dim = q.shape
-    kv_heads = k.shape[2]
-    grouped = q.view(batch, kv_heads, heads // kv_heads, dim)  # (B, Hkv, G, D)
-    scores = torch.matmul(grouped, k.permute(0, 2, 3, 1)).float()  # (B, Hkv, G, L)
-    scores = scores * (dim**-0.5 if scaling is None else scaling)
-    scores = scores.masked_fill(~decode.mask, float("-inf"))  # mask (B, 1, 1, L)
-    weights = torch.softmax(scores, dim=-1).to(v.dtype)
-    return torch.matmul(weights, v.transpose(1, 2)).reshape(batch, heads, dim)
+    grouped = q.view(batch, kv_heads, heads // kv_heads, dim).transpose(0, 1)  # (Hkv, B, G, D)
+    scores = torch.matmul(grouped, keys.transpose(-1, -2)).float()  # (Hkv, B, G, L)
+    scores.mul_(dim**-0.5 if scaling is None else scaling)
+    scores.masked_fill_(~decode.mask[None, :, None, :], float("-inf"))
+    weights = torch.softmax(scores, dim=-1).to(values.dtype)
+    return torch.matmul(weights, values).transpose(0, 1).reshape(batch, heads, dim)
 
 
 def register_paged_attention() -> None:

@@ -18,7 +18,6 @@ from batchvl.engine.attention import (
     PagedAttentionMetadata,
     SequenceSlice,
     chunk_mask,
-    split_decodes,
 )
 from batchvl.engine.kv_cache import BlockManager
 from batchvl.engine.request import ScheduledChunk
@@ -161,8 +160,9 @@ class ModelRunner:
             seq.key_slots = seq.key_slots.to(device)
             if seq.mask is not None:
                 seq.mask = seq.mask.to(device)
-        one_by_one, decode = split_decodes(sequences, device)
-        meta = PagedAttentionMetadata(self.kv_cache, torch.cat(slot_mapping).to(device), one_by_one, decode)
+        meta = PagedAttentionMetadata.build(
+            self.kv_cache, torch.cat(slot_mapping).to(device), sequences, device
+        )
         started = time.perf_counter()
         hidden = self.adapter.forward(
             torch.tensor(token_ids, dtype=torch.long),

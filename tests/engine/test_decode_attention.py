@@ -1,38 +1,74 @@
-"""The batched decode attention equals attending each sequence alone, in float32 and bfloat16."""
+"""The batched decode attention equals attending each sequence alone, in float32 and bfloat16, over the
+head-major paged cache."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from batchvl.engine.attention import DecodeBatch, KVCache, SequenceSlice, decode_attention, split_decodes
+from batchvl.engine.attention import (
+    DecodeBatch,
+    KVCache,
+    PagedAttentionMetadata,
+    SequenceSlice,
+    decode_attention,
+    split_decodes,
+)
+
+
+def filled_cache(dtype, slots=500, kv_heads=2, dim=16, layers=2) -> KVCache:
+    cache = KVCache.allocate(layers, slots, kv_heads, dim, dtype, "cpu")
+    all_slots = torch.arange(slots)
+    for layer in range(layers):
+        cache.write(layer, all_slots, *torch.randn(2, kv_heads, slots, dim, dtype=dtype))
+    return cache
+
+
+def test_cache_write_then_gather_returns_what_was_written():
+    torch.manual_seed(0)
+    cache = KVCache.allocate(
+        num_layers=2, num_slots=40, num_kv_heads=3, head_dim=4, dtype=torch.float32, device="cpu"
+    )
+    slots = torch.tensor([7, 3, 30, 12])
+    key, value = torch.randn(3, 4, 4), torch.randn(3, 4, 4)  # (Hkv, T, D)
+    cache.write(1, slots, key, value)
+    order = torch.tensor([12, 7, 30])  # a different order and a subset
+    k, v = cache.gather(1, cache.gather_rows(order))
+    expected = [int((slots == s).nonzero()) for s in order]
+    assert torch.equal(k, key[:, expected]) and torch.equal(v, value[:, expected])
+    assert not torch.equal(cache.layers[0][0, :, 7], key[:, 0])  # other layers untouched
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_batch_equals_one_call_per_sequence(dtype):
     torch.manual_seed(0)
-    heads, kv_heads, dim, slots = 8, 2, 16, 500
-    k_cache = torch.randn(slots, kv_heads, dim, dtype=dtype)
-    v_cache = torch.randn(slots, kv_heads, dim, dtype=dtype)
+    heads, slots, layer = 8, 500, 1
+    cache = filled_cache(dtype, slots)
     lengths = [1, 37, 120, 5]
     sequences = [
         SequenceSlice(i, 1, torch.randperm(slots)[:length], None) for i, length in enumerate(lengths)
     ]
-    rest, decode = split_decodes(sequences, "cpu")
+    rest, decode = split_decodes(sequences, cache, "cpu")
     assert rest == [] and isinstance(decode, DecodeBatch) and decode.key_slots.shape == (4, 120)
-    q = torch.randn(len(lengths), heads, dim, dtype=dtype)
-    batched = decode_attention(q, k_cache, v_cache, decode, None).float()
+    q = torch.randn(len(lengths), heads, 16, dtype=dtype)
+    batched = decode_attention(q, *cache.gather(layer, decode.key_rows), decode, None).float()
+    keys, values = cache.layers[layer].float()
     for i, seq in enumerate(sequences):
-        k = k_cache[seq.key_slots].float().transpose(0, 1)[None]
-        v = v_cache[seq.key_slots].float().transpose(0, 1)[None]
+        k, v = keys[:, seq.key_slots][None], values[:, seq.key_slots][None]
         alone = F.scaled_dot_product_attention(q[i].float()[None, :, None], k, v, enable_gqa=True)[0, :, 0]
         tolerance = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(batched[i], alone, atol=tolerance, rtol=tolerance)
 
 
 def test_prefill_chunks_and_a_lone_decode_stay_one_by_one():
+    cache = filled_cache(torch.float32, slots=16)
     chunk = SequenceSlice(0, 4, torch.arange(10), torch.ones(4, 10, dtype=torch.bool))
     lone = SequenceSlice(4, 1, torch.arange(3), None)
-    assert split_decodes([chunk, lone], "cpu") == ([chunk, lone], None)
+    full = SequenceSlice(5, 6, torch.arange(6), None)
+    meta = PagedAttentionMetadata.build(cache, torch.arange(11), [chunk, lone, full], "cpu")
+    assert meta.sequences == [chunk, lone, full] and meta.decode is None
+    # the sequences that read the cache know their rows; a chunk from position 0 reads its own inputs
+    assert torch.equal(chunk.key_rows, cache.gather_rows(torch.arange(10)))
+    assert lone.key_rows is not None and full.key_rows is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -42,17 +78,15 @@ def test_unwritten_cache_slots_never_reach_a_decode(dtype):
     cache = KVCache.allocate(
         num_layers=2, num_slots=64, num_kv_heads=2, head_dim=8, dtype=dtype, device="cpu"
     )
-    for tensor in (*cache.keys, *cache.values):
-        assert torch.equal(tensor[0], torch.zeros_like(tensor[0]))
-        tensor[1:] = float("nan")  # the worst garbage an unwritten slot could hold
-    k_cache, v_cache = cache.keys[1], cache.values[1]
+    for layer in cache.layers:
+        assert torch.equal(layer[:, :, 0], torch.zeros_like(layer[:, :, 0]))
+        layer[:, :, 1:] = float("nan")  # the worst garbage an unwritten slot could hold
     sequences = [
         SequenceSlice(0, 1, torch.tensor([5, 6, 7]), None),
         SequenceSlice(1, 1, torch.tensor([9]), None),
     ]
     for seq in sequences:  # the slots the requests wrote
-        k_cache[seq.key_slots] = torch.randn(len(seq.key_slots), 2, 8, dtype=dtype)
-        v_cache[seq.key_slots] = torch.randn(len(seq.key_slots), 2, 8, dtype=dtype)
-    _, decode = split_decodes(sequences, "cpu")
-    out = decode_attention(torch.randn(2, 4, 8, dtype=dtype), k_cache, v_cache, decode, None)
+        cache.write(1, seq.key_slots, *torch.randn(2, 2, len(seq.key_slots), 8, dtype=dtype))
+    _, decode = split_decodes(sequences, cache, "cpu")
+    out = decode_attention(torch.randn(2, 4, 8, dtype=dtype), *cache.gather(1, decode.key_rows), decode, None)
     assert torch.isfinite(out).all()
