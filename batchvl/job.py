@@ -47,7 +47,7 @@ from batchvl.preprocess.sample import PreparedSample, SampleProcessor
 from batchvl.resume import plan_shards
 from batchvl.tasks import TaskSlice, shards_of_task
 from batchvl.utils.background import END, BackgroundIterator
-from batchvl.utils.memory import HeapTrimmer
+from batchvl.utils.memory import HeapTrimmer, keep_freed_memory
 from batchvl.utils.stats import RunStats
 from batchvl.utils.stop import StopRequests
 
@@ -223,6 +223,7 @@ class JobRunner:
         }
 
     def run(self) -> RunSummary:
+        keep_freed_memory()  # process-wide; the engine's steps reuse their activations' memory
         world_size = launched_world_size()
         if world_size == 1:
             return self._run()

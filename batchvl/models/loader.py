@@ -93,6 +93,7 @@ def load_model(
 
     from batchvl.engine.attention import PAGED_ATTENTION_NAME, register_paged_attention
     from batchvl.engine.vision_attention import VISION_ATTENTION_NAME, register_vision_attention
+    from batchvl.models.patch_embed import patch_convs_as_linear
 
     family = model_family(read_model_type(path, trust_remote_code))
     torch_device = resolve_device(device)
@@ -105,6 +106,8 @@ def load_model(
         path, dtype=torch_dtype, trust_remote_code=trust_remote_code, use_safetensors=True
     )
     model.to(torch_device).eval()
+    if torch_dtype == torch.bfloat16:
+        patch_convs_as_linear(model)
     register_paged_attention()
     register_vision_attention()
     # Text attention goes through the engine's paged KV cache; a varlen vision tower attends over all

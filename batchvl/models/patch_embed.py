@@ -1,0 +1,62 @@
+"""A vision tower's patch embedding as one matmul instead of a 3-D convolution, in bfloat16.
+
+Qwen-VL vision towers embed pre-cut patches with a Conv3d whose kernel equals its stride and the input's
+own size, so each output is one dot product of the flattened patch with each filter: a plain linear
+layer. On CPU oneDNN's convolution ran that about 3x slower than the matmul (34 ms against 11 ms for
+3,528 patches in bfloat16). The two round differently, so float32, the dtype whose outputs must match the
+reference model exactly, keeps the convolution.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class PatchLinear(torch.nn.Module):
+    """Drop-in for a Conv3d with kernel == stride and no padding, applied to inputs of exactly one kernel;
+    any other input goes through the original convolution."""
+
+    def __init__(self, conv: torch.nn.Conv3d):
+        super().__init__()
+        self.conv = conv
+        self.kernel_size = tuple(conv.kernel_size)
+        self.out_channels = conv.out_channels
+
+    @property
+    def weight(self) -> torch.Tensor:  # the model reads the embedding's dtype from it
+        return self.conv.weight
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self.conv.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if tuple(x.shape[2:]) != self.kernel_size:
+            return self.conv(x)
+        weight = self.weight.view(self.out_channels, -1)
+        out = F.linear(x.reshape(x.shape[0], -1), weight, self.bias)
+        return out.view(x.shape[0], self.out_channels, 1, 1, 1)
+
+
+def is_patch_conv(module: torch.nn.Module) -> bool:
+    return (
+        isinstance(module, torch.nn.Conv3d)
+        and tuple(module.kernel_size) == tuple(module.stride)
+        and all(p == 0 for p in module.padding)
+        and module.groups == 1
+        and tuple(module.dilation) == (1, 1, 1)
+    )
+
+
+def patch_convs_as_linear(vision_tower: torch.nn.Module) -> int:
+    """Replace the tower's patch convolutions with `PatchLinear`; returns how many were replaced."""
+    targets = [
+        (parent, name)
+        for parent in vision_tower.modules()
+        for name, child in parent.named_children()
+        if is_patch_conv(child)
+    ]
+    for parent, name in targets:
+        setattr(parent, name, PatchLinear(getattr(parent, name)))
+    return len(targets)
