@@ -38,23 +38,16 @@ def kv_bytes_per_block(adapter: VLMAdapter, block_size: int) -> int:
     return 2 * geo.num_layers * block_size * geo.num_kv_heads * geo.head_dim * element
 
 
-SIMILAR_PATCHES = 1.25  # images of one vision call differ in patch count by at most this factor
-
-
 def encode_batches(images: list[PreparedImage], max_patches: int) -> list[list[PreparedImage]]:
     """Vision calls for a set of images: one media kind per call, images sorted by patch count, a call
-    holding images within SIMILAR_PATCHES of each other and at most `max_patches` patches (an image
-    larger than that goes alone). The vision attention runs one batched call per layer padded to the
-    longest image, so alike sizes keep the padding small (none when sizes are equal)."""
+    holding at most `max_patches` patches (an image larger than that goes alone). Sorted, images of
+    similar size are neighbours, which the vision attention batches together (see `vision_attention`);
+    the linear layers take the whole call at once."""
     batches: list[list[PreparedImage]] = []
     current: list[PreparedImage] = []
     patches = 0
     for img in sorted(images, key=lambda img: (img.kind, img.num_patches)):
-        if current and (
-            img.kind != current[0].kind
-            or patches + img.num_patches > max_patches
-            or img.num_patches > SIMILAR_PATCHES * current[0].num_patches
-        ):
+        if current and (img.kind != current[0].kind or patches + img.num_patches > max_patches):
             batches.append(current)
             current, patches = [], 0
         current.append(img)

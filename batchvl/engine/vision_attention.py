@@ -3,9 +3,13 @@
 transformers hands a vision attention function the packed patches of all images plus `cu_seqlens` only
 when the implementation's name contains "flash"; under that name this function runs:
 - flash-attn's varlen kernel on CUDA when the package is installed;
-- otherwise one batched SDPA call: the sequences (images, or a video's frame groups) are laid out as a
-  batch padded to the longest, with padded keys masked. Encode batches are grouped by patch count, so
-  the sequences of one call are usually all the same length and there is no padding and no mask at all.
+- otherwise batched SDPA calls: consecutive sequences (images, or a video's frame groups) of similar
+  length (within SIMILAR_LENGTHS) are laid out as one batch padded to the longest, with padded keys
+  masked; equal lengths need no padding and no mask at all. The engine packs an encode call's images
+  sorted by patch count, so similar sequences are neighbours and each run is a slice, not a gather.
+
+The linear layers around the attention see every image of the call at once, whatever their sizes: one
+vision forward per encode call instead of one per size class.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 VISION_ATTENTION_NAME = "batchvl_flash_varlen"  # "flash" in the name makes transformers pass cu_seqlens
+SIMILAR_LENGTHS = 1.25  # sequences batched in one SDPA call differ in length by at most this factor
 
 
 def _flash_varlen(query, key, value, cu_seqlens, max_length, scaling):
@@ -48,6 +53,40 @@ def _batched_sdpa(query, key, value, lengths: list[int], scaling):
     return out.transpose(0, 1)[None]
 
 
+def similar_runs(lengths: list[int]) -> list[tuple[int, int]]:
+    """(first, count) of each run of consecutive sequences whose lengths are within SIMILAR_LENGTHS."""
+    runs = []
+    first = 0
+    while first < len(lengths):
+        low = high = lengths[first]
+        end = first + 1
+        while end < len(lengths):
+            low, high = min(low, lengths[end]), max(high, lengths[end])
+            if high > SIMILAR_LENGTHS * low:
+                break
+            end += 1
+        runs.append((first, end - first))
+        first = end
+    return runs
+
+
+def _grouped_sdpa(query, key, value, lengths: list[int], scaling):
+    runs = similar_runs(lengths)
+    if len(runs) == 1:
+        return _batched_sdpa(query, key, value, lengths, scaling)
+    _, heads, total, head_dim = query.shape
+    out = query.new_empty((1, total, heads, head_dim))
+    start = 0
+    for first, count in runs:
+        run_lengths = lengths[first : first + count]
+        rows = slice(start, start + sum(run_lengths))
+        out[:, rows] = _batched_sdpa(
+            query[:, :, rows], key[:, :, rows], value[:, :, rows], run_lengths, scaling
+        )
+        start = rows.stop
+    return out
+
+
 def varlen_vision_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -68,7 +107,7 @@ def varlen_vision_attention(
             return _flash_varlen(query, key, value, cu_seq_lens_q, max(lengths), scaling), None
         except ImportError:
             pass  # flash-attn is optional; SDPA below works everywhere
-    return _batched_sdpa(query, key, value, lengths, scaling), None
+    return _grouped_sdpa(query, key, value, lengths, scaling), None
 
 
 def register_vision_attention() -> None:
