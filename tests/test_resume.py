@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -95,8 +96,13 @@ def test_kill_9_in_the_middle_then_rerun_gives_the_rows_of_an_uninterrupted_run(
     out = job_dir / "killed"
     process = cli(job_dir, "--set", "output.dir=killed")
     wait_for_first_commit(out, process)
+    workers = psutil.Process(process.pid).children(recursive=True)
+    assert workers, "the job runs its preprocessing in worker processes"
     process.send_signal(signal.SIGKILL)
     process.wait()
+    # The preprocessing workers go with it, instead of hanging on a queue nobody reads any more.
+    _, alive = psutil.wait_procs(workers, timeout=10)
+    assert alive == []
     done_at_kill = committed(out)
     assert 0 < len(done_at_kill) < len(SHARD_SIZES), "the kill should land in the middle of the run"
     for number in set(range(len(SHARD_SIZES))) - set(done_at_kill):

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import logging
 import multiprocessing
 import os
 import signal
+import sys
 import threading
 import time
 import warnings
@@ -35,6 +37,18 @@ logger = logging.getLogger(__name__)
 # STOPPED: killed because another worker failed (its sample is redone); DONE: finished its part and exits
 IDLE, BUSY, TIMED_OUT, STOPPED, DONE = range(5)
 SLOT_FIELDS = 5  # pid, state, shard number, sample index, start time
+
+
+PR_SET_PDEATHSIG = 1  # prctl option, from linux/prctl.h
+
+
+def _die_with_parent(parent_pid: int, _worker_id: int) -> None:
+    """Have the kernel kill this worker when the job process dies (Linux). Without it a worker of a
+    SIGKILLed job (the OOM killer, `kill -9`) lives on, blocked forever on a queue nobody reads."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent_pid:  # the job died before the request took effect
+        os._exit(1)
 
 
 def default_workers() -> int:
@@ -340,6 +354,7 @@ class PreprocessPool:
                     collate_fn=_identity,
                     multiprocessing_context=self.context,
                     in_order=False,
+                    worker_init_fn=functools.partial(_die_with_parent, os.getpid()),
                 )
                 items = iter(loader)
                 _unregister_from_sigchld(items)
