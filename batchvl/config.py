@@ -88,7 +88,7 @@ class SamplingConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    max_num_seqs: int = _key(64, "Most requests running at once")
+    max_num_seqs: int = _key(256, "Most requests running at once")
     max_num_batched_tokens: int = _key(
         2048, "Token budget of one engine step (decode tokens + prefill chunks)"
     )

@@ -41,7 +41,7 @@ def test_minimal_job_gets_defaults_and_resolved_paths(tmp_path):
     assert cfg.output.dir == str(tmp_path / "out")
     assert cfg.model.path == "/models/m" and cfg.model.dtype == "auto"
     assert [(p.name, p.text) for p in cfg.prompts] == [("caption", "Describe this image.")]
-    assert cfg.engine.max_num_seqs == 64 and cfg.sampling.temperature == 0.0
+    assert cfg.engine.max_num_seqs == 256 and cfg.sampling.temperature == 0.0
 
 
 def test_unknown_key_suggests_the_close_one(tmp_path):

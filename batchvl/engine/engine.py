@@ -33,7 +33,7 @@ MB = 1 << 20
 
 @dataclass(frozen=True)
 class EngineLimits:
-    max_num_seqs: int = 64
+    max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     kv_cache_mb: float = 1024
     block_size: int = 16
