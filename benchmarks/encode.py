@@ -5,7 +5,10 @@ processor's own pixel limits), three ways:
 - `per_image`: transformers as shipped (SDPA), one `get_image_features` call per image;
 - `stock_packed`: transformers as shipped, all images in one call (its attention loops over images);
 - `batchvl`: images sorted by patch count into calls of at most `max_patches_per_encode` patches, the
-  vision attention one batched call per layer (what the engine does).
+  vision attention batching runs of similar-size neighbours (what the engine does).
+
+The process uses the job loop's heap policy (`keep_freed_memory`), as a `batchvl run` does; it applies to
+all three ways alike.
 
     python benchmarks/encode.py --json benchmarks/results/encode.json [--images 48] [--dtypes float32]
 """
@@ -41,6 +44,9 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
 
+    from batchvl.utils.memory import keep_freed_memory
+
+    keep_freed_memory()
     results = [measure(dtype, args.images, args.repeats) for dtype in args.dtypes.split(",")]
     if args.json:
         args.json.write_text(json.dumps({"images": args.images, "results": results}, indent=2))
