@@ -85,8 +85,7 @@ class DecodeBatch:
     """
 
     rows: torch.Tensor  # (B,) packed row of each query
-    key_slots: torch.Tensor  # (B, L) cache slots of each sequence's keys, padded with slot 0
-    key_rows: torch.Tensor  # KVCache.gather_rows(key_slots)
+    key_rows: torch.Tensor  # KVCache.gather_rows of the (B, L) key slots, each sequence padded with slot 0
     mask: torch.Tensor  # (B, L) bool, True = a real key
 
     @classmethod
@@ -98,8 +97,7 @@ class DecodeBatch:
             key_slots[i, : len(seq.key_slots)] = seq.key_slots
         mask = torch.arange(longest)[None, :] < lengths[:, None]
         rows = torch.tensor([seq.query_start for seq in sequences])
-        key_slots = key_slots.to(device)
-        return cls(rows.to(device), key_slots, kv_cache.gather_rows(key_slots), mask.to(device))
+        return cls(rows.to(device), kv_cache.gather_rows(key_slots.to(device)), mask.to(device))
 
 
 @dataclass

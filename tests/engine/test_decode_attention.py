@@ -48,7 +48,8 @@ def test_decode_batch_equals_one_call_per_sequence(dtype):
         SequenceSlice(i, 1, torch.randperm(slots)[:length], None) for i, length in enumerate(lengths)
     ]
     rest, decode = split_decodes(sequences, cache, "cpu")
-    assert rest == [] and isinstance(decode, DecodeBatch) and decode.key_slots.shape == (4, 120)
+    assert rest == [] and isinstance(decode, DecodeBatch) and decode.mask.shape == (4, 120)
+    assert decode.key_rows.numel() == 2 * 2 * 4 * 120  # K and V of 2 heads, 4 sequences padded to 120 keys
     q = torch.randn(len(lengths), heads, 16, dtype=dtype)
     batched = decode_attention(q, *cache.gather(layer, decode.key_rows), decode, None).float()
     keys, values = cache.layers[layer].float()
