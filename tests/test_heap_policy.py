@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from batchvl.utils.memory import _load_libc
+from batchvl.utils.memory import load_libc
 
 VISION_MLP_STEPS = """
 import resource, sys
@@ -39,7 +39,7 @@ def page_faults(mode: str) -> int:
 
 
 @pytest.mark.skipif(
-    _load_libc() is None or not hasattr(_load_libc(), "mallopt"), reason="glibc's mallopt is not available"
+    load_libc() is None or not hasattr(load_libc(), "mallopt"), reason="glibc's mallopt is not available"
 )
 def test_freed_activations_are_reused_instead_of_faulted_in_again():
     default, kept = page_faults("default"), page_faults("keep")

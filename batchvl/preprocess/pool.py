@@ -31,6 +31,7 @@ from batchvl.errors import SampleError, UserError
 from batchvl.io.sources import Source
 from batchvl.io.types import ShardEnd, ShardInfo
 from batchvl.preprocess.sample import PreparedSample, SampleProcessor
+from batchvl.utils.memory import load_libc
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +46,8 @@ PR_SET_PDEATHSIG = 1  # prctl option, from linux/prctl.h
 def _die_with_parent(parent_pid: int, _worker_id: int) -> None:
     """Have the kernel kill this worker when the job process dies (Linux). Without it a worker of a
     SIGKILLed job (the OOM killer, `kill -9`) lives on, blocked forever on a queue nobody reads."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if sys.platform.startswith("linux") and (libc := load_libc()) is not None:
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent_pid:  # the job died before the request took effect
         os._exit(1)
 

@@ -24,14 +24,15 @@ _libc = None
 _checked = False
 
 
-def _load_libc():
+def load_libc():
+    """The process's C library (loaded once), or None where it cannot be found; glibc-only functions
+    (`malloc_trim`, `mallopt`) are checked for where they are used."""
     global _libc, _checked
     if not _checked:
         _checked = True
         name = ctypes.util.find_library("c")
         try:
-            libc = ctypes.CDLL(name) if name else None
-            _libc = libc if libc is not None and hasattr(libc, "malloc_trim") else None
+            _libc = ctypes.CDLL(name) if name else None
         except OSError:
             _libc = None
     return _libc
@@ -44,7 +45,7 @@ LARGEST_HEAP_ALLOCATION = 32 * 1024 * 1024  # glibc's ceiling for M_MMAP_THRESHO
 def keep_freed_memory() -> bool:
     """Serve allocations up to 32 MiB from the heap and never shrink it on free; returns whether it
     applied (not on other C libraries). Process-wide: it is set once, when a job loop starts."""
-    libc = _load_libc()
+    libc = load_libc()
     if libc is None or not hasattr(libc, "mallopt"):
         return False
     # Setting either parameter also turns off glibc's moving thresholds. The heap is then only given back by
@@ -63,6 +64,6 @@ class HeapTrimmer:
         now = time.monotonic()
         if now - self._last >= self.interval_s:
             self._last = now
-            libc = _load_libc()
-            if libc is not None:
+            libc = load_libc()
+            if libc is not None and hasattr(libc, "malloc_trim"):
                 libc.malloc_trim(0)
