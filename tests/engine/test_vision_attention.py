@@ -74,14 +74,20 @@ def test_encode_batches_group_by_kind_and_patch_count(media):
     assert [img.num_patches for img in batches[0]] == [images[0].num_patches] * 2  # the equal 60x60 pair
 
 
-def test_similar_runs_split_where_lengths_differ_by_more_than_the_factor():
-    assert vision_attention.similar_runs([16, 16, 17, 40, 41, 100, 20]) == [(0, 3), (3, 2), (5, 1), (6, 1)]
-    assert vision_attention.similar_runs([64] * 5) == [(0, 5)]
+def test_equal_runs_split_wherever_the_length_changes():
+    assert vision_attention.equal_runs([16, 16, 17, 40, 40, 40, 100, 16]) == [
+        (0, 2),
+        (2, 1),
+        (3, 3),
+        (6, 1),
+        (7, 1),
+    ]
+    assert vision_attention.equal_runs([64] * 5) == [(0, 5)]
 
 
 def test_mixed_lengths_attend_within_each_sequence_in_one_call_per_run(monkeypatch):
     torch.manual_seed(0)
-    lengths = [16, 16, 17, 40, 41, 100, 20]  # unsorted on purpose: runs are consecutive sequences
+    lengths = [16, 16, 17, 40, 40, 40, 100, 16]  # unsorted on purpose: runs are consecutive sequences
     heads, dim, total = 4, 8, sum(lengths)
     query, key, value = (torch.randn(1, heads, total, dim) for _ in range(3))
     sdpa = torch.nn.functional.scaled_dot_product_attention
@@ -96,7 +102,7 @@ def test_mixed_lengths_attend_within_each_sequence_in_one_call_per_run(monkeypat
     out, _ = vision_attention.varlen_vision_attention(
         None, query, key, value, None, scaling=None, cu_seq_lens_q=cu, max_length_q=max(lengths)
     )
-    assert calls == [3, 2, 1, 1]
+    assert calls == [2, 1, 3, 1, 1]
     for start, end in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True):
         alone = sdpa(query[:, :, start:end], key[:, :, start:end], value[:, :, start:end])
         torch.testing.assert_close(out[:, start:end], alone.transpose(1, 2), atol=1e-5, rtol=1e-5)
