@@ -19,7 +19,7 @@ from batchvl.engine.encoder_cache import EncoderCacheManager
 from batchvl.engine.kv_cache import BlockManager
 from batchvl.engine.model_runner import ModelRunner, kv_bytes_per_block
 from batchvl.engine.request import ImageSpan, Request, SamplingParams, ScheduledChunk
-from batchvl.engine.sampler import make_generator, sample_token
+from batchvl.engine.sampler import make_generator, sample_tokens
 from batchvl.engine.scheduler import Scheduler
 from batchvl.engine.vit_dp import DataParallelEncoder
 from batchvl.errors import SampleError, UserError
@@ -172,14 +172,15 @@ class Engine:
         self.stats.steps += 1
         self.stats.preemptions = self.scheduler.num_preemptions
         self.stats.prefix_cache_hit_tokens = self.scheduler.num_prefix_cached_tokens
-        sampling_chunks = [chunk for chunk in chunks if chunk.samples_next_token]
         for chunk in chunks:
             if chunk.start < chunk.request.num_prompt_tokens:
                 self.stats.prefill_tokens_computed += chunk.num_tokens
             self._unpin_prefilled_images(self._live[chunk.request.request_id])
-        for chunk, row in zip(sampling_chunks, logits, strict=True):
-            live = self._live[chunk.request.request_id]
-            token = sample_token(row, live.request.sampling, live.generator)
+        sampling = [self._live[chunk.request.request_id] for chunk in chunks if chunk.samples_next_token]
+        tokens = sample_tokens(
+            logits, [live.request.sampling for live in sampling], [live.generator for live in sampling]
+        )
+        for live, token in zip(sampling, tokens, strict=True):
             live.request.output_token_ids.append(token)
             self.stats.output_tokens += 1
             reason = self._finish_reason(live.request)

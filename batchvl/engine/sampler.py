@@ -11,6 +11,18 @@ import torch
 from batchvl.engine.request import SamplingParams
 
 
+def sample_tokens(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+) -> list[int]:
+    """One token per row of (rows, vocab) float32 logits. Greedy rows share one argmax call: one per row
+    cost about 35 us each, a millisecond or more per decode step."""
+    greedy = torch.argmax(logits, dim=-1).tolist() if any(p.is_greedy for p in params) else []
+    return [
+        greedy[i] if p.is_greedy else sample_token(logits[i], p, generator)
+        for i, (p, generator) in enumerate(zip(params, generators, strict=True))
+    ]
+
+
 def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """Pick one token from a (vocab,) float32 logits row."""
     if params.is_greedy:
