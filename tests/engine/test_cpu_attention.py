@@ -21,6 +21,9 @@ def test_as_close_to_float64_as_torchs_fused_bf16_kernel(shape):
     fused = F.scaled_dot_product_attention(*bf16).transpose(1, 2)
     blocked = cpu_attention.blocked_attention(*bf16, scaling=None)
     assert blocked.shape == exact.shape and blocked.dtype == torch.bfloat16
+    # float32 through the same code: the layout and the softmax, to rounding
+    in_float32 = cpu_attention.blocked_attention(q, k, v, scaling=None)
+    torch.testing.assert_close(in_float32.double(), exact, atol=1e-5, rtol=1e-5)
     fused_error = (fused.double() - exact).norm() / exact.norm()
     blocked_error = (blocked.double() - exact).norm() / exact.norm()
     assert blocked_error < 0.02
