@@ -5,7 +5,8 @@ processor's own pixel limits), three ways:
 - `per_image`: transformers as shipped (SDPA), one `get_image_features` call per image;
 - `stock_packed`: transformers as shipped, all images in one call (its attention loops over images);
 - `batchvl`: images sorted by patch count into calls of at most `max_patches_per_encode` patches, the
-  vision attention batching runs of similar-size neighbours (what the engine does).
+  vision attention batching runs of equal-size neighbours, in bf16 as blocked bf16 matmuls (what the
+  engine does).
 
 The process uses the job loop's heap policy (`keep_freed_memory`), as a `batchvl run` does; it applies to
 all three ways alike.

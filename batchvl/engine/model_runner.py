@@ -41,7 +41,7 @@ def kv_bytes_per_block(adapter: VLMAdapter, block_size: int) -> int:
 def encode_batches(images: list[PreparedImage], max_patches: int) -> list[list[PreparedImage]]:
     """Vision calls for a set of images: one media kind per call, images sorted by patch count, a call
     holding at most `max_patches` patches (an image larger than that goes alone). Sorted, images of
-    similar size are neighbours, which the vision attention batches together (see `vision_attention`);
+    equal size are neighbours, which the vision attention batches together (see `vision_attention`);
     the linear layers take the whole call at once."""
     batches: list[list[PreparedImage]] = []
     current: list[PreparedImage] = []
