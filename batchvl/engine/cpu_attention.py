@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import torch
 
-SCORE_BLOCK_ELEMENTS = (
-    4 * 2**20
-)  # scores held per block of queries: 8 MB in bf16, within the last-level cache
+# Scores held per block of queries: 8 MB in bf16, within the last-level cache.
+SCORE_BLOCK_ELEMENTS = 4 * 2**20
 MIN_QUERY_BLOCK = 32  # fewer query rows per matmul and the per-call overhead shows
 
 

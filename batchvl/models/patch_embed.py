@@ -49,11 +49,11 @@ def is_patch_conv(module: torch.nn.Module) -> bool:
     )
 
 
-def patch_convs_as_linear(vision_tower: torch.nn.Module) -> int:
-    """Replace the tower's patch convolutions with `PatchLinear`; returns how many were replaced."""
+def patch_convs_as_linear(model: torch.nn.Module) -> int:
+    """Replace the model's patch convolutions with `PatchLinear`; returns how many were replaced."""
     targets = [
         (parent, name)
-        for parent in vision_tower.modules()
+        for parent in model.modules()
         for name, child in parent.named_children()
         if is_patch_conv(child)
     ]
