@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import sys
+import traceback
 from pathlib import Path
 from typing import Annotated
 
@@ -306,7 +307,7 @@ def main() -> None:
         app(standalone_mode=False)
     except UserError as exc:
         if os.environ.get("BATCHVL_DEBUG"):
-            raise
+            traceback.print_exc()  # the same exit code: scripts that test for 2 must not change behaviour
         typer.echo(f"error: {exc}", err=True)
         sys.exit(2)
     except JobEnded as ended:

@@ -55,7 +55,9 @@ class InputConfig:
     image_column: str = _key(
         "image", "Table column with image bytes, a {bytes, path} struct, a path, or a list of these"
     )
-    key_column: str | None = _key(None, "Column used as the sample key (null: the row index)")
+    key_column: str | None = _key(
+        None, "Column used as the sample key (null: the row index; a row whose key is null gets its index)"
+    )
     root: str | None = _key(
         None, "Folder that relative media paths in tables resolve against (null: the table file's folder)"
     )
@@ -75,7 +77,9 @@ class PromptConfig:
 class SamplingConfig:
     max_new_tokens: int = _key(128, "Most tokens generated per request")
     max_new_tokens_field: str | None = _key(
-        None, "Sample field (input column) holding a per-sample token limit, used instead of max_new_tokens"
+        None,
+        "Sample field (input column) holding a per-sample token limit, used instead of max_new_tokens "
+        "(a null value falls back to max_new_tokens)",
     )
     temperature: float = _key(0.0, "0 = greedy")
     top_p: float = _key(1.0, "Nucleus sampling mass (1 = off)")
@@ -341,12 +345,31 @@ def job_config_from_dict(
     return _resolve_paths(cfg, Path(base_dir) if base_dir is not None else Path.cwd())
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """A YAML loader that refuses a key given twice in one mapping: PyYAML keeps the last one silently,
+    so a second `sampling:` section would quietly replace the first."""
+
+    def construct_mapping(self, node, deep=False):
+        first_line: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if key in first_line:
+                raise ConfigError(
+                    f"{self.name}: key '{key}' is given twice (lines {first_line[key]} and {line}); "
+                    "keep one and merge the values into it"
+                )
+            first_line[key] = line
+        return super().construct_mapping(node, deep)
+
+
 def load_job_config(path: str | Path, overrides: Sequence[str] = ()) -> JobConfig:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"job file not found: {path}")
     try:
-        data = yaml.safe_load(path.read_text())
+        with path.open() as handle:
+            data = yaml.load(handle, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""

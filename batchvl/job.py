@@ -115,6 +115,8 @@ def max_new_tokens_of(cfg: JobConfig, fields: dict) -> int:
     if name is None:
         return cfg.sampling.max_new_tokens
     value = fields.get(name)
+    if value is None:  # a null cell, or a sample without the field: the job's own limit
+        return cfg.sampling.max_new_tokens
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise SampleError(
             "missing_field",

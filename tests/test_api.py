@@ -106,6 +106,12 @@ def test_caption_gives_the_cli_rows(tmp_path, tiny_model_dir, loaded_fp32, in_me
     assert sorted(set(frame["shard"])) == ["data-00000-of-00002.arrow", "data-00001-of-00002.arrow"]
     assert results.stats["images_encoded"] == 4  # the repeated image is encoded once
 
+    # The README's join-back: one row per image that got a caption (not one per prompt).
+    captions = results.ok.filter(lambda row: row["prompt"] == "caption")
+    labeled = in_memory.select([int(k) for k in captions["key"]]).add_column("caption", captions["text"])
+    assert labeled.num_rows == len(images) - 1  # every image but the broken one
+    assert labeled["question"] == [q for i, q in enumerate(questions) if i != 2]
+
 
 def test_caption_resumes_and_refuses_another_dataset(tmp_path, loaded_fp32, in_memory):
     options = dict(model=loaded_fp32, prompts="Describe this image.", sampling={"max_new_tokens": 4})

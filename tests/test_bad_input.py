@@ -3,7 +3,9 @@
 import io
 import json
 import os
+import struct
 import tarfile
+import zlib
 
 import numpy as np
 import pyarrow as pa
@@ -43,6 +45,17 @@ def sixteen_bit_png() -> bytes:
     return encode(Image.fromarray(np.linspace(0, 65535, 40 * 60).reshape(40, 60).astype(np.uint16)), "PNG")
 
 
+def png_header_only(width: int, height: int) -> bytes:
+    """A PNG whose header claims width x height (its pixel data is absent): opening it reads the header
+    only, so a 20000x20000 image costs nothing to make."""
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IEND", b"")
+
+
 GOOD_JPEG = encode(random_image(60, 80, 0), "JPEG")
 GOOD_PNG = encode(random_image(50, 70, 1), "PNG")
 GIF, GIF_FIRST_FRAME = animated_gif()
@@ -56,6 +69,8 @@ MATRIX = [
     ("truncated-jpeg", GOOD_JPEG[: len(GOOD_JPEG) // 2], "what?", "image_decode_error", "image_decode_error"),
     ("truncated-png", GOOD_PNG[: len(GOOD_PNG) // 2], "what?", "image_decode_error", "image_decode_error"),
     ("bomb", encode(Image.new("L", (3000, 3000)), "PNG"), "what?", "image_too_large", "image_too_large"),
+    # Past twice the limit Pillow's own guard fires inside Image.open: still too large, not undecodable.
+    ("huge-png", png_header_only(20000, 20000), "what?", "image_too_large", "image_too_large"),
     ("one-pixel", encode(random_image(1, 1, 2), "PNG"), "what?", "ok", "ok"),
     (
         "aspect-1x2000",
@@ -133,6 +148,7 @@ def test_every_bad_image_is_an_error_row_and_the_rest_complete(tmp_path, loaded_
     # animated GIF: its first frame, so the same output as that frame on its own
     assert rows[("animated-gif", "caption")]["text"] == rows[("gif-first-frame", "caption")]["text"]
     assert "preprocess.max_image_pixels" in rows[("bomb", "caption")]["error_message"]
+    assert "400000000 pixels, over preprocess.max_image_pixels" in rows[("huge-png", "ask")]["error_message"]
     assert "question" in rows[("no-question", "ask")]["error_message"]
     assert summary.stats["errors"] == sum((m[3] != "ok") + (m[4] != "ok") for m in MATRIX)
 
@@ -145,11 +161,17 @@ def test_bad_paths_and_truncated_tar_through_a_job(tmp_path, loaded_fp32):
     os.symlink(tmp_path / "secret.png", root / "escape.png")
     (root / "clip.mp4").write_bytes(os.urandom(2000))
     (root / "empty.jpg").write_bytes(b"")
+    (root / "empty.mp4").write_bytes(b"")
+    (root / "folder.png").mkdir()
+    os.mkfifo(root / "pipe.png")  # opening it for reading would block forever
     (root / "good.mp4").write_bytes(video_bytes(12, 10))
     paths = [
         "ok.png",
         "good.mp4",
         "empty.jpg",
+        "empty.mp4",
+        "folder.png",
+        "pipe.png",
         "missing.png",
         "../../etc/passwd",
         "/etc/passwd",
@@ -167,12 +189,17 @@ def test_bad_paths_and_truncated_tar_through_a_job(tmp_path, loaded_fp32):
         "ok.png": None,
         "good.mp4": None,
         "empty.jpg": "empty_image",
+        "empty.mp4": "empty_video",
+        "folder.png": "not_a_file",
+        "pipe.png": "not_a_file",
         "missing.png": "file_not_found",
         "../../etc/passwd": "path_outside_root",
         "/etc/passwd": "path_outside_root",
         "escape.png": "path_outside_root",
         "clip.mp4": "video_decode_error",
     }
+    assert "a named pipe (FIFO), not a file" in rows[("pipe.png", "caption")]["error_message"]
+    assert "a directory, not a file" in rows[("folder.png", "caption")]["error_message"]
 
     members = []
     for i in range(5):

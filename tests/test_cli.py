@@ -14,8 +14,8 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 from tests.conftest import random_image, two_prompt_job_yaml
 
 
-def batchvl(*args, cwd=None):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+def batchvl(*args, cwd=None, env=None):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
     return subprocess.run(
         [sys.executable, "-m", "batchvl", *map(str, args)], capture_output=True, text=True, cwd=cwd, env=env
     )
@@ -127,6 +127,15 @@ def test_user_mistakes_are_one_line_exit_2(job, override, fragment):
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and fragment in lines[0] and lines[0].startswith("error: ")
+
+
+def test_debug_shows_the_traceback_and_keeps_exit_2(job):
+    root, _ = job
+    env = {"BATCHVL_DEBUG": "1"}
+    result = batchvl("run", root / "job.yaml", "--set", "engine.max_num_seq=3", "--no-progress", env=env)
+    assert result.returncode == 2
+    assert "Traceback (most recent call last)" in result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("error: unknown key 'engine.max_num_seq'")
 
 
 def test_unknown_model_type_is_a_user_error(job, tmp_path):

@@ -49,6 +49,13 @@ def test_unknown_key_suggests_the_close_one(tmp_path):
     assert "engine.max_num_seq" in message and "did you mean 'engine.max_num_seqs'" in message
 
 
+def test_a_key_given_twice_is_refused_naming_both_lines(tmp_path):
+    message = error_of(tmp_path, MINIMAL + "sampling: {max_new_tokens: 3}\nsampling: {temperature: 1}\n")
+    assert "key 'sampling' is given twice (lines 5 and 6)" in message
+    nested = MINIMAL + "engine:\n  max_num_seqs: 4\n  lookahead: 2\n  max_num_seqs: 8\n"
+    assert "key 'max_num_seqs' is given twice (lines 6 and 8)" in error_of(tmp_path, nested)
+
+
 def test_unknown_section_suggests(tmp_path):
     assert "did you mean 'sampling'" in error_of(tmp_path, MINIMAL + "sampeling: {}\n")
 

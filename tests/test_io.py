@@ -81,8 +81,9 @@ def test_path_column_is_confined_to_root(tmp_path):
 
 
 def test_key_column_and_missing_columns(tmp_path):
-    path = write_table(tmp_path / "k.parquet", {"image": [b"x", b"y"], "id": [10, 11]})
-    assert [s.key for s in read_all(path, key_column="id")] == ["10", "11"]
+    path = write_table(tmp_path / "k.parquet", {"image": [b"x", b"y", b"z"], "id": [10, None, 12]})
+    # A null key is the row's index, as without a key column; never the text 'None'.
+    assert [s.key for s in read_all(path, key_column="id")] == ["10", "1", "12"]
     with pytest.raises(UserError, match="input.key_column"):
         read_all(path, key_column="nope")
     with pytest.raises(UserError, match="input.image_column"):

@@ -26,9 +26,11 @@ def test_each_sample_generates_its_own_number_of_tokens(tmp_path, tiny_model_dir
     for row in rows:
         by_key.setdefault(row["key"], []).append(row)
     for key, budget in zip(keys, budgets, strict=True):
-        if budget:
+        if budget is None:  # a null cell: the job's own sampling.max_new_tokens (6)
+            assert [r["num_output_tokens"] for r in by_key[key]] == [6, 6]
+        elif budget:
             assert [r["num_output_tokens"] for r in by_key[key]] == [budget, budget]
             assert {r["finish_reason"] for r in by_key[key]} == {"length"}
-        else:  # a missing or non-positive limit is this sample's error, not the job's
+        else:  # a non-positive limit is this sample's error, not the job's
             assert {(r["status"], r["error_type"]) for r in by_key[key]} == {("error", "missing_field")}
             assert "'budget' must hold a positive integer" in by_key[key][0]["error_message"]

@@ -270,3 +270,18 @@ def test_report_in_headless_chromium(finished_job, chromium, tmp_path):
     assert np.abs(shown - expected).mean() < 6
     background = np.asarray(screenshot.crop((0, 0, 8, 8)), np.int16)
     assert np.abs(shown - background.mean((0, 1))).mean() > 20  # not a blank region
+
+
+def test_report_on_an_output_dir_that_does_not_exist_is_a_user_error(finished_job):
+    root, _, _ = finished_job
+    done = subprocess.run(
+        [sys.executable, "-m", "batchvl", "report", "job.yaml", "--set", "output.dir=never-ran"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert done.returncode == 2
+    (line,) = done.stderr.strip().splitlines()
+    assert "never-ran does not exist: run the job first" in line
+    assert not (root / "never-ran").exists()

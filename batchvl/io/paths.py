@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import os
+import stat
 
 from batchvl.errors import SampleError, UserError
 
@@ -13,9 +14,31 @@ def resolve_under_root(path: str, root: str) -> str:
     resolved = os.path.realpath(os.path.join(root, path))
     if os.path.isabs(path) or os.path.commonpath([resolved, root]) != root:
         raise SampleError("path_outside_root", f"media path '{path}' resolves outside input.root '{root}'")
-    if not os.path.isfile(resolved):
+    if not os.path.exists(resolved):
         raise SampleError("file_not_found", f"media file not found: {resolved}")
+    if not os.path.isfile(resolved):
+        raise SampleError("not_a_file", f"media path is {_kind_of(resolved)}, not a file: {resolved}")
     return resolved
+
+
+def _kind_of(path: str) -> str:
+    mode = os.stat(path).st_mode
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISFIFO(mode):
+        return "a named pipe (FIFO)"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    return "not a regular file"
+
+
+def is_empty_file(path: str) -> bool:
+    try:
+        return os.path.getsize(path) == 0
+    except OSError:
+        return False  # a missing file is reported where it is opened
 
 
 def match_files(patterns: list[str], suffixes: tuple[str, ...], what: str) -> list[str]:

@@ -52,7 +52,9 @@ class RowSampler:
         yield ShardEnd(shard.shard, start)
 
     def sample(self, shard: str, index: int, row: dict[str, Any], root: str) -> Sample:
-        key = str(row[self.key_column]) if self.key_column else str(index)
+        # A null key (or no key column) is the row index: never the text 'None'.
+        key_value = row[self.key_column] if self.key_column else None
+        key = str(index) if key_value is None else str(key_value)
         fields = {
             k: v for k, v in row.items() if k not in (self.image_column, self.key_column) and is_scalar(v)
         }

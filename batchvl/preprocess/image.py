@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import io
-import os
+import re
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -12,6 +12,7 @@ import numpy as np
 from PIL import Image, ImageOps
 
 from batchvl.errors import SampleError
+from batchvl.io.paths import is_empty_file
 from batchvl.io.types import MediaRef
 from batchvl.preprocess.media import PreparedImage
 
@@ -20,24 +21,27 @@ SIXTEEN_BIT_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I")
 
 def open_image(data: bytes | None, path: str | None, max_image_pixels: int) -> Image.Image:
     """Open and fully decode, refusing images over `max_image_pixels` from their header alone."""
-    if (data is not None and len(data) == 0) or (data is None and path and _is_empty_file(path)):
+    if (data is not None and len(data) == 0) or (data is None and path and is_empty_file(path)):
         raise SampleError("empty_image", f"image {'file ' + path if path else 'data'} is empty (0 bytes)")
+    # Pillow's own bomb guard follows the job's limit: it warns above it (our header check below gives
+    # the message) and raises above twice it, already inside Image.open. The setting is per process; a
+    # worker only ever opens images for one job.
+    Image.MAX_IMAGE_PIXELS = max_image_pixels
     try:
         with warnings.catch_warnings():
-            # Pillow's own bomb check warns or raises at its fixed limit; ours is the job's setting.
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             image = Image.open(io.BytesIO(data) if data is not None else path)
             width, height = image.size
             if width * height > max_image_pixels:
                 raise SampleError(
-                    "image_too_large",
-                    f"image is {width}x{height} = {width * height} pixels, over "
-                    f"preprocess.max_image_pixels={max_image_pixels}",
+                    "image_too_large", _too_large(f"{width}x{height} = {width * height}", max_image_pixels)
                 )
             image.load()  # an animated image (GIF, APNG, WebP) stays on its first frame
         return image
     except SampleError:
         raise
+    except Image.DecompressionBombError as exc:
+        raise SampleError("image_too_large", _too_large(_bomb_size(exc), max_image_pixels)) from exc
     except FileNotFoundError as exc:
         raise SampleError("file_not_found", f"image file not found: {path}") from exc
     except Image.UnidentifiedImageError as exc:
@@ -46,15 +50,21 @@ def open_image(data: bytes | None, path: str | None, max_image_pixels: int) -> I
         raise SampleError(
             "image_decode_error", f"cannot decode image: not a format Pillow can read ({source})"
         ) from exc
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
+    except (OSError, SyntaxError, ValueError) as exc:
         raise SampleError("image_decode_error", f"cannot decode image: {exc}") from exc
 
 
-def _is_empty_file(path: str) -> bool:
-    try:
-        return os.path.getsize(path) == 0
-    except OSError:
-        return False  # a missing file is reported by open()
+def _too_large(size: str, max_image_pixels: int) -> str:
+    return (
+        f"image is {size} pixels, over preprocess.max_image_pixels={max_image_pixels} "
+        "(raise it to caption such images)"
+    )
+
+
+def _bomb_size(exc: Exception) -> str:
+    """The pixel count from Pillow's message ('Image size (400000000 pixels) exceeds limit ...')."""
+    match = re.search(r"\((\d+) pixels\)", str(exc))
+    return match[1] if match else "more than twice that many"
 
 
 def to_rgb(image: Image.Image) -> Image.Image:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from batchvl.errors import SampleError
+from batchvl.io.paths import is_empty_file
 
 
 @dataclass(frozen=True)
@@ -71,8 +72,8 @@ def decode_video(
     except ImportError as exc:  # a core dependency, but a broken install should say what is missing
         raise SampleError("video_unsupported", "video decoding needs PyAV: pip install av") from exc
 
-    if (data is not None and len(data) == 0) or (data is None and path is None):
-        raise SampleError("empty_video", "video is empty (0 bytes)")
+    if (data is not None and len(data) == 0) or (data is None and (path is None or is_empty_file(path))):
+        raise SampleError("empty_video", f"video {'file ' + path if path else 'data'} is empty (0 bytes)")
     try:
         total, native_fps = _count_frames(data, path)
         if total == 0:

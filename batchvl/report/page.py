@@ -21,6 +21,7 @@ import pyarrow.compute as pc
 
 from batchvl import __version__
 from batchvl.config import JobConfig
+from batchvl.errors import UserError
 from batchvl.io.results import committed_outputs, results_table
 from batchvl.io.sources import make_source
 from batchvl.io.writers import write_text_atomic
@@ -191,6 +192,11 @@ def write_report(
     cfg: JobConfig, path: str | None = None, samples: int = 24, seed: int = 0
 ) -> tuple[str, Report]:
     """Write the report (default: output.dir/report.html) atomically; return where, and the report."""
+    if not os.path.isdir(cfg.output.dir):
+        raise UserError(
+            f"output.dir {cfg.output.dir} does not exist: run the job first (batchvl run), or point "
+            "output.dir at the folder it wrote"
+        )
     report = build_report(cfg, samples, seed)
     target = path or os.path.join(cfg.output.dir, REPORT_NAME)
     write_text_atomic(target, report.html)
