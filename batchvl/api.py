@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from batchvl.config import JobConfig, job_config_from_dict, load_job_config
 from batchvl.errors import UserError
 from batchvl.io.results import committed_outputs, results_table
-from batchvl.io.sources import make_source
+from batchvl.io.sources import job_source
 from batchvl.models.loader import LoadedModel
 from batchvl.models.loader import load_model as _load_model
 
@@ -184,7 +184,7 @@ def read_results(job: JobConfig | Mapping[str, Any] | str | Path) -> datasets.Da
     from datasets.table import InMemoryTable
 
     cfg = _job_config(job, ())
-    outputs = committed_outputs(cfg.output.dir, make_source(cfg.input).list_shards())
+    outputs = committed_outputs(cfg.output.dir, job_source(cfg).list_shards())
     return datasets.Dataset(InMemoryTable(results_table(outputs)))
 
 

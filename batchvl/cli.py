@@ -106,27 +106,28 @@ def run(
 
 @app.command()
 def validate(job_file: JobFile, set_: SetOption = None, log_level: LogLevel = "warning") -> None:
-    """Check a job file, list its input shards and load the model's config, without running."""
+    """Check everything `run` checks before it works (job file, model, input schemas, output folder), and
+    list the input shards; runs nothing and writes nothing."""
     _setup_logging(log_level)
     from batchvl.config import load_job_config
-    from batchvl.io.sources import make_source
     from batchvl.models.loader import read_model_type
-    from batchvl.models.registry import model_family
+    from batchvl.plan import plan_job
 
     cfg = load_job_config(job_file, set_ or [])
-    shards = make_source(cfg.input).list_shards()
-    model_type = read_model_type(cfg.model.path, cfg.model.trust_remote_code)
-    model_family(model_type)
+    plan = plan_job(cfg)
     typer.echo(f"job file ok: {job_file}")
-    typer.echo(f"model: {cfg.model.path} ({model_type})")
+    typer.echo(f"model: {cfg.model.path} ({read_model_type(cfg.model.path, cfg.model.trust_remote_code)})")
     typer.echo(f"prompts: {', '.join(p.name for p in cfg.prompts)}")
-    counts = [s.num_rows for s in shards]
+    counts = [s.num_rows for s in plan.listing]
     total = f"{sum(counts)} samples" if None not in counts else "sample count known after reading"
-    typer.echo(f"input ({cfg.input.format}): {len(shards)} shard(s), {total}")
-    for shard in shards:
+    typer.echo(f"input ({cfg.input.format}): {len(plan.listing)} shard(s), {total}")
+    for shard in plan.listing:
         rows = "?" if shard.num_rows is None else shard.num_rows
         typer.echo(f"  {shard.shard}  {rows} samples")
-    typer.echo(f"output: {cfg.output.dir}")
+    typer.echo(
+        f"output: {cfg.output.dir} ({plan.resume.num_done} shard(s) committed, "
+        f"{len(plan.resume.pending)} to run)"
+    )
 
 
 @app.command("retry-failed")
@@ -191,12 +192,12 @@ def slurm(
     """Write an sbatch script for a Slurm array job running `batchvl run` (and submit it with --submit)."""
     _setup_logging("warning")
     from batchvl.config import load_job_config
-    from batchvl.io.sources import make_source
+    from batchvl.plan import plan_job
     from batchvl.slurm import ArrayJob, write_array_job
     from batchvl.slurm import submit as sbatch_submit
 
     cfg = load_job_config(job_file, set_ or [])
-    num_shards = len(make_source(cfg.input).list_shards())
+    num_shards = len(plan_job(cfg).listing)  # the tasks' own preflight, before anything is submitted
     job = ArrayJob(
         job_file=str(job_file.resolve()),
         out_dir=cfg.output.dir,

@@ -37,15 +37,14 @@ from batchvl.engine.vit_dp import (
 )
 from batchvl.errors import ErrorBudgetExceeded, SampleError, StoppedBySignal, UserError
 from batchvl.io.commit import ShardMarker, commit_shard
-from batchvl.io.sources import make_source
+from batchvl.io.sources import job_source
 from batchvl.io.types import ShardEnd, ShardInfo
 from batchvl.io.writers import ResultRow, write_json_atomic
-from batchvl.models.loader import LoadedModel, load_model, read_model_type
-from batchvl.models.registry import model_family
+from batchvl.models.loader import LoadedModel, load_model
+from batchvl.plan import JobPlan, plan_job
 from batchvl.preprocess.pool import PreprocessPool, default_workers
 from batchvl.preprocess.sample import PreparedSample, SampleProcessor
-from batchvl.resume import plan_shards
-from batchvl.tasks import TaskSlice, shards_of_task
+from batchvl.tasks import TaskSlice
 from batchvl.utils.background import END, BackgroundIterator
 from batchvl.utils.memory import HeapTrimmer, keep_freed_memory
 from batchvl.utils.stats import RunStats
@@ -214,6 +213,7 @@ class JobRunner:
         self.stop = StopRequests()
         # shard -> sample index -> prompt indices to run; None runs every (sample, prompt) of a shard
         self.selection: dict[str, dict[int, frozenset[int]]] | None = None
+        self.planning_config = cfg  # the config whose shards these are (a retry's job, not its overrides)
         self.out_dir = cfg.output.dir
         self.output_defining = output_defining_config(cfg)
         self.fingerprint = fingerprint_of(self.output_defining)
@@ -272,12 +272,11 @@ class JobRunner:
 
     def _run_shards(self, context: DistributedContext | None) -> RunSummary:
         start = time.perf_counter()
-        # Check the model folder even when every shard is done: a wrong path is a mistake to report.
-        model_family(read_model_type(self.cfg.model.path, self.cfg.model.trust_remote_code))
-        shards = shards_of_task(make_source(self.cfg.input).list_shards(), self.task)
-        self.stats.shards_total = len(shards)
-        pending = self._pending_shards(shards)
-        self.stats.shards_skipped = len(shards) - len(pending)
+        # Every check runs even when every shard is done: a wrong path is a mistake to report.
+        plan = plan_job(self.planning_config, self.task, record=True)
+        self.stats.shards_total = len(plan.shards)
+        pending = self._pending_shards(plan)
+        self.stats.shards_skipped = len(plan.shards) - len(pending)
         engine = None
         if pending and not self.stop.requested:
             loaded = self._load()
@@ -301,14 +300,11 @@ class JobRunner:
         stats_path = self._write_stats(stats)
         return RunSummary(self.out_dir, stats_path, stats)
 
-    def _pending_shards(self, shards: list[ShardInfo]) -> list[ShardInfo]:
+    def _pending_shards(self, plan: JobPlan) -> list[ShardInfo]:
         """The task's shards to run now: those not committed (all with overwrite)."""
-        plan = plan_shards(
-            self.out_dir, shards, self.output_defining, self.fingerprint, self.cfg.output.overwrite
-        )
-        if plan.num_done:
-            logger.info("skipping %d committed shard(s) in %s", plan.num_done, self.out_dir)
-        return plan.pending
+        if plan.resume.num_done:
+            logger.info("skipping %d committed shard(s) in %s", plan.resume.num_done, self.out_dir)
+        return plan.resume.pending
 
     def _check_ending(self, stats: dict) -> None:
         """Raise when the run ended early on purpose; its shards are committed by now."""
@@ -333,7 +329,7 @@ class JobRunner:
         pre = self.cfg.preprocess
         workers = default_workers() if pre.workers is None else pre.workers
         pool = PreprocessPool(
-            make_source(self.cfg.input),
+            job_source(self.cfg),
             shards,
             sample_processor(self.cfg, self.loaded),
             workers,

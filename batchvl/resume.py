@@ -28,8 +28,14 @@ class ShardPlan:
 
 
 def plan_shards(
-    out_dir: str, shards: list[ShardInfo], output_defining: dict, fingerprint: str, overwrite: bool
+    out_dir: str,
+    shards: list[ShardInfo],
+    output_defining: dict,
+    fingerprint: str,
+    overwrite: bool,
+    clean: bool = True,
 ) -> ShardPlan:
+    """`clean`: also remove temp files left by killed runs on this host (a run does; a preflight looks)."""
     pending, stale = [], []
     changed: set[str] = set()
     for shard in shards:
@@ -45,6 +51,6 @@ def plan_shards(
             f"{out_dir} holds {len(stale)} shard(s) written with a different config (changed: {keys}); "
             "rerun with --overwrite to recompute them, or set output.dir to a new folder"
         )
-    for shard in shards:
+    for shard in shards if clean else ():
         remove_stale_temps(output_path(out_dir, shard.shard))
     return ShardPlan(shards, pending)

@@ -23,6 +23,7 @@ from batchvl.io.types import ShardInfo
 from batchvl.io.writers import output_path, rows_to_table, write_table_atomic
 from batchvl.job import JobRunner, RunSummary, ShardProgress
 from batchvl.models.loader import LoadedModel
+from batchvl.plan import JobPlan
 from batchvl.tasks import TaskSlice
 
 logger = logging.getLogger(__name__)
@@ -52,16 +53,17 @@ class RetryRunner(JobRunner):
     ):
         _refuse_changed_rows(job, retry)
         super().__init__(retry, loaded, show_progress, task)
+        self.planning_config = job
         self.job_output_defining = output_defining_config(job)
         self.overrides = overrides
         self.stats.mode = "retry-failed"
         self.prompt_order = {prompt.name: i for i, prompt in enumerate(job.prompts)}
         self.not_committed = 0
 
-    def _pending_shards(self, shards: list[ShardInfo]) -> list[ShardInfo]:
+    def _pending_shards(self, plan: JobPlan) -> list[ShardInfo]:
         """Committed shards with error rows; selects exactly those rows."""
         self.selection = {}
-        for shard in shards:
+        for shard in plan.shards:
             marker = read_marker(self.out_dir, shard.shard)
             if marker is None:
                 self.not_committed += 1
@@ -78,7 +80,7 @@ class RetryRunner(JobRunner):
             logger.warning(
                 "%d shard(s) are not committed yet; `batchvl run` finishes them", self.not_committed
             )
-        return [s for s in shards if self.selection.get(s.shard)]
+        return [s for s in plan.shards if self.selection.get(s.shard)]
 
     def _failed_rows(self, shard: str) -> dict[int, frozenset[int]]:
         table = pq.read_table(output_path(self.out_dir, shard), columns=["sample_index", "prompt", "status"])

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from batchvl.config import JobConfig, config_fingerprint
 from batchvl.io.commit import read_marker
-from batchvl.io.sources import make_source
+from batchvl.io.sources import job_source
 from batchvl.slurm import array_expression, read_array_job
 from batchvl.tasks import TaskSlice, parse_task_slice, shards_of_task
 
@@ -63,7 +63,7 @@ def job_status(cfg: JobConfig, num_tasks: int | None = None) -> JobStatus:
     if num_tasks is None:
         num_tasks = array.num_tasks if array else max((n for n, _ in stats), default=1)
     fingerprint = config_fingerprint(cfg)
-    listing = make_source(cfg.input).list_shards()
+    listing = job_source(cfg).list_shards()
     status = JobStatus(out_dir, num_tasks, [], script=array.script_path if array else None)
     for index in range(num_tasks):
         task = TaskStatus(index)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from batchvl.config import InputConfig
 from batchvl.errors import UserError
-from batchvl.io.paths import relative_ids
+from batchvl.io.paths import glob_base, has_glob, relative_id
 from batchvl.io.rows import RowSampler
 from batchvl.io.types import Sample, ShardEnd, ShardInfo
 
@@ -42,19 +42,23 @@ class HFDatasetSource:
         self.rows = RowSampler(cfg.image_column, cfg.key_column, cfg.root)
 
     def list_shards(self) -> list[ShardInfo]:
+        """Each Arrow file, named relative to the folder the pattern names: the dataset folder itself for a
+        plain path, the part before the first wildcard for a glob over several datasets."""
         import datasets
 
-        files: list[str] = []
+        found: dict[str, str] = {}
         for pattern in self.paths:
             folders = sorted(p for p in glob.glob(pattern) if os.path.isdir(p))
             if not folders:
                 raise UserError(f"input.paths: no dataset folder matches '{pattern}'; check the path or glob")
+            base = glob_base(pattern) if has_glob(pattern) else pattern
             for folder in folders:
-                files.extend(f for f in dataset_arrow_files(os.path.abspath(folder)) if f not in files)
+                for path in dataset_arrow_files(os.path.abspath(folder)):
+                    found.setdefault(path, relative_id(path, base))
         shards = []
-        for path, shard_id in zip(files, relative_ids(files), strict=True):
-            num_rows = datasets.Dataset.from_file(path).num_rows
-            shards.append(ShardInfo(shard_id, path, num_rows))
+        for path, shard_id in sorted(found.items(), key=lambda item: item[1]):
+            table = datasets.Dataset.from_file(path)  # memory-mapped: row count and columns without reading
+            shards.append(ShardInfo(shard_id, path, table.num_rows, columns=tuple(table.column_names)))
         return shards
 
     def iter_shard(self, shard: ShardInfo, keep: Callable[[int], bool]) -> Iterator[Sample | ShardEnd]:

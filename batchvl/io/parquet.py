@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 
 from batchvl.config import InputConfig
 from batchvl.errors import UserError
-from batchvl.io.paths import match_files, relative_ids
+from batchvl.io.paths import match_files
 from batchvl.io.rows import RowSampler
 from batchvl.io.types import Sample, ShardEnd, ShardInfo
 
@@ -23,14 +23,14 @@ class ParquetSource:
         self.rows = RowSampler(cfg.image_column, cfg.key_column, cfg.root)
 
     def list_shards(self) -> list[ShardInfo]:
-        paths = match_files(self.paths, (".parquet",), "Parquet files")
         shards = []
-        for path, shard_id in zip(paths, relative_ids(paths), strict=True):
+        for path, shard_id in match_files(self.paths, (".parquet",), "Parquet files"):
             try:
-                num_rows = pq.ParquetFile(path).metadata.num_rows
+                footer = pq.ParquetFile(path)  # the footer only: row count and schema
             except (pa.ArrowInvalid, OSError) as exc:
                 raise UserError(f"input file '{path}' is not a readable Parquet file: {exc}") from None
-            shards.append(ShardInfo(shard_id, path, num_rows))
+            columns = tuple(footer.schema_arrow.names)
+            shards.append(ShardInfo(shard_id, path, footer.metadata.num_rows, columns=columns))
         return shards
 
     def iter_shard(self, shard: ShardInfo, keep: Callable[[int], bool]) -> Iterator[Sample | ShardEnd]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import glob
 import os
 import stat
@@ -41,9 +42,40 @@ def is_empty_file(path: str) -> bool:
         return False  # a missing file is reported where it is opened
 
 
-def match_files(patterns: list[str], suffixes: tuple[str, ...], what: str) -> list[str]:
-    """Sorted absolute paths of files matching any glob that end with one of `suffixes`."""
-    files: set[str] = set()
+def has_glob(part: str) -> bool:
+    return any(char in part for char in "*?[")
+
+
+def glob_base(pattern: str) -> str:
+    """The folder a glob's matches are named relative to: its part before the first wildcard (for a plain
+    path, its folder). It depends on the pattern alone, so adding another input pattern to a job never
+    renames the shards this one matches."""
+    parts = pattern.split(os.sep)
+    for index, part in enumerate(parts):
+        if has_glob(part):
+            return os.sep.join(parts[:index]) or os.sep
+    return os.path.dirname(pattern)
+
+
+def glob_matches(pattern: str, path: str) -> bool:
+    """Whether `path` would be matched by `pattern` (absolute, '/'-separated, `**` for any depth)."""
+
+    def match(pattern_parts: list[str], path_parts: list[str]) -> bool:
+        if not pattern_parts:
+            return not path_parts
+        head, rest = pattern_parts[0], pattern_parts[1:]
+        if head == "**":
+            return any(match(rest, path_parts[skip:]) for skip in range(len(path_parts) + 1))
+        return bool(path_parts) and fnmatch.fnmatchcase(path_parts[0], head) and match(rest, path_parts[1:])
+
+    return match(pattern.strip(os.sep).split(os.sep), path.strip(os.sep).split(os.sep))
+
+
+def match_files(patterns: list[str], suffixes: tuple[str, ...], what: str) -> list[tuple[str, str]]:
+    """(absolute path, shard id) of the files matching any glob that end with one of `suffixes`, sorted
+    by id. The id is the path relative to its pattern's `glob_base`; a file that several patterns match
+    is named by the first of them."""
+    found: dict[str, str] = {}
     for pattern in patterns:
         matched = [
             p
@@ -52,11 +84,11 @@ def match_files(patterns: list[str], suffixes: tuple[str, ...], what: str) -> li
         ]
         if not matched:
             raise UserError(f"input.paths: no {what} match '{pattern}'; check the path or glob")
-        files.update(os.path.abspath(p) for p in matched)
-    return sorted(files)
+        base = glob_base(pattern)
+        for path in matched:
+            found.setdefault(os.path.abspath(path), relative_id(path, base))
+    return sorted(found.items(), key=lambda item: item[1])
 
 
-def relative_ids(paths: list[str]) -> list[str]:
-    """Shard ids: each path relative to the common folder of all of them, with '/' separators."""
-    common = os.path.commonpath([os.path.dirname(p) for p in paths])
-    return [os.path.relpath(p, common).replace(os.sep, "/") for p in paths]
+def relative_id(path: str, base: str) -> str:
+    return os.path.relpath(path, base).replace(os.sep, "/")

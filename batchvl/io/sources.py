@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Protocol
 
-from batchvl.config import InputConfig
+from batchvl.config import InputConfig, JobConfig
 from batchvl.io.folder import FolderSource
 from batchvl.io.hf_dataset import HFDatasetSource
 from batchvl.io.parquet import ParquetSource
@@ -31,5 +31,13 @@ SOURCES = {
 }
 
 
-def make_source(cfg: InputConfig) -> Source:
+def make_source(cfg: InputConfig, out_dir: str | None = None, record: bool = False) -> Source:
+    """The reader of `cfg`'s format. `out_dir` holds what a format records about its shards (the
+    `folder` format's membership); `record` lets the listing write it (a run does, before any work)."""
+    if cfg.format == "folder":
+        return FolderSource(cfg, out_dir, record)
     return SOURCES[cfg.format](cfg)
+
+
+def job_source(cfg: JobConfig, record: bool = False) -> Source:
+    return make_source(cfg.input, cfg.output.dir, record)

@@ -22,10 +22,11 @@ class MediaRef:
 
 @dataclass(frozen=True)
 class ShardInfo:
-    shard: str  # id: the input path relative to the inputs' common folder; names its output file
+    shard: str  # id: the input path relative to its pattern's folder (`glob_base`); names its output file
     path: str  # absolute input path (for `folder` input: the folder)
     num_rows: int | None  # None where only reading the shard tells (tar files)
     members: tuple[str, ...] = ()  # `folder` input: the files of this shard, relative to `path`
+    columns: tuple[str, ...] | None = None  # table inputs: the column names (None: known only by reading)
 
 
 @dataclass

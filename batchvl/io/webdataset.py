@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 
 from batchvl.config import InputConfig
 from batchvl.errors import SampleError
-from batchvl.io.paths import match_files, relative_ids
+from batchvl.io.paths import match_files
 from batchvl.io.types import (
     IMAGE_EXTENSIONS,
     VIDEO_EXTENSIONS,
@@ -79,8 +79,7 @@ class WebDatasetSource:
         self.paths = cfg.paths
 
     def list_shards(self) -> list[ShardInfo]:
-        paths = match_files(self.paths, SUFFIXES, "tar files")
-        return [ShardInfo(sid, path, None) for path, sid in zip(paths, relative_ids(paths), strict=True)]
+        return [ShardInfo(sid, path, None) for path, sid in match_files(self.paths, SUFFIXES, "tar files")]
 
     def iter_shard(self, shard: ShardInfo, keep: Callable[[int], bool]) -> Iterator[Sample | ShardEnd]:
         group: _Group | None = None

@@ -19,6 +19,11 @@ from batchvl.preprocess.media import PreparedImage
 TEMPLATE_FIELD = re.compile(r"\{\{|\}\}|\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
 
+def template_fields(text: str) -> list[str]:
+    """The field names a prompt text inserts, in order."""
+    return [match.group(1) for match in TEMPLATE_FIELD.finditer(text) if match.group(1)]
+
+
 def fill_template(text: str, fields: dict[str, Any]) -> str:
     """Insert the sample's fields into a prompt; a missing or empty field is that request's error."""
 

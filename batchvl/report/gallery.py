@@ -18,7 +18,7 @@ from PIL import Image
 
 from batchvl.config import JobConfig
 from batchvl.errors import SampleError
-from batchvl.io.sources import make_source
+from batchvl.io.sources import job_source
 from batchvl.io.types import MediaRef, Sample
 from batchvl.preprocess.image import decode_image
 
@@ -94,7 +94,7 @@ def read_samples(cfg: JobConfig, wanted: list[tuple[str, int]]) -> list[Sample]:
     by_shard: dict[str, set[int]] = defaultdict(set)
     for shard, index in wanted:
         by_shard[shard].add(index)
-    source = make_source(cfg.input)
+    source = job_source(cfg)
     samples = []
     for info in source.list_shards():
         indices = by_shard.get(info.shard)

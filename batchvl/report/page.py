@@ -23,7 +23,7 @@ from batchvl import __version__
 from batchvl.config import JobConfig
 from batchvl.errors import UserError
 from batchvl.io.results import committed_outputs, results_table
-from batchvl.io.sources import make_source
+from batchvl.io.sources import job_source
 from batchvl.io.writers import write_text_atomic
 from batchvl.report.gallery import GALLERY_CSS, gallery_html, gallery_items
 from batchvl.report.svg import histogram_svg
@@ -157,7 +157,7 @@ def _error_rows_section(errors: pa.Table) -> str:
 
 
 def build_report(cfg: JobConfig, samples: int = 24, seed: int = 0) -> Report:
-    shards = make_source(cfg.input).list_shards()
+    shards = job_source(cfg).list_shards()
     outputs = committed_outputs(cfg.output.dir, shards)
     table = results_table(outputs)
     is_ok = pc.equal(table["status"], "ok")

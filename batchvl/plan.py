@@ -1,0 +1,166 @@
+"""Planning a job: everything a run would refuse is found here, before a model is loaded or a sample read.
+
+`run`, `retry-failed`, `validate` and `slurm` all plan through `plan_job`, so the preflight and the run
+cannot drift apart. A plan checks that:
+- the model folder holds a supported family;
+- `output.dir` is a folder that can be written, holds no input and sits in no input folder or
+  `input.root`, and no input pattern would read its results back as input;
+- every input shard has an output name of its own;
+- every table shard has the columns the job reads (image, key, per-sample token limit) and every
+  `{field}` the prompts use (Parquet footers and Arrow schemas are read, not the rows);
+- the shards already committed were written by this config (`resume.plan_shards`).
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import tempfile
+from dataclasses import dataclass
+
+from batchvl.config import JobConfig, fingerprint_of, output_defining_config
+from batchvl.errors import UserError
+from batchvl.io.paths import glob_matches
+from batchvl.io.sources import job_source
+from batchvl.io.types import ShardInfo
+from batchvl.io.writers import output_path
+from batchvl.models.loader import read_model_type
+from batchvl.models.registry import model_family
+from batchvl.preprocess.prompts import template_fields
+from batchvl.resume import ShardPlan, plan_shards
+from batchvl.tasks import TaskSlice, shards_of_task
+
+OWN_FILES = "_batchvl"  # batchvl's bookkeeping inside output.dir (the notebook API stages its input there)
+
+
+@dataclass(frozen=True)
+class JobPlan:
+    listing: list[ShardInfo]  # every input shard of the job
+    shards: list[ShardInfo]  # this task's shards, in shard id order
+    resume: ShardPlan  # which of them are committed and which to run
+
+
+def plan_job(cfg: JobConfig, task: TaskSlice | None = None, record: bool = False) -> JobPlan:
+    """Check the job and list its shards. `record` (a run) creates `output.dir` and records new folder
+    shards; without it (validate, status) nothing is written."""
+    model_family(read_model_type(cfg.model.path, cfg.model.trust_remote_code))
+    check_output_dir(cfg.output.dir, create=record)
+    listing = job_source(cfg).list_shards()
+    check_output_location(cfg, listing)
+    check_output_names(listing)
+    check_columns(cfg, listing)
+    if record and cfg.input.format == "folder":
+        listing = job_source(cfg, record=True).list_shards()  # the checked listing, now recorded
+    shards = shards_of_task(listing, task)
+    defining = output_defining_config(cfg)
+    resume = plan_shards(
+        cfg.output.dir, shards, defining, fingerprint_of(defining), cfg.output.overwrite, clean=record
+    )
+    return JobPlan(listing, shards, resume)
+
+
+def check_output_dir(out_dir: str, create: bool) -> None:
+    """`out_dir` is (or can become) a folder this process can write to."""
+    existing = out_dir
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise UserError(f"output.dir {out_dir}: {existing} is not a folder; set output.dir to a folder path")
+    try:
+        if create:
+            os.makedirs(out_dir, exist_ok=True)
+        handle, probe = tempfile.mkstemp(prefix=".batchvl-write-check-", dir=out_dir if create else existing)
+        os.close(handle)
+        os.remove(probe)
+    except OSError as exc:
+        raise UserError(
+            f"output.dir {out_dir} cannot be written ({exc.strerror or exc}); set output.dir to a folder "
+            "you can write to"
+        ) from None
+
+
+def _inside(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
+def check_output_location(cfg: JobConfig, listing: list[ShardInfo]) -> None:
+    """Results never land on, among or under the inputs, and are never read back as input."""
+    out = os.path.realpath(cfg.output.dir)
+    fix = "set output.dir to a folder outside the input"
+    for shard in listing:
+        location = os.path.realpath(shard.path)
+        if _inside(location, os.path.join(out, OWN_FILES)):
+            continue
+        if _inside(location, out) or (os.path.isdir(location) and _inside(out, location)):
+            raise UserError(
+                f"output.dir {cfg.output.dir} overlaps the input {shard.path}: results would be written "
+                f"over or among the inputs; {fix}"
+            )
+    if cfg.input.root is not None:
+        root = os.path.realpath(cfg.input.root)
+        if _inside(out, root) or _inside(root, out):
+            raise UserError(f"output.dir {cfg.output.dir} overlaps input.root {cfg.input.root}; {fix}")
+    folders_are_inputs = cfg.input.format in ("folder", "hf_dataset")
+    for pattern in cfg.input.paths:
+        if folders_are_inputs and glob_matches(pattern, cfg.output.dir):
+            raise UserError(f"input.paths pattern '{pattern}' matches output.dir {cfg.output.dir}; {fix}")
+        for shard in listing:
+            if not folders_are_inputs and glob_matches(pattern, output_path(cfg.output.dir, shard.shard)):
+                raise UserError(
+                    f"input.paths pattern '{pattern}' would read the results in {cfg.output.dir} back as "
+                    f"input on the next run; {fix}, or narrow the pattern"
+                )
+
+
+def check_output_names(listing: list[ShardInfo]) -> None:
+    """No two input shards write the same output file (`s.tar` and `s.tar.gz` both make `s.parquet`)."""
+    writers: dict[str, ShardInfo] = {}
+    for shard in listing:
+        name = os.path.normpath(output_path("", shard.shard))
+        first = writers.setdefault(name, shard)
+        if first is not shard:
+            raise UserError(
+                f"inputs {first.path} and {shard.path} would both write {name}; rename one of them, or run "
+                "them as two jobs with different output.dir"
+            )
+
+
+def check_columns(cfg: JobConfig, listing: list[ShardInfo]) -> None:
+    """Each table shard has the columns the job reads; the prompts use only fields samples have."""
+    inp = cfg.input
+    used = {
+        name: prompt.name for prompt in cfg.prompts for name in template_fields(prompt.text) if name != "key"
+    }
+    token_field = cfg.sampling.max_new_tokens_field
+    for shard in listing:
+        if shard.columns is None:
+            if inp.format == "folder" and (used or token_field):
+                name = next(iter(used), token_field)
+                raise UserError(
+                    f"'{name}' is used by the job, but folder input has no fields (only {{key}}, the file's "
+                    "path); use a table input (parquet) to give samples fields"
+                )
+            continue  # tar members' fields are known only by reading them
+        wanted = [
+            ("input.image_column", inp.image_column),
+            ("input.key_column", inp.key_column),
+            ("sampling.max_new_tokens_field", token_field),
+        ]
+        for option, column in wanted:
+            if column is not None and column not in shard.columns:
+                raise UserError(
+                    f"{option}: column '{column}' is not in {shard.path}{_close(column, shard.columns)}; "
+                    f"its columns: {', '.join(shard.columns)}"
+                )
+        fields = [c for c in shard.columns if c not in (inp.image_column, inp.key_column)]
+        for name, prompt in used.items():
+            if name not in fields:
+                raise UserError(
+                    f"prompt '{prompt}' uses {{{name}}}, which is not a column of {shard.path}"
+                    f"{_close(name, fields)}; fields: {', '.join(['key', *fields])}"
+                )
+
+
+def _close(name: str, names: list[str] | tuple[str, ...]) -> str:
+    close = difflib.get_close_matches(name, list(names), n=1)
+    return f" (did you mean '{close[0]}'?)" if close else ""
