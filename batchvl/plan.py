@@ -44,13 +44,15 @@ def plan_job(cfg: JobConfig, task: TaskSlice | None = None, record: bool = False
     """Check the job and list its shards. `record` (a run) creates `output.dir` and records new folder
     shards; without it (validate, status) nothing is written."""
     model_family(read_model_type(cfg.model.path, cfg.model.trust_remote_code))
-    check_output_dir(cfg.output.dir, create=record)
+    check_output_dir(cfg.output.dir, create=False)
     listing = job_source(cfg).list_shards()
     check_output_location(cfg, listing)
     check_output_names(listing)
     check_columns(cfg, listing)
-    if record and cfg.input.format == "folder":
-        listing = job_source(cfg, record=True).list_shards()  # the checked listing, now recorded
+    if record:  # every check passed: now the run may write
+        check_output_dir(cfg.output.dir, create=True)
+        if cfg.input.format == "folder":
+            listing = job_source(cfg, record=True).list_shards()  # the checked listing, now recorded
     shards = shards_of_task(listing, task)
     defining = output_defining_config(cfg)
     resume = plan_shards(

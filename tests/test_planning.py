@@ -1,0 +1,200 @@
+"""Planning refuses what would lose or overwrite data, before any work: shard names that move or collide,
+an output folder over the input or not writable, a shard without the job's columns, a prompt field no
+shard has. Folder shards stay put when files are added. `validate` and `run` refuse the same things."""
+
+import os
+import subprocess
+import sys
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from batchvl.config import job_config_from_dict
+from batchvl.errors import UserError
+from batchvl.io.folder import missing_members
+from batchvl.job import run_job
+from batchvl.plan import plan_job
+from batchvl.tasks import TaskSlice
+from tests.conftest import png_bytes, random_image
+
+
+def config(tmp_path, model_dir, paths, out="out", **sections):
+    fmt = sections.pop("format", "parquet")
+    data = {
+        "model": {"path": str(model_dir), "dtype": "float32", "device": "cpu"},
+        "input": {"paths": paths, "format": fmt, **sections.pop("input", {})},
+        "output": {"dir": out},
+        "sampling": {"max_new_tokens": 3},
+        "preprocess": {"workers": 0},
+        **sections,
+    }
+    return job_config_from_dict(data, tmp_path)
+
+
+def table(path, **columns):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    columns.setdefault("image", [png_bytes(random_image(20, 24, seed=1))])
+    pq.write_table(pa.table(columns), path)
+    return path
+
+
+def refusal(cfg) -> str:
+    with pytest.raises(UserError) as info:
+        plan_job(cfg)
+    assert "\n" not in str(info.value)
+    return str(info.value)
+
+
+def write_images(folder, names):
+    folder.mkdir(parents=True, exist_ok=True)
+    for i, name in enumerate(names):
+        (folder / name).write_bytes(png_bytes(random_image(24, 28 + i, seed=i)))
+
+
+def members(plan) -> dict[str, tuple[str, ...]]:
+    return {shard.shard: shard.members for shard in plan.listing}
+
+
+def test_folder_shards_stay_put_when_files_are_added_removed_or_renamed(tmp_path, tiny_model_dir):
+    photos = tmp_path / "photos"
+    write_images(photos, [f"{c}.png" for c in "bcdefg"])
+    cfg = config(tmp_path, tiny_model_dir, ["photos"], format="folder", input={"files_per_shard": 4})
+    first = members(plan_job(cfg, record=True))
+    assert first == {
+        "photos/part-00000": ("b.png", "c.png", "d.png", "e.png"),
+        "photos/part-00001": ("f.png", "g.png"),
+    }
+    write_images(photos, ["a.png", "h.png"])
+    os.rename(photos / "c.png", photos / "c2.png")
+    # A look (validate, status) proposes the new shard without recording it; a run records it.
+    assert members(plan_job(cfg)) == {**first, "photos/part-00002": ("a.png", "c2.png", "h.png")}
+    assert not (tmp_path / "out" / "_batchvl" / "folder_shards" / "photos" / "part-00002.json").exists()
+    plan = plan_job(cfg, record=True)
+    assert members(plan) == {**first, "photos/part-00002": ("a.png", "c2.png", "h.png")}
+    assert [missing_members(shard) for shard in plan.listing] == [1, 0, 0]  # c.png is gone
+    write_images(photos, ["0.png"])
+    assert members(plan_job(cfg, record=True))["photos/part-00003"] == ("0.png",)
+
+
+def test_adding_files_to_a_folder_job_captions_each_new_file_once(tmp_path, tiny_model_dir, loaded_fp32):
+    photos = tmp_path / "photos"
+    write_images(photos, [f"{c}.png" for c in "bcdefg"])
+    cfg = config(tmp_path, tiny_model_dir, ["photos"], format="folder", input={"files_per_shard": 2})
+    run_job(cfg, loaded=loaded_fp32, show_progress=False, task=TaskSlice(0, 2))  # some shards stay open
+    write_images(photos, ["a.png", "h.png"])
+    summary = run_job(cfg, loaded=loaded_fp32, show_progress=False)
+    assert summary.stats["shards_skipped"] > 0
+    keys = [
+        key
+        for path in sorted((tmp_path / "out" / "photos").glob("*.parquet"))
+        for key in pq.read_table(path)["key"].to_pylist()
+    ]
+    assert sorted(keys) == [f"{c}.png" for c in "abcdefgh"]  # each file once: none skipped, none twice
+
+
+def test_output_dir_over_among_or_inside_the_input_is_refused(tmp_path, tiny_model_dir):
+    data = tmp_path / "d"
+    table(data / "x.parquet")
+    message = refusal(config(tmp_path, tiny_model_dir, [str(data / "*.parquet")], out=str(data)))
+    assert f"output.dir {data} overlaps the input {data / 'x.parquet'}" in message
+    # A recursive glob would read the results back as input on the next run.
+    message = refusal(config(tmp_path, tiny_model_dir, [str(data / "**" / "*.parquet")], out=str(data / "o")))
+    assert "would read the results" in message and str(data / "o") in message
+    # Symlinks are resolved: a link to the input folder is the input folder.
+    os.symlink(data, tmp_path / "link")
+    assert "overlaps the input" in refusal(
+        config(tmp_path, tiny_model_dir, [str(data / "*.parquet")], out=str(tmp_path / "link"))
+    )
+    message = refusal(
+        config(tmp_path, tiny_model_dir, [str(data / "*.parquet")], out="media/out", input={"root": "media"})
+    )
+    assert "overlaps input.root" in message
+    write_images(tmp_path / "photos", ["a.png"])
+    message = refusal(config(tmp_path, tiny_model_dir, ["photos"], out="photos/captions", format="folder"))
+    assert "overlaps the input" in message
+    assert not (tmp_path / "photos" / "captions").exists()  # refused before anything is written
+    # A sibling folder is fine.
+    plan_job(config(tmp_path, tiny_model_dir, [str(data / "*.parquet")], out="results"), record=True)
+
+
+def test_two_inputs_with_one_output_name_are_refused(tmp_path, tiny_model_dir):
+    (tmp_path / "tars").mkdir()
+    for name in ("s.tar", "s.tar.gz"):
+        (tmp_path / "tars" / name).write_bytes(b"")
+    message = refusal(config(tmp_path, tiny_model_dir, ["tars/*"], format="webdataset"))
+    assert "tars/s.tar and" in message and "tars/s.tar.gz would both write s.parquet" in message
+    table(tmp_path / "a" / "x.parquet")
+    table(tmp_path / "b" / "x.parquet")
+    message = refusal(config(tmp_path, tiny_model_dir, ["a/*.parquet", "b/*.parquet"]))
+    assert "would both write x.parquet" in message
+
+
+def test_adding_an_input_glob_does_not_rename_existing_shards(tmp_path, tiny_model_dir):
+    table(tmp_path / "a" / "x.parquet")
+    table(tmp_path / "b" / "y.parquet")
+    one = plan_job(config(tmp_path, tiny_model_dir, ["a/*.parquet"]))
+    two = plan_job(config(tmp_path, tiny_model_dir, ["a/*.parquet", "b/*.parquet"]))
+    assert [s.shard for s in one.listing] == ["x.parquet"]
+    assert [s.shard for s in two.listing] == ["x.parquet", "y.parquet"]
+
+
+def test_every_shard_schema_and_prompt_field_is_checked_up_front(tmp_path, tiny_model_dir):
+    table(tmp_path / "data" / "p0.parquet", question=["q"])
+    pq.write_table(pa.table({"picture": [b"x"], "question": ["q"]}), tmp_path / "data" / "p1.parquet")
+    table(tmp_path / "data" / "p2.parquet", question=["q"])
+    cfg = config(tmp_path, tiny_model_dir, ["data/*.parquet"])
+    message = refusal(cfg)
+    assert "input.image_column: column 'image' is not in" in message and "p1.parquet" in message
+    os.remove(tmp_path / "data" / "p1.parquet")
+    typo = [{"name": "ask", "text": "{questoin} and {key}"}]
+    message = refusal(config(tmp_path, tiny_model_dir, ["data/*.parquet"], prompts=typo))
+    assert "prompt 'ask' uses {questoin}" in message and "did you mean 'question'?" in message
+    budget = {"max_new_tokens_field": "budget"}
+    message = refusal(config(tmp_path, tiny_model_dir, ["data/*.parquet"], sampling=budget))
+    assert "sampling.max_new_tokens_field: column 'budget' is not in" in message
+    write_images(tmp_path / "photos", ["a.png"])
+    message = refusal(config(tmp_path, tiny_model_dir, ["photos"], format="folder", prompts=typo))
+    assert "folder input has no fields" in message
+
+
+def cli(*args, cwd):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "batchvl", *map(str, args)], capture_output=True, text=True, cwd=cwd, env=env
+    )
+
+
+def test_validate_and_run_refuse_the_same_mistakes_before_any_work(tmp_path, tiny_model_dir):
+    table(tmp_path / "data" / "p0.parquet", key=["a"])
+    pq.write_table(pa.table({"key": ["b"], "picture": [b"x"]}), tmp_path / "data" / "p1.parquet")
+    (tmp_path / "a-file").write_text("")
+    (tmp_path / "job.yaml").write_text(
+        f"model: {{path: {tiny_model_dir}, dtype: float32}}\n"
+        "input: {paths: [data/*.parquet], key_column: key}\n"
+        "output: {dir: out}\n"
+    )
+    mistakes = [
+        ([], "column 'image' is not in"),
+        (["--set", "output.dir=a-file/out"], "a-file is not a folder"),
+        (["--set", "output.dir=/proc/batchvl-out"], "cannot be written"),
+        (["--set", "output.dir=data"], "overlaps the input"),
+    ]
+    for args, fragment in mistakes:
+        for command in ("validate", "run"):
+            done = cli(command, "job.yaml", *args, cwd=tmp_path)
+            assert done.returncode == 2, (command, args, done.stderr)
+            (line,) = done.stderr.strip().splitlines()
+            assert fragment in line, (command, line)
+    assert not (tmp_path / "out").exists()
+    assert sorted(os.listdir(tmp_path / "data")) == ["p0.parquet", "p1.parquet"]
+
+    os.remove(tmp_path / "data" / "p1.parquet")
+    assert cli("run", "job.yaml", "--no-progress", cwd=tmp_path).returncode == 0
+    done = cli("validate", "job.yaml", cwd=tmp_path)
+    assert done.returncode == 0 and "1 shard(s) committed, 0 to run" in done.stdout
+    done = cli("validate", "job.yaml", "--set", "sampling.max_new_tokens=5", cwd=tmp_path)
+    assert (
+        done.returncode == 2
+        and "written with a different config (changed: sampling.max_new_tokens)" in done.stderr
+    )
