@@ -77,7 +77,6 @@ def run(
     """Run a job: caption / answer every (sample, prompt) and write one Parquet file per input shard."""
     _setup_logging(log_level)
     from batchvl.config import load_job_config
-    from batchvl.errors import StoppedBySignal
     from batchvl.job import run_job
     from batchvl.slurm import requeue_this_task
     from batchvl.tasks import parse_task_slice, slurm_task_slice
@@ -87,19 +86,29 @@ def run(
     task = parse_task_slice(shard) if shard is not None else slurm_task_slice()
     try:
         summary = run_job(cfg, show_progress=progress, task=task)
-    except StoppedBySignal as stopped:
-        if requeue and stopped.exit_code == 128 + signal.SIGUSR1:
+    except JobEnded as ended:  # a stop or the error budget: the same report, then the reason and its code
+        if ended.summary is not None:
+            _echo_summary(ended.summary)
+        if requeue and ended.exit_code == 128 + signal.SIGUSR1:
             requeue_this_task()
         raise
-    if not summary.is_driver:
-        return  # a rank that served ViT encode rounds; rank 0 reports
+    if summary.is_driver:  # a rank that only served ViT encode rounds has nothing to report
+        _echo_summary(summary)
+
+
+def _echo_summary(summary) -> None:
     s = summary.stats
     task_note = f"task {s['task']}: " if s.get("task") else ""
+    verb = "stopped" if s.get("stopped_by") else "done"
     typer.echo(
-        f"{task_note}done: {s['samples']} samples, {s['ok']} ok, {s['errors']} errors, "
+        f"{task_note}{verb}: {s['samples']} samples, {s['ok']} ok, {s['errors']} errors, "
         f"{s['shards_committed']} shard(s) written, {s['shards_skipped']} already done; "
         f"{s['samples_per_s']} samples/s, {s['output_tokens_per_s']} output tok/s"
     )
+    if s.get("rows_not_committed"):
+        typer.echo(
+            f"not committed: {s['rows_not_committed']} row(s) of unfinished shards, redone by the next run"
+        )
     typer.echo(f"output: {summary.output_dir}")
     typer.echo(f"stats: {summary.stats_path}")
 
@@ -303,9 +312,15 @@ def make_sample_data(
     typer.echo(f"wrote {len(paths)} shard(s) to {out_dir}")
 
 
+INTERRUPTED = 130  # 128 + SIGINT, as shells report a job stopped by Ctrl-C
+
+
 def main() -> None:
     try:
-        app(standalone_mode=False)
+        # Outside standalone mode Typer turns Ctrl-C into a returned exit code instead of raising.
+        if app(standalone_mode=False) == INTERRUPTED:
+            typer.echo("interrupted", err=True)
+            sys.exit(INTERRUPTED)
     except UserError as exc:
         if os.environ.get("BATCHVL_DEBUG"):
             traceback.print_exc()  # the same exit code: scripts that test for 2 must not change behaviour
@@ -321,4 +336,4 @@ def main() -> None:
         sys.exit(exc.exit_code)
     except click.exceptions.Abort:
         typer.echo("aborted", err=True)
-        sys.exit(130)
+        sys.exit(INTERRUPTED)

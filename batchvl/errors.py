@@ -32,15 +32,17 @@ class SampleError(Exception):
 
 
 class JobEnded(Exception):
-    """The run stopped early after committing every complete shard; `exit_code` says why."""
+    """The run stopped early after committing every complete shard; `exit_code` says why, `summary`
+    holds what the run did (the job's RunSummary), for the same report a finished run gives."""
 
-    def __init__(self, message: str, exit_code: int):
+    def __init__(self, message: str, exit_code: int, summary: object | None = None):
         super().__init__(message)
         self.exit_code = exit_code
+        self.summary = summary
 
 
 class StoppedBySignal(JobEnded):
-    """SIGTERM or SIGUSR1 arrived: the run stopped after the current step. Exit code 128 + signal."""
+    """SIGINT, SIGTERM or SIGUSR1 arrived: the run stopped after the current step. Exit code 128 + signal."""
 
 
 class ErrorBudgetExceeded(JobEnded):

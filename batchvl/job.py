@@ -67,6 +67,7 @@ class RowTag:
 @dataclass
 class ShardProgress:
     info: ShardInfo
+    position: int  # in this run's shard order: its requests' admission priority
     rows: list[ResultRow] = field(default_factory=list)
     expected_rows: int | None = None  # known once the whole shard has been read
     # samples with requests still in the engine -> how many of their prompts are unfinished
@@ -267,7 +268,7 @@ class JobRunner:
     def _run(self, context: DistributedContext | None = None) -> RunSummary:
         with self.stop:
             summary = self._run_shards(context)
-        self._check_ending(summary.stats)
+        self._check_ending(summary)
         return summary
 
     def _run_shards(self, context: DistributedContext | None) -> RunSummary:
@@ -306,14 +307,18 @@ class JobRunner:
             logger.info("skipping %d committed shard(s) in %s", plan.resume.num_done, self.out_dir)
         return plan.resume.pending
 
-    def _check_ending(self, stats: dict) -> None:
+    def _check_ending(self, summary: RunSummary) -> None:
         """Raise when the run ended early on purpose; its shards are committed by now."""
+        stats = summary.stats
         left = stats["shards_total"] - stats["shards_skipped"] - stats["shards_committed"]
         if self.stop.requested:
+            lost = stats["rows_not_committed"]
             raise StoppedBySignal(
                 f"stopped by {self.stop.signal_name} after committing {stats['shards_committed']} shard(s); "
-                f"{left} shard(s) left for the next run of the same command",
+                f"{left} shard(s) left for the next run of the same command"
+                + (f" ({lost} row(s) were done in them and will be redone)" if lost else ""),
                 128 + int(self.stop.signum),
+                summary,
             )
         limit = self.cfg.output.max_error_rate if self.enforce_error_budget else None
         rows = stats["ok"] + stats["errors"]
@@ -323,6 +328,7 @@ class JobRunner:
                 f"output.max_error_rate={limit:g}; the shards are committed, error rows show why "
                 "(batchvl status, then batchvl retry-failed)",
                 ErrorBudgetExceeded.EXIT_CODE,
+                summary,
             )
 
     def _process(self, shards: list[ShardInfo], engine: Engine) -> None:
@@ -340,7 +346,7 @@ class JobRunner:
             else None,
         )
         self.stats.preprocess_workers = workers
-        progress = {s.shard: ShardProgress(s) for s in shards}
+        progress = {s.shard: ShardProgress(s, position) for position, s in enumerate(shards)}
         lookahead = self.cfg.engine.lookahead
         known = (
             [s.num_rows for s in shards]
@@ -352,8 +358,10 @@ class JobRunner:
             unit="sample",
             disable=not self.show_progress,
             dynamic_ncols=True,
+            smoothing=0,  # the average since the start, as `samples_per_s` in the summary and stats
         )
         feed = BackgroundIterator(pool, maxsize=max(4, workers * 2))
+        started = time.perf_counter()
         try:
             with bar:
                 while not self.stop.requested:
@@ -384,6 +392,8 @@ class JobRunner:
                     self._step(engine, progress, bar)
         finally:
             feed.close()
+            self.stats.processing_s = time.perf_counter() - started
+            self.stats.rows_not_committed = sum(len(s.rows) for s in progress.values() if not s.committed)
             self.stats.worker_restarts = pool.stats.worker_restarts
             self.stats.samples_crashed = pool.stats.samples_crashed
             self.stats.samples_timed_out = pool.stats.samples_timed_out
@@ -394,17 +404,16 @@ class JobRunner:
                 raise RuntimeError(f"shard {shard_progress.info.shard} ended incomplete; this is a bug")
 
     def _submit(self, sample: PreparedSample, engine: Engine, shard: ShardProgress, bar) -> None:
-        self.stats.samples += 1
         self.stats.preprocess_s += sample.preprocess_s
         if sample.error is not None:
             self._add_error_rows(sample, shard, sample.error)
-            bar.update(1)
+            self._sample_done(bar)
             return
         try:
             max_new_tokens = max_new_tokens_of(self.cfg, sample.fields)
         except SampleError as error:
             self._add_error_rows(sample, shard, error)
-            bar.update(1)
+            self._sample_done(bar)
             return
         requests = []
         for prompt_index in self._prompt_indices(sample):
@@ -418,14 +427,21 @@ class JobRunner:
                     images=sample.images,
                     sampling=sampling_params(self.cfg, sample.shard, sample.key, prompt.name, max_new_tokens),
                     tag=RowTag(sample.shard, sample.index, prompt_index),
+                    priority=shard.position,
                 )
             )
         if not requests:
-            bar.update(1)
+            self._sample_done(bar)
             return
         shard.in_flight[sample.index] = (sample, len(requests))
         for request in requests:
             engine.add_request(request)
+
+    def _sample_done(self, bar) -> None:
+        """Every row of a sample has its outcome: the one point where a sample counts, for the progress
+        bar and the stats alike."""
+        self.stats.samples += 1
+        bar.update(1)
 
     def _add_error_rows(self, sample: PreparedSample, shard: ShardProgress, error: SampleError) -> None:
         for prompt_index in self._prompt_indices(sample):
@@ -455,7 +471,7 @@ class JobRunner:
                 shard.in_flight[tag.sample_index] = (sample, remaining - 1)
             else:
                 del shard.in_flight[tag.sample_index]
-                bar.update(1)
+                self._sample_done(bar)
             self._add_row(shard, result_row(sample, self.cfg.prompts[tag.prompt_index].name, result))
         elapsed = max(bar.format_dict["elapsed"], 1e-9)
         bar.set_postfix(out_tok_s=f"{engine.stats.output_tokens / elapsed:.1f}", refresh=False)

@@ -158,3 +158,21 @@ def test_make_tiny_model_is_deterministic(tmp_path):
         tmp_path / "two" / "tokenizer.json"
     ).read_text()
     assert Path(tmp_path / "one" / "chat_template.jinja").exists()
+
+
+def test_ctrl_c_in_any_command_exits_130_without_a_traceback(job, monkeypatch, capsys):
+    import batchvl.plan
+    from batchvl.cli import main
+
+    root, _ = job
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(batchvl.plan, "plan_job", interrupted)
+    monkeypatch.setattr(sys, "argv", ["batchvl", "validate", str(root / "job.yaml")])
+    with pytest.raises(SystemExit) as ended:
+        main()
+    assert ended.value.code == 130
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == "interrupted"

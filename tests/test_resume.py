@@ -61,11 +61,18 @@ def reference(job_dir, loaded_fp32):
     return rows
 
 
-def cli(job_dir, *args) -> subprocess.Popen:
+def cli(job_dir, *args, own_group: bool = False) -> subprocess.Popen:
+    """`batchvl run`; `own_group` gives it a process group of its own, as a terminal's foreground job."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "batchvl", "run", "job.yaml", "--no-progress", *args]
     return subprocess.Popen(
-        command, cwd=job_dir, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        command,
+        cwd=job_dir,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=own_group,
     )
 
 
@@ -131,6 +138,26 @@ def test_sigterm_stops_after_the_current_step_and_a_rerun_finishes(job_dir, refe
     assert json.loads(stats_file.read_text())["stopped_by"] == "SIGTERM"
 
     rerun = cli(job_dir, "--set", "output.dir=stopped")
+    _, stderr = rerun.communicate(timeout=300)
+    assert rerun.returncode == 0, stderr
+    assert rows_of(out) == reference
+
+
+def test_ctrl_c_stops_like_sigterm_with_the_summary_and_exit_130(job_dir, reference):
+    out = job_dir / "interrupted"
+    process = cli(job_dir, "--set", "output.dir=interrupted", own_group=True)
+    wait_for_first_commit(out, process)
+    os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C does: the job and its workers get it
+    stdout, stderr = process.communicate(timeout=120)
+    assert process.returncode == 130, stderr
+    assert "restarting preprocessing workers" not in stderr  # the workers ignored it
+    assert "stopped by SIGINT after committing" in stderr
+    done = committed(out)
+    assert 0 < len(done) < len(SHARD_SIZES)
+    assert stdout.startswith("stopped: ") and f"{len(done)} shard(s) written" in stdout
+    (stats_file,) = (out / "_batchvl" / "stats").glob("run-*.json")
+    assert json.loads(stats_file.read_text())["stopped_by"] == "SIGINT"
+    rerun = cli(job_dir, "--set", "output.dir=interrupted")
     _, stderr = rerun.communicate(timeout=300)
     assert rerun.returncode == 0, stderr
     assert rows_of(out) == reference

@@ -52,6 +52,9 @@ class EngineRequest:
     images: list[PreparedImage]
     sampling: SamplingParams
     tag: Any = None
+    # Lower is admitted first from the look-ahead window. The job passes its shard's position, so shards
+    # finish in input order as far as possible and a stop loses at most the shards in flight.
+    priority: int = 0
 
 
 @dataclass
@@ -149,7 +152,9 @@ class Engine:
                 EngineResult(item.tag, num_prompt_tokens=len(item.prompt_token_ids), error=exc)
             )
             return
-        request = Request(self._next_id, list(item.prompt_token_ids), spans, item.sampling)
+        request = Request(
+            self._next_id, list(item.prompt_token_ids), spans, item.sampling, priority=item.priority
+        )
         self._next_id += 1
         generator = None if item.sampling.is_greedy else make_generator(item.sampling.seed)
         images = {img.content_hash: img for img in item.images}

@@ -64,6 +64,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0
+    priority: int = 0  # lower is admitted first among the waiting (the job passes its shard's position)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -6,9 +6,10 @@ requests are admitted while the budget, `max_num_seqs` and free KV blocks allow.
 needs a block and none is free, the newest running request is preempted (its blocks freed, recomputed
 later from its prompt and the tokens it already produced), so the job never fails for lack of KV space.
 
-Admission order (see `_admission_order`): the waiting requests form a look-ahead window, admitted
-cheapest image first so that encode batches and prefill chunks are alike in size; prompts of one sample
-share their images and so stay next to each other. Nothing waits forever: a request passed over by
+Admission order (see `_admission_order`): the waiting requests form a look-ahead window, admitted by
+priority (the job's shard order: the oldest open shard first, so shards complete and commit in order),
+then cheapest image first so that encode batches and prefill chunks are alike in size; prompts of one
+sample share their images and so stay next to each other. Nothing waits forever: a request passed over by
 `lookahead` later admissions goes first. With prefix caching, a request whose next prefix block is
 being computed right now by a running request waits for it instead of computing it a second time.
 """
@@ -127,17 +128,19 @@ class Scheduler:
         self.num_preemptions += 1
 
     def _admission_order(self) -> list[Request]:
-        """Preempted requests first (they were admitted before), then overdue ones, then cheapest image."""
+        """Preempted requests first (they were admitted before), then overdue ones, then by priority and
+        cheapest image."""
 
-        def key(request: Request) -> tuple[int, int, int]:
+        def key(request: Request) -> tuple[int, int, int, int]:
             if request.num_preemptions:
-                return (0, 0, request.request_id)
+                return (0, 0, 0, request.request_id)
             if (
                 self.lookahead <= 1
                 or self.num_admitted - self._admitted_before[request.request_id] >= self.lookahead
             ):
-                return (1, 0, request.request_id)
-            return (2, sum(span.length for span in request.images), request.request_id)
+                return (1, 0, 0, request.request_id)
+            cost = sum(span.length for span in request.images)
+            return (2, request.priority, cost, request.request_id)
 
         return sorted(self.waiting, key=key)
 

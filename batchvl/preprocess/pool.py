@@ -43,9 +43,12 @@ SLOT_FIELDS = 5  # pid, state, shard number, sample index, start time
 PR_SET_PDEATHSIG = 1  # prctl option, from linux/prctl.h
 
 
-def _die_with_parent(parent_pid: int, _worker_id: int) -> None:
-    """Have the kernel kill this worker when the job process dies (Linux). Without it a worker of a
-    SIGKILLed job (the OOM killer, `kill -9`) lives on, blocked forever on a queue nobody reads."""
+def _init_worker(parent_pid: int, _worker_id: int) -> None:
+    """Ignore Ctrl-C, which a terminal sends to the whole process group: the job process decides how to
+    stop, and a worker that died of it would look like a crash. Have the kernel kill this worker when the
+    job process dies (Linux): without it a worker of a SIGKILLed job (the OOM killer, `kill -9`) lives on,
+    blocked forever on a queue nobody reads."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if sys.platform.startswith("linux") and (libc := load_libc()) is not None:
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent_pid:  # the job died before the request took effect
@@ -355,7 +358,7 @@ class PreprocessPool:
                     collate_fn=_identity,
                     multiprocessing_context=self.context,
                     in_order=False,
-                    worker_init_fn=functools.partial(_die_with_parent, os.getpid()),
+                    worker_init_fn=functools.partial(_init_worker, os.getpid()),
                 )
                 items = iter(loader)
                 _unregister_from_sigchld(items)

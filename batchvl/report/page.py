@@ -90,7 +90,8 @@ def _summary_section(ok: pa.Table, errors: pa.Table, runs: list[dict], shards: s
     def total(key: str) -> float:
         return sum(r.get(key, 0) for r in job_runs)
 
-    busy = total("wall_s") - total("model_load_s")
+    # The stats' own definition (samples finished / processing_s); stats files of older versions lack it.
+    busy = sum(r.get("processing_s", r.get("wall_s", 0) - r.get("model_load_s", 0)) for r in job_runs)
     cards = [
         _stat("shards written", shards),
         _stat("rows ok", f"{ok.num_rows:,}"),
@@ -98,7 +99,7 @@ def _summary_section(ok: pa.Table, errors: pa.Table, runs: list[dict], shards: s
             "error rows", f"{errors.num_rows:,}", _ratio(errors.num_rows, rows) + " of rows" if rows else ""
         ),
         _stat(
-            "samples/s", f"{total('samples') / busy:.2f}" if busy else "n/a", "per process, after model load"
+            "samples/s", f"{total('samples') / busy:.2f}" if busy else "n/a", "per process, while processing"
         ),
         _stat("output tok/s", f"{total('output_tokens') / busy:.1f}" if busy else "n/a", "per process"),
         _stat(

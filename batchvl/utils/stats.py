@@ -15,13 +15,15 @@ class RunStats:
     shards_total: int = 0
     shards_skipped: int = 0
     shards_committed: int = 0
-    samples: int = 0
+    samples: int = 0  # samples whose every row has its outcome (committed or not)
     requests: int = 0
     ok: int = 0
     errors: int = 0
     errors_by_type: Counter = field(default_factory=Counter)
     wall_s: float = 0.0
     model_load_s: float = 0.0
+    processing_s: float = 0.0  # from the first input read to the last commit: what the rates divide by
+    rows_not_committed: int = 0  # rows of shards a stop left unfinished; the next run redoes them
     input_wait_s: float = 0.0  # the engine had nothing to do and waited for prepared samples
     engine_s: float = 0.0  # inside engine steps
     preprocess_s: float = 0.0  # summed over samples, in the workers (runs in parallel with the engine)
@@ -42,11 +44,11 @@ class RunStats:
         out = asdict(self)
         out["errors_by_type"] = dict(self.errors_by_type)
         out.update(asdict(engine))
-        wall = max(self.wall_s, 1e-9)
-        out["samples_per_s"] = round(self.samples / wall, 3)
-        out["output_tokens_per_s"] = round(engine.output_tokens / wall, 3)
-        # share of the time after the model is loaded, the part the input pipeline can starve
-        out["input_wait_share"] = round(self.input_wait_s / max(self.wall_s - self.model_load_s, 1e-9), 4)
-        for key in ("input_wait_s", "engine_s", "preprocess_s"):
+        processing = max(self.processing_s, 1e-9)
+        out["samples_per_s"] = round(self.samples / processing, 3)
+        out["output_tokens_per_s"] = round(engine.output_tokens / processing, 3)
+        # share of the processing time, the part the input pipeline can starve
+        out["input_wait_share"] = round(self.input_wait_s / processing, 4)
+        for key in ("input_wait_s", "engine_s", "preprocess_s", "processing_s"):
             out[key] = round(out[key], 3)
         return out

@@ -1,8 +1,11 @@
-"""SIGTERM and SIGUSR1 as a request to stop cleanly: finish the current engine step, commit nothing partial.
+"""SIGINT, SIGTERM and SIGUSR1 as a request to stop cleanly: finish the current engine step, commit
+nothing partial.
 
 Slurm sends SIGTERM before killing a job (preemption, time limit, scancel) and, with
-`--signal=B:USR1@seconds`, SIGUSR1 ahead of the time limit. A job that stops between steps loses only
-the shards it had not finished, and those are redone by the rerun or the requeued task.
+`--signal=B:USR1@seconds`, SIGUSR1 ahead of the time limit; a terminal sends SIGINT on Ctrl-C (to the
+whole process group: preprocessing workers ignore it and leave the stop to the job). A job that stops
+between steps loses only the shards it had not finished, and those are redone by the rerun or the
+requeued task. A second Ctrl-C interrupts at once, for a user who will not wait for the step.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import threading
 
 logger = logging.getLogger(__name__)
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 
 
 class StopRequests:
@@ -47,3 +50,5 @@ class StopRequests:
         if self.signum is None:
             self.signum = signum
             logger.warning("%s received: stopping after the current step", signal.Signals(signum).name)
+        elif signum == signal.SIGINT:
+            raise KeyboardInterrupt  # the second Ctrl-C: stop now, committed shards stay

@@ -132,3 +132,18 @@ def test_disable_chunked_mm_input_keeps_each_image_in_one_chunk():
     chunked = Scheduler(8, 10, BlockManager(64, 4))
     chunked.add(request_with_image(0, "a", [1, 2, 3], before=6, length=8))
     assert [c.num_tokens for c in run_step(chunked) + run_step(chunked)] == [10, 7]
+
+
+def test_admission_favours_the_oldest_shard_then_the_cheapest_image():
+    scheduler = Scheduler(1, 1000, BlockManager(256, 4), lookahead=8)
+    arrivals = [(0, 1, 4), (1, 0, 40), (2, 1, 2), (3, 0, 20), (4, 2, 1)]  # (id, shard position, image)
+    for request_id, shard, length in arrivals:
+        request = request_with_image(request_id, f"image{request_id}", [1], length=length)
+        request.priority = shard
+        scheduler.add(request)
+    order = []
+    for _ in arrivals:
+        (chunk,) = run_step(scheduler)
+        order.append(chunk.request.request_id)
+        scheduler.finish(chunk.request, "stop")
+    assert order == [3, 1, 2, 0, 4]
