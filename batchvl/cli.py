@@ -105,6 +105,11 @@ def _echo_summary(summary) -> None:
         f"{s['shards_committed']} shard(s) written, {s['shards_skipped']} already done; "
         f"{s['samples_per_s']} samples/s, {s['output_tokens_per_s']} output tok/s"
     )
+    if s.get("shards_claimed_elsewhere"):
+        typer.echo(
+            f"skipped: {s['shards_claimed_elsewhere']} shard(s) another run had; "
+            "`batchvl status` shows when they are done"
+        )
     if s.get("rows_not_committed"):
         typer.echo(
             f"not committed: {s['rows_not_committed']} row(s) of unfinished shards, redone by the next run"

@@ -36,9 +36,10 @@ from batchvl.engine.vit_dp import (
     serve_encode_rounds,
 )
 from batchvl.errors import ErrorBudgetExceeded, SampleError, StoppedBySignal, UserError
-from batchvl.io.commit import ShardMarker, commit_shard
+from batchvl.io.claims import Holder, ShardClaims
+from batchvl.io.commit import ShardMarker, commit_shard, is_committed_by
 from batchvl.io.sources import job_source
-from batchvl.io.types import ShardEnd, ShardInfo
+from batchvl.io.types import ShardEnd, ShardInfo, ShardSkipped
 from batchvl.io.writers import ResultRow, write_json_atomic
 from batchvl.models.loader import LoadedModel, load_model
 from batchvl.plan import JobPlan, plan_job
@@ -73,6 +74,7 @@ class ShardProgress:
     # samples with requests still in the engine -> how many of their prompts are unfinished
     in_flight: dict[int, tuple[PreparedSample, int]] = field(default_factory=dict)
     committed: bool = False
+    skipped: bool = False  # another run has it (claimed, or committed it meanwhile)
 
     @property
     def is_complete(self) -> bool:
@@ -334,6 +336,7 @@ class JobRunner:
     def _process(self, shards: list[ShardInfo], engine: Engine) -> None:
         pre = self.cfg.preprocess
         workers = default_workers() if pre.workers is None else pre.workers
+        self.claims = ShardClaims(self.out_dir, Holder.of_process(os.getpid()))
         pool = PreprocessPool(
             job_source(self.cfg),
             shards,
@@ -344,6 +347,8 @@ class JobRunner:
             {name: frozenset(samples) for name, samples in self.selection.items()}
             if self.selection
             else None,
+            self.claims,
+            self._committed_meanwhile(),
         )
         self.stats.preprocess_workers = workers
         progress = {s.shard: ShardProgress(s, position) for position, s in enumerate(shards)}
@@ -386,12 +391,16 @@ class JobRunner:
                     if isinstance(item, ShardEnd):
                         progress[item.shard].expected_rows = self._expected_rows(item.shard, item.num_samples)
                         self._commit_if_complete(progress[item.shard])
+                    elif isinstance(item, ShardSkipped):
+                        self._skip(progress[item.shard], item.reason, bar)
                     else:
                         self._submit(item, engine, progress[item.shard], bar)
                 while engine.num_unfinished and not self.stop.requested:
                     self._step(engine, progress, bar)
         finally:
             feed.close()
+            for shard_progress in progress.values():
+                self.claims.release(shard_progress.info.shard)  # ours only; the next run may take them
             self.stats.processing_s = time.perf_counter() - started
             self.stats.rows_not_committed = sum(len(s.rows) for s in progress.values() if not s.committed)
             self.stats.worker_restarts = pool.stats.worker_restarts
@@ -400,7 +409,7 @@ class JobRunner:
         if self.stop.requested:
             return  # unfinished shards stay uncommitted; the next run redoes them
         for shard_progress in progress.values():
-            if not shard_progress.committed:
+            if not (shard_progress.committed or shard_progress.skipped):
                 raise RuntimeError(f"shard {shard_progress.info.shard} ended incomplete; this is a bug")
 
     def _submit(self, sample: PreparedSample, engine: Engine, shard: ShardProgress, bar) -> None:
@@ -437,6 +446,21 @@ class JobRunner:
         for request in requests:
             engine.add_request(request)
 
+    def _committed_meanwhile(self):
+        """What tells a shard another run committed while this one waited to read it (None: redo it
+        anyway, as --overwrite asks)."""
+        if self.cfg.output.overwrite:
+            return None
+        return functools.partial(is_committed_by, self.out_dir, self.fingerprint)
+
+    def _skip(self, shard: ShardProgress, reason: str, bar) -> None:
+        shard.skipped = True
+        self.stats.shards_claimed_elsewhere += 1
+        logger.warning("skipping %s: %s", shard.info.shard, reason)
+        rows = shard.info.num_rows if self.selection is None else len(self.selection[shard.info.shard])
+        if bar.total is not None and rows is not None:
+            bar.total -= rows
+
     def _sample_done(self, bar) -> None:
         """Every row of a sample has its outcome: the one point where a sample counts, for the progress
         bar and the stats alike."""
@@ -463,6 +487,7 @@ class JobRunner:
         results = engine.step()
         self.stats.engine_s += time.perf_counter() - started
         self.trimmer.maybe_trim()
+        self.claims.refresh(s.info.shard for s in progress.values() if not (s.committed or s.skipped))
         for result in results:
             tag: RowTag = result.tag
             shard = progress[tag.shard]
@@ -488,6 +513,7 @@ class JobRunner:
             logger.info("committed %s (%d rows)", path, len(shard.rows))
             shard.committed = True
             shard.rows = []  # written; free the memory
+            self.claims.release(shard.info.shard)
 
     def _commit(self, shard: ShardProgress) -> str:
         marker = ShardMarker.for_rows(

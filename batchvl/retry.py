@@ -82,6 +82,9 @@ class RetryRunner(JobRunner):
             )
         return [s for s in plan.shards if self.selection.get(s.shard)]
 
+    def _committed_meanwhile(self):
+        return None  # a retry's shards are committed by definition: it rewrites them
+
     def _failed_rows(self, shard: str) -> dict[int, frozenset[int]]:
         table = pq.read_table(output_path(self.out_dir, shard), columns=["sample_index", "prompt", "status"])
         failed: dict[int, set[int]] = {}

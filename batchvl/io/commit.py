@@ -70,6 +70,12 @@ def read_marker(out_dir: str, shard: str) -> ShardMarker | None:
         return None  # a marker from a killed write or another version: the shard is redone
 
 
+def is_committed_by(out_dir: str, fingerprint: str, shard: str) -> bool:
+    """Whether the shard is committed with rows of the config that has this fingerprint."""
+    marker = read_marker(out_dir, shard)
+    return marker is not None and marker.fingerprint == fingerprint
+
+
 def commit_shard(
     out_dir: str, shard: str, rows: list[ResultRow], metadata: dict[str, str], marker: ShardMarker
 ) -> str:

@@ -40,6 +40,14 @@ class Sample:
 
 
 @dataclass(frozen=True)
+class ShardSkipped:
+    """Emitted instead of a shard's samples when another run has it: claimed, or committed meanwhile."""
+
+    shard: str
+    reason: str
+
+
+@dataclass(frozen=True)
 class ShardEnd:
     """Emitted after a shard's last sample: how many samples it held (errors included)."""
 

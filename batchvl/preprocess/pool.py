@@ -21,15 +21,16 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import psutil
 import torch.utils.data
 
 from batchvl.errors import SampleError, UserError
+from batchvl.io.claims import ShardClaims
 from batchvl.io.sources import Source
-from batchvl.io.types import ShardEnd, ShardInfo
+from batchvl.io.types import ShardEnd, ShardInfo, ShardSkipped
 from batchvl.preprocess.sample import PreparedSample, SampleProcessor
 from batchvl.utils.memory import load_libc
 
@@ -115,6 +116,49 @@ class WorkerSlots:
         ]
 
 
+UNDECIDED, OURS, SKIP = range(3)  # a shard's claim decision, in shared memory
+
+
+class ClaimDecisions:
+    """Whether this run reads each shard, decided once per shard for all workers.
+
+    Every worker reads every shard (keeping its share of the samples), so they must agree. The worker
+    `position % num_workers` decides shard `position` (claims it, or finds another run's claim) and
+    writes the decision; the others wait for it. One writer per cell, so no lock a killed worker could
+    leave held; the wait ends because a decider is never waiting on a later shard. Decisions outlive
+    worker restarts.
+    """
+
+    def __init__(
+        self,
+        context,
+        shards: list[ShardInfo],
+        claims: ShardClaims,
+        is_committed: Callable[[str], bool] | None,
+    ):
+        self.cells = context.Array(ctypes.c_byte, max(1, len(shards)), lock=False)
+        self.position = {shard.shard: i for i, shard in enumerate(shards)}
+        self.claims = claims
+        self.is_committed = is_committed  # a shard committed by another run while this one waited
+
+    def decide(self, shard: str, worker: int, num_workers: int) -> tuple[int, str | None]:
+        """(OURS or SKIP, the reason to report when this worker is the one that decided to skip)."""
+        position = self.position[shard]
+        if self.cells[position] == UNDECIDED and position % num_workers == worker:
+            holder = self.claims.acquire(shard)
+            reason = None
+            if holder is not None:
+                reason = f"another run has it (pid {holder.pid} on {holder.host})"
+            elif self.is_committed is not None and self.is_committed(shard):
+                self.claims.release(shard)
+                reason = "another run committed it"
+            self.cells[position] = OURS if reason is None else SKIP
+            return self.cells[position], reason
+        while self.cells[position] == UNDECIDED:
+            time.sleep(0.01)
+        return self.cells[position], None
+
+
 @dataclass(frozen=True)
 class ReaderFailure:
     """A mistake found while reading (e.g. a missing column), raised as a UserError in the main process."""
@@ -132,7 +176,9 @@ class PreprocessDataset(torch.utils.data.IterableDataset):
         failed: dict[tuple[str, int], SampleError],
         slots: WorkerSlots | None,
         wanted: dict[str, frozenset[int]] | None = None,
+        decisions: ClaimDecisions | None = None,
     ):
+        self.decisions = decisions
         self.source = source
         self.shards = shards
         self.processor = processor
@@ -141,7 +187,7 @@ class PreprocessDataset(torch.utils.data.IterableDataset):
         self.failed = failed
         self.slots = slots
 
-    def __iter__(self) -> Iterator[PreparedSample | ShardEnd | ReaderFailure]:
+    def __iter__(self) -> Iterator[PreparedSample | ShardEnd | ShardSkipped | ReaderFailure]:
         info = torch.utils.data.get_worker_info()
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
         if self.slots is not None:
@@ -149,6 +195,12 @@ class PreprocessDataset(torch.utils.data.IterableDataset):
         try:
             for shard_no, shard in enumerate(self.shards):
                 name = shard.shard
+                if self.decisions is not None:
+                    decision, reason = self.decisions.decide(name, worker, num_workers)
+                    if reason is not None:
+                        yield ShardSkipped(name, reason)
+                    if decision == SKIP:
+                        continue
 
                 def keep(index: int, name: str = name) -> bool:
                     return (
@@ -301,7 +353,9 @@ class PreprocessPool:
     """Iterate prepared samples (and shard ends) over `shards`; every sample comes out exactly once.
 
     With `wanted`, only those samples of each shard are read and prepared (a retry of failed rows);
-    shard ends still report the shard's full sample count.
+    shard ends still report the shard's full sample count. With `claims`, each shard is claimed before it
+    is read; one another run has (or committed meanwhile, by `is_committed`) comes out as a
+    `ShardSkipped` instead of its samples.
     """
 
     def __init__(
@@ -313,6 +367,8 @@ class PreprocessPool:
         prefetch: int,
         timeout_s: float,
         wanted: dict[str, frozenset[int]] | None = None,
+        claims: ShardClaims | None = None,
+        is_committed: Callable[[str], bool] | None = None,
     ):
         self.source = source
         self.wanted = wanted  # per shard, the only sample indices to read (None: all)
@@ -325,8 +381,9 @@ class PreprocessPool:
         start_methods = multiprocessing.get_all_start_methods()
         # fork: workers start at once and share the tokenizer without pickling; they never run torch ops.
         self.context = multiprocessing.get_context("fork" if "fork" in start_methods else "spawn")
+        self.decisions = ClaimDecisions(self.context, shards, claims, is_committed) if claims else None
 
-    def __iter__(self) -> Iterator[PreparedSample | ShardEnd]:
+    def __iter__(self) -> Iterator[PreparedSample | ShardEnd | ShardSkipped]:
         delivered: set[tuple[str, int]] = set()
         sizes: dict[str, int] = {}  # shard -> number of samples, known from its ShardEnd
         failed: dict[tuple[str, int], SampleError] = {}
@@ -340,7 +397,14 @@ class PreprocessPool:
             shards = [s for s in self.shards if s.shard not in finished]
             slots = WorkerSlots(self.context, self.workers) if self.workers else None
             dataset = PreprocessDataset(
-                self.source, shards, self.processor, frozenset(delivered), failed, slots, self.wanted
+                self.source,
+                shards,
+                self.processor,
+                frozenset(delivered),
+                failed,
+                slots,
+                self.wanted,
+                self.decisions,
             )
             if slots is None:
                 yield from self._checked(iter(dataset), delivered, sizes)
@@ -394,10 +458,16 @@ class PreprocessPool:
             return size
         return sum(1 for index in self.wanted[shard] if index < size)
 
-    def _checked(self, items, delivered: set, sizes: dict) -> Iterator[PreparedSample | ShardEnd]:
+    def _checked(
+        self, items, delivered: set, sizes: dict
+    ) -> Iterator[PreparedSample | ShardEnd | ShardSkipped]:
         for item in items:
             if isinstance(item, ReaderFailure):
                 raise UserError(item.message)
+            if isinstance(item, ShardSkipped):
+                sizes[item.shard] = 0  # nothing of it comes out: finished for the restart logic
+                yield item
+                continue
             if isinstance(item, ShardEnd):
                 if item.shard in sizes:
                     continue  # already reported before a restart

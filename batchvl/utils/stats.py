@@ -15,6 +15,7 @@ class RunStats:
     shards_total: int = 0
     shards_skipped: int = 0
     shards_committed: int = 0
+    shards_claimed_elsewhere: int = 0  # skipped: another run was on them (or committed them meanwhile)
     samples: int = 0  # samples whose every row has its outcome (committed or not)
     requests: int = 0
     ok: int = 0

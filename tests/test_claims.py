@@ -1,0 +1,99 @@
+"""Shard claims: concurrent runs of one job split its shards; claims of dead holders are taken over."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from batchvl.io.claims import STALE_S, Holder, ShardClaims
+from batchvl.io.commit import read_marker
+from tests.conftest import png_bytes, random_image
+
+
+def exited_process_holder() -> Holder:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    holder = Holder.of_process(child.pid)
+    child.wait()
+    return holder
+
+
+def test_a_claim_is_held_until_released_and_a_dead_holders_claim_is_taken_over(tmp_path):
+    ours = ShardClaims(str(tmp_path), Holder.of_process(os.getpid()))
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        theirs = ShardClaims(str(tmp_path), Holder.of_process(sleeper.pid))
+        assert theirs.acquire("a/part-0.parquet") is None
+        assert theirs.acquire("a/part-0.parquet") is None  # ours already: still ours
+        assert ours.acquire("a/part-0.parquet") == theirs.holder  # a live holder keeps it
+        ours.release("a/part-0.parquet")  # not ours: left alone
+        assert ours.acquire("a/part-0.parquet") == theirs.holder
+        theirs.release("a/part-0.parquet")
+        assert ours.acquire("a/part-0.parquet") is None
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    dead = ShardClaims(str(tmp_path), exited_process_holder())
+    assert dead.acquire("b.parquet") is None
+    assert ours.acquire("b.parquet") is None  # its process is gone: stale, taken over
+    with open(ours.path("b.parquet")) as claim:
+        assert json.load(claim)["pid"] == os.getpid()
+
+
+def test_another_hosts_claim_is_live_until_its_heartbeat_is_old(tmp_path):
+    ours = ShardClaims(str(tmp_path), Holder.of_process(os.getpid()))
+    remote = ShardClaims(str(tmp_path), Holder(f"not-{socket.gethostname()}", 1, 0.0))
+    assert remote.acquire("s.parquet") is None
+    assert ours.acquire("s.parquet") == remote.holder
+    old = time.time() - STALE_S - 5
+    os.utime(remote.path("s.parquet"), (old, old))
+    remote.refresh(["s.parquet"], every_s=0)  # a live remote holder refreshes its claim
+    assert ours.acquire("s.parquet") == remote.holder
+    os.utime(remote.path("s.parquet"), (old, old))  # and one that stopped refreshing loses it
+    assert ours.acquire("s.parquet") is None
+
+
+NUM_SHARDS = 16
+
+
+def test_two_runs_of_one_job_split_the_shards_instead_of_both_doing_all(tmp_path, tiny_model_dir):
+    (tmp_path / "data").mkdir()
+    for number in range(NUM_SHARDS):
+        images = [png_bytes(random_image(40 + i, 48, seed=10 * number + i)) for i in range(2)]
+        pq.write_table(pa.table({"image": images}), tmp_path / "data" / f"part-{number:02d}.parquet")
+    (tmp_path / "job.yaml").write_text(
+        f"model: {{path: {tiny_model_dir}, dtype: float32, device: cpu}}\n"
+        "input: {paths: [data/*.parquet]}\n"
+        "prompts: [{name: caption, text: Describe this image.}, {name: short, text: One word.}]\n"
+        "sampling: {max_new_tokens: 24, ignore_eos: true}\n"
+        "engine: {max_num_seqs: 1, lookahead: 1}\n"
+        "preprocess: {workers: 2}\n"
+        "output: {dir: out}\n"
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "batchvl", "run", "job.yaml", "--no-progress"]
+
+    def start():
+        return subprocess.Popen(
+            command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+
+    first, second = start(), start()  # each claims a shard as it starts reading it, not all at once
+    for process in (first, second):
+        _, stderr = process.communicate(timeout=300)
+        assert process.returncode == 0, stderr
+    runs = [json.loads(p.read_text()) for p in (tmp_path / "out" / "_batchvl" / "stats").glob("run-*.json")]
+    assert len(runs) == 2
+    assert sum(run["shards_committed"] for run in runs) == NUM_SHARDS  # each shard done once
+    assert sum(run["samples"] for run in runs) == 2 * NUM_SHARDS
+    assert all(run["shards_committed"] > 0 for run in runs)  # both did work
+    assert any(run["shards_claimed_elsewhere"] > 0 for run in runs)
+    for number in range(NUM_SHARDS):
+        shard = f"part-{number:02d}.parquet"
+        assert read_marker(str(tmp_path / "out"), shard) is not None
+        assert pq.read_table(tmp_path / "out" / shard).num_rows == 4
+    assert list((tmp_path / "out" / "_batchvl" / "claims").iterdir()) == []  # every claim released
