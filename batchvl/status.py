@@ -13,6 +13,7 @@ from pathlib import Path
 
 from batchvl.config import JobConfig, config_fingerprint
 from batchvl.io.commit import read_marker
+from batchvl.io.folder import missing_members
 from batchvl.io.sources import job_source
 from batchvl.slurm import array_expression, read_array_job
 from batchvl.tasks import TaskSlice, parse_task_slice, shards_of_task
@@ -42,6 +43,7 @@ class JobStatus:
     rows_error: int = 0
     errors_by_type: Counter = field(default_factory=Counter)
     script: str | None = None  # the array's sbatch script, when `batchvl slurm` wrote one
+    files_gone: int = 0  # `folder` input: files of recorded shards no longer in the folder
 
     @property
     def shards_total(self) -> int:
@@ -65,6 +67,8 @@ def job_status(cfg: JobConfig, num_tasks: int | None = None) -> JobStatus:
     fingerprint = config_fingerprint(cfg)
     listing = job_source(cfg).list_shards()
     status = JobStatus(out_dir, num_tasks, [], script=array.script_path if array else None)
+    if cfg.input.format == "folder":
+        status.files_gone = sum(missing_members(shard) for shard in listing)
     for index in range(num_tasks):
         task = TaskStatus(index)
         for shard in shards_of_task(listing, TaskSlice(index, num_tasks)):
@@ -117,6 +121,11 @@ def format_status(status: JobStatus, job_file: str) -> str:
             else ""
         ),
     ]
+    if status.files_gone:
+        lines.append(
+            f"{status.files_gone} input file(s) of recorded shards are gone from the folder (removed or "
+            "renamed); committed rows of them stay, and a renamed file is captioned as a new one"
+        )
     stale = sum(t.stale for t in status.tasks)
     if stale:
         lines.append(

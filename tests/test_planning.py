@@ -15,6 +15,7 @@ from batchvl.errors import UserError
 from batchvl.io.folder import missing_members
 from batchvl.job import run_job
 from batchvl.plan import plan_job
+from batchvl.status import format_status, job_status
 from batchvl.tasks import TaskSlice
 from tests.conftest import png_bytes, random_image
 
@@ -91,6 +92,10 @@ def test_adding_files_to_a_folder_job_captions_each_new_file_once(tmp_path, tiny
         for key in pq.read_table(path)["key"].to_pylist()
     ]
     assert sorted(keys) == [f"{c}.png" for c in "abcdefgh"]  # each file once: none skipped, none twice
+
+    os.remove(photos / "b.png")  # a file of a committed shard: its rows stay, and status says so
+    text = format_status(job_status(cfg), "job.yaml")
+    assert "1 input file(s) of recorded shards are gone" in text and "shards: 4 of 4 done" in text
 
 
 def test_output_dir_over_among_or_inside_the_input_is_refused(tmp_path, tiny_model_dir):
