@@ -61,7 +61,10 @@ class InputConfig:
     root: str | None = _key(
         None, "Folder that relative media paths in tables resolve against (null: the table file's folder)"
     )
-    files_per_shard: int = _key(1000, "`folder` input: files per shard (the unit of output and resume)")
+    files_per_shard: int = _key(
+        1000,
+        "`folder` input: files per shard (the unit of output and resume); recorded shards keep their files",
+    )
 
 
 @dataclass(frozen=True)

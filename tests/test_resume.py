@@ -124,40 +124,32 @@ def test_kill_9_in_the_middle_then_rerun_gives_the_rows_of_an_uninterrupted_run(
     assert leftovers == []
 
 
-def test_sigterm_stops_after_the_current_step_and_a_rerun_finishes(job_dir, reference):
-    out = job_dir / "stopped"
-    process = cli(job_dir, "--set", "output.dir=stopped")
+@pytest.mark.parametrize(
+    ("signum", "from_a_terminal"),
+    [(signal.SIGTERM, False), (signal.SIGINT, True)],  # Slurm's stop; Ctrl-C, to the whole group
+)
+def test_a_signal_stops_after_the_current_step_with_the_summary_and_a_rerun_finishes(
+    job_dir, reference, signum, from_a_terminal
+):
+    name = signal.Signals(signum).name
+    out = job_dir / f"stopped-{name}"
+    process = cli(job_dir, "--set", f"output.dir={out.name}", own_group=from_a_terminal)
     wait_for_first_commit(out, process)
-    process.send_signal(signal.SIGTERM)
+    if from_a_terminal:
+        os.killpg(process.pid, signum)  # the job and its preprocessing workers get it
+    else:
+        process.send_signal(signum)
     stdout, stderr = process.communicate(timeout=120)
-    assert process.returncode == 128 + signal.SIGTERM, stderr
-    assert "stopped by SIGTERM after committing" in stderr and "left for the next run" in stderr
-    done = committed(out)
-    assert 0 < len(done) < len(SHARD_SIZES)
-    (stats_file,) = (out / "_batchvl" / "stats").glob("run-*.json")
-    assert json.loads(stats_file.read_text())["stopped_by"] == "SIGTERM"
-
-    rerun = cli(job_dir, "--set", "output.dir=stopped")
-    _, stderr = rerun.communicate(timeout=300)
-    assert rerun.returncode == 0, stderr
-    assert rows_of(out) == reference
-
-
-def test_ctrl_c_stops_like_sigterm_with_the_summary_and_exit_130(job_dir, reference):
-    out = job_dir / "interrupted"
-    process = cli(job_dir, "--set", "output.dir=interrupted", own_group=True)
-    wait_for_first_commit(out, process)
-    os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C does: the job and its workers get it
-    stdout, stderr = process.communicate(timeout=120)
-    assert process.returncode == 130, stderr
-    assert "restarting preprocessing workers" not in stderr  # the workers ignored it
-    assert "stopped by SIGINT after committing" in stderr
+    assert process.returncode == 128 + signum, stderr  # 130 for Ctrl-C, 143 for SIGTERM
+    assert "restarting preprocessing workers" not in stderr  # the workers left the stop to the job
+    assert f"stopped by {name} after committing" in stderr and "left for the next run" in stderr
     done = committed(out)
     assert 0 < len(done) < len(SHARD_SIZES)
     assert stdout.startswith("stopped: ") and f"{len(done)} shard(s) written" in stdout
     (stats_file,) = (out / "_batchvl" / "stats").glob("run-*.json")
-    assert json.loads(stats_file.read_text())["stopped_by"] == "SIGINT"
-    rerun = cli(job_dir, "--set", "output.dir=interrupted")
+    assert json.loads(stats_file.read_text())["stopped_by"] == name
+
+    rerun = cli(job_dir, "--set", f"output.dir={out.name}")
     _, stderr = rerun.communicate(timeout=300)
     assert rerun.returncode == 0, stderr
     assert rows_of(out) == reference
