@@ -2,6 +2,10 @@
 
 Each request draws from its own generator, so a sampled output does not depend on which other requests
 shared its batch.
+
+The filtering is transformers' `TemperatureLogitsWarper`, `TopKLogitsWarper` and `TopPLogitsWarper`,
+applied in `generate`'s order and computed the same way, op for op: outputs must equal `generate`'s, and
+a rule that is only mathematically equal differs at the top-p boundary (float rounding) and on ties.
 """
 
 from __future__ import annotations
@@ -27,18 +31,34 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
     """Pick one token from a (vocab,) float32 logits row."""
     if params.is_greedy:
         return int(torch.argmax(logits))
-    logits = logits / params.temperature
-    if params.top_k > 0 and params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
-        # Drop tokens once the mass before them already reaches top_p; the first token always stays.
-        drop_sorted = (cumulative - torch.softmax(sorted_logits, dim=-1)) >= params.top_p
-        logits = logits.masked_fill(drop_sorted.scatter(0, order, drop_sorted), float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
+    probs = torch.softmax(filtered_logits(logits, params), dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def filtered_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The sampled-from logits of a (..., vocab) float32 row: temperature, then top-k, then top-p (as
+    `generate` orders them), -inf where a token is removed. Sampling params only: greedy has no
+    temperature to divide by."""
+    if params.is_greedy:
+        raise ValueError("filtered_logits is for sampling; greedy takes the argmax of the raw logits")
+    # generate skips temperature 1.0; dividing by 1.0 is exact, so always dividing gives the same logits.
+    logits = logits / params.temperature
+    if params.top_k > 0:
+        # Remove what is below the k-th value: tokens tied with it all stay, so more than k may remain.
+        top_k = min(params.top_k, logits.shape[-1])
+        logits = logits.masked_fill(logits < torch.topk(logits, top_k)[0][..., -1, None], float("-inf"))
+    if params.top_p < 1.0:
+        # Ascending sort, remove the low tail whose cumulative mass is <= 1 - top_p, always keep the most
+        # probable token. The mass *before* each token in a descending sort reaching top_p is the same
+        # rule on paper, but it rounds differently when top_p equals a partial sum, and it breaks ties
+        # at the boundary the other way (a stable ascending sort removes the lower index first).
+        sorted_logits, sorted_indices = torch.sort(logits, descending=False)
+        cumulative_probs = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        sorted_remove = cumulative_probs <= (1 - float(params.top_p))
+        sorted_remove[..., -1:] = False
+        remove = sorted_remove.scatter(-1, sorted_indices, sorted_remove)
+        logits = logits.masked_fill(remove, float("-inf"))
+    return logits
 
 
 def make_generator(seed: int) -> torch.Generator:

@@ -1,10 +1,48 @@
 """Choosing the next tokens of a step: greedy rows in one argmax, sampled rows each from its own
-generator, in any mix."""
+generator, in any mix; and what temperature, top-k and top-p leave to sample from, checked against
+transformers' warpers as `generate` builds and orders them (an independent reference)."""
 
+import math
+
+import pytest
 import torch
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from batchvl.engine.request import SamplingParams
-from batchvl.engine.sampler import make_generator, sample_token, sample_tokens
+from batchvl.engine.sampler import filtered_logits, make_generator, sample_token, sample_tokens
+
+
+def hf_warped(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The scores `generate(do_sample=True, ...)` samples from for this (vocab,) row: its warpers, built
+    and ordered as `GenerationMixin._get_logits_processor` does (temperature unless 1.0, top-k unless 0,
+    top-p unless 1.0), on a (batch, vocab) tensor as in `generate`. (Importing generation.utils to build
+    them would cost the file 3 s.)"""
+    warpers = LogitsProcessorList()
+    if params.temperature != 1.0:
+        warpers.append(TemperatureLogitsWarper(float(params.temperature)))
+    if params.top_k != 0:
+        warpers.append(TopKLogitsWarper(top_k=params.top_k, min_tokens_to_keep=1))
+    if params.top_p < 1.0:
+        warpers.append(TopPLogitsWarper(top_p=params.top_p, min_tokens_to_keep=1))
+    return warpers(torch.zeros(1, 1, dtype=torch.long), logits[None].clone())[0]
+
+
+def assert_same_as_generate(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Same removed tokens, same values (bit for bit: the same ops), same probabilities."""
+    ours, theirs = filtered_logits(logits, params), hf_warped(logits, params)
+    assert torch.equal(torch.isinf(ours), torch.isinf(theirs))
+    assert torch.equal(ours, theirs)
+    assert torch.equal(torch.softmax(ours, -1), torch.softmax(theirs, -1))
+    return theirs
+
+
+def kept(warped: torch.Tensor) -> set[int]:
+    return set(torch.isfinite(warped).nonzero().flatten().tolist())
 
 
 def test_a_mixed_step_picks_what_each_row_would_pick_alone():
@@ -30,3 +68,108 @@ def test_an_all_sampled_step_needs_no_argmax(monkeypatch):
     sampled = SamplingParams(temperature=1.0, seed=1)
     tokens = sample_tokens(torch.randn(2, 10), [sampled, sampled], [make_generator(1), make_generator(2)])
     assert len(tokens) == 2 and all(0 <= t < 10 for t in tokens)
+
+
+@pytest.mark.parametrize("temperature", [1e-3, 0.3, 0.7, 1.0, 1.7])
+def test_temperature_scales_as_generate_does(temperature):
+    logits = torch.randn(64, generator=torch.Generator().manual_seed(1)) * 2
+    warped = assert_same_as_generate(logits, SamplingParams(temperature=temperature))
+    assert kept(warped) == set(range(64))  # temperature alone removes nothing
+    if temperature == 1e-3:  # near 0: nearly one-hot on the argmax, but still a distribution
+        assert float(torch.softmax(warped, -1)[logits.argmax()]) > 0.999
+
+
+def test_top_k_keeps_every_token_tied_with_the_kth():
+    logits = torch.tensor([3.0, 2.0, 2.0, 2.0, 1.0, 0.0, 2.0, -1.0])
+    warped = assert_same_as_generate(logits, SamplingParams(temperature=1.0, top_k=2))
+    assert kept(warped) == {0, 1, 2, 3, 6}  # k=2, but the 2nd value is shared by four tokens
+
+
+@pytest.mark.parametrize("top_k", [1, 8, 100])
+def test_top_k_of_one_and_of_at_least_the_vocabulary(top_k):
+    logits = torch.randn(8, generator=torch.Generator().manual_seed(2))
+    warped = assert_same_as_generate(logits, SamplingParams(temperature=1.0, top_k=top_k))
+    assert len(kept(warped)) == min(top_k, 8)
+
+
+def test_top_p_reached_exactly_keeps_only_the_tokens_that_reach_it():
+    # Probabilities 1/2, 1/4, 1/8, 1/8 are exact in float32, so the first two sum to exactly 0.75.
+    logits = torch.log(torch.tensor([0.5, 0.25, 0.125, 0.125]))
+    assert torch.softmax(logits, -1).tolist() == [0.5, 0.25, 0.125, 0.125]
+    warped = assert_same_as_generate(logits, SamplingParams(temperature=1.0, top_p=0.75))
+    assert kept(warped) == {0, 1}
+
+
+def test_top_p_boundary_through_a_tie_removes_what_generate_removes():
+    # 1/2 then two tokens of 1/4: top_p=0.6 needs one of the two; which one is generate's sort order.
+    assert_same_as_generate(
+        torch.log(torch.tensor([0.5, 0.25, 0.25])), SamplingParams(temperature=1.0, top_p=0.6)
+    )
+    assert_same_as_generate(
+        torch.log(torch.tensor([0.25, 0.5, 0.25])), SamplingParams(temperature=1.0, top_p=0.6)
+    )
+
+
+def test_top_p_equal_to_a_float_partial_sum_rounds_as_generate_does():
+    # top_p set to the mass of the first few tokens: the keep/remove decision is then made by rounding,
+    # and a rule that is only equal on paper (mass before a token >= top_p) disagrees on many of these.
+    g = torch.Generator().manual_seed(3)
+    for _ in range(300):
+        vocab = int(torch.randint(2, 20, (1,), generator=g))
+        logits = torch.randn(vocab, generator=g) * 2
+        probs = torch.softmax(torch.sort(logits, descending=True).values, -1)
+        top_p = float(probs[: int(torch.randint(1, vocab, (1,), generator=g))].double().sum())
+        assert_same_as_generate(logits, SamplingParams(temperature=1.0, top_p=min(top_p, 0.999999)))
+
+
+@pytest.mark.parametrize("top_p", [0.0, 1e-6, 0.05])
+def test_a_tiny_top_p_keeps_only_the_most_probable_token(top_p):
+    logits = torch.randn(50, generator=torch.Generator().manual_seed(4))
+    warped = assert_same_as_generate(logits, SamplingParams(temperature=1.0, top_p=top_p))
+    assert kept(warped) == {int(logits.argmax())}
+
+
+def test_top_p_zero_keeps_the_top_token_even_when_the_mass_sums_to_exactly_one():
+    # Every cumulative mass, the last one included, is then <= 1 - 0: only "keep at least one" saves it.
+    logits = torch.log(torch.tensor([0.125, 0.5, 0.25, 0.125]))
+    warped = assert_same_as_generate(logits, SamplingParams(temperature=1.0, top_p=0.0))
+    assert kept(warped) == {1}
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p"), [(0.7, 10, 0.8), (1.5, 5, 0.9), (0.3, 40, 0.95), (2.0, 0, 0.5)]
+)
+def test_temperature_top_k_and_top_p_together_in_generate_order(temperature, top_k, top_p):
+    logits = torch.randn(100, generator=torch.Generator().manual_seed(5)) * 3
+    assert_same_as_generate(logits, SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p))
+
+
+def test_a_seeded_draw_is_generates_draw_for_the_same_rng_state():
+    logits = torch.randn(200, generator=torch.Generator().manual_seed(6)) * 2
+    params = SamplingParams(temperature=0.9, top_k=50, top_p=0.9)
+    probs = torch.softmax(hf_warped(logits, params), -1)[None]  # generate draws from (batch, vocab)
+    for seed in range(20):
+        expected = int(torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(seed)))
+        assert sample_token(logits, params, make_generator(seed)) == expected
+
+
+def test_sampled_frequencies_follow_generates_distribution():
+    logits = torch.tensor([2.0, 1.5, 1.2, 1.0, 0.5, 0.0, -0.5, -1.0])
+    params = SamplingParams(temperature=0.8, top_k=6, top_p=0.85)
+    expected = torch.softmax(hf_warped(logits, params), -1).tolist()
+    assert 2 <= sum(p > 0 for p in expected) < 6  # top-p removes some of what top-k left
+    draws = 10_000  # ~1 s; a standard error of at most 0.005
+    generator = make_generator(7)
+    counts = torch.bincount(
+        torch.tensor([sample_token(logits, params, generator) for _ in range(draws)]), minlength=8
+    ).tolist()
+    for token, (count, p) in enumerate(zip(counts, expected, strict=True)):
+        if p == 0.0:
+            assert count == 0, f"removed token {token} drawn {count} times"
+        else:  # within 4 standard errors
+            assert abs(count / draws - p) <= 4 * math.sqrt(p * (1 - p) / draws), (token, count / draws, p)
+
+
+def test_filtered_logits_refuses_greedy_params():
+    with pytest.raises(ValueError, match="greedy"):
+        filtered_logits(torch.zeros(4), SamplingParams())
