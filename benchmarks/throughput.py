@@ -15,12 +15,19 @@ FLOP counts: the workload's (every request encodes its image and prefills its wh
 baselines do) and what batchvl executed (each distinct image once, prefix-cache hits not recomputed).
 For batchvl, "engine idle" is the share of wall time outside vision-tower and language-model forwards.
 
+Every method's rows are counted (ok, error, expected = samples x their prompts; batchvl's from its output
+Parquet, the baselines' from their own loop, where an exception while preparing or generating a request
+makes it an error row) and written to the JSON. A method with an error row, or a missing, duplicate or
+unexpected row, gets no rate: the script stops with a message naming it, its counts and its first
+errors, exits non-zero and writes no JSON. samples/s counts a sample once all its rows are ok.
+
     python benchmarks/throughput.py --json benchmarks/results/throughput.json [--samples 200]
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import io
 import json
 import os
@@ -60,6 +67,7 @@ SUMMED_STATS = (
     "ok",
     "errors",
 )
+SHOWN_ERRORS = 3  # error messages quoted when a method fails its row check
 
 
 # ---- the workload ----------------------------------------------------------------------------------
@@ -113,35 +121,62 @@ def rendered_prompt(processor, text: str) -> str:
     return processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
 
-def requests_of(root: Path) -> list[tuple[bytes, str, int]]:
-    """(image bytes, prompt name, tokens to generate) per request, in dataset order."""
+def requests_of(root: Path) -> list[tuple[str, bytes, str, int]]:
+    """(key, image bytes, prompt name, tokens to generate) per request, in dataset order."""
     return [
-        (row["image"], name, row["budget"]) for part, names in PARTS.items() for row in read_part(root, part)
-        for name in names
+        (row["key"], row["image"], name, row["budget"]) for part, names in PARTS.items()
+        for row in read_part(root, part) for name in names
     ]  # fmt: skip
 
 
+def error_text(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
+
+
 def run_transformers(root: Path, model_dir: str, dtype: torch.dtype, batch: int) -> dict:
+    """Every request ends as one row: ok, or error with the exception that stopped it (an image that does
+    not decode fails its own requests; a failing processor or generate call fails its whole batch)."""
     from PIL import Image
 
     processor, model = hf_model(model_dir, dtype)
     texts = {name: rendered_prompt(processor, text) for name, text in PROMPTS.items()}
     requests = requests_of(root)
+    rows = []  # [key, prompt, status, error message]
     output_tokens = 0
     start = time.perf_counter()
     with torch.inference_mode():
         for first in range(0, len(requests), batch):
-            group = requests[first : first + batch]
-            images = [Image.open(io.BytesIO(data)).convert("RGB") for data, _, _ in group]
-            inputs = processor(
-                text=[texts[name] for _, name, _ in group], images=images, return_tensors="pt", padding=True
-            )
-            inputs["pixel_values"] = inputs["pixel_values"].to(dtype)
+            group, images = [], []
+            for key, data, name, tokens in requests[first : first + batch]:
+                try:
+                    images.append(Image.open(io.BytesIO(data)).convert("RGB"))
+                    group.append((key, name, tokens))
+                except Exception as error:
+                    rows.append([key, name, "error", error_text(error)])
+            if not group:
+                continue
             longest = max(tokens for _, _, tokens in group)
-            # EOS ignored: every sequence runs to the batch's longest budget; each keeps its own budget.
-            model.generate(**inputs, max_new_tokens=longest, min_new_tokens=longest, do_sample=False)
+            try:
+                inputs = processor(
+                    text=[texts[name] for _, name, _ in group],
+                    images=images,
+                    return_tensors="pt",
+                    padding=True,
+                )
+                inputs["pixel_values"] = inputs["pixel_values"].to(dtype)
+                # EOS ignored: every sequence runs to the batch's longest budget; each keeps its own budget.
+                out = model.generate(
+                    **inputs, max_new_tokens=longest, min_new_tokens=longest, do_sample=False
+                )
+                generated = out.shape[1] - inputs["input_ids"].shape[1]
+                if generated != longest:
+                    raise RuntimeError(f"generate returned {generated} new tokens, asked for {longest}")
+            except Exception as error:
+                rows.extend([key, name, "error", error_text(error)] for key, name, _ in group)
+                continue
+            rows.extend([key, name, "ok", None] for key, name, _ in group)
             output_tokens += sum(tokens for _, _, tokens in group)
-    return {"wall_s": time.perf_counter() - start, "output_tokens": output_tokens}
+    return {"wall_s": time.perf_counter() - start, "output_tokens": output_tokens, "rows": rows}
 
 
 def run_batchvl(root: Path, model_dir: str, dtype_name: str) -> dict:
@@ -166,7 +201,13 @@ def run_batchvl(root: Path, model_dir: str, dtype_name: str) -> dict:
         wall += stats["wall_s"]
         for key in SUMMED_STATS:
             totals[key] = totals.get(key, 0) + stats[key]
-    return {"wall_s": wall, **totals}
+    # The rows as written (after the clock): what the row check counts.
+    rows = [
+        [row["key"], row["prompt"], row["status"], row["error_message"]]
+        for part in PARTS for path in sorted((root / "out" / dtype_name / part).glob("*.parquet"))
+        for row in pq.read_table(path, columns=["key", "prompt", "status", "error_message"]).to_pylist()
+    ]  # fmt: skip
+    return {"wall_s": wall, **totals, "rows": rows}
 
 
 def matmul_peak(dtype: torch.dtype, size: int = 2048, repeats: int = 10) -> float:
@@ -194,6 +235,60 @@ def child(args) -> None:
     result["peak_rss_mb"] = round(own, 1)
     result["peak_rss_workers_mb"] = round(workers, 1)
     print(json.dumps(result))
+
+
+# ---- checking the rows --------------------------------------------------------------------------------
+
+
+def expected_rows(root: Path) -> list[tuple[str, str]]:
+    """(key, prompt name) of every row the workload asks for: samples x their prompts."""
+    return [
+        (row["key"], name) for part, names in PARTS.items() for row in read_part(root, part) for name in names
+    ]
+
+
+def check_rows(method: str, dtype: str, run: dict, expected: list[tuple[str, str]]) -> dict:
+    """The method's row counts, or SystemExit (no rate) unless every expected row is there once and ok."""
+    rows = run["rows"]
+    seen = collections.Counter((key, prompt) for key, prompt, _, _ in rows)
+    wanted = set(expected)
+    ok = [(key, prompt) for key, prompt, status, _ in rows if status == "ok"]
+    errors = [row for row in rows if row[2] != "ok"]
+    missing = [pair for pair in expected if pair not in seen]
+    extra = sorted(pair for pair, count in seen.items() if pair not in wanted or count > 1)
+    problems = []
+    if method == "c" and (run["ok"], run["errors"]) != (len(ok), len(errors)):
+        problems.append(
+            f"  its stats count {run['ok']} ok and {run['errors']} error rows, its output Parquet "
+            f"{len(ok)} and {len(errors)}"
+        )
+    if errors or missing or extra or problems:
+        lines = [
+            f"method {method} ({METHODS[method]}, {dtype}) failed its row check, so no rate is reported: "
+            f"rows: {len(ok)} ok, {len(errors)} error, {len(expected)} expected ({len(missing)} missing, "
+            f"{len(extra)} duplicate or unexpected)",
+            *problems,
+            *(f"  error {key} / {prompt}: {message}" for key, prompt, _, message in errors[:SHOWN_ERRORS]),
+        ]
+        if len(errors) > SHOWN_ERRORS:
+            lines.append(f"  ... and {len(errors) - SHOWN_ERRORS} more error rows")
+        if missing:
+            lines.append(
+                f"  missing (key / prompt): {', '.join(f'{k} / {p}' for k, p in missing[:SHOWN_ERRORS])}"
+            )
+        if extra:
+            lines.append(
+                f"  duplicate or unexpected: {', '.join(f'{k} / {p}' for k, p in extra[:SHOWN_ERRORS])}"
+            )
+        raise SystemExit("\n".join(lines))
+    prompts_of = collections.Counter(key for key, _ in expected)
+    ok_of = collections.Counter(key for key, _ in ok)
+    return {
+        "rows_expected": len(expected),
+        "rows_ok": len(ok),
+        "rows_error": len(errors),
+        "samples_completed": sum(ok_of[key] == count for key, count in prompts_of.items()),
+    }
 
 
 # ---- counting the work ------------------------------------------------------------------------------
@@ -279,7 +374,9 @@ def run_child(script: str, method: str, dtype: str, root: Path, model_dir: Path)
         command, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}
     )
     if result.returncode != 0:
-        raise RuntimeError(f"method {method} ({dtype}) failed:\n{result.stderr[-3000:]}")
+        raise SystemExit(
+            f"method {method} ({METHODS[method]}, {dtype}) failed, no rate reported:\n{result.stderr[-3000:]}"
+        )
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
@@ -313,6 +410,7 @@ def main() -> None:
     size = json.loads((model_dir / "processor_config.json").read_text())["image_processor"]["size"]
     counter = FlopCounter(str(model_dir))
     samples = args.samples
+    expected = expected_rows(work)
     report = {
         "samples": samples,
         "requests": samples // 2 + 2 * (samples - samples // 2),
@@ -327,14 +425,19 @@ def main() -> None:
         runs = {}
         for method in methods:
             print(f"running {METHODS[method]} in {dtype} ...", file=sys.stderr, flush=True)
-            runs[method] = run_child(__file__, method, dtype, work, model_dir)
+            run = run_child(__file__, method, dtype, work, model_dir)
+            runs[method] = {**run, **check_rows(method, dtype, run, expected)}
         work_done = workload_flops(counter, work, dtype, model_dir) if "c" in runs else None
         for method, run in runs.items():
             wall = run["wall_s"]
             row = {
                 "method": METHODS[method],
+                "rows_expected": run["rows_expected"],
+                "rows_ok": run["rows_ok"],
+                "rows_error": run["rows_error"],
+                "samples_completed": run["samples_completed"],
                 "wall_s": round(wall, 2),
-                "samples_per_s": round(samples / wall, 3),
+                "samples_per_s": round(run["samples_completed"] / wall, 3),
                 "output_tokens_per_s": round(run["output_tokens"] / wall, 1),
                 "peak_rss_mb": run["peak_rss_mb"],
                 "matmul_peak_gflops": round(run["matmul_peak_flops"] / 1e9, 1),
@@ -372,6 +475,7 @@ def main() -> None:
 
 def print_table(dtype: str, runs: dict) -> None:
     columns = [
+        ("rows ok", "rows_ok"),
         ("samples/s", "samples_per_s"),
         ("out tok/s", "output_tokens_per_s"),
         ("prefill tok/s", "prefill_tokens_per_s"),
@@ -384,7 +488,8 @@ def print_table(dtype: str, runs: dict) -> None:
     print(f"\n{dtype}")
     print(f"{'method':<38}" + "".join(f"{name:>14}" for name, _ in columns))
     for row in runs.values():
-        print(f"{row['method']:<38}" + "".join(f"{row.get(key, ''):>14}" for _, key in columns))
+        cells = {**row, "rows_ok": f"{row['rows_ok']}/{row['rows_expected']}"}
+        print(f"{row['method']:<38}" + "".join(f"{cells.get(key, ''):>14}" for _, key in columns))
     if "c" in runs:
         c = runs["c"]
         print(
