@@ -6,12 +6,17 @@ import numpy as np
 import pytest
 from PIL import Image
 
+# Test models attend sharply (queries and keys scaled by this): with the random weights' near-uniform
+# attention, wrong positions or masks barely move the logits and could pass the parity tests.
+SHARPNESS = 8.0
+
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     from batchvl.models.tiny import build_tiny_model
 
-    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen2-vl", size="tiny", seed=0)
+    folder = tmp_path_factory.mktemp("models") / "tiny-qwen2-vl"
+    return build_tiny_model(folder, size="tiny", seed=0, sharpness=SHARPNESS)
 
 
 @pytest.fixture(scope="session")
@@ -39,7 +44,8 @@ def family_models(tmp_path_factory):
 
     def get(family: str):
         if family not in built:
-            path = build_tiny_model(tmp_path_factory.mktemp("models") / family, family=family, seed=0)
+            folder = tmp_path_factory.mktemp("models") / family
+            path = build_tiny_model(folder, family=family, seed=0, sharpness=SHARPNESS)
             built[family] = (path, load_model(str(path), dtype="float32", device="cpu"))
         return built[family]
 

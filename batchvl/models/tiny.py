@@ -136,19 +136,46 @@ def _qwen_vision_config(family: str, spec: TinySize) -> dict:
     }
 
 
-def _save_model(model_class, config, seed: int, out: Path, eos: int | list[int], pad: int, bos: int) -> None:
-    """Seeded random weights, the generation config `generate` reads its special tokens from, saved."""
+def sharpen_attention(model, factor: float) -> None:
+    """Scale every attention's query and key projections by `factor` (scores by its square).
+
+    Random weights give nearly uniform attention, so positions and masks barely move the logits and a
+    wrong position can pass a parity test; sharp attention makes such mistakes change the tokens. Applies
+    to separate `q_proj`/`k_proj` layers and to fused `qkv` layers (query and key thirds)."""
+    import torch
+
+    with torch.no_grad():
+        for module in model.modules():
+            if hasattr(module, "q_proj") and hasattr(module, "k_proj"):
+                for layer in (module.q_proj, module.k_proj):
+                    layer.weight.mul_(factor)
+                    if layer.bias is not None:
+                        layer.bias.mul_(factor)
+            elif isinstance(getattr(module, "qkv", None), torch.nn.Linear):
+                rows = 2 * module.qkv.out_features // 3
+                module.qkv.weight[:rows].mul_(factor)
+                if module.qkv.bias is not None:
+                    module.qkv.bias[:rows].mul_(factor)
+
+
+def _save_model(
+    model_class, config, seed: int, out: Path, eos: int | list[int], pad: int, bos: int, sharpness: float
+) -> None:
+    """Seeded random weights (attention sharpened by `sharpness`), the generation config `generate` reads
+    its special tokens from, saved."""
     import torch
 
     torch.manual_seed(seed)
     model = model_class(config).eval()
+    if sharpness != 1.0:
+        sharpen_attention(model, sharpness)
     model.generation_config.eos_token_id = eos
     model.generation_config.pad_token_id = pad
     model.generation_config.bos_token_id = bos
     model.save_pretrained(out)
 
 
-def _build_qwen(out: Path, family: str, spec: TinySize, seed: int) -> None:
+def _build_qwen(out: Path, family: str, spec: TinySize, seed: int, sharpness: float) -> None:
     from transformers import (
         Qwen2_5_VLConfig,
         Qwen2_5_VLForConditionalGeneration,
@@ -181,7 +208,8 @@ def _build_qwen(out: Path, family: str, spec: TinySize, seed: int) -> None:
         **({"tie_word_embeddings": False} if is_qwen3 else {}),
     )
     eos = [ids["<|im_end|>"], ids["<|endoftext|>"]]
-    _save_model(model_class, config, seed, out, eos, pad=ids["<|endoftext|>"], bos=ids["<|endoftext|>"])
+    endoftext = ids["<|endoftext|>"]
+    _save_model(model_class, config, seed, out, eos, endoftext, endoftext, sharpness)
     merged = (32 if is_qwen3 else 28) ** 2  # pixels of one merged patch
     normalization = {"image_mean": [0.5] * 3, "image_std": [0.5] * 3} if is_qwen3 else {}
     image_processor = Qwen2VLImageProcessorPil(
@@ -200,7 +228,7 @@ def _build_qwen(out: Path, family: str, spec: TinySize, seed: int) -> None:
     processor.save_pretrained(out)
 
 
-def _build_llava(out: Path, spec: TinySize, seed: int) -> None:
+def _build_llava(out: Path, spec: TinySize, seed: int, sharpness: float) -> None:
     """LLaVA-1.5 layout: CLIP vision (layer -2, CLS dropped), a 2-layer projector, a Llama decoder."""
     from transformers import CLIPImageProcessorPil, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
 
@@ -248,6 +276,7 @@ def _build_llava(out: Path, spec: TinySize, seed: int) -> None:
         tokenizer.eos_token_id,
         pad_id,
         tokenizer.bos_token_id,
+        sharpness,
     )
     # llava-hf's LLaVA-1.5 checkpoints use the CLIP image processor: shortest edge, centre crop, no padding.
     image_processor = CLIPImageProcessorPil(
@@ -263,7 +292,7 @@ def _build_llava(out: Path, spec: TinySize, seed: int) -> None:
     ).save_pretrained(out)
 
 
-def _build_idefics3(out: Path, spec: TinySize, seed: int) -> None:
+def _build_idefics3(out: Path, spec: TinySize, seed: int, sharpness: float) -> None:
     """Idefics3 layout: SigLIP-like tiles, a pixel-shuffle connector (scale 2), a Llama decoder. An image
     is resized to 4 tiles on its longest edge (as the real 1456 / 364), so it becomes up to 4x4 tiles plus
     a global view."""
@@ -305,7 +334,7 @@ def _build_idefics3(out: Path, spec: TinySize, seed: int) -> None:
     )
     eos = [ids["<end_of_utterance>"], ids["<|end_of_text|>"]]
     pad, bos = ids["<|finetune_right_pad_id|>"], ids["<|begin_of_text|>"]
-    _save_model(Idefics3ForConditionalGeneration, config, seed, out, eos, pad, bos)
+    _save_model(Idefics3ForConditionalGeneration, config, seed, out, eos, pad, bos, sharpness)
     image_processor = Idefics3ImageProcessorPil(
         size={"longest_edge": 4 * tile}, max_image_size={"longest_edge": tile}
     )
@@ -321,9 +350,11 @@ FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "idefics3")
 
 
 def build_tiny_model(
-    out_dir: str | Path, family: str = "qwen2_vl", size: str = "tiny", seed: int = 0
+    out_dir: str | Path, family: str = "qwen2_vl", size: str = "tiny", seed: int = 0, sharpness: float = 1.0
 ) -> Path:
-    """Write a random-weight checkpoint (model, tokenizer, image processor, chat template) to out_dir."""
+    """Write a random-weight checkpoint (model, tokenizer, image processor, chat template) to out_dir.
+    `sharpness` scales attention queries and keys (see `sharpen_attention`): tests use it so that their
+    model's outputs depend on positions."""
     if family not in FAMILIES:
         raise UserError(f"unknown family '{family}'; supported: {', '.join(FAMILIES)}")
     if size not in SIZES:
@@ -331,9 +362,9 @@ def build_tiny_model(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if family == "llava":
-        _build_llava(out, SIZES[size], seed)
+        _build_llava(out, SIZES[size], seed, sharpness)
     elif family == "idefics3":
-        _build_idefics3(out, SIZES[size], seed)
+        _build_idefics3(out, SIZES[size], seed, sharpness)
     else:
-        _build_qwen(out, family, SIZES[size], seed)
+        _build_qwen(out, family, SIZES[size], seed, sharpness)
     return out

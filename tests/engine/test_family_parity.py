@@ -1,5 +1,6 @@
-"""Every family beyond Qwen2-VL: batchvl's preprocessing equals the family's processor, and the engine's
-greedy tokens equal transformers `generate` in fp32, with prompts cut inside images and caches on or off."""
+"""Every family beyond Qwen2-VL: batchvl's preprocessing equals the family's processor, and the engine equals
+transformers `generate` in fp32 (tokens, logits at every generated position, the family's positions), with
+prompts cut inside images and caches on or off."""
 
 from dataclasses import replace
 
@@ -9,11 +10,12 @@ import torch
 from transformers import AutoModelForImageTextToText
 
 from batchvl.config import PreprocessConfig
-from batchvl.engine.engine import Engine, EngineLimits, EngineRequest
+from batchvl.engine.engine import EngineLimits
 from batchvl.engine.request import SamplingParams
 from batchvl.io.types import MediaRef
 from batchvl.preprocess.prompts import PromptRenderer
 from tests.conftest import NEW_FAMILIES, png_bytes, random_image
+from tests.engine.reference import assert_matches_reference, make_case, run_cases
 
 MAX_NEW_TOKENS = 8
 IMAGE_SIZES = [(100, 150), (60, 60), (200, 90), (28, 300)]
@@ -35,8 +37,7 @@ def prepare(loaded, images):
 
 @pytest.fixture(scope="module", params=NEW_FAMILIES)
 def family_cases(request, family_models):
-    """(family, loaded model, cases) where a case is (tag, prompt ids, prepared images, expected tokens);
-    cases cover each image x prompt (image 0 twice) and one prompt with two images."""
+    """(family, loaded model, cases): each image x prompt (image 0 twice) and one prompt with two images."""
     path, loaded = family_models(request.param)
     processor = loaded.processor
     reference = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
@@ -56,28 +57,20 @@ def family_cases(request, family_models):
             # (tiled families batch the frames of a sample as (1, frames, 3, H, W))
             theirs = inputs["pixel_values"].numpy().reshape(ours.shape)
             np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-5)
-            generated = reference.generate(**inputs, max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
-            cases.append(((i, j), ids, prepared, generated[0, inputs["input_ids"].shape[1] :].tolist()))
+            cases.append(make_case(reference, (i, j), ids, prepared, inputs, MAX_NEW_TOKENS))
     return request.param, loaded, cases
 
 
 def run_engine(loaded, cases, limits):
-    engine = Engine(loaded.adapter, loaded.processor.tokenizer, limits, loaded.eos_token_ids())
-    for tag, ids, prepared, _ in cases:
-        engine.add_request(EngineRequest(ids, prepared, SamplingParams(MAX_NEW_TOKENS), tag))
-    results = {}
-    while engine.num_unfinished:
-        results.update({result.tag: result for result in engine.step()})
-    return engine, results
+    return run_cases(loaded, cases, limits, SamplingParams(MAX_NEW_TOKENS))
 
 
 @pytest.mark.parametrize("limits", LIMITS.values(), ids=LIMITS.keys())
-def test_greedy_tokens_equal_generate(family_cases, limits):
+def test_engine_equals_generate(family_cases, limits):
     _, loaded, cases = family_cases
-    _, results = run_engine(loaded, cases, limits)
-    for tag, _, _, expected in cases:
-        assert results[tag].error is None
-        assert results[tag].output_token_ids == expected, tag
+    _, observed = run_engine(loaded, cases, limits)
+    for case in cases:
+        assert_matches_reference(observed[case.tag], case)
 
 
 def test_caches_change_work_not_outputs(family_cases):
@@ -85,14 +78,14 @@ def test_caches_change_work_not_outputs(family_cases):
     limits = EngineLimits(max_num_batched_tokens=4096, block_size=4)
     cached, with_caches = run_engine(loaded, cases, limits)
     plain, without = run_engine(loaded, cases, replace(limits, encoder_cache_mb=0, prefix_caching=False))
-    assert {t: r.output_token_ids for t, r in with_caches.items()} == {
-        t: r.output_token_ids for t, r in without.items()
-    }
-    total_prompt = sum(len(ids) for _, ids, _, _ in cases)
+    for case in cases:
+        assert_matches_reference(with_caches[case.tag], case)
+        assert_matches_reference(without[case.tag], case)
+    total_prompt = sum(len(case.ids) for case in cases)
     assert plain.stats.prefill_tokens_computed == total_prompt
     assert cached.stats.prefix_cache_hit_tokens > 0
     assert cached.stats.prefill_tokens_computed + cached.stats.prefix_cache_hit_tokens == total_prompt
-    distinct = {img.content_hash for _, _, prepared, _ in cases for img in prepared}
+    distinct = {img.content_hash for case in cases for img in case.media}
     assert cached.stats.images_encoded == len(distinct) < len(cases)  # each image once, not per request
 
 

@@ -1,4 +1,6 @@
-"""The first gate: the engine's greedy tokens equal transformers `generate` in fp32, for every setting."""
+"""The first gate: the engine equals transformers `generate` in fp32, for every setting: the same greedy
+tokens, logits within 1e-4 at every generated position, and the positions `get_rope_index` gives every
+token fed. The test model attends sharply (see conftest), so a wrong position changes its tokens."""
 
 from dataclasses import replace
 
@@ -6,11 +8,14 @@ import pytest
 import torch
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
-from batchvl.engine.engine import Engine, EngineLimits, EngineRequest
+import batchvl.models.qwen_vl as qwen_vl
+from batchvl.engine.engine import EngineLimits
 from batchvl.engine.request import SamplingParams
+from batchvl.models.adapter import VLMAdapter
 from batchvl.preprocess.prompts import PromptRenderer
 from batchvl.preprocess.qwen_vision import QwenVisionSpec, prepare_image
 from tests.conftest import random_image
+from tests.engine.reference import assert_matches_reference, make_case, run_cases
 
 MAX_NEW_TOKENS = 10
 IMAGE_SIZES = [(100, 150), (60, 60), (200, 90), (28, 300)]
@@ -18,38 +23,32 @@ PROMPTS = ["Describe this image.", "What is in the picture? Answer in one short 
 
 
 @pytest.fixture(scope="module")
-def cases(tiny_model_dir, loaded_fp32):
-    """(request inputs, expected token ids) for every image x prompt; image 0 appears twice."""
+def reference(tiny_model_dir):
+    return AutoModelForImageTextToText.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def cases(tiny_model_dir, loaded_fp32, reference):
+    """A case per image x prompt (image 0 appears twice), with generate's tokens and logits."""
     images = [random_image(h, w, seed) for seed, (h, w) in enumerate(IMAGE_SIZES)]
     images.append(images[0])
     processor = AutoProcessor.from_pretrained(tiny_model_dir)
-    reference = AutoModelForImageTextToText.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     renderer = PromptRenderer(loaded_fp32.processor)
+    spec = QwenVisionSpec.from_image_processor(loaded_fp32.processor.image_processor)
     out = []
     for i, image in enumerate(images):
-        prepared = prepare_image(
-            image, QwenVisionSpec.from_image_processor(loaded_fp32.processor.image_processor)
-        )
+        prepared = prepare_image(image, spec)
         for j, prompt in enumerate(PROMPTS):
             rendered = renderer.render(prompt, 1)
             ids = renderer.token_ids(rendered, [prepared])
             inputs = processor(text=[rendered], images=[image], return_tensors="pt")
             assert inputs["input_ids"][0].tolist() == ids  # same prompt as the model's own processor
-            generated = reference.generate(**inputs, max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
-            expected = generated[0, inputs["input_ids"].shape[1] :].tolist()
-            out.append(((i, j), ids, prepared, expected))
+            out.append(make_case(reference, (i, j), ids, [prepared], inputs, MAX_NEW_TOKENS))
     return out
 
 
 def run_engine(loaded, cases, limits: EngineLimits, sampling: SamplingParams | None = None):
-    engine = Engine(loaded.adapter, loaded.processor.tokenizer, limits, loaded.eos_token_ids())
-    for tag, ids, prepared, _ in cases:
-        engine.add_request(EngineRequest(ids, [prepared], sampling or SamplingParams(MAX_NEW_TOKENS), tag))
-    results = {}
-    while engine.num_unfinished:
-        for result in engine.step():
-            results[result.tag] = result
-    return engine, results
+    return run_cases(loaded, cases, limits, sampling or SamplingParams(MAX_NEW_TOKENS))
 
 
 @pytest.mark.parametrize(
@@ -78,16 +77,43 @@ def run_engine(loaded, cases, limits: EngineLimits, sampling: SamplingParams | N
     ],
 )
 def test_greedy_tokens_equal_generate(loaded_fp32, cases, limits):
-    engine, results = run_engine(loaded_fp32, cases, limits)
-    assert set(results) == {tag for tag, *_ in cases}
-    for tag, ids, _, expected in cases:
-        result = results[tag]
-        assert result.error is None
-        assert result.output_token_ids == expected, tag
-        assert result.num_prompt_tokens == len(ids)
-        assert result.text == loaded_fp32.processor.tokenizer.decode(expected, skip_special_tokens=True)
+    engine, observed = run_engine(loaded_fp32, cases, limits)
+    assert set(observed) == {case.tag for case in cases}
+    for case in cases:
+        assert_matches_reference(observed[case.tag], case)
+        result = observed[case.tag].result
+        assert result.num_prompt_tokens == len(case.ids)
+        tokens = case.expected.tokens
+        assert result.text == loaded_fp32.processor.tokenizer.decode(tokens, skip_special_tokens=True)
     if limits.kv_cache_mb < 1:
         assert engine.stats.preemptions > 0
+
+
+def one_d_positions(adapter, prompt_token_ids, media):
+    positions, _ = VLMAdapter.prompt_positions(adapter, prompt_token_ids, media)
+    return positions.expand(3, -1).contiguous(), 0
+
+
+def positions_without_delta(adapter, prompt_token_ids, media):
+    return ORIGINAL_POSITIONS(adapter, prompt_token_ids, media)[0], 0
+
+
+ORIGINAL_POSITIONS = qwen_vl.Qwen2VLAdapter.prompt_positions
+
+
+@pytest.mark.parametrize("wrong", [one_d_positions, positions_without_delta], ids=["1-d", "no-rope-delta"])
+def test_the_gate_sees_wrong_positions(loaded_fp32, cases, monkeypatch, wrong):
+    """The model is sensitive to positions: with them wrong, tokens change, and so the gate fails."""
+    monkeypatch.setattr(qwen_vl.Qwen2VLAdapter, "prompt_positions", wrong)
+    _, observed = run_engine(loaded_fp32, cases, EngineLimits(max_num_batched_tokens=37))
+    changed = [c.tag for c in cases if observed[c.tag].result.output_token_ids != c.expected.tokens]
+    assert len(changed) >= len(cases) // 2, changed
+    for case in cases:
+        last = case.positions.shape[1] - 1
+        if wrong is positions_without_delta and int(case.positions[0, last]) == last:
+            continue  # its rope delta is 0 (an image one merged patch high), or no generated token was fed
+        with pytest.raises(AssertionError):
+            assert_matches_reference(observed[case.tag], case)
 
 
 def test_duplicate_images_are_encoded_once(loaded_fp32, cases):
@@ -102,25 +128,29 @@ def test_duplicate_images_are_encoded_once(loaded_fp32, cases):
 
 def test_prefix_cache_skips_the_shared_system_prompt_and_image(loaded_fp32, cases):
     limits = EngineLimits(max_num_batched_tokens=4096, block_size=4)
-    on, _ = run_engine(loaded_fp32, cases, limits)
+    on, observed = run_engine(loaded_fp32, cases, limits)
     off, _ = run_engine(loaded_fp32, cases, replace(limits, prefix_caching=False))
-    total_prompt = sum(len(ids) for _, ids, _, _ in cases)
+    total_prompt = sum(len(case.ids) for case in cases)
     assert off.stats.prefill_tokens_computed == total_prompt and off.stats.prefix_cache_hit_tokens == 0
     saved = on.stats.prefix_cache_hit_tokens
     assert on.stats.prefill_tokens_computed + saved == total_prompt
     # each image's second prompt (and the duplicate image's two) skips at least system prompt + image
     pad = image_pad(loaded_fp32)
-    image_end = {tag[0]: len(ids) - ids[::-1].index(pad) for tag, ids, _, _ in cases}
+    image_end = {case.tag[0]: len(case.ids) - case.ids[::-1].index(pad) for case in cases}
     assert saved >= sum((end // 4) * 4 for end in image_end.values())
+    for case in cases:  # what came from the cache gives what computing it gives
+        assert_matches_reference(observed[case.tag], case)
 
 
 def test_same_text_before_a_different_image_shares_only_the_text(loaded_fp32, cases):
-    (_, first, _, expected_first), (_, second, _, expected_second) = cases[2], cases[4]  # images 1, 2
+    first, second = cases[2], cases[4]  # images 1, 2
     pad = image_pad(loaded_fp32)
-    assert first[: first.index(pad)] == second[: second.index(pad)] and first != second
-    engine, results = run_engine(loaded_fp32, [cases[2], cases[4]], EngineLimits(block_size=4))
-    assert engine.stats.prefix_cache_hit_tokens == (first.index(pad) // 4) * 4
-    assert [r.output_token_ids for r in results.values()] == [expected_first, expected_second]
+    text_before = [case.ids[: case.ids.index(pad)] for case in (first, second)]
+    assert text_before[0] == text_before[1] and first.ids != second.ids
+    engine, observed = run_engine(loaded_fp32, [first, second], EngineLimits(block_size=4))
+    assert engine.stats.prefix_cache_hit_tokens == (first.ids.index(pad) // 4) * 4
+    for case in (first, second):
+        assert_matches_reference(observed[case.tag], case)
 
 
 def image_pad(loaded) -> int:
@@ -135,60 +165,45 @@ def test_sampled_output_does_not_depend_on_batch(loaded_fp32, cases):
     _, batched = run_engine(
         loaded_fp32, cases, EngineLimits(max_num_seqs=64, max_num_batched_tokens=37), sampling
     )
-    assert {t: r.output_token_ids for t, r in alone.items()} == {
-        t: r.output_token_ids for t, r in batched.items()
-    }
-    greedy = {tag: expected for tag, _, _, expected in cases}
-    assert any(alone[tag].output_token_ids != greedy[tag] for tag in greedy)  # it really sampled
+    tokens = {tag: observed.result.output_token_ids for tag, observed in alone.items()}
+    assert tokens == {tag: observed.result.output_token_ids for tag, observed in batched.items()}
+    assert any(tokens[case.tag] != case.expected.tokens for case in cases)  # it really sampled
 
 
 def test_stop_token_ids_end_generation(loaded_fp32, cases):
-    tag, ids, prepared, expected = cases[0]
-    stop_token = expected[3]
+    case = cases[0]
+    stop_token = case.expected.tokens[3]
     sampling = SamplingParams(MAX_NEW_TOKENS, stop_token_ids=(stop_token,))
-    _, results = run_engine(loaded_fp32, [cases[0]], EngineLimits(), sampling)
-    result = results[tag]
-    assert result.output_token_ids == expected[: expected.index(stop_token) + 1]
+    _, observed = run_engine(loaded_fp32, [case], EngineLimits(), sampling)
+    result = observed[case.tag].result
+    assert result.output_token_ids == case.expected.tokens[: case.expected.tokens.index(stop_token) + 1]
     assert result.finish_reason == "stop"
-    assert results[tag].finish_reason == "stop"
 
 
 def test_max_new_tokens_finishes_with_length(loaded_fp32, cases):
-    _, results = run_engine(loaded_fp32, cases[:1], EngineLimits(), SamplingParams(3))
-    result = next(iter(results.values()))
+    _, observed = run_engine(loaded_fp32, cases[:1], EngineLimits(), SamplingParams(3))
+    result = observed[cases[0].tag].result
     assert result.num_output_tokens == 3 and result.finish_reason == "length"
 
 
 def test_request_larger_than_kv_cache_is_an_error_not_a_stall(loaded_fp32, cases):
     limits = EngineLimits(kv_cache_mb=0.02)  # 2 blocks of 16 tokens: less than any prompt here
-    _, results = run_engine(loaded_fp32, cases[:2], limits)
-    assert {r.error.error_type for r in results.values()} == {"kv_cache_too_small"}
-    assert all("engine.kv_cache_mb" in r.error.message for r in results.values())
+    _, observed = run_engine(loaded_fp32, cases[:2], limits)
+    errors = [o.result.error for o in observed.values()]
+    assert {e.error_type for e in errors} == {"kv_cache_too_small"}
+    assert all("engine.kv_cache_mb" in e.message for e in errors)
 
 
-def test_several_images_in_one_prompt(tiny_model_dir, loaded_fp32):
+def test_several_images_in_one_prompt(tiny_model_dir, loaded_fp32, reference):
     images = [random_image(80, 120, 7), random_image(140, 60, 8)]
     processor = AutoProcessor.from_pretrained(tiny_model_dir)
-    reference = AutoModelForImageTextToText.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     renderer = PromptRenderer(loaded_fp32.processor)
-    prepared = [
-        prepare_image(image, QwenVisionSpec.from_image_processor(loaded_fp32.processor.image_processor))
-        for image in images
-    ]
+    spec = QwenVisionSpec.from_image_processor(loaded_fp32.processor.image_processor)
+    prepared = [prepare_image(image, spec) for image in images]
     rendered = renderer.render("Compare the two images.", 2)
     ids = renderer.token_ids(rendered, prepared)
     inputs = processor(text=[rendered], images=images, return_tensors="pt")
     assert inputs["input_ids"][0].tolist() == ids
-    expected = reference.generate(**inputs, max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
-    expected = expected[0, inputs["input_ids"].shape[1] :].tolist()
-    engine = Engine(
-        loaded_fp32.adapter,
-        loaded_fp32.processor.tokenizer,
-        EngineLimits(max_num_batched_tokens=23),
-        loaded_fp32.eos_token_ids(),
-    )
-    engine.add_request(EngineRequest(ids, prepared, SamplingParams(MAX_NEW_TOKENS), "two"))
-    results = []
-    while engine.num_unfinished:
-        results += engine.step()
-    assert results[0].output_token_ids == expected
+    case = make_case(reference, "two", ids, prepared, inputs, MAX_NEW_TOKENS)
+    _, observed = run_engine(loaded_fp32, [case], EngineLimits(max_num_batched_tokens=23))
+    assert_matches_reference(observed["two"], case)

@@ -1,4 +1,5 @@
-"""Video through the engine equals transformers `generate` fed the same video tensors (fp32, greedy).
+"""Video through the engine equals transformers `generate` fed the same video tensors (fp32, greedy): the
+tokens, the logits at every generated position and the family's positions of every token.
 
 The Hugging Face video processor needs torchvision, which is not available everywhere, so the reference
 gets batchvl's own pixel_values_videos / video_grid_thw / input_ids; what is checked here is the model
@@ -12,12 +13,13 @@ import torch
 from transformers import AutoModelForImageTextToText
 
 from batchvl.config import PreprocessConfig
-from batchvl.engine.engine import Engine, EngineLimits, EngineRequest
+from batchvl.engine.engine import EngineLimits
 from batchvl.engine.request import SamplingParams
 from batchvl.preprocess.prompts import PromptRenderer
 from batchvl.preprocess.qwen_vision import QwenVisionSpec, prepare_image, prepare_video
 from batchvl.preprocess.video import FrameSampling, decode_video
 from tests.conftest import random_image, video_bytes
+from tests.engine.reference import assert_matches_reference, inputs_for, make_case, run_cases
 
 MAX_NEW_TOKENS = 8
 
@@ -30,32 +32,6 @@ def family(request, family_models):
     else:
         path, loaded = family_models(request.param)
     return loaded, AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
-
-
-def expected_tokens(reference, adapter, ids, media):
-    tensor_ids = torch.tensor([ids])
-    token_types = torch.zeros_like(tensor_ids)
-    token_types[tensor_ids == adapter.placeholder_token_ids["image"]] = 1
-    token_types[tensor_ids == adapter.placeholder_token_ids["video"]] = 2
-    inputs = {
-        "input_ids": tensor_ids,
-        "attention_mask": torch.ones_like(tensor_ids),
-        "mm_token_type_ids": token_types,
-    }
-    for kind, pixels_key, grid_key in (
-        ("image", "pixel_values", "image_grid_thw"),
-        ("video", "pixel_values_videos", "video_grid_thw"),
-    ):
-        chosen = [m for m in media if m.kind == kind]
-        if chosen:
-            inputs[pixels_key] = torch.cat([torch.from_numpy(m.pixel_values) for m in chosen])
-            inputs[grid_key] = torch.tensor([m.grid_thw for m in chosen])
-    if reference.config.model_type == "qwen2_5_vl":
-        inputs["second_per_grid_ts"] = torch.tensor(
-            [m.seconds_per_grid_t for m in media if m.kind == "video"]
-        )
-    out = reference.generate(**inputs, max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
-    return out[0, len(ids) :].tolist()
 
 
 @pytest.mark.parametrize("budget", [16, 53, 4096])
@@ -72,24 +48,17 @@ def test_video_and_image_with_video_match_generate(family, budget):
     image = prepare_image(random_image(60, 90, 3), spec)
     # 3 s at 4 fps would be 12 frames, capped at 8 -> 4 temporal patches; 8 frames over 3 s -> 0.75 s each
     assert clip.grid_thw[0] == 4 and clip.seconds_per_grid_t == pytest.approx(0.75)
-    cases = {"video": [clip], "image+video": [image, clip]}
-    engine = Engine(
-        loaded_fp32.adapter,
-        processor.tokenizer,
-        EngineLimits(max_num_batched_tokens=budget),
-        loaded_fp32.eos_token_ids(),
-    )
-    expected = {}
-    for name, media in cases.items():
+    cases = []
+    for name, media in {"video": [clip], "image+video": [image, clip]}.items():
         ids = renderer.token_ids(
             renderer.render("What happens in this clip?", [m.kind for m in media]), media
         )
-        expected[name] = expected_tokens(reference, loaded_fp32.adapter, ids, media)
-        engine.add_request(EngineRequest(ids, media, SamplingParams(MAX_NEW_TOKENS), name))
-    results = {}
-    while engine.num_unfinished:
-        results.update({r.tag: r.output_token_ids for r in engine.step()})
-    assert results == expected
+        inputs = inputs_for(reference, ids, media)
+        cases.append(make_case(reference, name, ids, media, inputs, MAX_NEW_TOKENS))
+    limits = EngineLimits(max_num_batched_tokens=budget)
+    _, observed = run_cases(loaded_fp32, cases, limits, SamplingParams(MAX_NEW_TOKENS))
+    for case in cases:
+        assert_matches_reference(observed[case.tag], case)
 
 
 def test_qwen2_5_video_positions_are_spaced_by_seconds(family_models):

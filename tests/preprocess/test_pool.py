@@ -5,6 +5,7 @@ import os
 import threading
 import time
 
+import psutil
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -101,6 +102,13 @@ def test_crashing_and_hanging_samples_cost_only_themselves(loaded_fp32, shards, 
     assert (pool.stats.samples_crashed, pool.stats.samples_timed_out) == (1, 1)
 
 
+def is_gone(process: psutil.Process) -> bool:
+    try:
+        return process.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
 def test_a_worker_dying_while_it_sends_a_result_does_not_hang_the_pool(loaded_fp32, tmp_path, monkeypatch):
     """A worker's queue thread sends results while the worker goes on; a crash then cuts a message."""
     big = io.BytesIO()
@@ -117,11 +125,17 @@ def test_a_worker_dying_while_it_sends_a_result_does_not_hang_the_pool(loaded_fp
     pq.write_table(pa.table({"image": images, "id": ["s0", "s1", "s2", "s3"]}), tmp_path / "a.parquet")
     source = ParquetSource(InputConfig(paths=[str(tmp_path / "a.parquet")], key_column="id"))
     pool = PreprocessPool(source, source.list_shards(), processor(loaded_fp32), 1, 2, 60)
+    before = {process.pid for process in psutil.Process().children()}
     items = iter(pool)
     first = next(items)
     # Not reading now: the worker's queue thread blocks halfway through sending the big sample into the
-    # full pipe while the worker itself moves on and dies on the next one.
-    time.sleep(1.5)
+    # full pipe while the worker itself moves on and dies on the next one. Wait until it has died.
+    workers = [process for process in psutil.Process().children() if process.pid not in before]
+    assert workers, "the pool runs its worker in a process"
+    deadline = time.monotonic() + 60
+    while not all(is_gone(worker) for worker in workers):
+        assert time.monotonic() < deadline, "the worker never reached the crashing sample"
+        time.sleep(0.01)
     rest = []
     reader = threading.Thread(target=lambda: rest.extend(items), daemon=True)
     reader.start()

@@ -1,0 +1,168 @@
+"""What the parity tests compare, at every generated position: the engine's tokens, its logits and the
+positions it gave every token it fed, against transformers' `generate` (tokens and raw logits) and the
+family's own position rule (`get_rope_index` for the Qwen families, 1-D positions for the others)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from batchvl.engine.engine import Engine, EngineRequest, EngineResult
+from batchvl.engine.request import SamplingParams
+from batchvl.preprocess.media import PreparedImage
+
+# Largest difference allowed between the engine's and generate's logits at a position, relative to the
+# largest logit there (fp32; the two sum in different orders, so they are not bit-identical).
+LOGITS_TOLERANCE = 1e-4
+
+
+@dataclass(frozen=True)
+class Expected:
+    tokens: list[int]
+    logits: torch.Tensor  # (generated tokens, vocab): what each generated token was chosen from
+
+
+def generate_reference(model, inputs: dict, max_new_tokens: int) -> Expected:
+    """Greedy `generate`, with the raw logits of every step."""
+    out = model.generate(
+        **inputs,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    prompt_length = inputs["input_ids"].shape[1]
+    return Expected(out.sequences[0, prompt_length:].tolist(), torch.cat(out.logits).float())
+
+
+def inputs_for(model, ids: list[int], media: list[PreparedImage]) -> dict:
+    """`generate`'s inputs for batchvl's own prompt ids and media tensors: for media the family's own
+    processor cannot make here (video processors need torchvision)."""
+    tensor_ids = torch.tensor([ids])
+    token_types = torch.zeros_like(tensor_ids)
+    token_types[tensor_ids == model.config.image_token_id] = 1
+    token_types[tensor_ids == model.config.video_token_id] = 2
+    inputs = {
+        "input_ids": tensor_ids,
+        "attention_mask": torch.ones_like(tensor_ids),
+        "mm_token_type_ids": token_types,
+    }
+    for kind, pixels_key, grid_key in (
+        ("image", "pixel_values", "image_grid_thw"),
+        ("video", "pixel_values_videos", "video_grid_thw"),
+    ):
+        chosen = [m for m in media if m.kind == kind]
+        if chosen:
+            inputs[pixels_key] = torch.cat([torch.from_numpy(m.pixel_values) for m in chosen])
+            inputs[grid_key] = torch.tensor([m.grid_thw for m in chosen])
+    if model.config.model_type == "qwen2_5_vl":
+        seconds = [m.seconds_per_grid_t for m in media if m.kind == "video"]
+        inputs["second_per_grid_ts"] = torch.tensor(seconds)
+    return inputs
+
+
+def family_positions(model, token_ids: list[int], media: list[PreparedImage]) -> torch.Tensor:
+    """(axes, tokens) positions the model itself gives a sequence: its `get_rope_index` where it has one
+    (multimodal rope), else 0, 1, 2, ..."""
+    if not hasattr(model.model, "get_rope_index"):
+        return torch.arange(len(token_ids))[None]
+    inputs = inputs_for(model, token_ids, media)
+    media_keys = ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")
+    positions, _ = model.model.get_rope_index(
+        inputs["input_ids"], inputs["mm_token_type_ids"], **{k: inputs.get(k) for k in media_keys}
+    )
+    return positions[:, 0]
+
+
+@dataclass
+class Observed:
+    result: EngineResult
+    logits: torch.Tensor  # (generated tokens, vocab)
+    # token index -> (axes,) position, for every token the engine computed (prompt tokens taken from the
+    # prefix cache were computed by an earlier request, so they are not here)
+    positions: dict[int, torch.Tensor]
+
+
+class EngineProbe:
+    """Runs an engine to the end, recording per request the logits of every sampled position and the
+    positions of every token it fed (a preempted request's recompute must give the same again)."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._logits: dict[int, dict[int, torch.Tensor]] = {}
+        self._positions: dict[int, dict[int, torch.Tensor]] = {}
+        runner = engine.runner
+        execute, chunk_positions = runner.execute, runner._chunk_positions
+
+        def recording_execute(chunks, block_manager):
+            out = execute(chunks, block_manager)
+            sampled = [chunk for chunk in chunks if chunk.samples_next_token]
+            for chunk, row in zip(sampled, out, strict=True):
+                request = chunk.request
+                self._logits.setdefault(request.request_id, {})[request.num_output_tokens] = row.clone()
+            return out
+
+        def recording_positions(request_id, start, end):
+            positions = chunk_positions(request_id, start, end)
+            seen = self._positions.setdefault(request_id, {})
+            for index in range(start, end):
+                column = positions[:, index - start].clone()
+                assert index not in seen or torch.equal(seen[index], column), "a recompute moved a token"
+                seen[index] = column
+            return positions
+
+        runner.execute = recording_execute
+        runner._chunk_positions = recording_positions
+
+    def run(self) -> dict:
+        """tag -> Observed for every request added so far (rejected ones: no logits, no positions)."""
+        ids = {request_id: live.tag for request_id, live in self.engine._live.items()}
+        results: dict = {}
+        while self.engine.num_unfinished:
+            results.update({result.tag: result for result in self.engine.step()})
+        observed = {tag: Observed(result, torch.empty(0), {}) for tag, result in results.items()}
+        for request_id, tag in ids.items():
+            logits = self._logits.get(request_id, {})
+            if logits:
+                observed[tag].logits = torch.stack([logits[i] for i in sorted(logits)])
+            observed[tag].positions = self._positions.get(request_id, {})
+        return observed
+
+
+@dataclass(frozen=True)
+class Case:
+    """One request and what transformers makes of it."""
+
+    tag: object
+    ids: list[int]  # the prompt
+    media: list[PreparedImage]
+    expected: Expected
+    positions: torch.Tensor  # the family's positions of the prompt and every generated token but the last
+
+
+def make_case(model, tag, ids: list[int], media: list[PreparedImage], inputs: dict, max_new_tokens: int):
+    expected = generate_reference(model, inputs, max_new_tokens)
+    return Case(tag, ids, media, expected, family_positions(model, ids + expected.tokens[:-1], media))
+
+
+def run_cases(loaded, cases: list[Case], limits, sampling: SamplingParams) -> tuple[Engine, dict]:
+    """An engine over every case at once, run to the end; (engine, tag -> Observed)."""
+    engine = Engine(loaded.adapter, loaded.processor.tokenizer, limits, loaded.eos_token_ids())
+    probe = EngineProbe(engine)
+    for case in cases:
+        engine.add_request(EngineRequest(case.ids, case.media, sampling, case.tag))
+    return engine, probe.run()
+
+
+def assert_matches_reference(observed: Observed, case: Case) -> None:
+    """Same tokens, logits within `LOGITS_TOLERANCE`, and the family's positions for every fed token."""
+    expected = case.expected
+    assert observed.result.error is None, (case.tag, observed.result.error)
+    assert observed.result.output_token_ids == expected.tokens, case.tag
+    tolerance = LOGITS_TOLERANCE * float(expected.logits.abs().max())
+    torch.testing.assert_close(observed.logits, expected.logits, rtol=0, atol=tolerance, msg=str(case.tag))
+    fed = sorted(observed.positions)  # the prompt after its cached prefix, then the generated tokens
+    assert fed == list(range(fed[0], case.positions.shape[1])), case.tag
+    got = torch.stack([observed.positions[i] for i in fed], dim=1)
+    assert torch.equal(got, case.positions[:, fed[0] :]), case.tag
