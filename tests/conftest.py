@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
+pytest_plugins = ["pytester", "tests.ci_policy"]
+
 # Test models attend sharply (queries and keys scaled by this): with the random weights' near-uniform
 # attention, wrong positions or masks barely move the logits and could pass the parity tests.
 SHARPNESS = 8.0
