@@ -25,6 +25,10 @@ class EncoderCacheManager:
     def __contains__(self, content_hash: str) -> bool:
         return content_hash in self._bytes
 
+    @property
+    def cached_hashes(self) -> set[str]:
+        return set(self._bytes)
+
     def acquire(self, content_hash: str) -> bool:
         """Pin an entry for one more user; returns True if it is cached (a hit), else the caller encodes."""
         self._refs[content_hash] = self._refs.get(content_hash, 0) + 1
@@ -51,6 +55,15 @@ class EncoderCacheManager:
         if content_hash in self._bytes:
             self._freeable[content_hash] = None
         return self._evict_over_budget()
+
+    def check_integrity(self, pins: dict[str, int]) -> None:
+        """Assert the bookkeeping is whole, given how many requests pin each hash: the reference counts
+        are those pins, the byte count is the entries' sum, and an entry is freeable exactly when it is
+        cached and unpinned."""
+        assert self._refs == {h: n for h, n in pins.items() if n}, "pins differ from the reference counts"
+        assert self.used_bytes == sum(self._bytes.values()), "used bytes differ from the entries' sizes"
+        unpinned = [h for h in self._bytes if h not in self._refs]
+        assert sorted(self._freeable) == sorted(unpinned), "freeable entries differ from the unpinned ones"
 
     def _evict_over_budget(self) -> list[str]:
         evicted = []

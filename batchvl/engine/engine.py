@@ -164,6 +164,19 @@ class Engine:
         self.stats.images_total += len(item.images)
         self.stats.prompt_tokens += request.num_prompt_tokens
 
+    def check_integrity(self) -> None:
+        """Assert the KV-block and encoder-cache bookkeeping agree with the live requests (tests run it
+        after every step; it walks every block, so the engine itself does not)."""
+        requests = [live.request for live in self._live.values()]
+        self.block_manager.check_integrity(requests)
+        pins: dict[str, int] = {}
+        for live in self._live.values():
+            for content_hash in live.pinned:
+                pins[content_hash] = pins.get(content_hash, 0) + 1
+        self.encoder_cache.check_integrity(pins)
+        cached = self.encoder_cache.cached_hashes
+        assert set(self.runner.embeddings) == cached, "the runner's embeddings differ from the entries"
+
     def step(self) -> list[EngineResult]:
         """Run one scheduler step; returns the requests that finished (or were rejected) in it."""
         results, self._rejected = self._rejected, []

@@ -136,6 +136,23 @@ class BlockManager:
                 self._free.append(block)
         request.block_ids = []
 
+    def check_integrity(self, requests: list[Request]) -> None:
+        """Assert the bookkeeping is whole, given every request that holds blocks: each block is free,
+        free with a cached prefix, or referenced, exactly once; reference counts equal the block tables'
+        uses; the hash maps are each other's inverse and name only blocks that are in use or cached."""
+        free, free_cached = self._free, list(self._free_cached)
+        referenced = [block for block in range(self.num_blocks) if self._refs[block] > 0]
+        everything = free + free_cached + referenced
+        assert sorted(everything) == list(range(self.num_blocks)), "a block is lost or counted twice"
+        uses = [0] * self.num_blocks
+        for request in requests:
+            for block in request.block_ids:
+                uses[block] += 1
+        assert uses == self._refs, "reference counts differ from the block tables"
+        assert {b: h for h, b in self._block_of_hash.items()} == self._hash_of_block, "hash maps disagree"
+        assert all(block in self._hash_of_block for block in free_cached), "a cached free block lost its hash"
+        assert not set(free) & set(self._hash_of_block), "a plain free block still has a hash"
+
     def slots(self, request: Request, end: int) -> torch.Tensor:
         """Cache slots of the request's token positions [0, end), as a long tensor."""
         size = self.block_size

@@ -86,7 +86,8 @@ class Observed:
 
 class EngineProbe:
     """Runs an engine to the end, recording per request the logits of every sampled position and the
-    positions of every token it fed (a preempted request's recompute must give the same again)."""
+    positions of every token it fed (a preempted request's recompute must give the same again), and
+    checking the engine's bookkeeping after every step."""
 
     def __init__(self, engine: Engine):
         self.engine = engine
@@ -121,6 +122,7 @@ class EngineProbe:
         results: dict = {}
         while self.engine.num_unfinished:
             results.update({result.tag: result for result in self.engine.step()})
+            self.engine.check_integrity()
         observed = {tag: Observed(result, torch.empty(0), {}) for tag, result in results.items()}
         for request_id, tag in ids.items():
             logits = self._logits.get(request_id, {})

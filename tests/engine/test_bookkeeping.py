@@ -155,3 +155,29 @@ def test_encoder_cache_zero_capacity_keeps_only_pinned():
 def test_block_manager_rejects_empty_cache(num_blocks):
     with pytest.raises(ValueError):
         BlockManager(num_blocks, 4)
+
+
+def test_integrity_checks_see_lost_blocks_wrong_counts_and_stray_pins():
+    manager = BlockManager(num_blocks=6, block_size=4, enable_prefix_caching=True)
+    request, other = make_request(0, 9), make_request(1, 5)
+    manager.allocate(request, 9)
+    manager.allocate(other, 5)
+    manager.check_integrity([request, other])
+    with pytest.raises(AssertionError, match="reference counts"):
+        manager.check_integrity([request])  # a request's blocks held by nobody the engine knows
+    manager._free.pop()  # a block that leaves the free list without going anywhere
+    with pytest.raises(AssertionError, match="lost or counted twice"):
+        manager.check_integrity([request, other])
+
+    cache = EncoderCacheManager(capacity_bytes=100)
+    cache.acquire("a")
+    cache.insert("a", 10)
+    cache.acquire("b")
+    cache.insert("b", 20)
+    cache.release("b")
+    cache.check_integrity({"a": 1})
+    with pytest.raises(AssertionError, match="pins differ"):
+        cache.check_integrity({"a": 1, "b": 1})
+    cache.used_bytes += 1
+    with pytest.raises(AssertionError, match="used bytes"):
+        cache.check_integrity({"a": 1})
