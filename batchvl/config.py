@@ -99,9 +99,9 @@ class EngineConfig:
     max_num_batched_tokens: int = _key(
         2048, "Token budget of one engine step (decode tokens + prefill chunks)"
     )
-    kv_cache_mb: int = _key(1024, "Memory for the paged KV cache, in MiB")
+    kv_cache_mb: float = _key(1024, "Memory for the paged KV cache, in MiB")
     block_size: int = _key(16, "Tokens per KV-cache block")
-    encoder_cache_mb: int = _key(
+    encoder_cache_mb: float = _key(
         512, "Memory for cached image embeddings, in MiB (0: keep only while in use)"
     )
     max_patches_per_encode: int = _key(

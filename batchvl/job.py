@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from batchvl import __version__
 from batchvl.config import JobConfig, config_to_dict, fingerprint_of, output_defining_config
-from batchvl.engine.engine import Engine, EngineLimits, EngineRequest, EngineResult, EngineStats
+from batchvl.engine.engine import Engine, EngineRequest, EngineResult, EngineStats
 from batchvl.engine.model_runner import encode_images
 from batchvl.engine.request import SamplingParams
 from batchvl.engine.vit_dp import (
@@ -93,21 +93,6 @@ def request_seed(base_seed: int, shard: str, key: str, prompt_name: str) -> int:
     """A per-request seed, so a sampled output does not depend on batch composition or run order."""
     return (
         xxhash.xxh64_intdigest(f"{base_seed}\0{shard}\0{key}\0{prompt_name}".encode()) & 0x7FFF_FFFF_FFFF_FFFF
-    )
-
-
-def engine_limits(cfg: JobConfig) -> EngineLimits:
-    e = cfg.engine
-    return EngineLimits(
-        max_num_seqs=e.max_num_seqs,
-        max_num_batched_tokens=e.max_num_batched_tokens,
-        kv_cache_mb=e.kv_cache_mb,
-        block_size=e.block_size,
-        encoder_cache_mb=e.encoder_cache_mb,
-        max_patches_per_encode=e.max_patches_per_encode,
-        prefix_caching=e.prefix_caching,
-        lookahead=e.lookahead,
-        disable_chunked_mm_input=e.disable_chunked_mm_input,
     )
 
 
@@ -291,7 +276,7 @@ class JobRunner:
             engine = Engine(
                 loaded.adapter,
                 loaded.processor.tokenizer,
-                engine_limits(self.cfg),
+                self.cfg.engine,
                 loaded.eos_token_ids(),
                 parallel_encoder,
             )

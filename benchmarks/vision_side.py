@@ -91,14 +91,14 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
 
-    from batchvl.engine.engine import EngineLimits
+    from batchvl.config import EngineConfig
     from batchvl.models.loader import load_model
     from batchvl.models.tiny import build_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         loaded = load_model(str(build_tiny_model(Path(tmp) / "small", size="small")), args.dtype, "cpu")
     samples = prepare(loaded, args.samples, args.duplicates)
-    base = EngineLimits(max_num_seqs=16, max_num_batched_tokens=1024)
+    base = EngineConfig(max_num_seqs=16, max_num_batched_tokens=1024)
     run(loaded, samples[:4], base, 4)  # warm-up: kernel selection, allocator pools
 
     # Every setting runs `repeats` times, interleaved with the others so drifts in machine speed hit all

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from batchvl.config import EngineConfig
 from batchvl.engine.encoder_cache import EncoderCacheManager
 from batchvl.engine.kv_cache import BlockManager
 from batchvl.engine.model_runner import ModelRunner, kv_bytes_per_block
@@ -29,19 +30,6 @@ from batchvl.preprocess.media import PreparedImage
 logger = logging.getLogger(__name__)
 
 MB = 1 << 20
-
-
-@dataclass(frozen=True)
-class EngineLimits:
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    kv_cache_mb: float = 1024
-    block_size: int = 16
-    encoder_cache_mb: float = 512
-    max_patches_per_encode: int = 4096
-    prefix_caching: bool = True
-    lookahead: int = 64
-    disable_chunked_mm_input: bool = False
 
 
 @dataclass
@@ -107,32 +95,32 @@ class Engine:
         self,
         adapter: VLMAdapter,
         tokenizer,
-        limits: EngineLimits,
+        config: EngineConfig,
         eos_token_ids: list[int],
         parallel_encoder: DataParallelEncoder | None = None,
     ):
         self.adapter = adapter
         self.tokenizer = tokenizer
-        self.limits = limits
+        self.config = config
         self.eos_token_ids = set(eos_token_ids)
-        num_blocks = int(limits.kv_cache_mb * MB) // kv_bytes_per_block(adapter, limits.block_size)
+        num_blocks = int(config.kv_cache_mb * MB) // kv_bytes_per_block(adapter, config.block_size)
         if num_blocks < 1:
-            raise UserError(f"engine.kv_cache_mb={limits.kv_cache_mb} holds no KV block; raise it")
-        self.block_manager = BlockManager(num_blocks, limits.block_size, limits.prefix_caching)
+            raise UserError(f"engine.kv_cache_mb={config.kv_cache_mb} holds no KV block; raise it")
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.prefix_caching)
         self.scheduler = Scheduler(
-            limits.max_num_seqs,
-            limits.max_num_batched_tokens,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
             self.block_manager,
-            limits.lookahead,
-            limits.disable_chunked_mm_input,
+            config.lookahead,
+            config.disable_chunked_mm_input,
         )
-        self.encoder_cache = EncoderCacheManager(int(limits.encoder_cache_mb * MB))
-        self.runner = ModelRunner(adapter, num_blocks, limits.block_size, parallel_encoder)
+        self.encoder_cache = EncoderCacheManager(int(config.encoder_cache_mb * MB))
+        self.runner = ModelRunner(adapter, num_blocks, config.block_size, parallel_encoder)
         self.stats = EngineStats()
         self._live: dict[int, _Live] = {}
         self._rejected: list[EngineResult] = []
         self._next_id = 0
-        logger.info("KV cache: %d blocks of %d tokens", num_blocks, limits.block_size)
+        logger.info("KV cache: %d blocks of %d tokens", num_blocks, config.block_size)
 
     @property
     def num_unfinished(self) -> int:
@@ -256,9 +244,9 @@ class Engine:
                 f"request needs {needed} tokens of KV cache but engine.kv_cache_mb holds "
                 f"{self.block_manager.capacity_tokens}; raise engine.kv_cache_mb",
             )
-        budget = self.limits.max_num_batched_tokens
+        budget = self.config.max_num_batched_tokens
         largest = max((span.length for span in spans), default=0)
-        if self.limits.disable_chunked_mm_input and largest > budget:
+        if self.config.disable_chunked_mm_input and largest > budget:
             raise SampleError(
                 "image_exceeds_chunk",
                 f"an image takes {largest} tokens, more than one step's "
@@ -282,7 +270,7 @@ class Engine:
         if not missing:
             return
         started = time.perf_counter()
-        sizes = self.runner.encode(list(missing.values()), self.limits.max_patches_per_encode)
+        sizes = self.runner.encode(list(missing.values()), self.config.max_patches_per_encode)
         self.stats.encode_s += time.perf_counter() - started
         self.stats.images_encoded += len(missing)
         self.stats.patches_encoded += sum(img.num_patches for img in missing.values())

@@ -7,7 +7,8 @@ import pytest
 import torch
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
-from batchvl.engine.engine import Engine, EngineLimits, EngineRequest
+from batchvl.config import EngineConfig
+from batchvl.engine.engine import Engine, EngineRequest
 from batchvl.engine.request import SamplingParams
 from batchvl.models.loader import load_model
 from batchvl.preprocess.prompts import PromptRenderer
@@ -31,7 +32,7 @@ def engine_logits(tiny_model_dir):
     renderer = PromptRenderer(loaded.processor)
     spec = QwenVisionSpec.from_image_processor(loaded.processor.image_processor)
     # chunks of 37 tokens: prefill runs over cached context, then steps of several decodes together
-    limits = EngineLimits(max_num_batched_tokens=37, max_num_seqs=8)
+    limits = EngineConfig(max_num_batched_tokens=37, max_num_seqs=8)
     engine = Engine(loaded.adapter, loaded.processor.tokenizer, limits, loaded.eos_token_ids())
     inputs = {}
     for tag, (h, w) in enumerate(IMAGE_SIZES):

@@ -9,8 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForImageTextToText
 
-from batchvl.config import PreprocessConfig
-from batchvl.engine.engine import EngineLimits
+from batchvl.config import EngineConfig, PreprocessConfig
 from batchvl.engine.request import SamplingParams
 from batchvl.io.types import MediaRef
 from batchvl.preprocess.prompts import PromptRenderer
@@ -21,10 +20,10 @@ MAX_NEW_TOKENS = 8
 IMAGE_SIZES = [(100, 150), (60, 60), (200, 90), (28, 300)]
 PROMPTS = ["Describe this image.", "What is in the picture? Answer in one short sentence, please."]
 LIMITS = {
-    "budget16": EngineLimits(max_num_batched_tokens=16, block_size=4),  # chunks cut through every image
-    "budget37-seqs3": EngineLimits(max_num_batched_tokens=37, max_num_seqs=3),
-    "no-caches": EngineLimits(max_num_batched_tokens=37, encoder_cache_mb=0, prefix_caching=False),
-    "one-step": EngineLimits(max_num_batched_tokens=4096),
+    "budget16": EngineConfig(max_num_batched_tokens=16, block_size=4),  # chunks cut through every image
+    "budget37-seqs3": EngineConfig(max_num_batched_tokens=37, max_num_seqs=3),
+    "no-caches": EngineConfig(max_num_batched_tokens=37, encoder_cache_mb=0, prefix_caching=False),
+    "one-step": EngineConfig(max_num_batched_tokens=4096),
 }
 
 
@@ -75,7 +74,7 @@ def test_engine_equals_generate(family_cases, limits):
 
 def test_caches_change_work_not_outputs(family_cases):
     _, loaded, cases = family_cases
-    limits = EngineLimits(max_num_batched_tokens=4096, block_size=4)
+    limits = EngineConfig(max_num_batched_tokens=4096, block_size=4)
     cached, with_caches = run_engine(loaded, cases, limits)
     plain, without = run_engine(loaded, cases, replace(limits, encoder_cache_mb=0, prefix_caching=False))
     for case in cases:

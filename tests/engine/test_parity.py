@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 import batchvl.models.qwen_vl as qwen_vl
-from batchvl.engine.engine import EngineLimits
+from batchvl.config import EngineConfig
 from batchvl.engine.request import SamplingParams
 from batchvl.models.adapter import VLMAdapter
 from batchvl.preprocess.prompts import PromptRenderer
@@ -47,22 +47,22 @@ def cases(tiny_model_dir, loaded_fp32, reference):
     return out
 
 
-def run_engine(loaded, cases, limits: EngineLimits, sampling: SamplingParams | None = None):
+def run_engine(loaded, cases, limits: EngineConfig, sampling: SamplingParams | None = None):
     return run_cases(loaded, cases, limits, sampling or SamplingParams(MAX_NEW_TOKENS))
 
 
 @pytest.mark.parametrize(
     "limits",
     [
-        EngineLimits(max_num_batched_tokens=16, max_num_seqs=64),  # chunks cut through every image
-        EngineLimits(max_num_batched_tokens=37, max_num_seqs=3),
-        EngineLimits(max_num_batched_tokens=64, max_num_seqs=1),
-        EngineLimits(max_num_batched_tokens=4096, max_num_seqs=64),  # everything in one prefill step
-        EngineLimits(max_num_batched_tokens=64, max_num_seqs=64, kv_cache_mb=0.2),  # forces preemption
-        EngineLimits(max_num_batched_tokens=37, max_num_seqs=8, encoder_cache_mb=0, block_size=3),
-        EngineLimits(max_num_batched_tokens=37, block_size=4, prefix_caching=False),
-        EngineLimits(max_num_batched_tokens=37, block_size=4, disable_chunked_mm_input=True),
-        EngineLimits(max_num_batched_tokens=16, block_size=4, lookahead=1),
+        EngineConfig(max_num_batched_tokens=16, max_num_seqs=64),  # chunks cut through every image
+        EngineConfig(max_num_batched_tokens=37, max_num_seqs=3),
+        EngineConfig(max_num_batched_tokens=64, max_num_seqs=1),
+        EngineConfig(max_num_batched_tokens=4096, max_num_seqs=64),  # everything in one prefill step
+        EngineConfig(max_num_batched_tokens=64, max_num_seqs=64, kv_cache_mb=0.2),  # forces preemption
+        EngineConfig(max_num_batched_tokens=37, max_num_seqs=8, encoder_cache_mb=0, block_size=3),
+        EngineConfig(max_num_batched_tokens=37, block_size=4, prefix_caching=False),
+        EngineConfig(max_num_batched_tokens=37, block_size=4, disable_chunked_mm_input=True),
+        EngineConfig(max_num_batched_tokens=16, block_size=4, lookahead=1),
     ],
     ids=[
         "budget16",
@@ -105,7 +105,7 @@ ORIGINAL_POSITIONS = qwen_vl.Qwen2VLAdapter.prompt_positions
 def test_the_gate_sees_wrong_positions(loaded_fp32, cases, monkeypatch, wrong):
     """The model is sensitive to positions: with them wrong, tokens change, and so the gate fails."""
     monkeypatch.setattr(qwen_vl.Qwen2VLAdapter, "prompt_positions", wrong)
-    _, observed = run_engine(loaded_fp32, cases, EngineLimits(max_num_batched_tokens=37))
+    _, observed = run_engine(loaded_fp32, cases, EngineConfig(max_num_batched_tokens=37))
     changed = [c.tag for c in cases if observed[c.tag].result.output_token_ids != c.expected.tokens]
     assert len(changed) >= len(cases) // 2, changed
     for case in cases:
@@ -119,7 +119,7 @@ def test_the_gate_sees_wrong_positions(loaded_fp32, cases, monkeypatch, wrong):
 def test_duplicate_images_are_encoded_once(loaded_fp32, cases):
     # prefix caching off: with it, later prompts of an image skip its placeholders and never ask for it
     engine, _ = run_engine(
-        loaded_fp32, cases, EngineLimits(max_num_batched_tokens=4096, prefix_caching=False)
+        loaded_fp32, cases, EngineConfig(max_num_batched_tokens=4096, prefix_caching=False)
     )
     assert engine.stats.images_total == len(cases)
     assert engine.stats.images_encoded == len(IMAGE_SIZES)  # 5 images, one a duplicate, 2 prompts each
@@ -127,7 +127,7 @@ def test_duplicate_images_are_encoded_once(loaded_fp32, cases):
 
 
 def test_prefix_cache_skips_the_shared_system_prompt_and_image(loaded_fp32, cases):
-    limits = EngineLimits(max_num_batched_tokens=4096, block_size=4)
+    limits = EngineConfig(max_num_batched_tokens=4096, block_size=4)
     on, observed = run_engine(loaded_fp32, cases, limits)
     off, _ = run_engine(loaded_fp32, cases, replace(limits, prefix_caching=False))
     total_prompt = sum(len(case.ids) for case in cases)
@@ -147,7 +147,7 @@ def test_same_text_before_a_different_image_shares_only_the_text(loaded_fp32, ca
     pad = image_pad(loaded_fp32)
     text_before = [case.ids[: case.ids.index(pad)] for case in (first, second)]
     assert text_before[0] == text_before[1] and first.ids != second.ids
-    engine, observed = run_engine(loaded_fp32, [first, second], EngineLimits(block_size=4))
+    engine, observed = run_engine(loaded_fp32, [first, second], EngineConfig(block_size=4))
     assert engine.stats.prefix_cache_hit_tokens == (first.ids.index(pad) // 4) * 4
     for case in (first, second):
         assert_matches_reference(observed[case.tag], case)
@@ -160,10 +160,10 @@ def image_pad(loaded) -> int:
 def test_sampled_output_does_not_depend_on_batch(loaded_fp32, cases):
     sampling = SamplingParams(MAX_NEW_TOKENS, temperature=1.0, top_p=0.9, top_k=50, seed=1234)
     _, alone = run_engine(
-        loaded_fp32, cases, EngineLimits(max_num_seqs=1, max_num_batched_tokens=64), sampling
+        loaded_fp32, cases, EngineConfig(max_num_seqs=1, max_num_batched_tokens=64), sampling
     )
     _, batched = run_engine(
-        loaded_fp32, cases, EngineLimits(max_num_seqs=64, max_num_batched_tokens=37), sampling
+        loaded_fp32, cases, EngineConfig(max_num_seqs=64, max_num_batched_tokens=37), sampling
     )
     tokens = {tag: observed.result.output_token_ids for tag, observed in alone.items()}
     assert tokens == {tag: observed.result.output_token_ids for tag, observed in batched.items()}
@@ -174,20 +174,20 @@ def test_stop_token_ids_end_generation(loaded_fp32, cases):
     case = cases[0]
     stop_token = case.expected.tokens[3]
     sampling = SamplingParams(MAX_NEW_TOKENS, stop_token_ids=(stop_token,))
-    _, observed = run_engine(loaded_fp32, [case], EngineLimits(), sampling)
+    _, observed = run_engine(loaded_fp32, [case], EngineConfig(), sampling)
     result = observed[case.tag].result
     assert result.output_token_ids == case.expected.tokens[: case.expected.tokens.index(stop_token) + 1]
     assert result.finish_reason == "stop"
 
 
 def test_max_new_tokens_finishes_with_length(loaded_fp32, cases):
-    _, observed = run_engine(loaded_fp32, cases[:1], EngineLimits(), SamplingParams(3))
+    _, observed = run_engine(loaded_fp32, cases[:1], EngineConfig(), SamplingParams(3))
     result = observed[cases[0].tag].result
     assert result.num_output_tokens == 3 and result.finish_reason == "length"
 
 
 def test_request_larger_than_kv_cache_is_an_error_not_a_stall(loaded_fp32, cases):
-    limits = EngineLimits(kv_cache_mb=0.02)  # 2 blocks of 16 tokens: less than any prompt here
+    limits = EngineConfig(kv_cache_mb=0.02)  # 2 blocks of 16 tokens: less than any prompt here
     _, observed = run_engine(loaded_fp32, cases[:2], limits)
     errors = [o.result.error for o in observed.values()]
     assert {e.error_type for e in errors} == {"kv_cache_too_small"}
@@ -205,5 +205,5 @@ def test_several_images_in_one_prompt(tiny_model_dir, loaded_fp32, reference):
     inputs = processor(text=[rendered], images=images, return_tensors="pt")
     assert inputs["input_ids"][0].tolist() == ids
     case = make_case(reference, "two", ids, prepared, inputs, MAX_NEW_TOKENS)
-    _, observed = run_engine(loaded_fp32, [case], EngineLimits(max_num_batched_tokens=23))
+    _, observed = run_engine(loaded_fp32, [case], EngineConfig(max_num_batched_tokens=23))
     assert_matches_reference(observed["two"], case)

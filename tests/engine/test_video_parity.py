@@ -12,8 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForImageTextToText
 
-from batchvl.config import PreprocessConfig
-from batchvl.engine.engine import EngineLimits
+from batchvl.config import EngineConfig, PreprocessConfig
 from batchvl.engine.request import SamplingParams
 from batchvl.preprocess.prompts import PromptRenderer
 from batchvl.preprocess.qwen_vision import QwenVisionSpec, prepare_image, prepare_video
@@ -55,7 +54,7 @@ def test_video_and_image_with_video_match_generate(family, budget):
         )
         inputs = inputs_for(reference, ids, media)
         cases.append(make_case(reference, name, ids, media, inputs, MAX_NEW_TOKENS))
-    limits = EngineLimits(max_num_batched_tokens=budget)
+    limits = EngineConfig(max_num_batched_tokens=budget)
     _, observed = run_cases(loaded_fp32, cases, limits, SamplingParams(MAX_NEW_TOKENS))
     for case in cases:
         assert_matches_reference(observed[case.tag], case)
