@@ -26,20 +26,57 @@ from batchvl.errors import ConfigError
 REQUIRED = dataclasses.MISSING
 
 
-def _key(default: Any = REQUIRED, help: str = "", factory: Any = None) -> Any:
+def _key(
+    default: Any = REQUIRED,
+    help: str = "",
+    factory: Any = None,
+    *,
+    above: float | None = None,
+    at_least: float | None = None,
+    at_most: float | None = None,
+    defines_output: bool = False,
+) -> Any:
+    """A job-file key: its default, help text, bounds (`above` is exclusive) and whether a shard's rows
+    depend on it (`defines_output`: a changed value over committed shards is refused)."""
+    metadata = {
+        "help": help,
+        "above": above,
+        "at_least": at_least,
+        "at_most": at_most,
+        "defines_output": defines_output,
+    }
     if factory is not None:
-        return field(default_factory=factory, metadata={"help": help})
-    return field(default=default, metadata={"help": help})
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def _check_bounds(key: str, value: Any, metadata: Mapping) -> None:
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return  # null, or not a number
+    above, at_least, at_most = metadata.get("above"), metadata.get("at_least"), metadata.get("at_most")
+    low_ok = (above is None or value > above) and (at_least is None or value >= at_least)
+    if low_ok and (at_most is None or value <= at_most):
+        return
+    if at_most is not None:
+        low = f"({above:g}" if above is not None else f"[{at_least:g}"
+        raise ConfigError(f"'{key}' must be in {low}, {at_most:g}], got {value}")
+    if above == 0:
+        raise ConfigError(f"'{key}' must be positive, got {value}")
+    raise ConfigError(f"'{key}' must be >= {at_least if at_least is not None else above:g}, got {value}")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    path: str = _key(help="Folder of a Hugging Face checkpoint (safetensors weights)")
+    path: str = _key(help="Folder of a Hugging Face checkpoint (safetensors weights)", defines_output=True)
     dtype: Literal["float32", "bfloat16", "auto"] = _key(
-        "auto", "auto: bfloat16 on CUDA and on CPUs with AVX-512, else float32 (never float16 on CPU)"
+        "auto",
+        "auto: bfloat16 on CUDA and on CPUs with AVX-512, else float32 (never float16 on CPU)",
+        defines_output=True,
     )
     device: Literal["cpu", "cuda", "auto"] = _key("auto", "auto: cuda when available, else cpu")
-    trust_remote_code: bool = _key(False, "Allow the checkpoint's own Python code to run")
+    trust_remote_code: bool = _key(
+        False, "Allow the checkpoint's own Python code to run", defines_output=True
+    )
 
 
 @dataclass(frozen=True)
@@ -51,19 +88,28 @@ class InputConfig:
         "parquet",
         "parquet: each file a shard; webdataset: tar shards; hf_dataset: each Arrow file a shard; "
         "folder: image/video files",
+        defines_output=True,
     )
     image_column: str = _key(
-        "image", "Table column with image bytes, a {bytes, path} struct, a path, or a list of these"
+        "image",
+        "Table column with image bytes, a {bytes, path} struct, a path, or a list of these",
+        defines_output=True,
     )
     key_column: str | None = _key(
-        None, "Column used as the sample key (null: the row index; a row whose key is null gets its index)"
+        None,
+        "Column used as the sample key (null: the row index; a row whose key is null gets its index)",
+        defines_output=True,
     )
     root: str | None = _key(
-        None, "Folder that relative media paths in tables resolve against (null: the table file's folder)"
+        None,
+        "Folder that relative media paths in tables resolve against (null: the table file's folder)",
+        defines_output=True,
     )
     files_per_shard: int = _key(
         1000,
         "`folder` input: files per shard (the unit of output and resume); recorded shards keep their files",
+        above=0,
+        defines_output=True,
     )
 
 
@@ -78,15 +124,15 @@ class PromptConfig:
 
 @dataclass(frozen=True)
 class SamplingConfig:
-    max_new_tokens: int = _key(128, "Most tokens generated per request")
+    max_new_tokens: int = _key(128, "Most tokens generated per request", above=0)
     max_new_tokens_field: str | None = _key(
         None,
         "Sample field (input column) holding a per-sample token limit, used instead of max_new_tokens "
         "(a null value falls back to max_new_tokens)",
     )
-    temperature: float = _key(0.0, "0 = greedy")
-    top_p: float = _key(1.0, "Nucleus sampling mass (1 = off)")
-    top_k: int = _key(0, "Sample among the k most likely tokens (0 = off)")
+    temperature: float = _key(0.0, "0 = greedy", at_least=0)
+    top_p: float = _key(1.0, "Nucleus sampling mass (1 = off)", above=0, at_most=1)
+    top_k: int = _key(0, "Sample among the k most likely tokens (0 = off)", at_least=0)
     seed: int = _key(0, "Base seed; each request derives its own from it, its shard, key and prompt")
     stop: list[str] = _key(help="Stop strings (cut from the text)", factory=list)
     stop_token_ids: list[int] = _key(help="Token ids that end generation", factory=list)
@@ -95,52 +141,69 @@ class SamplingConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    max_num_seqs: int = _key(256, "Most requests running at once")
+    max_num_seqs: int = _key(256, "Most requests running at once", above=0)
     max_num_batched_tokens: int = _key(
-        2048, "Token budget of one engine step (decode tokens + prefill chunks)"
+        2048, "Token budget of one engine step (decode tokens + prefill chunks)", above=0
     )
-    kv_cache_mb: float = _key(1024, "Memory for the paged KV cache, in MiB")
-    block_size: int = _key(16, "Tokens per KV-cache block")
+    kv_cache_mb: float = _key(1024, "Memory for the paged KV cache, in MiB", above=0)
+    block_size: int = _key(16, "Tokens per KV-cache block", above=0)
     encoder_cache_mb: float = _key(
-        512, "Memory for cached image embeddings, in MiB (0: keep only while in use)"
+        512, "Memory for cached image embeddings, in MiB (0: keep only while in use)", at_least=0
     )
     max_patches_per_encode: int = _key(
-        4096, "Most image patches in one vision-tower call (images are grouped by patch count)"
+        4096, "Most image patches in one vision-tower call (images are grouped by patch count)", above=0
     )
     prefix_caching: bool = _key(
         True, "Reuse the KV cache of shared prompt prefixes (system prompt + image) across requests"
     )
     lookahead: int = _key(
-        64, "Requests waiting in the engine, admitted cheapest image first (1: strict arrival order)"
+        64,
+        "Requests waiting in the engine, admitted cheapest image first (1: strict arrival order)",
+        above=0,
     )
     disable_chunked_mm_input: bool = _key(
         False, "Never split an image's placeholder tokens across prefill chunks"
     )
-    vit_parallel: str = _key(
+    vit_parallel: Literal["none", "data"] = _key(
         "none", "'data': split each encode step's images across torchrun ranks (ViT data parallelism)"
     )
-    threads: int = _key(0, "torch intra-op threads (0: torch's default)")
+    threads: int = _key(0, "torch intra-op threads (0: torch's default)", at_least=0)
 
 
 @dataclass(frozen=True)
 class PreprocessConfig:
-    min_pixels: int | None = _key(None, "Smallest resized pixel count (null: the model processor's own)")
-    max_pixels: int | None = _key(None, "Largest resized pixel count (null: the model processor's own)")
-    max_image_pixels: int = _key(50_000_000, "Images over this many pixels are refused before full decode")
-    video_fps: float = _key(2.0, "Video frames sampled per second of video")
-    video_min_frames: int = _key(4, "Fewest frames sampled from a video")
-    video_max_frames: int = _key(64, "Most frames sampled from a video")
+    min_pixels: int | None = _key(
+        None, "Smallest resized pixel count (null: the model processor's own)", above=0, defines_output=True
+    )
+    max_pixels: int | None = _key(
+        None, "Largest resized pixel count (null: the model processor's own)", above=0, defines_output=True
+    )
+    max_image_pixels: int = _key(
+        50_000_000,
+        "Images over this many pixels are refused before full decode",
+        above=0,
+        defines_output=True,
+    )
+    video_fps: float = _key(2.0, "Video frames sampled per second of video", above=0, defines_output=True)
+    video_min_frames: int = _key(4, "Fewest frames sampled from a video", above=0, defines_output=True)
+    video_max_frames: int = _key(64, "Most frames sampled from a video", above=0, defines_output=True)
     video_max_pixels: int = _key(
-        20_000_000, "Pixel budget of one video over all its frames (each frame gets an even share)"
+        20_000_000,
+        "Pixel budget of one video over all its frames (each frame gets an even share)",
+        above=0,
+        defines_output=True,
     )
     workers: int | None = _key(
-        None, "Preprocessing worker processes (0: in the main process; null: half the CPU cores, 1 to 8)"
+        None,
+        "Preprocessing worker processes (0: in the main process; null: half the CPU cores, 1 to 8)",
+        at_least=0,
     )
-    prefetch: int = _key(8, "Prepared samples each worker may hold ready ahead of the engine")
+    prefetch: int = _key(8, "Prepared samples each worker may hold ready ahead of the engine", above=0)
     timeout_s: float = _key(
         120.0,
         "A sample whose preprocessing takes longer becomes an error row and its worker is replaced "
         "(needs workers >= 1)",
+        above=0,
     )
 
 
@@ -154,6 +217,8 @@ class OutputConfig:
         None,
         "Largest share of error rows a run may write (0.05 = 5%); over it the run exits with code 3 after "
         "committing its shards (null: no limit)",
+        at_least=0,
+        at_most=1,
     )
 
 
@@ -166,8 +231,10 @@ class JobConfig:
     model: ModelConfig = _key(help="The model")
     input: InputConfig = _key(help="The input dataset")
     output: OutputConfig = _key(help="Where results go")
-    prompts: list[PromptConfig] = _key(help="One request per (sample, prompt)", factory=_default_prompts)
-    sampling: SamplingConfig = _key(help="Decoding", factory=SamplingConfig)
+    prompts: list[PromptConfig] = _key(
+        help="One request per (sample, prompt)", factory=_default_prompts, defines_output=True
+    )
+    sampling: SamplingConfig = _key(help="Decoding", factory=SamplingConfig, defines_output=True)
     engine: EngineConfig = _key(help="Engine limits", factory=EngineConfig)
     preprocess: PreprocessConfig = _key(help="Image and video preprocessing", factory=PreprocessConfig)
 
@@ -241,54 +308,15 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
         full = f"{prefix}.{f.name}" if prefix else f.name
         if f.name in data:
             values[f.name] = _convert(data[f.name], hints[f.name], full)
+            _check_bounds(full, values[f.name], f.metadata)
         elif f.default is REQUIRED and f.default_factory is REQUIRED:
             raise ConfigError(f"missing required key '{full}'")
     return cls(**values)
 
 
 def _check_values(cfg: JobConfig) -> None:
-    def positive(key: str, value: int) -> None:
-        if value <= 0:
-            raise ConfigError(f"'{key}' must be positive, got {value}")
-
-    e, s, p = cfg.engine, cfg.sampling, cfg.preprocess
-    for name in (
-        "max_num_seqs",
-        "max_num_batched_tokens",
-        "kv_cache_mb",
-        "block_size",
-        "max_patches_per_encode",
-        "lookahead",
-    ):
-        positive(f"engine.{name}", getattr(e, name))
-    positive("sampling.max_new_tokens", s.max_new_tokens)
-    positive("preprocess.max_image_pixels", p.max_image_pixels)
-    positive("preprocess.prefetch", p.prefetch)
-    positive("preprocess.video_min_frames", p.video_min_frames)
-    positive("preprocess.video_max_frames", p.video_max_frames)
-    positive("preprocess.video_max_pixels", p.video_max_pixels)
-    if p.video_fps <= 0:
-        raise ConfigError(f"'preprocess.video_fps' must be positive, got {p.video_fps}")
-    positive("input.files_per_shard", cfg.input.files_per_shard)
-    if p.timeout_s <= 0:
-        raise ConfigError(f"'preprocess.timeout_s' must be positive, got {p.timeout_s}")
-    if p.workers is not None and p.workers < 0:
-        raise ConfigError(f"'preprocess.workers' must be >= 0, got {p.workers}")
-    for key, value in (
-        ("engine.encoder_cache_mb", e.encoder_cache_mb),
-        ("engine.threads", e.threads),
-        ("sampling.temperature", s.temperature),
-        ("sampling.top_k", s.top_k),
-    ):
-        if value < 0:
-            raise ConfigError(f"'{key}' must be >= 0, got {value}")
-    if e.vit_parallel not in ("none", "data"):
-        raise ConfigError(f"'engine.vit_parallel' must be 'none' or 'data', got '{e.vit_parallel}'")
-    if not 0 < s.top_p <= 1:
-        raise ConfigError(f"'sampling.top_p' must be in (0, 1], got {s.top_p}")
-    rate = cfg.output.max_error_rate
-    if rate is not None and not 0 <= rate <= 1:
-        raise ConfigError(f"'output.max_error_rate' must be in [0, 1] (a share of rows), got {rate}")
+    """What one key's bounds cannot say (each key's own bounds are checked as it is read)."""
+    p = cfg.preprocess
     if p.min_pixels is not None and p.max_pixels is not None and p.min_pixels > p.max_pixels:
         raise ConfigError("'preprocess.min_pixels' must not exceed 'preprocess.max_pixels'")
     if not cfg.input.paths:
@@ -389,33 +417,21 @@ def config_to_dict(cfg: JobConfig) -> dict:
     return dataclasses.asdict(cfg)
 
 
-# What a shard's rows depend on: the model, the prompts, decoding, preprocessing and how samples are read.
-# Engine limits, worker counts and the input file list are left out: they change speed or which shards
-# exist, not the rows of a shard (the engine's outputs do not depend on its batch sizes).
-OUTPUT_DEFINING_KEYS = {
-    "model": ("path", "dtype", "trust_remote_code"),
-    "input": ("format", "image_column", "key_column", "root", "files_per_shard"),
-    "prompts": None,
-    "sampling": None,
-    "preprocess": (
-        "min_pixels",
-        "max_pixels",
-        "max_image_pixels",
-        "video_fps",
-        "video_min_frames",
-        "video_max_frames",
-        "video_max_pixels",
-    ),
-}
-
-
 def output_defining_config(cfg: JobConfig) -> dict:
-    """The part of the job config that a shard's rows depend on, as plain JSON values."""
+    """The part of the job config that a shard's rows depend on, as plain JSON values: the keys declared
+    with `defines_output` (a whole section where the section itself is). Engine limits, worker counts and
+    the input file list are left out: they change speed or which shards exist, not a shard's rows."""
     d = config_to_dict(cfg)
-    return {
-        section: d[section] if keys is None else {k: d[section][k] for k in keys}
-        for section, keys in OUTPUT_DEFINING_KEYS.items()
-    }
+    out: dict = {}
+    hints = typing.get_type_hints(JobConfig)
+    for section in dataclasses.fields(JobConfig):
+        if section.metadata["defines_output"]:
+            out[section.name] = d[section.name]
+            continue
+        keys = [f.name for f in dataclasses.fields(hints[section.name]) if f.metadata["defines_output"]]
+        if keys:
+            out[section.name] = {k: d[section.name][k] for k in keys}
+    return out
 
 
 def config_fingerprint(cfg: JobConfig) -> str:

@@ -10,6 +10,7 @@ from batchvl.config import (
     job_config_from_dict,
     keys_markdown_table,
     load_job_config,
+    output_defining_config,
 )
 from batchvl.errors import ConfigError
 
@@ -153,3 +154,36 @@ def test_every_leaf_key_is_described_and_in_the_readme():
     assert table == keys_markdown_table(), (
         "README key table is stale: regenerate it from keys_markdown_table()"
     )
+
+
+def test_the_output_defining_keys_are_exactly_these():
+    # Changing this set changes every fingerprint: committed outputs would be refused as another config.
+    cfg = job_config_from_dict({"model": {"path": "/m"}, "input": {"paths": ["/d"]}, "output": {"dir": "/o"}})
+    defining = output_defining_config(cfg)
+    assert {section: sorted(keys) for section, keys in defining.items() if isinstance(keys, dict)} == {
+        "model": ["dtype", "path", "trust_remote_code"],
+        "input": ["files_per_shard", "format", "image_column", "key_column", "root"],
+        "sampling": sorted(
+            ["max_new_tokens", "max_new_tokens_field", "temperature", "top_p", "top_k", "seed", "stop"]
+            + ["stop_token_ids", "ignore_eos"]
+        ),
+        "preprocess": sorted(
+            ["min_pixels", "max_pixels", "max_image_pixels", "video_fps", "video_min_frames"]
+            + ["video_max_frames", "video_max_pixels"]
+        ),
+    }
+    assert defining["prompts"] == [{"name": "caption", "text": "Describe this image."}]
+
+
+@pytest.mark.parametrize(
+    ("override", "fragment"),
+    [
+        ("sampling.top_p=1.5", "'sampling.top_p' must be in (0, 1], got 1.5"),
+        ("output.max_error_rate=-0.1", "'output.max_error_rate' must be in [0, 1], got -0.1"),
+        ("engine.threads=-1", "'engine.threads' must be >= 0, got -1"),
+        ("preprocess.video_fps=0", "'preprocess.video_fps' must be positive, got 0"),
+        ("engine.vit_parallel=model", "'engine.vit_parallel' must be one of none, data"),
+    ],
+)
+def test_bounds_are_declared_on_the_keys(tmp_path, override, fragment):
+    assert fragment in error_of(tmp_path, MINIMAL, [override])
