@@ -18,8 +18,6 @@ class EncoderCacheManager:
         self._refs: dict[str, int] = {}
         self._freeable: OrderedDict[str, None] = OrderedDict()
         self.used_bytes = 0
-        self.num_hits = 0
-        self.num_misses = 0
         self.num_evictions = 0
 
     def __contains__(self, content_hash: str) -> bool:
@@ -34,9 +32,7 @@ class EncoderCacheManager:
         self._refs[content_hash] = self._refs.get(content_hash, 0) + 1
         if content_hash in self._bytes:
             self._freeable.pop(content_hash, None)
-            self.num_hits += 1
             return True
-        self.num_misses += 1
         return False
 
     def insert(self, content_hash: str, num_bytes: int) -> list[str]:

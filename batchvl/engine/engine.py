@@ -320,7 +320,7 @@ class Engine:
 
     def _finish(self, live: _Live, reason: str) -> EngineResult:
         request = live.request
-        self.scheduler.finish(request, reason)
+        self.scheduler.finish(request)
         for content_hash in list(live.pinned):
             self._unpin(live, content_hash)
         self.runner.remove_request(request.request_id)

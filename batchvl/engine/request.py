@@ -62,7 +62,6 @@ class Request:
     # Chain hashes of its full blocks, for prefix caching (kept: a waiting request is matched every step).
     block_hashes: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
-    finish_reason: str | None = None
     num_preemptions: int = 0
     priority: int = 0  # lower is admitted first among the waiting (the job passes its shard's position)
 

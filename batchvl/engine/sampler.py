@@ -28,9 +28,8 @@ def sample_tokens(
 
 
 def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """Pick one token from a (vocab,) float32 logits row."""
-    if params.is_greedy:
-        return int(torch.argmax(logits))
+    """Draw one token from a (vocab,) float32 logits row (sampling params; greedy rows take the step's
+    shared argmax in `sample_tokens`)."""
     probs = torch.softmax(filtered_logits(logits, params), dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator))
 

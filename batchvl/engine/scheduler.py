@@ -111,9 +111,8 @@ class Scheduler:
             chunk.request.num_computed_tokens = chunk.end
             self.block_manager.register_full_blocks(chunk.request)
 
-    def finish(self, request: Request, reason: str) -> None:
+    def finish(self, request: Request) -> None:
         request.status = RequestStatus.FINISHED
-        request.finish_reason = reason
         self.running.remove(request)
         self.block_manager.free(request)
 

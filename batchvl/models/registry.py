@@ -33,7 +33,6 @@ class ModelFamily:
     # for worker processes
     media_preparer: Callable[[object, object, PreprocessConfig], MediaPreparer]
     video: bool
-    multi_image: bool
     # The vision tower takes packed patches with cu_seqlens (Qwen): plug in batchvl's one-call-per-layer
     # varlen attention. Otherwise (CLIP-style towers over a batch of equal crops) stock SDPA is right.
     varlen_vision: bool
@@ -42,18 +41,17 @@ class ModelFamily:
 FAMILIES = {
     family.model_type: family
     for family in (
-        ModelFamily("qwen2_vl", Qwen2VLAdapter, QwenMediaPreparer.from_config, True, True, True),
-        ModelFamily("qwen2_5_vl", Qwen2_5_VLAdapter, QwenMediaPreparer.from_config, True, True, True),
+        ModelFamily("qwen2_vl", Qwen2VLAdapter, QwenMediaPreparer.from_config, True, True),
+        ModelFamily("qwen2_5_vl", Qwen2_5_VLAdapter, QwenMediaPreparer.from_config, True, True),
         ModelFamily(
             "qwen3_vl",
             Qwen3VLAdapter,
             functools.partial(QwenMediaPreparer.from_config, video_timestamps=True),
             True,
             True,
-            True,
         ),
-        ModelFamily("llava", LlavaAdapter, clip_media_preparer, False, True, False),
-        ModelFamily("idefics3", Idefics3Adapter, tiled_media_preparer, False, True, False),
+        ModelFamily("llava", LlavaAdapter, clip_media_preparer, False, False),
+        ModelFamily("idefics3", Idefics3Adapter, tiled_media_preparer, False, False),
     )
 }
 

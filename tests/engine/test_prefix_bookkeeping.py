@@ -109,7 +109,7 @@ def test_admission_is_cheapest_image_first_and_nothing_waits_forever():
     for _ in range(5):
         (chunk,) = run_step(scheduler)
         order.append(chunk.request.request_id)
-        scheduler.finish(chunk.request, "stop")
+        scheduler.finish(chunk.request)
         scheduler.add(request_with_image(10 + len(order), "small", [1], length=4))  # small ones keep coming
     # small first; after 3 admissions that passed it over, the big one goes
     assert order == [1, 2, 3, 0, 4]
@@ -145,5 +145,5 @@ def test_admission_favours_the_oldest_shard_then_the_cheapest_image():
     for _ in arrivals:
         (chunk,) = run_step(scheduler)
         order.append(chunk.request.request_id)
-        scheduler.finish(chunk.request, "stop")
+        scheduler.finish(chunk.request)
     assert order == [3, 1, 2, 0, 4]
