@@ -16,16 +16,16 @@ import numpy as np
 import torch
 
 from batchvl.config import EngineConfig
+from batchvl.engine.block_manager import BlockManager
 from batchvl.engine.encoder_cache import EncoderCacheManager
-from batchvl.engine.kv_cache import BlockManager
 from batchvl.engine.model_runner import ModelRunner, kv_bytes_per_block
-from batchvl.engine.request import ImageSpan, Request, SamplingParams, ScheduledChunk
+from batchvl.engine.request import MediaSpan, Request, SamplingParams, ScheduledChunk
 from batchvl.engine.sampler import make_generator, sample_tokens
 from batchvl.engine.scheduler import Scheduler
 from batchvl.engine.vit_dp import DataParallelEncoder
 from batchvl.errors import SampleError, UserError
 from batchvl.models.adapter import VLMAdapter
-from batchvl.preprocess.media import PreparedImage
+from batchvl.preprocess.media import PreparedMedia
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ class EngineRequest:
     """What the engine needs for one (sample, prompt); `tag` is the caller's, returned untouched."""
 
     prompt_token_ids: list[int]
-    images: list[PreparedImage]
+    images: list[PreparedMedia]
     sampling: SamplingParams
     tag: Any = None
     # Lower is admitted first from the look-ahead window. The job passes its shard's position, so shards
@@ -84,7 +84,7 @@ class _Live:
 
     request: Request
     tag: Any
-    images: dict[str, PreparedImage]
+    images: dict[str, PreparedMedia]
     generator: torch.Generator | None
     pinned: set[str] = field(default_factory=set)
     start_time: float = field(default_factory=time.perf_counter)
@@ -194,7 +194,7 @@ class Engine:
                 results.append(self._finish(live, reason))
         return results
 
-    def _image_spans(self, item: EngineRequest) -> list[ImageSpan]:
+    def _image_spans(self, item: EngineRequest) -> list[MediaSpan]:
         """Each image (or video) takes the next `num_tokens` placeholder tokens of its kind, in prompt order;
         they form one run or several (tiles, frames), each filled by the next rows of its embedding."""
         ids = np.asarray(item.prompt_token_ids)
@@ -213,7 +213,7 @@ class Engine:
             run_starts = np.flatnonzero(np.diff(positions, prepend=-2) != 1)
             run_ends = np.append(run_starts[1:], len(positions))
             spans += [
-                ImageSpan(int(positions[lo]), int(hi - lo), img.content_hash, int(lo))
+                MediaSpan(int(positions[lo]), int(hi - lo), img.content_hash, int(lo))
                 for lo, hi in zip(run_starts, run_ends, strict=True)
             ]
         if any(taken[kind] != len(found) for kind, found in placeholders.items()):
@@ -228,7 +228,7 @@ class Engine:
             "prompt_mismatch", f"prompt has placeholder tokens {found} for media (kind, tokens) {wanted}"
         )
 
-    def _check_fits(self, item: EngineRequest, spans: list[ImageSpan]) -> None:
+    def _check_fits(self, item: EngineRequest, spans: list[MediaSpan]) -> None:
         num_prompt = len(item.prompt_token_ids)
         max_len = self.adapter.geometry.max_model_len
         if num_prompt >= max_len:
@@ -256,7 +256,7 @@ class Engine:
 
     def _encode_images_for(self, chunks: list[ScheduledChunk]) -> None:
         """Pin every image a chunk touches; encode the ones not cached, in batches grouped by patch count."""
-        missing: dict[str, PreparedImage] = {}
+        missing: dict[str, PreparedMedia] = {}
         for chunk in chunks:
             live = self._live[chunk.request.request_id]
             for span in chunk.request.images_overlapping(chunk.start, chunk.end):

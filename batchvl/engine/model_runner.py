@@ -19,11 +19,11 @@ from batchvl.engine.attention import (
     SequenceSlice,
     chunk_mask,
 )
-from batchvl.engine.kv_cache import BlockManager
+from batchvl.engine.block_manager import BlockManager
 from batchvl.engine.request import ScheduledChunk
 from batchvl.engine.vit_dp import DataParallelEncoder
 from batchvl.models.adapter import VLMAdapter
-from batchvl.preprocess.media import PreparedImage
+from batchvl.preprocess.media import PreparedMedia
 
 
 @dataclass
@@ -38,13 +38,13 @@ def kv_bytes_per_block(adapter: VLMAdapter, block_size: int) -> int:
     return 2 * geo.num_layers * block_size * geo.num_kv_heads * geo.head_dim * element
 
 
-def encode_batches(images: list[PreparedImage], max_patches: int) -> list[list[PreparedImage]]:
+def encode_batches(images: list[PreparedMedia], max_patches: int) -> list[list[PreparedMedia]]:
     """Vision calls for a set of images: one media kind per call, images sorted by patch count, a call
     holding at most `max_patches` patches (an image larger than that goes alone). Sorted, images of
     equal size are neighbours, which the vision attention batches together (see `vision_attention`);
     the linear layers take the whole call at once."""
-    batches: list[list[PreparedImage]] = []
-    current: list[PreparedImage] = []
+    batches: list[list[PreparedMedia]] = []
+    current: list[PreparedMedia] = []
     patches = 0
     for img in sorted(images, key=lambda img: (img.kind, img.num_patches)):
         if current and (img.kind != current[0].kind or patches + img.num_patches > max_patches):
@@ -58,7 +58,7 @@ def encode_batches(images: list[PreparedImage], max_patches: int) -> list[list[P
 
 
 @torch.inference_mode()
-def encode_images(adapter: VLMAdapter, images: list[PreparedImage], max_patches: int) -> list[torch.Tensor]:
+def encode_images(adapter: VLMAdapter, images: list[PreparedMedia], max_patches: int) -> list[torch.Tensor]:
     """Embeddings of `images`, in their order, computed in vision calls grouped by `encode_batches`."""
     position = {id(img): i for i, img in enumerate(images)}
     out: list[torch.Tensor | None] = [None] * len(images)
@@ -93,14 +93,14 @@ class ModelRunner:
         self.positions: dict[int, RequestPositions] = {}
         self.forward_s = 0.0  # summed time of the language model's forwards
 
-    def add_request(self, request_id: int, prompt_token_ids: list[int], images: list[PreparedImage]) -> None:
+    def add_request(self, request_id: int, prompt_token_ids: list[int], images: list[PreparedMedia]) -> None:
         prompt, delta = self.adapter.prompt_positions(prompt_token_ids, images)
         self.positions[request_id] = RequestPositions(prompt, delta)
 
     def remove_request(self, request_id: int) -> None:
         self.positions.pop(request_id, None)
 
-    def encode(self, images: list[PreparedImage], max_patches_per_call: int) -> dict[str, int]:
+    def encode(self, images: list[PreparedMedia], max_patches_per_call: int) -> dict[str, int]:
         """Encode images (here, or split across ranks under ViT data parallelism); returns embedding
         bytes per content hash. See `encode_batches` for the grouping."""
         if self.parallel_encoder is not None:

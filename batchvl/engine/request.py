@@ -34,7 +34,7 @@ class SamplingParams:
 
 
 @dataclass(frozen=True)
-class ImageSpan:
+class MediaSpan:
     """One run of an image's placeholder tokens in the prompt, and which embedding rows fill it.
 
     An image is one run for most families; tiled images (a run per tile) and Qwen3-VL videos (a run per
@@ -54,7 +54,7 @@ class ImageSpan:
 class Request:
     request_id: int
     prompt_token_ids: list[int]
-    images: list[ImageSpan]
+    images: list[MediaSpan]
     sampling: SamplingParams
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -90,7 +90,7 @@ class Request:
             return self.output_token_ids[start - num_prompt : end - num_prompt]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
 
-    def images_overlapping(self, start: int, end: int) -> list[ImageSpan]:
+    def images_overlapping(self, start: int, end: int) -> list[MediaSpan]:
         return [span for span in self.images if span.offset < end and span.end > start]
 
 

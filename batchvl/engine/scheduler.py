@@ -16,7 +16,7 @@ being computed right now by a running request waits for it instead of computing 
 
 from __future__ import annotations
 
-from batchvl.engine.kv_cache import BlockManager
+from batchvl.engine.block_manager import BlockManager
 from batchvl.engine.prefix_cache import extend_block_hashes
 from batchvl.engine.request import Request, RequestStatus, ScheduledChunk
 

@@ -18,13 +18,13 @@ from dataclasses import dataclass
 import torch
 
 from batchvl.errors import UserError
-from batchvl.preprocess.media import PreparedImage
+from batchvl.preprocess.media import PreparedMedia
 from batchvl.utils.balance import lpt_assignment
 
 logger = logging.getLogger(__name__)
 
 # Encodes one rank's share; returns one embedding per image, in the order given.
-LocalEncode = Callable[[list[PreparedImage]], list[torch.Tensor]]
+LocalEncode = Callable[[list[PreparedMedia]], list[torch.Tensor]]
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ class DataParallelEncoder:
         self.device = device
         self.patches_per_rank = [0] * context.world_size
 
-    def encode(self, images: list[PreparedImage]) -> list[torch.Tensor]:
+    def encode(self, images: list[PreparedMedia]) -> list[torch.Tensor]:
         import torch.distributed as dist
 
         shares = lpt_assignment([img.num_patches for img in images], self.context.world_size)
@@ -116,7 +116,7 @@ def serve_encode_rounds(local_encode: LocalEncode, device: torch.device) -> int:
 
 
 def _encode_and_gather(
-    local_encode: LocalEncode, images: list[PreparedImage], device: torch.device
+    local_encode: LocalEncode, images: list[PreparedMedia], device: torch.device
 ) -> list[list[torch.Tensor]]:
     """Encode this rank's share, then all-gather every rank's embeddings; returns them per rank."""
     import torch.distributed as dist

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from batchvl.preprocess.media import PreparedImage
+from batchvl.preprocess.media import PreparedMedia
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ class VLMAdapter:
         raise NotImplementedError
 
     def prompt_positions(
-        self, prompt_token_ids: list[int], media: list[PreparedImage]
+        self, prompt_token_ids: list[int], media: list[PreparedMedia]
     ) -> tuple[torch.Tensor, int]:
         """Positions of the prompt tokens, shape (num_pos_axes, L), and the offset for generated tokens
         (generated token i, counted over prompt + output, sits at position i + offset). Default: 1-D."""

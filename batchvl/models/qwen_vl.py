@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from batchvl.models.adapter import VLMAdapter
-from batchvl.preprocess.media import PreparedImage
+from batchvl.preprocess.media import PreparedMedia
 
 MM_TEXT, MM_IMAGE, MM_VIDEO = 0, 1, 2  # mm_token_type_ids values
 
@@ -35,7 +35,7 @@ class Qwen2VLAdapter(VLMAdapter):
 
     @torch.inference_mode()
     def prompt_positions(
-        self, prompt_token_ids: list[int], media: list[PreparedImage]
+        self, prompt_token_ids: list[int], media: list[PreparedMedia]
     ) -> tuple[torch.Tensor, int]:
         ids = torch.tensor([prompt_token_ids], dtype=torch.long)
         if not media:
@@ -47,7 +47,7 @@ class Qwen2VLAdapter(VLMAdapter):
         positions, deltas = self.model.model.get_rope_index(ids, token_types, **self._rope_media(media))
         return positions[:, 0, :].contiguous(), int(deltas[0, 0])
 
-    def _rope_media(self, media: list[PreparedImage]) -> dict:
+    def _rope_media(self, media: list[PreparedMedia]) -> dict:
         grids = {}
         for kind in ("image", "video"):
             chosen = [m.grid_thw for m in media if m.kind == kind]
@@ -59,7 +59,7 @@ class Qwen2VLAdapter(VLMAdapter):
 
 
 class Qwen2_5_VLAdapter(Qwen2VLAdapter):
-    def _rope_media(self, media: list[PreparedImage]) -> dict:
+    def _rope_media(self, media: list[PreparedMedia]) -> dict:
         videos = [m.seconds_per_grid_t for m in media if m.kind == "video"]
         return {**super()._rope_media(media), "second_per_grid_ts": torch.tensor(videos) if videos else None}
 

@@ -18,18 +18,18 @@ from batchvl.models.idefics3 import Idefics3Adapter
 from batchvl.models.llava import LlavaAdapter
 from batchvl.models.qwen_vl import Qwen2_5_VLAdapter, Qwen2VLAdapter, Qwen3VLAdapter
 from batchvl.preprocess.clip_vision import clip_media_preparer
-from batchvl.preprocess.media import PreparedImage
+from batchvl.preprocess.media import PreparedMedia
 from batchvl.preprocess.qwen_vision import QwenMediaPreparer
 from batchvl.preprocess.tiled_vision import tiled_media_preparer
 
-MediaPreparer = Callable[[MediaRef], PreparedImage]
+MediaPreparer = Callable[[MediaRef], PreparedMedia]
 
 
 @dataclass(frozen=True)
 class ModelFamily:
     model_type: str
     adapter: type
-    # (processor, HF model config, preprocess config) -> a picklable MediaRef -> PreparedImage function
+    # (processor, HF model config, preprocess config) -> a picklable MediaRef -> PreparedMedia function
     # for worker processes
     media_preparer: Callable[[object, object, PreprocessConfig], MediaPreparer]
     video: bool

@@ -17,7 +17,7 @@ from PIL import Image
 
 from batchvl.config import PreprocessConfig
 from batchvl.preprocess.image import ImagePreparer, check_aspect_ratio, normalize
-from batchvl.preprocess.media import PreparedImage, content_hash
+from batchvl.preprocess.media import PreparedMedia, content_hash
 
 
 @dataclass(frozen=True)
@@ -92,13 +92,13 @@ def clip_media_preparer(processor, model_config, pre: PreprocessConfig) -> Image
     return ImagePreparer(functools.partial(prepare_clip_image, spec=spec), pre.max_image_pixels)
 
 
-def prepare_clip_image(image: Image.Image, spec: ClipVisionSpec) -> PreparedImage:
+def prepare_clip_image(image: Image.Image, spec: ClipVisionSpec) -> PreparedMedia:
     if spec.pad_to_square:
         image = square_pad(image, spec.image_mean)
     crop = center_crop(np.asarray(resize_shortest_edge(image, spec)), spec.crop_height, spec.crop_width)
     pixel_values = np.ascontiguousarray(normalize(crop, spec)[None])  # (1, 3, H, W)
     grid = (1, spec.crop_height // spec.patch_size, spec.crop_width // spec.patch_size)
-    return PreparedImage(
+    return PreparedMedia(
         pixel_values,
         grid,
         content_hash(pixel_values, grid),

@@ -14,7 +14,7 @@ from PIL import Image, ImageOps
 from batchvl.errors import SampleError
 from batchvl.io.paths import is_empty_file
 from batchvl.io.types import MediaRef
-from batchvl.preprocess.media import PreparedImage
+from batchvl.preprocess.media import PreparedMedia
 
 SIXTEEN_BIT_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I")
 
@@ -109,13 +109,13 @@ def normalize(frames: np.ndarray, spec) -> np.ndarray:
 
 @dataclass(frozen=True)
 class ImagePreparer:
-    """MediaRef -> PreparedImage for families that take images only; picklable for worker processes.
+    """MediaRef -> PreparedMedia for families that take images only; picklable for worker processes.
     `prepare` is a module-level function (or a partial of one) from an RGB image to the family's input."""
 
-    prepare: Callable[[Image.Image], PreparedImage]
+    prepare: Callable[[Image.Image], PreparedMedia]
     max_image_pixels: int
 
-    def __call__(self, ref: MediaRef) -> PreparedImage:
+    def __call__(self, ref: MediaRef) -> PreparedMedia:
         if ref.kind == "video":
             raise SampleError("unsupported_media", "this model family takes images only, not video")
         return self.prepare(decode_image(ref.data, ref.path, self.max_image_pixels))

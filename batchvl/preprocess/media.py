@@ -10,7 +10,7 @@ import xxhash
 
 
 @dataclass(frozen=True)
-class PreparedImage:
+class PreparedMedia:
     """A preprocessed image (or video clip) in its family's layout, and how it appears in the prompt.
 
     `pixel_values` is what the family's vision tower takes for this one item, stacked along axis 0 with

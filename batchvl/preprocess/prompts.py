@@ -12,7 +12,7 @@ import re
 from typing import Any
 
 from batchvl.errors import SampleError
-from batchvl.preprocess.media import PreparedImage
+from batchvl.preprocess.media import PreparedMedia
 
 # `{name}` with an identifier inside; `{{` and `}}` are literal braces. Other braces (e.g. a JSON example
 # in the prompt) are left alone, so a prompt without fields never needs escaping.
@@ -64,7 +64,7 @@ class PromptRenderer:
         messages = [{"role": "user", "content": content}]
         return self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
-    def token_ids(self, rendered: str, media: list[PreparedImage]) -> list[int]:
+    def token_ids(self, rendered: str, media: list[PreparedMedia]) -> list[int]:
         pieces = self._placeholders.split(rendered)  # text, placeholder, text, ..., text
         found = [self.placeholder_kinds[token] for token in pieces[1::2]]
         if found != [m.kind for m in media]:

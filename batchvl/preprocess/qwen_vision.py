@@ -18,7 +18,7 @@ from PIL import Image
 from batchvl.config import PreprocessConfig
 from batchvl.io.types import MediaRef
 from batchvl.preprocess.image import check_aspect_ratio, decode_image, normalize
-from batchvl.preprocess.media import PreparedImage, content_hash
+from batchvl.preprocess.media import PreparedMedia, content_hash
 from batchvl.preprocess.video import DecodedVideo, FrameSampling, decode_video
 
 
@@ -119,7 +119,7 @@ def patchify(frames: np.ndarray, spec: QwenVisionSpec) -> tuple[np.ndarray, tupl
     return np.ascontiguousarray(rows), (grid_t, grid_h, grid_w)
 
 
-def prepare_image(image: Image.Image, spec: QwenVisionSpec) -> PreparedImage:
+def prepare_image(image: Image.Image, spec: QwenVisionSpec) -> PreparedMedia:
     """An RGB PIL image -> the model's pixel_values rows, grid and content hash."""
     height, width = smart_resize(image.height, image.width, spec.factor, spec.min_pixels, spec.max_pixels)
     resized = image.resize((width, height), resample=spec.resample)
@@ -128,7 +128,7 @@ def prepare_image(image: Image.Image, spec: QwenVisionSpec) -> PreparedImage:
     frames = np.broadcast_to(frame, (spec.temporal_patch_size, *frame.shape))
     pixel_values, grid = patchify(frames, spec)
     num_tokens = spec.num_image_tokens(grid)
-    return PreparedImage(
+    return PreparedMedia(
         pixel_values, grid, content_hash(pixel_values, grid), num_tokens, spec.image_token * num_tokens
     )
 
@@ -140,7 +140,7 @@ def video_frame_max_pixels(spec: QwenVisionSpec, video_max_pixels: int, num_fram
     return max(min(spec.max_pixels, share), int(spec.min_pixels * 1.05))
 
 
-def prepare_video(video: DecodedVideo, spec: QwenVisionSpec, video_max_pixels: int) -> PreparedImage:
+def prepare_video(video: DecodedVideo, spec: QwenVisionSpec, video_max_pixels: int) -> PreparedMedia:
     """Sampled frames (T a multiple of the temporal patch) -> pixel_values rows, grid and placeholder."""
     frames = video.frames
     num_frames, height, width, _ = frames.shape
@@ -153,7 +153,7 @@ def prepare_video(video: DecodedVideo, spec: QwenVisionSpec, video_max_pixels: i
         ]
     )
     pixel_values, grid = patchify(normalize(resized, spec), spec)
-    return PreparedImage(
+    return PreparedMedia(
         pixel_values,
         grid,
         content_hash(pixel_values, grid, "video"),
@@ -166,7 +166,7 @@ def prepare_video(video: DecodedVideo, spec: QwenVisionSpec, video_max_pixels: i
 
 @dataclass(frozen=True)
 class QwenMediaPreparer:
-    """MediaRef -> PreparedImage for the Qwen-VL families; picklable, so it can run in worker processes."""
+    """MediaRef -> PreparedMedia for the Qwen-VL families; picklable, so it can run in worker processes."""
 
     spec: QwenVisionSpec
     frames: FrameSampling
@@ -187,7 +187,7 @@ class QwenMediaPreparer:
             pre.max_image_pixels,
         )
 
-    def __call__(self, ref: MediaRef) -> PreparedImage:
+    def __call__(self, ref: MediaRef) -> PreparedMedia:
         if ref.kind == "video":
             clip = decode_video(
                 ref.data, ref.path, self.frames, self.spec.temporal_patch_size, self.max_image_pixels

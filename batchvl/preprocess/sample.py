@@ -16,7 +16,7 @@ from typing import Any
 from batchvl.config import PromptConfig
 from batchvl.errors import SampleError
 from batchvl.io.types import MediaRef, Sample
-from batchvl.preprocess.media import PreparedImage
+from batchvl.preprocess.media import PreparedMedia
 from batchvl.preprocess.prompts import PromptRenderer, fill_template
 
 logger = logging.getLogger(__name__)
@@ -35,7 +35,7 @@ class PreparedSample:
     key: str
     fields: dict[str, Any]
     num_images: int
-    images: list[PreparedImage] = field(default_factory=list)
+    images: list[PreparedMedia] = field(default_factory=list)
     prompts: list[PreparedPrompt] = field(default_factory=list)
     error: SampleError | None = None  # the whole sample failed: every prompt becomes an error row
     preprocess_s: float = 0.0
@@ -49,7 +49,7 @@ class SampleProcessor:
     def __init__(
         self,
         processor,
-        prepare_media: Callable[[MediaRef], PreparedImage],
+        prepare_media: Callable[[MediaRef], PreparedMedia],
         prompts: list[PromptConfig],
     ):
         self.renderer = PromptRenderer(processor)

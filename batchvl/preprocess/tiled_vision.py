@@ -21,7 +21,7 @@ from PIL import Image
 
 from batchvl.config import PreprocessConfig
 from batchvl.preprocess.image import ImagePreparer, check_aspect_ratio, normalize
-from batchvl.preprocess.media import PreparedImage, content_hash
+from batchvl.preprocess.media import PreparedMedia, content_hash
 
 MAX_SIDE = 4096  # the processor caps the resized longest edge here
 
@@ -125,7 +125,7 @@ def tiled_media_preparer(processor, model_config, pre: PreprocessConfig) -> Imag
     return ImagePreparer(functools.partial(prepare_tiled_image, spec=spec), pre.max_image_pixels)
 
 
-def prepare_tiled_image(image: Image.Image, spec: TiledVisionSpec) -> PreparedImage:
+def prepare_tiled_image(image: Image.Image, spec: TiledVisionSpec) -> PreparedMedia:
     check_aspect_ratio(image.height, image.width)
     if spec.longest_edge is not None:
         height, width = longest_edge_size(image.height, image.width, spec.longest_edge)
@@ -134,7 +134,7 @@ def prepare_tiled_image(image: Image.Image, spec: TiledVisionSpec) -> PreparedIm
     pixel_values = np.ascontiguousarray(normalize(np.stack(frames), spec))  # (frames, 3, T, T)
     side = spec.tile // spec.patch_size
     grid = (len(frames), side, side)
-    return PreparedImage(
+    return PreparedMedia(
         pixel_values,
         grid,
         content_hash(pixel_values, grid),

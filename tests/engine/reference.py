@@ -10,7 +10,7 @@ import torch
 
 from batchvl.engine.engine import Engine, EngineRequest, EngineResult
 from batchvl.engine.request import SamplingParams
-from batchvl.preprocess.media import PreparedImage
+from batchvl.preprocess.media import PreparedMedia
 
 # Largest difference allowed between the engine's and generate's logits at a position, relative to the
 # largest logit there (fp32; the two sum in different orders, so they are not bit-identical).
@@ -36,7 +36,7 @@ def generate_reference(model, inputs: dict, max_new_tokens: int) -> Expected:
     return Expected(out.sequences[0, prompt_length:].tolist(), torch.cat(out.logits).float())
 
 
-def inputs_for(model, ids: list[int], media: list[PreparedImage]) -> dict:
+def inputs_for(model, ids: list[int], media: list[PreparedMedia]) -> dict:
     """`generate`'s inputs for batchvl's own prompt ids and media tensors: for media the family's own
     processor cannot make here (video processors need torchvision)."""
     tensor_ids = torch.tensor([ids])
@@ -62,7 +62,7 @@ def inputs_for(model, ids: list[int], media: list[PreparedImage]) -> dict:
     return inputs
 
 
-def family_positions(model, token_ids: list[int], media: list[PreparedImage]) -> torch.Tensor:
+def family_positions(model, token_ids: list[int], media: list[PreparedMedia]) -> torch.Tensor:
     """(axes, tokens) positions the model itself gives a sequence: its `get_rope_index` where it has one
     (multimodal rope), else 0, 1, 2, ..."""
     if not hasattr(model.model, "get_rope_index"):
@@ -138,12 +138,12 @@ class Case:
 
     tag: object
     ids: list[int]  # the prompt
-    media: list[PreparedImage]
+    media: list[PreparedMedia]
     expected: Expected
     positions: torch.Tensor  # the family's positions of the prompt and every generated token but the last
 
 
-def make_case(model, tag, ids: list[int], media: list[PreparedImage], inputs: dict, max_new_tokens: int):
+def make_case(model, tag, ids: list[int], media: list[PreparedMedia], inputs: dict, max_new_tokens: int):
     expected = generate_reference(model, inputs, max_new_tokens)
     return Case(tag, ids, media, expected, family_positions(model, ids + expected.tokens[:-1], media))
 

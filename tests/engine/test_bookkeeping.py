@@ -2,9 +2,9 @@
 
 import pytest
 
+from batchvl.engine.block_manager import BlockManager
 from batchvl.engine.encoder_cache import EncoderCacheManager
-from batchvl.engine.kv_cache import BlockManager
-from batchvl.engine.request import ImageSpan, Request, RequestStatus, SamplingParams
+from batchvl.engine.request import MediaSpan, Request, RequestStatus, SamplingParams
 from batchvl.engine.scheduler import Scheduler
 
 
@@ -120,7 +120,7 @@ def test_preempting_itself_when_it_is_the_only_one():
 
 
 def test_images_overlapping_chunk():
-    span = ImageSpan(offset=5, length=10, content_hash="a")
+    span = MediaSpan(offset=5, length=10, content_hash="a")
     request = make_request(0, 20, [span])
     assert request.images_overlapping(0, 5) == []
     assert request.images_overlapping(0, 6) == [span]

@@ -1,8 +1,8 @@
 """Prefix caching, admission order and whole-image chunks in the bookkeeping, without tensors."""
 
-from batchvl.engine.kv_cache import BlockManager
+from batchvl.engine.block_manager import BlockManager
 from batchvl.engine.prefix_cache import extend_block_hashes
-from batchvl.engine.request import ImageSpan, Request, SamplingParams
+from batchvl.engine.request import MediaSpan, Request, SamplingParams
 from batchvl.engine.scheduler import Scheduler
 
 PAD = 99  # a placeholder token id: equal for every image
@@ -11,7 +11,7 @@ PAD = 99  # a placeholder token id: equal for every image
 def request_with_image(request_id: int, image_hash: str, text: list[int], before: int = 6, length: int = 8):
     """`before` system tokens, an image of `length` placeholders, then `text`."""
     ids = list(range(before)) + [PAD] * length + text
-    return Request(request_id, ids, [ImageSpan(before, length, image_hash)], SamplingParams(max_new_tokens=4))
+    return Request(request_id, ids, [MediaSpan(before, length, image_hash)], SamplingParams(max_new_tokens=4))
 
 
 def run_step(scheduler: Scheduler):

@@ -6,7 +6,7 @@ from transformers import AttentionInterface, AutoModelForImageTextToText
 
 from batchvl.engine import vision_attention
 from batchvl.engine.model_runner import encode_batches
-from batchvl.preprocess.media import PreparedImage
+from batchvl.preprocess.media import PreparedMedia
 from batchvl.preprocess.qwen_vision import QwenVisionSpec, prepare_image, prepare_video
 from batchvl.preprocess.video import FrameSampling, decode_video
 from tests.conftest import random_image, video_bytes
@@ -28,7 +28,7 @@ def stock(tiny_model_dir):
     return AutoModelForImageTextToText.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
 
 
-def stock_features(stock, item: PreparedImage) -> torch.Tensor:
+def stock_features(stock, item: PreparedMedia) -> torch.Tensor:
     features = stock.model.get_video_features if item.kind == "video" else stock.model.get_image_features
     with torch.inference_mode():
         out = features(torch.from_numpy(item.pixel_values), torch.tensor([item.grid_thw]), return_dict=True)
