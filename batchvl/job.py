@@ -14,7 +14,7 @@ import logging
 import os
 import queue
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -282,7 +282,7 @@ class JobRunner:
             )
             self._process(pending, engine)
         self.stats.wall_s = round(time.perf_counter() - start, 3)
-        stats = self.stats.to_dict(engine.stats if engine else EngineStats())
+        stats = self.stats.to_dict(asdict(engine.stats if engine else EngineStats()))
         stats["vit_parallel_ranks"] = context.world_size if context else 1
         stats["stopped_by"] = self.stop.signal_name or None
         stats_path = self._write_stats(stats)

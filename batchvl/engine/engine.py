@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from batchvl.config import EngineConfig
+from batchvl.engine.adapter import ModelAdapter
 from batchvl.engine.block_manager import BlockManager
 from batchvl.engine.encoder_cache import EncoderCacheManager
 from batchvl.engine.model_runner import ModelRunner, kv_bytes_per_block
@@ -24,7 +25,6 @@ from batchvl.engine.sampler import make_generator, sample_tokens
 from batchvl.engine.scheduler import Scheduler
 from batchvl.engine.vit_dp import DataParallelEncoder
 from batchvl.errors import SampleError, UserError
-from batchvl.models.adapter import VLMAdapter
 from batchvl.preprocess.media import PreparedMedia
 
 logger = logging.getLogger(__name__)
@@ -93,7 +93,7 @@ class _Live:
 class Engine:
     def __init__(
         self,
-        adapter: VLMAdapter,
+        adapter: ModelAdapter,
         tokenizer,
         config: EngineConfig,
         eos_token_ids: list[int],

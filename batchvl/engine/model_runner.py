@@ -13,16 +13,16 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from batchvl.engine.attention import (
+from batchvl.engine.adapter import ModelAdapter
+from batchvl.engine.block_manager import BlockManager
+from batchvl.engine.request import ScheduledChunk
+from batchvl.engine.vit_dp import DataParallelEncoder
+from batchvl.layers.attention import (
     KVCache,
     PagedAttentionMetadata,
     SequenceSlice,
     chunk_mask,
 )
-from batchvl.engine.block_manager import BlockManager
-from batchvl.engine.request import ScheduledChunk
-from batchvl.engine.vit_dp import DataParallelEncoder
-from batchvl.models.adapter import VLMAdapter
 from batchvl.preprocess.media import PreparedMedia
 
 
@@ -32,7 +32,7 @@ class RequestPositions:
     delta: int  # generated token i (0-based over prompt + output) sits at position i + delta
 
 
-def kv_bytes_per_block(adapter: VLMAdapter, block_size: int) -> int:
+def kv_bytes_per_block(adapter: ModelAdapter, block_size: int) -> int:
     geo = adapter.geometry
     element = torch.tensor([], dtype=adapter.dtype).element_size()
     return 2 * geo.num_layers * block_size * geo.num_kv_heads * geo.head_dim * element
@@ -58,7 +58,7 @@ def encode_batches(images: list[PreparedMedia], max_patches: int) -> list[list[P
 
 
 @torch.inference_mode()
-def encode_images(adapter: VLMAdapter, images: list[PreparedMedia], max_patches: int) -> list[torch.Tensor]:
+def encode_images(adapter: ModelAdapter, images: list[PreparedMedia], max_patches: int) -> list[torch.Tensor]:
     """Embeddings of `images`, in their order, computed in vision calls grouped by `encode_batches`."""
     position = {id(img): i for i, img in enumerate(images)}
     out: list[torch.Tensor | None] = [None] * len(images)
@@ -73,7 +73,7 @@ def encode_images(adapter: VLMAdapter, images: list[PreparedMedia], max_patches:
 class ModelRunner:
     def __init__(
         self,
-        adapter: VLMAdapter,
+        adapter: ModelAdapter,
         num_blocks: int,
         block_size: int,
         parallel_encoder: DataParallelEncoder | None = None,

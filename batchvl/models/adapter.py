@@ -1,27 +1,18 @@
-"""The interface between the engine and a model family, and the part every Hugging Face VLM shares.
+"""The engine's `ModelAdapter` protocol (engine/adapter.py) for Hugging Face VLMs: what all families share.
 
 The engine owns scheduling, the KV cache, attention, positions, embedding fusion and sampling; an adapter
 exposes the pieces of a Hugging Face model it needs (vision tower, token embeddings, decoder stack,
 lm_head, the family's position rule), so the engine has no family-specific branches. `VLMAdapter`
-is that interface and implements what the families have in common (a decoder stack on `model.model`,
-media rows written over placeholder embeddings, 1-D positions); a family overrides what differs.
+implements what the families have in common (a decoder stack on `model.model`, media rows written over
+placeholder embeddings, 1-D positions); a family overrides what differs.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from batchvl.engine.adapter import TextGeometry
 from batchvl.preprocess.media import PreparedMedia
-
-
-@dataclass(frozen=True)
-class TextGeometry:
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    max_model_len: int
 
 
 class VLMAdapter:

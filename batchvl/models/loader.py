@@ -91,8 +91,8 @@ def load_model(
 ) -> LoadedModel:
     from transformers import AutoModelForImageTextToText
 
-    from batchvl.engine.attention import PAGED_ATTENTION_NAME, register_paged_attention
-    from batchvl.engine.vision_attention import VISION_ATTENTION_NAME, register_vision_attention
+    from batchvl.layers.attention import PAGED_ATTENTION_NAME, register_paged_attention
+    from batchvl.layers.vision_attention import VISION_ATTENTION_NAME, register_vision_attention
     from batchvl.models.patch_embed import patch_convs_as_linear
 
     family = model_family(read_model_type(path, trust_remote_code))

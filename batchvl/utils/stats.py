@@ -1,11 +1,10 @@
-"""Run counters, merged from the job loop and the engine into one stats JSON per run."""
+"""Run counters, merged from the job loop and the engine (given as a dict: this ground layer imports
+nothing above it) into one stats JSON per run."""
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-
-from batchvl.engine.engine import EngineStats
 
 
 @dataclass
@@ -41,13 +40,14 @@ class RunStats:
             self.errors += 1
             self.errors_by_type[error_type] += 1
 
-    def to_dict(self, engine: EngineStats) -> dict:
+    def to_dict(self, engine: dict) -> dict:
+        """This run's counters and the engine's (`engine`: its stats as a dict), with the rates."""
         out = asdict(self)
         out["errors_by_type"] = dict(self.errors_by_type)
-        out.update(asdict(engine))
+        out.update(engine)
         processing = max(self.processing_s, 1e-9)
         out["samples_per_s"] = round(self.samples / processing, 3)
-        out["output_tokens_per_s"] = round(engine.output_tokens / processing, 3)
+        out["output_tokens_per_s"] = round(engine["output_tokens"] / processing, 3)
         # share of the processing time, the part the input pipeline can starve
         out["input_wait_share"] = round(self.input_wait_s / processing, 4)
         for key in ("input_wait_s", "engine_s", "preprocess_s", "processing_s"):

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from batchvl.engine import cpu_attention
+from batchvl.layers import cpu_attention
 
 
 def qkv(batch: int, heads: int, length: int, dim: int, seed: int = 0):

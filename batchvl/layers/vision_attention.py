@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from batchvl.engine.cpu_attention import blocked_attention, use_blocked_attention
+from batchvl.layers.cpu_attention import blocked_attention, use_blocked_attention
 
 VISION_ATTENTION_NAME = "batchvl_flash_varlen"  # "flash" in the name makes transformers pass cu_seqlens
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from batchvl.engine.attention import (
+from batchvl.layers.attention import (
     DecodeBatch,
     KVCache,
     PagedAttentionMetadata,
