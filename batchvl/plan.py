@@ -14,21 +14,28 @@ cannot drift apart. A plan checks that:
 from __future__ import annotations
 
 import difflib
+import functools
+import logging
 import os
 import tempfile
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from batchvl.config import JobConfig, fingerprint_of, output_defining_config
 from batchvl.errors import UserError
+from batchvl.io.commit import is_committed_by
 from batchvl.io.paths import glob_matches
 from batchvl.io.sources import job_source
 from batchvl.io.types import ShardInfo
 from batchvl.io.writers import output_path
+from batchvl.ledger import Selection
 from batchvl.models.loader import read_model_type
 from batchvl.models.registry import model_family
 from batchvl.preprocess.prompts import template_fields
 from batchvl.resume import ShardPlan, plan_shards
 from batchvl.tasks import TaskSlice, shards_of_task
+
+logger = logging.getLogger(__name__)
 
 OWN_FILES = "_batchvl"  # batchvl's bookkeeping inside output.dir (the notebook API stages its input there)
 
@@ -59,6 +66,30 @@ def plan_job(cfg: JobConfig, task: TaskSlice | None = None, record: bool = False
         cfg.output.dir, shards, defining, fingerprint_of(defining), cfg.output.overwrite, clean=record
     )
     return JobPlan(listing, shards, resume)
+
+
+@dataclass(frozen=True)
+class Work:
+    """What a run is to do: the shards to run, in order, and per shard the rows to produce."""
+
+    shards: list[ShardInfo]
+    selection: Selection | None  # None: every (sample, prompt) of each shard
+    num_task_shards: int  # the task's shards, done ones included
+    # Whether another run committed a shard while this one waited to read it (None: redo it anyway)
+    committed_elsewhere: Callable[[str], bool] | None = None
+    notes: dict = field(default_factory=dict)  # counts the run's stats report besides its own
+
+
+def job_work(cfg: JobConfig, task: TaskSlice | None) -> Work:
+    """A run's work: the task's shards that are not committed (all of them with --overwrite)."""
+    plan = plan_job(cfg, task, record=True)
+    if plan.resume.num_done:
+        logger.info("skipping %d committed shard(s) in %s", plan.resume.num_done, cfg.output.dir)
+    fingerprint = fingerprint_of(output_defining_config(cfg))
+    committed = (
+        None if cfg.output.overwrite else functools.partial(is_committed_by, cfg.output.dir, fingerprint)
+    )
+    return Work(plan.resume.pending, None, len(plan.shards), committed)
 
 
 def check_output_dir(out_dir: str, create: bool) -> None:

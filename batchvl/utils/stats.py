@@ -32,6 +32,12 @@ class RunStats:
     samples_crashed: int = 0
     samples_timed_out: int = 0
 
+    def add_pool(self, pool) -> None:
+        """Add the preprocessing pool's counters (its `PoolStats`)."""
+        self.worker_restarts += pool.worker_restarts
+        self.samples_crashed += pool.samples_crashed
+        self.samples_timed_out += pool.samples_timed_out
+
     def record_row(self, status: str, error_type: str | None) -> None:
         self.requests += 1
         if status == "ok":

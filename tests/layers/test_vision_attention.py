@@ -4,8 +4,8 @@ import pytest
 import torch
 from transformers import AttentionInterface, AutoModelForImageTextToText
 
-from batchvl.layers import vision_attention
 from batchvl.engine.model_runner import encode_batches
+from batchvl.layers import vision_attention
 from batchvl.preprocess.media import PreparedMedia
 from batchvl.preprocess.qwen_vision import QwenVisionSpec, prepare_image, prepare_video
 from batchvl.preprocess.video import FrameSampling, decode_video

@@ -1,0 +1,90 @@
+"""How a complete shard is committed: written as a new file (a run), or merged into the committed file
+(a retry of its failed rows). Both keep `io/commit.py`'s contract: the Parquet file first, atomically,
+then the marker that makes the shard done."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from batchvl import __version__
+from batchvl.config import JobConfig, config_to_dict, fingerprint_of, output_defining_config
+from batchvl.io.commit import ShardMarker, commit_shard, read_marker, write_marker
+from batchvl.io.types import ShardInfo
+from batchvl.io.writers import ResultRow, output_path, rows_to_table, write_table_atomic
+from batchvl.tasks import TaskSlice
+
+
+class WriteShard:
+    """A run's commit: the shard's rows as its output file, and a marker naming the config that wrote it."""
+
+    def __init__(self, cfg: JobConfig, task: TaskSlice | None):
+        self.out_dir = cfg.output.dir
+        self.output_defining = output_defining_config(cfg)
+        self.fingerprint = fingerprint_of(self.output_defining)
+        self.task = str(task) if task else None
+        self.metadata = {
+            "batchvl_version": __version__,
+            "model_path": cfg.model.path,
+            "config_fingerprint": self.fingerprint,
+            "job_config": json.dumps(config_to_dict(cfg), sort_keys=True),
+        }
+
+    def __call__(self, info: ShardInfo, rows: list[ResultRow]) -> str:
+        marker = ShardMarker.for_rows(
+            info.shard,
+            rows,
+            self.output_defining,
+            self.fingerprint,
+            task=self.task,
+            batchvl_version=__version__,
+        )
+        return commit_shard(self.out_dir, info.shard, rows, self.metadata, marker)
+
+
+class MergeIntoShard:
+    """A retry's commit: the retried rows replace theirs in the committed file, in one atomic rewrite in
+    input order; the marker keeps the job's config, recounts the rows and records the retry."""
+
+    def __init__(self, job: JobConfig, overrides: list[str]):
+        self.out_dir = job.output.dir
+        self.overrides = overrides
+        self.prompt_order = {prompt.name: i for i, prompt in enumerate(job.prompts)}
+
+    def __call__(self, info: ShardInfo, rows: list[ResultRow]) -> str:
+        path = output_path(self.out_dir, info.shard)
+        old = pq.read_table(path)
+        replaced = {(row.sample_index, row.prompt) for row in rows}
+        keep = [
+            (index, prompt) not in replaced
+            for index, prompt in zip(old["sample_index"].to_pylist(), old["prompt"].to_pylist(), strict=True)
+        ]
+        merged = pa.concat_tables(
+            [old.filter(pa.array(keep)), rows_to_table(rows, {})], promote_options="permissive"
+        )
+        order = sorted(
+            range(merged.num_rows),
+            key=lambda i: (merged["sample_index"][i].as_py(), self.prompt_order[merged["prompt"][i].as_py()]),
+        )
+        columns = old.column_names + [c for c in merged.column_names if c not in old.column_names]
+        merged = merged.take(order).select(columns).replace_schema_metadata(old.schema.metadata)
+        write_table_atomic(path, merged)
+
+        marker = read_marker(self.out_dir, info.shard)
+        assert marker is not None  # a retry selects committed shards only
+        marker.count(
+            [(r["status"], r["error_type"]) for r in merged.select(["status", "error_type"]).to_pylist()]
+        )
+        marker.retries.append(
+            {
+                "at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "overrides": self.overrides,
+                "rows_retried": len(rows),
+                "rows_fixed": sum(row.status == "ok" for row in rows),
+            }
+        )
+        write_marker(self.out_dir, marker)
+        return path

@@ -1,0 +1,122 @@
+"""The shard ledger: the bookkeeping of a run's shards, apart from the loop that feeds and steps.
+
+Per shard: which rows it is to produce (every (sample, prompt), or a selection, as a retry of failed
+rows has), the rows done, the samples still in the engine, and whether it is committed or skipped
+(another run has it). A shard is committed, through the strategy the run was given, once every row it
+is to produce has its outcome; the ledger holds only plain data, and frees a shard's rows once written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from batchvl.io.types import ShardInfo
+from batchvl.io.writers import ResultRow
+from batchvl.preprocess.sample import PreparedSample
+from batchvl.rows import RowTag
+
+# shard -> sample index -> the prompt indices to run for it
+Selection = dict[str, dict[int, frozenset[int]]]
+# Writes a complete shard's rows (a new file, or merged into the committed one); returns where.
+CommitStrategy = Callable[[ShardInfo, list[ResultRow]], str]
+
+
+@dataclass
+class ShardState:
+    info: ShardInfo
+    position: int  # in this run's shard order: its requests' admission priority
+    rows: list[ResultRow] = field(default_factory=list)
+    expected_rows: int | None = None  # known once the whole shard has been read
+    # samples with requests still in the engine -> (the sample, how many of its requests are unfinished)
+    in_flight: dict[int, tuple[PreparedSample, int]] = field(default_factory=dict)
+    committed: bool = False
+    skipped: bool = False
+
+    @property
+    def is_open(self) -> bool:
+        return not (self.committed or self.skipped)
+
+
+class ShardLedger:
+    def __init__(
+        self,
+        shards: list[ShardInfo],
+        selection: Selection | None,
+        num_prompts: int,
+        commit: CommitStrategy,
+    ):
+        self.shards = {info.shard: ShardState(info, position) for position, info in enumerate(shards)}
+        self.selection = selection
+        self.num_prompts = num_prompts
+        self.commit = commit
+        self.num_committed = 0
+        self.num_skipped = 0
+
+    def position(self, shard: str) -> int:
+        return self.shards[shard].position
+
+    def prompts_of(self, shard: str, sample_index: int) -> list[int]:
+        """The prompts to run for a sample: all of them, or those selected for it."""
+        if self.selection is None:
+            return list(range(self.num_prompts))
+        return sorted(self.selection[shard][sample_index])
+
+    def samples_of(self, info: ShardInfo) -> int | None:
+        """How many samples of the shard this run reads (None: known only by reading it)."""
+        return info.num_rows if self.selection is None else len(self.selection[info.shard])
+
+    def wanted(self) -> dict[str, frozenset[int]] | None:
+        """Per shard, the only sample indices to read (None: all)."""
+        if self.selection is None:
+            return None
+        return {shard: frozenset(samples) for shard, samples in self.selection.items()}
+
+    def end_of_shard(self, shard: str, num_samples: int) -> None:
+        """The reader has gone through the whole shard, which holds `num_samples` samples."""
+        if self.selection is None:
+            expected = num_samples * self.num_prompts
+        else:
+            chosen = self.selection[shard].items()
+            expected = sum(len(prompts) for index, prompts in chosen if index < num_samples)
+        self.shards[shard].expected_rows = expected
+        self._commit_if_complete(self.shards[shard])
+
+    def skip(self, shard: str) -> None:
+        self.shards[shard].skipped = True
+        self.num_skipped += 1
+
+    def start(self, sample: PreparedSample, num_requests: int) -> None:
+        """The sample's requests went into the engine."""
+        self.shards[sample.shard].in_flight[sample.index] = (sample, num_requests)
+
+    def finish_request(self, tag: RowTag) -> tuple[PreparedSample, bool]:
+        """A request of the sample came out of the engine: (the sample, whether it was its last)."""
+        in_flight = self.shards[tag.shard].in_flight
+        sample, remaining = in_flight[tag.sample_index]
+        if remaining > 1:
+            in_flight[tag.sample_index] = (sample, remaining - 1)
+            return sample, False
+        del in_flight[tag.sample_index]
+        return sample, True
+
+    def add_row(self, shard: str, row: ResultRow) -> None:
+        state = self.shards[shard]
+        state.rows.append(row)
+        self._commit_if_complete(state)
+
+    def open_shards(self) -> Iterator[str]:
+        return (name for name, state in self.shards.items() if state.is_open)
+
+    @property
+    def rows_not_committed(self) -> int:
+        """Rows done in shards that are not committed (a stop leaves them for the next run)."""
+        return sum(len(state.rows) for state in self.shards.values() if not state.committed)
+
+    def _commit_if_complete(self, state: ShardState) -> None:
+        if state.committed or state.expected_rows is None or len(state.rows) < state.expected_rows:
+            return
+        self.commit(state.info, state.rows)
+        state.committed = True
+        state.rows = []  # written; free the memory
+        self.num_committed += 1

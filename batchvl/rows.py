@@ -1,0 +1,145 @@
+"""A prepared sample's engine requests, and the rows its outcomes become.
+
+Each (sample, prompt) is one request, tagged with where its row belongs; each request's result (or the
+error that kept it from the engine) is one `ResultRow`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import xxhash
+
+from batchvl.config import JobConfig
+from batchvl.engine.engine import EngineRequest, EngineResult
+from batchvl.engine.request import SamplingParams
+from batchvl.errors import SampleError
+from batchvl.io.writers import ResultRow
+from batchvl.preprocess.sample import PreparedSample
+
+
+@dataclass(frozen=True)
+class RowTag:
+    """Where an engine result belongs: shard, sample and prompt."""
+
+    shard: str
+    sample_index: int
+    prompt_index: int
+
+
+def request_seed(base_seed: int, shard: str, key: str, prompt_name: str) -> int:
+    """A per-request seed, so a sampled output does not depend on batch composition or run order."""
+    return (
+        xxhash.xxh64_intdigest(f"{base_seed}\0{shard}\0{key}\0{prompt_name}".encode()) & 0x7FFF_FFFF_FFFF_FFFF
+    )
+
+
+def max_new_tokens_of(cfg: JobConfig, fields: dict) -> int:
+    """The sample's token limit: `sampling.max_new_tokens`, or its own from `max_new_tokens_field`."""
+    name = cfg.sampling.max_new_tokens_field
+    if name is None:
+        return cfg.sampling.max_new_tokens
+    value = fields.get(name)
+    if value is None:  # a null cell, or a sample without the field: the job's own limit
+        return cfg.sampling.max_new_tokens
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise SampleError(
+            "missing_field",
+            f"sampling.max_new_tokens_field '{name}' must hold a positive integer, got {value!r}",
+        )
+    return value
+
+
+def sampling_params(
+    cfg: JobConfig, shard: str, key: str, prompt_name: str, max_new_tokens: int
+) -> SamplingParams:
+    s = cfg.sampling
+    return SamplingParams(
+        max_new_tokens=max_new_tokens,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        seed=request_seed(s.seed, shard, key, prompt_name),
+        stop=tuple(s.stop),
+        stop_token_ids=tuple(s.stop_token_ids),
+        ignore_eos=s.ignore_eos,
+    )
+
+
+def sample_requests(
+    cfg: JobConfig, sample: PreparedSample, prompt_indices: list[int], priority: int
+) -> tuple[list[EngineRequest], list[ResultRow]]:
+    """The engine requests of a sample's selected prompts, and the rows of those that cannot run (a
+    broken sample, a bad token limit, a prompt field the sample lacks)."""
+    names = [cfg.prompts[i].name for i in prompt_indices]
+    try:
+        if sample.error is not None:
+            raise sample.error
+        max_new_tokens = max_new_tokens_of(cfg, sample.fields)
+    except SampleError as error:
+        return [], [error_row(sample, i, name, error) for i, name in zip(prompt_indices, names, strict=True)]
+    requests, rows = [], []
+    for prompt_index, name in zip(prompt_indices, names, strict=True):
+        prepared = sample.prompts[prompt_index]
+        if prepared.error is not None:
+            rows.append(error_row(sample, prompt_index, name, prepared.error))
+            continue
+        requests.append(
+            EngineRequest(
+                prompt_token_ids=prepared.token_ids,
+                images=sample.images,
+                sampling=sampling_params(cfg, sample.shard, sample.key, name, max_new_tokens),
+                tag=RowTag(sample.shard, sample.index, prompt_index),
+                priority=priority,
+            )
+        )
+    return requests, rows
+
+
+def _row(sample: PreparedSample, prompt_index: int, prompt_name: str, **values) -> ResultRow:
+    return ResultRow(
+        key=sample.key,
+        sample_index=sample.index,
+        prompt=prompt_name,
+        prompt_index=prompt_index,
+        num_images=sample.num_images,
+        fields=sample.fields,
+        **values,
+    )
+
+
+def error_row(sample: PreparedSample, prompt_index: int, prompt_name: str, error: SampleError) -> ResultRow:
+    return _row(
+        sample,
+        prompt_index,
+        prompt_name,
+        text=None,
+        status="error",
+        error_type=error.error_type,
+        error_message=error.message,
+        num_prompt_tokens=0,
+        num_output_tokens=0,
+        finish_reason=None,
+        latency_s=None,
+    )
+
+
+def result_row(sample: PreparedSample, prompt_name: str, result: EngineResult) -> ResultRow:
+    tag: RowTag = result.tag
+    if result.error is not None:
+        row = error_row(sample, tag.prompt_index, prompt_name, result.error)
+        row.num_prompt_tokens = result.num_prompt_tokens
+        return row
+    return _row(
+        sample,
+        tag.prompt_index,
+        prompt_name,
+        text=result.text,
+        status="ok",
+        error_type=None,
+        error_message=None,
+        num_prompt_tokens=result.num_prompt_tokens,
+        num_output_tokens=result.num_output_tokens,
+        finish_reason=result.finish_reason,
+        latency_s=round(result.latency_s, 6),
+    )
