@@ -45,3 +45,23 @@ def test_the_check_sees_imports_from_above_even_inside_functions():
     assert layer_of("utils.stats") < layer_of("engine.engine") < layer_of("models.loader") < layer_of("job")
     source = "import os\n\ndef load():\n    from batchvl.engine.engine import Engine\n"
     assert imports_in(source) == [("engine.engine", 4)]
+
+
+def test_checking_a_model_type_imports_no_family_code():
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys; from batchvl.models.registry import model_family; model_family('qwen2_vl'); "
+        "print(sorted(m for m in sys.modules if m.startswith('batchvl.models.') or "
+        "m.startswith('batchvl.preprocess.') and m.endswith('_vision')))"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "['batchvl.models.registry']"
+
+
+def test_every_family_resolves_its_parts():
+    from batchvl.models.registry import FAMILIES
+
+    for family in FAMILIES.values():
+        assert isinstance(family.adapter, type) and callable(family.media_preparer)
