@@ -25,7 +25,7 @@ class TaskStatus:
     shards: int = 0
     done: int = 0
     stale: int = 0  # committed by another config: a rerun refuses until --overwrite
-    samples_per_s: float | None = None  # of the task's latest run
+    samples_per_s: float | None = None  # over every run of the task that did work
     output_tokens_per_s: float | None = None
     last_run: str | None = None  # the latest stats file's name
 
@@ -61,7 +61,7 @@ class JobStatus:
 def job_status(cfg: JobConfig, num_tasks: int | None = None) -> JobStatus:
     out_dir = cfg.output.dir
     array = read_array_job(out_dir)
-    stats = _latest_stats_per_task(out_dir)
+    stats = _runs_per_task(out_dir)
     if num_tasks is None:
         num_tasks = array.num_tasks if array else max((n for n, _ in stats), default=1)
     fingerprint = config_fingerprint(cfg)
@@ -83,20 +83,37 @@ def job_status(cfg: JobConfig, num_tasks: int | None = None) -> JobStatus:
             status.rows_ok += marker.ok
             status.rows_error += marker.errors
             status.errors_by_type.update(marker.errors_by_type)
-        latest = stats.get((num_tasks, index))
-        if latest is not None:
-            name, run = latest
-            task.samples_per_s = run.get("samples_per_s")
-            task.output_tokens_per_s = run.get("output_tokens_per_s")
-            task.last_run = name
+        runs = stats.get((num_tasks, index))
+        if runs is not None and runs.processing_s > 0:
+            task.samples_per_s = round(runs.samples / runs.processing_s, 3)
+            task.output_tokens_per_s = round(runs.output_tokens / runs.processing_s, 3)
+            task.last_run = runs.last_run
         status.tasks.append(task)
     return status
 
 
-def _latest_stats_per_task(out_dir: str) -> dict[tuple[int, int], tuple[str, dict]]:
-    """(N, task index) -> (file name, stats) of the newest run that did work, from `_batchvl/stats`."""
-    latest: dict[tuple[int, int], tuple[str, dict]] = {}
-    files = sorted(Path(out_dir, "_batchvl", "stats").glob("run-*.json"), key=lambda p: p.stat().st_mtime)
+@dataclass
+class TaskRuns:
+    """A task's runs that did work, added up: a task stopped and rerun is one task."""
+
+    last_run: str = ""  # the newest stats file's name
+    samples: int = 0
+    output_tokens: int = 0
+    processing_s: float = 0.0
+
+    def add(self, name: str, run: dict) -> None:
+        self.last_run = name
+        self.samples += run.get("samples", 0)
+        self.output_tokens += run.get("output_tokens", 0)
+        # the rates' own denominator; stats files of older versions lack it
+        self.processing_s += run.get("processing_s", run.get("wall_s", 0) - run.get("model_load_s", 0))
+
+
+def _runs_per_task(out_dir: str) -> dict[tuple[int, int], TaskRuns]:
+    """(N, task index) -> the runs of that task that did work, from `_batchvl/stats`, oldest first."""
+    runs: dict[tuple[int, int], TaskRuns] = {}
+    stats_files = Path(out_dir, "_batchvl", "stats").glob("run-*.json")
+    files = sorted(stats_files, key=lambda p: (p.stat().st_mtime, p.name))  # names hold the start time
     for path in files:
         try:
             run = json.loads(path.read_text())
@@ -105,8 +122,8 @@ def _latest_stats_per_task(out_dir: str) -> dict[tuple[int, int], tuple[str, dic
         if not run.get("samples") or run.get("mode", "run") != "run":
             continue  # a rerun that found everything done, or a retry of a few rows, says nothing about speed
         task = parse_task_slice(run.get("task") or "0/1")
-        latest[(task.count, task.index)] = (path.name, run)
-    return latest
+        runs.setdefault((task.count, task.index), TaskRuns()).add(path.name, run)
+    return runs
 
 
 def format_status(status: JobStatus, job_file: str) -> str:

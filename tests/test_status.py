@@ -92,3 +92,23 @@ def test_the_sbatch_script_runs_task_i_of_n_with_requeue_and_logs(tmp_path):
     assert Path(path).read_text() == text
     record = json.loads((tmp_path / "out" / "_batchvl" / "slurm" / "array.json").read_text())
     assert record["num_tasks"] == 7 and (tmp_path / "out" / "_batchvl" / "logs").is_dir()
+
+
+def test_a_task_stopped_and_rerun_is_one_task_with_its_runs_added(tmp_path):
+    from batchvl.status import _runs_per_task
+
+    folder = tmp_path / "_batchvl" / "stats"
+    folder.mkdir(parents=True)
+    runs = [  # a stopped run, a rerun that finished, a rerun that found everything done
+        {"task": "1/2", "samples": 30, "output_tokens": 600, "processing_s": 10.0},
+        {"task": "1/2", "samples": 10, "output_tokens": 200, "processing_s": 6.0},
+        {"task": "1/2", "samples": 0, "output_tokens": 0, "processing_s": 0.0},
+        {"task": "0/2", "samples": 8, "output_tokens": 80, "processing_s": 4.0},
+    ]
+    for number, run in enumerate(runs):
+        (folder / f"run-{number}.json").write_text(json.dumps(run))
+    merged = _runs_per_task(str(tmp_path))
+    task = merged[(2, 1)]
+    assert (task.samples, task.output_tokens, task.processing_s) == (40, 800, 16.0)
+    assert task.last_run == "run-1.json"
+    assert merged[(2, 0)].samples == 8

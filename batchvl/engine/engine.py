@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -116,11 +116,25 @@ class Engine:
         )
         self.encoder_cache = EncoderCacheManager(int(config.encoder_cache_mb * MB))
         self.runner = ModelRunner(adapter, num_blocks, config.block_size, parallel_encoder)
-        self.stats = EngineStats()
+        self._stats = EngineStats()  # the engine's own counters; `stats` adds its components'
+
         self._live: dict[int, _Live] = {}
         self._rejected: list[EngineResult] = []
         self._next_id = 0
         logger.info("KV cache: %d blocks of %d tokens", num_blocks, config.block_size)
+
+    @property
+    def stats(self) -> EngineStats:
+        """The engine's counters, with those its components own read from them (not copied each step)."""
+        encoder = self.runner.parallel_encoder
+        return replace(
+            self._stats,
+            forward_s=self.runner.forward_s,
+            preemptions=self.scheduler.num_preemptions,
+            prefix_cache_hit_tokens=self.scheduler.num_prefix_cached_tokens,
+            encoder_cache_evictions=self.encoder_cache.num_evictions,
+            patches_encoded_per_rank=list(encoder.patches_per_rank) if encoder is not None else [],
+        )
 
     @property
     def num_unfinished(self) -> int:
@@ -149,8 +163,8 @@ class Engine:
         self._live[request.request_id] = _Live(request, item.tag, images, generator)
         self.runner.add_request(request.request_id, request.prompt_token_ids, item.images)
         self.scheduler.add(request)
-        self.stats.images_total += len(item.images)
-        self.stats.prompt_tokens += request.num_prompt_tokens
+        self._stats.images_total += len(item.images)
+        self._stats.prompt_tokens += request.num_prompt_tokens
 
     def check_integrity(self) -> None:
         """Assert the KV-block and encoder-cache bookkeeping agree with the live requests (tests run it
@@ -173,14 +187,11 @@ class Engine:
             return results
         self._encode_images_for(chunks)
         logits = self.runner.execute(chunks, self.block_manager)
-        self.stats.forward_s = self.runner.forward_s
         self.scheduler.commit(chunks)
-        self.stats.steps += 1
-        self.stats.preemptions = self.scheduler.num_preemptions
-        self.stats.prefix_cache_hit_tokens = self.scheduler.num_prefix_cached_tokens
+        self._stats.steps += 1
         for chunk in chunks:
             if chunk.start < chunk.request.num_prompt_tokens:
-                self.stats.prefill_tokens_computed += chunk.num_tokens
+                self._stats.prefill_tokens_computed += chunk.num_tokens
             self._unpin_prefilled_images(self._live[chunk.request.request_id])
         sampling = [self._live[chunk.request.request_id] for chunk in chunks if chunk.samples_next_token]
         tokens = sample_tokens(
@@ -188,7 +199,7 @@ class Engine:
         )
         for live, token in zip(sampling, tokens, strict=True):
             live.request.output_token_ids.append(token)
-            self.stats.output_tokens += 1
+            self._stats.output_tokens += 1
             reason = self._finish_reason(live.request)
             if reason is not None:
                 results.append(self._finish(live, reason))
@@ -264,18 +275,16 @@ class Engine:
                     continue
                 live.pinned.add(span.content_hash)
                 if self.encoder_cache.acquire(span.content_hash) or span.content_hash in missing:
-                    self.stats.encoder_cache_hits += 1
+                    self._stats.encoder_cache_hits += 1
                 else:
                     missing[span.content_hash] = live.images[span.content_hash]
         if not missing:
             return
         started = time.perf_counter()
         sizes = self.runner.encode(list(missing.values()), self.config.max_patches_per_encode)
-        self.stats.encode_s += time.perf_counter() - started
-        self.stats.images_encoded += len(missing)
-        self.stats.patches_encoded += sum(img.num_patches for img in missing.values())
-        if self.runner.parallel_encoder is not None:
-            self.stats.patches_encoded_per_rank = list(self.runner.parallel_encoder.patches_per_rank)
+        self._stats.encode_s += time.perf_counter() - started
+        self._stats.images_encoded += len(missing)
+        self._stats.patches_encoded += sum(img.num_patches for img in missing.values())
         for content_hash, num_bytes in sizes.items():
             self._drop_evicted(self.encoder_cache.insert(content_hash, num_bytes))
 
@@ -296,7 +305,6 @@ class Engine:
 
     def _drop_evicted(self, hashes: list[str]) -> None:
         self.runner.drop_embeddings(hashes)
-        self.stats.encoder_cache_evictions = self.encoder_cache.num_evictions
 
     def _finish_reason(self, request: Request) -> str | None:
         params = request.sampling
