@@ -89,9 +89,10 @@ def run(
     except JobEnded as ended:  # a stop or the error budget: the same report, then the reason and its code
         if ended.summary is not None:
             _echo_summary(ended.summary)
+        typer.echo(f"batchvl: {ended}", err=True)
         if requeue and ended.exit_code == 128 + signal.SIGUSR1:
-            requeue_this_task()
-        raise
+            requeue_this_task()  # last: Slurm ends this process as part of the requeue
+        sys.exit(ended.exit_code)
     if summary.is_driver:  # a rank that only served ViT encode rounds has nothing to report
         _echo_summary(summary)
 

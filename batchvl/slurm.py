@@ -129,14 +129,15 @@ def requeue_this_task() -> None:
     if not job_id or scontrol is None:
         logger.warning("--requeue: not running under Slurm; nothing to requeue")
         return
+    # Said before, not after: Slurm ends this process as part of the requeue, often before `scontrol`
+    # has returned, so a line printed afterwards may never be written.
+    print(f"batchvl: requeueing Slurm job {job_id}", file=sys.stderr, flush=True)
     try:
         result = subprocess.run([scontrol, "requeue", job_id], capture_output=True, text=True, timeout=120)
     except subprocess.TimeoutExpired:
         print(f"batchvl: scontrol requeue {job_id} did not answer in 120 s", file=sys.stderr, flush=True)
         return
-    if result.returncode == 0:
-        print(f"batchvl: requeued Slurm job {job_id}", file=sys.stderr, flush=True)
-    else:
+    if result.returncode != 0:
         print(
             f"batchvl: scontrol requeue {job_id} failed: {result.stderr.strip()}", file=sys.stderr, flush=True
         )

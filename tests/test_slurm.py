@@ -120,7 +120,7 @@ def test_sigusr1_stops_a_task_which_requeues_itself_and_resumes(cluster, job_dir
     cluster.run("scancel", f"--signal={signal.SIGUSR1.name.removeprefix('SIG')}", "--batch", f"{job_id}_0")
     log = out / "_batchvl" / "logs" / "task-0.log"
     while (
-        "requeued Slurm job" not in log.read_text()
+        "requeueing Slurm job" not in log.read_text()
         or cluster.job_states(job_id).get(f"{job_id}_0") != "PENDING"
     ):
         assert time.monotonic() < deadline, log.read_text()
@@ -132,7 +132,7 @@ def test_sigusr1_stops_a_task_which_requeues_itself_and_resumes(cluster, job_dir
 
     text = log.read_text()
     assert "stopped by SIGUSR1 after committing" in text
-    resumed = text.split("requeued Slurm job")[1]
+    resumed = text.split("requeueing Slurm job")[1]
     assert re.search(r"task 0/2: done: .* [12] already done", resumed), resumed
     assert rows_of(out) == reference
     assert not [name for name in os.listdir(out) if name.startswith(".")]
