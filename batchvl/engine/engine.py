@@ -30,6 +30,7 @@ from batchvl.preprocess.media import PreparedMedia
 logger = logging.getLogger(__name__)
 
 MB = 1 << 20
+STOP_WINDOW_SLACK = 8  # tokens decoded beyond the longest stop string's length (see _ends_in_stop_string)
 
 
 @dataclass
@@ -313,13 +314,22 @@ class Engine:
             return "stop"
         if token in params.stop_token_ids:
             return "stop"
-        if params.stop and self._stop_string_index(request) is not None:
+        if params.stop and self._ends_in_stop_string(request):
             return "stop"
         if request.num_output_tokens >= params.max_new_tokens:
             return "length"
         if request.num_tokens >= self.adapter.geometry.max_model_len:
             return "length"
         return None
+
+    def _ends_in_stop_string(self, request: Request) -> bool:
+        """Whether the newest token completed a stop string. Only a window of the latest tokens is decoded,
+        not the whole output every step: a stop string completed earlier would have ended the request
+        then. The window holds a token per character of the longest stop string (a token decodes to at
+        least one character but for special tokens and split characters), and slack for those."""
+        window = max(len(stop) for stop in request.sampling.stop) + STOP_WINDOW_SLACK
+        tail = self.tokenizer.decode(request.output_token_ids[-window:], skip_special_tokens=True)
+        return any(stop and stop in tail for stop in request.sampling.stop)
 
     def _stop_string_index(self, request: Request) -> int | None:
         text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)

@@ -207,3 +207,34 @@ def test_several_images_in_one_prompt(tiny_model_dir, loaded_fp32, reference):
     case = make_case(reference, "two", ids, prepared, inputs, MAX_NEW_TOKENS)
     _, observed = run_engine(loaded_fp32, [case], EngineConfig(max_num_batched_tokens=23))
     assert_matches_reference(observed["two"], case)
+
+
+def test_stop_strings_end_generation_where_generate_stops(tiny_model_dir, loaded_fp32, reference, cases):
+    """A stop string ends the request at the token that completes it, as `generate(stop_strings=...)` does,
+    and the text is cut before it."""
+    processor = AutoProcessor.from_pretrained(tiny_model_dir)
+    tokenizer = loaded_fp32.processor.tokenizer
+    checked = 0
+    for case in cases[:6]:
+        text = tokenizer.decode(case.expected.tokens, skip_special_tokens=True)
+        # two printable characters from the middle of the output (a random model also writes partial
+        # UTF-8, which decodes to U+FFFD: no user writes that as a stop string)
+        middle = [i for i in range(len(text) // 3, len(text) - 1) if text[i : i + 2].isascii()]
+        stop = text[middle[0] : middle[0] + 2] if middle else ""
+        if not stop.strip() or not stop.isprintable():
+            continue
+        image = random_image(*IMAGE_SIZES[case.tag[0] % len(IMAGE_SIZES)], case.tag[0] % len(IMAGE_SIZES))
+        rendered = PromptRenderer(loaded_fp32.processor).render(PROMPTS[case.tag[1]], 1)
+        inputs = processor(text=[rendered], images=[image], return_tensors="pt")
+        generated = reference.generate(
+            **inputs, max_new_tokens=MAX_NEW_TOKENS, do_sample=False, stop_strings=[stop], tokenizer=tokenizer
+        )
+        expected = generated[0, inputs["input_ids"].shape[1] :].tolist()
+        sampling = SamplingParams(MAX_NEW_TOKENS, stop=(stop,))
+        _, observed = run_engine(loaded_fp32, [case], EngineConfig(), sampling)
+        result = observed[case.tag].result
+        assert result.output_token_ids == expected, (case.tag, stop)
+        assert result.finish_reason == "stop" and stop not in result.text
+        assert text.startswith(result.text) and len(result.text) == text.find(stop)
+        checked += 1
+    assert checked >= 3
