@@ -1,9 +1,12 @@
-"""Encoder-cache bookkeeping keyed by image content hash: reference counts plus an LRU of free entries.
+"""Encoder-cache bookkeeping keyed by image content hash: which requests hold each entry, plus an LRU of
+entries nobody holds.
 
-An entry referenced by a request that still has unprefilled placeholder tokens of that image is pinned;
-once no request references it, it moves to an LRU and is evicted only when the byte budget is exceeded.
-Pinned entries may push the cache over budget: a running prefill never re-encodes because of eviction.
-The model runner owns the embedding tensors; `evicted` tells it which to drop.
+A request holds an image from the step that first schedules a chunk touching it until every placeholder
+run of that image is in the KV cache (or the request finishes or is preempted: `release_request` lets go
+of all it holds, in one place). A held entry is never evicted, so a running prefill never re-encodes;
+held entries may push the cache over budget. Once nobody holds an entry it moves to an LRU and is
+evicted only when the byte budget is exceeded. Only hashes and sizes live here: the model runner owns
+the embedding tensors and drops those the `evicted` lists name.
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ class EncoderCacheManager:
     def __init__(self, capacity_bytes: int):
         self.capacity_bytes = capacity_bytes
         self._bytes: dict[str, int] = {}
-        self._refs: dict[str, int] = {}
+        self._holders: dict[str, set[int]] = {}  # content hash -> ids of the requests that hold it
+        self._held: dict[int, set[str]] = {}  # request id -> the hashes it holds
         self._freeable: OrderedDict[str, None] = OrderedDict()
         self.used_bytes = 0
         self.num_evictions = 0
@@ -27,39 +31,62 @@ class EncoderCacheManager:
     def cached_hashes(self) -> set[str]:
         return set(self._bytes)
 
-    def acquire(self, content_hash: str) -> bool:
-        """Pin an entry for one more user; returns True if it is cached (a hit), else the caller encodes."""
-        self._refs[content_hash] = self._refs.get(content_hash, 0) + 1
+    def holds(self, request_id: int, content_hash: str) -> bool:
+        return content_hash in self._held.get(request_id, ())
+
+    def held_by(self, request_id: int) -> set[str]:
+        return set(self._held.get(request_id, ()))
+
+    def acquire(self, request_id: int, content_hash: str) -> bool:
+        """The request holds the entry from now on; True if it is cached (a hit), else it must be encoded
+        and `insert`ed."""
+        self._holders.setdefault(content_hash, set()).add(request_id)
+        self._held.setdefault(request_id, set()).add(content_hash)
         if content_hash in self._bytes:
             self._freeable.pop(content_hash, None)
             return True
         return False
 
     def insert(self, content_hash: str, num_bytes: int) -> list[str]:
-        """Record a freshly encoded (pinned) entry; returns the hashes evicted to make room."""
+        """Record a freshly encoded (held) entry; returns the hashes evicted to make room."""
         self._bytes[content_hash] = num_bytes
         self.used_bytes += num_bytes
         return self._evict_over_budget()
 
-    def release(self, content_hash: str) -> list[str]:
-        """Drop one user's pin; returns the hashes evicted as a result."""
-        refs = self._refs[content_hash] - 1
-        if refs > 0:
-            self._refs[content_hash] = refs
+    def release(self, request_id: int, content_hash: str) -> list[str]:
+        """The request lets go of one entry; returns the hashes evicted as a result."""
+        self._held[request_id].discard(content_hash)
+        if not self._held[request_id]:
+            del self._held[request_id]
+        holders = self._holders[content_hash]
+        holders.discard(request_id)
+        if holders:
             return []
-        del self._refs[content_hash]
+        del self._holders[content_hash]
         if content_hash in self._bytes:
             self._freeable[content_hash] = None
         return self._evict_over_budget()
 
-    def check_integrity(self, pins: dict[str, int]) -> None:
-        """Assert the bookkeeping is whole, given how many requests pin each hash: the reference counts
-        are those pins, the byte count is the entries' sum, and an entry is freeable exactly when it is
-        cached and unpinned."""
-        assert self._refs == {h: n for h, n in pins.items() if n}, "pins differ from the reference counts"
+    def release_request(self, request_id: int) -> list[str]:
+        """The request lets go of everything it holds (it finished, or was preempted)."""
+        evicted = []
+        for content_hash in sorted(self.held_by(request_id)):
+            evicted += self.release(request_id, content_hash)
+        return evicted
+
+    def check_integrity(self, live_requests: set[int]) -> None:
+        """Assert the bookkeeping is whole: holders and held are each other's inverse and name only live
+        requests, the byte count is the entries' sum, and an entry is freeable exactly when it is cached
+        and nobody holds it."""
+        pairs = {(h, r) for h, requests in self._holders.items() for r in requests}
+        assert pairs == {(h, r) for r, hashes in self._held.items() for h in hashes}, (
+            "holders and held differ"
+        )
+        assert all(requests for requests in self._holders.values()), "an entry held by nobody"
+        assert set(self._held) <= live_requests, "a finished or unknown request still holds entries"
         assert self.used_bytes == sum(self._bytes.values()), "used bytes differ from the entries' sizes"
-        unpinned = [h for h in self._bytes if h not in self._refs]
-        assert sorted(self._freeable) == sorted(unpinned), "freeable entries differ from the unpinned ones"
+        unheld = [h for h in self._bytes if h not in self._holders]
+        assert sorted(self._freeable) == sorted(unheld), "freeable entries differ from the unheld ones"
 
     def _evict_over_budget(self) -> list[str]:
         evicted = []

@@ -22,7 +22,7 @@ from batchvl.engine.encoder_cache import EncoderCacheManager
 from batchvl.engine.model_runner import ModelRunner, kv_bytes_per_block
 from batchvl.engine.request import MediaSpan, Request, SamplingParams, ScheduledChunk
 from batchvl.engine.sampler import make_generator, sample_tokens
-from batchvl.engine.scheduler import Scheduler
+from batchvl.engine.scheduler import Scheduler, StepPlan
 from batchvl.engine.vit_dp import DataParallelEncoder
 from batchvl.errors import SampleError, UserError
 from batchvl.preprocess.media import PreparedMedia
@@ -87,7 +87,6 @@ class _Live:
     tag: Any
     images: dict[str, PreparedMedia]
     generator: torch.Generator | None
-    pinned: set[str] = field(default_factory=set)
     start_time: float = field(default_factory=time.perf_counter)
 
 
@@ -108,14 +107,15 @@ class Engine:
         if num_blocks < 1:
             raise UserError(f"engine.kv_cache_mb={config.kv_cache_mb} holds no KV block; raise it")
         self.block_manager = BlockManager(num_blocks, config.block_size, config.prefix_caching)
+        self.encoder_cache = EncoderCacheManager(int(config.encoder_cache_mb * MB))
         self.scheduler = Scheduler(
             config.max_num_seqs,
             config.max_num_batched_tokens,
             self.block_manager,
             config.lookahead,
             config.disable_chunked_mm_input,
+            self.encoder_cache,
         )
-        self.encoder_cache = EncoderCacheManager(int(config.encoder_cache_mb * MB))
         self.runner = ModelRunner(adapter, num_blocks, config.block_size, parallel_encoder)
         self._stats = EngineStats()  # the engine's own counters; `stats` adds its components'
 
@@ -170,41 +170,55 @@ class Engine:
     def check_integrity(self) -> None:
         """Assert the KV-block and encoder-cache bookkeeping agree with the live requests (tests run it
         after every step; it walks every block, so the engine itself does not)."""
-        requests = [live.request for live in self._live.values()]
-        self.block_manager.check_integrity(requests)
-        pins: dict[str, int] = {}
-        for live in self._live.values():
-            for content_hash in live.pinned:
-                pins[content_hash] = pins.get(content_hash, 0) + 1
-        self.encoder_cache.check_integrity(pins)
-        cached = self.encoder_cache.cached_hashes
-        assert set(self.runner.embeddings) == cached, "the runner's embeddings differ from the entries"
+        self.block_manager.check_integrity([live.request for live in self._live.values()])
+        self.encoder_cache.check_integrity(set(self._live))
+        kept = self.encoder_cache.cached_hashes | set(self.scheduler.pending_freed)
+        assert set(self.runner.embeddings) == kept, "the runner's embeddings differ from the cache's entries"
 
     def step(self) -> list[EngineResult]:
-        """Run one scheduler step; returns the requests that finished (or were rejected) in it."""
+        """Run one step (schedule, run, postprocess); returns the requests that finished or were rejected."""
         results, self._rejected = self._rejected, []
-        chunks = self.scheduler.schedule()
-        if not chunks:
+        plan = self.scheduler.schedule()
+        self.runner.drop_embeddings(plan.freed)
+        if not plan.chunks:
             return results
-        self._encode_images_for(chunks)
-        logits = self.runner.execute(chunks, self.block_manager)
-        self.scheduler.commit(chunks)
+        self._encode(plan)
+        logits = self.runner.execute(plan.chunks, self.block_manager)
+        self.scheduler.commit(plan.chunks)
+        return results + self._postprocess(plan.chunks, logits)
+
+    def _encode(self, plan: StepPlan) -> None:
+        """Encode the plan's images that are not cached, in batches grouped by patch count."""
+        self._stats.encoder_cache_hits += plan.num_cache_hits
+        if not plan.to_encode:
+            return
+        images = [self._live[request_id].images[content_hash] for request_id, content_hash in plan.to_encode]
+        started = time.perf_counter()
+        sizes = self.runner.encode(images, self.config.max_patches_per_encode)
+        self._stats.encode_s += time.perf_counter() - started
+        self._stats.images_encoded += len(images)
+        self._stats.patches_encoded += sum(image.num_patches for image in images)
+        self.scheduler.encoded(sizes)
+
+    def _postprocess(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> list[EngineResult]:
+        """Count the step, sample the next token of each request whose chunk reached its end, and finish
+        the requests that are done."""
         self._stats.steps += 1
-        for chunk in chunks:
-            if chunk.start < chunk.request.num_prompt_tokens:
-                self._stats.prefill_tokens_computed += chunk.num_tokens
-            self._unpin_prefilled_images(self._live[chunk.request.request_id])
+        self._stats.prefill_tokens_computed += sum(
+            chunk.num_tokens for chunk in chunks if chunk.start < chunk.request.num_prompt_tokens
+        )
         sampling = [self._live[chunk.request.request_id] for chunk in chunks if chunk.samples_next_token]
         tokens = sample_tokens(
             logits, [live.request.sampling for live in sampling], [live.generator for live in sampling]
         )
+        finished = []
         for live, token in zip(sampling, tokens, strict=True):
             live.request.output_token_ids.append(token)
             self._stats.output_tokens += 1
             reason = self._finish_reason(live.request)
             if reason is not None:
-                results.append(self._finish(live, reason))
-        return results
+                finished.append(self._finish(live, reason))
+        return finished
 
     def _image_spans(self, item: EngineRequest) -> list[MediaSpan]:
         """Each image (or video) takes the next `num_tokens` placeholder tokens of its kind, in prompt order;
@@ -266,47 +280,6 @@ class Engine:
                 "in one chunk; raise max_num_batched_tokens or lower preprocess.max_pixels",
             )
 
-    def _encode_images_for(self, chunks: list[ScheduledChunk]) -> None:
-        """Pin every image a chunk touches; encode the ones not cached, in batches grouped by patch count."""
-        missing: dict[str, PreparedMedia] = {}
-        for chunk in chunks:
-            live = self._live[chunk.request.request_id]
-            for span in chunk.request.images_overlapping(chunk.start, chunk.end):
-                if span.content_hash in live.pinned:
-                    continue
-                live.pinned.add(span.content_hash)
-                if self.encoder_cache.acquire(span.content_hash) or span.content_hash in missing:
-                    self._stats.encoder_cache_hits += 1
-                else:
-                    missing[span.content_hash] = live.images[span.content_hash]
-        if not missing:
-            return
-        started = time.perf_counter()
-        sizes = self.runner.encode(list(missing.values()), self.config.max_patches_per_encode)
-        self._stats.encode_s += time.perf_counter() - started
-        self._stats.images_encoded += len(missing)
-        self._stats.patches_encoded += sum(img.num_patches for img in missing.values())
-        for content_hash, num_bytes in sizes.items():
-            self._drop_evicted(self.encoder_cache.insert(content_hash, num_bytes))
-
-    def _unpin_prefilled_images(self, live: _Live) -> None:
-        """Release the images whose every placeholder run is in the KV cache."""
-        if not live.pinned:
-            return
-        request = live.request
-        still_needed = {
-            span.content_hash for span in request.images if span.end > request.num_computed_tokens
-        }
-        for content_hash in live.pinned - still_needed:
-            self._unpin(live, content_hash)
-
-    def _unpin(self, live: _Live, content_hash: str) -> None:
-        live.pinned.discard(content_hash)
-        self._drop_evicted(self.encoder_cache.release(content_hash))
-
-    def _drop_evicted(self, hashes: list[str]) -> None:
-        self.runner.drop_embeddings(hashes)
-
     def _finish_reason(self, request: Request) -> str | None:
         params = request.sampling
         token = request.output_token_ids[-1]
@@ -338,9 +311,7 @@ class Engine:
 
     def _finish(self, live: _Live, reason: str) -> EngineResult:
         request = live.request
-        self.scheduler.finish(request)
-        for content_hash in list(live.pinned):
-            self._unpin(live, content_hash)
+        self.scheduler.finish(request)  # frees its KV blocks and lets go of its images
         self.runner.remove_request(request.request_id)
         del self._live[request.request_id]
         text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)

@@ -16,9 +16,24 @@ being computed right now by a running request waits for it instead of computing 
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from batchvl.engine.block_manager import BlockManager
+from batchvl.engine.encoder_cache import EncoderCacheManager
 from batchvl.engine.prefix_cache import extend_block_hashes
 from batchvl.engine.request import Request, RequestStatus, ScheduledChunk
+
+
+@dataclass
+class StepPlan:
+    """What one step is to do, as plain data the runner carries out: drop the embeddings named in `freed`
+    (evicted since the last plan), encode the images in `to_encode` (not cached; (request id, content
+    hash) in first-use order), then run `chunks` through the model."""
+
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    to_encode: list[tuple[int, str]] = field(default_factory=list)
+    freed: list[str] = field(default_factory=list)
+    num_cache_hits: int = 0  # image uses this step served by the encoder cache
 
 
 class Scheduler:
@@ -29,12 +44,16 @@ class Scheduler:
         block_manager: BlockManager,
         lookahead: int = 64,
         disable_chunked_mm_input: bool = False,
+        encoder_cache: EncoderCacheManager | None = None,
     ):
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.block_manager = block_manager
         self.lookahead = lookahead
         self.disable_chunked_mm_input = disable_chunked_mm_input
+        # Which images each request holds, and what eviction freed since the last plan.
+        self.encoder_cache = encoder_cache if encoder_cache is not None else EncoderCacheManager(0)
+        self._freed: list[str] = []
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -51,7 +70,32 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
-    def schedule(self) -> list[ScheduledChunk]:
+    def schedule(self) -> StepPlan:
+        """This step's chunks, the images they need that are not cached, and what to drop first."""
+        plan = StepPlan(self._schedule_chunks())
+        plan.freed, self._freed = self._freed, []
+        missing: set[str] = set()
+        for chunk in plan.chunks:
+            request = chunk.request
+            for span in request.images_overlapping(chunk.start, chunk.end):
+                if self.encoder_cache.holds(request.request_id, span.content_hash):
+                    continue
+                if (
+                    self.encoder_cache.acquire(request.request_id, span.content_hash)
+                    or span.content_hash in missing
+                ):
+                    plan.num_cache_hits += 1
+                else:
+                    missing.add(span.content_hash)
+                    plan.to_encode.append((request.request_id, span.content_hash))
+        return plan
+
+    def encoded(self, sizes: dict[str, int]) -> None:
+        """The runner encoded these (held) images: record them, bytes per content hash."""
+        for content_hash, num_bytes in sizes.items():
+            self._freed += self.encoder_cache.insert(content_hash, num_bytes)
+
+    def _schedule_chunks(self) -> list[ScheduledChunk]:
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         preempted = False
@@ -106,19 +150,31 @@ class Scheduler:
         return chunks
 
     def commit(self, chunks: list[ScheduledChunk]) -> None:
-        """Record that the chunks' K/V are now in the cache (and publish the blocks they filled)."""
+        """Record that the chunks' K/V are now in the cache (and publish the blocks they filled); a
+        request lets go of the images whose every placeholder run is now in the KV cache."""
         for chunk in chunks:
-            chunk.request.num_computed_tokens = chunk.end
-            self.block_manager.register_full_blocks(chunk.request)
+            request = chunk.request
+            request.num_computed_tokens = chunk.end
+            self.block_manager.register_full_blocks(request)
+            still_needed = {span.content_hash for span in request.images if span.end > chunk.end}
+            for content_hash in self.encoder_cache.held_by(request.request_id) - still_needed:
+                self._freed += self.encoder_cache.release(request.request_id, content_hash)
 
     def finish(self, request: Request) -> None:
         request.status = RequestStatus.FINISHED
         self.running.remove(request)
         self.block_manager.free(request)
+        self._freed += self.encoder_cache.release_request(request.request_id)
+
+    @property
+    def pending_freed(self) -> list[str]:
+        """Embeddings evicted since the last plan, which the runner still holds."""
+        return list(self._freed)
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.block_manager.free(request)
+        self._freed += self.encoder_cache.release_request(request.request_id)  # re-acquired when readmitted
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING

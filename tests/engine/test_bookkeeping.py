@@ -14,7 +14,7 @@ def make_request(request_id: int, num_prompt: int, images=()) -> Request:
 
 def run_step(scheduler: Scheduler, new_token: int = 7):
     """Schedule, mark computed, append one output token to requests whose chunk reached the end."""
-    chunks = scheduler.schedule()
+    chunks = scheduler.schedule().chunks
     scheduler.commit(chunks)
     for chunk in chunks:
         if chunk.samples_next_token:
@@ -115,7 +115,7 @@ def test_preempting_itself_when_it_is_the_only_one():
     request = make_request(0, 8)
     scheduler.add(request)
     run_step(scheduler)
-    chunks = scheduler.schedule()  # needs a 3rd block, none exists: preempts itself, schedules nothing
+    chunks = scheduler.schedule().chunks  # needs a 3rd block, none exists: preempts itself, schedules nothing
     assert chunks == [] and request.status is RequestStatus.WAITING
 
 
@@ -128,27 +128,43 @@ def test_images_overlapping_chunk():
     assert request.images_overlapping(15, 20) == []
 
 
-def test_encoder_cache_pins_and_evicts_lru():
+def test_encoder_cache_holds_per_request_and_evicts_lru():
     cache = EncoderCacheManager(capacity_bytes=100)
-    assert cache.acquire("a") is False
+    assert cache.acquire(1, "a") is False
     assert cache.insert("a", 60) == []
-    assert cache.acquire("b") is False
-    assert cache.insert("b", 60) == []  # over budget, but both pinned: nothing evicted
+    assert cache.acquire(2, "b") is False
+    assert cache.insert("b", 60) == []  # over budget, but both held: nothing evicted
     assert cache.used_bytes == 120
-    assert cache.release("a") == ["a"]  # unpinned and over budget: evicted
+    assert cache.release(1, "a") == ["a"]  # nobody holds it and over budget: evicted
     assert "a" not in cache
-    assert cache.acquire("b") is True  # second user of b: a hit
-    assert cache.release("b") == [] and cache.release("b") == []  # fits in budget: stays
+    assert cache.acquire(3, "b") is True  # a second request holding b: a hit
+    assert cache.release(2, "b") == [] and cache.release(3, "b") == []  # fits in budget: stays
     assert "b" in cache and cache.num_evictions == 1
 
 
-def test_encoder_cache_zero_capacity_keeps_only_pinned():
+def test_a_finished_or_preempted_request_lets_go_of_everything_at_once():
     cache = EncoderCacheManager(capacity_bytes=0)
-    cache.acquire("a")
-    cache.insert("a", 10)
-    cache.acquire("a")
-    assert cache.release("a") == []
-    assert cache.release("a") == ["a"]
+    for content_hash in ("a", "b"):
+        cache.acquire(7, content_hash)
+        cache.insert(content_hash, 10)
+    cache.acquire(8, "a")
+    assert cache.release_request(7) == ["b"]  # a is still held by request 8
+    assert cache.held_by(7) == set() and cache.held_by(8) == {"a"}
+    assert cache.release_request(8) == ["a"]
+
+
+def test_the_scheduler_plans_encodes_and_frees():
+    cache = EncoderCacheManager(capacity_bytes=0)
+    scheduler = Scheduler(8, 64, BlockManager(64, 4), encoder_cache=cache)
+    first = make_request(0, 12, [MediaSpan(2, 4, "x")])
+    second = make_request(1, 12, [MediaSpan(2, 4, "x")])
+    scheduler.add(first)
+    scheduler.add(second)
+    plan = scheduler.schedule()
+    assert plan.to_encode == [(0, "x")] and plan.num_cache_hits == 1  # one encode for both requests
+    scheduler.encoded({"x": 100})
+    scheduler.commit(plan.chunks)  # both prefilled past the image: they let go, and x is evicted
+    assert scheduler.schedule().freed == ["x"]
 
 
 @pytest.mark.parametrize("num_blocks", [0, -1])
@@ -170,14 +186,14 @@ def test_integrity_checks_see_lost_blocks_wrong_counts_and_stray_pins():
         manager.check_integrity([request, other])
 
     cache = EncoderCacheManager(capacity_bytes=100)
-    cache.acquire("a")
+    cache.acquire(1, "a")
     cache.insert("a", 10)
-    cache.acquire("b")
+    cache.acquire(2, "b")
     cache.insert("b", 20)
-    cache.release("b")
-    cache.check_integrity({"a": 1})
-    with pytest.raises(AssertionError, match="pins differ"):
-        cache.check_integrity({"a": 1, "b": 1})
+    cache.release(2, "b")
+    cache.check_integrity({1, 2})
+    with pytest.raises(AssertionError, match="finished or unknown request"):
+        cache.check_integrity({2})  # request 1 is gone but still holds a
     cache.used_bytes += 1
     with pytest.raises(AssertionError, match="used bytes"):
-        cache.check_integrity({"a": 1})
+        cache.check_integrity({1, 2})

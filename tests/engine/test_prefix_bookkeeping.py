@@ -15,7 +15,7 @@ def request_with_image(request_id: int, image_hash: str, text: list[int], before
 
 
 def run_step(scheduler: Scheduler):
-    chunks = scheduler.schedule()
+    chunks = scheduler.schedule().chunks
     scheduler.commit(chunks)
     for chunk in chunks:
         if chunk.samples_next_token:
