@@ -125,13 +125,12 @@ def validate(job_file: JobFile, set_: SetOption = None, log_level: LogLevel = "w
     list the input shards; runs nothing and writes nothing."""
     _setup_logging(log_level)
     from batchvl.config import load_job_config
-    from batchvl.models.loader import read_model_type
     from batchvl.plan import plan_job
 
     cfg = load_job_config(job_file, set_ or [])
     plan = plan_job(cfg)
     typer.echo(f"job file ok: {job_file}")
-    typer.echo(f"model: {cfg.model.path} ({read_model_type(cfg.model.path, cfg.model.trust_remote_code)})")
+    typer.echo(f"model: {cfg.model.path} ({plan.model_type})")
     typer.echo(f"prompts: {', '.join(p.name for p in cfg.prompts)}")
     counts = [s.num_rows for s in plan.listing]
     total = f"{sum(counts)} samples" if None not in counts else "sample count known after reading"

@@ -50,8 +50,6 @@ class ShardLedger:
         self.selection = selection
         self.num_prompts = num_prompts
         self.commit = commit
-        self.num_committed = 0
-        self.num_skipped = 0
 
     def position(self, shard: str) -> int:
         return self.shards[shard].position
@@ -84,7 +82,6 @@ class ShardLedger:
 
     def skip(self, shard: str) -> None:
         self.shards[shard].skipped = True
-        self.num_skipped += 1
 
     def start(self, sample: PreparedSample, num_requests: int) -> None:
         """The sample's requests went into the engine."""
@@ -109,6 +106,14 @@ class ShardLedger:
         return (name for name, state in self.shards.items() if state.is_open)
 
     @property
+    def num_committed(self) -> int:
+        return sum(state.committed for state in self.shards.values())
+
+    @property
+    def num_skipped(self) -> int:
+        return sum(state.skipped for state in self.shards.values())
+
+    @property
     def rows_not_committed(self) -> int:
         """Rows done in shards that are not committed (a stop leaves them for the next run)."""
         return sum(len(state.rows) for state in self.shards.values() if not state.committed)
@@ -119,4 +124,3 @@ class ShardLedger:
         self.commit(state.info, state.rows)
         state.committed = True
         state.rows = []  # written; free the memory
-        self.num_committed += 1

@@ -45,12 +45,15 @@ class JobPlan:
     listing: list[ShardInfo]  # every input shard of the job
     shards: list[ShardInfo]  # this task's shards, in shard id order
     resume: ShardPlan  # which of them are committed and which to run
+    model_type: str
+    fingerprint: str  # of the output-defining config
 
 
 def plan_job(cfg: JobConfig, task: TaskSlice | None = None, record: bool = False) -> JobPlan:
     """Check the job and list its shards. `record` (a run) creates `output.dir` and records new folder
     shards; without it (validate, status) nothing is written."""
-    model_family(read_model_type(cfg.model.path, cfg.model.trust_remote_code))
+    model_type = read_model_type(cfg.model.path, cfg.model.trust_remote_code)
+    model_family(model_type)
     check_output_dir(cfg.output.dir, create=False)
     listing = job_source(cfg).list_shards()
     check_output_location(cfg, listing)
@@ -62,10 +65,9 @@ def plan_job(cfg: JobConfig, task: TaskSlice | None = None, record: bool = False
             listing = job_source(cfg, record=True).list_shards()  # the checked listing, now recorded
     shards = shards_of_task(listing, task)
     defining = output_defining_config(cfg)
-    resume = plan_shards(
-        cfg.output.dir, shards, defining, fingerprint_of(defining), cfg.output.overwrite, clean=record
-    )
-    return JobPlan(listing, shards, resume)
+    fingerprint = fingerprint_of(defining)
+    resume = plan_shards(cfg.output.dir, shards, defining, fingerprint, cfg.output.overwrite, clean=record)
+    return JobPlan(listing, shards, resume, model_type, fingerprint)
 
 
 @dataclass(frozen=True)
@@ -85,9 +87,8 @@ def job_work(cfg: JobConfig, task: TaskSlice | None) -> Work:
     plan = plan_job(cfg, task, record=True)
     if plan.resume.num_done:
         logger.info("skipping %d committed shard(s) in %s", plan.resume.num_done, cfg.output.dir)
-    fingerprint = fingerprint_of(output_defining_config(cfg))
     committed = (
-        None if cfg.output.overwrite else functools.partial(is_committed_by, cfg.output.dir, fingerprint)
+        None if cfg.output.overwrite else functools.partial(is_committed_by, cfg.output.dir, plan.fingerprint)
     )
     return Work(plan.resume.pending, None, len(plan.shards), committed)
 

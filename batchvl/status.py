@@ -17,6 +17,7 @@ from batchvl.io.folder import missing_members
 from batchvl.io.sources import job_source
 from batchvl.slurm import array_expression, read_array_job
 from batchvl.tasks import TaskSlice, parse_task_slice, shards_of_task
+from batchvl.utils.stats import processing_seconds
 
 
 @dataclass
@@ -105,8 +106,7 @@ class TaskRuns:
         self.last_run = name
         self.samples += run.get("samples", 0)
         self.output_tokens += run.get("output_tokens", 0)
-        # the rates' own denominator; stats files of older versions lack it
-        self.processing_s += run.get("processing_s", run.get("wall_s", 0) - run.get("model_load_s", 0))
+        self.processing_s += processing_seconds(run)
 
 
 def _runs_per_task(out_dir: str) -> dict[tuple[int, int], TaskRuns]:

@@ -118,7 +118,6 @@ class Engine:
         )
         self.runner = ModelRunner(adapter, num_blocks, config.block_size, parallel_encoder)
         self._stats = EngineStats()  # the engine's own counters; `stats` adds its components'
-
         self._live: dict[int, _Live] = {}
         self._rejected: list[EngineResult] = []
         self._next_id = 0

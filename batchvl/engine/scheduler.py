@@ -156,8 +156,11 @@ class Scheduler:
             request = chunk.request
             request.num_computed_tokens = chunk.end
             self.block_manager.register_full_blocks(request)
+            held = self.encoder_cache.held_by(request.request_id)
+            if not held:
+                continue  # most of a decode step: nothing to let go of
             still_needed = {span.content_hash for span in request.images if span.end > chunk.end}
-            for content_hash in self.encoder_cache.held_by(request.request_id) - still_needed:
+            for content_hash in held - still_needed:
                 self._freed += self.encoder_cache.release(request.request_id, content_hash)
 
     def finish(self, request: Request) -> None:

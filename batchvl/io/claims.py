@@ -23,6 +23,8 @@ from dataclasses import asdict, dataclass
 
 import psutil
 
+from batchvl.io.writers import create_text_exclusive
+
 CLAIM_DIR = os.path.join("_batchvl", "claims")
 HEARTBEAT_S = 60.0
 STALE_S = 600.0
@@ -60,9 +62,8 @@ class ShardClaims:
     def acquire(self, shard: str) -> Holder | None:
         """Claim the shard; None when it is now ours, else the live holder that has it."""
         path = self.path(shard)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
         while True:
-            if self._create(path):
+            if create_text_exclusive(path, json.dumps(asdict(self.holder))):
                 return None
             holder = self._read(path)
             if holder is None:
@@ -94,18 +95,6 @@ class ShardClaims:
             if self._read(path) == self.holder:
                 with contextlib.suppress(FileNotFoundError):
                     os.utime(path)
-
-    def _create(self, path: str) -> bool:
-        temp = f"{path}.tmp-{uuid.uuid4().hex}"
-        with open(temp, "w", encoding="utf-8") as handle:
-            json.dump(asdict(self.holder), handle)
-        try:
-            os.link(temp, path)  # atomic, with its content, and fails if the claim exists
-            return True
-        except FileExistsError:
-            return False
-        finally:
-            os.remove(temp)
 
     @staticmethod
     def _read(path: str) -> Holder | None:

@@ -22,6 +22,7 @@ from batchvl.config import InputConfig
 from batchvl.errors import SampleError, UserError
 from batchvl.io.paths import glob_base, relative_id, resolve_under_root
 from batchvl.io.types import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, MediaRef, Sample, ShardEnd, ShardInfo
+from batchvl.io.writers import create_text_exclusive
 
 MEDIA_SUFFIXES = tuple(f".{ext}" for ext in IMAGE_EXTENSIONS + VIDEO_EXTENSIONS)
 RECORD_DIR = os.path.join("_batchvl", "folder_shards")
@@ -58,20 +59,10 @@ class ShardRecords:
 
     def create(self, number: int, members: tuple[str, ...]) -> bool:
         """Record a shard unless one of that number exists; True when it now holds exactly `members`."""
-        os.makedirs(self.folder, exist_ok=True)
         path = os.path.join(self.folder, f"part-{number:05d}.json")
-        temp = f"{path}.tmp-{os.getpid()}"
-        with open(temp, "w", encoding="utf-8") as handle:
-            json.dump({"files": list(members)}, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        try:
-            os.link(temp, path)  # atomic, and fails if another process recorded this number first
-        except FileExistsError:
-            return self._members(path) == members
-        finally:
-            os.remove(temp)
-        return True
+        if create_text_exclusive(path, json.dumps({"files": list(members)})):
+            return True
+        return self._members(path) == members  # another process recorded this number first
 
     @staticmethod
     def _members(path: str) -> tuple[str, ...]:

@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import socket
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -127,3 +128,22 @@ def write_json_atomic(path: str, obj: Any) -> None:
 
 def write_text_atomic(path: str, text: str) -> None:
     _atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+
+
+def create_text_exclusive(path: str, text: str) -> bool:
+    """Create `path` holding `text` unless it exists; False when another process created it first. The
+    file appears whole or not at all (written to a temp name, then hard-linked, which fails if `path`
+    exists), so a reader never sees it half written."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    temp = f"{path}.tmp-{uuid.uuid4().hex}"
+    with open(temp, "w", encoding="utf-8") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    try:
+        os.link(temp, path)
+        return True
+    except FileExistsError:
+        return False
+    finally:
+        os.remove(temp)

@@ -39,16 +39,14 @@ class VLMAdapter:
         self._embed = model.model.get_input_embeddings()
 
     def encode(self, kind: str, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]:
-        """Embedding rows per item (image or video), one (num_tokens, feature_dim) tensor each, in input
-        order. Rows are what fills the item's placeholder tokens (a family may carry more than the input
-        embedding in a row, e.g. Qwen3-VL's deepstack features side by side)."""
+        """See `ModelAdapter.encode`. A family may carry more than the input embedding in a row, e.g.
+        Qwen3-VL's deepstack features side by side."""
         raise NotImplementedError
 
     def prompt_positions(
         self, prompt_token_ids: list[int], media: list[PreparedMedia]
     ) -> tuple[torch.Tensor, int]:
-        """Positions of the prompt tokens, shape (num_pos_axes, L), and the offset for generated tokens
-        (generated token i, counted over prompt + output, sits at position i + offset). Default: 1-D."""
+        """See `ModelAdapter.prompt_positions`. Default: 1-D, no offset."""
         return torch.arange(len(prompt_token_ids))[None], 0
 
     def embed(self, token_ids: torch.Tensor, media_mask: torch.Tensor, media_rows: torch.Tensor | None):
@@ -65,8 +63,8 @@ class VLMAdapter:
         media_rows: torch.Tensor | None,
         **attn_kwargs,
     ) -> torch.Tensor:
-        """Run the decoder over packed tokens (T,) at positions (axes, T), with the rows selected by
-        `media_mask` (T,) filled by `media_rows`; returns hidden states (T, hidden)."""
+        """See `ModelAdapter.forward`: the decoder stack on `model.model`, media rows written over the
+        placeholder embeddings, and what `media_kwargs` adds."""
         out = self.language_model(
             inputs_embeds=self.embed(token_ids, media_mask, media_rows)[None],
             position_ids=self.position_ids(positions.to(self.device)),

@@ -27,6 +27,7 @@ from batchvl.io.sources import job_source
 from batchvl.io.writers import write_text_atomic
 from batchvl.report.gallery import GALLERY_CSS, gallery_html, gallery_items
 from batchvl.report.svg import histogram_svg
+from batchvl.utils.stats import processing_seconds
 
 REPORT_NAME = "report.html"
 CSP = "default-src 'none'; img-src data:; style-src 'unsafe-inline'"
@@ -90,8 +91,7 @@ def _summary_section(ok: pa.Table, errors: pa.Table, runs: list[dict], shards: s
     def total(key: str) -> float:
         return sum(r.get(key, 0) for r in job_runs)
 
-    # The stats' own definition (samples finished / processing_s); stats files of older versions lack it.
-    busy = sum(r.get("processing_s", r.get("wall_s", 0) - r.get("model_load_s", 0)) for r in job_runs)
+    busy = sum(processing_seconds(run) for run in job_runs)  # the stats' own denominator
     cards = [
         _stat("shards written", shards),
         _stat("rows ok", f"{ok.num_rows:,}"),

@@ -7,6 +7,11 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 
+def processing_seconds(run: dict) -> float:
+    """A stats file's processing time, which its rates divide by; files of older versions lack it."""
+    return run.get("processing_s", run.get("wall_s", 0) - run.get("model_load_s", 0))
+
+
 @dataclass
 class RunStats:
     mode: str = "run"  # or "retry-failed"
