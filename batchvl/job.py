@@ -14,35 +14,26 @@ import os
 import queue
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 
-import torch
 from tqdm.auto import tqdm
 
 from batchvl.commits import WriteShard
 from batchvl.config import JobConfig
-from batchvl.engine.engine import Engine, EngineStats
-from batchvl.engine.model_runner import encode_images
-from batchvl.engine.vit_dp import (
-    DataParallelEncoder,
-    DistributedContext,
-    init_distributed,
-    launched_world_size,
-    leave_process_group,
-    release_serving_ranks,
-    serve_encode_rounds,
-)
-from batchvl.errors import ErrorBudgetExceeded, StoppedBySignal, UserError
+from batchvl.ending import raise_if_ended_early
+from batchvl.engine.engine import Engine
+from batchvl.engine.stats import EngineStats
+from batchvl.engine.vit_dp import DistributedContext
 from batchvl.io.claims import Holder, ShardClaims
-from batchvl.io.sources import job_source
+from batchvl.io.run_stats import write_run_stats
 from batchvl.io.types import ShardEnd, ShardInfo, ShardSkipped
-from batchvl.io.writers import ResultRow, write_json_atomic
+from batchvl.io.writers import ResultRow
+from batchvl.launch import in_launched_processes, job_engine, load_job_model, sample_processor, serve_rank
 from batchvl.ledger import CommitStrategy, ShardLedger
-from batchvl.models.loader import LoadedModel, load_model
+from batchvl.models.loader import LoadedModel
 from batchvl.plan import Work, job_work
-from batchvl.preprocess.pool import PreprocessPool, default_workers
-from batchvl.preprocess.sample import PreparedSample, SampleProcessor
+from batchvl.preprocess.pool import PoolStats, PreprocessPool, default_workers
+from batchvl.preprocess.sample import PreparedSample
 from batchvl.rows import result_row, sample_requests
 from batchvl.tasks import TaskSlice
 from batchvl.utils.background import END, BackgroundIterator
@@ -62,11 +53,6 @@ class RunSummary:
     stats_path: str
     stats: dict
     is_driver: bool = True  # False on a rank that only served ViT encode rounds
-
-
-def sample_processor(cfg: JobConfig, loaded: LoadedModel) -> SampleProcessor:
-    media = loaded.family.media_preparer(loaded.processor, loaded.adapter.model.config, cfg.preprocess)
-    return SampleProcessor(loaded.processor, media, cfg.prompts)
 
 
 class JobRunner:
@@ -99,48 +85,23 @@ class JobRunner:
 
     def run(self) -> RunSummary:
         keep_freed_memory()  # process-wide; the engine's steps reuse their activations' memory
-        world_size = launched_world_size()
-        if world_size == 1:
-            return self._run()
-        if self.cfg.engine.vit_parallel != "data":
-            raise UserError(
-                f"launched as {world_size} processes (WORLD_SIZE={world_size}) but engine.vit_parallel is "
-                f"'{self.cfg.engine.vit_parallel}'; set engine.vit_parallel: data, or run without torchrun"
-            )
-        context = init_distributed(self.cfg.model.device)
-        try:
-            return self._run(context) if context.is_driver else self._serve(context)
-        finally:
-            if context.is_driver:
-                release_serving_ranks(context.world_size)
-            leave_process_group()
+        return in_launched_processes(self.cfg, self._drive, self._serve)
 
     def _load(self) -> LoadedModel:
-        if self.cfg.engine.threads > 0:
-            torch.set_num_threads(self.cfg.engine.threads)
         if self.loaded is None:
-            m = self.cfg.model
-            loading = time.perf_counter()
-            self.loaded = load_model(m.path, m.dtype, m.device, m.trust_remote_code)
-            self.stats.model_load_s = round(time.perf_counter() - loading, 3)
+            self.loaded, seconds = load_job_model(self.cfg)
+            self.stats.model_load_s = round(seconds, 3)
         return self.loaded
 
-    def _local_encode(self, loaded: LoadedModel):
-        return functools.partial(
-            encode_images, loaded.adapter, max_patches=self.cfg.engine.max_patches_per_encode
-        )
-
     def _serve(self, context: DistributedContext) -> RunSummary:
-        """A rank other than 0: encode its share of every round rank 0 sends, until it says stop."""
-        loaded = self._load()
-        rounds = serve_encode_rounds(self._local_encode(loaded), loaded.adapter.device)
-        logger.info("rank %d served %d encode rounds", context.rank, rounds)
+        rounds = serve_rank(self.cfg, self._load(), context)
         return RunSummary(self.out_dir, "", {"rank": context.rank, "encode_rounds": rounds}, is_driver=False)
 
-    def _run(self, context: DistributedContext | None = None) -> RunSummary:
+    def _drive(self, context: DistributedContext | None) -> RunSummary:
         with self.stop:
             summary = self._run_shards(context)
-        self._check_ending(summary)
+        limit = self.cfg.output.max_error_rate if self.stats.mode == "run" else None
+        raise_if_ended_early(summary, self.stop, limit)
         return summary
 
     def _run_shards(self, context: DistributedContext | None) -> RunSummary:
@@ -148,56 +109,24 @@ class JobRunner:
         work = self.plan_work()  # every check runs even when every shard is done
         self.stats.shards_total = work.num_task_shards
         self.stats.shards_skipped = work.num_task_shards - len(work.shards)
-        engine = None
+        engine, pool_stats = None, PoolStats()
         if work.shards and not self.stop.requested:
-            engine = self._engine(context)
-            self._process(work, engine)
+            engine = job_engine(self.cfg, self._load(), context)
+            pool_stats = self._process(work, engine)
         self.stats.wall_s = round(time.perf_counter() - start, 3)
-        stats = self.stats.to_dict(asdict(engine.stats if engine else EngineStats()))
+        stats = self.stats.to_dict(engine.stats if engine else EngineStats(), pool_stats)
         stats["vit_parallel_ranks"] = context.world_size if context else 1
         stats["stopped_by"] = self.stop.signal_name or None
         stats.update(work.notes)
-        return RunSummary(self.out_dir, self._write_stats(stats), stats)
+        return RunSummary(self.out_dir, write_run_stats(self.out_dir, stats), stats)
 
-    def _engine(self, context: DistributedContext | None) -> Engine:
-        loaded = self._load()
-        parallel_encoder = None
-        if context is not None:
-            parallel_encoder = DataParallelEncoder(context, self._local_encode(loaded), loaded.adapter.device)
-        tokenizer, eos = loaded.processor.tokenizer, loaded.eos_token_ids()
-        return Engine(loaded.adapter, tokenizer, self.cfg.engine, eos, parallel_encoder)
-
-    def _check_ending(self, summary: RunSummary) -> None:
-        """Raise when the run ended early on purpose; its shards are committed by now."""
-        stats = summary.stats
-        left = stats["shards_total"] - stats["shards_skipped"] - stats["shards_committed"]
-        if self.stop.requested:
-            lost = stats["rows_not_committed"]
-            raise StoppedBySignal(
-                f"stopped by {self.stop.signal_name} after committing {stats['shards_committed']} shard(s); "
-                f"{left} shard(s) left for the next run of the same command"
-                + (f" ({lost} row(s) were done in them and will be redone)" if lost else ""),
-                128 + int(self.stop.signum),
-                summary,
-            )
-        limit = self.cfg.output.max_error_rate if self.stats.mode == "run" else None
-        rows = stats["ok"] + stats["errors"]
-        if limit is not None and rows and stats["errors"] / rows > limit:
-            raise ErrorBudgetExceeded(
-                f"{stats['errors']} of {rows} rows are errors ({stats['errors'] / rows:.1%}), over "
-                f"output.max_error_rate={limit:g}; the shards are committed, error rows show why "
-                "(batchvl status, then batchvl retry-failed)",
-                ErrorBudgetExceeded.EXIT_CODE,
-                summary,
-            )
-
-    def _process(self, work: Work, engine: Engine) -> None:
+    def _process(self, work: Work, engine: Engine) -> PoolStats:
         pre = self.cfg.preprocess
         workers = default_workers() if pre.workers is None else pre.workers
         self.stats.preprocess_workers = workers
         ledger = ShardLedger(work.shards, work.selection, len(self.cfg.prompts), self._commit)
         pool = PreprocessPool(
-            job_source(self.cfg),
+            work.source,
             work.shards,
             sample_processor(self.cfg, self.loaded),
             workers,
@@ -228,16 +157,16 @@ class JobRunner:
             self.stats.shards_committed = ledger.num_committed
             self.stats.shards_claimed_elsewhere = ledger.num_skipped
             self.stats.rows_not_committed = ledger.rows_not_committed
-            self.stats.add_pool(pool.stats)
         unfinished = list(ledger.open_shards())
         if unfinished and not self.stop.requested:  # a stop leaves them for the next run
             raise RuntimeError(f"shards {unfinished} ended incomplete; this is a bug")
+        return pool.stats
 
     def _feed_and_step(self, feed: BackgroundIterator, engine: Engine, ledger: ShardLedger, bar) -> None:
         """Feed prepared samples to the engine and step it until the input ends and every request is
         done, or a stop is requested. The engine never waits while input is ready, nor the reverse."""
         while not self.stop.requested:
-            if engine.num_waiting >= self.cfg.engine.lookahead:
+            if not engine.wants_requests:
                 self._step(engine, ledger, bar)
                 continue
             item = self._next_input(feed, idle=engine.num_unfinished == 0)
@@ -317,12 +246,6 @@ class JobRunner:
         logger.info("committed %s (%d rows)", path, len(rows))
         self.claims.release(info.shard)
         return path
-
-    def _write_stats(self, stats: dict) -> str:
-        folder = Path(self.out_dir, "_batchvl", "stats")
-        path = folder / f"run-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.json"
-        write_json_atomic(str(path), stats)
-        return str(path)
 
 
 def run_job(

@@ -25,7 +25,7 @@ from batchvl.config import JobConfig, fingerprint_of, output_defining_config
 from batchvl.errors import UserError
 from batchvl.io.commit import is_committed_by
 from batchvl.io.paths import glob_matches
-from batchvl.io.sources import job_source
+from batchvl.io.sources import Source, job_source
 from batchvl.io.types import ShardInfo
 from batchvl.io.writers import output_path
 from batchvl.ledger import Selection
@@ -42,6 +42,7 @@ OWN_FILES = "_batchvl"  # batchvl's bookkeeping inside output.dir (the notebook 
 
 @dataclass(frozen=True)
 class JobPlan:
+    source: Source  # the reader that listed the shards; the run reads them through it
     listing: list[ShardInfo]  # every input shard of the job
     shards: list[ShardInfo]  # this task's shards, in shard id order
     resume: ShardPlan  # which of them are committed and which to run
@@ -55,25 +56,28 @@ def plan_job(cfg: JobConfig, task: TaskSlice | None = None, record: bool = False
     model_type = read_model_type(cfg.model.path, cfg.model.trust_remote_code)
     model_family(model_type)
     check_output_dir(cfg.output.dir, create=False)
-    listing = job_source(cfg).list_shards()
+    source = job_source(cfg)
+    listing = source.list_shards()
     check_output_location(cfg, listing)
     check_output_names(listing)
     check_columns(cfg, listing)
     if record:  # every check passed: now the run may write
         check_output_dir(cfg.output.dir, create=True)
-        if cfg.input.format == "folder":
-            listing = job_source(cfg, record=True).list_shards()  # the checked listing, now recorded
+        if cfg.input.format == "folder":  # the checked listing, now recorded
+            source = job_source(cfg, record=True)
+            listing = source.list_shards()
     shards = shards_of_task(listing, task)
     defining = output_defining_config(cfg)
     fingerprint = fingerprint_of(defining)
     resume = plan_shards(cfg.output.dir, shards, defining, fingerprint, cfg.output.overwrite, clean=record)
-    return JobPlan(listing, shards, resume, model_type, fingerprint)
+    return JobPlan(source, listing, shards, resume, model_type, fingerprint)
 
 
 @dataclass(frozen=True)
 class Work:
     """What a run is to do: the shards to run, in order, and per shard the rows to produce."""
 
+    source: Source  # reads the shards
     shards: list[ShardInfo]
     selection: Selection | None  # None: every (sample, prompt) of each shard
     num_task_shards: int  # the task's shards, done ones included
@@ -90,7 +94,7 @@ def job_work(cfg: JobConfig, task: TaskSlice | None) -> Work:
     committed = (
         None if cfg.output.overwrite else functools.partial(is_committed_by, cfg.output.dir, plan.fingerprint)
     )
-    return Work(plan.resume.pending, None, len(plan.shards), committed)
+    return Work(plan.source, plan.resume.pending, None, len(plan.shards), committed)
 
 
 def check_output_dir(out_dir: str, create: bool) -> None:

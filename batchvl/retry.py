@@ -54,7 +54,8 @@ def retry_work(job: JobConfig, task: TaskSlice | None) -> Work:
     if not_committed:
         logger.warning("%d shard(s) are not committed yet; `batchvl run` finishes them", not_committed)
     shards = [s for s in plan.shards if s.shard in selection]
-    return Work(shards, selection, len(plan.shards), notes={"shards_not_committed": not_committed})
+    notes = {"shards_not_committed": not_committed}
+    return Work(plan.source, shards, selection, len(plan.shards), notes=notes)
 
 
 def _failed_rows(path: str, prompt_order: dict[str, int]) -> dict[int, frozenset[int]]:

@@ -11,8 +11,7 @@ from dataclasses import dataclass
 import xxhash
 
 from batchvl.config import JobConfig
-from batchvl.engine.engine import EngineRequest, EngineResult
-from batchvl.engine.request import SamplingParams
+from batchvl.engine.request import EngineRequest, EngineResult, SamplingParams
 from batchvl.errors import SampleError
 from batchvl.io.writers import ResultRow
 from batchvl.preprocess.sample import PreparedSample

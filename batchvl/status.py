@@ -6,14 +6,13 @@ a job of hundreds of shards and safe to run while tasks are writing.
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from batchvl.config import JobConfig, config_fingerprint
 from batchvl.io.commit import read_marker
 from batchvl.io.folder import missing_members
+from batchvl.io.run_stats import read_run_stats
 from batchvl.io.sources import job_source
 from batchvl.slurm import array_expression, read_array_job
 from batchvl.tasks import TaskSlice, parse_task_slice, shards_of_task
@@ -112,17 +111,11 @@ class TaskRuns:
 def _runs_per_task(out_dir: str) -> dict[tuple[int, int], TaskRuns]:
     """(N, task index) -> the runs of that task that did work, from `_batchvl/stats`, oldest first."""
     runs: dict[tuple[int, int], TaskRuns] = {}
-    stats_files = Path(out_dir, "_batchvl", "stats").glob("run-*.json")
-    files = sorted(stats_files, key=lambda p: (p.stat().st_mtime, p.name))  # names hold the start time
-    for path in files:
-        try:
-            run = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
+    for run in read_run_stats(out_dir):
         if not run.get("samples") or run.get("mode", "run") != "run":
             continue  # a rerun that found everything done, or a retry of a few rows, says nothing about speed
         task = parse_task_slice(run.get("task") or "0/1")
-        runs.setdefault((task.count, task.index), TaskRuns()).add(path.name, run)
+        runs.setdefault((task.count, task.index), TaskRuns()).add(run["file"], run)
     return runs
 
 

@@ -61,8 +61,8 @@ def prepare(loaded, count: int, duplicate_share: float, seed: int = 0):
 
 
 def run(loaded, samples, limits, max_new_tokens: int):
-    from batchvl.engine.engine import Engine, EngineRequest
-    from batchvl.engine.request import SamplingParams
+    from batchvl.engine.engine import Engine
+    from batchvl.engine.request import EngineRequest, SamplingParams
 
     engine = Engine(loaded.adapter, loaded.processor.tokenizer, limits, loaded.eos_token_ids())
     sampling = SamplingParams(max_new_tokens, ignore_eos=True)
@@ -70,7 +70,7 @@ def run(loaded, samples, limits, max_new_tokens: int):
     pending = list(enumerate(samples))
     start = time.perf_counter()
     while pending or engine.num_unfinished:
-        if pending and engine.num_waiting < limits.lookahead:
+        if pending and engine.wants_requests:
             index, requests = pending.pop(0)
             for prompt_index, (ids, image) in enumerate(requests):
                 engine.add_request(EngineRequest(ids, [image], sampling, (index, prompt_index)))

@@ -9,6 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
+
+from batchvl.errors import SampleError
+from batchvl.preprocess.media import PreparedMedia
 
 
 class RequestStatus(Enum):
@@ -110,3 +114,33 @@ class ScheduledChunk:
     def samples_next_token(self) -> bool:
         # Only a chunk that reaches the last known token yields logits worth sampling from.
         return self.end == self.request.num_tokens
+
+
+@dataclass
+class EngineRequest:
+    """What the engine is given for one (sample, prompt); `tag` is the caller's, returned untouched."""
+
+    prompt_token_ids: list[int]
+    images: list[PreparedMedia]
+    sampling: SamplingParams
+    tag: Any = None
+    # Lower is admitted first from the look-ahead window. The job passes its shard's position, so shards
+    # finish in input order as far as possible and a stop loses at most the shards in flight.
+    priority: int = 0
+
+
+@dataclass
+class EngineResult:
+    """What the engine gives back for one request: its output, or the error that kept it from running."""
+
+    tag: Any
+    output_token_ids: list[int] = field(default_factory=list)
+    text: str | None = None
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    error: SampleError | None = None
+    latency_s: float = 0.0
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)

@@ -33,6 +33,7 @@ from batchvl.io.sources import Source
 from batchvl.io.types import ShardEnd, ShardInfo, ShardSkipped
 from batchvl.preprocess.sample import PreparedSample, SampleProcessor
 from batchvl.utils.memory import load_libc
+from batchvl.utils.stats import Counters
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ def default_workers() -> int:
 
 
 @dataclass
-class PoolStats:
+class PoolStats(Counters):
     worker_restarts: int = 0
     samples_crashed: int = 0
     samples_timed_out: int = 0

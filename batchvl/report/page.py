@@ -8,9 +8,7 @@ mailed or attached to a ticket and shows the same everywhere.
 
 from __future__ import annotations
 
-import glob
 import html
-import json
 import os
 import time
 from collections import Counter
@@ -23,6 +21,7 @@ from batchvl import __version__
 from batchvl.config import JobConfig
 from batchvl.errors import UserError
 from batchvl.io.results import committed_outputs, results_table
+from batchvl.io.run_stats import read_run_stats
 from batchvl.io.sources import job_source
 from batchvl.io.writers import write_text_atomic
 from batchvl.report.gallery import GALLERY_CSS, gallery_html, gallery_items
@@ -52,18 +51,6 @@ class Report:
     rows: int
     errors: int
     gallery_samples: int
-
-
-def run_stats(out_dir: str) -> list[dict]:
-    """Every run's stats file, oldest first (the names start with the run's start time)."""
-    paths = sorted(glob.glob(os.path.join(glob.escape(out_dir), "_batchvl", "stats", "run-*.json")))
-    runs = []
-    for path in paths:
-        with open(path) as f:
-            stats = json.load(f)
-        stats["file"] = os.path.basename(path)
-        runs.append(stats)
-    return runs
 
 
 def _ratio(numerator: float, denominator: float) -> str:
@@ -163,7 +150,7 @@ def build_report(cfg: JobConfig, samples: int = 24, seed: int = 0) -> Report:
     table = results_table(outputs)
     is_ok = pc.equal(table["status"], "ok")
     ok, errors = table.filter(is_ok), table.filter(pc.invert(is_ok))
-    runs = run_stats(cfg.output.dir)
+    runs = read_run_stats(cfg.output.dir)
     items = gallery_items(cfg, table, samples, seed)
     title = f"batchvl report: {os.path.basename(cfg.output.dir.rstrip(os.sep))}"
     subtitle = (

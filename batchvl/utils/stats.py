@@ -1,10 +1,29 @@
-"""Run counters, merged from the job loop and the engine (given as a dict: this ground layer imports
-nothing above it) into one stats JSON per run."""
+"""Run counters: each component owns a `Counters` dataclass of its own, and a run's stats JSON is the
+job loop's `RunStats` merged with them (passed in as dataclasses: this ground layer imports nothing above
+it)."""
 
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
+
+
+def _add(a, b):
+    if isinstance(a, list):  # per-rank counts: added rank by rank, the shorter padded with zeros
+        longer, shorter = (a, b) if len(a) >= len(b) else (b, a)
+        return [x + (shorter[i] if i < len(shorter) else 0) for i, x in enumerate(longer)]
+    return a + b
+
+
+class Counters:
+    """A dataclass whose fields are counters (numbers, per-rank lists, `Counter`s) that add field by
+    field: the stats of two runs, two ranks or two parts of a component are their sum."""
+
+    def __add__(self, other: Counters) -> Counters:
+        if type(other) is not type(self):
+            return NotImplemented
+        sums = {f.name: _add(getattr(self, f.name), getattr(other, f.name)) for f in fields(self)}
+        return replace(self, **sums)
 
 
 def processing_seconds(run: dict) -> float:
@@ -13,7 +32,7 @@ def processing_seconds(run: dict) -> float:
 
 
 @dataclass
-class RunStats:
+class RunStats:  # not Counters: its mode and task name the run
     mode: str = "run"  # or "retry-failed"
     task: str | None = None  # "I/N" when the run is one task of a split job
     shards_total: int = 0
@@ -33,15 +52,6 @@ class RunStats:
     engine_s: float = 0.0  # inside engine steps
     preprocess_s: float = 0.0  # summed over samples, in the workers (runs in parallel with the engine)
     preprocess_workers: int = 0
-    worker_restarts: int = 0
-    samples_crashed: int = 0
-    samples_timed_out: int = 0
-
-    def add_pool(self, pool) -> None:
-        """Add the preprocessing pool's counters (its `PoolStats`)."""
-        self.worker_restarts += pool.worker_restarts
-        self.samples_crashed += pool.samples_crashed
-        self.samples_timed_out += pool.samples_timed_out
 
     def record_row(self, status: str, error_type: str | None) -> None:
         self.requests += 1
@@ -51,14 +61,16 @@ class RunStats:
             self.errors += 1
             self.errors_by_type[error_type] += 1
 
-    def to_dict(self, engine: dict) -> dict:
-        """This run's counters and the engine's (`engine`: its stats as a dict), with the rates."""
+    def to_dict(self, *components: Counters) -> dict:
+        """This run's counters and its components' (the engine's `output_tokens` among them), with the
+        rates, as one flat dict."""
         out = asdict(self)
         out["errors_by_type"] = dict(self.errors_by_type)
-        out.update(engine)
+        for counters in components:
+            out.update(asdict(counters))
         processing = max(self.processing_s, 1e-9)
         out["samples_per_s"] = round(self.samples / processing, 3)
-        out["output_tokens_per_s"] = round(engine["output_tokens"] / processing, 3)
+        out["output_tokens_per_s"] = round(out["output_tokens"] / processing, 3)
         # share of the processing time, the part the input pipeline can starve
         out["input_wait_share"] = round(self.input_wait_s / processing, 4)
         for key in ("input_wait_s", "engine_s", "preprocess_s", "processing_s"):

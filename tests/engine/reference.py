@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from batchvl.engine.engine import Engine, EngineRequest, EngineResult
-from batchvl.engine.request import SamplingParams
+from batchvl.engine.engine import Engine
+from batchvl.engine.request import EngineRequest, EngineResult, SamplingParams
 from batchvl.preprocess.media import PreparedMedia
 
 # Largest difference allowed between the engine's and generate's logits at a position, relative to the

@@ -8,8 +8,8 @@ import torch
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from batchvl.config import EngineConfig
-from batchvl.engine.engine import Engine, EngineRequest
-from batchvl.engine.request import SamplingParams
+from batchvl.engine.engine import Engine
+from batchvl.engine.request import EngineRequest, SamplingParams
 from batchvl.models.loader import load_model
 from batchvl.preprocess.prompts import PromptRenderer
 from batchvl.preprocess.qwen_vision import QwenVisionSpec, prepare_image

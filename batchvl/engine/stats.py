@@ -1,0 +1,27 @@
+"""The engine's counters. The engine counts what it does itself; `Engine.stats` adds the counters its
+components own (the runner's forward time, the scheduler's preemptions and prefix hits, the encoder
+cache's evictions) instead of copying them each step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from batchvl.utils.stats import Counters
+
+
+@dataclass
+class EngineStats(Counters):
+    images_total: int = 0
+    images_encoded: int = 0
+    encoder_cache_hits: int = 0
+    encoder_cache_evictions: int = 0
+    patches_encoded: int = 0
+    patches_encoded_per_rank: list[int] = field(default_factory=list)  # under ViT data parallelism
+    encode_s: float = 0.0
+    forward_s: float = 0.0  # in the language model's packed forward (with logits)
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    prefill_tokens_computed: int = 0
+    prefix_cache_hit_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache, not computed
+    steps: int = 0
+    preemptions: int = 0

@@ -1,0 +1,50 @@
+"""When a request is done, and the text it returns.
+
+A request stops at an end-of-sequence token (unless `ignore_eos`), one of its stop token ids, a stop
+string, its `max_new_tokens`, or the model's context length. Its text is the decoded output, cut before
+the first stop string.
+"""
+
+from __future__ import annotations
+
+from batchvl.engine.request import Request
+
+STOP_WINDOW_SLACK = 8  # tokens decoded beyond the longest stop string's length (see _ends_in_stop_string)
+
+
+class StopChecker:
+    def __init__(self, tokenizer, eos_token_ids: list[int], max_model_len: int):
+        self.tokenizer = tokenizer
+        self.eos_token_ids = set(eos_token_ids)
+        self.max_model_len = max_model_len
+
+    def finish_reason(self, request: Request) -> str | None:
+        """ "stop", "length", or None while the request goes on; called after each new token."""
+        params = request.sampling
+        token = request.output_token_ids[-1]
+        if not params.ignore_eos and token in self.eos_token_ids:
+            return "stop"
+        if token in params.stop_token_ids:
+            return "stop"
+        if params.stop and self._ends_in_stop_string(request):
+            return "stop"
+        if request.num_output_tokens >= params.max_new_tokens:
+            return "length"
+        if request.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _ends_in_stop_string(self, request: Request) -> bool:
+        """Whether the newest token completed a stop string. Only a window of the latest tokens is decoded,
+        not the whole output every step: a stop string completed earlier would have ended the request
+        then. The window holds a token per character of the longest stop string (a token decodes to at
+        least one character but for special tokens and split characters), and slack for those."""
+        window = max(len(stop) for stop in request.sampling.stop) + STOP_WINDOW_SLACK
+        tail = self.tokenizer.decode(request.output_token_ids[-window:], skip_special_tokens=True)
+        return any(stop and stop in tail for stop in request.sampling.stop)
+
+    def text_of(self, request: Request) -> str:
+        """The decoded output, cut before the first stop string it holds."""
+        text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
+        found = [text.find(stop) for stop in request.sampling.stop if stop and stop in text]
+        return text[: min(found)] if found else text
