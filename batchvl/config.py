@@ -35,15 +35,19 @@ def _key(
     at_least: float | None = None,
     at_most: float | None = None,
     defines_output: bool = False,
+    unset_leaves_fingerprint: bool = False,
 ) -> Any:
     """A job-file key: its default, help text, bounds (`above` is exclusive) and whether a shard's rows
-    depend on it (`defines_output`: a changed value over committed shards is refused)."""
+    depend on it (`defines_output`: a changed value over committed shards is refused). A key added to a
+    section that defines the output is `unset_leaves_fingerprint`: at its default it is left out of the
+    fingerprint, so jobs that do not use it keep the fingerprint (and their committed shards) they had."""
     metadata = {
         "help": help,
         "above": above,
         "at_least": at_least,
         "at_most": at_most,
         "defines_output": defines_output,
+        "unset_leaves_fingerprint": unset_leaves_fingerprint,
     }
     if factory is not None:
         return field(default_factory=factory, metadata=metadata)
@@ -119,6 +123,23 @@ class PromptConfig:
     text: str = _key(
         help="Prompt text after the sample's images in one user turn; "
         "`{field}` inserts a field of the sample, `{key}` its key"
+    )
+    json_schema: dict | str | None = _key(
+        None,
+        "JSON schema the output must follow, inline or a path to a .json file relative to the job file "
+        "(the output is generated under it, and a row is ok only if it parses and validates)",
+        unset_leaves_fingerprint=True,
+    )
+    json_whitespace: Literal["compact", "any"] = _key(
+        "compact",
+        "json_schema output: compact (no whitespace between JSON tokens) or any whitespace",
+        unset_leaves_fingerprint=True,
+    )
+    regex: str | None = _key(
+        None, "Regular expression the whole output must match", unset_leaves_fingerprint=True
+    )
+    choices: list[str] | None = _key(
+        None, "The output is exactly one of these strings", unset_leaves_fingerprint=True
     )
 
 
@@ -266,8 +287,16 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
         args = typing.get_args(tp)
         if value is None and type(None) in args:
             return None
-        (inner,) = [a for a in args if a is not type(None)]
-        return _convert(value, inner, key)
+        inner = [a for a in args if a is not type(None)]
+        if len(inner) > 1:  # e.g. dict | str: the type the value has, if it is one of them
+            fitting = [a for a in inner if isinstance(value, typing.get_origin(a) or a)]
+            if not fitting:
+                raise ConfigError(
+                    f"'{key}' must be {' or '.join(_type_name(a) for a in inner)}, got {value!r} "
+                    f"({type(value).__name__})"
+                )
+            inner = fitting[:1]
+        return _convert(value, inner[0], key)
     if origin is list:
         if not isinstance(value, list):
             raise ConfigError(f"'{key}' must be a list, got {value!r} ({type(value).__name__})")
@@ -326,6 +355,22 @@ def _check_values(cfg: JobConfig) -> None:
     names = [prompt.name for prompt in cfg.prompts]
     if len(set(names)) != len(names):
         raise ConfigError(f"'prompts' names must be unique, got {names}")
+    for prompt in cfg.prompts:
+        _check_constraint_keys(prompt)
+
+
+def _check_constraint_keys(prompt: PromptConfig) -> None:
+    where = f"prompt '{prompt.name}'"
+    given = [k for k in ("json_schema", "regex", "choices") if getattr(prompt, k) is not None]
+    if len(given) > 1:
+        raise ConfigError(f"{where} has {' and '.join(given)}; keep one constraint per prompt")
+    if prompt.choices is not None:
+        if not prompt.choices or any(choice == "" for choice in prompt.choices):
+            raise ConfigError(f"{where}: 'choices' must list at least one non-empty string")
+        if len(set(prompt.choices)) != len(prompt.choices):
+            raise ConfigError(f"{where}: 'choices' holds a choice twice: {prompt.choices}")
+    if prompt.json_whitespace != "compact" and prompt.json_schema is None:
+        raise ConfigError(f"{where}: 'json_whitespace' applies to a json_schema prompt; remove it")
 
 
 def _resolve_paths(cfg: JobConfig, base: Path) -> JobConfig:
@@ -339,11 +384,32 @@ def _resolve_paths(cfg: JobConfig, base: Path) -> JobConfig:
     return dataclasses.replace(
         cfg,
         model=dataclasses.replace(cfg.model, path=model_path),
+        prompts=[_with_schema_read(prompt, base) for prompt in cfg.prompts],
         input=dataclasses.replace(
             inp, paths=[absolute(p) for p in inp.paths], root=absolute(inp.root) if inp.root else None
         ),
         output=dataclasses.replace(cfg.output, dir=absolute(cfg.output.dir)),
     )
+
+
+def _with_schema_read(prompt: PromptConfig, base: Path) -> PromptConfig:
+    """A `json_schema` given as a path is replaced by the schema it holds, so the schema (not its file
+    name) is what the job's fingerprint covers."""
+    if not isinstance(prompt.json_schema, str):
+        return prompt
+    path = Path(prompt.json_schema) if Path(prompt.json_schema).is_absolute() else base / prompt.json_schema
+    where = f"prompt '{prompt.name}': json_schema {prompt.json_schema}"
+    try:
+        schema = json.loads(path.read_text())
+    except OSError as exc:
+        raise ConfigError(
+            f"{where} cannot be read ({exc.strerror or exc}); give a path relative to the job file"
+        ) from None
+    except ValueError as exc:
+        raise ConfigError(f"{where} is not valid JSON ({exc}); fix the file") from None
+    if not isinstance(schema, dict):
+        raise ConfigError(f"{where} holds {type(schema).__name__}, not a JSON schema object")
+    return dataclasses.replace(prompt, json_schema=schema)
 
 
 def apply_overrides(data: dict, overrides: Sequence[str]) -> dict:
@@ -421,7 +487,7 @@ def output_defining_config(cfg: JobConfig) -> dict:
     """The part of the job config that a shard's rows depend on, as plain JSON values: the keys declared
     with `defines_output` (a whole section where the section itself is). Engine limits, worker counts and
     the input file list are left out: they change speed or which shards exist, not a shard's rows."""
-    d = config_to_dict(cfg)
+    d = _without_unset_new_keys(cfg)
     out: dict = {}
     hints = typing.get_type_hints(JobConfig)
     for section in dataclasses.fields(JobConfig):
@@ -431,6 +497,21 @@ def output_defining_config(cfg: JobConfig) -> dict:
         keys = [f.name for f in dataclasses.fields(hints[section.name]) if f.metadata["defines_output"]]
         if keys:
             out[section.name] = {k: d[section.name][k] for k in keys}
+    return out
+
+
+def _without_unset_new_keys(value: Any) -> Any:
+    """`config_to_dict`, leaving out the `unset_leaves_fingerprint` keys that hold their defaults."""
+    if isinstance(value, list):
+        return [_without_unset_new_keys(item) for item in value]
+    if not dataclasses.is_dataclass(value):
+        return value
+    out = {}
+    for f in dataclasses.fields(value):
+        item = getattr(value, f.name)
+        if f.metadata.get("unset_leaves_fingerprint") and item == f.default:
+            continue
+        out[f.name] = _without_unset_new_keys(item)
     return out
 
 

@@ -219,7 +219,7 @@ class JobRunner:
             sample, was_last = ledger.finish_request(result.tag)
             if was_last:
                 self._sample_done(bar)
-            prompt = self.cfg.prompts[result.tag.prompt_index].name
+            prompt = self.cfg.prompts[result.tag.prompt_index]
             self._add_row(ledger, result.tag.shard, result_row(sample, prompt, result))
         elapsed = max(bar.format_dict["elapsed"], 1e-9)
         bar.set_postfix(out_tok_s=f"{engine.stats.output_tokens / elapsed:.1f}", refresh=False)

@@ -6,6 +6,7 @@ cannot drift apart. A plan checks that:
 - `output.dir` is a folder that can be written, holds no input and sits in no input folder or
   `input.root`, and no input pattern would read its results back as input;
 - every input shard has an output name of its own;
+- every prompt's `json_schema` or `regex` can be compiled to a grammar;
 - every table shard has the columns the job reads (image, key, per-sample token limit) and every
   `{field}` the prompts use (Parquet footers and Arrow schemas are read, not the rows);
 - the shards already committed were written by this config (`resume.plan_shards`).
@@ -22,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from batchvl.config import JobConfig, fingerprint_of, output_defining_config
+from batchvl.constraints import check_constraints
 from batchvl.errors import UserError
 from batchvl.io.commit import is_committed_by
 from batchvl.io.paths import glob_matches
@@ -55,6 +57,7 @@ def plan_job(cfg: JobConfig, task: TaskSlice | None = None, record: bool = False
     shards; without it (validate, status) nothing is written."""
     model_type = read_model_type(cfg.model.path, cfg.model.trust_remote_code)
     model_family(model_type)
+    check_constraints(cfg)
     check_output_dir(cfg.output.dir, create=False)
     source = job_source(cfg)
     listing = source.list_shards()

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 import xxhash
 
-from batchvl.config import JobConfig
+from batchvl.config import JobConfig, PromptConfig
+from batchvl.constraints import output_error, prompt_constraint
 from batchvl.engine.request import EngineRequest, EngineResult, SamplingParams
 from batchvl.errors import SampleError
 from batchvl.io.writers import ResultRow
@@ -90,6 +91,7 @@ def sample_requests(
                 sampling=sampling_params(cfg, sample.shard, sample.key, name, max_new_tokens),
                 tag=RowTag(sample.shard, sample.index, prompt_index),
                 priority=priority,
+                constraint=prompt_constraint(cfg.prompts[prompt_index]),
             )
         )
     return requests, rows
@@ -123,20 +125,23 @@ def error_row(sample: PreparedSample, prompt_index: int, prompt_name: str, error
     )
 
 
-def result_row(sample: PreparedSample, prompt_name: str, result: EngineResult) -> ResultRow:
+def result_row(sample: PreparedSample, prompt: PromptConfig, result: EngineResult) -> ResultRow:
+    """The row of a finished request. An output that breaks its prompt's constraint (cut short, or not
+    valid against its schema) is an error row that keeps the text it got."""
     tag: RowTag = result.tag
-    if result.error is not None:
-        row = error_row(sample, tag.prompt_index, prompt_name, result.error)
+    error = result.error if result.error is not None else output_error(prompt, result.text)
+    if error is not None and not result.output_token_ids:  # it never ran
+        row = error_row(sample, tag.prompt_index, prompt.name, error)
         row.num_prompt_tokens = result.num_prompt_tokens
         return row
     return _row(
         sample,
         tag.prompt_index,
-        prompt_name,
+        prompt.name,
         text=result.text,
-        status="ok",
-        error_type=None,
-        error_message=None,
+        status="ok" if error is None else "error",
+        error_type=error.error_type if error else None,
+        error_message=error.message if error else None,
         num_prompt_tokens=result.num_prompt_tokens,
         num_output_tokens=result.num_output_tokens,
         finish_reason=result.finish_reason,

@@ -119,6 +119,9 @@ def test_validate_lists_shards(job):
         ("engine.max_num_seq=3", "did you mean 'engine.max_num_seqs'"),
         ("input.paths=[nowhere/*.parquet]", "no Parquet files match"),
         ("model.path=/definitely/not/a/model", "not a model folder"),
+        ("prompts=[{name: year, text: t, regex: '(19|20'}]", "prompt 'year': its regex cannot be used"),
+        ("prompts=[{name: kind, text: t, regex: a, choices: [a]}]", "keep one constraint per prompt"),
+        ("prompts=[{name: j, text: t, json_schema: {type: objekt}}]", "prompt 'j': its json_schema cannot"),
     ],
 )
 def test_user_mistakes_are_one_line_exit_2(job, override, fragment):

@@ -187,3 +187,33 @@ def test_the_output_defining_keys_are_exactly_these():
 )
 def test_bounds_are_declared_on_the_keys(tmp_path, override, fragment):
     assert fragment in error_of(tmp_path, MINIMAL, [override])
+
+
+def test_a_constraint_enters_the_fingerprint_and_its_absence_keeps_the_old_one():
+    base = {"model": {"path": "/m"}, "input": {"paths": ["/d"]}, "output": {"dir": "/o"}}
+    free = job_config_from_dict({**base, "prompts": [{"name": "kind", "text": "t"}]})
+    # the fingerprints these jobs had before prompts could carry constraints (computed by that version)
+    assert config_fingerprint(free) == "7193e418a0e63948"
+    assert config_fingerprint(job_config_from_dict(base)) == "66c4d6f4312b8b0d"
+    choices = job_config_from_dict(
+        {**base, "prompts": [{"name": "kind", "text": "t", "choices": ["a", "b"]}]}
+    )
+    other = job_config_from_dict({**base, "prompts": [{"name": "kind", "text": "t", "choices": ["a", "c"]}]})
+    assert len({config_fingerprint(free), config_fingerprint(choices), config_fingerprint(other)}) == 3
+
+
+def test_a_json_schema_path_is_read_relative_to_the_job_file(tmp_path):
+    (tmp_path / "schemas").mkdir()
+    (tmp_path / "schemas" / "a.json").write_text('{"type": "object"}')
+    (tmp_path / "schemas" / "broken.json").write_text('{"type": ')
+    base = "model: {path: /m}\ninput: {paths: [/d]}\noutput: {dir: /o}\n"
+    job = tmp_path / "job.yaml"
+    job.write_text(base + "prompts: [{name: p, text: t, json_schema: schemas/a.json}]\n")
+    assert load_job_config(job).prompts[0].json_schema == {"type": "object"}
+    for path, fragment in [
+        ("schemas/broken.json", "is not valid JSON"),
+        ("schemas/none.json", "cannot be read"),
+    ]:
+        job.write_text(base + f"prompts: [{{name: p, text: t, json_schema: {path}}}]\n")
+        with pytest.raises(ConfigError, match=f"prompt 'p': json_schema {path} {fragment}"):
+            load_job_config(job)

@@ -20,6 +20,7 @@ class TextGeometry:
     num_kv_heads: int
     head_dim: int
     max_model_len: int
+    vocab_size: int  # the logits' width
 
 
 class ModelAdapter(Protocol):

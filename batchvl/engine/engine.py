@@ -25,6 +25,7 @@ from batchvl.engine.sampler import make_generator, sample_tokens
 from batchvl.engine.scheduler import Scheduler, StepPlan
 from batchvl.engine.stats import EngineStats
 from batchvl.engine.stopping import StopChecker
+from batchvl.engine.structured_output import GrammarMatchers
 from batchvl.engine.vit_dp import DataParallelEncoder
 from batchvl.errors import SampleError, UserError
 from batchvl.preprocess.media import PreparedMedia
@@ -57,6 +58,7 @@ class Engine:
         self.adapter = adapter
         self.config = config
         self.stopping = StopChecker(tokenizer, eos_token_ids, adapter.geometry.max_model_len)
+        self.grammars = GrammarMatchers(tokenizer, adapter.geometry.vocab_size, eos_token_ids)
         num_blocks = int(config.kv_cache_mb * MB) // kv_bytes_per_block(adapter, config.block_size)
         if num_blocks < 1:
             raise UserError(f"engine.kv_cache_mb={config.kv_cache_mb} holds no KV block; raise it")
@@ -123,6 +125,8 @@ class Engine:
         images = {img.content_hash: img for img in item.images}
         self._live[request.request_id] = _Live(request, item.tag, images, generator)
         self.runner.add_request(request.request_id, request.prompt_token_ids, item.images)
+        if item.constraint is not None:
+            self.grammars.add(request.request_id, item.constraint)
         self.scheduler.add(request)
         self._stats.images_total += len(item.images)
         self._stats.prompt_tokens += request.num_prompt_tokens
@@ -168,14 +172,19 @@ class Engine:
             chunk.num_tokens for chunk in chunks if chunk.start < chunk.request.num_prompt_tokens
         )
         sampling = [self._live[chunk.request.request_id] for chunk in chunks if chunk.samples_next_token]
+        self.grammars.mask(logits, [live.request.request_id for live in sampling])
         tokens = sample_tokens(
             logits, [live.request.sampling for live in sampling], [live.generator for live in sampling]
         )
         finished = []
         for live, token in zip(sampling, tokens, strict=True):
-            live.request.output_token_ids.append(token)
+            request = live.request
+            request.output_token_ids.append(token)
             self._stats.output_tokens += 1
-            reason = self.stopping.finish_reason(live.request)
+            self.grammars.accept(request.request_id, token)
+            # A grammar that took an end-of-sequence token allows nothing more, even under ignore_eos.
+            reason = "stop" if self.grammars.is_terminated(request.request_id) else None
+            reason = reason or self.stopping.finish_reason(request)
             if reason is not None:
                 finished.append(self._finish(live, reason))
         return finished
@@ -185,11 +194,21 @@ class Engine:
         self.scheduler.finish(request)  # frees its KV blocks and lets go of its images
         self.runner.remove_request(request.request_id)
         del self._live[request.request_id]
+        error = None
+        if not self.grammars.is_complete(request.request_id):
+            limit = "max_new_tokens" if reason == "length" else "a stop string or stop token"
+            error = SampleError(
+                "incomplete_output",
+                f"the output ended ({limit}) before it matched its constraint; the partial text is kept; "
+                "raise sampling.max_new_tokens (or the sample's token limit)",
+            )
+        self.grammars.remove(request.request_id)
         return EngineResult(
             tag=live.tag,
             output_token_ids=list(request.output_token_ids),
             text=self.stopping.text_of(request),
             finish_reason=reason,
             num_prompt_tokens=request.num_prompt_tokens,
+            error=error,
             latency_s=time.perf_counter() - live.start_time,
         )

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from batchvl.engine.structured_output import OutputConstraint
 from batchvl.errors import SampleError
 from batchvl.preprocess.media import PreparedMedia
 
@@ -127,11 +128,13 @@ class EngineRequest:
     # Lower is admitted first from the look-ahead window. The job passes its shard's position, so shards
     # finish in input order as far as possible and a stop loses at most the shards in flight.
     priority: int = 0
+    constraint: OutputConstraint | None = None  # what the output must match (None: free text)
 
 
 @dataclass
 class EngineResult:
-    """What the engine gives back for one request: its output, or the error that kept it from running."""
+    """What the engine gives back for one request: its output, or the error that kept it from running or
+    from completing (an incomplete constrained output keeps its text and tokens)."""
 
     tag: Any
     output_token_ids: list[int] = field(default_factory=list)

@@ -33,6 +33,7 @@ class VLMAdapter:
             num_kv_heads=text.num_key_value_heads,
             head_dim=head_dim,
             max_model_len=text.max_position_embeddings,
+            vocab_size=text.vocab_size,
         )
         self.hidden_size = text.hidden_size
         self.language_model = getattr(model.model, self.decoder_name)

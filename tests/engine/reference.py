@@ -23,14 +23,14 @@ class Expected:
     logits: torch.Tensor  # (generated tokens, vocab): what each generated token was chosen from
 
 
-def generate_reference(model, inputs: dict, max_new_tokens: int) -> Expected:
-    """Greedy `generate`, with the raw logits of every step."""
+def generate_reference(model, inputs: dict, max_new_tokens: int, **options) -> Expected:
+    """`generate`, greedy unless `options` say otherwise, with the raw logits of every step."""
     out = model.generate(
         **inputs,
         max_new_tokens=max_new_tokens,
-        do_sample=False,
         output_logits=True,
         return_dict_in_generate=True,
+        **{"do_sample": False, **options},
     )
     prompt_length = inputs["input_ids"].shape[1]
     return Expected(out.sequences[0, prompt_length:].tolist(), torch.cat(out.logits).float())

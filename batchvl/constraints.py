@@ -1,0 +1,83 @@
+"""What a prompt's output must be: its `json_schema`, `regex` or `choices`, as the engine's constraint,
+checked when the job is planned and verified again on every finished output.
+
+The engine generates under the constraint (`engine/structured_output.py`), so an output that ends normally
+matches it. The check here is the promise on the row: an `ok` row of a JSON-schema prompt parses and
+validates against the schema (with jsonschema, which also checks what a grammar cannot express, such as
+`minimum` or `format`), and an `ok` row of a choices prompt is one of the choices; otherwise the row is an
+`invalid_output` error with the text kept.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+
+from batchvl.config import JobConfig, PromptConfig
+from batchvl.engine.structured_output import OutputConstraint
+from batchvl.errors import SampleError, UserError
+
+
+def prompt_constraint(prompt: PromptConfig) -> OutputConstraint | None:
+    if prompt.json_schema is not None:
+        return OutputConstraint.json_schema(
+            prompt.json_schema, any_whitespace=prompt.json_whitespace == "any"
+        )
+    if prompt.regex is not None:
+        return OutputConstraint("regex", prompt.regex)
+    if prompt.choices is not None:
+        return OutputConstraint.choices(prompt.choices)
+    return None
+
+
+def check_constraints(cfg: JobConfig) -> None:
+    """Every prompt's schema or regex converts to a grammar (a user error otherwise, before any work)."""
+    for prompt in cfg.prompts:
+        constraint = prompt_constraint(prompt)
+        if constraint is None:
+            continue
+        try:
+            constraint.grammar()
+            if prompt.json_schema is not None:
+                _schema_validator(_canonical(prompt.json_schema))
+        except ValueError as exc:
+            raise UserError(f"prompt '{prompt.name}': its {constraint.kind} cannot be used: {exc}") from None
+
+
+def _canonical(schema: dict) -> str:
+    return json.dumps(schema, sort_keys=True)
+
+
+@functools.lru_cache(maxsize=64)
+def _schema_validator(canonical_schema: str):
+    """A validator of the schema (built once per schema: every ok row of the prompt is validated)."""
+    import jsonschema
+
+    schema = json.loads(canonical_schema)
+    try:
+        validator_class = jsonschema.validators.validator_for(schema)
+        validator_class.check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        raise ValueError(f"not a valid JSON schema: {exc.message}") from None
+    return validator_class(schema)
+
+
+def output_error(prompt: PromptConfig, text: str) -> SampleError | None:
+    """Why a finished output does not satisfy its prompt's constraint; None when it does (or has none)."""
+    if prompt.choices is not None and text not in prompt.choices:
+        return SampleError(
+            "invalid_output", f"the output {text!r} is not one of the choices {prompt.choices}"
+        )
+    if prompt.json_schema is None:
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        return SampleError("invalid_output", f"the output is not valid JSON ({exc})")
+    problem = next(iter(_schema_validator(_canonical(prompt.json_schema)).iter_errors(value)), None)
+    if problem is not None:
+        where = "/".join(str(part) for part in problem.absolute_path) or "the top level"
+        return SampleError(
+            "invalid_output", f"the output does not follow the schema at {where}: {problem.message}"
+        )
+    return None

@@ -1,0 +1,147 @@
+"""Constrained decoding: a request may carry a constraint its output must follow (a JSON schema, a regular
+expression, or a list of choices), enforced with xgrammar as vLLM and SGLang do.
+
+Each distinct constraint is compiled once per engine (keyed by its canonical text) against the model's
+tokenizer; each constrained request holds its own matcher. Every step, the logits rows of constrained
+requests that sample get their token bitmask (masked tokens to -inf) before sampling, and each matcher then
+accepts its request's new token; unconstrained rows are not touched. A matcher that accepted an
+end-of-sequence token ends its request; a request that ends where its grammar could not (a token limit, a
+stop string) is `incomplete`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+# JSON without whitespace between tokens: with free whitespace a weak model can fill its whole budget with
+# spaces and newlines, and every byte of layout is a token generated for nothing.
+COMPACT_SEPARATORS = (",", ":")
+
+
+@dataclass(frozen=True)
+class OutputConstraint:
+    """What an output must match, as plain data (a request carries it; the engine compiles it)."""
+
+    kind: Literal["json_schema", "regex", "choices"]
+    spec: str  # the schema as canonical JSON, the regular expression, or the choices as a JSON list
+    any_whitespace: bool = False  # json_schema: allow free whitespace between JSON tokens
+
+    @classmethod
+    def json_schema(cls, schema: dict, any_whitespace: bool = False) -> OutputConstraint:
+        return cls("json_schema", json.dumps(schema, sort_keys=True, separators=(",", ":")), any_whitespace)
+
+    @classmethod
+    def choices(cls, choices: list[str]) -> OutputConstraint:
+        return cls("choices", json.dumps(list(choices), ensure_ascii=False))
+
+    def grammar(self):
+        """The xgrammar `Grammar` (tokenizer-independent). Raises ValueError with xgrammar's reason when
+        the schema or regex cannot be converted."""
+        import xgrammar as xgr
+
+        try:
+            if self.kind == "json_schema":
+                separators = None if self.any_whitespace else COMPACT_SEPARATORS
+                return xgr.Grammar.from_json_schema(
+                    self.spec, any_whitespace=self.any_whitespace, separators=separators
+                )
+            if self.kind == "regex":
+                return xgr.Grammar.from_regex(self.spec)
+            alternatives = " | ".join(
+                json.dumps(choice, ensure_ascii=False) for choice in json.loads(self.spec)
+            )
+            return xgr.Grammar.from_ebnf(f"root ::= {alternatives}")
+        except RuntimeError as exc:
+            raise ValueError(_xgrammar_reason(exc)) from None
+
+
+def _xgrammar_reason(exc: Exception) -> str:
+    """xgrammar's message without its log prefix ("[12:00:00] /path/file.cc:83: ")."""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", first)
+
+
+class GrammarMatchers:
+    """The engine's constrained decoding: compiled grammars by constraint, one matcher per constrained
+    request, and the step's bitmask."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size  # the logits' width, which may exceed the tokenizer's vocabulary
+        self.stop_token_ids = stop_token_ids
+        self._compiler = None  # built on the first constrained request: reading the vocabulary takes a while
+        self._compiled: dict[OutputConstraint, object] = {}
+        self._matchers: dict[int, object] = {}  # request id -> its matcher
+        self._bitmask: torch.Tensor | None = None
+        self.num_compiled = 0
+
+    def add(self, request_id: int, constraint: OutputConstraint) -> None:
+        import xgrammar as xgr
+
+        compiled = self._compiled.get(constraint)
+        if compiled is None:
+            compiled = self._compiled[constraint] = self._get_compiler().compile_grammar(constraint.grammar())
+            self.num_compiled += 1
+        self._matchers[request_id] = xgr.GrammarMatcher(compiled)
+
+    def _get_compiler(self):
+        import xgrammar as xgr
+
+        if self._compiler is None:
+            info = xgr.TokenizerInfo.from_huggingface(
+                self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=list(self.stop_token_ids)
+            )
+            self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+        return self._compiler
+
+    def remove(self, request_id: int) -> None:
+        self._matchers.pop(request_id, None)
+
+    def is_constrained(self, request_id: int) -> bool:
+        return request_id in self._matchers
+
+    def mask(self, logits: torch.Tensor, request_ids: list[int]) -> None:
+        """Mask, in place, the row of each constrained request in `request_ids` (row i is request_ids[i])
+        to the tokens its grammar allows next."""
+        import xgrammar as xgr
+
+        rows = [i for i, request_id in enumerate(request_ids) if request_id in self._matchers]
+        if not rows:
+            return
+        bitmask = self._bitmask_rows(len(request_ids))
+        for row in rows:
+            self._matchers[request_ids[row]].fill_next_token_bitmask(bitmask, row)
+        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
+
+    def accept(self, request_id: int, token: int) -> None:
+        matcher = self._matchers.get(request_id)
+        if matcher is not None and not matcher.is_terminated():
+            matcher.accept_token(token)
+
+    def is_terminated(self, request_id: int) -> bool:
+        """The request's grammar accepted an end-of-sequence token: nothing more may follow."""
+        matcher = self._matchers.get(request_id)
+        return matcher is not None and matcher.is_terminated()
+
+    def is_complete(self, request_id: int) -> bool:
+        """The output so far is a whole match: its grammar ended, or would accept an end-of-sequence token
+        now (an output cut by its token limit just after its last character is complete)."""
+        matcher = self._matchers.get(request_id)
+        if matcher is None or matcher.is_terminated():
+            return True
+        bitmask = self._bitmask_rows(1)
+        matcher.fill_next_token_bitmask(bitmask, 0)
+        words = bitmask[0]
+        return any(int(words[token // 32]) >> (token % 32) & 1 for token in self.stop_token_ids)
+
+    def _bitmask_rows(self, rows: int) -> torch.Tensor:
+        import xgrammar as xgr
+
+        if self._bitmask is None or self._bitmask.shape[0] < rows:
+            self._bitmask = xgr.allocate_token_bitmask(max(rows, 64), self.vocab_size)
+        return self._bitmask

@@ -1,0 +1,151 @@
+"""Constrained decoding equals transformers `generate` with xgrammar's own transformers logits processor
+(fp32, the tiny model): the same tokens and raw logits at every generated position, greedy and seeded
+sampling, for a JSON schema, a regular expression and choices, several constrained prompts of one sample
+sharing steps with an unconstrained one, and token budgets that cut some outputs short.
+
+The reference compiles its grammars through xgrammar's own entry points (`compile_json_schema`,
+`compile_regex`, an EBNF written here), not through batchvl's `OutputConstraint`."""
+
+import json
+
+import pytest
+import torch
+import xgrammar as xgr
+from transformers import AutoModelForImageTextToText, AutoProcessor
+from xgrammar.contrib.hf import LogitsProcessor
+
+from batchvl.config import EngineConfig
+from batchvl.engine.engine import Engine
+from batchvl.engine.request import EngineRequest, SamplingParams
+from batchvl.engine.structured_output import OutputConstraint
+from batchvl.preprocess.prompts import PromptRenderer
+from batchvl.preprocess.qwen_vision import QwenVisionSpec, prepare_image
+from tests.conftest import random_image
+from tests.engine.reference import LOGITS_TOLERANCE, EngineProbe, Expected, generate_reference
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "color": {"type": "string", "enum": ["red", "green", "blue"]},
+        "count": {"type": "integer", "minimum": 0, "maximum": 9},
+        "outdoor": {"type": "boolean"},
+    },
+    "required": ["color", "count", "outdoor"],
+}
+REGEX = "(19|20)[0-9]{2}"
+CHOICES = ["photo", "drawing", "screenshot"]
+
+# (name, batchvl's constraint, the reference grammar compiled by xgrammar directly, max_new_tokens)
+KINDS = [
+    ("json", OutputConstraint.json_schema(SCHEMA), lambda c: c.compile_json_schema(
+        json.dumps(SCHEMA), any_whitespace=False, separators=(",", ":")), 64),
+    ("json-cut", OutputConstraint.json_schema(SCHEMA), lambda c: c.compile_json_schema(
+        json.dumps(SCHEMA), any_whitespace=False, separators=(",", ":")), 6),
+    ("json-any-whitespace", OutputConstraint.json_schema(SCHEMA, any_whitespace=True),
+     lambda c: c.compile_json_schema(json.dumps(SCHEMA), any_whitespace=True), 12),
+    ("regex", OutputConstraint("regex", REGEX), lambda c: c.compile_regex(REGEX), 8),
+    ("regex-cut", OutputConstraint("regex", REGEX), lambda c: c.compile_regex(REGEX), 2),
+    ("choices", OutputConstraint.choices(CHOICES),
+     lambda c: c.compile_grammar('root ::= "photo" | "drawing" | "screenshot"'), 8),
+    ("free", None, None, 10),
+]  # fmt: skip
+SAMPLINGS = {
+    "greedy": dict(temperature=0.0),
+    "sampled": dict(temperature=1.3, top_k=0, top_p=1.0, seed=1234),
+}
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    return AutoModelForImageTextToText.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def compiler(loaded_fp32, reference):
+    vocab_size = reference.config.text_config.vocab_size
+    info = xgr.TokenizerInfo.from_huggingface(
+        loaded_fp32.processor.tokenizer, vocab_size=vocab_size, stop_token_ids=loaded_fp32.eos_token_ids()
+    )
+    return xgr.GrammarCompiler(info)
+
+
+@pytest.fixture(scope="module")
+def samples(tiny_model_dir, loaded_fp32):
+    """Two images, each with every kind's prompt: (image index, kind) -> (ids, media, model inputs)."""
+    processor = AutoProcessor.from_pretrained(tiny_model_dir)
+    renderer = PromptRenderer(loaded_fp32.processor)
+    spec = QwenVisionSpec.from_image_processor(loaded_fp32.processor.image_processor)
+    out = {}
+    for i, (height, width) in enumerate([(80, 120), (56, 56)]):
+        image = random_image(height, width, seed=10 + i)
+        prepared = prepare_image(image, spec)
+        for name, *_ in KINDS:
+            rendered = renderer.render(f"Answer as {name}.", 1)
+            inputs = processor(text=[rendered], images=[image], return_tensors="pt")
+            out[(i, name)] = (renderer.token_ids(rendered, [prepared]), [prepared], inputs)
+    return out
+
+
+def generate_constrained(model, inputs, compiled, max_new_tokens: int, sampling: dict) -> Expected:
+    options = {"logits_processor": [LogitsProcessor(compiled)] if compiled is not None else []}
+    if sampling["temperature"] > 0:
+        torch.manual_seed(sampling["seed"])  # generate draws from the global generator
+        options.update(do_sample=True, temperature=sampling["temperature"], top_k=0, top_p=1.0)
+    return generate_reference(model, inputs, max_new_tokens, **options)
+
+
+@pytest.mark.parametrize("sampling_name", list(SAMPLINGS))
+def test_constrained_outputs_equal_generate_with_xgrammar(
+    loaded_fp32, reference, compiler, samples, sampling_name
+):
+    sampling = SAMPLINGS[sampling_name]
+    engine = Engine(
+        loaded_fp32.adapter,
+        loaded_fp32.processor.tokenizer,
+        EngineConfig(max_num_batched_tokens=37, max_num_seqs=16),
+        loaded_fp32.eos_token_ids(),
+    )
+    probe = EngineProbe(engine)
+    expected = {}
+    for (i, name), (ids, media, inputs) in samples.items():
+        _, constraint, reference_grammar, max_new_tokens = next(k for k in KINDS if k[0] == name)
+        compiled = reference_grammar(compiler) if reference_grammar else None
+        expected[(i, name)] = generate_constrained(reference, inputs, compiled, max_new_tokens, sampling)
+        params = SamplingParams(max_new_tokens, **sampling)
+        engine.add_request(EngineRequest(ids, media, params, (i, name), constraint=constraint))
+    observed = probe.run()
+    assert engine.grammars.num_compiled == 4  # one per distinct constraint, shared by every request
+    for tag, want in expected.items():
+        tokens, logits = want.tokens, want.logits
+        got = observed[tag]
+        assert got.result.output_token_ids == tokens, tag
+        # xgrammar's processor masks generate's logits in place, so its "raw" logits are -inf where the
+        # grammar forbids a token; the engine's recorded logits are from before its own mask.
+        allowed = torch.isfinite(logits)
+        tolerance = LOGITS_TOLERANCE * float(logits[allowed].abs().max())
+        torch.testing.assert_close(got.logits[allowed], logits[allowed], rtol=0, atol=tolerance, msg=str(tag))
+        if tag[1].endswith("-cut"):
+            assert got.result.error.error_type == "incomplete_output"
+            assert got.result.text  # the partial output is kept
+        elif tokens[-1] in loaded_fp32.eos_token_ids():  # generate ended it: the grammar was complete
+            assert got.result.error is None, tag
+    texts = {tag: observed[tag].result.text for tag in expected}
+    for i in range(2):
+        assert json.loads(texts[(i, "json")]).keys() == SCHEMA["properties"].keys()
+        assert " " not in texts[(i, "json")]  # compact by default
+        assert texts[(i, "regex")][:2] in ("19", "20") and len(texts[(i, "regex")]) == 4
+        assert texts[(i, "choices")] in CHOICES
+
+
+def test_a_finished_grammar_ends_the_request_even_when_eos_is_ignored(loaded_fp32, samples):
+    engine = Engine(
+        loaded_fp32.adapter, loaded_fp32.processor.tokenizer, EngineConfig(), loaded_fp32.eos_token_ids()
+    )
+    ids, media, _ = samples[(0, "choices")]
+    sampling = SamplingParams(30, ignore_eos=True)
+    engine.add_request(EngineRequest(ids, media, sampling, "t", constraint=OutputConstraint.choices(CHOICES)))
+    results = EngineProbe(engine).run()
+    result = results["t"].result
+    assert result.error is None and result.text in CHOICES
+    assert result.output_token_ids[-1] in loaded_fp32.eos_token_ids()
+    assert result.num_output_tokens < 30

@@ -1,0 +1,118 @@
+"""Constrained prompts in a whole job: a JSON schema read from a file beside the job, a regex and choices,
+next to a free-text prompt. Every `ok` row of a schema prompt parses and validates against its schema
+(checked here with jsonschema), every `ok` choices row is a choice, and an output cut by its token limit
+is an `incomplete_output` error row that keeps its text."""
+
+import json
+import re
+
+import jsonschema
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from batchvl.config import PromptConfig, load_job_config
+from batchvl.constraints import output_error
+from batchvl.job import run_job
+from tests.conftest import png_bytes, random_image
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "color": {"type": "string", "enum": ["red", "green", "blue"]},
+        "count": {"type": "integer", "minimum": 0, "maximum": 9},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 2},
+    },
+    "required": ["color", "count"],
+}
+
+
+def write_job(root, model_dir) -> None:
+    (root / "data").mkdir()
+    images = [png_bytes(random_image(40 + 8 * i, 56, seed=i)) for i in range(6)]
+    pq.write_table(
+        pa.table({"key": [f"k{i}" for i in range(6)], "image": images}), root / "data" / "s.parquet"
+    )
+    (root / "schemas").mkdir()
+    (root / "schemas" / "attrs.json").write_text(json.dumps(SCHEMA))
+    (root / "job.yaml").write_text(f"""
+model: {{path: {model_dir}, dtype: float32, device: cpu}}
+input: {{paths: ["data/*.parquet"], key_column: key}}
+prompts:
+  - {{name: attrs, text: Describe the image as JSON., json_schema: schemas/attrs.json}}
+  - {{name: year, text: "Which year?", regex: "(19|20)[0-9]{{2}}"}}
+  - {{name: kind, text: "Photo or drawing?", choices: [photo, drawing, screenshot]}}
+  - {{name: caption, text: Describe this image.}}
+sampling: {{max_new_tokens: 64}}
+preprocess: {{workers: 0}}
+output: {{dir: out}}
+""")
+
+
+@pytest.fixture(scope="module")
+def job_root(tmp_path_factory, tiny_model_dir):
+    root = tmp_path_factory.mktemp("constrained")
+    write_job(root, tiny_model_dir)
+    return root
+
+
+def rows_of(path) -> dict[str, list[dict]]:
+    by_prompt: dict[str, list[dict]] = {}
+    for row in pq.read_table(path).to_pylist():
+        by_prompt.setdefault(row["prompt"], []).append(row)
+    return by_prompt
+
+
+def test_every_ok_row_matches_its_constraint(job_root, loaded_fp32):
+    cfg = load_job_config(job_root / "job.yaml")
+    assert cfg.prompts[0].json_schema == SCHEMA  # read from the file, relative to the job file
+    run_job(cfg, loaded=loaded_fp32, show_progress=False)
+    rows = rows_of(job_root / "out" / "s.parquet")
+    assert {name: len(r) for name, r in rows.items()} == {"attrs": 6, "year": 6, "kind": 6, "caption": 6}
+    for row in rows["attrs"]:
+        if row["status"] == "ok":
+            jsonschema.validate(json.loads(row["text"]), SCHEMA)
+        else:  # the random model may run out of tokens inside a string; then the row says so
+            assert row["error_type"] in ("incomplete_output", "invalid_output") and row["text"]
+    assert any(row["status"] == "ok" for row in rows["attrs"])
+    for row in rows["year"]:
+        assert row["status"] == "ok" and re.fullmatch("(19|20)[0-9]{2}", row["text"])
+    for row in rows["kind"]:
+        assert row["status"] == "ok" and row["text"] in ("photo", "drawing", "screenshot")
+    assert all(row["status"] == "ok" for row in rows["caption"])
+
+
+def test_an_output_cut_by_its_token_limit_is_an_incomplete_output_row(job_root, loaded_fp32):
+    cfg = load_job_config(job_root / "job.yaml", ["sampling.max_new_tokens=3", "output.dir=cut"])
+    run_job(cfg, loaded=loaded_fp32, show_progress=False)
+    rows = rows_of(job_root / "cut" / "s.parquet")
+    for row in rows["attrs"]:  # 3 tokens never hold a whole object with two required keys
+        assert (row["status"], row["error_type"]) == ("error", "incomplete_output")
+        assert row["text"] and row["text"].startswith("{") and row["num_output_tokens"] == 3
+        assert "max_new_tokens" in row["error_message"]
+    assert all(row["status"] == "ok" for row in rows["caption"])  # free text cut short is still ok
+
+
+def prompt(**constraint) -> PromptConfig:
+    return PromptConfig(name="p", text="t", **constraint)
+
+
+@pytest.mark.parametrize(
+    ("constraint", "text", "problem"),
+    [
+        (dict(json_schema=SCHEMA), '{"color":"red","count":2}', None),
+        (dict(json_schema=SCHEMA), '{"color":"red","count":2', "not valid JSON"),
+        (dict(json_schema=SCHEMA), '{"color":"pink","count":2}', "at color: 'pink' is not one of"),
+        (dict(json_schema=SCHEMA), '{"color":"red","count":2,"tags":["toolong"]}', "at tags/0"),
+        (dict(choices=["photo", "drawing"]), "photo", None),
+        (dict(choices=["photo", "drawing"]), "phot", "is not one of the choices ['photo', 'drawing']"),
+        (dict(regex="[0-9]+"), "12", None),
+        (dict(), "anything", None),
+    ],
+)
+def test_output_checks_name_what_is_wrong(constraint, text, problem):
+    error = output_error(prompt(**constraint), text)
+    if problem is None:
+        assert error is None
+    else:
+        assert error.error_type == "invalid_output" and problem in error.message
