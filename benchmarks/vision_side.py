@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from workloads import mixed_size_images
+from workloads import markdown_table, mixed_size_images
 
 PROMPTS = [
     "Describe this image in one sentence.",
@@ -135,11 +135,7 @@ def main() -> None:
         f"{len({s[0][1].content_hash for s in samples})} unique images, "
         f"{args.max_new_tokens} new tokens each, {args.dtype}, {torch.get_num_threads()} threads"
     )
-    columns = list(rows[0])
-    print("| " + " | ".join(columns) + " |")
-    print("|" + "---|" * len(columns))
-    for row in rows:
-        print("| " + " | ".join(str(row[c]) for c in columns) + " |")
+    print(markdown_table(rows))
     if args.json:
         args.json.write_text(
             json.dumps({"args": vars(args) | {"json": str(args.json)}, "rows": rows}, indent=2)

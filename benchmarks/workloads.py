@@ -1,4 +1,5 @@
-"""Synthetic workloads shared by the benchmarks (random pixels: no download, same on every machine)."""
+"""Synthetic workloads shared by the benchmarks (random pixels: no download, same on every machine), and
+the table they print."""
 
 from __future__ import annotations
 
@@ -15,3 +16,11 @@ def mixed_size_images(count: int, seed: int = 0) -> list[Image.Image]:
         height, width = int(side), int(np.clip(side * aspect, 64, 1200))
         images.append(Image.fromarray(rng.integers(0, 256, size=(height, width, 3), dtype=np.uint8)))
     return images
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """Rows of equal keys as a Markdown table, the keys as its header."""
+    columns = list(rows[0])
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(str(row[c]) for c in columns) + " |" for row in rows]
+    return "\n".join(lines)

@@ -85,6 +85,7 @@ class Engine:
         encoder = self.runner.parallel_encoder
         return self._stats + EngineStats(
             forward_s=self.runner.forward_s,
+            grammar_s=self.grammars.seconds,
             preemptions=self.scheduler.num_preemptions,
             prefix_cache_hit_tokens=self.scheduler.num_prefix_cached_tokens,
             encoder_cache_evictions=self.encoder_cache.num_evictions,

@@ -1,6 +1,6 @@
 """The engine's counters. The engine counts what it does itself; `Engine.stats` adds the counters its
 components own (the runner's forward time, the scheduler's preemptions and prefix hits, the encoder
-cache's evictions) instead of copying them each step."""
+cache's evictions, the grammar work of constrained requests) instead of copying them each step."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ class EngineStats(Counters):
     patches_encoded_per_rank: list[int] = field(default_factory=list)  # under ViT data parallelism
     encode_s: float = 0.0
     forward_s: float = 0.0  # in the language model's packed forward (with logits)
+    grammar_s: float = 0.0  # constrained decoding: compiling grammars, filling and applying token masks
     prompt_tokens: int = 0
     output_tokens: int = 0
     prefill_tokens_computed: int = 0

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from dataclasses import dataclass
 from typing import Literal
 
@@ -79,15 +80,18 @@ class GrammarMatchers:
         self._matchers: dict[int, object] = {}  # request id -> its matcher
         self._bitmask: torch.Tensor | None = None
         self.num_compiled = 0
+        self.seconds = 0.0  # compiling, masking and advancing: what constraints add to the steps
 
     def add(self, request_id: int, constraint: OutputConstraint) -> None:
         import xgrammar as xgr
 
+        started = time.perf_counter()
         compiled = self._compiled.get(constraint)
         if compiled is None:
             compiled = self._compiled[constraint] = self._get_compiler().compile_grammar(constraint.grammar())
             self.num_compiled += 1
         self._matchers[request_id] = xgr.GrammarMatcher(compiled)
+        self.seconds += time.perf_counter() - started
 
     def _get_compiler(self):
         import xgrammar as xgr
@@ -113,15 +117,19 @@ class GrammarMatchers:
         rows = [i for i, request_id in enumerate(request_ids) if request_id in self._matchers]
         if not rows:
             return
+        started = time.perf_counter()
         bitmask = self._bitmask_rows(len(request_ids))
         for row in rows:
             self._matchers[request_ids[row]].fill_next_token_bitmask(bitmask, row)
         xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
+        self.seconds += time.perf_counter() - started
 
     def accept(self, request_id: int, token: int) -> None:
         matcher = self._matchers.get(request_id)
         if matcher is not None and not matcher.is_terminated():
+            started = time.perf_counter()
             matcher.accept_token(token)
+            self.seconds += time.perf_counter() - started
 
     def is_terminated(self, request_id: int) -> bool:
         """The request's grammar accepted an end-of-sequence token: nothing more may follow."""

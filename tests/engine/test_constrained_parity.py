@@ -115,6 +115,7 @@ def test_constrained_outputs_equal_generate_with_xgrammar(
         engine.add_request(EngineRequest(ids, media, params, (i, name), constraint=constraint))
     observed = probe.run()
     assert engine.grammars.num_compiled == 4  # one per distinct constraint, shared by every request
+    assert engine.stats.grammar_s > 0
     for tag, want in expected.items():
         tokens, logits = want.tokens, want.logits
         got = observed[tag]
