@@ -18,6 +18,12 @@ from batchvl.io.writers import ResultRow, output_path, rows_to_table, write_tabl
 from batchvl.tasks import TaskSlice
 
 
+def optional_columns(cfg: JobConfig) -> tuple[str, ...]:
+    """The optional result columns this job's config asks for."""
+    columns = ("mean_logprob", "min_logprob") if cfg.sampling.logprobs else ()
+    return columns + (("top_logprobs",) if cfg.sampling.top_logprobs else ())
+
+
 class WriteShard:
     """A run's commit: the shard's rows as its output file, and a marker naming the config that wrote it."""
 
@@ -26,6 +32,7 @@ class WriteShard:
         self.output_defining = output_defining_config(cfg)
         self.fingerprint = fingerprint_of(self.output_defining)
         self.task = str(task) if task else None
+        self.optional = optional_columns(cfg)
         self.metadata = {
             "batchvl_version": __version__,
             "model_path": cfg.model.path,
@@ -42,7 +49,7 @@ class WriteShard:
             task=self.task,
             batchvl_version=__version__,
         )
-        return commit_shard(self.out_dir, info.shard, rows, self.metadata, marker)
+        return commit_shard(self.out_dir, info.shard, rows, self.metadata, marker, self.optional)
 
 
 class MergeIntoShard:
@@ -53,6 +60,7 @@ class MergeIntoShard:
         self.out_dir = job.output.dir
         self.overrides = overrides
         self.prompt_order = {prompt.name: i for i, prompt in enumerate(job.prompts)}
+        self.optional = optional_columns(job)
 
     def __call__(self, info: ShardInfo, rows: list[ResultRow]) -> str:
         path = output_path(self.out_dir, info.shard)
@@ -63,7 +71,7 @@ class MergeIntoShard:
             for index, prompt in zip(old["sample_index"].to_pylist(), old["prompt"].to_pylist(), strict=True)
         ]
         merged = pa.concat_tables(
-            [old.filter(pa.array(keep)), rows_to_table(rows, {})], promote_options="permissive"
+            [old.filter(pa.array(keep)), rows_to_table(rows, {}, self.optional)], promote_options="permissive"
         )
         order = sorted(
             range(merged.num_rows),

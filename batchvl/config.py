@@ -158,6 +158,20 @@ class SamplingConfig:
     stop: list[str] = _key(help="Stop strings (cut from the text)", factory=list)
     stop_token_ids: list[int] = _key(help="Token ids that end generation", factory=list)
     ignore_eos: bool = _key(False, "Keep generating past end-of-sequence tokens")
+    logprobs: bool = _key(
+        False,
+        "Add mean_logprob and min_logprob columns: over each row's output tokens, the log-probability of "
+        "each token in the distribution it was chosen from",
+        unset_leaves_fingerprint=True,
+    )
+    top_logprobs: int = _key(
+        0,
+        "Add a top_logprobs column: per output token, this many most likely tokens with their "
+        "log-probabilities (0: off)",
+        at_least=0,
+        at_most=20,
+        unset_leaves_fingerprint=True,
+    )
 
 
 @dataclass(frozen=True)

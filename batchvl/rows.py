@@ -63,6 +63,8 @@ def sampling_params(
         stop=tuple(s.stop),
         stop_token_ids=tuple(s.stop_token_ids),
         ignore_eos=s.ignore_eos,
+        logprobs=s.logprobs,
+        top_logprobs=s.top_logprobs,
     )
 
 
@@ -146,4 +148,19 @@ def result_row(sample: PreparedSample, prompt: PromptConfig, result: EngineResul
         num_output_tokens=result.num_output_tokens,
         finish_reason=result.finish_reason,
         latency_s=round(result.latency_s, 6),
+        optional=_logprob_columns(result),
     )
+
+
+def _logprob_columns(result: EngineResult) -> dict:
+    """The optional log-probability columns of a result that recorded them."""
+    columns = {}
+    if result.token_logprobs:
+        columns["mean_logprob"] = sum(result.token_logprobs) / len(result.token_logprobs)
+        columns["min_logprob"] = min(result.token_logprobs)
+    if result.top_logprobs is not None:
+        columns["top_logprobs"] = [
+            [{"token": text, "token_id": token, "logprob": value} for text, token, value in position]
+            for position in result.top_logprobs
+        ]
+    return columns

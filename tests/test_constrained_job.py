@@ -116,3 +116,23 @@ def test_output_checks_name_what_is_wrong(constraint, text, problem):
         assert error is None
     else:
         assert error.error_type == "invalid_output" and problem in error.message
+
+
+def test_logprob_columns_are_written_when_asked(job_root, loaded_fp32):
+    if not (job_root / "out").exists():  # the plain run of the first test, for the comparison below
+        run_job(load_job_config(job_root / "job.yaml"), loaded=loaded_fp32, show_progress=False)
+    overrides = ["sampling.logprobs=true", "sampling.top_logprobs=2", "output.dir=scored"]
+    run_job(load_job_config(job_root / "job.yaml", overrides), loaded=loaded_fp32, show_progress=False)
+    table = pq.read_table(job_root / "scored" / "s.parquet")
+    assert table.schema.field("mean_logprob").type == pa.float64()
+    assert table.schema.field("top_logprobs").type == pa.list_(
+        pa.list_(pa.struct([("token", pa.string()), ("token_id", pa.int64()), ("logprob", pa.float64())]))
+    )
+    for row in table.to_pylist():
+        assert row["min_logprob"] <= row["mean_logprob"] <= 0
+        assert len(row["top_logprobs"]) == row["num_output_tokens"]
+        assert all(len(position) == 2 for position in row["top_logprobs"])
+        first = row["top_logprobs"][0]
+        assert first[0]["logprob"] >= first[1]["logprob"]
+    plain = pq.read_table(job_root / "out" / "s.parquet")  # the job without them has no such columns
+    assert not {"mean_logprob", "min_logprob", "top_logprobs"} & set(plain.column_names)

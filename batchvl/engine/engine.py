@@ -19,6 +19,7 @@ from batchvl.engine.adapter import ModelAdapter
 from batchvl.engine.admission import check_fits, media_spans
 from batchvl.engine.block_manager import BlockManager
 from batchvl.engine.encoder_cache import EncoderCacheManager
+from batchvl.engine.logprobs import TokenLogprobs
 from batchvl.engine.model_runner import ModelRunner, kv_bytes_per_block
 from batchvl.engine.request import EngineRequest, EngineResult, Request, ScheduledChunk
 from batchvl.engine.sampler import make_generator, sample_tokens
@@ -43,6 +44,7 @@ class _Live:
     tag: Any
     images: dict[str, PreparedMedia]
     generator: torch.Generator | None
+    logprobs: TokenLogprobs | None  # when the request asked for them
     start_time: float = field(default_factory=time.perf_counter)
 
 
@@ -124,7 +126,8 @@ class Engine:
         self._next_id += 1
         generator = None if item.sampling.is_greedy else make_generator(item.sampling.seed)
         images = {img.content_hash: img for img in item.images}
-        self._live[request.request_id] = _Live(request, item.tag, images, generator)
+        logprobs = TokenLogprobs() if item.sampling.wants_logprobs else None
+        self._live[request.request_id] = _Live(request, item.tag, images, generator, logprobs)
         self.runner.add_request(request.request_id, request.prompt_token_ids, item.images)
         if item.constraint is not None:
             self.grammars.add(request.request_id, item.constraint)
@@ -178,8 +181,10 @@ class Engine:
             logits, [live.request.sampling for live in sampling], [live.generator for live in sampling]
         )
         finished = []
-        for live, token in zip(sampling, tokens, strict=True):
+        for row, (live, token) in enumerate(zip(sampling, tokens, strict=True)):
             request = live.request
+            if live.logprobs is not None:
+                live.logprobs.add(logits[row], request.sampling, token)
             request.output_token_ids.append(token)
             self._stats.output_tokens += 1
             self.grammars.accept(request.request_id, token)
@@ -212,4 +217,15 @@ class Engine:
             num_prompt_tokens=request.num_prompt_tokens,
             error=error,
             latency_s=time.perf_counter() - live.start_time,
+            **self._logprob_fields(live),
         )
+
+    def _logprob_fields(self, live: _Live) -> dict:
+        """The result's log-probability fields, for a request that asked for them."""
+        if live.logprobs is None:
+            return {}
+        decode = self.stopping.tokenizer.decode
+        top = None
+        if live.request.sampling.top_logprobs:
+            top = [[(decode([t]), t, value) for t, value in position] for position in live.logprobs.top]
+        return {"token_logprobs": live.logprobs.chosen, "top_logprobs": top}

@@ -32,6 +32,12 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: bool = False  # record each generated token's log-probability
+    top_logprobs: int = 0  # and this many most likely tokens at each position
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs or self.top_logprobs > 0
 
     @property
     def is_greedy(self) -> bool:
@@ -143,6 +149,10 @@ class EngineResult:
     num_prompt_tokens: int = 0
     error: SampleError | None = None
     latency_s: float = 0.0
+    # With SamplingParams.logprobs / top_logprobs: per output token its log-probability, and the most
+    # likely tokens there as (text, token id, log-probability)
+    token_logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[str, int, float]]] | None = None
 
     @property
     def num_output_tokens(self) -> int:

@@ -77,10 +77,16 @@ def is_committed_by(out_dir: str, fingerprint: str, shard: str) -> bool:
 
 
 def commit_shard(
-    out_dir: str, shard: str, rows: list[ResultRow], metadata: dict[str, str], marker: ShardMarker
+    out_dir: str,
+    shard: str,
+    rows: list[ResultRow],
+    metadata: dict[str, str],
+    marker: ShardMarker,
+    optional: tuple[str, ...] = (),
 ) -> str:
-    """Write the shard's rows, then its marker; returns the Parquet path."""
-    path = write_shard(out_dir, shard, rows, metadata)
+    """Write the shard's rows (with the `optional` columns the job writes), then its marker; returns the
+    Parquet path."""
+    path = write_shard(out_dir, shard, rows, metadata, optional)
     write_marker(out_dir, marker)
     return path
 

@@ -32,6 +32,16 @@ RESULT_SCHEMA = pa.schema(
 )
 
 
+TOP_LOGPROB = pa.struct([("token", pa.string()), ("token_id", pa.int64()), ("logprob", pa.float64())])
+# Columns a job writes only when its config asks for them (`output_columns` of the job), after the fixed
+# ones, in this order.
+OPTIONAL_COLUMNS = {
+    "mean_logprob": pa.float64(),
+    "min_logprob": pa.float64(),
+    "top_logprobs": pa.list_(pa.list_(TOP_LOGPROB)),  # per output token, the most likely tokens
+}
+
+
 @dataclass
 class ResultRow:
     key: str
@@ -48,6 +58,7 @@ class ResultRow:
     num_images: int
     latency_s: float | None
     fields: dict[str, Any] = field(default_factory=dict)
+    optional: dict[str, Any] = field(default_factory=dict)  # values of OPTIONAL_COLUMNS (absent: null)
 
 
 INPUT_SUFFIXES = (".parquet", ".tar.gz", ".tgz", ".tar", ".arrow")
@@ -99,22 +110,32 @@ def _atomic_write(path: str, write) -> None:
             os.remove(tmp)
 
 
-def rows_to_table(rows: list[ResultRow], metadata: dict[str, str]) -> pa.Table:
+def rows_to_table(
+    rows: list[ResultRow], metadata: dict[str, str], optional: tuple[str, ...] = ()
+) -> pa.Table:
+    """The shard's table: the fixed columns, the `optional` columns the job writes, the input's fields."""
     rows = sorted(rows, key=lambda r: (r.sample_index, r.prompt_index))
     columns = {name: [getattr(r, name) for r in rows] for name in RESULT_SCHEMA.names}
     table = pa.Table.from_pydict(columns, schema=RESULT_SCHEMA)
+    for name in (name for name in OPTIONAL_COLUMNS if name in optional):
+        table = table.append_column(
+            pa.field(name, OPTIONAL_COLUMNS[name]),
+            pa.array([r.optional.get(name) for r in rows], OPTIONAL_COLUMNS[name]),
+        )
     field_names: list[str] = []
     for row in rows:
         field_names.extend(name for name in row.fields if name not in field_names)
     for name in field_names:
-        column = f"input_{name}" if name in RESULT_SCHEMA.names else name
+        column = f"input_{name}" if name in RESULT_SCHEMA.names or name in OPTIONAL_COLUMNS else name
         table = table.append_column(column, pa.array([r.fields.get(name) for r in rows]))
     return table.replace_schema_metadata({k.encode(): v.encode() for k, v in metadata.items()})
 
 
-def write_shard(out_dir: str, shard: str, rows: list[ResultRow], metadata: dict[str, str]) -> str:
+def write_shard(
+    out_dir: str, shard: str, rows: list[ResultRow], metadata: dict[str, str], optional: tuple[str, ...] = ()
+) -> str:
     path = output_path(out_dir, shard)
-    write_table_atomic(path, rows_to_table(rows, metadata))
+    write_table_atomic(path, rows_to_table(rows, metadata, optional))
     return path
 
 

@@ -1,0 +1,106 @@
+"""`sampling.logprobs` and `top_logprobs` equal what transformers reports for the same generation:
+`compute_transition_scores(..., normalize_logits=True)` over `generate`'s scores for each chosen token,
+and the log-softmax of those scores for the most likely tokens (fp32, the tiny model; greedy, seeded
+sampling with top-k, and a constrained prompt whose scores are masked)."""
+
+import json
+
+import pytest
+import torch
+import xgrammar as xgr
+from transformers import AutoModelForImageTextToText, AutoProcessor
+from xgrammar.contrib.hf import LogitsProcessor
+
+from batchvl.config import EngineConfig
+from batchvl.engine.engine import Engine
+from batchvl.engine.request import EngineRequest, SamplingParams
+from batchvl.engine.structured_output import OutputConstraint
+from batchvl.preprocess.prompts import PromptRenderer
+from batchvl.preprocess.qwen_vision import QwenVisionSpec, prepare_image
+from tests.conftest import random_image
+from tests.engine.reference import EngineProbe
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["n"],
+}
+TOP = 5
+TOLERANCE = 1e-4  # fp32: the engine and generate sum in different orders
+CASES = {
+    "greedy": (dict(temperature=0.0), False),
+    "sampled-top-k": (dict(temperature=1.3, top_k=20, seed=7), False),
+    "greedy-constrained": (dict(temperature=0.0), True),
+}
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    return AutoModelForImageTextToText.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def prompt(tiny_model_dir, loaded_fp32):
+    image = random_image(72, 96, seed=3)
+    renderer = PromptRenderer(loaded_fp32.processor)
+    prepared = prepare_image(
+        image, QwenVisionSpec.from_image_processor(loaded_fp32.processor.image_processor)
+    )
+    rendered = renderer.render("Describe this image.", 1)
+    inputs = AutoProcessor.from_pretrained(tiny_model_dir)(
+        text=[rendered], images=[image], return_tensors="pt"
+    )
+    return renderer.token_ids(rendered, [prepared]), [prepared], inputs
+
+
+def transformers_logprobs(model, loaded, inputs, sampling: dict, constrained: bool, max_new_tokens: int):
+    options = {"do_sample": False}
+    if sampling["temperature"] > 0:
+        torch.manual_seed(sampling["seed"])
+        options = dict(
+            do_sample=True, temperature=sampling["temperature"], top_k=sampling["top_k"], top_p=1.0
+        )
+    if constrained:
+        info = xgr.TokenizerInfo.from_huggingface(
+            loaded.processor.tokenizer,
+            vocab_size=model.config.text_config.vocab_size,
+            stop_token_ids=loaded.eos_token_ids(),
+        )
+        grammar = xgr.GrammarCompiler(info).compile_json_schema(
+            json.dumps(SCHEMA), any_whitespace=False, separators=(",", ":")
+        )
+        options["logits_processor"] = [LogitsProcessor(grammar)]
+    out = model.generate(
+        **inputs, max_new_tokens=max_new_tokens, output_scores=True, return_dict_in_generate=True, **options
+    )
+    chosen = model.compute_transition_scores(out.sequences, out.scores, normalize_logits=True)[0]
+    top = [torch.topk(torch.log_softmax(scores[0].float(), -1), TOP) for scores in out.scores]
+    tokens = out.sequences[0, inputs["input_ids"].shape[1] :].tolist()
+    return tokens, chosen.tolist(), [(t.indices.tolist(), t.values.tolist()) for t in top]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_logprobs_equal_transformers_transition_scores(loaded_fp32, reference, prompt, case):
+    sampling, constrained = CASES[case]
+    ids, media, inputs = prompt
+    max_new_tokens = 12
+    tokens, chosen, top = transformers_logprobs(
+        reference, loaded_fp32, inputs, sampling, constrained, max_new_tokens
+    )
+    engine = Engine(
+        loaded_fp32.adapter, loaded_fp32.processor.tokenizer, EngineConfig(), loaded_fp32.eos_token_ids()
+    )
+    params = SamplingParams(max_new_tokens, logprobs=True, top_logprobs=TOP, **sampling)
+    constraint = OutputConstraint.json_schema(SCHEMA) if constrained else None
+    engine.add_request(EngineRequest(ids, media, params, "t", constraint=constraint))
+    result = EngineProbe(engine).run()["t"].result
+    assert result.output_token_ids == tokens
+    assert result.token_logprobs == pytest.approx(chosen, abs=TOLERANCE)
+    assert len(result.top_logprobs) == len(tokens)
+    for position, (want_ids, want_values) in zip(result.top_logprobs, top, strict=True):
+        assert [token for _, token, _ in position] == want_ids
+        assert [value for _, _, value in position] == pytest.approx(want_values, abs=TOLERANCE)
+        decoded = [loaded_fp32.processor.tokenizer.decode([token]) for token in want_ids]
+        assert [text for text, _, _ in position] == decoded
+    if constrained:  # the masked distribution: only tokens the grammar allows have finite log-probabilities
+        assert all(value > float("-inf") for value in result.token_logprobs)
