@@ -121,8 +121,8 @@ def _echo_summary(summary) -> None:
 
 @app.command()
 def validate(job_file: JobFile, set_: SetOption = None, log_level: LogLevel = "warning") -> None:
-    """Check everything `run` checks before it works (job file, model, input schemas, output folder), and
-    list the input shards; runs nothing and writes nothing."""
+    """Check everything `run` checks before it works (job file, model, prompt constraints, input schemas,
+    output folder), and list the input shards; runs nothing and writes nothing."""
     _setup_logging(log_level)
     from batchvl.config import load_job_config
     from batchvl.plan import plan_job

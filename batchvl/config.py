@@ -387,10 +387,11 @@ def _check_constraint_keys(prompt: PromptConfig) -> None:
         raise ConfigError(f"{where}: 'json_whitespace' applies to a json_schema prompt; remove it")
 
 
-def _resolve_paths(cfg: JobConfig, base: Path) -> JobConfig:
-    def absolute(path: str) -> str:
-        return os.path.normpath(path if Path(path).is_absolute() else base / path)
+def _absolute(path: str, base: Path) -> str:
+    return os.path.normpath(path if Path(path).is_absolute() else base / path)
 
+
+def _resolve_paths(cfg: JobConfig, base: Path) -> JobConfig:
     model_path = cfg.model.path
     if not Path(model_path).is_absolute() and (base / model_path).is_dir():
         model_path = str((base / model_path).resolve())
@@ -400,9 +401,11 @@ def _resolve_paths(cfg: JobConfig, base: Path) -> JobConfig:
         model=dataclasses.replace(cfg.model, path=model_path),
         prompts=[_with_schema_read(prompt, base) for prompt in cfg.prompts],
         input=dataclasses.replace(
-            inp, paths=[absolute(p) for p in inp.paths], root=absolute(inp.root) if inp.root else None
+            inp,
+            paths=[_absolute(p, base) for p in inp.paths],
+            root=_absolute(inp.root, base) if inp.root else None,
         ),
-        output=dataclasses.replace(cfg.output, dir=absolute(cfg.output.dir)),
+        output=dataclasses.replace(cfg.output, dir=_absolute(cfg.output.dir, base)),
     )
 
 
@@ -411,7 +414,7 @@ def _with_schema_read(prompt: PromptConfig, base: Path) -> PromptConfig:
     name) is what the job's fingerprint covers."""
     if not isinstance(prompt.json_schema, str):
         return prompt
-    path = Path(prompt.json_schema) if Path(prompt.json_schema).is_absolute() else base / prompt.json_schema
+    path = Path(_absolute(prompt.json_schema, base))
     where = f"prompt '{prompt.name}': json_schema {prompt.json_schema}"
     try:
         schema = json.loads(path.read_text())

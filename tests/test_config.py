@@ -217,3 +217,20 @@ def test_a_json_schema_path_is_read_relative_to_the_job_file(tmp_path):
         job.write_text(base + f"prompts: [{{name: p, text: t, json_schema: {path}}}]\n")
         with pytest.raises(ConfigError, match=f"prompt 'p': json_schema {path} {fragment}"):
             load_job_config(job)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "fragment"),
+    [
+        ({"choices": []}, "'choices' must list at least one non-empty string"),
+        ({"choices": ["a", ""]}, "'choices' must list at least one non-empty string"),
+        ({"choices": ["a", "b", "a"]}, "'choices' holds a choice twice"),
+        ({"regex": "a", "json_schema": {"type": "string"}}, "has json_schema and regex; keep one"),
+        ({"json_whitespace": "any"}, "'json_whitespace' applies to a json_schema prompt"),
+        ({"json_schema": 3}, "'prompts[0].json_schema' must be dict or str, got 3"),
+    ],
+)
+def test_constraint_key_mistakes_name_the_prompt(prompt, fragment):
+    base = {"model": {"path": "/m"}, "input": {"paths": ["/d"]}, "output": {"dir": "/o"}}
+    with pytest.raises(ConfigError, match=re.escape(fragment)):
+        job_config_from_dict({**base, "prompts": [{"name": "p", "text": "t", **prompt}]})

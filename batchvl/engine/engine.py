@@ -188,9 +188,10 @@ class Engine:
             request.output_token_ids.append(token)
             self._stats.output_tokens += 1
             self.grammars.accept(request.request_id, token)
-            # A grammar that took an end-of-sequence token allows nothing more, even under ignore_eos.
-            reason = "stop" if self.grammars.is_terminated(request.request_id) else None
-            reason = reason or self.stopping.finish_reason(request)
+            if self.grammars.is_terminated(request.request_id):
+                reason = "stop"  # a grammar that took an end-of-sequence token allows nothing more
+            else:
+                reason = self.stopping.finish_reason(request)
             if reason is not None:
                 finished.append(self._finish(live, reason))
         return finished

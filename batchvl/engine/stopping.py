@@ -19,7 +19,7 @@ class StopChecker:
         self.max_model_len = max_model_len
 
     def finish_reason(self, request: Request) -> str | None:
-        """ "stop", "length", or None while the request goes on; called after each new token."""
+        """Why the request ends ("stop" or "length"), None while it goes on; called after each new token."""
         params = request.sampling
         token = request.output_token_ids[-1]
         if not params.ignore_eos and token in self.eos_token_ids:

@@ -106,12 +106,11 @@ class GrammarMatchers:
     def remove(self, request_id: int) -> None:
         self._matchers.pop(request_id, None)
 
-    def is_constrained(self, request_id: int) -> bool:
-        return request_id in self._matchers
-
     def mask(self, logits: torch.Tensor, request_ids: list[int]) -> None:
         """Mask, in place, the row of each constrained request in `request_ids` (row i is request_ids[i])
         to the tokens its grammar allows next."""
+        if not self._matchers:
+            return  # no constrained request: a free-text step pays nothing
         import xgrammar as xgr
 
         rows = [i for i, request_id in enumerate(request_ids) if request_id in self._matchers]
