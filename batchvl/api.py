@@ -56,7 +56,7 @@ class Results:
 
     @property
     def errors(self) -> datasets.Dataset:
-        return self._rows_where(lambda status: status != "ok")
+        return self._rows_where(lambda status: status == "error")
 
     def _rows_where(self, keep) -> datasets.Dataset:
         # `select` on a status scan instead of `Dataset.filter`: no progress bar, nothing written to disk.
@@ -82,8 +82,10 @@ class Results:
 
     def __repr__(self) -> str:
         rows = self.dataset.num_rows
-        errors = sum(status != "ok" for status in self.dataset["status"])
-        return f"Results({rows} rows: {rows - errors} ok, {errors} error; output_dir={self.output_dir!r})"
+        statuses = self.dataset["status"]
+        ok, errors = statuses.count("ok"), statuses.count("error")
+        skipped = f", {rows - ok - errors} skipped" if rows - ok - errors else ""
+        return f"Results({rows} rows: {ok} ok, {errors} error{skipped}; output_dir={self.output_dir!r})"
 
 
 def load_model(path: str | Path, dtype: str = "auto", device: str = "auto") -> LoadedModel:

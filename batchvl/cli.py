@@ -103,7 +103,8 @@ def _echo_summary(summary) -> None:
     verb = "stopped" if s.get("stopped_by") else "done"
     typer.echo(
         f"{task_note}{verb}: {s['samples']} samples, {s['ok']} ok, {s['errors']} errors, "
-        f"{s['shards_committed']} shard(s) written, {s['shards_skipped']} already done; "
+        + (f"{s['skipped']} skipped, " if s.get("skipped") else "")
+        + f"{s['shards_committed']} shard(s) written, {s['shards_skipped']} already done; "
         f"{s['samples_per_s']} samples/s, {s['output_tokens_per_s']} output tok/s"
     )
     if s.get("shards_claimed_elsewhere"):

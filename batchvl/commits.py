@@ -12,6 +12,7 @@ import pyarrow.parquet as pq
 
 from batchvl import __version__
 from batchvl.config import JobConfig, config_to_dict, fingerprint_of, output_defining_config
+from batchvl.constraints import scored_choices
 from batchvl.io.commit import ShardMarker, commit_shard, read_marker, write_marker
 from batchvl.io.types import ShardInfo
 from batchvl.io.writers import ResultRow, output_path, rows_to_table, write_table_atomic
@@ -21,7 +22,8 @@ from batchvl.tasks import TaskSlice
 def optional_columns(cfg: JobConfig) -> tuple[str, ...]:
     """The optional result columns this job's config asks for."""
     columns = ("mean_logprob", "min_logprob") if cfg.sampling.logprobs else ()
-    return columns + (("top_logprobs",) if cfg.sampling.top_logprobs else ())
+    columns += ("top_logprobs",) if cfg.sampling.top_logprobs else ()
+    return columns + (("choice_probs",) if any(scored_choices(p) for p in cfg.prompts) else ())
 
 
 class WriteShard:

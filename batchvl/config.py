@@ -36,12 +36,15 @@ def _key(
     at_most: float | None = None,
     defines_output: bool = False,
     unset_leaves_fingerprint: bool = False,
+    name: str | None = None,
 ) -> Any:
     """A job-file key: its default, help text, bounds (`above` is exclusive) and whether a shard's rows
     depend on it (`defines_output`: a changed value over committed shards is refused). A key added to a
     section that defines the output is `unset_leaves_fingerprint`: at its default it is left out of the
-    fingerprint, so jobs that do not use it keep the fingerprint (and their committed shards) they had."""
+    fingerprint, so jobs that do not use it keep the fingerprint (and their committed shards) they had.
+    `name` is the key's name in the job file where it cannot be the field's (a Python keyword)."""
     metadata = {
+        "name": name,
         "help": help,
         "above": above,
         "at_least": at_least,
@@ -52,6 +55,11 @@ def _key(
     if factory is not None:
         return field(default_factory=factory, metadata=metadata)
     return field(default=default, metadata=metadata)
+
+
+def _file_key(f: dataclasses.Field) -> str:
+    """The key's name in the job file."""
+    return f.metadata.get("name") or f.name
 
 
 def _check_bounds(key: str, value: Any, metadata: Mapping) -> None:
@@ -118,11 +126,31 @@ class InputConfig:
 
 
 @dataclass(frozen=True)
+class WhenConfig:
+    prompt: str = _key(help="An earlier prompt whose output decides whether this prompt runs")
+    equals: str | None = _key(None, "Run when that output is exactly this")
+    in_: list[str] | None = _key(None, "Run when that output is one of these", name="in")
+
+
+@dataclass(frozen=True)
 class PromptConfig:
     name: str = _key(help="Prompt name, written to the `prompt` column")
     text: str = _key(
         help="Prompt text after the sample's images in one user turn; "
-        "`{field}` inserts a field of the sample, `{key}` its key"
+        "`{field}` inserts a field of the sample, `{key}` its key, `{prompt}` an earlier prompt's output"
+    )
+    continue_: str | None = _key(
+        None,
+        "An earlier prompt: this prompt is the next user turn of its conversation (its images and text, "
+        "its output as the answer, then this text)",
+        unset_leaves_fingerprint=True,
+        name="continue",
+    )
+    when: WhenConfig | None = _key(
+        None,
+        "Run only where an earlier prompt's output matches ({prompt, equals} or {prompt, in}); other "
+        "samples get a `skipped` row",
+        unset_leaves_fingerprint=True,
     )
     json_schema: dict | str | None = _key(
         None,
@@ -139,7 +167,16 @@ class PromptConfig:
         None, "Regular expression the whole output must match", unset_leaves_fingerprint=True
     )
     choices: list[str] | None = _key(
-        None, "The output is exactly one of these strings", unset_leaves_fingerprint=True
+        None,
+        "The output is exactly one of these strings, the most probable given the prompt "
+        "(see choice_mode); its probability among the choices is in `choice_probs`",
+        unset_leaves_fingerprint=True,
+    )
+    choice_mode: Literal["score", "generate"] = _key(
+        "score",
+        "choices prompt: score every choice (teacher-forced, one short prefill each) or generate under "
+        "the choices as a constraint (cheaper for hundreds of choices; no choice_probs)",
+        unset_leaves_fingerprint=True,
     )
 
 
@@ -335,7 +372,7 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
     if not isinstance(data, Mapping):
         raise ConfigError(f"{where} must be a mapping of keys, got {type(data).__name__}")
     hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
+    names = [_file_key(f) for f in dataclasses.fields(cls)]
     for name in data:
         if name not in names:
             full = f"{prefix}.{name}" if prefix else str(name)
@@ -348,9 +385,10 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
             raise ConfigError(f"unknown key '{full}' ({hint})")
     values = {}
     for f in dataclasses.fields(cls):
-        full = f"{prefix}.{f.name}" if prefix else f.name
-        if f.name in data:
-            values[f.name] = _convert(data[f.name], hints[f.name], full)
+        key = _file_key(f)
+        full = f"{prefix}.{key}" if prefix else key
+        if key in data:
+            values[f.name] = _convert(data[key], hints[f.name], full)
             _check_bounds(full, values[f.name], f.metadata)
         elif f.default is REQUIRED and f.default_factory is REQUIRED:
             raise ConfigError(f"missing required key '{full}'")
@@ -383,8 +421,12 @@ def _check_constraint_keys(prompt: PromptConfig) -> None:
             raise ConfigError(f"{where}: 'choices' must list at least one non-empty string")
         if len(set(prompt.choices)) != len(prompt.choices):
             raise ConfigError(f"{where}: 'choices' holds a choice twice: {prompt.choices}")
+    if prompt.choice_mode != "score" and prompt.choices is None:
+        raise ConfigError(f"{where}: 'choice_mode' applies to a choices prompt; remove it")
     if prompt.json_whitespace != "compact" and prompt.json_schema is None:
         raise ConfigError(f"{where}: 'json_whitespace' applies to a json_schema prompt; remove it")
+    if prompt.when is not None and (prompt.when.equals is None) == (prompt.when.in_ is None):
+        raise ConfigError(f"{where}: 'when' takes one of 'equals' or 'in'")
 
 
 def _absolute(path: str, base: Path) -> str:
@@ -557,10 +599,11 @@ def describe_keys() -> list[tuple[str, str, str, str]]:
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             tp = hints[f.name]
-            key = f"{prefix}{f.name}"
+            key = f"{prefix}{_file_key(f)}"
             args = typing.get_args(tp)
-            if dataclasses.is_dataclass(tp):
-                walk(tp, f"{key}.")
+            section = [a for a in (tp, *args) if dataclasses.is_dataclass(a)]  # also `Section | None`
+            if section and typing.get_origin(tp) is not list:
+                walk(section[0], f"{key}.")
             elif typing.get_origin(tp) is list and args and dataclasses.is_dataclass(args[0]):
                 walk(args[0], f"{key}[].")
             else:

@@ -1,5 +1,6 @@
-"""What a prompt's output must be: its `json_schema`, `regex` or `choices`, as the engine's constraint,
-checked when the job is planned and verified again on every finished output.
+"""What a prompt's output must be: its `json_schema`, `regex` or `choices`, as the engine's constraint
+(or, for choices, the strings it scores), checked when the job is planned and verified again on every
+finished output.
 
 The engine generates under the constraint (`engine/structured_output.py`), so an output that ends normally
 matches it. The check here is the promise on the row: an `ok` row of a JSON-schema prompt parses and
@@ -19,14 +20,22 @@ from batchvl.errors import SampleError, UserError
 
 
 def prompt_constraint(prompt: PromptConfig) -> OutputConstraint | None:
+    """The grammar the prompt's output is generated under (None: free text, or scored choices)."""
     if prompt.json_schema is not None:
         return OutputConstraint.json_schema(
             prompt.json_schema, any_whitespace=prompt.json_whitespace == "any"
         )
     if prompt.regex is not None:
         return OutputConstraint("regex", prompt.regex)
-    if prompt.choices is not None:
+    if prompt.choices is not None and prompt.choice_mode == "generate":
         return OutputConstraint.choices(prompt.choices)
+    return None
+
+
+def scored_choices(prompt: PromptConfig) -> tuple[str, ...] | None:
+    """The choices the engine scores for the prompt (None: it generates)."""
+    if prompt.choices is not None and prompt.choice_mode == "score":
+        return tuple(prompt.choices)
     return None
 
 

@@ -27,7 +27,7 @@ def raise_if_ended_early(summary: RunSummary, stop: StopRequests, max_error_rate
             128 + int(stop.signum),
             summary,
         )
-    rows = stats["ok"] + stats["errors"]
+    rows = stats["ok"] + stats["errors"] + stats["skipped"]
     if max_error_rate is not None and rows and stats["errors"] / rows > max_error_rate:
         raise ErrorBudgetExceeded(
             f"{stats['errors']} of {rows} rows are errors ({stats['errors'] / rows:.1%}), over "

@@ -33,8 +33,11 @@ from batchvl.ledger import CommitStrategy, ShardLedger
 from batchvl.models.loader import LoadedModel
 from batchvl.plan import Work, job_work
 from batchvl.preprocess.pool import PoolStats, PreprocessPool, default_workers
+from batchvl.preprocess.prompts import PromptRenderer
 from batchvl.preprocess.sample import PreparedSample
-from batchvl.rows import result_row, sample_requests
+from batchvl.prompt_graph import PromptGraph
+from batchvl.rows import result_row
+from batchvl.sample_flow import Progress, SampleFlow
 from batchvl.tasks import TaskSlice
 from batchvl.utils.background import END, BackgroundIterator
 from batchvl.utils.memory import HeapTrimmer, keep_freed_memory
@@ -125,6 +128,8 @@ class JobRunner:
         workers = default_workers() if pre.workers is None else pre.workers
         self.stats.preprocess_workers = workers
         ledger = ShardLedger(work.shards, work.selection, len(self.cfg.prompts), self._commit)
+        renderer = PromptRenderer(self._load().processor)
+        self.flow = SampleFlow(self.cfg, PromptGraph.of(self.cfg.prompts), renderer)
         pool = PreprocessPool(
             work.source,
             work.shards,
@@ -199,15 +204,16 @@ class JobRunner:
     def _submit(self, sample: PreparedSample, engine: Engine, ledger: ShardLedger, bar) -> None:
         self.stats.preprocess_s += sample.preprocess_s
         prompts = ledger.prompts_of(sample.shard, sample.index)
-        requests, rows = sample_requests(self.cfg, sample, prompts, ledger.position(sample.shard))
-        for row in rows:
-            self._add_row(ledger, sample.shard, row)
-        if not requests:
-            self._sample_done(bar)
-            return
-        ledger.start(sample, len(requests))
-        for request in requests:
+        self._carry_out(self.flow.start(sample, prompts, ledger.position(sample.shard)), engine, ledger, bar)
+
+    def _carry_out(self, progress: Progress, engine: Engine, ledger: ShardLedger, bar) -> None:
+        """Rows to the ledger, requests to the engine, and a sample that is done to the count."""
+        for row in progress.rows:
+            self._add_row(ledger, progress.shard, row)
+        for request in progress.requests:
             engine.add_request(request)
+        if progress.sample_done:
+            self._sample_done(bar)
 
     def _step(self, engine: Engine, ledger: ShardLedger, bar) -> None:
         started = time.perf_counter()
@@ -216,11 +222,10 @@ class JobRunner:
         self.trimmer.maybe_trim()
         self.claims.refresh(ledger.open_shards())
         for result in results:
-            sample, was_last = ledger.finish_request(result.tag)
-            if was_last:
-                self._sample_done(bar)
-            prompt = self.cfg.prompts[result.tag.prompt_index]
-            self._add_row(ledger, result.tag.shard, result_row(sample, prompt, result))
+            row = result_row(
+                self.flow.sample_of(result.tag), self.cfg.prompts[result.tag.prompt_index], result
+            )
+            self._carry_out(self.flow.finish(result.tag, row), engine, ledger, bar)
         elapsed = max(bar.format_dict["elapsed"], 1e-9)
         bar.set_postfix(out_tok_s=f"{engine.stats.output_tokens / elapsed:.1f}", refresh=False)
 

@@ -31,6 +31,7 @@ from batchvl.engine.vit_dp import (
 from batchvl.errors import UserError
 from batchvl.models.loader import LoadedModel, load_model
 from batchvl.preprocess.sample import SampleProcessor
+from batchvl.prompt_graph import PromptGraph
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +84,7 @@ def job_engine(cfg: JobConfig, loaded: LoadedModel, context: DistributedContext 
 def sample_processor(cfg: JobConfig, loaded: LoadedModel) -> SampleProcessor:
     """What the preprocessing workers run per sample: the family's media preparation and the prompts."""
     media = loaded.family.media_preparer(loaded.processor, loaded.adapter.model.config, cfg.preprocess)
-    return SampleProcessor(loaded.processor, media, cfg.prompts)
+    return SampleProcessor(loaded.processor, media, cfg.prompts, PromptGraph.of(cfg.prompts).follow_ups)
 
 
 def serve_rank(cfg: JobConfig, loaded: LoadedModel, context: DistributedContext) -> int:

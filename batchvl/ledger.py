@@ -1,9 +1,10 @@
 """The shard ledger: the bookkeeping of a run's shards, apart from the loop that feeds and steps.
 
 Per shard: which rows it is to produce (every (sample, prompt), or a selection, as a retry of failed
-rows has), the rows done, the samples still in the engine, and whether it is committed or skipped
-(another run has it). A shard is committed, through the strategy the run was given, once every row it
-is to produce has its outcome; the ledger holds only plain data, and frees a shard's rows once written.
+rows has), the rows done, and whether it is committed or skipped (another run has it); the samples
+still in the engine are the sample flow's (`sample_flow.py`). A shard is committed, through the
+strategy the run was given, once every row it is to produce has its outcome; the ledger holds only
+plain data, and frees a shard's rows once written.
 """
 
 from __future__ import annotations
@@ -13,8 +14,6 @@ from dataclasses import dataclass, field
 
 from batchvl.io.types import ShardInfo
 from batchvl.io.writers import ResultRow
-from batchvl.preprocess.sample import PreparedSample
-from batchvl.rows import RowTag
 
 # shard -> sample index -> the prompt indices to run for it
 Selection = dict[str, dict[int, frozenset[int]]]
@@ -28,8 +27,6 @@ class ShardState:
     position: int  # in this run's shard order: its requests' admission priority
     rows: list[ResultRow] = field(default_factory=list)
     expected_rows: int | None = None  # known once the whole shard has been read
-    # samples with requests still in the engine -> (the sample, how many of its requests are unfinished)
-    in_flight: dict[int, tuple[PreparedSample, int]] = field(default_factory=dict)
     committed: bool = False
     skipped: bool = False
 
@@ -82,20 +79,6 @@ class ShardLedger:
 
     def skip(self, shard: str) -> None:
         self.shards[shard].skipped = True
-
-    def start(self, sample: PreparedSample, num_requests: int) -> None:
-        """The sample's requests went into the engine."""
-        self.shards[sample.shard].in_flight[sample.index] = (sample, num_requests)
-
-    def finish_request(self, tag: RowTag) -> tuple[PreparedSample, bool]:
-        """A request of the sample came out of the engine: (the sample, whether it was its last)."""
-        in_flight = self.shards[tag.shard].in_flight
-        sample, remaining = in_flight[tag.sample_index]
-        if remaining > 1:
-            in_flight[tag.sample_index] = (sample, remaining - 1)
-            return sample, False
-        del in_flight[tag.sample_index]
-        return sample, True
 
     def add_row(self, shard: str, row: ResultRow) -> None:
         state = self.shards[shard]

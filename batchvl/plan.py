@@ -34,6 +34,7 @@ from batchvl.ledger import Selection
 from batchvl.models.loader import read_model_type
 from batchvl.models.registry import model_family
 from batchvl.preprocess.prompts import template_fields
+from batchvl.prompt_graph import PromptGraph
 from batchvl.resume import ShardPlan, plan_shards
 from batchvl.tasks import TaskSlice, shards_of_task
 
@@ -58,6 +59,7 @@ def plan_job(cfg: JobConfig, task: TaskSlice | None = None, record: bool = False
     model_type = read_model_type(cfg.model.path, cfg.model.trust_remote_code)
     model_family(model_type)
     check_constraints(cfg)
+    PromptGraph.of(cfg.prompts)  # refuses a follow-up that uses itself, a later or an unknown prompt
     check_output_dir(cfg.output.dir, create=False)
     source = job_source(cfg)
     listing = source.list_shards()
@@ -169,8 +171,12 @@ def check_output_names(listing: list[ShardInfo]) -> None:
 def check_columns(cfg: JobConfig, listing: list[ShardInfo]) -> None:
     """Each table shard has the columns the job reads; the prompts use only fields samples have."""
     inp = cfg.input
+    prompt_names = {prompt.name for prompt in cfg.prompts}  # `{name}` of a prompt is its output
     used = {
-        name: prompt.name for prompt in cfg.prompts for name in template_fields(prompt.text) if name != "key"
+        name: prompt.name
+        for prompt in cfg.prompts
+        for name in template_fields(prompt.text)
+        if name != "key" and name not in prompt_names
     }
     token_field = cfg.sampling.max_new_tokens_field
     for shard in listing:

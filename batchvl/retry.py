@@ -23,6 +23,7 @@ from batchvl.io.writers import output_path
 from batchvl.job import JobRunner, RunSummary
 from batchvl.models.loader import LoadedModel
 from batchvl.plan import Work, plan_job
+from batchvl.prompt_graph import PromptGraph
 from batchvl.tasks import TaskSlice
 
 logger = logging.getLogger(__name__)
@@ -42,7 +43,7 @@ def retry_work(job: JobConfig, task: TaskSlice | None) -> Work:
     """The task's committed shards with error rows, each with exactly those (sample, prompt) rows.
     Planning refuses shards written by another config, as a run does."""
     plan = plan_job(job, task, record=True)
-    prompt_order = {prompt.name: i for i, prompt in enumerate(job.prompts)}
+    graph = PromptGraph.of(job.prompts)
     selection = {}
     not_committed = 0
     for shard in plan.shards:
@@ -50,7 +51,7 @@ def retry_work(job: JobConfig, task: TaskSlice | None) -> Work:
         if marker is None:
             not_committed += 1
         elif marker.errors:
-            selection[shard.shard] = _failed_rows(output_path(job.output.dir, shard.shard), prompt_order)
+            selection[shard.shard] = _failed_rows(output_path(job.output.dir, shard.shard), graph)
     if not_committed:
         logger.warning("%d shard(s) are not committed yet; `batchvl run` finishes them", not_committed)
     shards = [s for s in plan.shards if s.shard in selection]
@@ -58,12 +59,14 @@ def retry_work(job: JobConfig, task: TaskSlice | None) -> Work:
     return Work(plan.source, shards, selection, len(plan.shards), notes=notes)
 
 
-def _failed_rows(path: str, prompt_order: dict[str, int]) -> dict[int, frozenset[int]]:
+def _failed_rows(path: str, graph: PromptGraph) -> dict[int, frozenset[int]]:
+    """Per sample, its error rows' prompts and the prompts whose outputs they use (run again to render
+    them; a prompt whose own input failed is an error row itself, so it is among them)."""
     table = pq.read_table(path, columns=["sample_index", "prompt", "status"])
     failed: dict[int, set[int]] = {}
-    for row in table.filter(pc.not_equal(table["status"], "ok")).to_pylist():
-        failed.setdefault(row["sample_index"], set()).add(prompt_order[row["prompt"]])
-    return {index: frozenset(prompts) for index, prompts in failed.items()}
+    for row in table.filter(pc.equal(table["status"], "error")).to_pylist():
+        failed.setdefault(row["sample_index"], set()).add(graph.names.index(row["prompt"]))
+    return {index: graph.with_what_they_use(frozenset(prompts)) for index, prompts in failed.items()}
 
 
 def retry_failed(

@@ -1,17 +1,18 @@
 """A prepared sample's engine requests, and the rows its outcomes become.
 
 Each (sample, prompt) is one request, tagged with where its row belongs; each request's result (or the
-error that kept it from the engine) is one `ResultRow`.
+error that kept it from the engine, or the `when` that skipped it) is one `ResultRow`.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import xxhash
 
 from batchvl.config import JobConfig, PromptConfig
-from batchvl.constraints import output_error, prompt_constraint
+from batchvl.constraints import output_error, prompt_constraint, scored_choices
 from batchvl.engine.request import EngineRequest, EngineResult, SamplingParams
 from batchvl.errors import SampleError
 from batchvl.io.writers import ResultRow
@@ -68,35 +69,25 @@ def sampling_params(
     )
 
 
-def sample_requests(
-    cfg: JobConfig, sample: PreparedSample, prompt_indices: list[int], priority: int
-) -> tuple[list[EngineRequest], list[ResultRow]]:
-    """The engine requests of a sample's selected prompts, and the rows of those that cannot run (a
-    broken sample, a bad token limit, a prompt field the sample lacks)."""
-    names = [cfg.prompts[i].name for i in prompt_indices]
-    try:
-        if sample.error is not None:
-            raise sample.error
-        max_new_tokens = max_new_tokens_of(cfg, sample.fields)
-    except SampleError as error:
-        return [], [error_row(sample, i, name, error) for i, name in zip(prompt_indices, names, strict=True)]
-    requests, rows = [], []
-    for prompt_index, name in zip(prompt_indices, names, strict=True):
-        prepared = sample.prompts[prompt_index]
-        if prepared.error is not None:
-            rows.append(error_row(sample, prompt_index, name, prepared.error))
-            continue
-        requests.append(
-            EngineRequest(
-                prompt_token_ids=prepared.token_ids,
-                images=sample.images,
-                sampling=sampling_params(cfg, sample.shard, sample.key, name, max_new_tokens),
-                tag=RowTag(sample.shard, sample.index, prompt_index),
-                priority=priority,
-                constraint=prompt_constraint(cfg.prompts[prompt_index]),
-            )
-        )
-    return requests, rows
+def prompt_request(
+    cfg: JobConfig,
+    sample: PreparedSample,
+    prompt_index: int,
+    token_ids: list[int],
+    max_new_tokens: int,
+    priority: int,
+) -> EngineRequest:
+    """The engine request of one (sample, prompt), from the prompt's rendered token ids."""
+    prompt = cfg.prompts[prompt_index]
+    return EngineRequest(
+        prompt_token_ids=token_ids,
+        images=sample.images,
+        sampling=sampling_params(cfg, sample.shard, sample.key, prompt.name, max_new_tokens),
+        tag=RowTag(sample.shard, sample.index, prompt_index),
+        priority=priority,
+        constraint=prompt_constraint(prompt),
+        scored_choices=scored_choices(prompt),
+    )
 
 
 def _row(sample: PreparedSample, prompt_index: int, prompt_name: str, **values) -> ResultRow:
@@ -112,14 +103,25 @@ def _row(sample: PreparedSample, prompt_index: int, prompt_name: str, **values) 
 
 
 def error_row(sample: PreparedSample, prompt_index: int, prompt_name: str, error: SampleError) -> ResultRow:
+    return _row_without_output(sample, prompt_index, prompt_name, "error", error)
+
+
+def skipped_row(sample: PreparedSample, prompt_index: int, prompt_name: str) -> ResultRow:
+    """The row of a prompt whose `when` did not match (or that uses a skipped prompt's output)."""
+    return _row_without_output(sample, prompt_index, prompt_name, "skipped", None)
+
+
+def _row_without_output(
+    sample: PreparedSample, prompt_index: int, prompt_name: str, status: str, error: SampleError | None
+) -> ResultRow:
     return _row(
         sample,
         prompt_index,
         prompt_name,
         text=None,
-        status="error",
-        error_type=error.error_type,
-        error_message=error.message,
+        status=status,
+        error_type=error.error_type if error else None,
+        error_message=error.message if error else None,
         num_prompt_tokens=0,
         num_output_tokens=0,
         finish_reason=None,
@@ -148,7 +150,7 @@ def result_row(sample: PreparedSample, prompt: PromptConfig, result: EngineResul
         num_output_tokens=result.num_output_tokens,
         finish_reason=result.finish_reason,
         latency_s=round(result.latency_s, 6),
-        optional=_logprob_columns(result),
+        optional=_logprob_columns(result) | _choice_columns(prompt, result),
     )
 
 
@@ -164,3 +166,14 @@ def _logprob_columns(result: EngineResult) -> dict:
             for position in result.top_logprobs
         ]
     return columns
+
+
+def _choice_columns(prompt: PromptConfig, result: EngineResult) -> dict:
+    """`choice_probs` of a scored-choices result: each choice's probability among the choices (the
+    softmax of their log-probabilities)."""
+    if result.choice_logprobs is None:
+        return {}
+    top = max(result.choice_logprobs)
+    weights = [math.exp(value - top) for value in result.choice_logprobs]
+    total = sum(weights)
+    return {"choice_probs": {c: w / total for c, w in zip(prompt.choices, weights, strict=True)}}

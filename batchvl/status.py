@@ -41,6 +41,7 @@ class JobStatus:
     tasks: list[TaskStatus]
     rows_ok: int = 0
     rows_error: int = 0
+    rows_skipped: int = 0
     errors_by_type: Counter = field(default_factory=Counter)
     script: str | None = None  # the array's sbatch script, when `batchvl slurm` wrote one
     files_gone: int = 0  # `folder` input: files of recorded shards no longer in the folder
@@ -82,6 +83,7 @@ def job_status(cfg: JobConfig, num_tasks: int | None = None) -> JobStatus:
             task.done += 1
             status.rows_ok += marker.ok
             status.rows_error += marker.errors
+            status.rows_skipped += marker.skipped
             status.errors_by_type.update(marker.errors_by_type)
         runs = stats.get((num_tasks, index))
         if runs is not None and runs.processing_s > 0:
@@ -125,6 +127,7 @@ def format_status(status: JobStatus, job_file: str) -> str:
         f"shards: {status.shards_done} of {status.shards_total} done, "
         f"{status.shards_total - status.shards_done} pending",
         f"rows: {status.rows_ok} ok, {status.rows_error} error"
+        + (f", {status.rows_skipped} skipped" if status.rows_skipped else "")
         + (
             " (" + ", ".join(f"{k} {v}" for k, v in status.errors_by_type.most_common()) + ")"
             if status.errors_by_type

@@ -1,7 +1,8 @@
 """What constrained decoding costs on a labeling job: the same job with and without its constraints.
 
 A labeling workload (the `small` model, random images of mixed sizes): per sample a JSON-schema prompt
-(five fields: enums, bounded integers, a boolean and a short string) and a three-way choices prompt. The
+(five fields: enums, bounded integers, a boolean and a short string) and a three-way choices prompt
+generated under its grammar (`choice_mode: generate`). The
 unconstrained job is the same job with the constraints removed, every output held to the length the
 constrained job produced for it (so both generate the same number of tokens: the difference is the
 grammar work and nothing else). Each job runs `--repeats` times, interleaved; a row reports its fastest
@@ -55,7 +56,9 @@ def job(model: Path, data: Path, out: Path, constrained: bool, max_new_tokens: i
     sampling = {"max_new_tokens": max_new_tokens}
     if constrained:
         attrs["json_schema"] = SCHEMA
-        kind["choices"] = CHOICES
+        # generated under the choices' grammar, so both jobs generate the same tokens (scored choices,
+        # the default, generate none)
+        kind.update(choices=CHOICES, choice_mode="generate")
     else:  # the constrained run's lengths, from the column `lengths_as_input` adds
         sampling.update(ignore_eos=True, max_new_tokens_field="tokens")
     return {

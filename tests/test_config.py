@@ -138,12 +138,15 @@ def test_every_leaf_key_is_described_and_in_the_readme():
         for f in dataclasses.fields(cls):
             tp = typing.get_type_hints(cls)[f.name]
             args = typing.get_args(tp)
+            name = f.metadata["name"] or f.name  # the job file's name, where the field's is a keyword
             if dataclasses.is_dataclass(tp):
-                out += leaves(tp, f"{prefix}{f.name}.")
-            elif args and dataclasses.is_dataclass(args[0]):
-                out += leaves(args[0], f"{prefix}{f.name}[].")
+                out += leaves(tp, f"{prefix}{name}.")
+            elif typing.get_origin(tp) is list and dataclasses.is_dataclass(args[0]):
+                out += leaves(args[0], f"{prefix}{name}[].")
+            elif args and dataclasses.is_dataclass(args[0]):  # an optional section
+                out += leaves(args[0], f"{prefix}{name}.")
             else:
-                out.append(prefix + f.name)
+                out.append(prefix + name)
         return out
 
     described = [row[0] for row in describe_keys()]
@@ -227,6 +230,7 @@ def test_a_json_schema_path_is_read_relative_to_the_job_file(tmp_path):
         ({"choices": ["a", "b", "a"]}, "'choices' holds a choice twice"),
         ({"regex": "a", "json_schema": {"type": "string"}}, "has json_schema and regex; keep one"),
         ({"json_whitespace": "any"}, "'json_whitespace' applies to a json_schema prompt"),
+        ({"choice_mode": "generate"}, "'choice_mode' applies to a choices prompt"),
         ({"json_schema": 3}, "'prompts[0].json_schema' must be dict or str, got 3"),
     ],
 )

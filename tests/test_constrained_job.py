@@ -77,8 +77,11 @@ def test_every_ok_row_matches_its_constraint(job_root, loaded_fp32):
     assert any(row["status"] == "ok" for row in rows["attrs"])
     for row in rows["year"]:
         assert row["status"] == "ok" and re.fullmatch("(19|20)[0-9]{2}", row["text"])
-    for row in rows["kind"]:
-        assert row["status"] == "ok" and row["text"] in ("photo", "drawing", "screenshot")
+    for row in rows["kind"]:  # scored: the most probable choice, with every choice's probability
+        probs = dict(row["choice_probs"])
+        assert row["status"] == "ok" and set(probs) == {"photo", "drawing", "screenshot"}
+        assert sum(probs.values()) == pytest.approx(1.0) and row["text"] == max(probs, key=probs.get)
+    assert all(row["choice_probs"] is None for row in rows["caption"])
     assert all(row["status"] == "ok" for row in rows["caption"])
 
 
@@ -91,6 +94,19 @@ def test_an_output_cut_by_its_token_limit_is_an_incomplete_output_row(job_root, 
         assert row["text"] and row["text"].startswith("{") and row["num_output_tokens"] == 3
         assert "max_new_tokens" in row["error_message"]
     assert all(row["status"] == "ok" for row in rows["caption"])  # free text cut short is still ok
+
+
+def test_choices_can_be_generated_under_a_grammar_instead(job_root, loaded_fp32):
+    text = (job_root / "job.yaml").read_text()
+    (job_root / "generate.yaml").write_text(
+        text.replace("screenshot]}", "screenshot], choice_mode: generate}")
+    )
+    cfg = load_job_config(job_root / "generate.yaml", ["output.dir=generated"])
+    run_job(cfg, loaded=loaded_fp32, show_progress=False)
+    table = pq.read_table(job_root / "generated" / "s.parquet")
+    assert "choice_probs" not in table.column_names
+    rows = rows_of(job_root / "generated" / "s.parquet")["kind"]
+    assert all(row["status"] == "ok" and row["text"] in ("photo", "drawing", "screenshot") for row in rows)
 
 
 def prompt(**constraint) -> PromptConfig:

@@ -56,10 +56,10 @@ class BlockManager:
     def cached_prefix(self, request: Request) -> list[int]:
         """Blocks holding the longest cached prefix of a request that has nothing computed yet.
 
-        At least one token is always left to compute: the step that computes it yields the logits."""
+        The first token whose logits the request needs is always left to compute."""
         if not self.enable_prefix_caching or request.block_ids:
             return []
-        limit = (request.num_tokens - 1) // self.block_size
+        limit = request.num_cacheable_tokens // self.block_size
         blocks = []
         for block_hash in extend_block_hashes(request, self.block_size, limit):
             block = self._block_of_hash.get(block_hash)

@@ -7,6 +7,7 @@ cache) comes back at once as an error result instead of stalling or failing the 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -18,10 +19,17 @@ from batchvl.config import EngineConfig
 from batchvl.engine.adapter import ModelAdapter
 from batchvl.engine.admission import check_fits, media_spans
 from batchvl.engine.block_manager import BlockManager
+from batchvl.engine.choice_scoring import ChoiceGroup, ChoiceTokenizer
 from batchvl.engine.encoder_cache import EncoderCacheManager
-from batchvl.engine.logprobs import TokenLogprobs
-from batchvl.engine.model_runner import ModelRunner, kv_bytes_per_block
-from batchvl.engine.request import EngineRequest, EngineResult, Request, ScheduledChunk
+from batchvl.engine.logprobs import TokenLogprobs, logprob_fields
+from batchvl.engine.model_runner import ModelRunner, StepLogits, kv_bytes_per_block
+from batchvl.engine.request import (
+    EngineRequest,
+    EngineResult,
+    MediaSpan,
+    Request,
+    ScheduledChunk,
+)
 from batchvl.engine.sampler import make_generator, sample_tokens
 from batchvl.engine.scheduler import Scheduler, StepPlan
 from batchvl.engine.stats import EngineStats
@@ -45,6 +53,7 @@ class _Live:
     images: dict[str, PreparedMedia]
     generator: torch.Generator | None
     logprobs: TokenLogprobs | None  # when the request asked for them
+    choice: tuple[ChoiceGroup, int] | None  # a scoring request: its group, and which choice it scores
     start_time: float = field(default_factory=time.perf_counter)
 
 
@@ -61,6 +70,7 @@ class Engine:
         self.config = config
         self.stopping = StopChecker(tokenizer, eos_token_ids, adapter.geometry.max_model_len)
         self.grammars = GrammarMatchers(tokenizer, adapter.geometry.vocab_size, eos_token_ids)
+        self.choice_tokens = ChoiceTokenizer(tokenizer, eos_token_ids)
         num_blocks = int(config.kv_cache_mb * MB) // kv_bytes_per_block(adapter, config.block_size)
         if num_blocks < 1:
             raise UserError(f"engine.kv_cache_mb={config.kv_cache_mb} holds no KV block; raise it")
@@ -105,35 +115,59 @@ class Engine:
         return len(self.scheduler.waiting) + len(self._rejected) < self.config.lookahead
 
     def add_request(self, item: EngineRequest) -> None:
+        """Queue a request, or a scored-choices prompt as one scoring request per choice; a request that
+        can never run comes back from the next step as an error result."""
+        choices = None if item.scored_choices is None else self.choice_tokens(item.scored_choices)
+        prompts = [item.prompt_token_ids] if choices is None else [item.prompt_token_ids + c for c in choices]
         try:
             spans = media_spans(item.prompt_token_ids, item.images, self.adapter.placeholder_token_ids)
-            check_fits(
-                len(item.prompt_token_ids),
-                item.sampling.max_new_tokens,
-                spans,
-                max_model_len=self.adapter.geometry.max_model_len,
-                kv_capacity_tokens=self.block_manager.capacity_tokens,
-                config=self.config,
-            )
+            for prompt in prompts:
+                check_fits(
+                    len(prompt),
+                    item.sampling.max_new_tokens if choices is None else 0,
+                    spans,
+                    max_model_len=self.adapter.geometry.max_model_len,
+                    kv_capacity_tokens=self.block_manager.capacity_tokens,
+                    config=self.config,
+                )
         except SampleError as exc:
             self._rejected.append(
                 EngineResult(item.tag, num_prompt_tokens=len(item.prompt_token_ids), error=exc)
             )
             return
+        self._stats.images_total += len(item.images)
+        if choices is None:
+            request = self._start(item, item.prompt_token_ids, spans)
+            if item.constraint is not None:
+                self.grammars.add(request.request_id, item.constraint)
+            return
+        top_logprobs = item.sampling.top_logprobs
+        group = ChoiceGroup(item.tag, item.scored_choices, choices, len(item.prompt_token_ids), top_logprobs)
+        for index, prompt in enumerate(prompts):
+            request = self._start(item, prompt, spans, choice=(group, index))
+            group.pending.add(request.request_id)
+
+    def _start(
+        self,
+        item: EngineRequest,
+        prompt: list[int],
+        spans: list[MediaSpan],
+        choice: tuple[ChoiceGroup, int] | None = None,
+    ) -> Request:
+        score_from = None if choice is None else len(item.prompt_token_ids)
         request = Request(
-            self._next_id, list(item.prompt_token_ids), spans, item.sampling, priority=item.priority
+            self._next_id, list(prompt), spans, item.sampling, priority=item.priority, score_from=score_from
         )
         self._next_id += 1
-        generator = None if item.sampling.is_greedy else make_generator(item.sampling.seed)
+        generates = choice is None
+        generator = make_generator(item.sampling.seed) if generates and not item.sampling.is_greedy else None
         images = {img.content_hash: img for img in item.images}
-        logprobs = TokenLogprobs() if item.sampling.wants_logprobs else None
-        self._live[request.request_id] = _Live(request, item.tag, images, generator, logprobs)
+        logprobs = TokenLogprobs() if generates and item.sampling.wants_logprobs else None
+        self._live[request.request_id] = _Live(request, item.tag, images, generator, logprobs, choice)
         self.runner.add_request(request.request_id, request.prompt_token_ids, item.images)
-        if item.constraint is not None:
-            self.grammars.add(request.request_id, item.constraint)
         self.scheduler.add(request)
-        self._stats.images_total += len(item.images)
         self._stats.prompt_tokens += request.num_prompt_tokens
+        return request
 
     def check_integrity(self) -> None:
         """Assert the KV-block and encoder-cache bookkeeping agree with the live requests (tests run it
@@ -168,13 +202,16 @@ class Engine:
         self._stats.patches_encoded += sum(image.num_patches for image in images)
         self.scheduler.encoded(sizes)
 
-    def _postprocess(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> list[EngineResult]:
-        """Count the step, sample the next token of each request whose chunk reached its end, and finish
-        the requests that are done."""
+    def _postprocess(self, chunks: list[ScheduledChunk], step_logits: StepLogits) -> list[EngineResult]:
+        """Count the step, sample the next token of each request whose chunk reached its end, score the
+        scoring requests' chunks, and finish the requests that are done."""
         self._stats.steps += 1
         self._stats.prefill_tokens_computed += sum(
             chunk.num_tokens for chunk in chunks if chunk.start < chunk.request.num_prompt_tokens
         )
+        return self._sample(chunks, step_logits.sampled) + self._score(chunks, step_logits.scored)
+
+    def _sample(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> list[EngineResult]:
         sampling = [self._live[chunk.request.request_id] for chunk in chunks if chunk.samples_next_token]
         self.grammars.mask(logits, [live.request.request_id for live in sampling])
         tokens = sample_tokens(
@@ -196,11 +233,42 @@ class Engine:
                 finished.append(self._finish(live, reason))
         return finished
 
-    def _finish(self, live: _Live, reason: str) -> EngineResult:
+    def _score(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> list[EngineResult]:
+        """Record the log-probabilities the scoring requests' chunks computed; a choice is done when its
+        chunk reaches its end, and a scored-choices prompt when its last choice is."""
+        finished = []
+        row = 0
+        for chunk in chunks:
+            request = chunk.request
+            if request.score_from is None:
+                continue
+            live = self._live[request.request_id]
+            group, choice = live.choice
+            positions = chunk.scored_positions
+            if positions:
+                targets = request.token_ids(positions.start + 1, positions.stop + 1)
+                first = positions.start - (request.score_from - 1)
+                group.record(choice, first, logits[row : row + len(positions)], targets)
+                row += len(positions)
+            if chunk.reaches_end:
+                self._release(live)
+                group.pending.remove(request.request_id)
+                if not group.pending:
+                    record = group.best_token_logprobs() if request.sampling.wants_logprobs else None
+                    fields = logprob_fields(record, request.sampling, self.stopping.tokenizer)
+                    finished.append(dataclasses.replace(group.result(), **fields))
+        return finished
+
+    def _release(self, live: _Live) -> None:
+        """Forget a finished request: its KV blocks, its images, its positions."""
         request = live.request
-        self.scheduler.finish(request)  # frees its KV blocks and lets go of its images
+        self.scheduler.finish(request)
         self.runner.remove_request(request.request_id)
         del self._live[request.request_id]
+
+    def _finish(self, live: _Live, reason: str) -> EngineResult:
+        request = live.request
+        self._release(live)
         error = None
         if not self.grammars.is_complete(request.request_id):
             limit = "max_new_tokens" if reason == "length" else "a stop string or stop token"
@@ -218,15 +286,5 @@ class Engine:
             num_prompt_tokens=request.num_prompt_tokens,
             error=error,
             latency_s=time.perf_counter() - live.start_time,
-            **self._logprob_fields(live),
+            **logprob_fields(live.logprobs, request.sampling, self.stopping.tokenizer),
         )
-
-    def _logprob_fields(self, live: _Live) -> dict:
-        """The result's log-probability fields, for a request that asked for them."""
-        if live.logprobs is None:
-            return {}
-        decode = self.stopping.tokenizer.decode
-        top = None
-        if live.request.sampling.top_logprobs:
-            top = [[(decode([t]), t, value) for t, value in position] for position in live.logprobs.top]
-        return {"token_logprobs": live.logprobs.chosen, "top_logprobs": top}

@@ -30,3 +30,14 @@ class TokenLogprobs:
         if params.top_logprobs:
             values, ids = torch.topk(logprobs, min(params.top_logprobs, logprobs.shape[-1]))
             self.top.append(list(zip(ids.tolist(), values.tolist(), strict=True)))
+
+
+def logprob_fields(record: TokenLogprobs | None, params: SamplingParams, tokenizer) -> dict:
+    """An `EngineResult`'s log-probability fields from a request's record (none if it kept none): the
+    most likely tokens as (text, token id, log-probability)."""
+    if record is None:
+        return {}
+    top = None
+    if params.top_logprobs:
+        top = [[(tokenizer.decode([t]), t, value) for t, value in position] for position in record.top]
+    return {"token_logprobs": record.chosen, "top_logprobs": top}

@@ -27,6 +27,15 @@ from batchvl.preprocess.media import PreparedMedia
 
 
 @dataclass
+class StepLogits:
+    """A forward's float32 logits: one row per chunk with `samples_next_token` (in chunk order), and one
+    per scored position of the chunks of scoring requests (in chunk order, then position order)."""
+
+    sampled: torch.Tensor
+    scored: torch.Tensor
+
+
+@dataclass
 class RequestPositions:
     prompt: torch.Tensor  # (axes, num_prompt_tokens)
     delta: int  # generated token i (0-based over prompt + output) sits at position i + delta
@@ -129,8 +138,8 @@ class ModelRunner:
         return torch.cat([pos.prompt[:, start:], generated], dim=1)
 
     @torch.inference_mode()
-    def execute(self, chunks: list[ScheduledChunk], block_manager: BlockManager) -> torch.Tensor:
-        """Run one packed forward; returns float32 logits for the chunks with `samples_next_token`."""
+    def execute(self, chunks: list[ScheduledChunk], block_manager: BlockManager) -> StepLogits:
+        """Run one packed forward; returns the logits the chunks need (see `StepLogits`)."""
         token_ids: list[int] = []
         positions, slot_mapping, sequences = [], [], []
         query_start = 0
@@ -164,14 +173,18 @@ class ModelRunner:
             media_rows,
             batchvl_attention=meta,
         )
+        pairs = list(zip(chunks, sequences, strict=True))
         last_rows = [
-            seq.query_start + seq.num_queries - 1
-            for chunk, seq in zip(chunks, sequences, strict=True)
-            if chunk.samples_next_token
+            seq.query_start + seq.num_queries - 1 for chunk, seq in pairs if chunk.samples_next_token
         ]
-        logits = self.adapter.compute_logits(hidden[last_rows])
+        scored_rows = [
+            seq.query_start + position - chunk.start
+            for chunk, seq in pairs
+            for position in chunk.scored_positions
+        ]
+        logits = self.adapter.compute_logits(hidden[last_rows + scored_rows])
         self.forward_s += time.perf_counter() - started
-        return logits
+        return StepLogits(logits[: len(last_rows)], logits[len(last_rows) :])
 
     def _media_rows(
         self, num_tokens: int, chunks: list[ScheduledChunk], sequences: list[SequenceSlice]

@@ -75,10 +75,20 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
     priority: int = 0  # lower is admitted first among the waiting (the job passes its shard's position)
+    # A scoring request (one choice of a scored `choices` prompt) generates nothing: the logits at
+    # positions score_from - 1 .. num_tokens - 2 score its tokens from `score_from` on, and it ends when
+    # its prompt is computed.
+    score_from: int | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def num_cacheable_tokens(self) -> int:
+        """How many leading tokens may come from the prefix cache: all before the first position whose
+        logits the request needs (its last token, or for a scoring request the one before its choice)."""
+        return (self.num_tokens if self.score_from is None else self.score_from) - 1
 
     @property
     def num_tokens(self) -> int:
@@ -118,9 +128,21 @@ class ScheduledChunk:
         return self.start + self.num_tokens
 
     @property
+    def reaches_end(self) -> bool:
+        return self.end == self.request.num_tokens
+
+    @property
     def samples_next_token(self) -> bool:
         # Only a chunk that reaches the last known token yields logits worth sampling from.
-        return self.end == self.request.num_tokens
+        return self.reaches_end and self.request.score_from is None
+
+    @property
+    def scored_positions(self) -> range:
+        """The chunk's positions whose logits score a scoring request's next token (teacher forcing)."""
+        first = self.request.score_from
+        if first is None:
+            return range(0)
+        return range(max(self.start, first - 1), min(self.end, self.request.num_tokens - 1))
 
 
 @dataclass
@@ -135,6 +157,8 @@ class EngineRequest:
     # finish in input order as far as possible and a stop loses at most the shards in flight.
     priority: int = 0
     constraint: OutputConstraint | None = None  # what the output must match (None: free text)
+    # Answer by scoring these strings (each followed by the end-of-sequence token) instead of generating
+    scored_choices: tuple[str, ...] | None = None
 
 
 @dataclass
@@ -153,6 +177,9 @@ class EngineResult:
     # likely tokens there as (text, token id, log-probability)
     token_logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[str, int, float]]] | None = None
+    # A scored-choices request: each choice's log-probability given the prompt (its tokens and the
+    # end-of-sequence token); `text` is the most probable choice and `output_token_ids` its tokens
+    choice_logprobs: list[float] | None = None
 
     @property
     def num_output_tokens(self) -> int:

@@ -238,6 +238,6 @@ class Scheduler:
         return prompt_blocks[request.num_computed_tokens // size :]
 
     def _next_block_hash(self, request: Request, cached: list[int]) -> int | None:
-        if len(cached) >= (request.num_tokens - 1) // self.block_manager.block_size:
+        if len(cached) >= request.num_cacheable_tokens // self.block_manager.block_size:
             return None  # nothing more could come from the cache
         return self.block_manager.first_uncached_hash(request, len(cached))

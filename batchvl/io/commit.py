@@ -29,6 +29,7 @@ class ShardMarker:
     errors: int
     errors_by_type: dict[str, int]
     task: str | None  # "I/N" when the run was one task of a split job
+    skipped: int = 0  # rows of follow-up prompts whose `when` did not match
     host: str = field(default_factory=socket.gethostname)
     written_at: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%S%z"))
     batchvl_version: str = ""
@@ -46,12 +47,13 @@ class ShardMarker:
         """Set the row counts from each row's (status, error_type)."""
         self.errors_by_type = {}
         for status, error_type in statuses:
-            if status != "ok":
+            if status == "error":
                 name = error_type or "unknown"
                 self.errors_by_type[name] = self.errors_by_type.get(name, 0) + 1
         self.rows = len(statuses)
         self.errors = sum(self.errors_by_type.values())
-        self.ok = self.rows - self.errors
+        self.skipped = sum(status == "skipped" for status, _ in statuses)
+        self.ok = self.rows - self.errors - self.skipped
 
 
 def marker_path(out_dir: str, shard: str) -> str:

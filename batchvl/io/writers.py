@@ -39,6 +39,7 @@ OPTIONAL_COLUMNS = {
     "mean_logprob": pa.float64(),
     "min_logprob": pa.float64(),
     "top_logprobs": pa.list_(pa.list_(TOP_LOGPROB)),  # per output token, the most likely tokens
+    "choice_probs": pa.map_(pa.string(), pa.float64()),  # a scored choices prompt: choice -> probability
 }
 
 

@@ -1,9 +1,10 @@
 """Render each (sample, prompt) with the model's chat template and expand image placeholders.
 
 Contract: ONE user turn holding the sample's image(s) followed by the prompt text, rendered with
-`add_generation_prompt=True`. Each media placeholder token then becomes the media's placeholder text
-(as many placeholder tokens as the media has embedding rows, with the family's markers between tiles or
-frames), exactly as the model's processor does.
+`add_generation_prompt=True` (a follow-up prompt that continues another's conversation adds that
+prompt's answer and its own user turn after it). Each media placeholder token then becomes the media's
+placeholder text (as many placeholder tokens as the media has embedding rows, with the family's markers
+between tiles or frames), exactly as the model's processor does.
 """
 
 from __future__ import annotations
@@ -59,9 +60,20 @@ class PromptRenderer:
 
     def render(self, prompt_text: str, media_kinds: int | list[str]) -> str:
         """Chat-template text of one user turn: the media (an int: that many images), then the text."""
+        return self.render_conversation([prompt_text], [], media_kinds)
+
+    def render_conversation(
+        self, user_texts: list[str], answers: list[str], media_kinds: int | list[str]
+    ) -> str:
+        """Chat-template text of a conversation: user turns with the model's answers between them (one
+        fewer), the media in the first user turn, ending where the model answers the last turn. Its first
+        turn renders as `render` renders that turn alone, so a follow-up shares its prompt's prefix."""
         kinds = ["image"] * media_kinds if isinstance(media_kinds, int) else media_kinds
-        content = [{"type": kind} for kind in kinds] + [{"type": "text", "text": prompt_text}]
-        messages = [{"role": "user", "content": content}]
+        first = [{"type": kind} for kind in kinds] + [{"type": "text", "text": user_texts[0]}]
+        messages = [{"role": "user", "content": first}]
+        for answer, text in zip(answers, user_texts[1:], strict=True):
+            messages.append({"role": "assistant", "content": [{"type": "text", "text": answer}]})
+            messages.append({"role": "user", "content": [{"type": "text", "text": text}]})
         return self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
     def token_ids(self, rendered: str, media: list[PreparedMedia]) -> list[int]:

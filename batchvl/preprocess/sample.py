@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class PreparedPrompt:
-    token_ids: list[int] | None
+    token_ids: list[int] | None  # None: an error, or a follow-up prompt the job renders later
     error: SampleError | None = None
 
 
@@ -51,10 +51,12 @@ class SampleProcessor:
         processor,
         prepare_media: Callable[[MediaRef], PreparedMedia],
         prompts: list[PromptConfig],
+        follow_ups: frozenset[int] = frozenset(),
     ):
         self.renderer = PromptRenderer(processor)
         self.prepare_media = prepare_media
         self.prompts = prompts
+        self.follow_ups = follow_ups  # prompts that use an earlier output: the job renders them later
 
     def __call__(self, sample: Sample) -> PreparedSample:
         start = time.perf_counter()
@@ -78,7 +80,10 @@ class SampleProcessor:
             sample.shard, sample.index, sample.key, sample.fields, len(images), images=images
         )
         values = {**sample.fields, "key": sample.key}
-        for prompt in self.prompts:
+        for index, prompt in enumerate(self.prompts):
+            if index in self.follow_ups:
+                prepared.prompts.append(PreparedPrompt(None))
+                continue
             try:
                 rendered = self.renderer.render(fill_template(prompt.text, values), [m.kind for m in images])
                 prepared.prompts.append(PreparedPrompt(self.renderer.token_ids(rendered, images)))

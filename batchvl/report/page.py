@@ -71,8 +71,8 @@ def _table(headers: list[str], rows: list[list], table_id: str) -> str:
     return f'<table id="{table_id}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
 
 
-def _summary_section(ok: pa.Table, errors: pa.Table, runs: list[dict], shards: str) -> str:
-    rows = ok.num_rows + errors.num_rows
+def _summary_section(ok: pa.Table, errors: pa.Table, skipped: int, runs: list[dict], shards: str) -> str:
+    rows = ok.num_rows + errors.num_rows + skipped
     job_runs = [r for r in runs if r.get("mode", "run") == "run"]
 
     def total(key: str) -> float:
@@ -85,6 +85,7 @@ def _summary_section(ok: pa.Table, errors: pa.Table, runs: list[dict], shards: s
         _stat(
             "error rows", f"{errors.num_rows:,}", _ratio(errors.num_rows, rows) + " of rows" if rows else ""
         ),
+        _stat("skipped rows", f"{skipped:,}", "follow-ups whose when did not match"),
         _stat(
             "samples/s", f"{total('samples') / busy:.2f}" if busy else "n/a", "per process, while processing"
         ),
@@ -111,6 +112,7 @@ def _runs_section(runs: list[dict]) -> str:
         "samples": "samples",
         "ok": "ok",
         "errors": "errors",
+        "skipped": "skipped",
         "wall s": "wall_s",
         "samples/s": "samples_per_s",
         "output tok/s": "output_tokens_per_s",
@@ -148,8 +150,9 @@ def build_report(cfg: JobConfig, samples: int = 24, seed: int = 0) -> Report:
     shards = job_source(cfg).list_shards()
     outputs = committed_outputs(cfg.output.dir, shards)
     table = results_table(outputs)
-    is_ok = pc.equal(table["status"], "ok")
-    ok, errors = table.filter(is_ok), table.filter(pc.invert(is_ok))
+    ok = table.filter(pc.equal(table["status"], "ok"))
+    errors = table.filter(pc.equal(table["status"], "error"))
+    skipped = table.num_rows - ok.num_rows - errors.num_rows
     runs = read_run_stats(cfg.output.dir)
     items = gallery_items(cfg, table, samples, seed)
     title = f"batchvl report: {os.path.basename(cfg.output.dir.rstrip(os.sep))}"
@@ -163,7 +166,7 @@ def build_report(cfg: JobConfig, samples: int = 24, seed: int = 0) -> Report:
         f'<meta http-equiv="Content-Security-Policy" content="{CSP}">'
         f"<title>{html.escape(title)}</title><style>{PAGE_CSS}{GALLERY_CSS}</style></head><body>"
         f'<h1>{html.escape(title)}</h1><p class="bvl-sub">{html.escape(subtitle)}</p>'
-        + _summary_section(ok, errors, runs, f"{len(outputs)} / {len(shards)}")
+        + _summary_section(ok, errors, skipped, runs, f"{len(outputs)} / {len(shards)}")
         + _errors_by_type_section(errors)
         + _histograms_section(ok)
         + f'<section id="gallery-section"><h2>Gallery ({len(items)} sampled inputs)</h2>'

@@ -43,6 +43,7 @@ class RunStats:  # not Counters: its mode and task name the run
     requests: int = 0
     ok: int = 0
     errors: int = 0
+    skipped: int = 0  # follow-up prompts whose `when` did not match
     errors_by_type: Counter = field(default_factory=Counter)
     wall_s: float = 0.0
     model_load_s: float = 0.0
@@ -57,6 +58,8 @@ class RunStats:  # not Counters: its mode and task name the run
         self.requests += 1
         if status == "ok":
             self.ok += 1
+        elif status == "skipped":
+            self.skipped += 1
         else:
             self.errors += 1
             self.errors_by_type[error_type] += 1

@@ -99,7 +99,7 @@ class EngineProbe:
         def recording_execute(chunks, block_manager):
             out = execute(chunks, block_manager)
             sampled = [chunk for chunk in chunks if chunk.samples_next_token]
-            for chunk, row in zip(sampled, out, strict=True):
+            for chunk, row in zip(sampled, out.sampled, strict=True):
                 request = chunk.request
                 self._logits.setdefault(request.request_id, {})[request.num_output_tokens] = row.clone()
             return out

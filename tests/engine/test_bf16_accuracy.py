@@ -50,7 +50,7 @@ def engine_logits(tiny_model_dir):
     def recording(chunks, block_manager):
         out = execute(chunks, block_manager)
         sampled = [chunk for chunk in chunks if chunk.samples_next_token]
-        for chunk, row in zip(sampled, out, strict=True):
+        for chunk, row in zip(sampled, out.sampled, strict=True):
             logits[tag_of[chunk.request.request_id]].append(row.clone())
         return out
 
