@@ -1,7 +1,7 @@
 """batchvl: batch, offline captioning and visual question answering with vision-language models.
 
-The Python API (`batchvl.caption`, `batchvl.run`, `batchvl.load_model`, `batchvl.read_results`) is
-imported on first use, so `import batchvl` stays light.
+The Python API (`batchvl.caption`, `batchvl.run`, `batchvl.load_model`, `batchvl.read_results`,
+`batchvl.read_labels`) is imported on first use, so `import batchvl` stays light.
 """
 
 import os
@@ -15,7 +15,7 @@ os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
 
 __version__ = "0.1.0"
 
-_API = ("Results", "caption", "load_model", "read_results", "run")
+_API = ("Results", "caption", "load_model", "read_labels", "read_results", "run")
 __all__ = ["__version__", *_API]
 
 

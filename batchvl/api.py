@@ -7,6 +7,7 @@
     results.dataset          # datasets.Dataset: one row per (sample, prompt), in input order
     results.errors           # only the error rows
     results.to_pandas()
+    results.to_labels()      # one row per sample, a typed column per prompt
     results.gallery(8)       # images beside their outputs, displayed by notebooks
 
 This is the CLI's code path: the same job runner, engine, error rows and resume (calling again with the
@@ -25,6 +26,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
 
 from batchvl.config import JobConfig, job_config_from_dict, load_job_config
 from batchvl.errors import UserError
@@ -64,6 +67,10 @@ class Results:
 
     def to_pandas(self) -> pandas.DataFrame:
         return self.dataset.to_pandas()
+
+    def to_labels(self) -> datasets.Dataset:
+        """One row per sample, a typed column per prompt (see `read_labels`)."""
+        return read_labels(self.config)
 
     def gallery(self, n: int = 8, seed: int = 0):
         """`n` sampled inputs beside their outputs, as HTML a notebook displays (`IPython.display.HTML`)."""
@@ -187,7 +194,29 @@ def read_results(job: JobConfig | Mapping[str, Any] | str | Path) -> datasets.Da
 
     cfg = _job_config(job, ())
     outputs = committed_outputs(cfg.output.dir, job_source(cfg).list_shards())
-    return datasets.Dataset(InMemoryTable(results_table(outputs)))
+    return datasets.Dataset(InMemoryTable(_without_maps(results_table(outputs))))
+
+
+def _without_maps(table: pa.Table) -> pa.Table:
+    """`datasets` has no map type: a map column (`choice_probs`) becomes a list of {key, value} structs,
+    its storage layout."""
+    for index, column in enumerate(table.schema):
+        if pa.types.is_map(column.type):
+            entry = pa.struct([("key", column.type.key_type), ("value", column.type.item_type)])
+            table = table.set_column(index, column.name, table.column(index).cast(pa.list_(entry)))
+    return table
+
+
+def read_labels(job: JobConfig | Mapping[str, Any] | str | Path) -> datasets.Dataset:
+    """The job's labels: one row per sample with, per prompt, its value (typed from a JSON schema: structs,
+    lists, ints, floats, bools; text otherwise), `<prompt>_status`, and `<prompt>_probs` for scored
+    choices. See `labels.py`."""
+    import datasets
+    from datasets.table import InMemoryTable
+
+    from batchvl.labels import job_labels
+
+    return datasets.Dataset(InMemoryTable(job_labels(_job_config(job, ()))))
 
 
 def stage_dataset(dataset: datasets.Dataset, out: Path, rows_per_shard: int, overwrite: bool) -> Path:

@@ -287,6 +287,33 @@ def report(
     )
 
 
+@app.command()
+def export(
+    job_file: JobFile,
+    set_: SetOption = None,
+    wide: Annotated[
+        Path | None, typer.Option(help="Write the labels: one row per sample, a typed column per prompt.")
+    ] = None,
+    rows: Annotated[
+        Path | None, typer.Option(help="Write every committed row, one per (sample, prompt), in one file.")
+    ] = None,
+) -> None:
+    """Write the job's committed results as one Parquet file: the labels (--wide) or the rows (--rows)."""
+    _setup_logging("warning")
+    from batchvl.config import load_job_config
+    from batchvl.io.writers import write_table_atomic
+    from batchvl.labels import job_rows, labels_table
+
+    if wide is None and rows is None:
+        raise UserError("export: name a file with --wide OUT.parquet (labels) or --rows OUT.parquet (rows)")
+    cfg = load_job_config(job_file, set_ or [])
+    table = job_rows(cfg)
+    for path, written in ((rows, table), (wide, labels_table(cfg, table) if wide else None)):
+        if path is not None:
+            write_table_atomic(os.path.abspath(path), written)
+            typer.echo(f"wrote {path} ({written.num_rows} rows)")
+
+
 @app.command("make-tiny-model")
 def make_tiny_model(
     out_dir: Annotated[Path, typer.Argument(help="Folder to write the checkpoint to.", show_default=False)],

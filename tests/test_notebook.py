@@ -41,12 +41,23 @@ def test_label_dataset_notebook_runs(tmp_path):
     assert any("7/7" in text and "sample/s" in text for text in texts)
 
     # The gallery shows 4 images beside outputs that are in the written results.
-    written = pq.read_table(tmp_path / "work" / "captions" / "data-00000-of-00001.parquet").to_pylist()
+    written = pq.read_table(tmp_path / "work" / "labels" / "data-00000-of-00001.parquet").to_pylist()
     gallery = tagged(notebook, "gallery").outputs[0].data["text/html"]
     assert gallery.count('<img class="bvl-thumb" src="data:image/jpeg;base64,') == 4
     assert sum(row["text"] is not None and row["text"] in gallery for row in written) >= 8
 
-    assert "2 error rows" in tagged(notebook, "errors").outputs[0].text
-    assert sum(r["status"] == "error" for r in written) == 2  # the broken row, once per prompt
-    assert "6 of 7 images labeled" in tagged(notebook, "labeled").outputs[-2].text
-    assert (tmp_path / "work" / "captions" / "report.html").is_file()
+    errors = sum(r["status"] == "error" for r in written)
+    assert f"{errors} error rows" in tagged(notebook, "errors").outputs[0].text
+    broken = [r for r in written if r["name"] == "broken"]
+    assert len(broken) == 4 and all(r["error_type"] == "image_decode_error" for r in broken)
+
+    # The typed labels: one row per image fully labeled, joined back onto the images.
+    complete = [
+        k for k in {r["key"] for r in written} if all(r["status"] == "ok" for r in written if r["key"] == k)
+    ]
+    printed = "".join(
+        o.get("text", "") for o in tagged(notebook, "labeled").outputs if o.output_type == "stream"
+    )
+    assert f"{len(complete)} of 7 images fully labeled" in printed
+    assert "Value('bool')" in printed or "bool" in printed  # the attrs struct, typed from the schema
+    assert (tmp_path / "work" / "labels" / "report.html").is_file()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import html
 import io
+import json
 import random
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ class GalleryOutput:
     status: str
     error_type: str | None
     error_message: str | None
+    fields: dict | None = None  # a JSON-schema prompt's ok output, parsed: shown field by field
 
 
 @dataclass
@@ -66,17 +68,20 @@ def gallery_items(cfg: JobConfig, table: pa.Table, n: int, seed: int = 0) -> lis
     """The chosen samples with their outputs (from `table`, which has a `shard` column) and thumbnails."""
     chosen = pick_samples(table, n, seed)
     items = {sample: GalleryItem(sample[0], sample[1], "") for sample in chosen}
+    json_prompts = {prompt.name for prompt in cfg.prompts if prompt.json_schema is not None}
     for row in table.select(
         ["shard", "sample_index", "key", "prompt", "text", "status", "error_type", "error_message"]
     ).to_pylist():
         item = items.get((row["shard"], row["sample_index"]))
         if item is not None:
             item.key = row["key"]
-            item.outputs.append(
-                GalleryOutput(
-                    row["prompt"], row["text"], row["status"], row["error_type"], row["error_message"]
-                )
+            output = GalleryOutput(
+                row["prompt"], row["text"], row["status"], row["error_type"], row["error_message"]
             )
+            if output.status == "ok" and output.prompt in json_prompts:
+                parsed = json.loads(output.text)
+                output.fields = parsed if isinstance(parsed, dict) else None
+            item.outputs.append(output)
     for sample in read_samples(cfg, list(items)):
         item = items[(sample.shard, sample.index)]
         if sample.error is not None:
@@ -141,6 +146,9 @@ GALLERY_CSS = """
 .bvl-prompt{font-weight:600}
 .bvl-error{color:#a00}
 .bvl-note{color:#a60;font-size:12px}
+.bvl-fields{display:grid;grid-template-columns:max-content 1fr;gap:0 8px;margin:2px 0 0 8px}
+.bvl-fields dt{color:#555}
+.bvl-fields dd{margin:0}
 """
 
 
@@ -165,7 +173,17 @@ def gallery_html(items: list[GalleryItem], with_style: bool = True) -> str:
 
 def _output_html(output: GalleryOutput) -> str:
     prompt = f'<span class="bvl-prompt">{html.escape(output.prompt)}:</span> '
+    if output.fields is not None:
+        fields = "".join(
+            f"<dt>{html.escape(name)}</dt><dd>{html.escape(_json_text(value), quote=False)}</dd>"
+            for name, value in output.fields.items()
+        )
+        return f'<div class="bvl-out">{prompt}<dl class="bvl-fields">{fields}</dl></div>'
     if output.status == "ok":
         return f'<div class="bvl-out">{prompt}{html.escape(output.text or "")}</div>'
     message = f"{output.error_type}: {output.error_message}"
     return f'<div class="bvl-out bvl-error">{prompt}{html.escape(message)}</div>'
+
+
+def _json_text(value) -> str:
+    return json.dumps(value, ensure_ascii=False)

@@ -25,7 +25,9 @@ from batchvl.io.run_stats import read_run_stats
 from batchvl.io.sources import job_source
 from batchvl.io.writers import write_text_atomic
 from batchvl.report.gallery import GALLERY_CSS, gallery_html, gallery_items
+from batchvl.report.labels_section import labels_section
 from batchvl.report.svg import histogram_svg
+from batchvl.report.tables import table_html
 from batchvl.utils.stats import processing_seconds
 
 REPORT_NAME = "report.html"
@@ -60,15 +62,6 @@ def _ratio(numerator: float, denominator: float) -> str:
 def _stat(label: str, value: str, detail: str = "") -> str:
     small = f"<small>{html.escape(detail)}</small>" if detail else ""
     return f'<div class="bvl-stat">{html.escape(label)}<b>{html.escape(value)}</b>{small}</div>'
-
-
-def _table(headers: list[str], rows: list[list], table_id: str) -> str:
-    head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
-    body = "".join(
-        "<tr>" + "".join(f"<td>{html.escape('' if v is None else str(v))}</td>" for v in row) + "</tr>"
-        for row in rows
-    )
-    return f'<table id="{table_id}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
 
 
 def _summary_section(ok: pa.Table, errors: pa.Table, skipped: int, runs: list[dict], shards: str) -> str:
@@ -122,13 +115,13 @@ def _runs_section(runs: list[dict]) -> str:
     }
     rows = [[run.get(key) for key in columns.values()] for run in runs]
     headers = list(columns)
-    return f'<section id="runs"><h2>Runs</h2>{_table(headers, rows, "runs-table")}</section>'
+    return f'<section id="runs"><h2>Runs</h2>{table_html(headers, rows, "runs-table")}</section>'
 
 
 def _errors_by_type_section(errors: pa.Table) -> str:
     counts = Counter(errors["error_type"].to_pylist())
     rows = [[error_type, count] for error_type, count in counts.most_common()]
-    body = _table(["error_type", "rows"], rows, "errors-by-type") if rows else "<p>No error rows.</p>"
+    body = table_html(["error_type", "rows"], rows, "errors-by-type") if rows else "<p>No error rows.</p>"
     return f'<section id="error-types"><h2>Errors by type</h2>{body}</section>'
 
 
@@ -142,7 +135,7 @@ def _histograms_section(ok: pa.Table) -> str:
 def _error_rows_section(errors: pa.Table) -> str:
     columns = ["shard", "key", "prompt", "error_type", "error_message"]
     rows = [[row[c] for c in columns] for row in errors.select(columns).to_pylist()]
-    body = _table(columns, rows, "error-rows") if rows else "<p>No error rows.</p>"
+    body = table_html(columns, rows, "error-rows") if rows else "<p>No error rows.</p>"
     return f'<section id="errors"><h2>Error rows ({len(rows):,})</h2>{body}</section>'
 
 
@@ -168,6 +161,7 @@ def build_report(cfg: JobConfig, samples: int = 24, seed: int = 0) -> Report:
         f'<h1>{html.escape(title)}</h1><p class="bvl-sub">{html.escape(subtitle)}</p>'
         + _summary_section(ok, errors, skipped, runs, f"{len(outputs)} / {len(shards)}")
         + _errors_by_type_section(errors)
+        + labels_section(cfg, table)
         + _histograms_section(ok)
         + f'<section id="gallery-section"><h2>Gallery ({len(items)} sampled inputs)</h2>'
         + gallery_html(items, with_style=False)
