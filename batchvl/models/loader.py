@@ -7,6 +7,7 @@ nothing untrusted is unpickled.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,11 +48,39 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype == "float32":
         return torch.float32
     if dtype == "bfloat16":
+        if device.type == "cpu" and not cpu_has_native_bf16():
+            warn_slow_bf16()
         return torch.bfloat16
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
-    # bf16 matmuls are fast only on CPUs with AVX-512 (bf16) or AMX; elsewhere fp32 is quicker. Never fp16.
-    return torch.bfloat16 if "AVX512" in torch.backends.cpu.get_cpu_capability() else torch.float32
+    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+
+
+def cpu_has_native_bf16() -> bool:
+    """bf16 matmuls are fast only on CPUs with AVX-512 (bf16) or AMX; elsewhere torch falls back to a
+    reference kernel hundreds of times slower than fp32. (fp16 has no fast CPU path at all.)"""
+    capability = torch.backends.cpu.get_cpu_capability()
+    return "AVX512" in capability or "AMX" in capability
+
+
+def warn_slow_bf16(size: int = 128) -> None:
+    """Say once, with the cost measured on this CPU, that an explicit bfloat16 will be slow here."""
+    times = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        a = torch.randn(size, size, dtype=dtype)
+        torch.matmul(a, a)  # warm-up
+        started = time.perf_counter()
+        torch.matmul(a, a)
+        times[dtype] = time.perf_counter() - started
+    slowdown = times[torch.bfloat16] / max(times[torch.float32], 1e-9)
+    logger.warning(
+        "model.dtype is bfloat16, but this CPU (%s) has no native bf16 matmul: a %dx%d bf16 matmul took "
+        "%.0fx as long as fp32 here; use model.dtype: auto (fp32 on this CPU) or float32",
+        torch.backends.cpu.get_cpu_capability(),
+        size,
+        size,
+        slowdown,
+    )
 
 
 def read_model_type(path: str, trust_remote_code: bool = False) -> str:
