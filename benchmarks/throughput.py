@@ -74,6 +74,7 @@ SUMMED_STATS = (
     "encode_s",
     "forward_s",
     "input_wait_s",
+    "processing_s",
     "ok",
     "errors",
 )
@@ -513,6 +514,9 @@ def measure(args, work: Path, dtypes: list[str]) -> dict:
                 busy = run["encode_s"] + run["forward_s"]
                 row["engine_idle_share"] = round(1 - busy / wall, 4)
                 row["input_wait_share"] = round(run["input_wait_s"] / wall, 4)
+                # from each job's first input read to its last commit: without the jobs' set-up (planning,
+                # starting the preprocessing pool), as vLLM's rate is after its start-up
+                row["samples_per_s_processing"] = round(run["samples_completed"] / run["processing_s"], 3)
                 if work_done:
                     executed = (
                         work_done["vit"] * run["patches_encoded"] / max(work_done["patches"], 1)
