@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import io
 import json
 import os
@@ -79,6 +80,9 @@ SUMMED_STATS = (
     "errors",
 )
 SHOWN_ERRORS = 3  # error messages quoted when a method fails its row check
+# The environment the benchmark was given, before importing batchvl sets its OpenMP wait policy: the
+# peers run in it; batchvl's child gets batchvl's settings from the parent (its torch loads first).
+PEER_ENV = dict(os.environ)
 
 
 # ---- the workload ----------------------------------------------------------------------------------
@@ -218,7 +222,7 @@ def run_batchvl(root: Path, model_dir: str, dtype_name: str) -> dict:
 
     # Start-up: loading the model and a job of the workload's first sample, as a user's first result.
     first = root / "startup" / dtype_name
-    first.mkdir(parents=True)
+    first.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.Table.from_pylist(read_part(root, "one_prompt")[:1]), first / "part-0.parquet")
     loaded = load_model(model_dir, dtype=dtype_name, device="cpu")
     run_job(job(first, PARTS["one_prompt"], first / "out"), loaded=loaded, show_progress=False)
@@ -397,9 +401,20 @@ def workload_flops(counter: FlopCounter, root: Path, dtype_name: str, model_dir:
 # ---- the parent: build, run each method, report ----------------------------------------------------
 
 
+@contextlib.contextmanager
+def busy_process():
+    """One CPU-bound process competing for the cores (as a second job or a busy worker would)."""
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        yield
+    finally:
+        busy.kill()
+        busy.wait()
+
+
 def run_child(script: str, method: str, dtype: str, root: Path, model_dir: Path) -> dict:
     arguments = ["--dtype", dtype, "--root", str(root), "--model", str(model_dir)]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    env = {**(os.environ if method == "c" else PEER_ENV), "HF_HUB_OFFLINE": "1"}
     if method in VLLM_SETTINGS:
         python = VLLM_VENV / "bin" / "python"
         if not python.is_file():
@@ -435,6 +450,11 @@ def main() -> None:
         help="Comma-separated; default: bfloat16,float32 where the CPU has native bf16, else float32",
     )
     parser.add_argument("--methods", default="a,b,c")
+    parser.add_argument(
+        "--contention",
+        action="store_true",
+        help="Run each method again beside one busy CPU-bound process and report its slowdown",
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--method", help=argparse.SUPPRESS)
     parser.add_argument("--dtype", help=argparse.SUPPRESS)
@@ -488,6 +508,12 @@ def measure(args, work: Path, dtypes: list[str]) -> dict:
             print(f"running {METHODS[method]} in {dtype} ...", file=sys.stderr, flush=True)
             run = run_child(__file__, method, dtype, work, model_dir)
             runs[method] = {**run, **check_rows(method, dtype, run, expected)}
+            if args.contention:
+                print(f"running {METHODS[method]} in {dtype} beside a busy process ...", file=sys.stderr)
+                with busy_process():
+                    contended = run_child(__file__, method, dtype, work, model_dir)
+                check_rows(method, dtype, contended, expected)
+                runs[method]["contended_wall_s"] = contended["wall_s"]
         work_done = workload_flops(counter, work, dtype, model_dir) if "c" in runs else None
         for method, run in runs.items():
             wall = run["wall_s"]
@@ -509,6 +535,8 @@ def measure(args, work: Path, dtypes: list[str]) -> dict:
                 row["prefill_tokens_per_s"] = round(work_done["prompt_tokens"] / wall, 1)
                 row["encode_patches_per_s"] = round(work_done["patches"] / wall, 1)
                 row["workload_flops_share_of_peak"] = round(total / wall / run["matmul_peak_flops"], 4)
+            if "contended_wall_s" in run:  # one core of two lost: about 2x is the fair slowdown
+                row["contention_slowdown"] = round(run["contended_wall_s"] / wall, 2)
             if method == "c":
                 row["peak_rss_workers_mb"] = run["peak_rss_workers_mb"]
                 busy = run["encode_s"] + run["forward_s"]
@@ -546,6 +574,7 @@ def print_table(dtype: str, runs: dict) -> None:
         ("start-up s", "startup_s"),
         ("peak RSS MB", "peak_rss_mb"),
         ("FLOPs/peak", "workload_flops_share_of_peak"),
+        ("contended", "contention_slowdown"),
         ("vs a", "speedup_vs_a"),
         ("vs b", "speedup_vs_b"),
         ("vs d", "speedup_vs_d"),
