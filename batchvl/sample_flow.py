@@ -105,15 +105,13 @@ class SampleFlow:
         progress.rows.append(row)
 
     def _advance(self, state: _SampleState, progress: Progress) -> Progress:
-        """Settle every waiting follow-up whose inputs all have rows (a skip can settle the next one)."""
-        settled = True
-        while settled:
-            settled = False
-            for index in sorted(state.waiting):
-                if self.graph.uses[index] <= state.rows.keys():
-                    state.waiting.remove(index)
-                    self._settle(state, index, progress)
-                    settled = True
+        """Settle every waiting follow-up whose inputs all have rows. One pass in prompt order suffices: a
+        prompt uses earlier prompts only, so a row settled here (a skip, an error) is there in time for
+        the later prompts that use it."""
+        for index in sorted(state.waiting):
+            if self.graph.uses[index] <= state.rows.keys():
+                state.waiting.remove(index)
+                self._settle(state, index, progress)
         if not state.waiting and state.in_engine == 0:
             del self._samples[(state.sample.shard, state.sample.index)]
             progress.sample_done = True

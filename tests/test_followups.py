@@ -43,6 +43,7 @@ prompts:
   - {{name: shorter, continue: caption, text: {SHORTER}}}
   - {{name: photo_only, text: "Who took it?", when: {{prompt: kind, equals: photo}}}}
   - {{name: not_photo, text: "Who made it?", when: {{prompt: kind, in: [drawing, screenshot]}}}}
+  - {{name: made_more, text: "Say more about {{not_photo}}"}}
 sampling: {{max_new_tokens: {NEW_TOKENS}}}
 preprocess: {{workers: 1}}
 output: {{dir: out}}
@@ -79,7 +80,7 @@ def user(text: str, image: bool = False) -> dict:
 def test_follow_ups_equal_generate_on_the_same_conversation(job_root, tiny_model_dir):
     root, summary = job_root
     rows = rows_by(root / "out" / "s.parquet")
-    assert len(rows) == NUM_SAMPLES * 6
+    assert len(rows) == NUM_SAMPLES * 7
     model = AutoModelForImageTextToText.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     processor = AutoProcessor.from_pretrained(tiny_model_dir)
     for i in range(NUM_SAMPLES):
@@ -111,7 +112,11 @@ def test_when_runs_a_prompt_only_where_the_choice_matches(job_root):
         ran, skipped = (photo, other) if kind == "photo" else (other, photo)
         assert ran["status"] == "ok" and ran["text"] is not None
         assert (skipped["status"], skipped["text"], skipped["error_type"]) == ("skipped", None, None)
-    assert summary.stats["skipped"] == NUM_SAMPLES
+        # a prompt that uses a skipped prompt's output is skipped too; it runs where its input ran
+        assert rows[(f"k{i}", "made_more")]["status"] == ("skipped" if kind == "photo" else "ok")
+    photos = sum(rows[(f"k{i}", "kind")]["text"] == "photo" for i in range(NUM_SAMPLES))
+    assert photos > 0  # so a skipped input was met
+    assert summary.stats["skipped"] == NUM_SAMPLES + photos
     assert summary.stats["errors"] == 0
 
 
@@ -214,5 +219,6 @@ def test_the_report_counts_skipped_rows_apart_from_errors(job_root):
 
     root, _ = job_root
     report = build_report(load_job_config(root / "job.yaml"), samples=2)
+    skipped = sum(row["status"] == "skipped" for row in rows_by(root / "out" / "s.parquet").values())
     assert report.errors == 0
-    assert f"skipped rows<b>{NUM_SAMPLES}</b>" in report.html
+    assert f"skipped rows<b>{skipped}</b>" in report.html
