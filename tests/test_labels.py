@@ -101,11 +101,16 @@ def test_the_rows_api_keeps_choice_probs_as_key_value_lists(job_root):
     assert sum(entry["value"] for entry in kind["choice_probs"]) == pytest.approx(1.0)
 
 
-def test_export_wide_writes_the_same_table(job_root):
-    result = batchvl_cli("export", "job.yaml", "--wide", "labels.parquet", cwd=job_root)
+def test_export_writes_the_labels_and_the_rows(job_root):
+    args = ["--wide", "labels.parquet", "--rows", "rows.parquet"]
+    result = batchvl_cli("export", "job.yaml", *args, cwd=job_root)
     assert result.returncode == 0, result.stderr
     written = pq.read_table(job_root / "labels.parquet")
     assert written.equals(job_labels(load_job_config(job_root / "job.yaml")))
+    committed = pq.read_table(job_root / "out" / "s.parquet").replace_schema_metadata(None)
+    rows = pq.read_table(job_root / "rows.parquet")
+    assert rows.column("shard").to_pylist() == ["s.parquet"] * 24  # every row, its shard first
+    assert rows.drop_columns(["shard"]).equals(committed)
     result = batchvl_cli("export", "job.yaml", cwd=job_root)
     assert result.returncode == 2 and "--wide OUT.parquet" in result.stderr
 
