@@ -1,0 +1,86 @@
+"""bf16 linear layers with weights packed once for oneDNN: the same bits as `F.linear`, only where the
+weight is the layer's own, and the engine's outputs unchanged by them."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from batchvl.config import EngineConfig
+from batchvl.engine.engine import Engine
+from batchvl.engine.request import EngineRequest, SamplingParams
+from batchvl.models import loader, packed_linear
+from batchvl.models.packed_linear import PackedLinear, pack_linear_weights
+from batchvl.preprocess.prompts import PromptRenderer
+from batchvl.preprocess.qwen_vision import QwenVisionSpec, prepare_image
+from tests.conftest import random_image
+from tests.engine.reference import EngineProbe
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@torch.inference_mode()  # as the engine runs (with autograd on, F.linear takes another path for 3-D input)
+def test_packed_linear_gives_the_bits_of_f_linear_for_any_number_of_rows(bias):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(96, 160, bias=bias).to(torch.bfloat16)
+    packed = PackedLinear(linear)
+    for shape in [(1, 96), (7, 96), (300, 96), (2, 5, 96)]:
+        x = torch.randn(shape, dtype=torch.bfloat16)
+        got = packed(x)
+        assert got.shape == (*shape[:-1], 160)
+        assert torch.equal(got, F.linear(x, linear.weight, linear.bias))
+
+
+def test_only_bf16_linears_with_their_own_weight_are_packed():
+    torch.manual_seed(0)
+    embed = torch.nn.Embedding(50, 32)
+    head = torch.nn.Linear(32, 50, bias=False)
+    head.weight = embed.weight  # tied: the embedding still reads its rows
+    model = torch.nn.ModuleDict(
+        {
+            "embed": embed,
+            "mlp": torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Linear(64, 32)),
+            "head": head,
+        }
+    ).to(torch.bfloat16)
+    model["fp32"] = torch.nn.Linear(32, 32)  # float32 keeps F.linear (it must match the reference model)
+    assert pack_linear_weights(model) == 2
+    assert [type(m) for m in model["mlp"]] == [PackedLinear, PackedLinear]
+    assert type(model["head"]) is torch.nn.Linear
+    assert type(model["fp32"]) is torch.nn.Linear
+    assert model["head"].weight is model["embed"].weight
+
+
+def test_the_loader_packs_every_bf16_linear_and_no_fp32_one(tiny_model_dir, loaded_fp32):
+    bf16 = loader.load_model(str(tiny_model_dir), dtype="bfloat16", device="cpu").adapter.model
+    plain = [name for name, m in bf16.named_modules() if type(m) is torch.nn.Linear]
+    packed = [name for name, m in bf16.named_modules() if isinstance(m, PackedLinear)]
+    assert plain == []
+    assert "lm_head" in packed
+    assert any(".visual." in name for name in packed) and any(".language_model." in name for name in packed)
+    assert not any(isinstance(m, PackedLinear) for m in loaded_fp32.adapter.model.modules())
+
+
+def engine_run(model_dir) -> dict[int, tuple[list[int], torch.Tensor]]:
+    """Greedy tokens and every sampled position's logits, per image, with several decodes per step."""
+    loaded = loader.load_model(str(model_dir), dtype="bfloat16", device="cpu")
+    renderer = PromptRenderer(loaded.processor)
+    spec = QwenVisionSpec.from_image_processor(loaded.processor.image_processor)
+    limits = EngineConfig(max_num_batched_tokens=37, max_num_seqs=8)
+    engine = Engine(loaded.adapter, loaded.processor.tokenizer, limits, loaded.eos_token_ids())
+    probe = EngineProbe(engine)
+    for tag, (h, w) in enumerate([(100, 150), (200, 90), (300, 280)]):
+        prepared = prepare_image(random_image(h, w, tag), spec)
+        rendered = renderer.render("Describe this image.", 1)
+        sampling = SamplingParams(8, ignore_eos=True)
+        engine.add_request(EngineRequest(renderer.token_ids(rendered, [prepared]), [prepared], sampling, tag))
+    return {tag: (seen.result.output_token_ids, seen.logits) for tag, seen in probe.run().items()}
+
+
+def test_the_engine_gives_the_same_bf16_outputs_with_packed_and_plain_weights(tiny_model_dir, monkeypatch):
+    packed = engine_run(tiny_model_dir)
+    monkeypatch.setattr(packed_linear, "pack_linear_weights", lambda model: 0)
+    plain = engine_run(tiny_model_dir)
+    assert packed.keys() == plain.keys() == {0, 1, 2}
+    for tag, (tokens, logits) in packed.items():
+        assert tokens == plain[tag][0]
+        assert logits.shape[0] == 8
+        assert torch.equal(logits, plain[tag][1])
