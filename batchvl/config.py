@@ -92,6 +92,35 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class DownloadConfig:
+    concurrency: int = _key(8, "Downloads in flight at once, per preprocessing worker", above=0)
+    timeout_s: float = _key(
+        10.0, "Connect timeout, and the longest wait for the next bytes of a response", above=0
+    )
+    total_timeout_s: float = _key(
+        60.0, "Longest one attempt at a download may take, however slowly the bytes come", above=0
+    )
+    max_bytes: int = _key(
+        50 * 2**20, "Largest body read; a larger one is an `image_too_large` error row", above=0
+    )
+    retries: int = _key(
+        3, "Further attempts after a timeout, a refused connection, HTTP 429 or 5xx", at_least=0
+    )
+    backoff_s: float = _key(
+        0.5, "Wait before the first retry, doubled for each later one (a Retry-After header wins)", at_least=0
+    )
+    max_redirects: int = _key(5, "Most redirects followed for one URL", at_least=0)
+    allow_private: bool = _key(
+        False,
+        "Allow URLs that resolve to loopback, private or link-local addresses (refused by default: job "
+        "files and datasets come from other people)",
+    )
+    cache_dir: str | None = _key(
+        None, "Keep downloaded bytes here (content-addressed), so retries and reruns do not download again"
+    )
+
+
+@dataclass(frozen=True)
 class InputConfig:
     paths: list[str] = _key(
         help="Glob patterns: Parquet files, tar files, `save_to_disk` folders or media folders (by format)"
@@ -104,7 +133,7 @@ class InputConfig:
     )
     image_column: str = _key(
         "image",
-        "Table column with image bytes, a {bytes, path} struct, a path, or a list of these",
+        "Table column with image bytes, a {bytes, path} struct, a path, an http(s) URL, or a list of these",
         defines_output=True,
     )
     key_column: str | None = _key(
@@ -122,6 +151,9 @@ class InputConfig:
         "`folder` input: files per shard (the unit of output and resume); recorded shards keep their files",
         above=0,
         defines_output=True,
+    )
+    download: DownloadConfig = _key(
+        help="Image cells that are http(s) URLs: how they are fetched", factory=DownloadConfig
     )
 
 

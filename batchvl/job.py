@@ -25,6 +25,7 @@ from batchvl.engine.engine import Engine
 from batchvl.engine.stats import EngineStats
 from batchvl.engine.vit_dp import DistributedContext
 from batchvl.io.claims import Holder, ShardClaims
+from batchvl.io.download import DownloadStats
 from batchvl.io.run_stats import write_run_stats
 from batchvl.io.types import ShardEnd, ShardInfo, ShardSkipped
 from batchvl.io.writers import ResultRow
@@ -81,6 +82,7 @@ class JobRunner:
         self.plan_work = work or functools.partial(job_work, cfg, task)
         self.commit = commit or WriteShard(cfg, task)
         self.stats = RunStats(mode=mode, task=str(task) if task else None)
+        self.downloads = DownloadStats()
         self.trimmer = HeapTrimmer()
         self.stop = StopRequests()
         self.claims = ShardClaims(cfg.output.dir, Holder.of_process(os.getpid()))
@@ -117,7 +119,7 @@ class JobRunner:
             engine = job_engine(self.cfg, self._load(), context)
             pool_stats = self._process(work, engine)
         self.stats.wall_s = round(time.perf_counter() - start, 3)
-        stats = self.stats.to_dict(engine.stats if engine else EngineStats(), pool_stats)
+        stats = self.stats.to_dict(engine.stats if engine else EngineStats(), pool_stats, self.downloads)
         stats["vit_parallel_ranks"] = context.world_size if context else 1
         stats["stopped_by"] = self.stop.signal_name or None
         stats.update(work.notes)
@@ -203,6 +205,8 @@ class JobRunner:
 
     def _submit(self, sample: PreparedSample, engine: Engine, ledger: ShardLedger, bar) -> None:
         self.stats.preprocess_s += sample.preprocess_s
+        if sample.downloads is not None:
+            self.downloads += sample.downloads
         prompts = ledger.prompts_of(sample.shard, sample.index)
         self._carry_out(self.flow.start(sample, prompts, ledger.position(sample.shard)), engine, ledger, bar)
 

@@ -5,17 +5,19 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator
 from typing import Any
+from urllib.parse import urlsplit
 
 import pyarrow as pa
 
 from batchvl.errors import SampleError, UserError
+from batchvl.io.download import is_url
 from batchvl.io.paths import resolve_under_root
 from batchvl.io.types import VIDEO_EXTENSIONS, MediaRef, Sample, ShardEnd, ShardInfo, is_scalar
 
 
 class RowSampler:
     """Turns the rows of one shard into samples; the media column holds bytes, a {bytes, path} struct
-    (the Hugging Face Image feature), a path under the root, or a list of these."""
+    (the Hugging Face Image feature), a path under the root, an http(s) URL, or a list of these."""
 
     def __init__(self, image_column: str, key_column: str | None, root: str | None):
         self.image_column = image_column
@@ -77,6 +79,9 @@ class RowSampler:
         if isinstance(cell, bytes):  # empty bytes too: that is a broken image, not a missing one
             return MediaRef(cell, None)
         if isinstance(cell, str) and cell:
+            if is_url(cell):  # fetched by the preprocessing worker
+                path = urlsplit(cell).path.lower()
+                return MediaRef(None, None, "video" if path.endswith(VIDEO_EXTENSIONS) else "image", cell)
             kind = "video" if cell.lower().endswith(VIDEO_EXTENSIONS) else "image"
             return MediaRef(None, resolve_under_root(cell, root), kind)
         raise SampleError("missing_image", f"row has no image in column '{self.image_column}'")

@@ -10,6 +10,8 @@ from collections.abc import Callable, Iterator
 from typing import Protocol
 
 from batchvl.config import InputConfig, JobConfig
+from batchvl.io.download import Downloader
+from batchvl.io.fetch_ahead import FetchingSource
 from batchvl.io.folder import FolderSource
 from batchvl.io.hf_dataset import HFDatasetSource
 from batchvl.io.parquet import ParquetSource
@@ -36,7 +38,8 @@ def make_source(cfg: InputConfig, out_dir: str | None = None, record: bool = Fal
     `folder` format's membership); `record` lets the listing write it (a run does, before any work)."""
     if cfg.format == "folder":
         return FolderSource(cfg, out_dir, record)
-    return SOURCES[cfg.format](cfg)
+    # Table cells may be image URLs: they are downloaded as the shard is read.
+    return FetchingSource(SOURCES[cfg.format](cfg), Downloader(cfg.download), cfg.download.concurrency)
 
 
 def job_source(cfg: JobConfig, record: bool = False) -> Source:

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from batchvl.errors import SampleError
+
+if TYPE_CHECKING:
+    from batchvl.io.download import DownloadStats
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff")
 VIDEO_EXTENSIONS = ("mp4", "webm", "avi", "mkv", "mov")
@@ -13,11 +16,14 @@ VIDEO_EXTENSIONS = ("mp4", "webm", "avi", "mkv", "mov")
 
 @dataclass(frozen=True)
 class MediaRef:
-    """One image or video of a sample, not decoded yet: encoded bytes, or a checked absolute path."""
+    """One image or video of a sample, not decoded yet: encoded bytes, a checked absolute path, or an
+    http(s) URL (downloaded in the preprocessing worker, then held as bytes with the URL kept for
+    messages)."""
 
     data: bytes | None
     path: str | None
     kind: str = "image"  # "image" or "video"
+    url: str | None = None
 
 
 @dataclass(frozen=True)
@@ -37,6 +43,7 @@ class Sample:
     images: list[MediaRef]
     fields: dict[str, Any] = field(default_factory=dict)  # other scalar values, passed through
     error: SampleError | None = None  # the sample itself is unusable: becomes error rows downstream
+    downloads: DownloadStats | None = None  # what fetching its URL media did (None: it has none)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from typing import Any
 
 from batchvl.config import PromptConfig
 from batchvl.errors import SampleError
+from batchvl.io.download import DownloadStats
 from batchvl.io.types import MediaRef, Sample
 from batchvl.preprocess.media import PreparedMedia
 from batchvl.preprocess.prompts import PromptRenderer, fill_template
@@ -39,10 +40,19 @@ class PreparedSample:
     prompts: list[PreparedPrompt] = field(default_factory=list)
     error: SampleError | None = None  # the whole sample failed: every prompt becomes an error row
     preprocess_s: float = 0.0
+    downloads: DownloadStats | None = None  # what fetching its URL media did (None: it has none)
 
     @classmethod
     def failed(cls, sample: Sample, error: SampleError) -> PreparedSample:
-        return cls(sample.shard, sample.index, sample.key, sample.fields, len(sample.images), error=error)
+        return cls(
+            sample.shard,
+            sample.index,
+            sample.key,
+            sample.fields,
+            len(sample.images),
+            error=error,
+            downloads=sample.downloads,
+        )
 
 
 class SampleProcessor:
@@ -70,6 +80,7 @@ class SampleProcessor:
                 sample, SampleError("preprocess_error", f"{type(exc).__name__}: {exc}")
             )
         prepared.preprocess_s = time.perf_counter() - start
+        prepared.downloads = sample.downloads
         return prepared
 
     def _process(self, sample: Sample) -> PreparedSample:

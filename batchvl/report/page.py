@@ -118,6 +118,30 @@ def _runs_section(runs: list[dict]) -> str:
     return f'<section id="runs"><h2>Runs</h2>{table_html(headers, rows, "runs-table")}</section>'
 
 
+def _downloads_section(runs: list[dict]) -> str:
+    """What fetching URL media did over the job's runs; nothing for a job without URL media."""
+    totals = Counter()
+    failures = Counter()
+    for run in runs:
+        for key in ("downloads", "download_bytes", "download_retries", "download_cache_hits"):
+            totals[key] += run.get(key, 0)
+        failures.update(run.get("download_failures_by_type", {}))
+    if not totals["downloads"] and not totals["download_cache_hits"] and not failures:
+        return ""
+    cards = [
+        _stat("downloaded", f"{totals['downloads']:,}", f"{totals['download_bytes'] / 2**20:,.1f} MiB"),
+        _stat("from the download cache", f"{totals['download_cache_hits']:,}"),
+        _stat(
+            "retries", f"{totals['download_retries']:,}", "after a timeout, a refused connection, 429 or 5xx"
+        ),
+        _stat("failed", f"{sum(failures.values()):,}", "error rows' samples"),
+    ]
+    rows = [[error_type, count] for error_type, count in failures.most_common()]
+    table = table_html(["error_type", "URLs"], rows, "download-failures") if rows else ""
+    cards_html = f'<div class="bvl-cards">{"".join(cards)}</div>'
+    return f'<section id="downloads"><h2>Downloads</h2>{cards_html}{table}</section>'
+
+
 def _errors_by_type_section(errors: pa.Table) -> str:
     counts = Counter(errors["error_type"].to_pylist())
     rows = [[error_type, count] for error_type, count in counts.most_common()]
@@ -161,6 +185,7 @@ def build_report(cfg: JobConfig, samples: int = 24, seed: int = 0) -> Report:
         f'<h1>{html.escape(title)}</h1><p class="bvl-sub">{html.escape(subtitle)}</p>'
         + _summary_section(ok, errors, skipped, runs, f"{len(outputs)} / {len(shards)}")
         + _errors_by_type_section(errors)
+        + _downloads_section(runs)
         + labels_section(cfg, table)
         + _histograms_section(ok)
         + f'<section id="gallery-section"><h2>Gallery ({len(items)} sampled inputs)</h2>'

@@ -4,6 +4,7 @@ it)."""
 
 from __future__ import annotations
 
+import copy
 from collections import Counter
 from dataclasses import asdict, dataclass, field, fields, replace
 
@@ -70,7 +71,10 @@ class RunStats:  # not Counters: its mode and task name the run
         out = asdict(self)
         out["errors_by_type"] = dict(self.errors_by_type)
         for counters in components:
-            out.update(asdict(counters))
+            # not asdict: it rebuilds a Counter from its (key, count) pairs, counting the pairs
+            for f in fields(counters):
+                value = getattr(counters, f.name)
+                out[f.name] = dict(value) if isinstance(value, Counter) else copy.copy(value)
         processing = max(self.processing_s, 1e-9)
         out["samples_per_s"] = round(self.samples / processing, 3)
         out["output_tokens_per_s"] = round(out["output_tokens"] / processing, 3)

@@ -1,0 +1,142 @@
+"""A real HTTP server on 127.0.0.1 for the download tests, serving every kind of answer a crawl meets.
+
+Paths:
+- /img/<name>: an image registered with `add_image` (404 if unknown); /redirect/<name> 302s to it
+- /status/<code>: always that status; /flaky/<code>/<n>/<id>: <code> for the first n requests of <id>,
+  then the image 'flaky' (Retry-After: 0 on a 429)
+- /stall: headers, then nothing; /trickle: a byte every 0.1 s, forever
+- /endless: a chunked body that never ends; /big: a Content-Length over any small limit
+- /loop: redirects to itself; /html: a web page instead of an image; /slow/<name>: the image after 0.3 s
+It counts requests per path, remembers each request's User-Agent, and the most requests in flight at once.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+class LoopbackServer:
+    def __init__(self):
+        self.images: dict[str, bytes] = {}
+        self.requests: collections.Counter = collections.Counter()
+        self.user_agents: list[str] = []
+        self.in_flight = 0
+        self.most_in_flight = 0
+        self._lock = threading.Lock()
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
+        self.httpd.daemon_threads = True
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+    def url(self, path: str) -> str:
+        return self.base + path
+
+    def add_image(self, name: str, data: bytes) -> str:
+        self.images[name] = data
+        return self.url(f"/img/{name}")
+
+    def __enter__(self) -> LoopbackServer:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    def _enter(self, path: str, user_agent: str) -> None:
+        with self._lock:
+            self.requests[path] += 1
+            self.user_agents.append(user_agent)
+            self.in_flight += 1
+            self.most_in_flight = max(self.most_in_flight, self.in_flight)
+
+    def _leave(self) -> None:
+        with self._lock:
+            self.in_flight -= 1
+
+
+def _handler(server: LoopbackServer):
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args) -> None:  # quiet
+            pass
+
+        def do_GET(self) -> None:
+            server._enter(self.path, self.headers.get("User-Agent", ""))
+            try:
+                self._route(self.path.strip("/").split("/"))
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # the client gave up (a timeout or a size limit): what these paths test
+            finally:
+                server._leave()
+
+        def _route(self, parts: list[str]) -> None:
+            head = parts[0]
+            if head == "img":
+                data = server.images.get(parts[1])
+                return self._send(200, data, "image/png") if data is not None else self._send(404, b"no")
+            if head == "redirect":
+                return self._redirect(f"/img/{parts[1]}")
+            if head == "slow":
+                time.sleep(0.3)
+                return self._send(200, server.images[parts[1]], "image/png")
+            if head == "status":
+                return self._send(int(parts[1]), b"status")
+            if head == "flaky":
+                code, failures = int(parts[1]), int(parts[2])
+                if server.requests[self.path] <= failures:
+                    extra = {"Retry-After": "0"} if code == 429 else {}
+                    return self._send(code, b"try again", headers=extra)
+                return self._send(200, server.images["flaky"], "image/png")
+            if head == "loop":
+                return self._redirect("/loop")
+            if head == "html":
+                return self._send(200, b"<html><body>Not an image</body></html>", "text/html")
+            if head == "big":
+                self.send_response(200)
+                self.send_header("Content-Length", str(10**9))
+                self.end_headers()
+                return None
+            if head == "stall":
+                self.send_response(200)
+                self.send_header("Content-Length", "1000")
+                self.end_headers()
+                self.wfile.flush()
+                time.sleep(5)
+                return None
+            if head in ("trickle", "endless"):
+                return self._stream(head)
+            return self._send(404, b"unknown path")
+
+        def _stream(self, kind: str) -> None:
+            self.send_response(200)
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            chunk = b"x" if kind == "trickle" else b"\0" * 65536
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                self.wfile.flush()
+                if kind == "trickle":
+                    time.sleep(0.1)
+
+        def _redirect(self, location: str) -> None:
+            self._send(302, b"", headers={"Location": location})
+
+        def _send(self, code: int, body: bytes, kind: str = "text/plain", headers: dict | None = None):
+            self.send_response(code)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(body)))
+            for name, value in (headers or {}).items():
+                self.send_header(name, value)
+            self.end_headers()
+            self.wfile.write(body)
+
+    return Handler
