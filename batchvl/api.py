@@ -141,15 +141,17 @@ def caption(
     sampling: Mapping[str, Any] | None = None,
     engine: Mapping[str, Any] | None = None,
     preprocess: Mapping[str, Any] | None = None,
+    download: Mapping[str, Any] | None = None,
     dtype: str = "auto",
     overwrite: bool = False,
     progress: bool = True,
 ) -> Results:
     """Caption (or ask `prompts` about) every row of an in-memory `datasets.Dataset`.
 
-    `image_column` holds images (an `Image` feature, bytes or paths, or a list of these). Each row's
-    key is its index in `dataset`. Calling again with the same `output_dir` resumes; a different
-    dataset there is refused unless `overwrite=True`."""
+    `image_column` holds images (an `Image` feature, bytes, paths or http(s) URLs, or a list of these;
+    `download` holds `input.download` settings for the URLs). Each row's key is its index in `dataset`.
+    Calling again with the same `output_dir` resumes; a different dataset there is refused unless
+    `overwrite=True`."""
     import datasets
 
     if isinstance(dataset, datasets.DatasetDict):
@@ -177,6 +179,7 @@ def caption(
             "paths": [glob.escape(str(input_folder))],
             "image_column": image_column,
             "key_column": CAPTION_KEY_COLUMN,
+            "download": dict(download or {}),
         },
         "prompts": _prompt_list(prompts),
         "sampling": dict(sampling or {}),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -13,10 +14,23 @@ import pyarrow.parquet as pq
 from batchvl import __version__
 from batchvl.config import JobConfig, config_to_dict, fingerprint_of, output_defining_config
 from batchvl.constraints import scored_choices
+from batchvl.io.batch_output import model_name, write_batch_output
 from batchvl.io.commit import ShardMarker, commit_shard, read_marker, write_marker
 from batchvl.io.types import ShardInfo
 from batchvl.io.writers import ResultRow, output_path, rows_to_table, write_table_atomic
 from batchvl.tasks import TaskSlice
+
+
+def companion_files(cfg: JobConfig) -> Callable[[str, str], None] | None:
+    """What the job writes beside each committed Parquet file, from it (before the shard's marker)."""
+    if cfg.output.format != "openai_batch":
+        return None
+    out_dir, model = cfg.output.dir, model_name(cfg.model.path)
+
+    def write(shard: str, path: str) -> None:
+        write_batch_output(out_dir, shard, pq.read_table(path), model, int(time.time()))
+
+    return write
 
 
 def optional_columns(cfg: JobConfig) -> tuple[str, ...]:
@@ -35,6 +49,7 @@ class WriteShard:
         self.fingerprint = fingerprint_of(self.output_defining)
         self.task = str(task) if task else None
         self.optional = optional_columns(cfg)
+        self.companion = companion_files(cfg)
         self.metadata = {
             "batchvl_version": __version__,
             "model_path": cfg.model.path,
@@ -51,7 +66,9 @@ class WriteShard:
             task=self.task,
             batchvl_version=__version__,
         )
-        return commit_shard(self.out_dir, info.shard, rows, self.metadata, marker, self.optional)
+        return commit_shard(
+            self.out_dir, info.shard, rows, self.metadata, marker, self.optional, self.companion
+        )
 
 
 class MergeIntoShard:
@@ -63,6 +80,7 @@ class MergeIntoShard:
         self.overrides = overrides
         self.prompt_order = {prompt.name: i for i, prompt in enumerate(job.prompts)}
         self.optional = optional_columns(job)
+        self.companion = companion_files(job)
 
     def __call__(self, info: ShardInfo, rows: list[ResultRow]) -> str:
         path = output_path(self.out_dir, info.shard)
@@ -82,6 +100,8 @@ class MergeIntoShard:
         columns = old.column_names + [c for c in merged.column_names if c not in old.column_names]
         merged = merged.take(order).select(columns).replace_schema_metadata(old.schema.metadata)
         write_table_atomic(path, merged)
+        if self.companion is not None:
+            self.companion(info.shard, path)
 
         marker = read_marker(self.out_dir, info.shard)
         assert marker is not None  # a retry selects committed shards only

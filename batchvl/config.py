@@ -125,10 +125,11 @@ class InputConfig:
     paths: list[str] = _key(
         help="Glob patterns: Parquet files, tar files, `save_to_disk` folders or media folders (by format)"
     )
-    format: Literal["parquet", "webdataset", "hf_dataset", "folder"] = _key(
+    format: Literal["parquet", "webdataset", "hf_dataset", "folder", "openai_batch"] = _key(
         "parquet",
         "parquet: each file a shard; webdataset: tar shards; hf_dataset: each Arrow file a shard; "
-        "folder: image/video files",
+        "folder: image/video files; openai_batch: JSONL files of chat-completion requests, each line "
+        "with its own messages and sampling",
         defines_output=True,
     )
     image_column: str = _key(
@@ -314,6 +315,12 @@ class PreprocessConfig:
 @dataclass(frozen=True)
 class OutputConfig:
     dir: str = _key(help="Output folder: one Parquet file per input shard, stats in _batchvl/")
+    format: Literal["parquet", "openai_batch"] = _key(
+        "parquet",
+        "openai_batch: also a JSONL file per shard in the batch API's output shape, beside its Parquet file",
+        defines_output=True,
+        unset_leaves_fingerprint=True,
+    )
     overwrite: bool = _key(
         False, "Recompute shards that are already written, even when they were written with another config"
     )
@@ -328,6 +335,10 @@ class OutputConfig:
 
 def _default_prompts() -> list[PromptConfig]:
     return [PromptConfig(name="caption", text="Describe this image.")]
+
+
+# openai_batch requests carry their own messages: the job has this one prompt, whose text is unused.
+CHAT_PROMPT = PromptConfig(name="response", text="")
 
 
 @dataclass(frozen=True)
@@ -478,6 +489,10 @@ def _resolve_paths(cfg: JobConfig, base: Path) -> JobConfig:
             inp,
             paths=[_absolute(p, base) for p in inp.paths],
             root=_absolute(inp.root, base) if inp.root else None,
+            download=dataclasses.replace(
+                inp.download,
+                cache_dir=_absolute(inp.download.cache_dir, base) if inp.download.cache_dir else None,
+            ),
         ),
         output=dataclasses.replace(cfg.output, dir=_absolute(cfg.output.dir, base)),
     )
@@ -529,6 +544,12 @@ def job_config_from_dict(
 ) -> JobConfig:
     raw = apply_overrides(json.loads(json.dumps(dict(data))), overrides)
     cfg = _build(JobConfig, raw, "")
+    if cfg.input.format == "openai_batch":
+        if "prompts" in raw:
+            raise ConfigError(
+                "input.format openai_batch: each request carries its own messages; remove 'prompts'"
+            )
+        cfg = dataclasses.replace(cfg, prompts=[CHAT_PROMPT])
     _check_values(cfg)
     return _resolve_paths(cfg, Path(base_dir) if base_dir is not None else Path.cwd())
 
@@ -586,8 +607,9 @@ def output_defining_config(cfg: JobConfig) -> dict:
             out[section.name] = d[section.name]
             continue
         keys = [f.name for f in dataclasses.fields(hints[section.name]) if f.metadata["defines_output"]]
-        if keys:
-            out[section.name] = {k: d[section.name][k] for k in keys}
+        present = {k: d[section.name][k] for k in keys if k in d[section.name]}  # unset new keys are not
+        if present:
+            out[section.name] = present
     return out
 
 

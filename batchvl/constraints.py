@@ -53,6 +53,25 @@ def check_constraints(cfg: JobConfig) -> None:
             raise UserError(f"prompt '{prompt.name}': its {constraint.kind} cannot be used: {exc}") from None
 
 
+def check_request_schema(schema: dict | None) -> None:
+    """A request's own schema (an openai_batch response_format) converts to a grammar and is a valid JSON
+    schema; else the request is a `bad_request` error row (the job's prompts are checked before any work)."""
+    if schema is not None:
+        problem = _schema_problem(_canonical(schema))
+        if problem is not None:
+            raise SampleError("bad_request", f"response_format's schema cannot be used: {problem}")
+
+
+@functools.lru_cache(maxsize=256)
+def _schema_problem(canonical_schema: str) -> str | None:
+    try:
+        OutputConstraint.json_schema(json.loads(canonical_schema)).grammar()
+        _schema_validator(canonical_schema)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 def _canonical(schema: dict) -> str:
     return json.dumps(schema, sort_keys=True)
 

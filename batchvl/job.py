@@ -37,7 +37,7 @@ from batchvl.preprocess.pool import PoolStats, PreprocessPool, default_workers
 from batchvl.preprocess.prompts import PromptRenderer
 from batchvl.preprocess.sample import PreparedSample
 from batchvl.prompt_graph import PromptGraph
-from batchvl.rows import result_row
+from batchvl.rows import prompt_of, result_row
 from batchvl.sample_flow import Progress, SampleFlow
 from batchvl.tasks import TaskSlice
 from batchvl.utils.background import END, BackgroundIterator
@@ -226,9 +226,8 @@ class JobRunner:
         self.trimmer.maybe_trim()
         self.claims.refresh(ledger.open_shards())
         for result in results:
-            row = result_row(
-                self.flow.sample_of(result.tag), self.cfg.prompts[result.tag.prompt_index], result
-            )
+            sample = self.flow.sample_of(result.tag)
+            row = result_row(sample, prompt_of(self.cfg, sample, result.tag.prompt_index), result)
             self._carry_out(self.flow.finish(result.tag, row), engine, ledger, bar)
         elapsed = max(bar.format_dict["elapsed"], 1e-9)
         bar.set_postfix(out_tok_s=f"{engine.stats.output_tokens / elapsed:.1f}", refresh=False)

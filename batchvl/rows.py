@@ -6,6 +6,7 @@ error that kept it from the engine, or the `when` that skipped it) is one `Resul
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -15,6 +16,7 @@ from batchvl.config import JobConfig, PromptConfig
 from batchvl.constraints import output_error, prompt_constraint, scored_choices
 from batchvl.engine.request import EngineRequest, EngineResult, SamplingParams
 from batchvl.errors import SampleError
+from batchvl.io.types import ChatRequest
 from batchvl.io.writers import ResultRow
 from batchvl.preprocess.sample import PreparedSample
 
@@ -52,21 +54,41 @@ def max_new_tokens_of(cfg: JobConfig, fields: dict) -> int:
 
 
 def sampling_params(
-    cfg: JobConfig, shard: str, key: str, prompt_name: str, max_new_tokens: int
+    cfg: JobConfig,
+    shard: str,
+    key: str,
+    prompt_name: str,
+    max_new_tokens: int,
+    chat: ChatRequest | None = None,
 ) -> SamplingParams:
+    """The job's sampling, with what an openai_batch request sets for itself in its place."""
     s = cfg.sampling
+    own = chat or ChatRequest(())
     return SamplingParams(
         max_new_tokens=max_new_tokens,
-        temperature=s.temperature,
-        top_p=s.top_p,
+        temperature=_first(own.temperature, s.temperature),
+        top_p=_first(own.top_p, s.top_p),
         top_k=s.top_k,
-        seed=request_seed(s.seed, shard, key, prompt_name),
-        stop=tuple(s.stop),
+        seed=request_seed(_first(own.seed, s.seed), shard, key, prompt_name),
+        stop=_first(own.stop, tuple(s.stop)),
         stop_token_ids=tuple(s.stop_token_ids),
         ignore_eos=s.ignore_eos,
         logprobs=s.logprobs,
         top_logprobs=s.top_logprobs,
     )
+
+
+def _first(value, default):
+    return default if value is None else value
+
+
+def prompt_of(cfg: JobConfig, sample: PreparedSample, prompt_index: int) -> PromptConfig:
+    """The prompt a request of the sample answers: the job's, with an openai_batch request's own
+    response format as its schema."""
+    prompt = cfg.prompts[prompt_index]
+    if sample.chat is None or sample.chat.json_schema is None:
+        return prompt
+    return dataclasses.replace(prompt, json_schema=sample.chat.json_schema)
 
 
 def prompt_request(
@@ -78,11 +100,11 @@ def prompt_request(
     priority: int,
 ) -> EngineRequest:
     """The engine request of one (sample, prompt), from the prompt's rendered token ids."""
-    prompt = cfg.prompts[prompt_index]
+    prompt = prompt_of(cfg, sample, prompt_index)
     return EngineRequest(
         prompt_token_ids=token_ids,
         images=sample.images,
-        sampling=sampling_params(cfg, sample.shard, sample.key, prompt.name, max_new_tokens),
+        sampling=sampling_params(cfg, sample.shard, sample.key, prompt.name, max_new_tokens, sample.chat),
         tag=RowTag(sample.shard, sample.index, prompt_index),
         priority=priority,
         constraint=prompt_constraint(prompt),

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from batchvl.config import JobConfig
+from batchvl.constraints import check_request_schema
 from batchvl.engine.request import EngineRequest
 from batchvl.errors import SampleError
 from batchvl.io.writers import ResultRow
@@ -62,6 +63,9 @@ class SampleFlow:
             if sample.error is not None:
                 raise sample.error
             max_new_tokens = max_new_tokens_of(self.cfg, sample.fields)
+            if sample.chat is not None:
+                max_new_tokens = sample.chat.max_tokens or max_new_tokens
+                check_request_schema(sample.chat.json_schema)
         except SampleError as error:  # the whole sample failed: each prompt's row says why
             progress.rows = [error_row(sample, i, self.cfg.prompts[i].name, error) for i in prompt_indices]
             progress.sample_done = True

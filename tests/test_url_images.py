@@ -2,9 +2,11 @@
 caption as the image given as bytes, or an error of its download's type), counters land in the stats JSON
 and the report, loopback is refused unless the job allows it, and a rerun with a cache downloads nothing."""
 
+import datasets
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from batchvl import api
 from batchvl.config import job_config_from_dict
 from batchvl.io.run_stats import read_run_stats
 from batchvl.job import run_job
@@ -119,3 +121,19 @@ output: {{dir: out}}
     assert '<section id="downloads">' in html and "from the download cache" in html
     # the gallery's thumbnails come through the job's reader, here from the cache (the server is gone)
     assert html.count("data:image/jpeg;base64,") == 3
+
+
+def test_caption_takes_a_dataset_of_urls(tmp_path, loaded_fp32):
+    with LoopbackServer() as server:
+        urls = [server.add_image(f"{name}.png", data) for name, data in IMAGES.items()]
+        dataset = datasets.Dataset.from_dict({"image": [*urls, server.url("/img/gone.png")]})
+        options = dict(model=loaded_fp32, sampling={"max_new_tokens": 4}, progress=False)
+        local = {"allow_private": True}
+        results = api.caption(dataset, output_dir=tmp_path / "out", download=local, **options)
+        from_bytes = datasets.Dataset.from_dict({"image": list(IMAGES.values())})
+        expected = api.caption(from_bytes, output_dir=tmp_path / "ref", **options)
+    rows = results.dataset.to_list()
+    assert [row["status"] for row in rows] == ["ok", "ok", "ok", "error"]
+    assert [row["text"] for row in rows[:3]] == expected.dataset["text"]
+    assert rows[3]["error_type"] == "download_http_404"
+    assert results.stats["downloads"] == 3

@@ -12,6 +12,7 @@ import json
 import os
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from batchvl.io.writers import ResultRow, output_path, write_json_atomic, write_shard
@@ -85,10 +86,14 @@ def commit_shard(
     metadata: dict[str, str],
     marker: ShardMarker,
     optional: tuple[str, ...] = (),
+    companion: Callable[[str, str], None] | None = None,
 ) -> str:
-    """Write the shard's rows (with the `optional` columns the job writes), then its marker; returns the
+    """Write the shard's rows (with the `optional` columns the job writes), then `companion(shard, path)`
+    (files made from the Parquet file, such as the batch API output), then its marker; returns the
     Parquet path."""
     path = write_shard(out_dir, shard, rows, metadata, optional)
+    if companion is not None:
+        companion(shard, path)
     write_marker(out_dir, marker)
     return path
 

@@ -14,6 +14,7 @@ from batchvl.io.download import Downloader
 from batchvl.io.fetch_ahead import FetchingSource
 from batchvl.io.folder import FolderSource
 from batchvl.io.hf_dataset import HFDatasetSource
+from batchvl.io.openai_batch import OpenAIBatchSource
 from batchvl.io.parquet import ParquetSource
 from batchvl.io.types import Sample, ShardEnd, ShardInfo
 from batchvl.io.webdataset import WebDatasetSource
@@ -30,6 +31,7 @@ SOURCES = {
     "webdataset": WebDatasetSource,
     "hf_dataset": HFDatasetSource,
     "folder": FolderSource,
+    "openai_batch": OpenAIBatchSource,
 }
 
 
@@ -38,7 +40,7 @@ def make_source(cfg: InputConfig, out_dir: str | None = None, record: bool = Fal
     `folder` format's membership); `record` lets the listing write it (a run does, before any work)."""
     if cfg.format == "folder":
         return FolderSource(cfg, out_dir, record)
-    # Table cells may be image URLs: they are downloaded as the shard is read.
+    # Table cells and request messages may hold image URLs: they are downloaded as the shard is read.
     return FetchingSource(SOURCES[cfg.format](cfg), Downloader(cfg.download), cfg.download.concurrency)
 
 

@@ -35,6 +35,23 @@ class ShardInfo:
     columns: tuple[str, ...] | None = None  # table inputs: the column names (None: known only by reading)
 
 
+@dataclass(frozen=True)
+class ChatRequest:
+    """One chat-completion request of an `openai_batch` line: its messages in the chat template's form
+    (image parts as `{"type": "image"}`, in the order of the sample's media) and its own sampling, where
+    it sets it (None: the job's)."""
+
+    messages: tuple[dict, ...]
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: tuple[str, ...] | None = None
+    seed: int | None = None
+    json_schema: dict | None = (
+        None  # from response_format: json_schema, or {"type": "object"} for json_object
+    )
+
+
 @dataclass
 class Sample:
     shard: str
@@ -44,6 +61,7 @@ class Sample:
     fields: dict[str, Any] = field(default_factory=dict)  # other scalar values, passed through
     error: SampleError | None = None  # the sample itself is unusable: becomes error rows downstream
     downloads: DownloadStats | None = None  # what fetching its URL media did (None: it has none)
+    chat: ChatRequest | None = None  # an openai_batch request: its messages replace the job's prompts
 
 
 @dataclass(frozen=True)

@@ -62,7 +62,7 @@ class ResultRow:
     optional: dict[str, Any] = field(default_factory=dict)  # values of OPTIONAL_COLUMNS (absent: null)
 
 
-INPUT_SUFFIXES = (".parquet", ".tar.gz", ".tgz", ".tar", ".arrow")
+INPUT_SUFFIXES = (".parquet", ".tar.gz", ".tgz", ".tar", ".arrow", ".jsonl")
 
 
 def output_path(out_dir: str, shard: str) -> str:

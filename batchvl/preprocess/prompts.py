@@ -76,6 +76,11 @@ class PromptRenderer:
             messages.append({"role": "user", "content": [{"type": "text", "text": text}]})
         return self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
+    def render_messages(self, messages: list[dict]) -> str:
+        """Chat-template text of a request's own messages (image parts as `{"type": "image"}`), ending where
+        the model answers."""
+        return self.processor.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+
     def token_ids(self, rendered: str, media: list[PreparedMedia]) -> list[int]:
         pieces = self._placeholders.split(rendered)  # text, placeholder, text, ..., text
         found = [self.placeholder_kinds[token] for token in pieces[1::2]]

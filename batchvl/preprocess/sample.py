@@ -16,7 +16,7 @@ from typing import Any
 from batchvl.config import PromptConfig
 from batchvl.errors import SampleError
 from batchvl.io.download import DownloadStats
-from batchvl.io.types import MediaRef, Sample
+from batchvl.io.types import ChatRequest, MediaRef, Sample
 from batchvl.preprocess.media import PreparedMedia
 from batchvl.preprocess.prompts import PromptRenderer, fill_template
 
@@ -41,6 +41,7 @@ class PreparedSample:
     error: SampleError | None = None  # the whole sample failed: every prompt becomes an error row
     preprocess_s: float = 0.0
     downloads: DownloadStats | None = None  # what fetching its URL media did (None: it has none)
+    chat: ChatRequest | None = None  # an openai_batch request: its own messages and sampling
 
     @classmethod
     def failed(cls, sample: Sample, error: SampleError) -> PreparedSample:
@@ -52,6 +53,7 @@ class PreparedSample:
             len(sample.images),
             error=error,
             downloads=sample.downloads,
+            chat=sample.chat,
         )
 
 
@@ -88,8 +90,23 @@ class SampleProcessor:
             raise sample.error
         images = [self.prepare_media(ref) for ref in sample.images]
         prepared = PreparedSample(
-            sample.shard, sample.index, sample.key, sample.fields, len(images), images=images
+            sample.shard,
+            sample.index,
+            sample.key,
+            sample.fields,
+            len(images),
+            images=images,
+            chat=sample.chat,
         )
+        if sample.chat is not None:  # the request's messages are its one prompt
+            try:
+                rendered = self.renderer.render_messages(list(sample.chat.messages))
+            except Exception as exc:  # the template's own checks (roles out of order, ...) raise anything
+                raise SampleError(
+                    "bad_request", f"the model's chat template refused the messages: {exc}"
+                ) from exc
+            prepared.prompts.append(PreparedPrompt(self.renderer.token_ids(rendered, images)))
+            return prepared
         values = {**sample.fields, "key": sample.key}
         for index, prompt in enumerate(self.prompts):
             if index in self.follow_ups:

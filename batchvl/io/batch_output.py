@@ -1,0 +1,75 @@
+"""`output.format: openai_batch`: each shard's rows also as a JSONL file in the OpenAI Batch API's output
+shape, `<shard>.output.jsonl` beside the shard's Parquet file.
+
+A line per row, in input order: `{"id", "custom_id", "response": {"status_code": 200, "request_id", "body":
+<a chat.completion>}, "error": null}` for an ok row, `{"id", "custom_id", "response": null, "error":
+{"code": <error_type>, "message": ...}}` otherwise. `custom_id` is the sample's key (with `:<prompt>`
+when the job has several prompts). It is written atomically after the Parquet file and before the
+shard's marker, so a committed shard has both and a rerun redoes a shard that has only some of them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pyarrow as pa
+import xxhash
+
+from batchvl.io.writers import output_path, write_text_atomic
+
+COLUMNS = ["key", "prompt", "status", "text", "error_type", "error_message", "finish_reason"]
+TOKEN_COLUMNS = ["num_prompt_tokens", "num_output_tokens"]
+
+
+def batch_output_path(out_dir: str, shard: str) -> str:
+    return output_path(out_dir, shard).removesuffix(".parquet") + ".output.jsonl"
+
+
+def write_batch_output(out_dir: str, shard: str, table: pa.Table, model: str, created: int) -> str:
+    path = batch_output_path(out_dir, shard)
+    several_prompts = len(set(table["prompt"].to_pylist())) > 1
+    lines = [
+        json.dumps(batch_line(row, model, created, several_prompts), ensure_ascii=False)
+        for row in table.select(COLUMNS + TOKEN_COLUMNS).to_pylist()
+    ]
+    write_text_atomic(path, "".join(line + "\n" for line in lines))
+    return path
+
+
+def batch_line(row: dict, model: str, created: int, several_prompts: bool) -> dict:
+    custom_id = f"{row['key']}:{row['prompt']}" if several_prompts else row["key"]
+    digest = xxhash.xxh64_hexdigest(f"{model}\0{custom_id}\0{created}".encode())
+    line = {"id": f"batch_req_{digest}", "custom_id": custom_id, "response": None, "error": None}
+    if row["status"] != "ok":
+        line["error"] = {"code": row["error_type"] or row["status"], "message": row["error_message"] or ""}
+        return line
+    prompt_tokens, completion_tokens = row["num_prompt_tokens"], row["num_output_tokens"]
+    line["response"] = {
+        "status_code": 200,
+        "request_id": digest,
+        "body": {
+            "id": f"chatcmpl-{digest}",
+            "object": "chat.completion",
+            "created": created,
+            "model": model,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": row["text"]},
+                    "logprobs": None,
+                    "finish_reason": "length" if row["finish_reason"] == "length" else "stop",
+                }
+            ],
+            "usage": {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+            },
+        },
+    }
+    return line
+
+
+def model_name(model_path: str) -> str:
+    return os.path.basename(os.path.normpath(model_path))

@@ -1,0 +1,230 @@
+"""OpenAI batch JSONL in and out: each line runs with its own messages and sampling and equals transformers
+`generate` on the same conversation; lines that cannot run as asked are error rows of their own type; the
+output file has the batch API's shape; the reader streams."""
+
+import base64
+import json
+import tracemalloc
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+from transformers import AutoModelForImageTextToText, AutoProcessor
+
+from batchvl.io.openai_batch import OpenAIBatchSource, parse_line
+from batchvl.io.types import ShardInfo
+from tests.conftest import png_bytes, random_image
+from tests.http_server import LoopbackServer
+from tests.test_cli import batchvl
+
+IMAGES = [random_image(40, 56, 50), random_image(64, 48, 51), random_image(48, 48, 52)]
+SCHEMA = {
+    "type": "object",
+    "properties": {"color": {"type": "string", "maxLength": 12}},
+    "required": ["color"],
+    "additionalProperties": False,
+}
+
+
+EMBEDDINGS = json.dumps({"custom_id": "embed", "url": "/v1/embeddings", "body": {"input": "x"}})
+AUDIO = {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}
+
+
+def data_uri(image) -> str:
+    return "data:image/png;base64," + base64.b64encode(png_bytes(image)).decode()
+
+
+def line(custom_id: str, messages: list, **body) -> str:
+    record = {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions"}
+    return json.dumps({**record, "body": {"model": "any", "messages": messages, **body}})
+
+
+def image_part(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url, "detail": "auto"}}
+
+
+def user(text: str, *urls: str) -> dict:
+    return {"role": "user", "content": [*(image_part(u) for u in urls), {"type": "text", "text": text}]}
+
+
+def hf_user(text: str, images: int = 0) -> dict:
+    return {"role": "user", "content": [{"type": "image"}] * images + [{"type": "text", "text": text}]}
+
+
+def generate_text(model, processor, messages: list[dict], images: list, max_new_tokens: int) -> str:
+    rendered = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    inputs = processor(text=[rendered], images=images or None, return_tensors="pt")
+    out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    return processor.tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+
+
+@pytest.mark.parametrize(
+    ("text", "error_type", "words"),
+    [
+        ("{not json", "bad_request", "line 7 is not JSON"),
+        (json.dumps({"body": {"messages": []}}), "bad_request", "custom_id"),
+        (EMBEDDINGS, "unsupported_request", "/v1/embeddings"),
+        (line("x", []), "bad_request", "non-empty list"),
+        (line("x", [{"role": "user", "content": [AUDIO]}]), "unsupported_request", "input_audio"),
+        (line("x", [user("hi")], n=2), "unsupported_request", "body.n"),
+        (line("x", [user("hi")], tools=[{"type": "function"}]), "unsupported_request", "tool calls"),
+        (line("x", [user("hi")], max_tokens=0), "bad_request", "max_tokens"),
+        (line("x", [user("hi")], temperature=3), "bad_request", "temperature"),
+        (line("x", [user("hi", "ftp://host/a.png")]), "unsupported_request", "http(s) or data:"),
+        (line("x", [user("hi", "data:image/png;base64,***")]), "bad_request", "base64"),
+        (line("x", [user("hi")], response_format={"type": "grammar"}), "unsupported_request", "grammar"),
+        (line("x", [{"role": "robot", "content": "hi"}]), "bad_request", "role"),
+    ],
+)  # fmt: skip
+def test_lines_that_cannot_run_as_asked_are_errors_of_their_own_type(text, error_type, words):
+    sample = parse_line("s.jsonl", 0, 7, text)
+    assert sample.error is not None and sample.error.error_type == error_type
+    assert words in sample.error.message
+
+
+def test_a_line_becomes_its_messages_media_and_sampling():
+    text = line(
+        "req-1",
+        [{"role": "system", "content": "Be brief."}, user("What is here?", data_uri(IMAGES[0]))],
+        max_completion_tokens=7,
+        temperature=0.5,
+        top_p=0.9,
+        stop=["."],
+        seed=3,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "c", "schema": SCHEMA, "strict": True},
+        },
+    )
+    sample = parse_line("s.jsonl", 4, 5, text)
+    assert sample.error is None and (sample.key, sample.index) == ("req-1", 4)
+    assert [ref.data for ref in sample.images] == [png_bytes(IMAGES[0])]
+    chat = sample.chat
+    assert chat.messages[0] == {"role": "system", "content": [{"type": "text", "text": "Be brief."}]}
+    assert chat.messages[1]["content"] == [{"type": "image"}, {"type": "text", "text": "What is here?"}]
+    assert (chat.max_tokens, chat.temperature, chat.top_p, chat.stop, chat.seed) == (7, 0.5, 0.9, (".",), 3)
+    assert chat.json_schema == SCHEMA
+    assert parse_line(
+        "s", 0, 1, line("j", [user("x")], response_format={"type": "json_object"})
+    ).chat.json_schema == {"type": "object"}
+
+
+def test_a_file_of_10000_requests_is_read_in_the_memory_of_one(tmp_path):
+    def peak_while_reading(count: int) -> tuple[int, int]:
+        path = tmp_path / f"{count}.jsonl"
+        uri = data_uri(IMAGES[1])
+        path.write_text("".join(line(f"r{i}", [user("Describe.", uri)]) + "\n" for i in range(count)))
+        source = OpenAIBatchSource.__new__(OpenAIBatchSource)
+        tracemalloc.start()
+        seen = sum(1 for _ in source.iter_shard(ShardInfo("f", str(path), None), lambda i: True))
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        return seen, peak
+
+    small, large = peak_while_reading(100), peak_while_reading(10_000)
+    assert (small[0], large[0]) == (101, 10_001)  # every request, then the shard's end
+    assert large[1] < 2 * small[1] + 100_000  # the file is 100x larger: its size never sits in memory
+
+
+def test_a_batch_file_runs_each_request_as_asked_and_writes_the_batch_output(tmp_path, tiny_model_dir):
+    with LoopbackServer() as server:
+        url = server.add_image("c.png", png_bytes(IMAGES[2]))
+        conversation = [
+            {"role": "system", "content": "You label pictures."},
+            user("Describe this image.", data_uri(IMAGES[1])),
+            {"role": "assistant", "content": "A picture."},
+            {"role": "user", "content": "Say more."},
+        ]
+        lines = [
+            line("single", [user("Describe this image.", data_uri(IMAGES[0]))], max_tokens=5),
+            line("multi-turn", conversation, max_tokens=4),
+            "{broken",
+            line("by-url", [user("What is this?", url)], max_tokens=6),
+            EMBEDDINGS,
+            line("labelled", [user("Name its color.", data_uri(IMAGES[0]))], max_tokens=40,
+                 response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": SCHEMA}}),
+        ]  # fmt: skip
+        (tmp_path / "requests").mkdir()
+        (tmp_path / "requests" / "batch-1.jsonl").write_text("\n".join(lines) + "\n\n")
+        (tmp_path / "job.yaml").write_text(
+            f"""
+model: {{path: {tiny_model_dir}, dtype: float32, device: cpu}}
+input: {{format: openai_batch, paths: ["requests/*.jsonl"], download: {{allow_private: true}}}}
+sampling: {{max_new_tokens: 3, ignore_eos: true}}
+output: {{dir: out, format: openai_batch}}
+"""
+        )
+        done = batchvl("run", "job.yaml", cwd=tmp_path)
+        assert done.returncode == 0, done.stderr
+
+    rows = {row["key"]: row for row in pq.read_table(tmp_path / "out" / "batch-1.parquet").to_pylist()}
+    assert set(rows) == {"single", "multi-turn", "line-3", "by-url", "embed", "labelled"}
+    assert {k: r["error_type"] for k, r in rows.items() if r["status"] != "ok"} == {
+        "line-3": "bad_request",
+        "embed": "unsupported_request",
+    }
+    assert [rows[k]["num_output_tokens"] for k in ("single", "multi-turn", "by-url")] == [5, 4, 6]
+
+    model = AutoModelForImageTextToText.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    processor = AutoProcessor.from_pretrained(tiny_model_dir)
+    expected = {
+        "single": generate_text(model, processor, [hf_user("Describe this image.", 1)], [IMAGES[0]], 5),
+        "multi-turn": generate_text(
+            model,
+            processor,
+            [
+                {"role": "system", "content": [{"type": "text", "text": "You label pictures."}]},
+                hf_user("Describe this image.", 1),
+                {"role": "assistant", "content": [{"type": "text", "text": "A picture."}]},
+                hf_user("Say more."),
+            ],
+            [IMAGES[1]],
+            4,
+        ),
+        "by-url": generate_text(model, processor, [hf_user("What is this?", 1)], [IMAGES[2]], 6),
+    }
+    for key, text in expected.items():
+        assert rows[key]["text"] == text, key
+    labelled = rows["labelled"]
+    assert labelled["status"] == "ok", labelled["error_message"]
+    assert set(json.loads(labelled["text"])) == {"color"}
+
+    output = [
+        json.loads(text) for text in (tmp_path / "out" / "batch-1.output.jsonl").read_text().splitlines()
+    ]
+    assert [o["custom_id"] for o in output] == [
+        "single",
+        "multi-turn",
+        "line-3",
+        "by-url",
+        "embed",
+        "labelled",
+    ]
+    first = output[0]
+    assert first["error"] is None and first["id"].startswith("batch_req_")
+    body = first["response"]["body"]
+    assert first["response"]["status_code"] == 200 and body["object"] == "chat.completion"
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": expected["single"]}
+    assert body["choices"][0]["finish_reason"] == "length"
+    usage = body["usage"]
+    assert usage["completion_tokens"] == 5
+    assert usage["total_tokens"] == usage["prompt_tokens"] + 5 == rows["single"]["num_prompt_tokens"] + 5
+    assert output[4]["response"] is None and output[4]["error"]["code"] == "unsupported_request"
+    assert "/v1/embeddings" in output[4]["error"]["message"]
+
+
+def test_prompts_beside_an_openai_batch_input_are_refused_with_exit_2(tmp_path, tiny_model_dir):
+    (tmp_path / "requests").mkdir()
+    (tmp_path / "requests" / "a.jsonl").write_text(line("a", [user("hi")]) + "\n")
+    (tmp_path / "job.yaml").write_text(
+        f"""
+model: {{path: {tiny_model_dir}, dtype: float32, device: cpu}}
+input: {{format: openai_batch, paths: ["requests/*.jsonl"]}}
+prompts: [{{name: caption, text: Describe.}}]
+output: {{dir: out}}
+"""
+    )
+    done = batchvl("run", "job.yaml", cwd=tmp_path)
+    assert done.returncode == 2
+    assert "remove 'prompts'" in done.stderr
+    assert not (tmp_path / "out").exists()
