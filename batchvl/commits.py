@@ -21,6 +21,14 @@ from batchvl.io.writers import ResultRow, output_path, rows_to_table, write_tabl
 from batchvl.tasks import TaskSlice
 
 
+def stored_config(cfg: JobConfig) -> dict:
+    """The job config as each output file records it, without storage options' values (credentials)."""
+    stored = config_to_dict(cfg)
+    options = stored["input"]["storage_options"]
+    stored["input"]["storage_options"] = dict.fromkeys(options, "<not recorded>")
+    return stored
+
+
 def companion_files(cfg: JobConfig) -> Callable[[str, str], None] | None:
     """What the job writes beside each committed Parquet file, from it (before the shard's marker)."""
     if cfg.output.format != "openai_batch":
@@ -54,7 +62,7 @@ class WriteShard:
             "batchvl_version": __version__,
             "model_path": cfg.model.path,
             "config_fingerprint": self.fingerprint,
-            "job_config": json.dumps(config_to_dict(cfg), sort_keys=True),
+            "job_config": json.dumps(stored_config(cfg), sort_keys=True),
         }
 
     def __call__(self, info: ShardInfo, rows: list[ResultRow]) -> str:

@@ -153,6 +153,11 @@ class InputConfig:
         above=0,
         defines_output=True,
     )
+    storage_options: dict = _key(
+        help="fsspec options for `s3://`, `gs://` ... input paths (credentials, endpoint_url); "
+        "empty: the environment's, as fsspec finds them",
+        factory=dict,
+    )
     download: DownloadConfig = _key(
         help="Image cells that are http(s) URLs: how they are fetched", factory=DownloadConfig
     )
@@ -445,6 +450,17 @@ def _check_values(cfg: JobConfig) -> None:
         raise ConfigError("'preprocess.min_pixels' must not exceed 'preprocess.max_pixels'")
     if not cfg.input.paths:
         raise ConfigError("'input.paths' must list at least one path or glob")
+    if "://" in cfg.output.dir:
+        raise ConfigError(
+            f"'output.dir' {cfg.output.dir}: results are written to a local (or mounted) folder; "
+            "object-store URLs are read as input only"
+        )
+    remote = [p for p in cfg.input.paths if "://" in p and not p.startswith("file://")]
+    if remote and cfg.input.format in ("folder", "hf_dataset"):
+        raise ConfigError(
+            f"input.format {cfg.input.format} reads local folders; '{remote[0]}' is a URL (parquet, "
+            "webdataset and openai_batch files can be read from object stores)"
+        )
     if not cfg.prompts:
         raise ConfigError("'prompts' must hold at least one prompt")
     names = [prompt.name for prompt in cfg.prompts]
@@ -473,6 +489,10 @@ def _check_constraint_keys(prompt: PromptConfig) -> None:
 
 
 def _absolute(path: str, base: Path) -> str:
+    if path.startswith("file://"):
+        path = path.removeprefix("file://")
+    elif "://" in path:  # a URL (s3://bucket/...): fsspec resolves it, never relative to the job file
+        return path
     return os.path.normpath(path if Path(path).is_absolute() else base / path)
 
 

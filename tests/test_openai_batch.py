@@ -11,6 +11,8 @@ import pytest
 import torch
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
+from batchvl import api
+from batchvl.config import InputConfig
 from batchvl.io.openai_batch import OpenAIBatchSource, parse_line
 from batchvl.io.types import ShardInfo
 from tests.conftest import png_bytes, random_image
@@ -114,7 +116,7 @@ def test_a_file_of_10000_requests_is_read_in_the_memory_of_one(tmp_path):
         path = tmp_path / f"{count}.jsonl"
         uri = data_uri(IMAGES[1])
         path.write_text("".join(line(f"r{i}", [user("Describe.", uri)]) + "\n" for i in range(count)))
-        source = OpenAIBatchSource.__new__(OpenAIBatchSource)
+        source = OpenAIBatchSource(InputConfig(paths=[str(path)], format="openai_batch"))
         tracemalloc.start()
         seen = sum(1 for _ in source.iter_shard(ShardInfo("f", str(path), None), lambda i: True))
         peak = tracemalloc.get_traced_memory()[1]
@@ -228,3 +230,28 @@ output: {{dir: out}}
     assert done.returncode == 2
     assert "remove 'prompts'" in done.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_the_python_api_runs_a_batch_file(tmp_path, loaded_fp32):
+    (tmp_path / "requests").mkdir()
+    lines = [
+        line("first", [user("Describe this image.", data_uri(IMAGES[0]))], max_tokens=3),
+        line("second", [user("Describe this image.", data_uri(IMAGES[1]))], max_tokens=2),
+    ]
+    (tmp_path / "requests" / "b.jsonl").write_text("\n".join(lines) + "\n")
+    job = {
+        "model": {"path": loaded_fp32.path, "dtype": "float32", "device": "cpu"},
+        "input": {"format": "openai_batch", "paths": [str(tmp_path / "requests" / "*.jsonl")]},
+        "sampling": {"ignore_eos": True},
+        "output": {"dir": str(tmp_path / "out"), "format": "openai_batch"},
+    }
+    results = api.run(job, model=loaded_fp32, progress=False)
+    rows = {row["key"]: row for row in results.dataset.to_list()}
+    assert {key: (row["prompt"], row["num_output_tokens"]) for key, row in rows.items()} == {
+        "first": ("response", 3),
+        "second": ("response", 2),
+    }
+    output = [json.loads(text) for text in (tmp_path / "out" / "b.output.jsonl").read_text().splitlines()]
+    contents = [o["response"]["body"]["choices"][0]["message"]["content"] for o in output]
+    assert contents == [rows["first"]["text"], rows["second"]["text"]]
+    assert api.read_results(job)["key"] == ["first", "second"]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import io
 import json
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -24,6 +25,7 @@ from batchvl.config import InputConfig
 from batchvl.errors import SampleError
 from batchvl.io.download import is_url
 from batchvl.io.paths import match_files
+from batchvl.io.remote import open_input
 from batchvl.io.types import ChatRequest, MediaRef, Sample, ShardEnd, ShardInfo
 
 SUFFIXES = (".jsonl",)
@@ -44,13 +46,18 @@ UNSUPPORTED = {
 class OpenAIBatchSource:
     def __init__(self, cfg: InputConfig):
         self.paths = cfg.paths
+        self.storage_options = cfg.storage_options
 
     def list_shards(self) -> list[ShardInfo]:
-        return [ShardInfo(sid, path, None) for path, sid in match_files(self.paths, SUFFIXES, ".jsonl files")]
+        found = match_files(self.paths, SUFFIXES, ".jsonl files", self.storage_options)
+        return [ShardInfo(sid, path, None) for path, sid in found]
 
     def iter_shard(self, shard: ShardInfo, keep: Callable[[int], bool]) -> Iterator[Sample | ShardEnd]:
         index = 0
-        with open(shard.path, encoding="utf-8", errors="replace") as lines:
+        with (
+            open_input(shard.path, self.storage_options) as binary,
+            io.TextIOWrapper(binary, encoding="utf-8", errors="replace") as lines,
+        ):
             for number, line in enumerate(lines, start=1):
                 if not line.strip():
                     continue

@@ -11,6 +11,7 @@ import pyarrow.parquet as pq
 from batchvl.config import InputConfig
 from batchvl.errors import UserError
 from batchvl.io.paths import match_files
+from batchvl.io.remote import is_remote, open_remote
 from batchvl.io.rows import RowSampler
 from batchvl.io.types import Sample, ShardEnd, ShardInfo
 
@@ -20,13 +21,18 @@ BATCH_ROWS = 256
 class ParquetSource:
     def __init__(self, cfg: InputConfig):
         self.paths = cfg.paths
+        self.storage_options = cfg.storage_options
         self.rows = RowSampler(cfg.image_column, cfg.key_column, cfg.root)
+
+    def _open(self, path: str) -> pq.ParquetFile:
+        # On an object store: a seekable stream of byte ranges (the footer, then one row group at a time).
+        return pq.ParquetFile(open_remote(path, self.storage_options) if is_remote(path) else path)
 
     def list_shards(self) -> list[ShardInfo]:
         shards = []
-        for path, shard_id in match_files(self.paths, (".parquet",), "Parquet files"):
+        for path, shard_id in match_files(self.paths, (".parquet",), "Parquet files", self.storage_options):
             try:
-                footer = pq.ParquetFile(path)  # the footer only: row count and schema
+                footer = self._open(path)  # the footer only: row count and schema
             except (pa.ArrowInvalid, OSError) as exc:
                 raise UserError(f"input file '{path}' is not a readable Parquet file: {exc}") from None
             columns = tuple(footer.schema_arrow.names)
@@ -34,7 +40,7 @@ class ParquetSource:
         return shards
 
     def iter_shard(self, shard: ShardInfo, keep: Callable[[int], bool]) -> Iterator[Sample | ShardEnd]:
-        parquet = pq.ParquetFile(shard.path)
+        parquet = self._open(shard.path)
         self.rows.check_columns(parquet.schema_arrow.names, shard.path)
         yield from self.rows.samples(
             shard, parquet.iter_batches(batch_size=BATCH_ROWS), keep, os.path.dirname(shard.path)

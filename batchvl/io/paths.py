@@ -8,6 +8,7 @@ import os
 import stat
 
 from batchvl.errors import SampleError, UserError
+from batchvl.io.remote import glob_remote, is_remote
 
 
 def resolve_under_root(path: str, root: str) -> str:
@@ -71,12 +72,23 @@ def glob_matches(pattern: str, path: str) -> bool:
     return match(pattern.strip(os.sep).split(os.sep), path.strip(os.sep).split(os.sep))
 
 
-def match_files(patterns: list[str], suffixes: tuple[str, ...], what: str) -> list[tuple[str, str]]:
-    """(absolute path, shard id) of the files matching any glob that end with one of `suffixes`, sorted
-    by id. The id is the path relative to its pattern's `glob_base`; a file that several patterns match
-    is named by the first of them."""
+def match_files(
+    patterns: list[str], suffixes: tuple[str, ...], what: str, storage_options: dict | None = None
+) -> list[tuple[str, str]]:
+    """(absolute path or URL, shard id) of the files matching any glob that end with one of `suffixes`,
+    sorted by id. The id is the path relative to its pattern's `glob_base`; a file that several patterns
+    match is named by the first of them. A pattern with a protocol (`s3://...`) is listed through fsspec."""
     found: dict[str, str] = {}
     for pattern in patterns:
+        if is_remote(pattern):
+            urls, path = glob_remote(pattern, storage_options or {})
+            matched = [url for url in urls if url.lower().endswith(suffixes)]
+            if not matched:
+                raise UserError(f"input.paths: no {what} match '{pattern}'; check the path or glob")
+            base = glob_base(path)
+            for url in matched:
+                found.setdefault(url, relative_id(url.split("://", 1)[1], base))
+            continue
         matched = [
             p
             for p in glob.glob(pattern, recursive=True)

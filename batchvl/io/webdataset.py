@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from batchvl.config import InputConfig
 from batchvl.errors import SampleError
 from batchvl.io.paths import match_files
+from batchvl.io.remote import is_remote, open_remote
 from batchvl.io.types import (
     IMAGE_EXTENSIONS,
     VIDEO_EXTENSIONS,
@@ -77,16 +78,19 @@ def _sample(shard: str, group: _Group) -> Sample:
 class WebDatasetSource:
     def __init__(self, cfg: InputConfig):
         self.paths = cfg.paths
+        self.storage_options = cfg.storage_options
 
     def list_shards(self) -> list[ShardInfo]:
-        return [ShardInfo(sid, path, None) for path, sid in match_files(self.paths, SUFFIXES, "tar files")]
+        found = match_files(self.paths, SUFFIXES, "tar files", self.storage_options)
+        return [ShardInfo(sid, path, None) for path, sid in found]
 
     def iter_shard(self, shard: ShardInfo, keep: Callable[[int], bool]) -> Iterator[Sample | ShardEnd]:
         group: _Group | None = None
         count = 0
         damage: str | None = None
+        stream = open_remote(shard.path, self.storage_options) if is_remote(shard.path) else None
         try:
-            with tarfile.open(shard.path, mode="r:*") as tar:
+            with tarfile.open(shard.path if stream is None else None, mode="r:*", fileobj=stream) as tar:
                 for member in tar:
                     if not member.isfile():
                         continue
@@ -99,7 +103,8 @@ class WebDatasetSource:
                     if keep(group.index):  # other workers' members are skipped without reading them
                         group.members.append((ext, tar.extractfile(member).read()))
                 uncompressed = not shard.path.endswith((".gz", ".tgz"))
-                if uncompressed and os.path.getsize(shard.path) - tar.offset < END_OF_ARCHIVE:
+                size = os.path.getsize(shard.path) if stream is None else stream.size
+                if uncompressed and size - tar.offset < END_OF_ARCHIVE:
                     damage = "the file ends without the end-of-archive marker"
         except (tarfile.TarError, EOFError, OSError) as exc:
             damage = str(exc) or type(exc).__name__

@@ -1,0 +1,154 @@
+"""Input shards on an S3-compatible object store (moto's server on 127.0.0.1, read with s3fs): the same
+rows as the same files read locally, shard names relative to the pattern, split across tasks, with
+credentials from the job or from the environment."""
+
+import io
+import json
+import tarfile
+
+import boto3
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from moto.server import ThreadedMotoServer
+
+from tests.conftest import png_bytes, random_image
+from tests.test_cli import batchvl
+
+KEYS = {"aws_access_key_id": "testing", "aws_secret_access_key": "testing"}
+IMAGES = [png_bytes(random_image(40 + 4 * i, 56, 60 + i)) for i in range(5)]
+
+
+@pytest.fixture(scope="module")
+def s3():
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", **KEYS)
+    client.create_bucket(Bucket="data")
+    yield endpoint, client
+    server.stop()
+
+
+def parquet_bytes(keys: list[str], images: list[bytes]) -> bytes:
+    buffer = io.BytesIO()
+    pq.write_table(pa.table({"key": keys, "image": images}), buffer)
+    return buffer.getvalue()
+
+
+def tar_bytes(members: dict[str, bytes]) -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return buffer.getvalue()
+
+
+FILES = {
+    "parquet": {
+        "a.parquet": parquet_bytes(["a0", "a1"], IMAGES[:2]),
+        "more/b.parquet": parquet_bytes(["b0", "b1", "b2"], IMAGES[2:]),
+    },
+    "webdataset": {"s-0.tar": tar_bytes({"x.png": IMAGES[0], "y.png": IMAGES[1]})},
+}
+
+
+def job_yaml(model_dir, input_paths: str, fmt: str, storage: str = "") -> str:
+    return f"""
+model: {{path: {model_dir}, dtype: float32, device: cpu}}
+input: {{format: {fmt}, paths: ["{input_paths}"], key_column: key{storage}}}
+prompts: [{{name: caption, text: Describe this image.}}]
+sampling: {{max_new_tokens: 4}}
+output: {{dir: out}}
+"""
+
+
+def texts(out_dir) -> dict[tuple[str, str], str]:
+    found = {}
+    for path in sorted(out_dir.rglob("*.parquet")):
+        for row in pq.read_table(path).to_pylist():
+            assert row["status"] == "ok", row["error_message"]
+            found[(str(path.relative_to(out_dir)), row["key"])] = row["text"]
+    return found
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "webdataset"])
+def test_shards_on_s3_give_the_rows_of_the_same_files_read_locally(s3, tmp_path, tiny_model_dir, fmt):
+    endpoint, client = s3
+    for name, data in FILES[fmt].items():
+        client.put_object(Bucket="data", Key=f"{fmt}/{name}", Body=data)
+        (tmp_path / "local" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "local" / name).write_bytes(data)
+    pattern = "**/*.parquet" if fmt == "parquet" else "*.tar"
+    options = f', storage_options: {{endpoint_url: "{endpoint}", key: testing, secret: testing}}'
+    remote, local = tmp_path / "remote", tmp_path / "local-run"
+    for folder, paths, storage in (
+        (remote, f"s3://data/{fmt}/{pattern}", options),
+        (local, f"{tmp_path}/local/{pattern}", ""),
+    ):
+        folder.mkdir()
+        (folder / "job.yaml").write_text(job_yaml(tiny_model_dir, paths, fmt, storage))
+        done = batchvl("run", "job.yaml", cwd=folder)
+        assert done.returncode == 0, done.stderr
+    from_s3 = texts(remote / "out")
+    assert from_s3 == texts(local / "out")
+    expected_files = {"a.parquet", "more/b.parquet"} if fmt == "parquet" else {"s-0.parquet"}
+    assert {name for name, _ in from_s3} == expected_files
+    status = batchvl("status", "job.yaml", cwd=remote)
+    assert status.returncode == 0 and "committed" in status.stdout
+
+
+def test_credentials_from_the_environment_and_tasks_that_split_the_shards(s3, tmp_path, tiny_model_dir):
+    endpoint, client = s3
+    for name, data in FILES["parquet"].items():
+        client.put_object(Bucket="data", Key=f"split/{name}", Body=data)
+    (tmp_path / "job.yaml").write_text(job_yaml(tiny_model_dir, "s3://data/split/**/*.parquet", "parquet"))
+    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_ENDPOINT_URL": endpoint}
+    for task in ("0/2", "1/2"):
+        done = batchvl("run", "job.yaml", "--shard", task, cwd=tmp_path, env=env)
+        assert done.returncode == 0, done.stderr
+    rows = texts(tmp_path / "out")
+    assert sorted(key for _, key in rows) == ["a0", "a1", "b0", "b1", "b2"]
+    markers = sorted(p.name for p in (tmp_path / "out" / "_batchvl" / "done").rglob("*.json"))
+    assert markers == ["a.json", "b.json"]
+    tasks = {
+        json.loads(p.read_text())["task"] for p in (tmp_path / "out" / "_batchvl" / "done").rglob("*.json")
+    }
+    assert tasks == {"0/2", "1/2"}
+
+
+@pytest.mark.parametrize(
+    ("paths", "output", "words"),
+    [
+        ("s3://data/nothing/*.parquet", "out", "no Parquet files match 's3://data/nothing/*.parquet'"),
+        ("s3://data/parquet/*.parquet", "s3://data/results", "object-store URLs are read as input only"),
+    ],
+)
+def test_object_store_mistakes_exit_2_with_one_line(s3, tmp_path, tiny_model_dir, paths, output, words):
+    endpoint, _ = s3
+    options = f', storage_options: {{endpoint_url: "{endpoint}", key: testing, secret: testing}}'
+    (tmp_path / "job.yaml").write_text(
+        job_yaml(tiny_model_dir, paths, "parquet", options).replace("dir: out", f"dir: {output}")
+    )
+    done = batchvl("run", "job.yaml", cwd=tmp_path)
+    assert done.returncode == 2
+    assert words in done.stderr
+
+
+def test_credentials_are_not_written_into_the_outputs(s3, tmp_path, tiny_model_dir):
+    endpoint, client = s3
+    client.put_object(Bucket="data", Key="secret/a.parquet", Body=FILES["parquet"]["a.parquet"])
+    options = f', storage_options: {{endpoint_url: "{endpoint}", key: testing, secret: s3cr3t-value}}'
+    (tmp_path / "job.yaml").write_text(
+        job_yaml(tiny_model_dir, "s3://data/secret/*.parquet", "parquet", options)
+    )
+    env = {"AWS_SECRET_ACCESS_KEY": "s3cr3t-value", "AWS_ACCESS_KEY_ID": "testing"}
+    assert batchvl("run", "job.yaml", cwd=tmp_path, env=env).returncode == 0
+    written = [p for p in (tmp_path / "out").rglob("*") if p.is_file()]
+    assert any(p.suffix == ".parquet" for p in written)
+    assert not [p for p in written if b"s3cr3t-value" in p.read_bytes()]
+    recorded = json.loads(pq.read_schema(tmp_path / "out" / "a.parquet").metadata[b"job_config"])
+    assert recorded["input"]["storage_options"]["secret"] == "<not recorded>"
