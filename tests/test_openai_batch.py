@@ -12,9 +12,11 @@ import torch
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from batchvl import api
-from batchvl.config import InputConfig
+from batchvl.config import InputConfig, job_config_from_dict
 from batchvl.io.openai_batch import OpenAIBatchSource, parse_line
 from batchvl.io.types import ShardInfo
+from batchvl.job import run_job
+from batchvl.retry import retry_failed
 from tests.conftest import png_bytes, random_image
 from tests.http_server import LoopbackServer
 from tests.test_cli import batchvl
@@ -255,3 +257,40 @@ def test_the_python_api_runs_a_batch_file(tmp_path, loaded_fp32):
     contents = [o["response"]["body"]["choices"][0]["message"]["content"] for o in output]
     assert contents == [rows["first"]["text"], rows["second"]["text"]]
     assert api.read_results(job)["key"] == ["first", "second"]
+
+
+def test_retry_failed_rewrites_the_batch_output_with_the_fixed_rows(tmp_path, loaded_fp32):
+    (tmp_path / "requests").mkdir()
+    labelled = {"type": "json_schema", "json_schema": {"name": "c", "schema": SCHEMA}}
+    lines = [
+        line("caption", [user("Describe this image.", data_uri(IMAGES[0]))], max_tokens=3),
+        line("label", [user("Name its color.", data_uri(IMAGES[1]))], response_format=labelled),
+    ]
+    (tmp_path / "requests" / "r.jsonl").write_text("\n".join(lines) + "\n")
+    job = {
+        "model": {"path": loaded_fp32.path, "dtype": "float32", "device": "cpu"},
+        "input": {"format": "openai_batch", "paths": [str(tmp_path / "requests" / "*.jsonl")]},
+        "sampling": {"max_new_tokens": 2},  # the label's own limit: too few for its JSON object
+        "preprocess": {"workers": 0},
+        "output": {"dir": str(tmp_path / "out"), "format": "openai_batch"},
+    }
+    cfg = job_config_from_dict(job)
+    run_job(cfg, loaded=loaded_fp32, show_progress=False)
+
+    def written():
+        text = (tmp_path / "out" / "r.output.jsonl").read_text()
+        return {o["custom_id"]: o for o in map(json.loads, text.splitlines())}
+
+    before = written()
+    assert before["label"]["error"]["code"] == "incomplete_output" and before["label"]["response"] is None
+    retry = job_config_from_dict({**job, "sampling": {"max_new_tokens": 40}})
+    retry_failed(cfg, retry, ["sampling.max_new_tokens=40"], loaded=loaded_fp32, show_progress=False)
+    after = written()
+    assert list(after) == ["caption", "label"]
+    # an ok row is not run again: the same line, but for the time the file was written
+    for line_of in (after, before):
+        line_of["caption"]["response"]["body"].pop("created")
+    assert after["caption"] == before["caption"]
+    assert after["label"]["error"] is None
+    content = after["label"]["response"]["body"]["choices"][0]["message"]["content"]
+    assert set(json.loads(content)) == {"color"}

@@ -4,8 +4,9 @@ shape, `<shard>.output.jsonl` beside the shard's Parquet file.
 A line per row, in input order: `{"id", "custom_id", "response": {"status_code": 200, "request_id", "body":
 <a chat.completion>}, "error": null}` for an ok row, `{"id", "custom_id", "response": null, "error":
 {"code": <error_type>, "message": ...}}` otherwise. `custom_id` is the sample's key (with `:<prompt>`
-when the job has several prompts). It is written atomically after the Parquet file and before the
-shard's marker, so a committed shard has both and a rerun redoes a shard that has only some of them.
+when the job has several prompts); `created` is when the file was written. The file is written
+atomically after the Parquet file and before the shard's marker, so a committed shard has both and a
+rerun redoes a shard that has only some of them; `retry-failed` rewrites it with the merged rows.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ def write_batch_output(out_dir: str, shard: str, table: pa.Table, model: str, cr
 
 def batch_line(row: dict, model: str, created: int, several_prompts: bool) -> dict:
     custom_id = f"{row['key']}:{row['prompt']}" if several_prompts else row["key"]
-    digest = xxhash.xxh64_hexdigest(f"{model}\0{custom_id}\0{created}".encode())
+    # from the row itself, so a row that a retry leaves alone keeps its id when the file is rewritten
+    digest = xxhash.xxh64_hexdigest(f"{model}\0{custom_id}\0{row['status']}\0{row['text']}".encode())
     line = {"id": f"batch_req_{digest}", "custom_id": custom_id, "response": None, "error": None}
     if row["status"] != "ok":
         line["error"] = {"code": row["error_type"] or row["status"], "message": row["error_message"] or ""}
