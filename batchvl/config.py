@@ -455,7 +455,7 @@ def _check_values(cfg: JobConfig) -> None:
             f"'output.dir' {cfg.output.dir}: results are written to a local (or mounted) folder; "
             "object-store URLs are read as input only"
         )
-    remote = [p for p in cfg.input.paths if "://" in p and not p.startswith("file://")]
+    remote = [p for p in cfg.input.paths if is_remote(p)]
     if remote and cfg.input.format in ("folder", "hf_dataset"):
         raise ConfigError(
             f"input.format {cfg.input.format} reads local folders; '{remote[0]}' is a URL (parquet, "
@@ -488,11 +488,15 @@ def _check_constraint_keys(prompt: PromptConfig) -> None:
         raise ConfigError(f"{where}: 'when' takes one of 'equals' or 'in'")
 
 
+def is_remote(path: str) -> bool:
+    """A URL with a protocol other than file:// (s3://bucket/...): read through fsspec."""
+    return "://" in path and not path.startswith("file://")
+
+
 def _absolute(path: str, base: Path) -> str:
-    if path.startswith("file://"):
-        path = path.removeprefix("file://")
-    elif "://" in path:  # a URL (s3://bucket/...): fsspec resolves it, never relative to the job file
+    if is_remote(path):  # fsspec resolves it, never relative to the job file
         return path
+    path = path.removeprefix("file://")
     return os.path.normpath(path if Path(path).is_absolute() else base / path)
 
 

@@ -19,8 +19,10 @@ import xxhash
 
 from batchvl.io.writers import output_path, write_text_atomic
 
-COLUMNS = ["key", "prompt", "status", "text", "error_type", "error_message", "finish_reason"]
-TOKEN_COLUMNS = ["num_prompt_tokens", "num_output_tokens"]
+COLUMNS = [
+    "key", "prompt", "status", "text", "error_type", "error_message", "finish_reason",
+    "num_prompt_tokens", "num_output_tokens",
+]  # fmt: skip
 
 
 def batch_output_path(out_dir: str, shard: str) -> str:
@@ -32,7 +34,7 @@ def write_batch_output(out_dir: str, shard: str, table: pa.Table, model: str, cr
     several_prompts = len(set(table["prompt"].to_pylist())) > 1
     lines = [
         json.dumps(batch_line(row, model, created, several_prompts), ensure_ascii=False)
-        for row in table.select(COLUMNS + TOKEN_COLUMNS).to_pylist()
+        for row in table.select(COLUMNS).to_pylist()
     ]
     write_text_atomic(path, "".join(line + "\n" for line in lines))
     return path

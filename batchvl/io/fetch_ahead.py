@@ -23,6 +23,9 @@ def with_downloaded_media(items: Iterable, downloader: Downloader, concurrency: 
     with ThreadPoolExecutor(concurrency, thread_name_prefix="batchvl-download") as pool:
         window: deque = deque()
         for item in items:
+            if not window and not has_urls(item):  # nothing to keep in order behind: no wait
+                yield item
+                continue
             window.append(pool.submit(download_media, item, downloader) if has_urls(item) else item)
             if len(window) >= concurrency:
                 yield _ready(window.popleft())

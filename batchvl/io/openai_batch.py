@@ -24,7 +24,7 @@ from typing import Any
 from batchvl.config import InputConfig
 from batchvl.errors import SampleError
 from batchvl.io.download import is_url
-from batchvl.io.paths import match_files
+from batchvl.io.paths import stream_shards
 from batchvl.io.remote import open_input
 from batchvl.io.types import ChatRequest, MediaRef, Sample, ShardEnd, ShardInfo
 
@@ -49,8 +49,7 @@ class OpenAIBatchSource:
         self.storage_options = cfg.storage_options
 
     def list_shards(self) -> list[ShardInfo]:
-        found = match_files(self.paths, SUFFIXES, ".jsonl files", self.storage_options)
-        return [ShardInfo(sid, path, None) for path, sid in found]
+        return stream_shards(self.paths, SUFFIXES, ".jsonl files", self.storage_options)
 
     def iter_shard(self, shard: ShardInfo, keep: Callable[[int], bool]) -> Iterator[Sample | ShardEnd]:
         index = 0

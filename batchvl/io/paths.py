@@ -9,6 +9,7 @@ import stat
 
 from batchvl.errors import SampleError, UserError
 from batchvl.io.remote import glob_remote, is_remote
+from batchvl.io.types import ShardInfo
 
 
 def resolve_under_root(path: str, root: str) -> str:
@@ -100,6 +101,15 @@ def match_files(
         for path in matched:
             found.setdefault(os.path.abspath(path), relative_id(path, base))
     return sorted(found.items(), key=lambda item: item[1])
+
+
+def stream_shards(
+    patterns: list[str], suffixes: tuple[str, ...], what: str, storage_options: dict
+) -> list[ShardInfo]:
+    """The shards of a format whose files are shards with no sample count known before reading them."""
+    return [
+        ShardInfo(sid, path, None) for path, sid in match_files(patterns, suffixes, what, storage_options)
+    ]
 
 
 def relative_id(path: str, base: str) -> str:

@@ -8,11 +8,8 @@ fetch byte ranges on demand, so a shard is never downloaded whole before it is r
 
 from __future__ import annotations
 
+from batchvl.config import is_remote
 from batchvl.errors import UserError
-
-
-def is_remote(path: str) -> bool:
-    return "://" in path and not path.startswith("file://")
 
 
 def filesystem(url: str, storage_options: dict):

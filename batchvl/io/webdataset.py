@@ -17,8 +17,8 @@ from collections.abc import Callable, Iterator
 
 from batchvl.config import InputConfig
 from batchvl.errors import SampleError
-from batchvl.io.paths import match_files
-from batchvl.io.remote import is_remote, open_remote
+from batchvl.io.paths import stream_shards
+from batchvl.io.remote import is_remote, open_input
 from batchvl.io.types import (
     IMAGE_EXTENSIONS,
     VIDEO_EXTENSIONS,
@@ -81,16 +81,17 @@ class WebDatasetSource:
         self.storage_options = cfg.storage_options
 
     def list_shards(self) -> list[ShardInfo]:
-        found = match_files(self.paths, SUFFIXES, "tar files", self.storage_options)
-        return [ShardInfo(sid, path, None) for path, sid in found]
+        return stream_shards(self.paths, SUFFIXES, "tar files", self.storage_options)
 
     def iter_shard(self, shard: ShardInfo, keep: Callable[[int], bool]) -> Iterator[Sample | ShardEnd]:
         group: _Group | None = None
         count = 0
         damage: str | None = None
-        stream = open_remote(shard.path, self.storage_options) if is_remote(shard.path) else None
         try:
-            with tarfile.open(shard.path if stream is None else None, mode="r:*", fileobj=stream) as tar:
+            with (
+                open_input(shard.path, self.storage_options) as stream,
+                tarfile.open(fileobj=stream, mode="r:*") as tar,
+            ):
                 for member in tar:
                     if not member.isfile():
                         continue
@@ -103,7 +104,7 @@ class WebDatasetSource:
                     if keep(group.index):  # other workers' members are skipped without reading them
                         group.members.append((ext, tar.extractfile(member).read()))
                 uncompressed = not shard.path.endswith((".gz", ".tgz"))
-                size = os.path.getsize(shard.path) if stream is None else stream.size
+                size = stream.size if is_remote(shard.path) else os.path.getsize(shard.path)
                 if uncompressed and size - tar.offset < END_OF_ARCHIVE:
                     damage = "the file ends without the end-of-archive marker"
         except (tarfile.TarError, EOFError, OSError) as exc:
