@@ -29,8 +29,9 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from batchvl.config import JobConfig, job_config_from_dict, load_job_config
+from batchvl.config import JobConfig, is_remote, job_config_from_dict, load_job_config
 from batchvl.errors import UserError
+from batchvl.io.output_dir import OutputDir
 from batchvl.io.results import committed_outputs, results_table
 from batchvl.io.sources import job_source
 from batchvl.models.loader import LoadedModel
@@ -165,6 +166,11 @@ def caption(
         )
     if rows_per_shard <= 0:
         raise UserError(f"rows_per_shard must be positive, got {rows_per_shard}")
+    if is_remote(str(output_dir)):
+        raise UserError(
+            f"caption() keeps a copy of the dataset in output_dir, a local folder; '{output_dir}' is a URL. "
+            "To write to an object store, save the dataset as Parquet and run(job) with output.dir there"
+        )
     out = Path(output_dir).resolve()
     input_folder = stage_dataset(dataset, out, rows_per_shard, overwrite)
     loaded = model if isinstance(model, LoadedModel) else None
@@ -196,7 +202,7 @@ def read_results(job: JobConfig | Mapping[str, Any] | str | Path) -> datasets.Da
     from datasets.table import InMemoryTable
 
     cfg = _job_config(job, ())
-    outputs = committed_outputs(cfg.output.dir, job_source(cfg).list_shards())
+    outputs = committed_outputs(OutputDir.of(cfg.output), job_source(cfg).list_shards())
     return datasets.Dataset(InMemoryTable(_without_maps(results_table(outputs))))
 
 

@@ -202,26 +202,38 @@ def slurm(
         int,
         typer.Option("--signal-lead", help="Seconds before the time limit that SIGUSR1 asks a task to stop."),
     ] = 300,
+    script_dir: Annotated[
+        Path | None,
+        typer.Option(
+            help="Local folder for the script and the task logs (default: output.dir; for an object-store "
+            "output.dir, ./batchvl-slurm/<its last name>).",
+            show_default=False,
+        ),
+    ] = None,
     set_: SetOption = None,
 ) -> None:
     """Write an sbatch script for a Slurm array job running `batchvl run` (and submit it with --submit)."""
     _setup_logging("warning")
-    from batchvl.config import load_job_config
+    from batchvl.config import is_remote, load_job_config
     from batchvl.plan import plan_job
     from batchvl.slurm import ArrayJob, write_array_job
     from batchvl.slurm import submit as sbatch_submit
 
     cfg = load_job_config(job_file, set_ or [])
-    num_shards = len(plan_job(cfg).listing)  # the tasks' own preflight, before anything is submitted
+    plan = plan_job(cfg)  # the tasks' own preflight, before anything is submitted
+    num_shards = len(plan.listing)
+    if script_dir is None and is_remote(cfg.output.dir):
+        script_dir = Path("batchvl-slurm", cfg.output.dir.rstrip("/").rsplit("/", 1)[-1])
     job = ArrayJob(
         job_file=str(job_file.resolve()),
         out_dir=cfg.output.dir,
+        files_dir=str(script_dir.resolve()) if script_dir else "",
         num_tasks=array,
         overrides=list(set_ or []),
         sbatch_args=list(sbatch_arg or []),
         signal_lead_s=signal_lead_s,
     )
-    script = write_array_job(job)
+    script = write_array_job(job, plan.out)
     typer.echo(f"wrote {script} ({array} task(s) over {num_shards} input shard(s); logs in {job.log_dir})")
     if array > num_shards:
         typer.echo(f"note: {array - num_shards} task(s) will have no shard to run")
@@ -301,7 +313,8 @@ def export(
     """Write the job's committed results as one Parquet file: the labels (--wide) or the rows (--rows)."""
     _setup_logging("warning")
     from batchvl.config import load_job_config
-    from batchvl.io.writers import write_table_atomic
+    from batchvl.io.output_dir import LocalDir
+    from batchvl.io.writers import parquet_bytes
     from batchvl.labels import job_rows, labels_table
 
     if wide is None and rows is None:
@@ -310,7 +323,8 @@ def export(
     table = job_rows(cfg)
     for path, written in ((rows, table), (wide, labels_table(cfg, table) if wide else None)):
         if path is not None:
-            write_table_atomic(os.path.abspath(path), written)
+            target = os.path.abspath(path)
+            LocalDir(os.path.dirname(target)).write_bytes(target, parquet_bytes(written))
             typer.echo(f"wrote {path} ({written.num_rows} rows)")
 
 

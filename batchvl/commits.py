@@ -1,6 +1,6 @@
 """How a complete shard is committed: written as a new file (a run), or merged into the committed file
-(a retry of its failed rows). Both keep `io/commit.py`'s contract: the Parquet file first, atomically,
-then the marker that makes the shard done."""
+(a retry of its failed rows). Both commit through `io/commit.py`: the Parquet file first, whole, then the
+marker that makes the shard done."""
 
 from __future__ import annotations
 
@@ -9,34 +9,35 @@ import time
 from collections.abc import Callable
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from batchvl import __version__
 from batchvl.config import JobConfig, config_to_dict, fingerprint_of, output_defining_config
 from batchvl.constraints import scored_choices
 from batchvl.io.batch_output import model_name, write_batch_output
-from batchvl.io.commit import ShardMarker, commit_shard, read_marker, write_marker
+from batchvl.io.commit import ShardMarker, commit_shard, read_committed, read_marker
+from batchvl.io.output_dir import OutputDir
 from batchvl.io.types import ShardInfo
-from batchvl.io.writers import ResultRow, output_path, rows_to_table, write_table_atomic
+from batchvl.io.writers import ResultRow, rows_to_table
 from batchvl.tasks import TaskSlice
 
 
 def stored_config(cfg: JobConfig) -> dict:
     """The job config as each output file records it, without storage options' values (credentials)."""
     stored = config_to_dict(cfg)
-    options = stored["input"]["storage_options"]
-    stored["input"]["storage_options"] = dict.fromkeys(options, "<not recorded>")
+    for section in ("input", "output"):
+        options = stored[section]["storage_options"]
+        stored[section]["storage_options"] = dict.fromkeys(options, "<not recorded>")
     return stored
 
 
-def companion_files(cfg: JobConfig) -> Callable[[str, str], None] | None:
-    """What the job writes beside each committed Parquet file, from it (before the shard's marker)."""
+def companion_files(cfg: JobConfig, out: OutputDir) -> Callable[[str, pa.Table], None] | None:
+    """What the job writes beside each committed Parquet file, from its table (before the shard's marker)."""
     if cfg.output.format != "openai_batch":
         return None
-    out_dir, model = cfg.output.dir, model_name(cfg.model.path)
+    model = model_name(cfg.model.path)
 
-    def write(shard: str, path: str) -> None:
-        write_batch_output(out_dir, shard, pq.read_table(path), model, int(time.time()))
+    def write(shard: str, table: pa.Table) -> None:
+        write_batch_output(out, shard, table, model, int(time.time()))
 
     return write
 
@@ -51,13 +52,13 @@ def optional_columns(cfg: JobConfig) -> tuple[str, ...]:
 class WriteShard:
     """A run's commit: the shard's rows as its output file, and a marker naming the config that wrote it."""
 
-    def __init__(self, cfg: JobConfig, task: TaskSlice | None):
-        self.out_dir = cfg.output.dir
+    def __init__(self, cfg: JobConfig, out: OutputDir, task: TaskSlice | None):
+        self.out = out
         self.output_defining = output_defining_config(cfg)
         self.fingerprint = fingerprint_of(self.output_defining)
         self.task = str(task) if task else None
         self.optional = optional_columns(cfg)
-        self.companion = companion_files(cfg)
+        self.companion = companion_files(cfg, out)
         self.metadata = {
             "batchvl_version": __version__,
             "model_path": cfg.model.path,
@@ -74,25 +75,25 @@ class WriteShard:
             task=self.task,
             batchvl_version=__version__,
         )
-        return commit_shard(
-            self.out_dir, info.shard, rows, self.metadata, marker, self.optional, self.companion
-        )
+        table = rows_to_table(rows, self.metadata, self.optional)
+        return commit_shard(self.out, info.shard, table, marker, self.companion)
 
 
 class MergeIntoShard:
-    """A retry's commit: the retried rows replace theirs in the committed file, in one atomic rewrite in
-    input order; the marker keeps the job's config, recounts the rows and records the retry."""
+    """A retry's commit: the retried rows replace theirs in the committed file, rewritten whole in input
+    order; the marker keeps the job's config, recounts the rows and records the retry."""
 
-    def __init__(self, job: JobConfig, overrides: list[str]):
-        self.out_dir = job.output.dir
+    def __init__(self, job: JobConfig, out: OutputDir, overrides: list[str]):
+        self.out = out
         self.overrides = overrides
         self.prompt_order = {prompt.name: i for i, prompt in enumerate(job.prompts)}
         self.optional = optional_columns(job)
-        self.companion = companion_files(job)
+        self.companion = companion_files(job, out)
 
     def __call__(self, info: ShardInfo, rows: list[ResultRow]) -> str:
-        path = output_path(self.out_dir, info.shard)
-        old = pq.read_table(path)
+        marker = read_marker(self.out, info.shard)
+        assert marker is not None  # a retry selects committed shards only
+        old = read_committed(self.out, info.shard, marker)
         replaced = {(row.sample_index, row.prompt) for row in rows}
         keep = [
             (index, prompt) not in replaced
@@ -107,12 +108,6 @@ class MergeIntoShard:
         )
         columns = old.column_names + [c for c in merged.column_names if c not in old.column_names]
         merged = merged.take(order).select(columns).replace_schema_metadata(old.schema.metadata)
-        write_table_atomic(path, merged)
-        if self.companion is not None:
-            self.companion(info.shard, path)
-
-        marker = read_marker(self.out_dir, info.shard)
-        assert marker is not None  # a retry selects committed shards only
         marker.count(
             [(r["status"], r["error_type"]) for r in merged.select(["status", "error_type"]).to_pylist()]
         )
@@ -124,5 +119,4 @@ class MergeIntoShard:
                 "rows_fixed": sum(row.status == "ok" for row in rows),
             }
         )
-        write_marker(self.out_dir, marker)
-        return path
+        return commit_shard(self.out, info.shard, merged, marker, self.companion)

@@ -319,12 +319,20 @@ class PreprocessConfig:
 
 @dataclass(frozen=True)
 class OutputConfig:
-    dir: str = _key(help="Output folder: one Parquet file per input shard, stats in _batchvl/")
+    dir: str = _key(
+        help="Output folder: one Parquet file per input shard, stats in _batchvl/; a local path or an "
+        "object-store URL (s3://bucket/prefix, gs://...)"
+    )
     format: Literal["parquet", "openai_batch"] = _key(
         "parquet",
         "openai_batch: also a JSONL file per shard in the batch API's output shape, beside its Parquet file",
         defines_output=True,
         unset_leaves_fingerprint=True,
+    )
+    storage_options: dict = _key(
+        help="fsspec options for an `s3://`, `gs://` ... output.dir (credentials, endpoint_url); empty: the "
+        "environment's, as fsspec finds them",
+        factory=dict,
     )
     overwrite: bool = _key(
         False, "Recompute shards that are already written, even when they were written with another config"
@@ -450,11 +458,6 @@ def _check_values(cfg: JobConfig) -> None:
         raise ConfigError("'preprocess.min_pixels' must not exceed 'preprocess.max_pixels'")
     if not cfg.input.paths:
         raise ConfigError("'input.paths' must list at least one path or glob")
-    if "://" in cfg.output.dir:
-        raise ConfigError(
-            f"'output.dir' {cfg.output.dir}: results are written to a local (or mounted) folder; "
-            "object-store URLs are read as input only"
-        )
     remote = [p for p in cfg.input.paths if is_remote(p)]
     if remote and cfg.input.format in ("folder", "hf_dataset"):
         raise ConfigError(

@@ -26,6 +26,7 @@ from batchvl.engine.stats import EngineStats
 from batchvl.engine.vit_dp import DistributedContext
 from batchvl.io.claims import Holder, ShardClaims
 from batchvl.io.download import DownloadStats
+from batchvl.io.output_dir import OutputDir
 from batchvl.io.run_stats import write_run_stats
 from batchvl.io.types import ShardEnd, ShardInfo, ShardSkipped
 from batchvl.io.writers import ResultRow
@@ -80,13 +81,13 @@ class JobRunner:
         self.show_progress = show_progress
         self.task = task
         self.plan_work = work or functools.partial(job_work, cfg, task)
-        self.commit = commit or WriteShard(cfg, task)
+        self.out = OutputDir.of(cfg.output)
+        self.commit = commit or WriteShard(cfg, self.out, task)
         self.stats = RunStats(mode=mode, task=str(task) if task else None)
         self.downloads = DownloadStats()
         self.trimmer = HeapTrimmer()
         self.stop = StopRequests()
-        self.claims = ShardClaims(cfg.output.dir, Holder.of_process(os.getpid()))
-        self.out_dir = cfg.output.dir
+        self.claims = ShardClaims(self.out, Holder.of_process(os.getpid()))
 
     def run(self) -> RunSummary:
         keep_freed_memory()  # process-wide; the engine's steps reuse their activations' memory
@@ -100,7 +101,7 @@ class JobRunner:
 
     def _serve(self, context: DistributedContext) -> RunSummary:
         rounds = serve_rank(self.cfg, self._load(), context)
-        return RunSummary(self.out_dir, "", {"rank": context.rank, "encode_rounds": rounds}, is_driver=False)
+        return RunSummary(self.out.url, "", {"rank": context.rank, "encode_rounds": rounds}, is_driver=False)
 
     def _drive(self, context: DistributedContext | None) -> RunSummary:
         with self.stop:
@@ -123,7 +124,7 @@ class JobRunner:
         stats["vit_parallel_ranks"] = context.world_size if context else 1
         stats["stopped_by"] = self.stop.signal_name or None
         stats.update(work.notes)
-        return RunSummary(self.out_dir, write_run_stats(self.out_dir, stats), stats)
+        return RunSummary(self.out.url, write_run_stats(self.out, stats), stats)
 
     def _process(self, work: Work, engine: Engine) -> PoolStats:
         pre = self.cfg.preprocess

@@ -18,6 +18,7 @@ import pyarrow as pa
 
 from batchvl.config import JobConfig, PromptConfig
 from batchvl.constraints import scored_choices
+from batchvl.io.output_dir import OutputDir
 from batchvl.io.results import committed_outputs, results_table
 from batchvl.io.sources import job_source
 
@@ -129,4 +130,4 @@ def job_labels(cfg: JobConfig) -> pa.Table:
 
 def job_rows(cfg: JobConfig) -> pa.Table:
     """The job's committed rows, one per (sample, prompt), in input order."""
-    return results_table(committed_outputs(cfg.output.dir, job_source(cfg).list_shards()))
+    return results_table(committed_outputs(OutputDir.of(cfg.output), job_source(cfg).list_shards()))

@@ -18,18 +18,19 @@ import difflib
 import functools
 import logging
 import os
-import tempfile
+import posixpath
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from batchvl.config import JobConfig, fingerprint_of, output_defining_config
+from batchvl.config import JobConfig, fingerprint_of, is_remote, output_defining_config
 from batchvl.constraints import check_constraints
 from batchvl.errors import UserError
 from batchvl.io.commit import is_committed_by
+from batchvl.io.output_dir import OutputDir
 from batchvl.io.paths import glob_matches
 from batchvl.io.sources import Source, job_source
 from batchvl.io.types import ShardInfo
-from batchvl.io.writers import output_path
+from batchvl.io.writers import output_name, output_path
 from batchvl.ledger import Selection
 from batchvl.models.loader import read_model_type
 from batchvl.models.registry import model_family
@@ -45,6 +46,7 @@ OWN_FILES = "_batchvl"  # batchvl's bookkeeping inside output.dir (the notebook 
 
 @dataclass(frozen=True)
 class JobPlan:
+    out: OutputDir  # where the results go
     source: Source  # the reader that listed the shards; the run reads them through it
     listing: list[ShardInfo]  # every input shard of the job
     shards: list[ShardInfo]  # this task's shards, in shard id order
@@ -60,22 +62,23 @@ def plan_job(cfg: JobConfig, task: TaskSlice | None = None, record: bool = False
     model_family(model_type)
     check_constraints(cfg)
     PromptGraph.of(cfg.prompts)  # refuses a follow-up that uses itself, a later or an unknown prompt
-    check_output_dir(cfg.output.dir, create=False)
+    out = OutputDir.of(cfg.output)
+    out.check_writable(create=False)
     source = job_source(cfg)
     listing = source.list_shards()
-    check_output_location(cfg, listing)
+    check_output_location(cfg, out, listing)
     check_output_names(listing)
     check_columns(cfg, listing)
     if record:  # every check passed: now the run may write
-        check_output_dir(cfg.output.dir, create=True)
+        out.check_writable(create=True)
         if cfg.input.format == "folder":  # the checked listing, now recorded
             source = job_source(cfg, record=True)
             listing = source.list_shards()
     shards = shards_of_task(listing, task)
     defining = output_defining_config(cfg)
     fingerprint = fingerprint_of(defining)
-    resume = plan_shards(cfg.output.dir, shards, defining, fingerprint, cfg.output.overwrite, clean=record)
-    return JobPlan(source, listing, shards, resume, model_type, fingerprint)
+    resume = plan_shards(out, shards, defining, fingerprint, cfg.output.overwrite, clean=record)
+    return JobPlan(out, source, listing, shards, resume, model_type, fingerprint)
 
 
 @dataclass(frozen=True)
@@ -97,60 +100,46 @@ def job_work(cfg: JobConfig, task: TaskSlice | None) -> Work:
     if plan.resume.num_done:
         logger.info("skipping %d committed shard(s) in %s", plan.resume.num_done, cfg.output.dir)
     committed = (
-        None if cfg.output.overwrite else functools.partial(is_committed_by, cfg.output.dir, plan.fingerprint)
+        None if cfg.output.overwrite else functools.partial(is_committed_by, plan.out, plan.fingerprint)
     )
     return Work(plan.source, plan.resume.pending, None, len(plan.shards), committed)
 
 
-def check_output_dir(out_dir: str, create: bool) -> None:
-    """`out_dir` is (or can become) a folder this process can write to."""
-    existing = out_dir
-    while not os.path.lexists(existing):
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        raise UserError(f"output.dir {out_dir}: {existing} is not a folder; set output.dir to a folder path")
-    try:
-        if create:
-            os.makedirs(out_dir, exist_ok=True)
-        handle, probe = tempfile.mkstemp(prefix=".batchvl-write-check-", dir=out_dir if create else existing)
-        os.close(handle)
-        os.remove(probe)
-    except OSError as exc:
-        raise UserError(
-            f"output.dir {out_dir} cannot be written ({exc.strerror or exc}); set output.dir to a folder "
-            "you can write to"
-        ) from None
-
-
 def _inside(path: str, folder: str) -> bool:
-    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+    return path == folder or path.startswith(folder.rstrip("/") + "/")
 
 
-def check_output_location(cfg: JobConfig, listing: list[ShardInfo]) -> None:
+def _location(path: str) -> str:
+    """Where a path points, comparable with another's: a URL as written, a local path with its links
+    followed."""
+    return path.rstrip("/") if is_remote(path) else os.path.realpath(path)
+
+
+def check_output_location(cfg: JobConfig, out: OutputDir, listing: list[ShardInfo]) -> None:
     """Results never land on, among or under the inputs, and are never read back as input."""
-    out = os.path.realpath(cfg.output.dir)
+    where = _location(out.url)
     fix = "set output.dir to a folder outside the input"
     for shard in listing:
-        location = os.path.realpath(shard.path)
-        if _inside(location, os.path.join(out, OWN_FILES)):
+        location = _location(shard.path)
+        if _inside(location, posixpath.join(where, OWN_FILES)):
             continue
-        if _inside(location, out) or (os.path.isdir(location) and _inside(out, location)):
+        if _inside(location, where) or (os.path.isdir(location) and _inside(where, location)):
             raise UserError(
-                f"output.dir {cfg.output.dir} overlaps the input {shard.path}: results would be written "
+                f"output.dir {out.url} overlaps the input {shard.path}: results would be written "
                 f"over or among the inputs; {fix}"
             )
     if cfg.input.root is not None:
         root = os.path.realpath(cfg.input.root)
-        if _inside(out, root) or _inside(root, out):
-            raise UserError(f"output.dir {cfg.output.dir} overlaps input.root {cfg.input.root}; {fix}")
+        if _inside(where, root) or _inside(root, where):
+            raise UserError(f"output.dir {out.url} overlaps input.root {cfg.input.root}; {fix}")
     folders_are_inputs = cfg.input.format in ("folder", "hf_dataset")
     for pattern in cfg.input.paths:
-        if folders_are_inputs and glob_matches(pattern, cfg.output.dir):
-            raise UserError(f"input.paths pattern '{pattern}' matches output.dir {cfg.output.dir}; {fix}")
+        if folders_are_inputs and glob_matches(pattern, out.url):
+            raise UserError(f"input.paths pattern '{pattern}' matches output.dir {out.url}; {fix}")
         for shard in listing:
-            if not folders_are_inputs and glob_matches(pattern, output_path(cfg.output.dir, shard.shard)):
+            if not folders_are_inputs and glob_matches(pattern, output_path(out, shard.shard)):
                 raise UserError(
-                    f"input.paths pattern '{pattern}' would read the results in {cfg.output.dir} back as "
+                    f"input.paths pattern '{pattern}' would read the results in {out.url} back as "
                     f"input on the next run; {fix}, or narrow the pattern"
                 )
 
@@ -159,7 +148,7 @@ def check_output_names(listing: list[ShardInfo]) -> None:
     """No two input shards write the same output file (`s.tar` and `s.tar.gz` both make `s.parquet`)."""
     writers: dict[str, ShardInfo] = {}
     for shard in listing:
-        name = os.path.normpath(output_path("", shard.shard))
+        name = os.path.normpath(output_name(shard.shard))
         first = writers.setdefault(name, shard)
         if first is not shard:
             raise UserError(

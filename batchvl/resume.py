@@ -13,8 +13,9 @@ from dataclasses import dataclass
 from batchvl.config import changed_keys
 from batchvl.errors import UserError
 from batchvl.io.commit import read_marker
+from batchvl.io.output_dir import LocalDir, OutputDir
 from batchvl.io.types import ShardInfo
-from batchvl.io.writers import output_path, remove_stale_temps
+from batchvl.io.writers import output_path
 
 
 @dataclass(frozen=True)
@@ -28,7 +29,7 @@ class ShardPlan:
 
 
 def plan_shards(
-    out_dir: str,
+    out: OutputDir,
     shards: list[ShardInfo],
     output_defining: dict,
     fingerprint: str,
@@ -39,7 +40,7 @@ def plan_shards(
     pending, stale = [], []
     changed: set[str] = set()
     for shard in shards:
-        marker = read_marker(out_dir, shard.shard)
+        marker = read_marker(out, shard.shard)
         if marker is None or overwrite:
             pending.append(shard)
         elif marker.fingerprint != fingerprint:
@@ -48,9 +49,10 @@ def plan_shards(
     if stale:
         keys = ", ".join(sorted(changed)) or "the output-defining config"
         raise UserError(
-            f"{out_dir} holds {len(stale)} shard(s) written with a different config (changed: {keys}); "
+            f"{out.url} holds {len(stale)} shard(s) written with a different config (changed: {keys}); "
             "rerun with --overwrite to recompute them, or set output.dir to a new folder"
         )
-    for shard in shards if clean else ():
-        remove_stale_temps(output_path(out_dir, shard.shard))
+    if clean and isinstance(out, LocalDir):  # an object store has no temp files
+        for shard in shards:
+            out.remove_stale_temps(output_path(out, shard.shard))
     return ShardPlan(shards, pending)

@@ -12,14 +12,14 @@ from __future__ import annotations
 import functools
 import logging
 
+import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from batchvl.commits import MergeIntoShard
 from batchvl.config import JobConfig, changed_keys, config_to_dict
 from batchvl.errors import UserError
-from batchvl.io.commit import read_marker
-from batchvl.io.writers import output_path
+from batchvl.io.commit import read_committed, read_marker
+from batchvl.io.output_dir import OutputDir
 from batchvl.job import JobRunner, RunSummary
 from batchvl.models.loader import LoadedModel
 from batchvl.plan import Work, plan_job
@@ -47,11 +47,11 @@ def retry_work(job: JobConfig, task: TaskSlice | None) -> Work:
     selection = {}
     not_committed = 0
     for shard in plan.shards:
-        marker = read_marker(job.output.dir, shard.shard)
+        marker = read_marker(plan.out, shard.shard)
         if marker is None:
             not_committed += 1
         elif marker.errors:
-            selection[shard.shard] = _failed_rows(output_path(job.output.dir, shard.shard), graph)
+            selection[shard.shard] = _failed_rows(read_committed(plan.out, shard.shard, marker), graph)
     if not_committed:
         logger.warning("%d shard(s) are not committed yet; `batchvl run` finishes them", not_committed)
     shards = [s for s in plan.shards if s.shard in selection]
@@ -59,10 +59,10 @@ def retry_work(job: JobConfig, task: TaskSlice | None) -> Work:
     return Work(plan.source, shards, selection, len(plan.shards), notes=notes)
 
 
-def _failed_rows(path: str, graph: PromptGraph) -> dict[int, frozenset[int]]:
-    """Per sample, its error rows' prompts and the prompts whose outputs they use (run again to render
-    them; a prompt whose own input failed is an error row itself, so it is among them)."""
-    table = pq.read_table(path, columns=["sample_index", "prompt", "status"])
+def _failed_rows(table: pa.Table, graph: PromptGraph) -> dict[int, frozenset[int]]:
+    """Per sample of a shard's `table`, its error rows' prompts and the prompts whose outputs they use (run
+    again to render them; a prompt whose own input failed is an error row itself, so it is among them)."""
+    table = table.select(["sample_index", "prompt", "status"])
     failed: dict[int, set[int]] = {}
     for row in table.filter(pc.equal(table["status"], "error")).to_pylist():
         failed.setdefault(row["sample_index"], set()).add(graph.names.index(row["prompt"]))
@@ -84,7 +84,7 @@ def retry_failed(
         show_progress,
         task,
         work=functools.partial(retry_work, job, task),
-        commit=MergeIntoShard(job, overrides),
+        commit=MergeIntoShard(job, OutputDir.of(job.output), overrides),
         mode="retry-failed",  # its rows are all former errors: the error budget is the job's
     )
     return runner.run()

@@ -2,7 +2,9 @@
 
 Task I of N runs `batchvl run job.yaml --shard I/N`; N is written into the script, so submitting it
 again with `--array=<some tasks>` reruns those tasks on the same split. Each task logs to
-`output.dir/_batchvl/logs/task-I.log` (appended across reruns and requeues). `--signal=B:USR1@lead`
+`<files>/_batchvl/logs/task-I.log` (appended across reruns and requeues), where `<files>` is output.dir,
+or a local folder when output.dir is on an object store (Slurm writes the logs and reads the script from
+a filesystem). A record of the array, read by `batchvl status`, is kept in output.dir. `--signal=B:USR1@lead`
 warns the task before its time limit; it stops after the current step and requeues itself, and the
 requeued run resumes from the shards already committed.
 """
@@ -20,11 +22,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from batchvl.errors import UserError
+from batchvl.io.output_dir import OutputDir
 
 logger = logging.getLogger(__name__)
 
-SLURM_DIR = os.path.join("_batchvl", "slurm")
-LOG_DIR = os.path.join("_batchvl", "logs")
+SLURM_DIR = "_batchvl/slurm"
+LOG_DIR = "_batchvl/logs"
 RECORD_NAME = "array.json"
 
 
@@ -33,6 +36,7 @@ class ArrayJob:
     job_file: str  # absolute
     out_dir: str
     num_tasks: int
+    files_dir: str = ""  # the local folder of the script and logs ("": out_dir)
     overrides: list[str] = field(default_factory=list)  # --set values passed to every task
     sbatch_args: list[str] = field(default_factory=list)  # extra #SBATCH lines, e.g. --time=04:00:00
     signal_lead_s: int = 300  # SIGUSR1 this long before the time limit
@@ -41,15 +45,15 @@ class ArrayJob:
 
     @property
     def script_path(self) -> str:
-        return os.path.join(self.out_dir, SLURM_DIR, "array.sbatch")
+        return os.path.join(self.files_dir or self.out_dir, SLURM_DIR, "array.sbatch")
 
     @property
     def log_dir(self) -> str:
-        return os.path.join(self.out_dir, LOG_DIR)
+        return os.path.join(self.files_dir or self.out_dir, LOG_DIR)
 
 
 def sbatch_script(job: ArrayJob) -> str:
-    name = f"batchvl-{Path(job.out_dir).name}"
+    name = f"batchvl-{Path(job.out_dir.rstrip('/')).name}"
     lines = [
         "#!/bin/bash",
         f"#SBATCH --job-name={name}",
@@ -77,21 +81,22 @@ def sbatch_script(job: ArrayJob) -> str:
     return "\n".join(lines)
 
 
-def write_array_job(job: ArrayJob) -> str:
-    """Write the script and a record of the array (read by `batchvl status`); returns the script path."""
+def write_array_job(job: ArrayJob, out: OutputDir) -> str:
+    """Write the script and a record of the array in `out` (read by `batchvl status`); returns the script
+    path."""
     if job.num_tasks < 1:
         raise UserError(f"--array must be at least 1, got {job.num_tasks}")
     os.makedirs(job.log_dir, exist_ok=True)
     os.makedirs(os.path.dirname(job.script_path), exist_ok=True)
     Path(job.script_path).write_text(sbatch_script(job))
     os.chmod(job.script_path, 0o755)
-    Path(job.script_path).with_name(RECORD_NAME).write_text(json.dumps(asdict(job), indent=2))
+    out.write_text(out.join(SLURM_DIR, RECORD_NAME), json.dumps(asdict(job), indent=2))
     return job.script_path
 
 
-def read_array_job(out_dir: str) -> ArrayJob | None:
+def read_array_job(out: OutputDir) -> ArrayJob | None:
     try:
-        return ArrayJob(**json.loads(Path(out_dir, SLURM_DIR, RECORD_NAME).read_text()))
+        return ArrayJob(**json.loads(out.read_text(out.join(SLURM_DIR, RECORD_NAME))))
     except (OSError, ValueError, TypeError):
         return None
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from batchvl.config import JobConfig, config_fingerprint
 from batchvl.io.commit import read_marker
 from batchvl.io.folder import missing_members
+from batchvl.io.output_dir import OutputDir
 from batchvl.io.run_stats import read_run_stats
 from batchvl.io.sources import job_source
 from batchvl.slurm import array_expression, read_array_job
@@ -60,21 +61,21 @@ class JobStatus:
 
 
 def job_status(cfg: JobConfig, num_tasks: int | None = None) -> JobStatus:
-    out_dir = cfg.output.dir
-    array = read_array_job(out_dir)
-    stats = _runs_per_task(out_dir)
+    out = OutputDir.of(cfg.output)
+    array = read_array_job(out)
+    stats = _runs_per_task(out)
     if num_tasks is None:
         num_tasks = array.num_tasks if array else max((n for n, _ in stats), default=1)
     fingerprint = config_fingerprint(cfg)
     listing = job_source(cfg).list_shards()
-    status = JobStatus(out_dir, num_tasks, [], script=array.script_path if array else None)
+    status = JobStatus(out.url, num_tasks, [], script=array.script_path if array else None)
     if cfg.input.format == "folder":
         status.files_gone = sum(missing_members(shard) for shard in listing)
     for index in range(num_tasks):
         task = TaskStatus(index)
         for shard in shards_of_task(listing, TaskSlice(index, num_tasks)):
             task.shards += 1
-            marker = read_marker(out_dir, shard.shard)
+            marker = read_marker(out, shard.shard)
             if marker is None:
                 continue
             if marker.fingerprint != fingerprint:
@@ -110,10 +111,10 @@ class TaskRuns:
         self.processing_s += processing_seconds(run)
 
 
-def _runs_per_task(out_dir: str) -> dict[tuple[int, int], TaskRuns]:
+def _runs_per_task(out: OutputDir) -> dict[tuple[int, int], TaskRuns]:
     """(N, task index) -> the runs of that task that did work, from `_batchvl/stats`, oldest first."""
     runs: dict[tuple[int, int], TaskRuns] = {}
-    for run in read_run_stats(out_dir):
+    for run in read_run_stats(out):
         if not run.get("samples") or run.get("mode", "run") != "run":
             continue  # a rerun that found everything done, or a retry of a few rows, says nothing about speed
         task = parse_task_slice(run.get("task") or "0/1")

@@ -1,4 +1,5 @@
 import os
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -11,6 +12,23 @@ pytest_plugins = ["pytester", "tests.ci_policy"]
 # Test models attend sharply (queries and keys scaled by this): with the random weights' near-uniform
 # attention, wrong positions or masks barely move the logits and could pass the parity tests.
 SHARPNESS = 8.0
+
+
+@pytest.fixture(scope="session")
+def s3():
+    """An S3-compatible server (moto's) on 127.0.0.1 with a bucket `data`: (endpoint URL, boto3 client)."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    keys = {"aws_access_key_id": "testing", "aws_secret_access_key": "testing"}
+    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", **keys)
+    client.create_bucket(Bucket="data")
+    yield endpoint, client
+    server.stop()
 
 
 @pytest.fixture(scope="session")
@@ -66,12 +84,12 @@ def output_rows(out_dir, num_shards: int) -> list[dict]:
     """Every row of output shards part-0 .. part-{num_shards-1}, in order, without the timing column."""
     import pyarrow.parquet as pq
 
-    from batchvl.io.writers import output_path
+    from batchvl.io.writers import output_name
 
     return [
         row
         for number in range(num_shards)
-        for row in pq.read_table(output_path(str(out_dir), f"part-{number}.parquet"))
+        for row in pq.read_table(Path(out_dir, output_name(f"part-{number}.parquet")))
         .drop(["latency_s"])
         .to_pylist()
     ]
@@ -80,6 +98,25 @@ def output_rows(out_dir, num_shards: int) -> list[dict]:
 def random_image(height: int, width: int, seed: int) -> Image.Image:
     rng = np.random.default_rng(seed)
     return Image.fromarray(rng.integers(0, 256, size=(height, width, 3), dtype=np.uint8))
+
+
+def write_image_shards(
+    folder, sizes: list[int], replaced: dict[tuple[int, int], bytes] | None = None
+) -> None:
+    """Parquet shards `folder/part-N.parquet` of sizes[N] random PNGs keyed `sN-i`; `replaced` puts other
+    bytes at (N, i) (a broken or an oversize image)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for number, size in enumerate(sizes):
+        images = [
+            (replaced or {}).get((number, i))
+            or png_bytes(random_image(40 + 9 * i, 60 + 7 * number, seed=10 * number + i))
+            for i in range(size)
+        ]
+        keys = [f"s{number}-{i}" for i in range(size)]
+        pq.write_table(pa.table({"key": keys, "image": images}), folder / f"part-{number}.parquet")
 
 
 def two_prompt_job_yaml(model_dir, engine: str, extra: str = "") -> str:

@@ -12,6 +12,7 @@ import pyarrow.parquet as pq
 
 from batchvl.io.claims import STALE_S, Holder, ShardClaims
 from batchvl.io.commit import read_marker
+from batchvl.io.output_dir import LocalDir
 from tests.conftest import png_bytes, random_image
 
 
@@ -23,10 +24,10 @@ def exited_process_holder() -> Holder:
 
 
 def test_a_claim_is_held_until_released_and_a_dead_holders_claim_is_taken_over(tmp_path):
-    ours = ShardClaims(str(tmp_path), Holder.of_process(os.getpid()))
+    ours = ShardClaims(LocalDir(str(tmp_path)), Holder.of_process(os.getpid()))
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        theirs = ShardClaims(str(tmp_path), Holder.of_process(sleeper.pid))
+        theirs = ShardClaims(LocalDir(str(tmp_path)), Holder.of_process(sleeper.pid))
         assert theirs.acquire("a/part-0.parquet") is None
         assert theirs.acquire("a/part-0.parquet") is None  # ours already: still ours
         assert ours.acquire("a/part-0.parquet") == theirs.holder  # a live holder keeps it
@@ -37,7 +38,7 @@ def test_a_claim_is_held_until_released_and_a_dead_holders_claim_is_taken_over(t
     finally:
         sleeper.kill()
         sleeper.wait()
-    dead = ShardClaims(str(tmp_path), exited_process_holder())
+    dead = ShardClaims(LocalDir(str(tmp_path)), exited_process_holder())
     assert dead.acquire("b.parquet") is None
     assert ours.acquire("b.parquet") is None  # its process is gone: stale, taken over
     with open(ours.path("b.parquet")) as claim:
@@ -45,8 +46,8 @@ def test_a_claim_is_held_until_released_and_a_dead_holders_claim_is_taken_over(t
 
 
 def test_another_hosts_claim_is_live_until_its_heartbeat_is_old(tmp_path):
-    ours = ShardClaims(str(tmp_path), Holder.of_process(os.getpid()))
-    remote = ShardClaims(str(tmp_path), Holder(f"not-{socket.gethostname()}", 1, 0.0))
+    ours = ShardClaims(LocalDir(str(tmp_path)), Holder.of_process(os.getpid()))
+    remote = ShardClaims(LocalDir(str(tmp_path)), Holder(f"not-{socket.gethostname()}", 1, 0.0))
     assert remote.acquire("s.parquet") is None
     assert ours.acquire("s.parquet") == remote.holder
     old = time.time() - STALE_S - 5
@@ -94,6 +95,6 @@ def test_two_runs_of_one_job_split_the_shards_instead_of_both_doing_all(tmp_path
     assert any(run["shards_claimed_elsewhere"] > 0 for run in runs)
     for number in range(NUM_SHARDS):
         shard = f"part-{number:02d}.parquet"
-        assert read_marker(str(tmp_path / "out"), shard) is not None
+        assert read_marker(LocalDir(str(tmp_path / "out")), shard) is not None
         assert pq.read_table(tmp_path / "out" / shard).num_rows == 4
     assert list((tmp_path / "out" / "_batchvl" / "claims").iterdir()) == []  # every claim released

@@ -1,3 +1,4 @@
+import hashlib
 import io
 import os
 
@@ -8,9 +9,11 @@ from PIL import Image
 
 from batchvl.config import InputConfig
 from batchvl.errors import UserError
+from batchvl.io.commit import ShardMarker, commit_shard, marker_path, read_marker
+from batchvl.io.output_dir import LocalDir
 from batchvl.io.parquet import ParquetSource
 from batchvl.io.types import ShardEnd
-from batchvl.io.writers import ResultRow, write_shard
+from batchvl.io.writers import ResultRow, rows_to_table
 
 
 def png_bytes(color=(255, 0, 0)) -> bytes:
@@ -117,9 +120,14 @@ def row(sample_index, prompt_index, **fields):
     )
 
 
-def test_write_shard_orders_rows_and_keeps_metadata(tmp_path):
+def commit(out_dir, shard: str, rows: list[ResultRow], metadata: dict) -> str:
+    marker = ShardMarker.for_rows(shard, rows, {}, "f", task=None)
+    return commit_shard(LocalDir(str(out_dir)), shard, rows_to_table(rows, metadata), marker)
+
+
+def test_a_committed_shard_has_its_rows_in_order_and_a_marker_naming_size_and_hash(tmp_path):
     rows = [row(1, 1, source="b"), row(0, 1, status="x"), row(1, 0, source="b"), row(0, 0, status="x")]
-    path = write_shard(str(tmp_path), "sub/part-0.parquet", rows, {"job": "j"})
+    path = commit(tmp_path, "sub/part-0.parquet", rows, {"job": "j"})
     assert path == str(tmp_path / "sub" / "part-0.parquet")
     table = pq.read_table(path)
     assert list(zip(table["sample_index"].to_pylist(), table["prompt"].to_pylist(), strict=True)) == [
@@ -132,8 +140,15 @@ def test_write_shard_orders_rows_and_keeps_metadata(tmp_path):
     assert table["input_status"].to_pylist() == ["x", "x", None, None]  # a clash with a result column
     assert table.schema.metadata[b"job"] == b"j"
     assert sorted(os.listdir(tmp_path / "sub")) == ["part-0.parquet"]  # no temp file left
+    out = LocalDir(str(tmp_path))
+    marker = read_marker(out, "sub/part-0.parquet")
+    data = (tmp_path / "sub" / "part-0.parquet").read_bytes()
+    assert (marker.output_bytes, marker.output_sha256) == (len(data), hashlib.sha256(data).hexdigest())
+    assert marker_path(out, "sub/part-0.parquet") == str(
+        tmp_path / "_batchvl" / "done" / "sub" / "part-0.json"
+    )
 
 
 def test_write_empty_shard(tmp_path):
-    path = write_shard(str(tmp_path), "empty.parquet", [], {})
+    path = commit(tmp_path, "empty.parquet", [], {})
     assert pq.read_table(path).num_rows == 0

@@ -6,29 +6,14 @@ import io
 import json
 import tarfile
 
-import boto3
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from moto.server import ThreadedMotoServer
 
 from tests.conftest import png_bytes, random_image
 from tests.test_cli import batchvl
 
-KEYS = {"aws_access_key_id": "testing", "aws_secret_access_key": "testing"}
 IMAGES = [png_bytes(random_image(40 + 4 * i, 56, 60 + i)) for i in range(5)]
-
-
-@pytest.fixture(scope="module")
-def s3():
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    endpoint = f"http://{host}:{port}"
-    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", **KEYS)
-    client.create_bucket(Bucket="data")
-    yield endpoint, client
-    server.stop()
 
 
 def parquet_bytes(keys: list[str], images: list[bytes]) -> bytes:
@@ -124,7 +109,11 @@ def test_credentials_from_the_environment_and_tasks_that_split_the_shards(s3, tm
     ("paths", "output", "words"),
     [
         ("s3://data/nothing/*.parquet", "out", "no Parquet files match 's3://data/nothing/*.parquet'"),
-        ("s3://data/parquet/*.parquet", "s3://data/results", "object-store URLs are read as input only"),
+        (
+            "s3://data/parquet/*.parquet",
+            "s3://no-such-bucket/results",
+            "output.dir s3://no-such-bucket/results",
+        ),
     ],
 )
 def test_object_store_mistakes_exit_2_with_one_line(s3, tmp_path, tiny_model_dir, paths, output, words):
@@ -152,3 +141,40 @@ def test_credentials_are_not_written_into_the_outputs(s3, tmp_path, tiny_model_d
     assert not [p for p in written if b"s3cr3t-value" in p.read_bytes()]
     recorded = json.loads(pq.read_schema(tmp_path / "out" / "a.parquet").metadata[b"job_config"])
     assert recorded["input"]["storage_options"]["secret"] == "<not recorded>"
+
+
+def test_media_cells_may_be_object_store_urls(s3, tmp_path, tiny_model_dir):
+    endpoint, client = s3
+    client.put_object(Bucket="data", Key="media/good.png", Body=IMAGES[0])
+    client.put_object(Bucket="data", Key="media/big.png", Body=IMAGES[1] + b"\0" * 4096)
+    keys = ["bytes", "url", "missing", "big", "local"]
+    cells = [
+        IMAGES[0],
+        "s3://data/media/good.png",
+        "s3://data/media/absent.png",
+        "s3://data/media/big.png",
+        "local:///etc/hostname",  # another fsspec protocol reaches local files: refused
+    ]
+    (tmp_path / "data").mkdir()
+    rows = [
+        {
+            "key": k,
+            "image": {"bytes": c, "path": None} if isinstance(c, bytes) else {"bytes": None, "path": c},
+        }
+        for k, c in zip(keys, cells, strict=True)
+    ]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "data" / "urls.parquet")
+    options = f', storage_options: {{endpoint_url: "{endpoint}", key: testing, secret: testing}}'
+    limit = len(IMAGES[1]) + 1024  # big.png is over it
+    (tmp_path / "job.yaml").write_text(
+        job_yaml(tiny_model_dir, f"{tmp_path}/data/*.parquet", "parquet", options).replace(
+            "key_column: key", f"key_column: key, download: {{max_bytes: {limit}}}"
+        )
+    )
+    done = batchvl("run", "job.yaml", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    got = {row["key"]: row for row in pq.read_table(tmp_path / "out" / "urls.parquet").to_pylist()}
+    assert got["url"]["status"] == "ok" and got["url"]["text"] == got["bytes"]["text"]
+    assert (got["missing"]["error_type"], got["big"]["error_type"]) == ("file_not_found", "image_too_large")
+    assert "s3://data/media/absent.png" in got["missing"]["error_message"]
+    assert got["local"]["error_type"] == "url_not_allowed"

@@ -74,7 +74,7 @@ def generate_text(model, processor, messages: list[dict], images: list, max_new_
         (line("x", [user("hi")], tools=[{"type": "function"}]), "unsupported_request", "tool calls"),
         (line("x", [user("hi")], max_tokens=0), "bad_request", "max_tokens"),
         (line("x", [user("hi")], temperature=3), "bad_request", "temperature"),
-        (line("x", [user("hi", "ftp://host/a.png")]), "unsupported_request", "http(s) or data:"),
+        (line("x", [user("hi", "ftp://host/a.png")]), "unsupported_request", "object-store"),
         (line("x", [user("hi", "data:image/png;base64,***")]), "bad_request", "base64"),
         (line("x", [user("hi")], response_format={"type": "grammar"}), "unsupported_request", "grammar"),
         (line("x", [{"role": "robot", "content": "hi"}]), "bad_request", "role"),

@@ -9,34 +9,25 @@ import sys
 import time
 
 import psutil
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 
 from batchvl.config import load_job_config
 from batchvl.errors import ErrorBudgetExceeded, UserError
 from batchvl.io.commit import marker_path, read_marker
+from batchvl.io.output_dir import LocalDir
 from batchvl.io.writers import output_path
 from batchvl.job import run_job
 from batchvl.tasks import TaskSlice
-from tests.conftest import output_rows, png_bytes, random_image, two_prompt_job_yaml
+from tests.conftest import output_rows, two_prompt_job_yaml, write_image_shards
 
 SHARD_SIZES = [3, 4, 2, 5, 3, 4]
-BAD = ("part-2.parquet", 1)  # an undecodable image: error rows, not a crash
+BAD = (2, 1)  # an undecodable image: error rows, not a crash
 
 
 @pytest.fixture(scope="module")
 def job_dir(tmp_path_factory, tiny_model_dir):
     root = tmp_path_factory.mktemp("resume")
-    (root / "data").mkdir()
-    for number, size in enumerate(SHARD_SIZES):
-        images = [
-            png_bytes(random_image(40 + 9 * i, 60 + 7 * number, seed=10 * number + i)) for i in range(size)
-        ]
-        if f"part-{number}.parquet" == BAD[0]:
-            images[BAD[1]] = b"not an image"
-        keys = [f"s{number}-{i}" for i in range(size)]
-        pq.write_table(pa.table({"key": keys, "image": images}), root / "data" / f"part-{number}.parquet")
+    write_image_shards(root / "data", SHARD_SIZES, {BAD: b"not an image"})
     # One sequence at a time: shards finish one after another, so a run can be stopped between them.
     (root / "job.yaml").write_text(
         two_prompt_job_yaml(tiny_model_dir, "{max_num_seqs: 1, lookahead: 1}", "preprocess: {workers: 1}")
@@ -85,7 +76,7 @@ def wait_for_first_commit(out_dir, process: subprocess.Popen, timeout_s: float =
 
 
 def committed(out_dir) -> list[int]:
-    return [n for n in range(len(SHARD_SIZES)) if read_marker(str(out_dir), f"part-{n}.parquet")]
+    return [n for n in range(len(SHARD_SIZES)) if read_marker(LocalDir(str(out_dir)), f"part-{n}.parquet")]
 
 
 def test_split_tasks_together_write_exactly_the_rows_of_one_run(job_dir, loaded_fp32, reference):
@@ -95,7 +86,10 @@ def test_split_tasks_together_write_exactly_the_rows_of_one_run(job_dir, loaded_
         )
         assert summary.stats["task"] == f"{index}/3"
     assert rows_of(job_dir / "split") == reference
-    tasks = [read_marker(str(job_dir / "split"), f"part-{n}.parquet").task for n in range(len(SHARD_SIZES))]
+    tasks = [
+        read_marker(LocalDir(str(job_dir / "split")), f"part-{n}.parquet").task
+        for n in range(len(SHARD_SIZES))
+    ]
     assert sorted(tasks) == sorted(["0/3", "1/3", "2/3"] * 2)  # 6 shards, 3 tasks
 
 
@@ -113,7 +107,9 @@ def test_kill_9_in_the_middle_then_rerun_gives_the_rows_of_an_uninterrupted_run(
     done_at_kill = committed(out)
     assert 0 < len(done_at_kill) < len(SHARD_SIZES), "the kill should land in the middle of the run"
     for number in set(range(len(SHARD_SIZES))) - set(done_at_kill):
-        assert not os.path.exists(output_path(str(out), f"part-{number}.parquet"))  # nothing partial
+        assert not os.path.exists(
+            output_path(LocalDir(str(out)), f"part-{number}.parquet")
+        )  # nothing partial
 
     rerun = cli(job_dir, "--set", "output.dir=killed")
     stdout, stderr = rerun.communicate(timeout=300)
@@ -179,14 +175,16 @@ def test_a_changed_config_is_refused_unless_overwrite(job_dir, loaded_fp32, refe
     assert redone.stats["shards_committed"] == len(SHARD_SIZES)
     rows = rows_of(job_dir / out)
     assert all(r["num_output_tokens"] <= 2 for r in rows)
-    assert read_marker(str(job_dir / out), "part-0.parquet").config["sampling"]["max_new_tokens"] == 2
+    assert (
+        read_marker(LocalDir(str(job_dir / out)), "part-0.parquet").config["sampling"]["max_new_tokens"] == 2
+    )
 
 
 def test_a_shard_without_its_marker_is_redone_and_stale_temp_files_go(job_dir, loaded_fp32, reference):
     out = job_dir / "partial"
     run_job(config(job_dir, "partial"), loaded=loaded_fp32, show_progress=False)
-    os.remove(marker_path(str(out), "part-1.parquet"))  # killed between the rename and the marker
-    os.remove(output_path(str(out), "part-4.parquet"))  # a marker whose output is gone
+    os.remove(marker_path(LocalDir(str(out)), "part-1.parquet"))  # killed between the rename and the marker
+    os.remove(output_path(LocalDir(str(out)), "part-4.parquet"))  # a marker whose output is gone
     stale = out / f".part-3.parquet.tmp-{os.uname().nodename}-999999999"
     stale.write_bytes(b"half a file")
     summary = run_job(

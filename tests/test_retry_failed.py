@@ -11,6 +11,7 @@ import pytest
 from batchvl.config import load_job_config
 from batchvl.errors import UserError
 from batchvl.io.commit import read_marker
+from batchvl.io.output_dir import LocalDir
 from batchvl.io.writers import output_path
 from batchvl.job import run_job
 from batchvl.retry import retry_failed
@@ -49,8 +50,10 @@ def test_retry_reruns_only_error_rows_and_merges_them_in_order(job_dir, loaded_f
     assert sorted(r["error_type"] for r in before if r["status"] == "error") == (
         ["image_decode_error"] * 2 + ["image_too_large"] * 6
     )
-    untouched = os.stat(output_path(str(job_dir / "out"), "part-1.parquet")).st_mtime_ns  # no errors there
-    metadata = pq.read_schema(output_path(str(job_dir / "out"), "part-0.parquet")).metadata
+    untouched = os.stat(
+        output_path(LocalDir(str(job_dir / "out")), "part-1.parquet")
+    ).st_mtime_ns  # no errors there
+    metadata = pq.read_schema(output_path(LocalDir(str(job_dir / "out")), "part-0.parquet")).metadata
 
     summary = retry_failed(
         job, load_job_config(job_dir / "job.yaml", [LARGE]), [LARGE], loaded=loaded_fp32, show_progress=False
@@ -70,10 +73,10 @@ def test_retry_reruns_only_error_rows_and_merges_them_in_order(job_dir, loaded_f
     assert [r for r in after if r["status"] == "ok" and r in before] == [
         r for r in before if r["status"] == "ok"
     ]
-    assert os.stat(output_path(str(job_dir / "out"), "part-1.parquet")).st_mtime_ns == untouched
-    assert pq.read_schema(output_path(str(job_dir / "out"), "part-0.parquet")).metadata == metadata
+    assert os.stat(output_path(LocalDir(str(job_dir / "out")), "part-1.parquet")).st_mtime_ns == untouched
+    assert pq.read_schema(output_path(LocalDir(str(job_dir / "out")), "part-0.parquet")).metadata == metadata
 
-    marker = read_marker(str(job_dir / "out"), "part-2.parquet")
+    marker = read_marker(LocalDir(str(job_dir / "out")), "part-2.parquet")
     assert (marker.rows, marker.ok, marker.errors, marker.errors_by_type) == (
         8,
         6,
@@ -97,7 +100,7 @@ def test_retry_reruns_only_error_rows_and_merges_them_in_order(job_dir, loaded_f
     assert result.returncode == 0, result.stderr
     assert "retried 2 error row(s) in 1 shard(s): 0 ok now, 2 still errors" in result.stdout
     assert rows_of(job_dir / "out") == after
-    assert len(read_marker(str(job_dir / "out"), "part-2.parquet").retries) == 2
+    assert len(read_marker(LocalDir(str(job_dir / "out")), "part-2.parquet").retries) == 2
 
 
 def test_retry_may_not_change_prompts_or_inputs(job_dir):

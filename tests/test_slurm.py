@@ -15,6 +15,7 @@ import pytest
 
 from batchvl.config import load_job_config
 from batchvl.io.commit import read_marker
+from batchvl.io.output_dir import LocalDir
 from batchvl.job import run_job
 from tests.conftest import output_rows, png_bytes, random_image, two_prompt_job_yaml
 from tests.slurm_cluster import missing_reason, start_cluster
@@ -94,7 +95,7 @@ def test_an_array_job_writes_every_row_once(cluster, job_dir, reference):
     cluster.wait_until_gone(job_id)
     out = job_dir / "array"
     assert rows_of(out) == reference
-    tasks = sorted(read_marker(str(out), f"part-{n}.parquet").task for n in range(NUM_SHARDS))
+    tasks = sorted(read_marker(LocalDir(str(out)), f"part-{n}.parquet").task for n in range(NUM_SHARDS))
     assert tasks == [
         "0/3",
         "0/3",
@@ -113,7 +114,7 @@ def test_sigusr1_stops_a_task_which_requeues_itself_and_resumes(cluster, job_dir
     out = job_dir / "requeued"
     job_id = submit(cluster, job_dir, "requeued", 2)  # task 0 holds shards 0, 2 and 4
     deadline = time.monotonic() + 120
-    while read_marker(str(out), "part-0.parquet") is None:
+    while read_marker(LocalDir(str(out)), "part-0.parquet") is None:
         assert time.monotonic() < deadline, "task 0 committed nothing"
         time.sleep(0.05)
     # What Slurm sends ahead of the time limit with --signal=B:USR1@lead
@@ -125,7 +126,7 @@ def test_sigusr1_stops_a_task_which_requeues_itself_and_resumes(cluster, job_dir
     ):
         assert time.monotonic() < deadline, log.read_text()
         time.sleep(0.2)
-    assert [n for n in (0, 2, 4) if read_marker(str(out), f"part-{n}.parquet")] != [0, 2, 4], (
+    assert [n for n in (0, 2, 4) if read_marker(LocalDir(str(out)), f"part-{n}.parquet")] != [0, 2, 4], (
         "stopped too late"
     )
     cluster.wait_until_gone(job_id)  # the requeued task starts once its old credential expires

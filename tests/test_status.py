@@ -9,6 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchvl.config import load_job_config
+from batchvl.io.output_dir import LocalDir
 from batchvl.job import run_job
 from batchvl.slurm import ArrayJob, array_expression, sbatch_script, write_array_job
 from batchvl.status import format_status, job_status
@@ -52,7 +53,7 @@ def test_status_counts_rows_and_names_the_tasks_to_rerun(job_dir, loaded_fp32):
     assert "rows: 6 ok, 2 error (image_decode_error 2)" in text
     assert "rerun missing tasks (1-2): batchvl run job.yaml --shard I/3" in text
 
-    script = write_array_job(ArrayJob(str(job_dir / "job.yaml"), cfg.output.dir, 3))
+    script = write_array_job(ArrayJob(str(job_dir / "job.yaml"), cfg.output.dir, 3), LocalDir(cfg.output.dir))
     assert f"rerun missing tasks: sbatch --array=1-2 {script}" in format_status(job_status(cfg), "job.yaml")
     # another N: the same folder seen as 2 tasks (shards 0, 2 | 1, 3)
     assert job_status(cfg, num_tasks=2).missing_tasks == [0, 1]
@@ -88,7 +89,7 @@ def test_the_sbatch_script_runs_task_i_of_n_with_requeue_and_logs(tmp_path):
         "--shard", "${SLURM_ARRAY_TASK_ID}/7", "--requeue", "--no-progress", "--log-level", "info",
         "--set", "sampling.max_new_tokens=9", "--set", "prompts=[{name: a, text: 'x y'}]",
     ]  # fmt: skip
-    path = write_array_job(job)
+    path = write_array_job(job, LocalDir(str(tmp_path / "out")))
     assert Path(path).read_text() == text
     record = json.loads((tmp_path / "out" / "_batchvl" / "slurm" / "array.json").read_text())
     assert record["num_tasks"] == 7 and (tmp_path / "out" / "_batchvl" / "logs").is_dir()
@@ -107,7 +108,7 @@ def test_a_task_stopped_and_rerun_is_one_task_with_its_runs_added(tmp_path):
     ]
     for number, run in enumerate(runs):
         (folder / f"run-{number}.json").write_text(json.dumps(run))
-    merged = _runs_per_task(str(tmp_path))
+    merged = _runs_per_task(LocalDir(str(tmp_path)))
     task = merged[(2, 1)]
     assert (task.samples, task.output_tokens, task.processing_s) == (40, 800, 16.0)
     assert task.last_run == "run-1.json"

@@ -8,6 +8,7 @@ import pyarrow.parquet as pq
 
 from batchvl import api
 from batchvl.config import job_config_from_dict
+from batchvl.io.output_dir import LocalDir
 from batchvl.io.run_stats import read_run_stats
 from batchvl.job import run_job
 from tests.conftest import png_bytes, random_image
@@ -113,7 +114,7 @@ output: {{dir: out}}
         first = dict(server.requests)
         assert batchvl("run", "job.yaml", "--set", "output.overwrite=true", cwd=tmp_path).returncode == 0
         assert dict(server.requests) == first == {f"/img/{name}.png": 1 for name in IMAGES}
-    runs = read_run_stats(str(tmp_path / "out"))
+    runs = read_run_stats(LocalDir(str(tmp_path / "out")))
     assert [(r["downloads"], r["download_cache_hits"]) for r in runs] == [(3, 0), (0, 3)]
     assert all(row["status"] == "ok" for row in rows_of(tmp_path / "out").values())
     assert batchvl("report", "job.yaml", cwd=tmp_path).returncode == 0

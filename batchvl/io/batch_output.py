@@ -4,9 +4,9 @@ shape, `<shard>.output.jsonl` beside the shard's Parquet file.
 A line per row, in input order: `{"id", "custom_id", "response": {"status_code": 200, "request_id", "body":
 <a chat.completion>}, "error": null}` for an ok row, `{"id", "custom_id", "response": null, "error":
 {"code": <error_type>, "message": ...}}` otherwise. `custom_id` is the sample's key (with `:<prompt>`
-when the job has several prompts); `created` is when the file was written. The file is written
-atomically after the Parquet file and before the shard's marker, so a committed shard has both and a
-rerun redoes a shard that has only some of them; `retry-failed` rewrites it with the merged rows.
+when the job has several prompts); `created` is when the file was written. The file is written whole
+after the Parquet file and before the shard's marker, so a committed shard has both and a rerun redoes a
+shard that has only some of them; `retry-failed` rewrites it with the merged rows.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import os
 import pyarrow as pa
 import xxhash
 
-from batchvl.io.writers import output_path, write_text_atomic
+from batchvl.io.output_dir import OutputDir
+from batchvl.io.writers import output_path
 
 COLUMNS = [
     "key", "prompt", "status", "text", "error_type", "error_message", "finish_reason",
@@ -25,18 +26,18 @@ COLUMNS = [
 ]  # fmt: skip
 
 
-def batch_output_path(out_dir: str, shard: str) -> str:
-    return output_path(out_dir, shard).removesuffix(".parquet") + ".output.jsonl"
+def batch_output_path(out: OutputDir, shard: str) -> str:
+    return output_path(out, shard).removesuffix(".parquet") + ".output.jsonl"
 
 
-def write_batch_output(out_dir: str, shard: str, table: pa.Table, model: str, created: int) -> str:
-    path = batch_output_path(out_dir, shard)
+def write_batch_output(out: OutputDir, shard: str, table: pa.Table, model: str, created: int) -> str:
+    path = batch_output_path(out, shard)
     several_prompts = len(set(table["prompt"].to_pylist())) > 1
     lines = [
         json.dumps(batch_line(row, model, created, several_prompts), ensure_ascii=False)
         for row in table.select(COLUMNS).to_pylist()
     ]
-    write_text_atomic(path, "".join(line + "\n" for line in lines))
+    out.write_text(path, "".join(line + "\n" for line in lines))
     return path
 
 

@@ -2,30 +2,29 @@
 doing all of them (two `batchvl run` of one job, or Slurm tasks whose slices overlap after a change).
 
 A run claims a shard just before reading it: `output.dir/_batchvl/claims/<shard>.lock`, created
-atomically and only if absent, naming the holder (host, pid and the process's start time). Another run
-that finds a live claim skips the shard. A claim is stale once its holder is gone: on the same host, its
-process no longer exists (or the pid now belongs to another process); from another host, the holder has
-not refreshed the file's time for `STALE_S` (holders refresh every `HEARTBEAT_S`). A stale claim is taken
-over by renaming it away first, which only one taker can do. Claims are removed when their shard is
-committed and when the run ends, so a crash costs at most `STALE_S` of waiting on other hosts.
+atomically and only if absent (`OutputDir.create_exclusive`), naming the holder (host, pid and the
+process's start time). Another run that finds a live claim skips the shard. A claim is stale once its
+holder is gone: on the same host, its process no longer exists (or the pid now belongs to another
+process); from another host, the holder has not refreshed the file's time for `STALE_S` (holders refresh
+every `HEARTBEAT_S`). A stale claim is taken over by removing it and claiming again; locally it is renamed
+away first, which only one taker can do (on an object store two takers can both win: the shard is then run
+twice and committed once). Claims are removed when their shard is committed and when the run ends, so a
+crash costs at most `STALE_S` of waiting on other hosts.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import socket
 import time
-import uuid
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
 import psutil
 
-from batchvl.io.writers import create_text_exclusive
+from batchvl.io.output_dir import OutputDir
 
-CLAIM_DIR = os.path.join("_batchvl", "claims")
+CLAIM_DIR = "_batchvl/claims"
 HEARTBEAT_S = 60.0
 STALE_S = 600.0
 
@@ -51,19 +50,19 @@ class Holder:
 class ShardClaims:
     """The claims of one job's output folder, seen from one run (`holder`: the job's own process)."""
 
-    def __init__(self, out_dir: str, holder: Holder):
-        self.folder = os.path.join(out_dir, CLAIM_DIR)
+    def __init__(self, out: OutputDir, holder: Holder):
+        self.out = out
         self.holder = holder
         self._refreshed = time.monotonic()
 
     def path(self, shard: str) -> str:
-        return os.path.join(self.folder, f"{shard}.lock")
+        return self.out.join(CLAIM_DIR, f"{shard}.lock")
 
     def acquire(self, shard: str) -> Holder | None:
         """Claim the shard; None when it is now ours, else the live holder that has it."""
         path = self.path(shard)
         while True:
-            if create_text_exclusive(path, json.dumps(asdict(self.holder))):
+            if self.out.create_exclusive(path, json.dumps(asdict(self.holder))):
                 return None
             holder = self._read(path)
             if holder is None:
@@ -72,17 +71,13 @@ class ShardClaims:
                 return None
             if not self._is_stale(path, holder):
                 return holder
-            taken = f"{path}.stale-{uuid.uuid4().hex}"
-            with contextlib.suppress(FileNotFoundError):  # another taker was first: try again
-                os.rename(path, taken)
-                os.remove(taken)
+            self.out.take_over(path)
 
     def release(self, shard: str) -> None:
         """Remove the shard's claim if it is ours."""
         path = self.path(shard)
         if self._read(path) == self.holder:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(path)
+            self.out.remove(path)
 
     def refresh(self, shards: Iterable[str], every_s: float = HEARTBEAT_S) -> None:
         """Touch our claims among `shards` (at most every `every_s`), so other hosts see us alive."""
@@ -93,14 +88,11 @@ class ShardClaims:
         for shard in shards:
             path = self.path(shard)
             if self._read(path) == self.holder:
-                with contextlib.suppress(FileNotFoundError):
-                    os.utime(path)
+                self.out.touch(path)
 
-    @staticmethod
-    def _read(path: str) -> Holder | None:
+    def _read(self, path: str) -> Holder | None:
         try:
-            with open(path, encoding="utf-8") as handle:
-                return Holder(**json.load(handle))
+            return Holder(**json.loads(self.out.read_text(path)))
         except FileNotFoundError:
             return None
         except (OSError, ValueError, TypeError):
@@ -109,7 +101,5 @@ class ShardClaims:
     def _is_stale(self, path: str, holder: Holder) -> bool:
         if holder.host == self.holder.host:
             return not holder.is_alive()
-        try:
-            return time.time() - os.path.getmtime(path) > STALE_S
-        except FileNotFoundError:
-            return True
+        modified = self.out.modified(path)
+        return modified is None or time.time() - modified > STALE_S

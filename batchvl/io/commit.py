@@ -1,23 +1,37 @@
-"""Shard commits: the shard's Parquet file, then a completion marker saying which config wrote it.
+"""Shard commits, the same on a local disk and on an object store (which has no rename):
 
-A shard is committed once both exist. The Parquet file is renamed into place only when complete, and
-the marker is written (also atomically) after it, so a crash at any point leaves either a committed
-shard or one that the next run redoes from scratch, never a partial one. The marker records the
-output-defining config, so a rerun with a changed config is detected and the changed keys named.
+1. the shard's Parquet file is written under its final name, whole (`OutputDir.write_bytes`: a temp file
+   renamed into place locally; one upload on an object store, which shows the object only once complete);
+2. files made from it (the batch API output) are written beside it;
+3. the completion marker `_batchvl/done/<shard>.json` is written last. It names the output-defining config
+   that wrote the rows (so a rerun with a changed config is detected and the changed keys named) and the
+   Parquet file's size and SHA-256.
+
+A shard is committed when its marker exists and the file beside it has the size the marker names. A
+committed shard that is written again (`--overwrite`, `retry-failed`) loses its marker first, so a crash
+before the new marker leaves it uncommitted (redone by the next run), never committed with rows its marker
+does not describe. A crash at any other point leaves either a committed shard or one that the next run
+redoes from scratch, overwriting what it finds. The hash is checked whenever a file's rows are read back
+(results, retry-failed, the report): a file changed after its commit is named, not read.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
-import os
 import socket
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
-from batchvl.io.writers import ResultRow, output_path, write_json_atomic, write_shard
+import pyarrow as pa
+import pyarrow.parquet as pq
 
-MARKER_DIR = os.path.join("_batchvl", "done")
+from batchvl.errors import UserError
+from batchvl.io.output_dir import OutputDir
+from batchvl.io.writers import ResultRow, output_name, output_path, parquet_bytes
+
+MARKER_DIR = "_batchvl/done"
 
 
 @dataclass
@@ -35,6 +49,8 @@ class ShardMarker:
     written_at: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%S%z"))
     batchvl_version: str = ""
     retries: list[dict] = field(default_factory=list)  # one record per `retry-failed` that changed rows
+    output_bytes: int | None = None  # the committed Parquet file's size and hash (None: an older marker)
+    output_sha256: str | None = None
 
     @classmethod
     def for_rows(
@@ -57,46 +73,56 @@ class ShardMarker:
         self.ok = self.rows - self.errors - self.skipped
 
 
-def marker_path(out_dir: str, shard: str) -> str:
-    relative = os.path.relpath(output_path(out_dir, shard), out_dir)
-    return os.path.join(out_dir, MARKER_DIR, relative.removesuffix(".parquet") + ".json")
+def marker_path(out: OutputDir, shard: str) -> str:
+    return out.join(MARKER_DIR, output_name(shard).removesuffix(".parquet") + ".json")
 
 
-def read_marker(out_dir: str, shard: str) -> ShardMarker | None:
-    """The shard's marker, or None when the shard is not committed (no marker, no output, or unreadable)."""
-    if not os.path.isfile(output_path(out_dir, shard)):
-        return None
+def read_marker(out: OutputDir, shard: str) -> ShardMarker | None:
+    """The shard's marker, or None when the shard is not committed (no marker, an unreadable one, or no
+    output file of the size it names)."""
     try:
-        with open(marker_path(out_dir, shard)) as handle:
-            return ShardMarker(**json.load(handle))
+        marker = ShardMarker(**json.loads(out.read_text(marker_path(out, shard))))
     except (OSError, ValueError, TypeError):
-        return None  # a marker from a killed write or another version: the shard is redone
+        return None  # none, one from a killed write, or another version's: the shard is redone
+    size = out.size(output_path(out, shard))
+    if size is None or (marker.output_bytes is not None and size != marker.output_bytes):
+        return None
+    return marker
 
 
-def is_committed_by(out_dir: str, fingerprint: str, shard: str) -> bool:
+def is_committed_by(out: OutputDir, fingerprint: str, shard: str) -> bool:
     """Whether the shard is committed with rows of the config that has this fingerprint."""
-    marker = read_marker(out_dir, shard)
+    marker = read_marker(out, shard)
     return marker is not None and marker.fingerprint == fingerprint
 
 
+def read_committed(out: OutputDir, shard: str, marker: ShardMarker) -> pa.Table:
+    """The committed rows of a shard (`marker`: its marker), after checking the file is the one committed."""
+    path = output_path(out, shard)
+    data = out.read_bytes(path)
+    if marker.output_sha256 is not None and hashlib.sha256(data).hexdigest() != marker.output_sha256:
+        raise UserError(
+            f"{path} changed after it was committed (its SHA-256 is not the one its marker names); remove "
+            f"{marker_path(out, shard)} and rerun the job to write the shard again"
+        )
+    return pq.read_table(pa.BufferReader(data))
+
+
 def commit_shard(
-    out_dir: str,
+    out: OutputDir,
     shard: str,
-    rows: list[ResultRow],
-    metadata: dict[str, str],
+    table: pa.Table,
     marker: ShardMarker,
-    optional: tuple[str, ...] = (),
-    companion: Callable[[str, str], None] | None = None,
+    companion: Callable[[str, pa.Table], None] | None = None,
 ) -> str:
-    """Write the shard's rows (with the `optional` columns the job writes), then `companion(shard, path)`
-    (files made from the Parquet file, such as the batch API output), then its marker; returns the
-    Parquet path."""
-    path = write_shard(out_dir, shard, rows, metadata, optional)
+    """Write the shard's table, then `companion(shard, table)` (files made from it, such as the batch API
+    output), then its marker, which names the file's size and hash; returns the Parquet path."""
+    data = parquet_bytes(table)
+    marker.output_bytes, marker.output_sha256 = len(data), hashlib.sha256(data).hexdigest()
+    out.remove(marker_path(out, shard))  # a shard written again is uncommitted until its new marker
+    path = output_path(out, shard)
+    out.write_bytes(path, data)
     if companion is not None:
-        companion(shard, path)
-    write_marker(out_dir, marker)
+        companion(shard, table)
+    out.write_text(marker_path(out, shard), json.dumps(asdict(marker), indent=2, sort_keys=True))
     return path
-
-
-def write_marker(out_dir: str, marker: ShardMarker) -> None:
-    write_json_atomic(marker_path(out_dir, marker.shard), asdict(marker))

@@ -1,4 +1,5 @@
-"""Media behind http(s) URLs, fetched in the preprocessing workers.
+"""Media behind http(s) URLs and object-store URLs (`s3://`, `gs://`, ...), fetched in the preprocessing
+workers.
 
 One `Downloader` per worker process (its HTTP client is made on first use, after the fork). Every way a
 download can fail is a `SampleError` whose type says what happened and whose message names the URL:
@@ -6,6 +7,12 @@ download can fail is a `SampleError` whose type says what happened and whose mes
 `image_too_large` (the body passed `max_bytes`: reading stops there) or `download_error`. Timeouts,
 refused connections, HTTP 429 and 5xx are tried again with a doubling backoff (or the server's
 Retry-After, up to `MAX_RETRY_AFTER_S`); other failures are final.
+
+An object-store URL is read through fsspec with `input.storage_options` (or the environment's credentials),
+the same filesystem as object-store input paths: a missing object is `file_not_found`, one over `max_bytes`
+is `image_too_large` (its size is looked up first), other failures are `download_error` and tried again.
+Only object-store protocols are read this way: a cell naming another fsspec protocol (`local://`, `ftp://`,
+...) could reach what `input.root` confines, so it is an error row `url_not_allowed`.
 
 Redirects are followed here, one hop at a time, so that every hop's address is checked: a public URL
 must not redirect into the private network. (The address is checked when the URL is resolved; a name
@@ -35,10 +42,16 @@ USER_AGENT = f"batchvl/{__version__} (batch captioning; python-httpx)"
 MAX_RETRY_AFTER_S = 30.0
 RETRIED_STATUS = frozenset({429, 500, 502, 503, 504})
 URL_SCHEMES = ("http://", "https://")
+OBJECT_STORE_SCHEMES = ("s3://", "s3a://", "gs://", "gcs://", "az://", "abfs://", "abfss://")
 
 
 def is_url(value: str) -> bool:
-    return value[:8].lower().startswith(URL_SCHEMES)
+    """Whether a media cell is fetched (an http(s) or object-store URL) rather than read from input.root."""
+    return value[:8].lower().startswith(URL_SCHEMES + OBJECT_STORE_SCHEMES)
+
+
+def is_object_url(value: str) -> bool:
+    return value[:8].lower().startswith(OBJECT_STORE_SCHEMES)
 
 
 @dataclass
@@ -60,8 +73,9 @@ class _Retryable(Exception):
 
 
 class Downloader:
-    def __init__(self, config: DownloadConfig):
+    def __init__(self, config: DownloadConfig, storage_options: dict | None = None):
         self.config = config
+        self.storage_options = storage_options or {}  # for object-store URLs
         self.cache = DownloadCache(Path(config.cache_dir)) if config.cache_dir else None
         self._client = None
         self._client_pid = None
@@ -105,6 +119,8 @@ class Downloader:
         raise AssertionError("unreachable")
 
     def _fetch_once(self, url: str) -> bytes:
+        if is_object_url(url):
+            return self._read_object(url)
         import httpx
 
         client = self._http_client()
@@ -135,6 +151,27 @@ class Downloader:
         raise SampleError(
             "download_redirect_loop", f"{url} redirects more than {self.config.max_redirects} times"
         )
+
+    def _read_object(self, url: str) -> bytes:
+        import fsspec
+
+        try:
+            fs, path = fsspec.core.url_to_fs(url, **self.storage_options)
+        except (ImportError, ValueError) as exc:
+            raise SampleError("download_error", f"{url}: cannot read this URL's filesystem: {exc}") from None
+        try:
+            size = fs.size(path)
+            if size is not None and size > self.config.max_bytes:
+                raise SampleError(
+                    "image_too_large", f"{url}: object of {size} bytes, over {_limit(self.config.max_bytes)}"
+                )
+            return fs.cat_file(path)
+        except FileNotFoundError:
+            raise SampleError("file_not_found", f"{url}: no such object") from None
+        except PermissionError as exc:
+            raise SampleError("download_error", f"{url}: access denied ({exc})") from None
+        except OSError as exc:
+            raise _Retryable(SampleError("download_error", f"{url}: {type(exc).__name__}: {exc}")) from exc
 
     def _read_body(self, response, url: str) -> bytes:
         status = response.status_code

@@ -6,7 +6,8 @@ commits and resumes in small units. Shard membership is recorded in the output f
 later runs keep every recorded shard as it is and put files that no recorded shard holds into new shards
 numbered after them. So adding files never moves a file from one shard to another (which would skip it,
 or caption it twice), a removed file's committed rows stay, and a renamed file is a new file. Each record
-is created once (O_EXCL), so tasks of a Slurm array that list the folder at the same time agree.
+is created once (`OutputDir.create_exclusive`), so tasks of a Slurm array that list the folder at the
+same time agree.
 
 Symlinks that lead outside the folder are refused per file, like paths in tables.
 """
@@ -20,12 +21,12 @@ from collections.abc import Callable, Iterator
 
 from batchvl.config import InputConfig
 from batchvl.errors import SampleError, UserError
+from batchvl.io.output_dir import OutputDir
 from batchvl.io.paths import glob_base, relative_id, resolve_under_root
 from batchvl.io.types import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, MediaRef, Sample, ShardEnd, ShardInfo
-from batchvl.io.writers import create_text_exclusive
 
 MEDIA_SUFFIXES = tuple(f".{ext}" for ext in IMAGE_EXTENSIONS + VIDEO_EXTENSIONS)
-RECORD_DIR = os.path.join("_batchvl", "folder_shards")
+RECORD_DIR = "_batchvl/folder_shards"
 RECORD_ATTEMPTS = 20  # re-listings after another process recorded different shards at the same moment
 
 
@@ -44,40 +45,37 @@ def media_files(folder: str) -> list[str]:
 class ShardRecords:
     """The recorded shards of one input folder: part number -> its files."""
 
-    def __init__(self, out_dir: str, name: str):
-        self.folder = os.path.join(out_dir, RECORD_DIR, name)
+    def __init__(self, out: OutputDir, name: str):
+        self.out = out
+        self.folder = out.join(RECORD_DIR, name)
 
     def read(self) -> dict[int, tuple[str, ...]]:
-        if not os.path.isdir(self.folder):
-            return {}
         parts = {}
-        for entry in os.listdir(self.folder):
-            number = entry.removeprefix("part-").removesuffix(".json")
-            if entry.startswith("part-") and entry.endswith(".json") and number.isdigit():
-                parts[int(number)] = self._members(os.path.join(self.folder, entry))
+        for path in self.out.list(self.folder, "part-*.json"):
+            number = os.path.basename(path).removeprefix("part-").removesuffix(".json")
+            if number.isdigit():
+                parts[int(number)] = self._members(path)
         return parts
 
     def create(self, number: int, members: tuple[str, ...]) -> bool:
         """Record a shard unless one of that number exists; True when it now holds exactly `members`."""
-        path = os.path.join(self.folder, f"part-{number:05d}.json")
-        if create_text_exclusive(path, json.dumps({"files": list(members)})):
+        path = self.out.join(self.folder, f"part-{number:05d}.json")
+        if self.out.create_exclusive(path, json.dumps({"files": list(members)})):
             return True
         return self._members(path) == members  # another process recorded this number first
 
-    @staticmethod
-    def _members(path: str) -> tuple[str, ...]:
-        with open(path, encoding="utf-8") as handle:
-            return tuple(json.load(handle)["files"])
+    def _members(self, path: str) -> tuple[str, ...]:
+        return tuple(json.loads(self.out.read_text(path))["files"])
 
 
 class FolderSource:
-    def __init__(self, cfg: InputConfig, out_dir: str | None = None, record: bool = False):
-        """`out_dir`: where shard membership is recorded (None: nothing recorded yet, nothing read);
+    def __init__(self, cfg: InputConfig, out: OutputDir | None = None, record: bool = False):
+        """`out`: where shard membership is recorded (None: nothing recorded yet, nothing read);
         `record`: write the records of new shards (a run does; status, validate and report only look)."""
         self.paths = cfg.paths
         self.files_per_shard = cfg.files_per_shard
-        self.out_dir = out_dir
-        self.record = record and out_dir is not None
+        self.out = out
+        self.record = record and out is not None
 
     def list_shards(self) -> list[ShardInfo]:
         return [shard for folder, name in self._folders() for shard in self._folder_shards(folder, name)]
@@ -95,7 +93,7 @@ class FolderSource:
 
     def _folder_shards(self, folder: str, name: str) -> list[ShardInfo]:
         files = media_files(folder)
-        records = ShardRecords(self.out_dir, name) if self.out_dir is not None else None
+        records = ShardRecords(self.out, name) if self.out is not None else None
         for _ in range(RECORD_ATTEMPTS):
             recorded = records.read() if records is not None else {}
             known = {member for members in recorded.values() for member in members}

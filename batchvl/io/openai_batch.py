@@ -161,7 +161,8 @@ def _image(spec: Any, where: str) -> MediaRef:
     if is_url(url):
         return MediaRef(None, None, "image", url)
     raise SampleError(
-        "unsupported_request", f"{where}: image_url must be an http(s) or data: URL, got {url[:60]!r}"
+        "unsupported_request",
+        f"{where}: image_url must be an http(s), data: or object-store (s3://, gs://) URL, got {url[:60]!r}",
     )
 
 

@@ -2,30 +2,38 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
-from batchvl.io.commit import read_marker
+from batchvl.io.commit import ShardMarker, read_committed, read_marker
+from batchvl.io.output_dir import OutputDir
 from batchvl.io.types import ShardInfo
 from batchvl.io.writers import RESULT_SCHEMA, output_path
 
 
 @dataclass(frozen=True)
 class ShardOutput:
+    out: OutputDir
     shard: ShardInfo
-    path: str  # the committed Parquet file
+    marker: ShardMarker
+
+    @property
+    def path(self) -> str:
+        """The committed Parquet file."""
+        return output_path(self.out, self.shard.shard)
+
+    def read(self) -> pa.Table:
+        return read_committed(self.out, self.shard.shard, self.marker)
 
 
-def committed_outputs(out_dir: str, shards: list[ShardInfo]) -> list[ShardOutput]:
-    """Those of `shards` that are committed in out_dir (output file and marker), in the given order."""
+def committed_outputs(out: OutputDir, shards: list[ShardInfo]) -> list[ShardOutput]:
+    """Those of `shards` that are committed in `out` (output file and marker), in the given order."""
     outputs = []
     for shard in shards:
-        path = output_path(out_dir, shard.shard)
-        if read_marker(out_dir, shard.shard) is not None and os.path.isfile(path):
-            outputs.append(ShardOutput(shard, path))
+        marker = read_marker(out, shard.shard)
+        if marker is not None:
+            outputs.append(ShardOutput(out, shard, marker))
     return outputs
 
 
@@ -35,7 +43,7 @@ def results_table(outputs: list[ShardOutput]) -> pa.Table:
     Shards' pass-through columns may differ; a column a shard lacks is null in its rows."""
     tables = []
     for output in outputs:
-        table = pq.read_table(output.path).replace_schema_metadata(None)
+        table = output.read().replace_schema_metadata(None)
         if "shard" in table.column_names:  # a pass-through input column: prefixed, as for the others
             table = table.rename_columns(["input_shard" if c == "shard" else c for c in table.column_names])
         tables.append(

@@ -17,7 +17,8 @@ from batchvl.io.types import VIDEO_EXTENSIONS, MediaRef, Sample, ShardEnd, Shard
 
 class RowSampler:
     """Turns the rows of one shard into samples; the media column holds bytes, a {bytes, path} struct
-    (the Hugging Face Image feature), a path under the root, an http(s) URL, or a list of these."""
+    (the Hugging Face Image feature), a path under the root, an http(s) or object-store URL, or a list of
+    these."""
 
     def __init__(self, image_column: str, key_column: str | None, root: str | None):
         self.image_column = image_column
@@ -82,6 +83,12 @@ class RowSampler:
             if is_url(cell):  # fetched by the preprocessing worker
                 path = urlsplit(cell).path.lower()
                 return MediaRef(None, None, "video" if path.endswith(VIDEO_EXTENSIONS) else "image", cell)
+            if "://" in cell:
+                raise SampleError(
+                    "url_not_allowed",
+                    f"media URL {cell[:80]!r}: only http(s) and object-store (s3://, gs://, az://) URLs are "
+                    "fetched; other media cells are paths under input.root",
+                )
             kind = "video" if cell.lower().endswith(VIDEO_EXTENSIONS) else "image"
             return MediaRef(None, resolve_under_root(cell, root), kind)
         raise SampleError("missing_image", f"row has no image in column '{self.image_column}'")

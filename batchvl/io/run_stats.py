@@ -5,32 +5,29 @@ from __future__ import annotations
 
 import json
 import os
+import posixpath
 import time
-from pathlib import Path
 
-from batchvl.io.writers import write_json_atomic
+from batchvl.io.output_dir import OutputDir
 
-
-def _folder(out_dir: str) -> Path:
-    return Path(out_dir, "_batchvl", "stats")
+STATS_DIR = "_batchvl/stats"
 
 
-def write_run_stats(out_dir: str, stats: dict) -> str:
-    path = _folder(out_dir) / f"run-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.json"
-    write_json_atomic(str(path), stats)
-    return str(path)
+def write_run_stats(out: OutputDir, stats: dict) -> str:
+    path = out.join(STATS_DIR, f"run-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.json")
+    out.write_text(path, json.dumps(stats, indent=2, sort_keys=True))
+    return path
 
 
-def read_run_stats(out_dir: str) -> list[dict]:
+def read_run_stats(out: OutputDir) -> list[dict]:
     """Every run's stats, oldest first, each with its file's name under "file"; files that cannot be read
     are left out (another version's, or damaged by hand)."""
-    paths = sorted(_folder(out_dir).glob("run-*.json"), key=lambda p: (p.stat().st_mtime, p.name))
     runs = []
-    for path in paths:
+    for path in out.list(out.join(STATS_DIR), "run-*.json"):
         try:
-            stats = json.loads(path.read_text())
+            stats = json.loads(out.read_text(path))
         except (OSError, ValueError):
             continue
-        stats["file"] = path.name
+        stats["file"] = posixpath.basename(path)
         runs.append(stats)
     return runs

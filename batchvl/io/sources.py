@@ -15,6 +15,7 @@ from batchvl.io.fetch_ahead import FetchingSource
 from batchvl.io.folder import FolderSource
 from batchvl.io.hf_dataset import HFDatasetSource
 from batchvl.io.openai_batch import OpenAIBatchSource
+from batchvl.io.output_dir import OutputDir
 from batchvl.io.parquet import ParquetSource
 from batchvl.io.types import Sample, ShardEnd, ShardInfo
 from batchvl.io.webdataset import WebDatasetSource
@@ -35,14 +36,16 @@ SOURCES = {
 }
 
 
-def make_source(cfg: InputConfig, out_dir: str | None = None, record: bool = False) -> Source:
-    """The reader of `cfg`'s format. `out_dir` holds what a format records about its shards (the
-    `folder` format's membership); `record` lets the listing write it (a run does, before any work)."""
+def make_source(cfg: InputConfig, out: OutputDir | None = None, record: bool = False) -> Source:
+    """The reader of `cfg`'s format. `out` holds what a format records about its shards (the `folder`
+    format's membership); `record` lets the listing write it (a run does, before any work)."""
     if cfg.format == "folder":
-        return FolderSource(cfg, out_dir, record)
+        return FolderSource(cfg, out, record)
     # Table cells and request messages may hold image URLs: they are downloaded as the shard is read.
-    return FetchingSource(SOURCES[cfg.format](cfg), Downloader(cfg.download), cfg.download.concurrency)
+    return FetchingSource(
+        SOURCES[cfg.format](cfg), Downloader(cfg.download, cfg.storage_options), cfg.download.concurrency
+    )
 
 
 def job_source(cfg: JobConfig, record: bool = False) -> Source:
-    return make_source(cfg.input, cfg.output.dir, record)
+    return make_source(cfg.input, OutputDir.of(cfg.output), record)

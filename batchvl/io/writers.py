@@ -1,18 +1,14 @@
-"""Parquet output: one file per input shard, written atomically (temp file, fsync, rename)."""
+"""Parquet output: one file per input shard, its rows in input order."""
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
-import socket
-import uuid
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from batchvl.io.output_dir import OutputDir
 
 RESULT_SCHEMA = pa.schema(
     [
@@ -65,50 +61,15 @@ class ResultRow:
 INPUT_SUFFIXES = (".parquet", ".tar.gz", ".tgz", ".tar", ".arrow", ".jsonl")
 
 
-def output_path(out_dir: str, shard: str) -> str:
-    """The output file of a shard: its id with the input suffix replaced by .parquet."""
+def output_name(shard: str) -> str:
+    """The output file of a shard, relative to output.dir: its id with the input suffix replaced by
+    .parquet."""
     stem = next((shard[: -len(s)] for s in INPUT_SUFFIXES if shard.endswith(s)), shard)
-    return os.path.join(out_dir, f"{stem}.parquet")
+    return f"{stem}.parquet"
 
 
-TEMP_INFIX = ".tmp-"  # temp files: .<name>.tmp-<host>-<pid>, hidden, never matching *.parquet
-
-
-def remove_stale_temps(path: str) -> None:
-    """Remove temp files of `path` left by killed runs on this host (their pid is gone)."""
-    folder, name = os.path.split(path)
-    prefix = f".{name}{TEMP_INFIX}{socket.gethostname()}-"
-    if not os.path.isdir(folder):
-        return
-    for entry in os.listdir(folder):
-        pid = entry.removeprefix(prefix)
-        if entry.startswith(prefix) and pid.isdigit() and not _pid_alive(int(pid)):
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(os.path.join(folder, entry))
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _atomic_write(path: str, write) -> None:
-    folder = os.path.dirname(path)
-    os.makedirs(folder, exist_ok=True)
-    tmp = os.path.join(folder, f".{os.path.basename(path)}{TEMP_INFIX}{socket.gethostname()}-{os.getpid()}")
-    try:
-        write(tmp)
-        with open(tmp, "rb") as handle:
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+def output_path(out: OutputDir, shard: str) -> str:
+    return out.join(output_name(shard))
 
 
 def rows_to_table(
@@ -132,40 +93,8 @@ def rows_to_table(
     return table.replace_schema_metadata({k.encode(): v.encode() for k, v in metadata.items()})
 
 
-def write_shard(
-    out_dir: str, shard: str, rows: list[ResultRow], metadata: dict[str, str], optional: tuple[str, ...] = ()
-) -> str:
-    path = output_path(out_dir, shard)
-    write_table_atomic(path, rows_to_table(rows, metadata, optional))
-    return path
-
-
-def write_table_atomic(path: str, table: pa.Table) -> None:
-    _atomic_write(path, lambda tmp: pq.write_table(table, tmp))
-
-
-def write_json_atomic(path: str, obj: Any) -> None:
-    write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=True))
-
-
-def write_text_atomic(path: str, text: str) -> None:
-    _atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
-
-
-def create_text_exclusive(path: str, text: str) -> bool:
-    """Create `path` holding `text` unless it exists; False when another process created it first. The
-    file appears whole or not at all (written to a temp name, then hard-linked, which fails if `path`
-    exists), so a reader never sees it half written."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    temp = f"{path}.tmp-{uuid.uuid4().hex}"
-    with open(temp, "w", encoding="utf-8") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    try:
-        os.link(temp, path)
-        return True
-    except FileExistsError:
-        return False
-    finally:
-        os.remove(temp)
+def parquet_bytes(table: pa.Table) -> bytes:
+    """The table as a Parquet file's bytes (written whole by an OutputDir, and hashed by its marker)."""
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink)
+    return sink.getvalue().to_pybytes()

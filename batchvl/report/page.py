@@ -9,7 +9,7 @@ mailed or attached to a ticket and shows the same everywhere.
 from __future__ import annotations
 
 import html
-import os
+import posixpath
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -20,10 +20,10 @@ import pyarrow.compute as pc
 from batchvl import __version__
 from batchvl.config import JobConfig
 from batchvl.errors import UserError
+from batchvl.io.output_dir import OutputDir, open_output_dir
 from batchvl.io.results import committed_outputs, results_table
 from batchvl.io.run_stats import read_run_stats
 from batchvl.io.sources import job_source
-from batchvl.io.writers import write_text_atomic
 from batchvl.report.gallery import GALLERY_CSS, gallery_html, gallery_items
 from batchvl.report.labels_section import labels_section
 from batchvl.report.svg import histogram_svg
@@ -165,14 +165,15 @@ def _error_rows_section(errors: pa.Table) -> str:
 
 def build_report(cfg: JobConfig, samples: int = 24, seed: int = 0) -> Report:
     shards = job_source(cfg).list_shards()
-    outputs = committed_outputs(cfg.output.dir, shards)
+    out = OutputDir.of(cfg.output)
+    outputs = committed_outputs(out, shards)
     table = results_table(outputs)
     ok = table.filter(pc.equal(table["status"], "ok"))
     errors = table.filter(pc.equal(table["status"], "error"))
     skipped = table.num_rows - ok.num_rows - errors.num_rows
-    runs = read_run_stats(cfg.output.dir)
+    runs = read_run_stats(out)
     items = gallery_items(cfg, table, samples, seed)
-    title = f"batchvl report: {os.path.basename(cfg.output.dir.rstrip(os.sep))}"
+    title = f"batchvl report: {posixpath.basename(out.url.rstrip('/'))}"
     subtitle = (
         f"output {cfg.output.dir} · model {cfg.model.path} · written {time.strftime('%Y-%m-%d %H:%M:%S')} · "
         f"batchvl {__version__}"
@@ -201,13 +202,15 @@ def build_report(cfg: JobConfig, samples: int = 24, seed: int = 0) -> Report:
 def write_report(
     cfg: JobConfig, path: str | None = None, samples: int = 24, seed: int = 0
 ) -> tuple[str, Report]:
-    """Write the report (default: output.dir/report.html) atomically; return where, and the report."""
-    if not os.path.isdir(cfg.output.dir):
+    """Write the report (default: output.dir/report.html), whole; return where, and the report."""
+    out = OutputDir.of(cfg.output)
+    if not out.exists():
         raise UserError(
             f"output.dir {cfg.output.dir} does not exist: run the job first (batchvl run), or point "
             "output.dir at the folder it wrote"
         )
     report = build_report(cfg, samples, seed)
-    target = path or os.path.join(cfg.output.dir, REPORT_NAME)
-    write_text_atomic(target, report.html)
+    target = path or out.join(REPORT_NAME)
+    folder = out if path is None else open_output_dir(posixpath.dirname(path), cfg.output.storage_options)
+    folder.write_text(target, report.html)
     return target, report

@@ -1,0 +1,335 @@
+"""The job's output folder, `output.dir`: a local folder, or a prefix on an object store (`s3://bucket/
+prefix`, `gs://...`, any fsspec filesystem). Every file batchvl writes there goes through an `OutputDir`.
+
+Files are named by their location: a local path, or a URL under the folder's URL (`join` makes them).
+Both kinds give the two guarantees the commit protocol (`commit.py`) and the claims (`claims.py`) need:
+- a file written by `write_bytes` is seen whole or not at all, never half written: a local file is
+  written to a hidden temp name, synced and renamed into place; an object store shows an object only
+  once its upload is complete (there is no rename on object stores, and none is needed for this);
+- `create_exclusive` creates a file only if none is there, atomically: a hard link to a written temp file
+  locally; a conditional PUT (`If-None-Match: *`) on S3. A filesystem that refuses conditional writes
+  gets check-then-write, which two runs can pass at once (they then both run the shard and commit the
+  same rows: work is repeated, rows are not).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import os
+import posixpath
+import socket
+import tempfile
+import uuid
+from pathlib import Path
+from typing import BinaryIO
+
+from batchvl.config import OutputConfig, is_remote
+from batchvl.errors import UserError
+
+TEMP_INFIX = ".tmp-"  # local temp files: .<name>.tmp-<host>-<pid>, hidden, never matching *.parquet
+
+
+class OutputDir:
+    """Where a job's results and bookkeeping live; `url` is a local path or an fsspec URL."""
+
+    def __init__(self, url: str):
+        self.url = url
+
+    @staticmethod
+    def of(output: OutputConfig) -> OutputDir:
+        return open_output_dir(output.dir, output.storage_options)
+
+    def join(self, *parts: str) -> str:
+        return posixpath.join(self.url, *parts)
+
+    def write_text(self, location: str, text: str) -> None:
+        self.write_bytes(location, text.encode())
+
+    def read_text(self, location: str) -> str:
+        return self.read_bytes(location).decode()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"
+
+    # What each kind implements:
+    def write_bytes(self, location: str, data: bytes) -> None:
+        """Write the file whole (see the module's note); replaces an existing one."""
+        raise NotImplementedError
+
+    def read_bytes(self, location: str) -> bytes:
+        """The file's bytes; FileNotFoundError when there is none."""
+        raise NotImplementedError
+
+    def open(self, location: str) -> BinaryIO:
+        """The file, opened for reading (a remote one fetches byte ranges as they are read)."""
+        raise NotImplementedError
+
+    def size(self, location: str) -> int | None:
+        """The file's size in bytes; None when there is no such file."""
+        raise NotImplementedError
+
+    def modified(self, location: str) -> float | None:
+        """When the file was last written (seconds since the epoch); None when there is no such file."""
+        raise NotImplementedError
+
+    def remove(self, location: str) -> None:
+        """Remove the file if it is there."""
+        raise NotImplementedError
+
+    def list(self, folder: str, pattern: str) -> list[str]:
+        """The files directly in `folder` whose names match the glob `pattern`, oldest first."""
+        raise NotImplementedError
+
+    def create_exclusive(self, location: str, text: str) -> bool:
+        """Create the file holding `text` unless one is there; False when there is one."""
+        raise NotImplementedError
+
+    def take_over(self, location: str) -> None:
+        """Remove a file that another process may be removing too (a stale claim): locally, only one of
+        the takers removes it; on an object store, removing is all there is."""
+        raise NotImplementedError
+
+    def touch(self, location: str) -> None:
+        """Make the file's modified time now (a claim's heartbeat)."""
+        raise NotImplementedError
+
+    def check_writable(self, create: bool) -> None:
+        """A user error unless this process can write here; `create` makes the folder (a run), else
+        nothing is written where that can be avoided (a preflight)."""
+        raise NotImplementedError
+
+    def exists(self) -> bool:
+        """Whether the folder is there (a remote prefix: whether any file is under it)."""
+        raise NotImplementedError
+
+
+def open_output_dir(url: str, storage_options: dict | None = None) -> OutputDir:
+    return RemoteDir(url, storage_options or {}) if is_remote(url) else LocalDir(url)
+
+
+class LocalDir(OutputDir):
+    def write_bytes(self, location: str, data: bytes) -> None:
+        folder = os.path.dirname(location)
+        os.makedirs(folder, exist_ok=True)
+        name = f".{os.path.basename(location)}{TEMP_INFIX}{socket.gethostname()}-{os.getpid()}"
+        temp = os.path.join(folder, name)
+        try:
+            with open(temp, "wb") as handle:
+                handle.write(data)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(temp, location)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(temp)
+
+    def read_bytes(self, location: str) -> bytes:
+        return Path(location).read_bytes()
+
+    def open(self, location: str) -> BinaryIO:
+        return open(location, "rb")  # noqa: SIM115 (the caller closes it)
+
+    def size(self, location: str) -> int | None:
+        try:
+            return os.stat(location).st_size if os.path.isfile(location) else None
+        except OSError:
+            return None
+
+    def modified(self, location: str) -> float | None:
+        try:
+            return os.path.getmtime(location)
+        except OSError:
+            return None
+
+    def remove(self, location: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(location)
+
+    def list(self, folder: str, pattern: str) -> list[str]:
+        paths = [p for p in Path(folder).glob(pattern) if p.is_file()] if os.path.isdir(folder) else []
+        return [str(p) for p in sorted(paths, key=lambda p: (p.stat().st_mtime, p.name))]
+
+    def create_exclusive(self, location: str, text: str) -> bool:
+        # written to a temp name, then hard-linked, which fails if `location` exists: never half written
+        os.makedirs(os.path.dirname(location), exist_ok=True)
+        temp = f"{location}{TEMP_INFIX}{uuid.uuid4().hex}"
+        with open(temp, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        try:
+            os.link(temp, location)
+            return True
+        except FileExistsError:
+            return False
+        finally:
+            os.remove(temp)
+
+    def take_over(self, location: str) -> None:
+        taken = f"{location}.stale-{uuid.uuid4().hex}"
+        with contextlib.suppress(FileNotFoundError):  # another taker was first
+            os.rename(location, taken)
+            os.remove(taken)
+
+    def touch(self, location: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.utime(location)
+
+    def check_writable(self, create: bool) -> None:
+        existing = self.url
+        while not os.path.lexists(existing):
+            existing = os.path.dirname(existing)
+        if not os.path.isdir(existing):
+            raise UserError(
+                f"output.dir {self.url}: {existing} is not a folder; set output.dir to a folder path"
+            )
+        try:
+            if create:
+                os.makedirs(self.url, exist_ok=True)
+            handle, probe = tempfile.mkstemp(
+                prefix=".batchvl-write-check-", dir=self.url if create else existing
+            )
+            os.close(handle)
+            os.remove(probe)
+        except OSError as exc:
+            raise UserError(
+                f"output.dir {self.url} cannot be written ({exc.strerror or exc}); set output.dir to a "
+                "folder you can write to"
+            ) from None
+
+    def exists(self) -> bool:
+        return os.path.isdir(self.url)
+
+    def remove_stale_temps(self, location: str) -> None:
+        """Remove temp files of `location` left by killed runs on this host (their pid is gone)."""
+        folder, name = os.path.split(location)
+        prefix = f".{name}{TEMP_INFIX}{socket.gethostname()}-"
+        if not os.path.isdir(folder):
+            return
+        for entry in os.listdir(folder):
+            pid = entry.removeprefix(prefix)
+            if entry.startswith(prefix) and pid.isdigit() and not _pid_alive(int(pid)):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(os.path.join(folder, entry))
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class RemoteDir(OutputDir):
+    """A prefix on an fsspec filesystem. Listings are never cached: other tasks write here too."""
+
+    def __init__(self, url: str, storage_options: dict):
+        super().__init__(url.rstrip("/"))
+        self.storage_options = storage_options
+        self._fs, self.root = self._connect()
+        self._pid = os.getpid()
+
+    def _connect(self):
+        import fsspec
+
+        try:
+            return fsspec.core.url_to_fs(self.url, **self.storage_options, use_listings_cache=False)
+        except (ImportError, ValueError) as exc:
+            raise UserError(f"output.dir: cannot write to '{self.url}': {exc}") from None
+
+    @property
+    def fs(self):
+        """The filesystem, made again in a forked process (preprocessing workers claim shards): an async
+        filesystem's event loop does not survive a fork."""
+        if self._pid != os.getpid():
+            self._fs, _ = self._connect()
+            self._pid = os.getpid()
+        return self._fs
+
+    def _path(self, location: str) -> str:
+        return self.root + location[len(self.url) :]
+
+    def write_bytes(self, location: str, data: bytes) -> None:
+        self.fs.pipe_file(self._path(location), data)
+
+    def read_bytes(self, location: str) -> bytes:
+        return self.fs.cat_file(self._path(location))
+
+    def open(self, location: str) -> BinaryIO:
+        return self.fs.open(self._path(location), "rb")
+
+    def size(self, location: str) -> int | None:
+        try:
+            info = self.fs.info(self._path(location))
+        except FileNotFoundError:
+            return None
+        return int(info["size"]) if info.get("type") == "file" else None
+
+    def modified(self, location: str) -> float | None:
+        try:
+            return self.fs.modified(self._path(location)).timestamp()
+        except FileNotFoundError:
+            return None
+
+    def remove(self, location: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm_file(self._path(location))
+
+    def list(self, folder: str, pattern: str) -> list[str]:
+        try:
+            entries = self.fs.ls(self._path(folder), detail=True)
+        except FileNotFoundError:
+            return []
+        files = [
+            (_modified_of(entry), posixpath.basename(entry["name"]))
+            for entry in entries
+            if entry.get("type") == "file" and fnmatch.fnmatchcase(posixpath.basename(entry["name"]), pattern)
+        ]
+        return [posixpath.join(folder, name) for _, name in sorted(files)]
+
+    def create_exclusive(self, location: str, text: str) -> bool:
+        path = self._path(location)
+        try:
+            self.fs.pipe_file(path, text.encode(), mode="create")
+            return True
+        except FileExistsError:
+            return False
+        except (NotImplementedError, TypeError, ValueError):  # no conditional writes: check, then write
+            if self.fs.exists(path):
+                return False
+            self.fs.pipe_file(path, text.encode())
+            return True
+
+    def take_over(self, location: str) -> None:
+        self.remove(location)
+
+    def touch(self, location: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.pipe_file(self._path(location), self.read_bytes(location))
+
+    def check_writable(self, create: bool) -> None:
+        try:
+            if create:  # only a write tells whether writes are allowed
+                probe = self.join("_batchvl", f".write-check-{uuid.uuid4().hex}")
+                self.write_bytes(probe, b"")
+                self.remove(probe)
+            else:
+                self.fs.ls(self.root.split("/")[0])  # the bucket (or root) can be listed
+        except Exception as exc:  # noqa: BLE001 (each filesystem has its own: botocore's NoCredentialsError...)
+            raise UserError(
+                f"output.dir {self.url} cannot be written ({exc}); check the bucket and "
+                "output.storage_options (credentials, endpoint_url)"
+            ) from None
+
+    def exists(self) -> bool:
+        return bool(self.fs.exists(self.root))
+
+
+def _modified_of(entry: dict) -> float:
+    """An entry's modified time, under the name its filesystem gives it (0 when it gives none)."""
+    value = entry.get("LastModified", entry.get("mtime", entry.get("created", 0)))
+    return value.timestamp() if hasattr(value, "timestamp") else float(value or 0)
