@@ -22,6 +22,7 @@ from batchvl.io.claims import Holder, ShardClaims
 from batchvl.io.commit import ShardMarker, commit_shard, read_committed, read_marker
 from batchvl.io.output_dir import open_output_dir
 from batchvl.job import run_job
+from batchvl.report.page import write_report
 from batchvl.tasks import TaskSlice
 from tests.conftest import output_rows, png_bytes, random_image, two_prompt_job_yaml, write_image_shards
 from tests.test_cli import batchvl
@@ -126,6 +127,10 @@ def test_a_job_writes_to_s3_the_rows_it_writes_locally_and_a_rerun_skips_them(
     assert f"shards: {len(SHARD_SIZES)} of {len(SHARD_SIZES)} done" in status.stdout
     assert "complete: every shard is committed" in status.stdout
     assert "output: s3://results/plain" in status.stdout
+    target, report = write_report(cfg, samples=4)
+    assert target == f"s3://{BUCKET}/plain/report.html" and report.rows == 2 * sum(SHARD_SIZES)
+    page = client.get_object(Bucket=BUCKET, Key="plain/report.html")["Body"].read().decode()
+    assert page == report.html and "batchvl report: plain" in page
 
 
 def test_kill_9_in_the_middle_then_rerun_writes_every_row_once(job_dir, bucket, reference):
