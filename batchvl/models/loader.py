@@ -136,9 +136,8 @@ def load_model(
         path, dtype=torch_dtype, trust_remote_code=trust_remote_code, use_safetensors=True
     )
     model.to(torch_device).eval()
-    if torch_dtype == torch.bfloat16:
-        patch_convs_as_linear(model)
-        pack_linear_weights(model)
+    patch_convs_as_linear(model)
+    pack_linear_weights(model)
     register_paged_attention()
     register_vision_attention()
     # Text attention goes through the engine's paged KV cache; a varlen vision tower attends over all

@@ -1,5 +1,6 @@
-"""bf16 linear layers with weights packed once for oneDNN: the same bits as `F.linear`, only where the
-weight is the layer's own, and the engine's outputs unchanged by them."""
+"""Linear layers with weights packed once for oneDNN: in bf16 the same bits as `F.linear`, in fp32 within
+its rounding; only where the weight is the layer's own; and the engine's outputs unchanged by them (bf16
+here; fp32 greedy outputs are checked against `generate` by the parity tests, which run packed)."""
 
 import pytest
 import torch
@@ -29,7 +30,21 @@ def test_packed_linear_gives_the_bits_of_f_linear_for_any_number_of_rows(bias):
         assert torch.equal(got, F.linear(x, linear.weight, linear.bias))
 
 
-def test_only_bf16_linears_with_their_own_weight_are_packed():
+@pytest.mark.parametrize("bias", [True, False])
+@torch.inference_mode()
+def test_packed_fp32_linear_gives_f_linear_within_rounding_for_any_number_of_rows(bias):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(96, 160, bias=bias)
+    packed = PackedLinear(linear)
+    assert packed.dtype == torch.float32
+    for shape in [(1, 96), (7, 96), (300, 96), (2, 5, 96)]:
+        x = torch.randn(shape)
+        got = packed(x)
+        assert got.shape == (*shape[:-1], 160)
+        torch.testing.assert_close(got, F.linear(x, linear.weight, linear.bias), rtol=1e-5, atol=1e-6)
+
+
+def test_only_bf16_and_fp32_linears_with_their_own_weight_are_packed():
     torch.manual_seed(0)
     embed = torch.nn.Embedding(50, 32)
     head = torch.nn.Linear(32, 50, bias=False)
@@ -41,22 +56,25 @@ def test_only_bf16_linears_with_their_own_weight_are_packed():
             "head": head,
         }
     ).to(torch.bfloat16)
-    model["fp32"] = torch.nn.Linear(32, 32)  # float32 keeps F.linear (it must match the reference model)
-    assert pack_linear_weights(model) == 2
+    model["fp32"] = torch.nn.Linear(32, 32)
+    model["fp16"] = torch.nn.Linear(32, 32).to(torch.float16)  # only bf16 and fp32 are packed
+    assert pack_linear_weights(model) == 3
     assert [type(m) for m in model["mlp"]] == [PackedLinear, PackedLinear]
+    assert type(model["fp32"]) is PackedLinear
     assert type(model["head"]) is torch.nn.Linear
-    assert type(model["fp32"]) is torch.nn.Linear
+    assert type(model["fp16"]) is torch.nn.Linear
     assert model["head"].weight is model["embed"].weight
 
 
-def test_the_loader_packs_every_bf16_linear_and_no_fp32_one(tiny_model_dir, loaded_fp32):
+def test_the_loader_packs_every_linear_in_bf16_and_fp32(tiny_model_dir, loaded_fp32):
     bf16 = loader.load_model(str(tiny_model_dir), dtype="bfloat16", device="cpu").adapter.model
-    plain = [name for name, m in bf16.named_modules() if type(m) is torch.nn.Linear]
-    packed = [name for name, m in bf16.named_modules() if isinstance(m, PackedLinear)]
-    assert plain == []
-    assert "lm_head" in packed
-    assert any(".visual." in name for name in packed) and any(".language_model." in name for name in packed)
-    assert not any(isinstance(m, PackedLinear) for m in loaded_fp32.adapter.model.modules())
+    for model in (bf16, loaded_fp32.adapter.model):
+        plain = [name for name, m in model.named_modules() if type(m) is torch.nn.Linear]
+        packed = [name for name, m in model.named_modules() if isinstance(m, PackedLinear)]
+        assert plain == []
+        assert "lm_head" in packed
+        assert any(".visual." in name for name in packed)
+        assert any(".language_model." in name for name in packed)
 
 
 def engine_run(model_dir) -> dict[int, tuple[list[int], torch.Tensor]]:
