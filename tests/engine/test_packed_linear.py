@@ -2,6 +2,10 @@
 its rounding; only where the weight is the layer's own; and the engine's outputs unchanged by them (bf16
 here; fp32 greedy outputs are checked against `generate` by the parity tests, which run packed)."""
 
+import gc
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,7 +14,7 @@ from batchvl.config import EngineConfig
 from batchvl.engine.engine import Engine
 from batchvl.engine.request import EngineRequest, SamplingParams
 from batchvl.models import loader, packed_linear
-from batchvl.models.packed_linear import PackedLinear, pack_linear_weights
+from batchvl.models.packed_linear import PackedLinear, pack_linear_weights, release_checkpoint_mapping
 from batchvl.preprocess.prompts import PromptRenderer
 from batchvl.preprocess.qwen_vision import QwenVisionSpec, prepare_image
 from tests.conftest import random_image
@@ -75,6 +79,38 @@ def test_the_loader_packs_every_linear_in_bf16_and_fp32(tiny_model_dir, loaded_f
         assert "lm_head" in packed
         assert any(".visual." in name for name in packed)
         assert any(".language_model." in name for name in packed)
+
+
+def mapped(path) -> bool:
+    return any(line.rstrip().endswith(str(path)) for line in Path("/proc/self/maps").read_text().splitlines())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packing_lets_go_of_the_mapped_checkpoint_and_keeps_every_value(tmp_path, tiny_model_dir, dtype):
+    from transformers import AutoModelForImageTextToText
+
+    folder = shutil.copytree(tiny_model_dir, tmp_path / "model")  # a file no other test maps
+    if dtype == torch.bfloat16:  # a checkpoint stored in bf16, as real ones are: loaded without a copy
+        AutoModelForImageTextToText.from_pretrained(folder, dtype=dtype).save_pretrained(folder)
+    checkpoint = folder / "model.safetensors"
+    model = AutoModelForImageTextToText.from_pretrained(folder, dtype=dtype).eval()
+    assert mapped(checkpoint)  # weights in the checkpoint's own dtype are views of the file
+    embed = model.get_input_embeddings().weight.detach().clone()
+    norm = model.model.language_model.norm.weight.detach().clone()
+    assert pack_linear_weights(model) > 0
+    gc.collect()
+    assert not mapped(checkpoint)
+    assert torch.equal(model.get_input_embeddings().weight, embed)
+    assert torch.equal(model.model.language_model.norm.weight, norm)
+
+
+def test_releasing_the_mapping_keeps_tied_weights_tied():
+    embed = torch.nn.Embedding(50, 32)
+    head = torch.nn.Linear(32, 50, bias=False)
+    head.weight = embed.weight
+    model = torch.nn.ModuleDict({"embed": embed, "head": head, "mlp": torch.nn.Linear(32, 32)})
+    release_checkpoint_mapping(model)
+    assert model["head"].weight is model["embed"].weight
 
 
 def engine_run(model_dir) -> dict[int, tuple[list[int], torch.Tensor]]:
