@@ -89,9 +89,9 @@ def release_checkpoint_mapping(model: torch.nn.Module) -> None:
 
     Weights loaded in the checkpoint's own dtype are views of the safetensors file, mapped into memory,
     and the mapping lives while any tensor still points into it: with the linear weights packed, the
-    embeddings, norms and biases kept the whole file resident beside the packed copies (a 90M-parameter
-    fp32 model: 1.05 GB resident against 0.80 GB unpacked). Copied out, the mapping goes. Tied weights
-    stay tied: each parameter object is copied once, in place."""
+    embeddings, norms and biases kept the whole file resident beside the packed copies (the throughput
+    benchmark's fp32 batchvl run peaked at 1.72 GB without this copy, 1.44 GB with it). Copied out, the
+    mapping goes. Tied weights stay tied: each parameter object is copied once, in place."""
     for tensor in [*model.parameters(), *model.buffers()]:
         if not tensor.is_mkldnn:
             tensor.data = tensor.data.clone()
