@@ -6,12 +6,13 @@ The Python API (`batchvl.caption`, `batchvl.run`, `batchvl.load_model`, `batchvl
 
 import os
 
-# torch's oneDNN CPU kernels keep one compiled primitive per distinct matmul shape, 1024 by default; the
-# engine's packed steps have many shapes, so that cache alone grew resident memory by hundreds of MB over
-# a job. 64 keeps the recurring shapes (same speed in the input-pipeline benchmark) and bounds memory.
-# Read when torch first uses oneDNN, so it is set on `import batchvl`, before the API or a command runs
-# anything in torch; a user's value wins.
-os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
+# torch's oneDNN CPU kernels keep one compiled primitive per distinct matmul shape. The engine rounds the
+# row counts of its matmuls up to a bounded set (`batchvl.layers.row_buckets`), so a model's layers need a
+# few hundred primitives, built once each (3-13 ms apiece with AMX) and reused: the cache must hold them
+# all, or evicted kernels are rebuilt over and over (at 64 entries a job spent more time building kernels
+# than running them). Read when torch first uses oneDNN, so it is set on `import batchvl`, before the API
+# or a command runs anything in torch; a user's value wins.
+os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "2048")
 # OpenMP threads that finish their share of an op spin, waiting for the next one, by default. Beside another
 # CPU-bound process (a second job, a busy preprocessing worker) the spinning threads take the cores the
 # others need: the throughput benchmark measured a job 3.0x slower beside one busy process on 2 cores,

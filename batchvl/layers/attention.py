@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from batchvl.layers.cpu_features import has_amx
+
 PAGED_ATTENTION_NAME = "batchvl_paged"
 
 
@@ -188,8 +190,10 @@ def decode_attention(
     kv_heads = keys.shape[0]
     keys = keys.view(kv_heads, batch, -1, dim)  # (Hkv, B, L, D)
     values = values.view(kv_heads, batch, -1, dim)
-    if q.dtype == torch.float32:
-        # torch's fused CPU kernel is fastest in float32 (and is what the reference model runs).
+    if q.dtype == torch.float32 or has_amx():
+        # torch's fused CPU kernel is fastest in float32 (and is what the reference model runs), and in bf16
+        # where it runs on AMX tiles; the batched matmuls below would also build a oneDNN kernel for every
+        # new longest-key count, which changes from one decode step to the next.
         o = F.scaled_dot_product_attention(
             q[:, :, None],
             keys.transpose(0, 1),
@@ -199,7 +203,7 @@ def decode_attention(
             enable_gqa=True,
         )
         return o[:, :, 0]
-    # In bf16 torch's CPU kernel is about twice as slow as two batched matmuls with the query heads of
+    # In bf16 without AMX torch's CPU kernel is about twice as slow as two batched matmuls with the query heads of
     # each K/V head grouped (no K/V repeat), scores and softmax in float32.
     grouped = q.view(batch, kv_heads, heads // kv_heads, dim).transpose(0, 1)  # (Hkv, B, G, D)
     scores = torch.matmul(grouped, keys.transpose(-1, -2)).float()  # (Hkv, B, G, L)

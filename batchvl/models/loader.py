@@ -122,6 +122,7 @@ def load_model(
 
     from batchvl.layers.attention import PAGED_ATTENTION_NAME, register_paged_attention
     from batchvl.layers.vision_attention import VISION_ATTENTION_NAME, register_vision_attention
+    from batchvl.models.fused_activation import fuse_mlp_activations
     from batchvl.models.packed_linear import pack_linear_weights
     from batchvl.models.patch_embed import patch_convs_as_linear
 
@@ -137,6 +138,7 @@ def load_model(
     )
     model.to(torch_device).eval()
     patch_convs_as_linear(model)
+    fuse_mlp_activations(model)
     pack_linear_weights(model)
     register_paged_attention()
     register_vision_attention()

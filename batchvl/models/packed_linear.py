@@ -24,31 +24,73 @@ from __future__ import annotations
 
 import torch
 
+from batchvl.layers.row_buckets import bucket_rows
+
 PACKED_DTYPES = (torch.bfloat16, torch.float32)
 
 
 class PackedLinear(torch.nn.Module):
     """Drop-in for an `nn.Linear` whose weight is packed for oneDNN; inference only (the packed
-    kernel has no backward), as the engine runs the model."""
+    kernel has no backward), as the engine runs the model.
 
-    def __init__(self, linear: torch.nn.Linear):
+    `activation` is a oneDNN post-op applied to the output inside the call ("none", "swish", "gelu"),
+    with its `algorithm` ("none" or "tanh" for GELU). The layer computes `linear(x * input_scale) *
+    output_scale` (then the activation), with both scales folded into the packed weight and the bias
+    (`fused_activation` uses them)."""
+
+    def __init__(
+        self,
+        linear: torch.nn.Linear,
+        activation: str = "none",
+        algorithm: str = "",
+        output_scale: float = 1.0,
+        input_scale: float = 1.0,
+    ):
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
+        self.activation = activation
+        self.algorithm = algorithm
         with torch.no_grad():
-            packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
+            weight = linear.weight.detach()
+            bias = linear.bias
+            if output_scale * input_scale != 1.0:
+                weight = weight * (output_scale * input_scale)
+            if bias is not None and output_scale != 1.0:
+                bias = torch.nn.Parameter(bias.detach() * output_scale, requires_grad=False)
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         self.register_buffer("packed_weight", packed)
-        self.bias = linear.bias
+        self.bias = bias
 
     @property
     def dtype(self) -> torch.dtype:
         return self.packed_weight.dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        """Rows are padded up to their bucket (`row_buckets`): the engine pads its packed steps itself, so
+        the copy happens only for calls it does not shape (the output head's rows, other models' calls)."""
+        rows = x.numel() // self.in_features
+        padded = bucket_rows(rows)
+        flat = x.reshape(rows, self.in_features)
+        if padded != rows:
+            flat = torch.cat([flat, flat.new_zeros((padded - rows, self.in_features))])
+        out = torch.ops.mkldnn._linear_pointwise(
+            flat, self.packed_weight, self.bias, self.activation, [], self.algorithm
+        )
+        return out[:rows].view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, packed for oneDNN"
+        fused = "" if self.activation == "none" else f", then {self.activation}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed for oneDNN{fused}"
+
+
+def parameter_owners(model: torch.nn.Module) -> dict[int, int]:
+    """How many modules hold each parameter (by id): a weight held twice is tied to another module."""
+    owners: dict[int, int] = {}
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            owners[id(param)] = owners.get(id(param), 0) + 1
+    return owners
 
 
 def packable(linear: torch.nn.Module, owners: dict[int, int]) -> bool:
@@ -66,10 +108,7 @@ def pack_linear_weights(model: torch.nn.Module) -> int:
     returns how many were replaced (none where torch has no oneDNN)."""
     if not torch.backends.mkldnn.is_available():
         return 0
-    owners: dict[int, int] = {}
-    for module in model.modules():
-        for param in module.parameters(recurse=False):
-            owners[id(param)] = owners.get(id(param), 0) + 1
+    owners = parameter_owners(model)
     targets = [
         (parent, name)
         for parent in model.modules()

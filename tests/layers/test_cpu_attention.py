@@ -47,6 +47,9 @@ def test_query_blocks_do_not_change_the_result(monkeypatch):
     assert torch.equal(blocked, whole)
 
 
-def test_only_reduced_precision_on_cpu_takes_the_blocked_path():
+def test_only_bf16_on_a_cpu_without_amx_takes_the_blocked_path(monkeypatch):
+    monkeypatch.setattr(cpu_attention, "has_amx", lambda: False)
     assert cpu_attention.use_blocked_attention(torch.zeros(1, dtype=torch.bfloat16))
     assert not cpu_attention.use_blocked_attention(torch.zeros(1, dtype=torch.float32))
+    monkeypatch.setattr(cpu_attention, "has_amx", lambda: True)  # torch's fused kernel runs on the tiles
+    assert not cpu_attention.use_blocked_attention(torch.zeros(1, dtype=torch.bfloat16))

@@ -1,0 +1,46 @@
+"""Row counts rounded up to a bounded set of buckets, and the packed linear layers that use them."""
+
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from batchvl.layers.row_buckets import MAX_BUCKETS, bucket_rows
+from batchvl.models.packed_linear import PackedLinear
+
+
+def test_buckets_hold_their_rows_are_few_and_waste_at_most_an_eighth():
+    buckets = {rows: bucket_rows(rows) for rows in range(1, 8193)}
+    assert all(bucket >= rows for rows, bucket in buckets.items())
+    assert len(set(buckets.values())) == MAX_BUCKETS == 56
+    assert all(bucket % 16 == 0 for bucket in buckets.values())
+    assert all(bucket - rows < 16 for rows, bucket in buckets.items() if rows <= 128)
+    assert all(bucket <= rows * 1.125 for rows, bucket in buckets.items() if rows > 128)
+    assert [bucket_rows(r) for r in (1, 16, 17, 129, 257, 2996, 4097)] == [16, 16, 32, 144, 288, 3072, 4608]
+
+
+class KernelRows(TorchDispatchMode):
+    """Records the row count of every oneDNN linear call."""
+
+    def __init__(self):
+        super().__init__()
+        self.rows = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if "_linear_pointwise" in str(func):
+            self.rows.append(args[0].shape[0])
+        return func(*args, **(kwargs or {}))
+
+
+@torch.inference_mode()
+def test_packed_linear_runs_its_kernel_on_bucketed_rows_and_returns_just_the_real_ones():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 48).to(torch.bfloat16)
+    packed = PackedLinear(linear)
+    shapes = [(5, 64), (16, 64), (3, 100, 64), (300, 64)]
+    inputs = [torch.randn(shape, dtype=torch.bfloat16) for shape in shapes]
+    with KernelRows() as seen:
+        outputs = [packed(x) for x in inputs]
+    assert seen.rows == [16, 16, 320, 320]
+    for x, out in zip(inputs, outputs, strict=True):
+        assert out.shape == (*x.shape[:-1], 48)
+        assert torch.equal(out, F.linear(x, linear.weight, linear.bias))
