@@ -203,8 +203,8 @@ def decode_attention(
             enable_gqa=True,
         )
         return o[:, :, 0]
-    # In bf16 without AMX torch's CPU kernel is about twice as slow as two batched matmuls with the query heads of
-    # each K/V head grouped (no K/V repeat), scores and softmax in float32.
+    # In bf16 without AMX torch's CPU kernel is about twice as slow as two batched matmuls with the query
+    # heads of each K/V head grouped (no K/V repeat), scores and softmax in float32.
     grouped = q.view(batch, kv_heads, heads // kv_heads, dim).transpose(0, 1)  # (Hkv, B, G, D)
     scores = torch.matmul(grouped, keys.transpose(-1, -2)).float()  # (Hkv, B, G, L)
     scores.mul_(dim**-0.5 if scaling is None else scaling)
