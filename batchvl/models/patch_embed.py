@@ -11,18 +11,23 @@ model's `generate`.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 
 class PatchLinear(torch.nn.Module):
     """Drop-in for a Conv3d with kernel == stride and no padding, applied to inputs of exactly one kernel;
-    any other input goes through the original convolution."""
+    any other input goes through the original convolution. The matmul is an `nn.Linear` of its own (a view
+    of the filters), so that packing the model's linear layers packs it as well."""
 
     def __init__(self, conv: torch.nn.Conv3d):
         super().__init__()
         self.conv = conv
         self.kernel_size = tuple(conv.kernel_size)
         self.out_channels = conv.out_channels
+        weight = conv.weight.detach().view(self.out_channels, -1)
+        self.linear = torch.nn.Linear(weight.shape[1], self.out_channels, bias=False, device="meta")
+        self.linear.weight = torch.nn.Parameter(weight, requires_grad=False)
+        if conv.bias is not None:
+            self.linear.bias = torch.nn.Parameter(conv.bias.detach(), requires_grad=False)
 
     @property
     def weight(self) -> torch.Tensor:  # the model reads the embedding's dtype from it
@@ -35,8 +40,7 @@ class PatchLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if tuple(x.shape[2:]) != self.kernel_size:
             return self.conv(x)
-        weight = self.weight.view(self.out_channels, -1)
-        out = F.linear(x.reshape(x.shape[0], -1), weight, self.bias)
+        out = self.linear(x.reshape(x.shape[0], -1))
         return out.view(x.shape[0], self.out_channels, 1, 1, 1)
 
 

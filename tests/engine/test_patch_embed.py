@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from batchvl.models.loader import load_model
+from batchvl.models.packed_linear import PackedLinear
 from batchvl.models.patch_embed import PatchLinear, patch_convs_as_linear
 
 
@@ -37,6 +38,7 @@ def test_the_loader_uses_it_and_the_tower_embeds_as_with_the_convolution(
     )
     proj = loaded.adapter.model.model.visual.patch_embed.proj
     assert isinstance(proj, PatchLinear)
+    assert isinstance(proj.linear, PackedLinear)  # packed, as the model's other linear layers
     # The tower's embeddings stay those of the convolution, within the dtype's rounding.
     torch.manual_seed(0)
     grid = torch.tensor([[1, 4, 6]])
