@@ -23,6 +23,7 @@ from batchvl.layers.attention import (
     SequenceSlice,
     chunk_mask,
 )
+from batchvl.layers.row_buckets import bucket_rows
 from batchvl.preprocess.media import PreparedMedia
 
 
@@ -155,6 +156,12 @@ class ModelRunner:
                 )
             )
             query_start += chunk.num_tokens
+        # Padding rows up to the step's row bucket: the packed linear layers then take the step as it is
+        # (no copy per layer) and oneDNN reuses the kernels it built for that bucket. Padding tokens attend
+        # to nothing and write no KV; their rows are dropped with the rest of the hidden states.
+        padding = bucket_rows(query_start) - query_start
+        token_ids.extend([0] * padding)
+        positions.append(torch.zeros((positions[0].shape[0], padding), dtype=torch.long))
 
         media_mask, media_rows = self._media_rows(len(token_ids), chunks, sequences)
         device = self.adapter.device

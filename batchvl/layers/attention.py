@@ -158,10 +158,14 @@ def paged_attention(
         )
     layer = module.layer_idx
     cache = meta.kv_cache
-    cache.write(layer, meta.slot_mapping, key[0], value[0])  # (1, Hkv, T, D): already head-major
+    # (1, Hkv, T, D): already head-major. Rows past the slot mapping pad the step to its row bucket: they
+    # write no KV, no query reads them, and their output is zero.
+    real = len(meta.slot_mapping)
+    cache.write(layer, meta.slot_mapping, key[0, :, :real], value[0, :, :real])
 
     num_tokens = query.shape[2]
     out = query.new_empty((num_tokens, query.shape[1], query.shape[3]))
+    out[real:] = 0
     decode = meta.decode
     if decode is not None:
         q = query[0, :, decode.rows].transpose(0, 1)  # (B, H, D)

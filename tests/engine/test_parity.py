@@ -11,6 +11,8 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 import batchvl.models.qwen_vl as qwen_vl
 from batchvl.config import EngineConfig
 from batchvl.engine.request import SamplingParams
+from batchvl.layers.attention import KVCache
+from batchvl.layers.row_buckets import bucket_rows
 from batchvl.models.adapter import VLMAdapter
 from batchvl.preprocess.prompts import PromptRenderer
 from batchvl.preprocess.qwen_vision import QwenVisionSpec, prepare_image
@@ -87,6 +89,29 @@ def test_greedy_tokens_equal_generate(loaded_fp32, cases, limits):
         assert result.text == loaded_fp32.processor.tokenizer.decode(tokens, skip_special_tokens=True)
     if limits.kv_cache_mb < 1:
         assert engine.stats.preemptions > 0
+
+
+def test_steps_are_padded_to_their_row_bucket_and_the_padding_writes_no_kv(loaded_fp32, cases, monkeypatch):
+    rows, written = [], []
+    forward, write = VLMAdapter.forward, KVCache.write
+
+    def recording_forward(self, token_ids, *args, **kwargs):
+        rows.append(len(token_ids))
+        return forward(self, token_ids, *args, **kwargs)
+
+    def recording_write(self, layer, slots, key, value):
+        assert key.shape[1] == value.shape[1] == len(slots)
+        if layer == 0:
+            written.append(len(slots))
+        return write(self, layer, slots, key, value)
+
+    monkeypatch.setattr(VLMAdapter, "forward", recording_forward)
+    monkeypatch.setattr(KVCache, "write", recording_write)
+    _, observed = run_engine(loaded_fp32, cases[:4], EngineConfig(max_num_batched_tokens=37, max_num_seqs=3))
+    assert rows == [bucket_rows(n) for n in written]  # every step: its tokens, then padding up to the bucket
+    assert any(padded > real for padded, real in zip(rows, written, strict=True))
+    for case in cases[:4]:
+        assert_matches_reference(observed[case.tag], case)
 
 
 def one_d_positions(adapter, prompt_token_ids, media):
