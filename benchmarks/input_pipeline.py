@@ -6,9 +6,9 @@ the share of that time the engine waited for input, and peak RSS of the main pro
 process tree (main + preprocessing workers). Memory: the same job over N and 10N samples (same shard
 size). Starvation: a job where the engine is the bottleneck (the `small` model), workers 0 and 1.
 
-Resident memory warms up over the first thousand or two samples of any job (allocator pools and torch's
-shape-keyed kernel caches, which batchvl's CLI caps at 64 oneDNN primitives) and then stays flat, so N
-must be past that warm-up for the comparison to mean anything (default 1000).
+Resident memory warms up over the first thousand or two samples of any job (allocator pools and oneDNN's
+compiled kernels, one per layer shape and row bucket) and then stays flat, so N must be past that
+warm-up for the comparison to mean anything (default 1000).
 
     python benchmarks/input_pipeline.py --json input_pipeline.json [--samples 100]
 """

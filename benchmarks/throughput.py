@@ -476,6 +476,9 @@ def main() -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     report["cpu_capability"] = capability
+    from batchvl.layers.cpu_features import has_amx  # imported late: see PEER_ENV
+
+    report["cpu_amx"] = has_amx()  # the capability string says AVX512 on AMX CPUs too
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2))
