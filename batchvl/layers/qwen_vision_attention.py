@@ -3,11 +3,10 @@
 transformers' module rotates queries and keys one at a time: each is copied to float32, multiplied by the
 cosines, its halves swapped through a negation and a concatenation, multiplied by the sines, summed and
 rounded back. On a CPU with AMX, where the tower's matmuls take little time, these elementwise passes are
-a large share of encoding. Here queries and keys are rotated together, the half swap is one `roll` and
-the negation is folded into the sines (a sign flip is exact): the same float32 products and sums, so the
-same bits as transformers' `apply_rotary_pos_emb_vision`, in half the ops (3,000 rows of 8 heads in bf16,
-2 threads: 3.1 ms against 4.2 ms). Attention goes straight to `varlen_vision_attention`, the function the
-model's attention interface would call.
+a large share of encoding. Here queries and keys are rotated together by `rotary.apply_rotary`: the same
+float32 products and sums, so the same bits as transformers' `apply_rotary_pos_emb_vision`, in half the
+ops (3,000 rows of 8 heads in bf16, 2 threads: 3.1 ms against 4.2 ms). Attention goes straight to
+`varlen_vision_attention`, the function the model's attention interface would call.
 """
 
 from __future__ import annotations
@@ -15,23 +14,17 @@ from __future__ import annotations
 import torch
 
 from batchvl.layers import vision_attention
+from batchvl.layers.rotary import apply_rotary
 
 # transformers' vision attention classes whose forward this module reproduces (same weights, same maths)
 QWEN_VISION_ATTENTION_CLASSES = ("VisionAttention", "Qwen2_5_VLVisionAttention", "Qwen3VLVisionAttention")
 
 
 def rotate_queries_and_keys(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding of queries and keys (S, 2, heads, D) with per-row cos/sin (S, D) in float32:
-    `x * cos + rotate_half(x) * sin` computed in float32 and rounded to the input's dtype, as transformers
-    computes it. `rotate_half(x)` is `(-x2, x1)`: here `roll(x) = (x2, x1)` times the sines with their
-    first half negated."""
-    x = qk.float()
-    half = x.shape[-1] // 2
-    signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)[:, None, None, :]
-    out = x * cos[:, None, None, :]
-    swapped = torch.roll(x, half, dims=-1)
-    out.add_(swapped.mul_(signed_sin))
-    return out.to(qk.dtype)
+    """Rotary embedding of queries and keys (S, 2, heads, D) with per-row cos/sin (S, D) in float32,
+    computed in float32 and rounded to the input's dtype, as transformers' vision towers compute it."""
+    rows = (slice(None), None, None, slice(None))
+    return apply_rotary(qk.float(), cos[rows], sin[rows]).to(qk.dtype)
 
 
 class QwenVisionAttention(torch.nn.Module):

@@ -121,6 +121,7 @@ def load_model(
     from transformers import AutoModelForImageTextToText
 
     from batchvl.layers.attention import PAGED_ATTENTION_NAME, register_paged_attention
+    from batchvl.layers.fused_projections import fuse_projections
     from batchvl.layers.qwen_vision_attention import use_own_vision_attention
     from batchvl.layers.vision_attention import VISION_ATTENTION_NAME, register_vision_attention
     from batchvl.models.fused_activation import fuse_mlp_activations
@@ -140,6 +141,7 @@ def load_model(
     model.to(torch_device).eval()
     patch_convs_as_linear(model)
     fuse_mlp_activations(model)
+    fuse_projections(model)
     pack_linear_weights(model)
     if family.varlen_vision:
         use_own_vision_attention(model)

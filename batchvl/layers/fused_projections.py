@@ -1,0 +1,110 @@
+"""Projections that read the same input, fused into one linear layer: q/k/v, and an MLP's gate and up.
+
+A decoder layer multiplies its input by the query, key and value weights, and its MLP's input by the gate
+and up weights: five matmuls where two do, as vLLM's `QKVParallelLinear` and `MergedColumnParallelLinear`
+do it. Concatenated along the output dimension, each output column is the same dot product as before:
+in fp32 the fused layers give the bits of the separate ones; in bf16 oneDNN may block the wider matmul
+differently (measured: at most one bf16 rounding step apart, at some row counts). Fewer, wider calls
+matter most where the engine spends its steps, decoding a few dozen rows at a time.
+
+The attention module also rotates queries and keys in one call (`rotary.apply_rotary`, transformers'
+bits) and calls the engine's paged attention directly. Both modules are drop-ins for the stock ones,
+built before the weights are packed (`packed_linear` then packs the fused layers).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from batchvl.layers.attention import paged_attention
+from batchvl.layers.rotary import apply_rotary
+
+# Attention modules computing o_proj(attention(rope(q_proj(x)), rope(k_proj(x)), v_proj(x))) with the
+# cos/sin the decoder passes as `position_embeddings`, and MLPs computing down_proj(act_fn(gate_proj(x)) *
+# up_proj(x)), in transformers 5.23 (Qwen3-VL's text attention also normalizes q and k: not listed).
+FUSABLE_ATTENTION = ("Qwen2VLAttention", "Qwen2_5_VLAttention", "LlamaAttention")
+FUSABLE_MLPS = ("Qwen2MLP", "Qwen2_5_VLMLP", "Qwen3VLTextMLP", "LlamaMLP")
+
+
+def fused_linear(*linears: torch.nn.Linear) -> torch.nn.Linear:
+    """One linear layer whose outputs are those of `linears`, side by side."""
+    first = linears[0]
+    has_bias = first.bias is not None
+    fused = torch.nn.Linear(
+        first.in_features, sum(m.out_features for m in linears), bias=has_bias, device="meta"
+    )
+    with torch.no_grad():
+        fused.weight = torch.nn.Parameter(torch.cat([m.weight for m in linears]), requires_grad=False)
+        if has_bias:
+            fused.bias = torch.nn.Parameter(torch.cat([m.bias for m in linears]), requires_grad=False)
+    return fused
+
+
+class GatedMLP(torch.nn.Module):
+    """`down_proj(act_fn(gate) * up)`, with gate and up from one fused layer."""
+
+    def __init__(self, stock: torch.nn.Module):
+        super().__init__()
+        self.intermediate_size = stock.gate_proj.out_features
+        self.gate_up_proj = fused_linear(stock.gate_proj, stock.up_proj)
+        self.act_fn = stock.act_fn
+        self.down_proj = stock.down_proj
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(self.act_fn(gate) * up)
+
+
+class FusedQKVAttention(torch.nn.Module):
+    """A decoder layer's self-attention over the engine's paged KV cache, with q/k/v from one fused layer.
+    Takes the packed step as batch 1, (1, T, hidden), as the engine runs the decoder."""
+
+    def __init__(self, stock: torch.nn.Module):
+        super().__init__()
+        config = stock.config
+        self.layer_idx = stock.layer_idx
+        self.head_dim = stock.head_dim
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.scaling = stock.scaling
+        self.qkv_proj = fused_linear(stock.q_proj, stock.k_proj, stock.v_proj)
+        self.o_proj = stock.o_proj
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        batchvl_attention=None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, None]:
+        rows = hidden_states.shape[1]
+        heads, kv_heads = self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(hidden_states).view(rows, heads + 2 * kv_heads, self.head_dim)
+        cos, sin = (t[0, :, None, :] for t in position_embeddings)  # (1, T, D) -> (T, 1, D)
+        rotated = apply_rotary(qkv[:, : heads + kv_heads], cos, sin)
+        # (T, heads, D) -> (1, heads, T, D): the layout the attention function takes
+        query = rotated[:, :heads].transpose(0, 1)[None]
+        key = rotated[:, heads:].transpose(0, 1)[None]
+        value = qkv[:, heads + kv_heads :].transpose(0, 1)[None]
+        out, _ = paged_attention(
+            self, query, key, value, None, scaling=self.scaling, batchvl_attention=batchvl_attention
+        )
+        return self.o_proj(out.reshape(1, rows, -1)), None
+
+
+def fuse_projections(model: torch.nn.Module) -> int:
+    """Replace the model's fusable attention modules and MLPs (weights on the CPU, before packing) with
+    their fused versions; returns how many modules were replaced."""
+    replacements = {
+        **dict.fromkeys(FUSABLE_ATTENTION, FusedQKVAttention),
+        **dict.fromkeys(FUSABLE_MLPS, GatedMLP),
+    }
+    targets = [
+        (parent, name, replacements[type(child).__name__])
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if type(child).__name__ in replacements
+    ]
+    for parent, name, fused in targets:
+        setattr(parent, name, fused(getattr(parent, name)))
+    return len(targets)
