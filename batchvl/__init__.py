@@ -13,12 +13,16 @@ import os
 # than running them). Read when torch first uses oneDNN, so it is set on `import batchvl`, before the API
 # or a command runs anything in torch; a user's value wins.
 os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "2048")
-# OpenMP threads that finish their share of an op spin, waiting for the next one, by default. Beside another
-# CPU-bound process (a second job, a busy preprocessing worker) the spinning threads take the cores the
-# others need: the throughput benchmark measured a job 3.0x slower beside one busy process on 2 cores,
-# against 1.5x with passive waiting, at the same speed on a quiet machine. Read when the OpenMP runtime
-# loads (with torch), so it is set here, before anything imports torch; a user's value wins.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# OpenMP threads that finish their share of an op wait for the next one: libgomp's default spins for about
+# 3 ms first, so beside another CPU-bound process (a second job, a busy preprocessing worker) the spinning
+# threads take the cores the others need (the throughput workload on 2 cores ran 9x slower beside one busy
+# process). Never spinning (a passive policy) holds under contention but wakes a sleeping thread for every
+# op, which cost 25% on a quiet CPU with AMX, where the ops are short. A spin of 5,000 rounds (about 50 us
+# by libgomp's own estimate) got both: the best quiet time, and 1.9x slower beside a busy process on 2
+# cores, the share of the CPU it lost. Read when the OpenMP runtime loads (with torch), so it is set here,
+# before anything imports torch; a user's own OMP_WAIT_POLICY or GOMP_SPINCOUNT wins.
+if "OMP_WAIT_POLICY" not in os.environ:
+    os.environ.setdefault("GOMP_SPINCOUNT", "5000")
 
 __version__ = "0.1.0"
 

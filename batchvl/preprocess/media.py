@@ -1,11 +1,13 @@
-"""What preprocessing hands to the engine: plain arrays plus a content hash, no tensors, no PIL."""
+"""What preprocessing hands to the engine: plain arrays plus a content hash, no PIL."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 import xxhash
 
 
@@ -31,6 +33,17 @@ class PreparedMedia:
     @property
     def num_patches(self) -> int:
         return math.prod(self.grid_thw)
+
+    def __reduce__(self):
+        """Pickled (to go from a preprocessing worker to the job process), the pixels travel as a torch
+        tensor: torch's multiprocessing pickler moves it to shared memory and the receiver maps those pages,
+        where a numpy array would be copied into the pipe and out of it again."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "pixel_values"}
+        return (_media_from_tensor, (torch.from_numpy(np.ascontiguousarray(self.pixel_values)), fields))
+
+
+def _media_from_tensor(pixels: torch.Tensor, fields: dict) -> PreparedMedia:
+    return PreparedMedia(pixel_values=pixels.numpy(), **fields)
 
 
 def content_hash(pixel_values: np.ndarray, grid_thw: tuple[int, int, int], kind: str = "image") -> str:

@@ -67,3 +67,10 @@ class HeapTrimmer:
             libc = load_libc()
             if libc is not None and hasattr(libc, "malloc_trim"):
                 libc.malloc_trim(0)
+
+
+def release_free_heap() -> None:
+    """Hand the heap's free pages back to the operating system now (glibc only)."""
+    libc = load_libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
