@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from batchvl.layers.attention import paged_attention
+from batchvl.layers.module_swap import replace_children
 from batchvl.layers.rotary import apply_rotary
 
 # Attention modules computing o_proj(attention(rope(q_proj(x)), rope(k_proj(x)), v_proj(x))) with the
@@ -99,12 +100,8 @@ def fuse_projections(model: torch.nn.Module) -> int:
         **dict.fromkeys(FUSABLE_ATTENTION, FusedQKVAttention),
         **dict.fromkeys(FUSABLE_MLPS, GatedMLP),
     }
-    targets = [
-        (parent, name, replacements[type(child).__name__])
-        for parent in model.modules()
-        for name, child in parent.named_children()
-        if type(child).__name__ in replacements
-    ]
-    for parent, name, fused in targets:
-        setattr(parent, name, fused(getattr(parent, name)))
-    return len(targets)
+    return replace_children(
+        model,
+        lambda child: type(child).__name__ in replacements,
+        lambda stock: replacements[type(stock).__name__](stock),
+    )

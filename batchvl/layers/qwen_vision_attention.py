@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from batchvl.layers import vision_attention
+from batchvl.layers.module_swap import replace_children
 from batchvl.layers.rotary import apply_rotary
 
 # transformers' vision attention classes whose forward this module reproduces (same weights, same maths)
@@ -57,12 +58,8 @@ class QwenVisionAttention(torch.nn.Module):
 
 def use_own_vision_attention(model: torch.nn.Module) -> int:
     """Replace the model's Qwen-VL vision attention modules with `QwenVisionAttention`; returns how many."""
-    targets = [
-        (parent, name)
-        for parent in model.modules()
-        for name, child in parent.named_children()
-        if type(child).__name__ in QWEN_VISION_ATTENTION_CLASSES and hasattr(child, "qkv")
-    ]
-    for parent, name in targets:
-        setattr(parent, name, QwenVisionAttention(getattr(parent, name)))
-    return len(targets)
+    return replace_children(
+        model,
+        lambda child: type(child).__name__ in QWEN_VISION_ATTENTION_CLASSES and hasattr(child, "qkv"),
+        QwenVisionAttention,
+    )

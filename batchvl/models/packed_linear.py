@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from batchvl.layers.module_swap import replace_children
 from batchvl.layers.row_buckets import bucket_rows
 
 PACKED_DTYPES = (torch.bfloat16, torch.float32)
@@ -109,17 +110,10 @@ def pack_linear_weights(model: torch.nn.Module) -> int:
     if not torch.backends.mkldnn.is_available():
         return 0
     owners = parameter_owners(model)
-    targets = [
-        (parent, name)
-        for parent in model.modules()
-        for name, child in parent.named_children()
-        if packable(child, owners)
-    ]
-    for parent, name in targets:
-        setattr(parent, name, PackedLinear(getattr(parent, name)))
-    if targets:
+    packed = replace_children(model, lambda child: packable(child, owners), PackedLinear)
+    if packed:
         release_checkpoint_mapping(model)
-    return len(targets)
+    return packed
 
 
 @torch.no_grad()

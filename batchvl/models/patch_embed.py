@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from batchvl.layers.module_swap import replace_children
+
 
 class PatchLinear(torch.nn.Module):
     """Drop-in for a Conv3d with kernel == stride and no padding, applied to inputs of exactly one kernel;
@@ -56,12 +58,4 @@ def is_patch_conv(module: torch.nn.Module) -> bool:
 
 def patch_convs_as_linear(model: torch.nn.Module) -> int:
     """Replace the model's patch convolutions with `PatchLinear`; returns how many were replaced."""
-    targets = [
-        (parent, name)
-        for parent in model.modules()
-        for name, child in parent.named_children()
-        if is_patch_conv(child)
-    ]
-    for parent, name in targets:
-        setattr(parent, name, PatchLinear(getattr(parent, name)))
-    return len(targets)
+    return replace_children(model, is_patch_conv, PatchLinear)
