@@ -63,8 +63,23 @@ def test_a_mixed_step_picks_what_each_row_would_pick_alone():
     assert tokens[4] == sample_token(logits[4], other, make_generator(other.seed))
 
 
+def test_greedy_rows_pick_what_argmax_picks_at_vocabulary_size():
+    torch.manual_seed(0)
+    logits = torch.randn(96, 32768)
+    logits[3, 100] = logits[3, 30000] = 99.0  # ties across the row: the first index
+    logits[4, 20000] = logits[4, 30000] = logits[4, 5] = 99.0
+    logits[5] = float("-inf")  # nothing allowed: index 0, as argmax
+    logits[6, 7] = logits[6, 9] = float("nan")  # the first NaN, as argmax
+    logits[7] = 1.0
+    logits[8, 32767] = 1e9
+    greedy = SamplingParams()
+    tokens = sample_tokens(logits, [greedy] * 96, [None] * 96)
+    assert tokens == torch.argmax(logits, dim=-1).tolist()
+    assert tokens[3:9] == [100, 5, 0, 7, 0, 32767]
+
+
 def test_an_all_sampled_step_needs_no_argmax(monkeypatch):
-    monkeypatch.setattr(torch, "argmax", lambda *a, **k: (_ for _ in ()).throw(AssertionError("argmax")))
+    monkeypatch.setattr(torch, "max", lambda *a, **k: (_ for _ in ()).throw(AssertionError("max")))
     sampled = SamplingParams(temperature=1.0, seed=1)
     tokens = sample_tokens(torch.randn(2, 10), [sampled, sampled], [make_generator(1), make_generator(2)])
     assert len(tokens) == 2 and all(0 <= t < 10 for t in tokens)
