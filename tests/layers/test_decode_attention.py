@@ -6,11 +6,14 @@ import torch
 import torch.nn.functional as F
 
 from batchvl.layers.attention import (
+    MAX_DECODE_GROUPS,
     DecodeBatch,
     KVCache,
     PagedAttentionMetadata,
     SequenceSlice,
     decode_attention,
+    length_groups,
+    paged_attention,
     split_decodes,
 )
 
@@ -47,7 +50,8 @@ def test_decode_batch_equals_one_call_per_sequence(dtype):
     sequences = [
         SequenceSlice(i, 1, torch.randperm(slots)[:length], None) for i, length in enumerate(lengths)
     ]
-    rest, decode = split_decodes(sequences, cache, "cpu")
+    rest, decodes = split_decodes(sequences, cache, "cpu")
+    (decode,) = decodes  # too few padded keys to split: one batch
     assert rest == [] and isinstance(decode, DecodeBatch) and decode.mask.shape == (4, 120)
     assert decode.key_rows.numel() == 2 * 2 * 4 * 120  # K and V of 2 heads, 4 sequences padded to 120 keys
     q = torch.randn(len(lengths), heads, 16, dtype=dtype)
@@ -66,7 +70,7 @@ def test_prefill_chunks_and_a_lone_decode_stay_one_by_one():
     lone = SequenceSlice(4, 1, torch.arange(3), None)
     full = SequenceSlice(5, 6, torch.arange(6), None)
     meta = PagedAttentionMetadata.build(cache, torch.arange(11), [chunk, lone, full], "cpu")
-    assert meta.sequences == [chunk, lone, full] and meta.decode is None
+    assert meta.sequences == [chunk, lone, full] and meta.decodes == []
     # the sequences that read the cache know their rows; a chunk from position 0 reads its own inputs
     assert torch.equal(chunk.key_rows, cache.gather_rows(torch.arange(10)))
     assert lone.key_rows is not None and full.key_rows is None
@@ -88,6 +92,49 @@ def test_unwritten_cache_slots_never_reach_a_decode(dtype):
     ]
     for seq in sequences:  # the slots the requests wrote
         cache.write(1, seq.key_slots, *torch.randn(2, 2, len(seq.key_slots), 8, dtype=dtype))
-    _, decode = split_decodes(sequences, cache, "cpu")
+    _, (decode,) = split_decodes(sequences, cache, "cpu")
     out = decode_attention(torch.randn(2, 4, 8, dtype=dtype), *cache.gather(1, decode.key_rows), decode, None)
     assert torch.isfinite(out).all()
+
+
+def test_decodes_of_one_length_stay_one_group():
+    assert length_groups([300] * 50) == [list(range(50))]
+
+
+def test_two_clusters_of_lengths_split_between_them():
+    lengths = [40 + i % 5 for i in range(20)] + [800 + i % 7 for i in range(20)]
+    groups = length_groups(lengths)
+    assert groups == [list(range(20, 40)), list(range(20))]  # the longest first, each in step order
+
+
+def test_groups_cover_every_decode_once_and_stay_few():
+    lengths = torch.randint(10, 2000, (200,), generator=torch.Generator().manual_seed(0)).tolist()
+    groups = length_groups(lengths)
+    assert sorted(i for g in groups for i in g) == list(range(200))
+    assert 1 < len(groups) <= MAX_DECODE_GROUPS
+    padded = sum(len(g) * max(lengths[i] for i in g) for g in groups)
+    assert padded < 0.75 * len(lengths) * max(lengths)  # a single batch would pad everything to the longest
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decodes_split_by_length_equal_one_call_per_sequence(dtype):
+    torch.manual_seed(0)
+    heads, slots, layer = 8, 3000, 0
+    cache = filled_cache(dtype, slots)
+    lengths = [900, 30, 850, 12, 40, 880]
+    sequences = [
+        SequenceSlice(i, 1, torch.randperm(slots)[:length], None) for i, length in enumerate(lengths)
+    ]
+    meta = PagedAttentionMetadata.build(cache, torch.arange(len(lengths)), sequences, "cpu")
+    assert meta.sequences == [] and [d.mask.shape for d in meta.decodes] == [(3, 900), (3, 40)]
+    q = torch.randn(1, heads, len(lengths), 16, dtype=dtype)
+    kv = torch.randn(2, 1, 2, len(lengths), 16, dtype=dtype)
+    module = torch.nn.Module()
+    module.layer_idx = layer
+    out, _ = paged_attention(module, q, kv[0], kv[1], None, batchvl_attention=meta)
+    keys, values = cache.layers[layer].float()
+    for i, seq in enumerate(sequences):
+        k, v = keys[:, seq.key_slots][None], values[:, seq.key_slots][None]
+        alone = F.scaled_dot_product_attention(q[:, :, i : i + 1].float(), k, v, enable_gqa=True)[0, :, 0]
+        tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(out[0, i].float(), alone, atol=tolerance, rtol=tolerance)

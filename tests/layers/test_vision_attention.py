@@ -7,6 +7,7 @@ from transformers import AutoModelForImageTextToText
 from batchvl.engine.model_runner import encode_batches
 from batchvl.layers import vision_attention
 from batchvl.layers.qwen_vision_attention import QwenVisionAttention, rotate_queries_and_keys
+from batchvl.layers.row_buckets import bucket_rows
 from batchvl.preprocess.media import PreparedMedia
 from batchvl.preprocess.qwen_vision import QwenVisionSpec, prepare_image, prepare_video
 from batchvl.preprocess.video import FrameSampling, decode_video
@@ -53,8 +54,11 @@ def test_one_call_per_layer_equals_each_image_alone(loaded_fp32, stock, media, m
         "video", torch.from_numpy(clip.pixel_values), torch.tensor([clip.grid_thw])
     )
     depth = loaded_fp32.adapter.model.config.vision_config.depth
-    # one call per layer for all 7 images; then one per layer for the video's 2 frame groups
-    assert calls == [len(images)] * depth + [clip.grid_thw[0]] * depth
+    # one call per layer for all 7 images and the blank one padding their rows to a bucket; then one per
+    # layer for the video's 2 frame groups, whose rows are a bucket already
+    assert bucket_rows(len(pixel_values)) > len(pixel_values)
+    assert bucket_rows(len(clip.pixel_values)) == len(clip.pixel_values)
+    assert calls == [len(images) + 1] * depth + [clip.grid_thw[0]] * depth
     for img, emb in zip(images, together, strict=True):
         torch.testing.assert_close(emb, stock_features(stock, img), rtol=0, atol=1e-5)
     torch.testing.assert_close(video[0], stock_features(stock, clip), rtol=0, atol=1e-5)
