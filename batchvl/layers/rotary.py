@@ -1,10 +1,14 @@
-"""Rotary position embedding in the fewest eager ops that give transformers' bits.
+"""Rotary position embedding in the fewest eager passes that give transformers' bits.
 
 transformers computes `x * cos + rotate_half(x) * sin`, where `rotate_half(x)` is `(-x2, x1)` (the two
 halves of the head swapped, the first negated): a negation and a concatenation per tensor, then two
-products and a sum. `roll(x, half)` is `(x2, x1)`, and a sign flip is exact, so `roll(x) * (-s1, s2)`
-has the bits of `rotate_half(x) * sin`; the products and the sum are the same operations in the same
-dtype. Queries and keys of one layer are rotated in one call.
+products and a sum. Written per half, that is `x1 * cos1 - x2 * sin1` and `x2 * cos2 + x1 * sin2`: a sign
+flip is exact and `a + (-b)` is `a - b`, so these are the same operations in the same dtype, bit for
+bit, without building the rotated copy (`roll` is a full concatenation). Measured with 2 threads on a
+CPU with AMX against `roll` and a sign-flipped sine: 5-22% faster on the vision tower's 3,000 rows and
+on 2,000-row prefill steps, 20-80 us slower on a 96-row decode step (one more, smaller op); the decoder's
+rotary over the throughput benchmark's jobs took 0.135-0.146 s against 0.155-0.172 s. Queries and keys
+of one layer are rotated in one call.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import torch
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """`x * cos + rotate_half(x) * sin` in x's dtype, with cos/sin broadcastable to x (head dim last)."""
     half = x.shape[-1] // 2
-    signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
     out = x * cos
-    return out.add_(torch.roll(x, half, dims=-1).mul_(signed_sin))
+    out[..., :half].sub_(x[..., half:] * sin[..., :half])
+    out[..., half:].add_(x[..., :half] * sin[..., half:])
+    return out
