@@ -111,17 +111,31 @@ def test_mixed_lengths_attend_within_each_sequence_in_one_call_per_run(monkeypat
         torch.testing.assert_close(out[:, start:end], alone.transpose(1, 2), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_queries_and_keys_rotated_together_give_the_bits_of_transformers_rotation(dtype):
+def test_queries_and_keys_rotated_together_give_the_bits_of_transformers_rotation_in_float32():
     from transformers.models.qwen2_vl.modeling_qwen2_vl import apply_rotary_pos_emb_vision
 
     torch.manual_seed(0)
-    qkv = torch.randn(50, 3, 4, 16).to(dtype)  # (rows, q/k/v, heads, head dim), as the qkv layer's view
+    qkv = torch.randn(50, 3, 4, 16)  # (rows, q/k/v, heads, head dim), as the qkv layer's view
     cos, sin = torch.randn(50, 16), torch.randn(50, 16)
     rotated = rotate_queries_and_keys(qkv[:, :2], cos, sin)
     query, key = apply_rotary_pos_emb_vision(qkv[:, 0], qkv[:, 1], cos, sin)
-    assert rotated.dtype == dtype
+    assert rotated.dtype == torch.float32
     assert torch.equal(rotated[:, 0], query) and torch.equal(rotated[:, 1], key)
+
+
+def test_bf16_queries_and_keys_rotate_within_bf16_rounding_of_transformers():
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import apply_rotary_pos_emb_vision
+
+    torch.manual_seed(0)
+    qkv = torch.randn(500, 3, 4, 16).to(torch.bfloat16)
+    angles = torch.rand(500, 16) * 6.3
+    cos, sin = angles.cos(), angles.sin()
+    rotated = rotate_queries_and_keys(qkv[:, :2], cos, sin)
+    query, key = apply_rotary_pos_emb_vision(qkv[:, 0], qkv[:, 1], cos, sin)  # float32 inside
+    assert rotated.dtype == torch.bfloat16
+    for mine, stock in ((rotated[:, 0], query), (rotated[:, 1], key)):
+        error = float((mine.double() - stock.double()).norm() / stock.double().norm())
+        assert 0 < error < 2**-7  # a few bf16 roundings (2^-9 each) apart, not a wrong rotation
 
 
 def test_the_loaded_qwen_tower_runs_its_own_attention_module(loaded_fp32):
