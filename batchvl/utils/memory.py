@@ -64,9 +64,7 @@ class HeapTrimmer:
         now = time.monotonic()
         if now - self._last >= self.interval_s:
             self._last = now
-            libc = load_libc()
-            if libc is not None and hasattr(libc, "malloc_trim"):
-                libc.malloc_trim(0)
+            release_free_heap()
 
 
 def release_free_heap() -> None:
