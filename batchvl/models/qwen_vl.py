@@ -32,10 +32,10 @@ def padded_to_bucket(
     """
     rows, width = pixel_values.shape
     padding = bucket_rows(rows) - rows
+    if not padding:
+        return pixel_values.to(device, dtype), grid_thw  # no copy where they already are what the tower takes
     pixels = torch.empty((rows + padding, width), dtype=dtype, device=device)
     pixels[:rows] = pixel_values
-    if not padding:
-        return pixels, grid_thw
     pixels[rows:] = 0
     blank = torch.tensor([[1, merge_size, padding // merge_size]], dtype=grid_thw.dtype)
     return pixels, torch.cat([grid_thw, blank])
@@ -99,10 +99,8 @@ class Qwen3VLAdapter(Qwen2VLAdapter):
     def encode(self, kind: str, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]:
         out = self._vision_features(kind, pixel_values, grid_thw)
         # deepstack_features: per deepstack layer, a tuple of per-item tensors
-        return [
-            torch.cat(per_item, dim=-1)
-            for per_item in zip(out.pooler_output, *out.deepstack_features, strict=True)
-        ][: len(grid_thw)]
+        per_item = list(zip(out.pooler_output, *out.deepstack_features, strict=True))
+        return [torch.cat(items, dim=-1) for items in per_item[: len(grid_thw)]]  # not the blank image
 
     def media_kwargs(self, media_mask: torch.Tensor, media_rows: torch.Tensor | None) -> dict:
         if media_rows is None:
