@@ -5,6 +5,10 @@ q/k/v and applies RoPE, then calls `paged_attention` per layer; it writes this s
 cache slots and attends each request's queries to that request's cached keys, so requests never see each
 other. Batch metadata arrives as the `batchvl_attention` keyword argument, passed untouched by
 transformers from the decoder call down to this function.
+
+A step's decodes (one query each) are attended by the native kernel straight from the cache where it
+builds (`native_kernels`); elsewhere they are gathered into a few padded batches for torch's attention.
+Prefill chunks always take torch's attention.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from batchvl.layers.cpu_features import has_amx
+from batchvl.layers.native_kernels import HEAD_DIMS, paged_decode_kernel
 
 PAGED_ATTENTION_NAME = "batchvl_paged"
 
@@ -29,6 +34,9 @@ class KVCache:
     """
 
     layers: list[torch.Tensor]
+    # Whether a step's decodes are attended by the native kernel, straight from the cache. Decided when the
+    # cache is allocated, so that the kernel is built (once per machine, about 20 s) before the first step.
+    decodes_in_place: bool = False
 
     @classmethod
     def allocate(cls, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int, dtype, device):
@@ -40,7 +48,7 @@ class KVCache:
         layers = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         for layer in layers:
             layer[:, :, 0].zero_()
-        return cls(layers)
+        return cls(layers, reads_cache_in_place(layers[0]))
 
     def write(self, layer: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         """Store a step's K and V, each (num_kv_heads, T, head_dim), at `slots` (T,)."""
@@ -72,6 +80,11 @@ class SequenceSlice:
     key_slots: torch.Tensor  # cache slots of all its tokens so far (context + this chunk), in position order
     mask: torch.Tensor | None  # (num_queries, num_keys) bool, True = attend; None = causal from 0 or decode
     key_rows: torch.Tensor | None = None  # KVCache.gather_rows(key_slots), when it reads from the cache
+
+    @property
+    def is_decode(self) -> bool:
+        """One query attending to every key so far."""
+        return self.num_queries == 1 and self.mask is None
 
     @property
     def is_full_causal(self) -> bool:
@@ -110,33 +123,72 @@ class DecodeBatch:
 
 
 @dataclass
+class InPlaceDecodes:
+    """Every single-query sequence of a step, attended by the native kernel where the cache holds its keys
+    (`native_kernels`): no gather, no padding to a common length, one call per layer."""
+
+    rows: torch.Tensor  # (B,) packed row of each query
+    slots: torch.Tensor  # (B, L) cache slots of each sequence's keys, in order; past its length: unread
+    lengths: torch.Tensor  # (B,)
+
+    @classmethod
+    def build(cls, sequences: list[SequenceSlice]) -> InPlaceDecodes:
+        slots = torch.nn.utils.rnn.pad_sequence([seq.key_slots for seq in sequences], batch_first=True)
+        lengths = torch.tensor([len(seq.key_slots) for seq in sequences])
+        return cls(torch.tensor([seq.query_start for seq in sequences]), slots, lengths)
+
+    def attend(self, out: torch.Tensor, query: torch.Tensor, kv: torch.Tensor, scaling: float) -> None:
+        """Write into `out` (T, H, D), at each decode's row, its attention over its cached keys; `query` is
+        (H, T, D), `kv` one layer of the cache."""
+        if query.stride(-1) != 1:
+            query = query.contiguous()
+        paged_decode_kernel()(out, query, kv, self.rows, self.slots, self.lengths, scaling)
+
+
+@dataclass
 class PagedAttentionMetadata:
     kv_cache: KVCache
     slot_mapping: torch.Tensor  # (T,) cache slot of each packed token
     sequences: list[SequenceSlice]  # attended one by one (prefill chunks)
     decodes: list[DecodeBatch] = field(default_factory=list)  # the single-query sequences, by length
+    in_place_decodes: InPlaceDecodes | None = None  # or all of them, where the native kernel runs
 
     @classmethod
     def build(
         cls, kv_cache: KVCache, slot_mapping: torch.Tensor, sequences: list[SequenceSlice], device
     ) -> PagedAttentionMetadata:
         """Split off the decodes and compute, once for all layers, the cache rows each sequence reads."""
-        one_by_one, decodes = split_decodes(sequences, kv_cache, device)
-        for seq in one_by_one:
+        single = [seq for seq in sequences if seq.is_decode]
+        if single and kv_cache.decodes_in_place:
+            others = [seq for seq in sequences if not seq.is_decode]
+            meta = cls(kv_cache, slot_mapping, others, in_place_decodes=InPlaceDecodes.build(single))
+        else:
+            meta = cls(kv_cache, slot_mapping, *split_decodes(sequences, kv_cache, device))
+        for seq in meta.sequences:
             if not seq.is_full_causal:
                 seq.key_rows = kv_cache.gather_rows(seq.key_slots)
-        return cls(kv_cache, slot_mapping, one_by_one, decodes)
+        return meta
+
+
+def reads_cache_in_place(layer: torch.Tensor) -> bool:
+    """Whether decodes can go to the native kernel: a CPU cache (a layer of it) in float32 or bf16 with a
+    head size the kernel is compiled for, on a machine where the kernel builds."""
+    return (
+        layer.device.type == "cpu"
+        and layer.dtype in (torch.float32, torch.bfloat16)
+        and layer.shape[-1] in HEAD_DIMS
+        and paged_decode_kernel() is not None
+    )
 
 
 def split_decodes(
     sequences: list[SequenceSlice], kv_cache: KVCache, device
 ) -> tuple[list[SequenceSlice], list[DecodeBatch]]:
-    """Sequences with one query and no mask (they attend to all their keys) go into DecodeBatches, one per
-    group of similar lengths."""
-    single = [seq for seq in sequences if seq.num_queries == 1 and seq.mask is None]
+    """Decodes go into DecodeBatches, one per group of similar lengths (the torch path)."""
+    single = [seq for seq in sequences if seq.is_decode]
     if len(single) < 2:
         return sequences, []
-    others = [seq for seq in sequences if not (seq.num_queries == 1 and seq.mask is None)]
+    others = [seq for seq in sequences if not seq.is_decode]
     groups = length_groups([len(seq.key_slots) for seq in single])
     return others, [DecodeBatch.build([single[i] for i in group], kv_cache, device) for group in groups]
 
@@ -199,6 +251,9 @@ def paged_attention(
     num_tokens = query.shape[2]
     out = query.new_empty((num_tokens, query.shape[1], query.shape[3]))
     out[real:] = 0
+    if meta.in_place_decodes is not None:
+        scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+        meta.in_place_decodes.attend(out, query[0], cache.layers[layer], scale)
     for decode in meta.decodes:
         q = query[0, :, decode.rows].transpose(0, 1)  # (B, H, D)
         out[decode.rows] = decode_attention(q, *cache.gather(layer, decode.key_rows), decode, scaling)

@@ -8,10 +8,12 @@ import pytest
 import torch
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
+import batchvl.layers.attention as attention
 import batchvl.models.qwen_vl as qwen_vl
 from batchvl.config import EngineConfig
 from batchvl.engine.request import SamplingParams
-from batchvl.layers.attention import KVCache
+from batchvl.layers.attention import InPlaceDecodes, KVCache
+from batchvl.layers.native_kernels import paged_decode_kernel
 from batchvl.layers.row_buckets import bucket_rows
 from batchvl.models.adapter import VLMAdapter
 from batchvl.preprocess.prompts import PromptRenderer
@@ -89,6 +91,31 @@ def test_greedy_tokens_equal_generate(loaded_fp32, cases, limits):
         assert result.text == loaded_fp32.processor.tokenizer.decode(tokens, skip_special_tokens=True)
     if limits.kv_cache_mb < 1:
         assert engine.stats.preemptions > 0
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native-kernel", "torch-ops"])
+def test_both_decode_attention_paths_equal_generate(loaded_fp32, cases, monkeypatch, native):
+    """Decodes are attended by the native kernel where it builds (as in every test above), by torch ops
+    elsewhere; both give generate's tokens."""
+    if native and paged_decode_kernel() is None:
+        pytest.skip("the native decode attention did not build (needs a C++ compiler and ninja)")
+    if not native:
+        monkeypatch.setattr(attention, "reads_cache_in_place", lambda layer: False)
+    batch_sizes = []
+    attend = InPlaceDecodes.attend
+
+    def counting_attend(self, *args):
+        batch_sizes.append(len(self.rows))
+        return attend(self, *args)
+
+    monkeypatch.setattr(InPlaceDecodes, "attend", counting_attend)
+    _, observed = run_engine(loaded_fp32, cases, EngineConfig(max_num_batched_tokens=37, max_num_seqs=8))
+    for case in cases:
+        assert_matches_reference(observed[case.tag], case)
+    if native:
+        assert max(batch_sizes) > 1  # several decodes attended in one call
+    else:
+        assert batch_sizes == []
 
 
 def test_steps_are_padded_to_their_row_bucket_and_the_padding_writes_no_kv(loaded_fp32, cases, monkeypatch):

@@ -1,10 +1,12 @@
-"""The batched decode attention equals attending each sequence alone, in float32 and bfloat16, over the
-head-major paged cache."""
+"""The torch decode path (where the native kernel does not build, or `BATCHVL_NATIVE_KERNELS=0`): batched
+decode attention equals attending each sequence alone, in float32 and bfloat16, over the head-major paged
+cache."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+import batchvl.layers.attention as attention
 from batchvl.layers.attention import (
     MAX_DECODE_GROUPS,
     DecodeBatch,
@@ -16,6 +18,11 @@ from batchvl.layers.attention import (
     paged_attention,
     split_decodes,
 )
+
+
+@pytest.fixture(autouse=True)
+def torch_decode_path(monkeypatch):
+    monkeypatch.setattr(attention, "reads_cache_in_place", lambda layer: False)
 
 
 def filled_cache(dtype, slots=500, kv_heads=2, dim=16, layers=2) -> KVCache:
