@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from batchvl.layers.cpu_features import has_amx
-from batchvl.layers.native_kernels import HEAD_DIMS, paged_decode_kernel
+from batchvl.layers.native_kernels import HEAD_DIMS, native_ops
 
 PAGED_ATTENTION_NAME = "batchvl_paged"
 
@@ -142,7 +142,7 @@ class InPlaceDecodes:
         (H, T, D), `kv` one layer of the cache."""
         if query.stride(-1) != 1:
             query = query.contiguous()
-        paged_decode_kernel()(out, query, kv, self.rows, self.slots, self.lengths, scaling)
+        native_ops().paged_decode_attention(out, query, kv, self.rows, self.slots, self.lengths, scaling)
 
 
 @dataclass
@@ -177,7 +177,7 @@ def reads_cache_in_place(layer: torch.Tensor) -> bool:
         layer.device.type == "cpu"
         and layer.dtype in (torch.float32, torch.bfloat16)
         and layer.shape[-1] in HEAD_DIMS
-        and paged_decode_kernel() is not None
+        and native_ops() is not None
     )
 
 

@@ -18,6 +18,7 @@ import torch
 
 from batchvl.layers.attention import paged_attention
 from batchvl.layers.module_swap import replace_children
+from batchvl.layers.native_kernels import native_ops
 from batchvl.layers.rotary import apply_rotary
 
 # Attention modules computing o_proj(attention(rope(q_proj(x)), rope(k_proj(x)), v_proj(x))) with the
@@ -42,7 +43,9 @@ def fused_linear(*linears: torch.nn.Linear) -> torch.nn.Linear:
 
 
 class GatedMLP(torch.nn.Module):
-    """`down_proj(act_fn(gate) * up)`, with gate and up from one fused layer."""
+    """`down_proj(act_fn(gate) * up)`, with gate and up from one fused layer. A SiLU MLP on the CPU takes
+    the activation and the product in one native pass (`native_kernels.silu_and_mul`, torch's SiLU
+    arithmetic and roundings), where the native kernels build."""
 
     def __init__(self, stock: torch.nn.Module):
         super().__init__()
@@ -50,12 +53,30 @@ class GatedMLP(torch.nn.Module):
         self.gate_up_proj = fused_linear(stock.gate_proj, stock.up_proj)
         self.act_fn = stock.act_fn
         self.down_proj = stock.down_proj
+        weight = stock.gate_proj.weight
+        self.native_silu = (
+            is_silu(stock.act_fn)
+            and weight.device.type == "cpu"
+            and weight.dtype in (torch.float32, torch.bfloat16)
+            and native_ops() is not None
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.native_silu:
+            rows = gate_up.reshape(-1, 2 * self.intermediate_size)
+            activated = rows.new_empty((rows.shape[0], self.intermediate_size))
+            native_ops().silu_and_mul(activated, rows)
+            return self.down_proj(activated.view(*x.shape[:-1], self.intermediate_size))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         # The product written over the activation's output: the same op on the same operands, one
         # (tokens x intermediate) tensor fewer per layer.
         return self.down_proj(self.act_fn(gate).mul_(up))
+
+
+def is_silu(activation: torch.nn.Module) -> bool:
+    """torch's SiLU module or transformers' (`ACT2FN["silu"]`, which calls F.silu)."""
+    return isinstance(activation, torch.nn.SiLU) or type(activation).__name__ == "SiLUActivation"
 
 
 class FusedQKVAttention(torch.nn.Module):

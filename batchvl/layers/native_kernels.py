@@ -1,19 +1,22 @@
-"""Kernels compiled for this machine on first use: decode attention read straight from the paged KV cache
-(`native/paged_decode_attention.cpp`).
+"""Kernels compiled for this machine on first use (`native/`), one Python module:
 
-The torch path gathers every decode's keys and values into a padded batch, then attends over the copy:
-each cached row is read, written and read again, and every layer of every step pays the gather and the
-attention call's set-up. The kernel reads each row once where it lies. Measured on a 2-core CPU with AMX
-(bf16, 40 sequences, 8,820 cached keys, 8 query and 2 KV heads of 64): 0.40 ms per layer against 0.83 ms
-for the gather and torch's fused attention.
+- `paged_decode_attention(out, query, kv, rows, slots, lengths, scale)`: a step's decodes attended
+  straight from the paged KV cache. The torch path gathers every decode's keys and values into a padded
+  batch, then attends over the copy: each cached row is read, written and read again, and every layer of
+  every step pays the gather and the attention call's set-up. The kernel reads each row once where it
+  lies, the query heads sharing a KV head together. Measured on a 2-core CPU with AMX (bf16, 40
+  sequences, 9,859 cached keys, 8 query and 2 KV heads of 64): 0.40-0.48 ms per layer against 0.88-1.2
+  ms for the gather and torch's fused attention.
+- `rms_norm(out, input, weight, eps)` and `silu_and_mul(out, gate_up)`: a decoder's RMSNorm and a gated
+  MLP's SiLU and product, one pass each instead of chains of eager ops (`native/elementwise.cpp`).
 
-torch.utils.cpp_extension builds the source once per machine kind and source version, under torch's
+torch.utils.cpp_extension builds the sources once per machine kind and source version, under torch's
 extensions directory (`TORCH_EXTENSIONS_DIR`, by default in the user's cache), behind a lock, so that
-processes starting together (a Slurm array on a shared home) build it once; the first build takes about
-half a minute. The flags follow `torch.backends.cpu.get_cpu_capability()`, which is in the build's name,
-so machines of different kinds sharing one home each get a build they can run. Where it cannot be built
-(no C++ compiler, say), decode attention stays on torch ops, with one warning; `BATCHVL_NATIVE_KERNELS=0`
-keeps it there.
+processes starting together (a Slurm array on a shared home) build them once; the first build takes about
+half a minute, when the model is loaded. The flags follow `torch.backends.cpu.get_cpu_capability()`,
+which is in the build's name, so machines of different kinds sharing one home each get a build they can
+run. Where it cannot be built (no C++ compiler, say), the engine stays on torch ops, with one warning;
+`BATCHVL_NATIVE_KERNELS=0` keeps it there.
 """
 
 from __future__ import annotations
@@ -23,46 +26,51 @@ import hashlib
 import logging
 import os
 import time
-from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "native" / "paged_decode_attention.cpp"
+SOURCES = [
+    Path(__file__).parent / "native" / name
+    for name in ("bindings.cpp", "paged_decode_attention.cpp", "elementwise.cpp")
+]
 DISABLE_VARIABLE = "BATCHVL_NATIVE_KERNELS"
 # Compiler flags per torch CPU capability: ATen's vector types pick their ISA from CPU_CAPABILITY_*.
 ISA_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-DCPU_CAPABILITY_AVX512"],
     "AVX2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2"],
 }
-# The head sizes the kernel is compiled for (a head's row is held in registers).
+# The head sizes the decode attention is compiled for (a head's row is held in registers).
 HEAD_DIMS = (16, 32, 64, 128, 256)
 
 
 @functools.cache
-def paged_decode_kernel() -> Callable | None:
-    """`paged_decode_attention(out, query, kv, rows, slots, lengths, scale)`, built for this machine, or
-    None where it is turned off or cannot be built."""
+def native_ops() -> ModuleType | None:
+    """The module of native kernels, built for this machine, or None where it is turned off or cannot be
+    built."""
     if os.environ.get(DISABLE_VARIABLE, "1") == "0":
         return None
     capability = torch.backends.cpu.get_cpu_capability()
     flags = ["-O3", *ISA_FLAGS.get(capability, []), f"-DCPU_CAPABILITY={_namespace(capability)}", "-fopenmp"]
-    fingerprint = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()[:12]
-    name = f"batchvl_paged_decode_{capability.lower()}_{fingerprint}"
+    digest = hashlib.sha256(" ".join(flags).encode())
+    for source in SOURCES:
+        digest.update(source.read_bytes())
+    name = f"batchvl_native_{capability.lower()}_{digest.hexdigest()[:12]}"
     started = time.perf_counter()
     try:
         from torch.utils.cpp_extension import load
 
         _put_ninja_on_path()
-        module = load(name, [str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"])
+        module = load(name, [str(s) for s in SOURCES], extra_cflags=flags, extra_ldflags=["-fopenmp"])
     except Exception as error:  # a missing compiler or ninja, a failed build: the torch path still works
         reason = " ".join(str(error).split())[:300]
-        logger.warning("decode attention runs on torch ops: its native kernel did not build (%s)", reason)
+        logger.warning("the engine runs on torch ops only: its native kernels did not build (%s)", reason)
         return None
-    logger.debug("native decode attention ready in %.1f s (%s)", time.perf_counter() - started, name)
-    return module.paged_decode_attention
+    logger.debug("native kernels ready in %.1f s (%s)", time.perf_counter() - started, name)
+    return module
 
 
 def _namespace(capability: str) -> str:

@@ -123,6 +123,7 @@ def load_model(
     from batchvl.layers.attention import PAGED_ATTENTION_NAME, register_paged_attention
     from batchvl.layers.fused_projections import fuse_projections
     from batchvl.layers.qwen_vision_attention import use_own_vision_attention
+    from batchvl.layers.rms_norm import use_native_rms_norms
     from batchvl.layers.vision_attention import VISION_ATTENTION_NAME, register_vision_attention
     from batchvl.models.fused_activation import fuse_mlp_activations
     from batchvl.models.packed_linear import pack_linear_weights
@@ -142,6 +143,7 @@ def load_model(
     patch_convs_as_linear(model)
     fuse_mlp_activations(model)
     fuse_projections(model)
+    use_native_rms_norms(model)
     pack_linear_weights(model)
     if family.varlen_vision:
         use_own_vision_attention(model)

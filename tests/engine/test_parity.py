@@ -13,7 +13,7 @@ import batchvl.models.qwen_vl as qwen_vl
 from batchvl.config import EngineConfig
 from batchvl.engine.request import SamplingParams
 from batchvl.layers.attention import InPlaceDecodes, KVCache
-from batchvl.layers.native_kernels import paged_decode_kernel
+from batchvl.layers.native_kernels import native_ops
 from batchvl.layers.row_buckets import bucket_rows
 from batchvl.models.adapter import VLMAdapter
 from batchvl.preprocess.prompts import PromptRenderer
@@ -97,7 +97,7 @@ def test_greedy_tokens_equal_generate(loaded_fp32, cases, limits):
 def test_both_decode_attention_paths_equal_generate(loaded_fp32, cases, monkeypatch, native):
     """Decodes are attended by the native kernel where it builds (as in every test above), by torch ops
     elsewhere; both give generate's tokens."""
-    if native and paged_decode_kernel() is None:
+    if native and native_ops() is None:
         pytest.skip("the native decode attention did not build (needs a C++ compiler and ninja)")
     if not native:
         monkeypatch.setattr(attention, "reads_cache_in_place", lambda layer: False)

@@ -13,12 +13,12 @@ from batchvl.layers.attention import (
     SequenceSlice,
     paged_attention,
 )
-from batchvl.layers.native_kernels import HEAD_DIMS, paged_decode_kernel
+from batchvl.layers.native_kernels import HEAD_DIMS, native_ops
 
 
 @pytest.fixture(scope="module")
 def kernel():
-    built = paged_decode_kernel()
+    built = native_ops()
     if built is None:
         pytest.skip("the native decode attention did not build (needs a C++ compiler and ninja)")
     return built

@@ -7,10 +7,10 @@
 // Built at run time for the machine's vector ISA (torch.utils.cpp_extension, see native_kernels.py), with
 // ATen's Vectorized types: the same source compiles to AVX-512, AVX2 or plain loops.
 
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
-#include <torch/extension.h>
 
 #include <algorithm>
 #include <type_traits>
@@ -193,6 +193,10 @@ void attend_dim(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv, 
   }
 }
 
+}  // namespace
+
+namespace batchvl_native {
+
 // out (T, H, D): rows[b] of it receives sequence b's attention output, every head.
 // query (H, T, D), last dim contiguous; kv (2, H_kv, slots, D) contiguous, one layer of the cache;
 // rows (B,), slots (B, L) with each row's first lengths[b] entries used, lengths (B,) >= 1, all int64.
@@ -207,7 +211,6 @@ void paged_decode_attention(at::Tensor out, at::Tensor query, at::Tensor kv, at:
                   lengths.scalar_type() == at::kLong && slots.is_contiguous() && slots.size(0) == rows.size(0) &&
                   lengths.size(0) == rows.size(0),
               "rows, slots and lengths are int64 with one entry per sequence, slots contiguous");
-  pybind11::gil_scoped_release released;
   const float scaling = static_cast<float>(scale);
   if (kv.scalar_type() == at::kFloat) {
     attend_dim<float>(out, query, kv, rows, slots, lengths, scaling);
@@ -218,8 +221,4 @@ void paged_decode_attention(at::Tensor out, at::Tensor query, at::Tensor kv, at:
   }
 }
 
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "Decode attention over the paged KV cache");
-}
+}  // namespace batchvl_native

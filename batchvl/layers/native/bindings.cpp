@@ -1,0 +1,19 @@
+// The Python module of batchvl's native kernels (see native_kernels.py): one module for all sources, each
+// function called without the GIL, as torch's own ops are.
+
+#include <torch/extension.h>
+
+namespace batchvl_native {
+void paged_decode_attention(at::Tensor out, at::Tensor query, at::Tensor kv, at::Tensor rows, at::Tensor slots,
+                            at::Tensor lengths, double scale);
+void rms_norm(at::Tensor out, at::Tensor input, at::Tensor weight, double eps);
+void silu_and_mul(at::Tensor out, at::Tensor gate_up);
+}  // namespace batchvl_native
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using release = pybind11::call_guard<pybind11::gil_scoped_release>;
+  m.def("paged_decode_attention", &batchvl_native::paged_decode_attention,
+        "Decode attention over the paged KV cache", release());
+  m.def("rms_norm", &batchvl_native::rms_norm, "RMSNorm of rows, as transformers' Llama/Qwen modules", release());
+  m.def("silu_and_mul", &batchvl_native::silu_and_mul, "silu(gate) * up of a fused gate/up output", release());
+}

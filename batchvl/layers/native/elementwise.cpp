@@ -1,0 +1,132 @@
+// Row-wise ops that torch runs as chains of eager ops, each a pass over memory and a dispatch of its own:
+// a decoder's RMSNorm (transformers: to float32, pow, mean, add, rsqrt, mul, back to the input dtype, mul
+// by the weight: eight ops, on a few dozen rows per decode step) and a gated MLP's SiLU and product (two
+// ops, and the SiLU's output written and read again). Each is one pass here, with the arithmetic and the
+// roundings of the ops it replaces: float32 inside, rounded to the input dtype where torch rounds.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <cmath>
+#include <type_traits>
+
+namespace {
+
+using fVec = at::vec::Vectorized<float>;
+using bVec = at::vec::Vectorized<at::BFloat16>;
+
+// Loads and stores of up to fVec::size() values as float32, whatever the storage type.
+fVec load(const float* src, int64_t count) { return fVec::loadu(src, count); }
+
+fVec load(const at::BFloat16* src, int64_t count) {
+  return std::get<0>(at::vec::convert_to_float<at::BFloat16>(bVec::loadu(src, count)));
+}
+
+void store(fVec value, float* dst, int64_t count) { value.store(dst, count); }
+
+void store(fVec value, at::BFloat16* dst, int64_t count) {
+  at::vec::convert_from_float<at::BFloat16>(value, value).store(dst, count);
+}
+
+// A value rounded to T and read back as float32: where torch's op would hand the next op a T.
+fVec rounded(fVec value, const float*) { return value; }
+
+fVec rounded(fVec value, const at::BFloat16*) {
+  return std::get<0>(at::vec::convert_to_float<at::BFloat16>(at::vec::convert_from_float<at::BFloat16>(value, value)));
+}
+
+// Rows per task: enough elements that a second thread pays for its wake-up.
+int64_t grain(int64_t row_size) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(row_size, 1)); }
+
+template <typename T>
+void rms_norm_rows(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight, float eps) {
+  const int64_t rows = input.size(0), dim = input.size(1), in_stride = input.stride(0), out_stride = out.stride(0);
+  const T* in_data = input.data_ptr<T>();
+  const T* weight_data = weight.data_ptr<T>();
+  T* out_data = out.data_ptr<T>();
+  constexpr int64_t step = fVec::size();
+  at::parallel_for(0, rows, grain(dim), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* x = in_data + r * in_stride;
+      T* y = out_data + r * out_stride;
+      fVec squares(0.f);
+      for (int64_t d = 0; d < dim; d += step) {
+        const int64_t count = std::min(step, dim - d);
+        const fVec v = load(x + d, count);  // lanes past count load as 0
+        squares = at::vec::fmadd(v, v, squares);
+      }
+      const float sum = at::vec::vec_reduce_all<float>([](fVec& a, fVec& b) { return a + b; }, squares);
+      const fVec inverse(1.f / std::sqrt(sum / static_cast<float>(dim) + eps));
+      for (int64_t d = 0; d < dim; d += step) {
+        const int64_t count = std::min(step, dim - d);
+        // torch: (x * rsqrt(variance + eps)).to(T), then weight * that, in T
+        const fVec normed = rounded(load(x + d, count) * inverse, x);
+        store(load(weight_data + d, count) * normed, y + d, count);
+      }
+    }
+  });
+}
+
+template <typename T>
+void silu_and_mul_rows(at::Tensor& out, const at::Tensor& gate_up) {
+  const int64_t rows = gate_up.size(0), width = out.size(1), in_stride = gate_up.stride(0), out_stride = out.stride(0);
+  const T* in_data = gate_up.data_ptr<T>();
+  T* out_data = out.data_ptr<T>();
+  constexpr int64_t step = fVec::size();
+  const fVec one(1.f);
+  at::parallel_for(0, rows, grain(2 * width), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* gate = in_data + r * in_stride;
+      const T* up = gate + width;
+      T* y = out_data + r * out_stride;
+      for (int64_t d = 0; d < width; d += step) {
+        const int64_t count = std::min(step, width - d);
+        const fVec g = load(gate + d, count);
+        // torch's SiLU kernel: x / (1 + exp(-x)) in float32, rounded to T; then the product, in T
+        const fVec activated = rounded(g / (one + g.neg().exp()), gate);
+        store(activated * load(up + d, count), y + d, count);
+      }
+    }
+  });
+}
+
+void check_rows(const at::Tensor& out, const at::Tensor& input, const char* what) {
+  TORCH_CHECK(input.dim() == 2 && out.dim() == 2 && input.stride(1) == 1 && out.stride(1) == 1,
+              what, ": 2-d rows with contiguous last dims");
+  TORCH_CHECK(input.scalar_type() == out.scalar_type(), what, ": one dtype");
+  TORCH_CHECK(input.scalar_type() == at::kFloat || input.scalar_type() == at::kBFloat16, what,
+              ": float32 or bfloat16 only, got ", input.scalar_type());
+}
+
+}  // namespace
+
+namespace batchvl_native {
+
+// out (R, D) = RMSNorm of input (R, D) with weight (D,), as transformers' Llama/Qwen RMSNorm modules.
+void rms_norm(at::Tensor out, at::Tensor input, at::Tensor weight, double eps) {
+  check_rows(out, input, "rms_norm");
+  TORCH_CHECK(out.sizes() == input.sizes() && weight.dim() == 1 && weight.size(0) == input.size(1) &&
+                  weight.is_contiguous() && weight.scalar_type() == input.scalar_type(),
+              "rms_norm: out like input, a contiguous weight of the row size and dtype");
+  if (input.scalar_type() == at::kFloat) {
+    rms_norm_rows<float>(out, input, weight, static_cast<float>(eps));
+  } else {
+    rms_norm_rows<at::BFloat16>(out, input, weight, static_cast<float>(eps));
+  }
+}
+
+// out (R, I) = silu(gate_up[:, :I]) * gate_up[:, I:], as a gated MLP with SiLU computes it.
+void silu_and_mul(at::Tensor out, at::Tensor gate_up) {
+  check_rows(out, gate_up, "silu_and_mul");
+  TORCH_CHECK(gate_up.size(0) == out.size(0) && gate_up.size(1) == 2 * out.size(1),
+              "silu_and_mul: gate_up (R, 2I), out (R, I)");
+  if (gate_up.scalar_type() == at::kFloat) {
+    silu_and_mul_rows<float>(out, gate_up);
+  } else {
+    silu_and_mul_rows<at::BFloat16>(out, gate_up);
+  }
+}
+
+}  // namespace batchvl_native
