@@ -1,0 +1,50 @@
+"""How the native kernels are built, or not: turned off by the environment, a failed build a warning and the
+torch path, a build named by the machine's vector ISA."""
+
+import logging
+
+import torch.utils.cpp_extension
+
+from batchvl.layers import attention, native_kernels
+from batchvl.layers.attention import KVCache
+
+
+def test_the_environment_turns_them_off(monkeypatch):
+    monkeypatch.setenv(native_kernels.DISABLE_VARIABLE, "0")
+    assert native_kernels.native_ops.__wrapped__() is None
+
+
+def test_a_failed_build_is_one_warning_and_the_torch_path(monkeypatch, caplog):
+    def failing_load(*args, **kwargs):
+        raise RuntimeError("Error building extension: g++ not found")
+
+    monkeypatch.delenv(native_kernels.DISABLE_VARIABLE, raising=False)
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", failing_load)
+    with caplog.at_level(logging.WARNING, logger=native_kernels.__name__):
+        assert native_kernels.native_ops.__wrapped__() is None
+    (record,) = caplog.records
+    assert "runs on torch ops only" in record.getMessage() and "g++ not found" in record.getMessage()
+    # what the engine then does (the cached `native_ops` itself is left alone for the other tests)
+    monkeypatch.setattr(attention, "native_ops", lambda: None)
+    assert not KVCache.allocate(1, 8, 1, 64, torch.float32, "cpu").decodes_in_place
+
+
+def test_the_build_is_named_by_the_isa_and_the_sources(monkeypatch):
+    names = []
+
+    def recording_load(name, sources, extra_cflags, **kwargs):
+        names.append((name, extra_cflags))
+        raise RuntimeError("stop here")
+
+    monkeypatch.delenv(native_kernels.DISABLE_VARIABLE, raising=False)
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", recording_load)
+    for capability in ("AVX2", "AVX512", "DEFAULT"):
+        monkeypatch.setattr(
+            torch.backends.cpu, "get_cpu_capability", lambda capability=capability: capability
+        )
+        native_kernels.native_ops.__wrapped__()
+    (avx2, avx2_flags), (avx512, avx512_flags), (default, default_flags) = names
+    assert avx2.startswith("batchvl_native_avx2_") and "-DCPU_CAPABILITY=AVX2" in avx2_flags
+    assert avx512.startswith("batchvl_native_avx512_") and "-mavx512f" in avx512_flags
+    assert default.startswith("batchvl_native_default_") and "-DCPU_CAPABILITY=DEFAULT" in default_flags
+    assert len({avx2, avx512, default}) == 3
