@@ -11,9 +11,12 @@
   MLP's SiLU and product, one pass each instead of chains of eager ops (`native/elementwise.cpp`).
 
 torch.utils.cpp_extension builds the sources once per machine kind and source version, under torch's
-extensions directory (`TORCH_EXTENSIONS_DIR`, by default in the user's cache), behind a lock, so that
-processes starting together (a Slurm array on a shared home) build them once; the first build takes about
-half a minute, when the model is loaded. The flags follow `torch.backends.cpu.get_cpu_capability()`,
+extensions directory (`TORCH_EXTENSIONS_DIR`, by default `~/.cache/torch_extensions`); the first build
+takes about half a minute, when the model is loaded. Processes starting together (a Slurm array on a
+shared home) build it once: they queue on an flock, which the kernel releases when its holder dies.
+cpp_extension's own lock is a file that a process killed mid-build (`kill -9`, a preempted Slurm task)
+leaves behind, and every later load would wait on it forever; under the flock no other process can be
+building, so such a file is stale and removed. The flags follow `torch.backends.cpu.get_cpu_capability()`,
 which is in the build's name, so machines of different kinds sharing one home each get a build they can
 run. Where it cannot be built (no C++ compiler, say), the engine stays on torch ops, with one warning;
 `BATCHVL_NATIVE_KERNELS=0` keeps it there.
@@ -21,10 +24,12 @@ run. Where it cannot be built (no C++ compiler, say), the engine stays on torch 
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import logging
 import os
+import sys
 import time
 from pathlib import Path
 from types import ModuleType
@@ -53,24 +58,49 @@ def native_ops() -> ModuleType | None:
     built."""
     if os.environ.get(DISABLE_VARIABLE, "1") == "0":
         return None
-    capability = torch.backends.cpu.get_cpu_capability()
-    flags = ["-O3", *ISA_FLAGS.get(capability, []), f"-DCPU_CAPABILITY={_namespace(capability)}", "-fopenmp"]
-    digest = hashlib.sha256(" ".join(flags).encode())
-    for source in SOURCES:
-        digest.update(source.read_bytes())
-    name = f"batchvl_native_{capability.lower()}_{digest.hexdigest()[:12]}"
+    name, flags = build_name_and_flags()
     started = time.perf_counter()
     try:
         from torch.utils.cpp_extension import load
 
         _put_ninja_on_path()
-        module = load(name, [str(s) for s in SOURCES], extra_cflags=flags, extra_ldflags=["-fopenmp"])
+        directory = build_directory(name)
+        with open(directory / "batchvl.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            (directory / "lock").unlink(missing_ok=True)
+            module = load(
+                name,
+                [str(s) for s in SOURCES],
+                extra_cflags=flags,
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(directory),
+            )
     except Exception as error:  # a missing compiler or ninja, a failed build: the torch path still works
         reason = " ".join(str(error).split())[:300]
         logger.warning("the engine runs on torch ops only: its native kernels did not build (%s)", reason)
         return None
     logger.debug("native kernels ready in %.1f s (%s)", time.perf_counter() - started, name)
     return module
+
+
+def build_name_and_flags() -> tuple[str, list[str]]:
+    """The module's name (the CPU capability, then a digest of the flags, the Python and torch versions and
+    the sources) and its compiler flags."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    flags = ["-O3", *ISA_FLAGS.get(capability, []), f"-DCPU_CAPABILITY={_namespace(capability)}", "-fopenmp"]
+    # The build links against this Python and this torch: machines or environments sharing a home with
+    # another of either get a build of their own.
+    digest = hashlib.sha256(" ".join([*flags, sys.version, torch.__version__]).encode())
+    for source in SOURCES:
+        digest.update(source.read_bytes())
+    return f"batchvl_native_{capability.lower()}_{digest.hexdigest()[:12]}", flags
+
+
+def build_directory(name: str) -> Path:
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
+    directory = Path(root) / name
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory
 
 
 def _namespace(capability: str) -> str:

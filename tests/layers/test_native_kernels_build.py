@@ -2,7 +2,10 @@
 torch path, a build named by the machine's vector ISA."""
 
 import logging
+import subprocess
+import sys
 
+import pytest
 import torch.utils.cpp_extension
 
 from batchvl.layers import attention, native_kernels
@@ -14,11 +17,12 @@ def test_the_environment_turns_them_off(monkeypatch):
     assert native_kernels.native_ops.__wrapped__() is None
 
 
-def test_a_failed_build_is_one_warning_and_the_torch_path(monkeypatch, caplog):
+def test_a_failed_build_is_one_warning_and_the_torch_path(monkeypatch, caplog, tmp_path):
     def failing_load(*args, **kwargs):
         raise RuntimeError("Error building extension: g++ not found")
 
     monkeypatch.delenv(native_kernels.DISABLE_VARIABLE, raising=False)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     monkeypatch.setattr(torch.utils.cpp_extension, "load", failing_load)
     with caplog.at_level(logging.WARNING, logger=native_kernels.__name__):
         assert native_kernels.native_ops.__wrapped__() is None
@@ -29,7 +33,7 @@ def test_a_failed_build_is_one_warning_and_the_torch_path(monkeypatch, caplog):
     assert not KVCache.allocate(1, 8, 1, 64, torch.float32, "cpu").decodes_in_place
 
 
-def test_the_build_is_named_by_the_isa_and_the_sources(monkeypatch):
+def test_the_build_is_named_by_the_isa_and_the_sources(monkeypatch, tmp_path):
     names = []
 
     def recording_load(name, sources, extra_cflags, **kwargs):
@@ -37,6 +41,7 @@ def test_the_build_is_named_by_the_isa_and_the_sources(monkeypatch):
         raise RuntimeError("stop here")
 
     monkeypatch.delenv(native_kernels.DISABLE_VARIABLE, raising=False)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     monkeypatch.setattr(torch.utils.cpp_extension, "load", recording_load)
     for capability in ("AVX2", "AVX512", "DEFAULT"):
         monkeypatch.setattr(
@@ -48,3 +53,18 @@ def test_the_build_is_named_by_the_isa_and_the_sources(monkeypatch):
     assert avx512.startswith("batchvl_native_avx512_") and "-mavx512f" in avx512_flags
     assert default.startswith("batchvl_native_default_") and "-DCPU_CAPABILITY=DEFAULT" in default_flags
     assert len({avx2, avx512, default}) == 3
+
+
+def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_load():
+    """torch's build lock is a file: a process killed while building leaves it, and torch alone would wait
+    on it forever at every later load."""
+    if native_kernels.native_ops() is None:
+        pytest.skip("the native kernels did not build (needs a C++ compiler and ninja)")
+    code = (
+        "from batchvl.layers import native_kernels as n\n"
+        "name, _ = n.build_name_and_flags()\n"
+        "(n.build_directory(name) / 'lock').touch()\n"
+        "print(n.native_ops() is not None)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.stdout.strip() == "True", done.stderr
