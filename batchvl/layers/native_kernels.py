@@ -68,6 +68,8 @@ def native_ops() -> ModuleType | None:
         with open(directory / "batchvl.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             (directory / "lock").unlink(missing_ok=True)
+            if not (directory / f"{name}.so").exists():
+                logger.info("building the native kernels for this CPU (%s), once: about half a minute", name)
             module = load(
                 name,
                 [str(s) for s in SOURCES],
