@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from batchvl.layers.cpu_features import has_amx
-from batchvl.layers.native_kernels import HEAD_DIMS, native_ops
+from batchvl.layers.native_kernels import HEAD_DIMS, native_ops, runs_natively
 
 PAGED_ATTENTION_NAME = "batchvl_paged"
 
@@ -35,7 +35,8 @@ class KVCache:
 
     layers: list[torch.Tensor]
     # Whether a step's decodes are attended by the native kernel, straight from the cache. Decided when the
-    # cache is allocated, so that the kernel is built (once per machine, about 20 s) before the first step.
+    # cache is allocated, so that the kernel is built (once per machine, about half a minute) before the first
+    # step.
     decodes_in_place: bool = False
 
     @classmethod
@@ -171,14 +172,9 @@ class PagedAttentionMetadata:
 
 
 def reads_cache_in_place(layer: torch.Tensor) -> bool:
-    """Whether decodes can go to the native kernel: a CPU cache (a layer of it) in float32 or bf16 with a
-    head size the kernel is compiled for, on a machine where the kernel builds."""
-    return (
-        layer.device.type == "cpu"
-        and layer.dtype in (torch.float32, torch.bfloat16)
-        and layer.shape[-1] in HEAD_DIMS
-        and native_ops() is not None
-    )
+    """Whether decodes can go to the native kernel: a cache (a layer of it) the kernels take, with a head
+    size the kernel is compiled for."""
+    return layer.shape[-1] in HEAD_DIMS and runs_natively(layer)
 
 
 def split_decodes(

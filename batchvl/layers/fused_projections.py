@@ -18,7 +18,7 @@ import torch
 
 from batchvl.layers.attention import paged_attention
 from batchvl.layers.module_swap import replace_children
-from batchvl.layers.native_kernels import native_ops
+from batchvl.layers.native_kernels import native_ops, runs_natively
 from batchvl.layers.rotary import apply_rotary
 
 # Attention modules computing o_proj(attention(rope(q_proj(x)), rope(k_proj(x)), v_proj(x))) with the
@@ -53,13 +53,7 @@ class GatedMLP(torch.nn.Module):
         self.gate_up_proj = fused_linear(stock.gate_proj, stock.up_proj)
         self.act_fn = stock.act_fn
         self.down_proj = stock.down_proj
-        weight = stock.gate_proj.weight
-        self.native_silu = (
-            is_silu(stock.act_fn)
-            and weight.device.type == "cpu"
-            and weight.dtype in (torch.float32, torch.bfloat16)
-            and native_ops() is not None
-        )
+        self.native_silu = is_silu(stock.act_fn) and runs_natively(stock.gate_proj.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)

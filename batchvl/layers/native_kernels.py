@@ -5,8 +5,8 @@
   batch, then attends over the copy: each cached row is read, written and read again, and every layer of
   every step pays the gather and the attention call's set-up. The kernel reads each row once where it
   lies, the query heads sharing a KV head together. Measured on a 2-core CPU with AMX (bf16, 40
-  sequences, 9,859 cached keys, 8 query and 2 KV heads of 64): 0.40-0.48 ms per layer against 0.88-1.2
-  ms for the gather and torch's fused attention.
+  sequences, 9,859 cached keys, 8 query and 2 KV heads of 64; `benchmarks/native_kernels.py`): 0.33-0.37
+  ms per layer against 0.83-0.88 ms for the gather and torch's fused attention.
 - `rms_norm(out, input, weight, eps)` and `silu_and_mul(out, gate_up)`: a decoder's RMSNorm and a gated
   MLP's SiLU and product, one pass each instead of chains of eager ops (`native/elementwise.cpp`).
 
@@ -48,8 +48,10 @@ ISA_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-DCPU_CAPABILITY_AVX512"],
     "AVX2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2"],
 }
-# The head sizes the decode attention is compiled for (a head's row is held in registers).
+# The head sizes the decode attention is compiled for (a head's row is held in registers), and the dtypes
+# every kernel takes.
 HEAD_DIMS = (16, 32, 64, 128, 256)
+DTYPES = (torch.float32, torch.bfloat16)
 
 
 @functools.cache
@@ -83,6 +85,11 @@ def native_ops() -> ModuleType | None:
         return None
     logger.debug("native kernels ready in %.1f s (%s)", time.perf_counter() - started, name)
     return module
+
+
+def runs_natively(tensor: torch.Tensor) -> bool:
+    """Whether the kernels take this tensor's kind (a CPU tensor in float32 or bf16) and were built here."""
+    return tensor.device.type == "cpu" and tensor.dtype in DTYPES and native_ops() is not None
 
 
 def build_name_and_flags() -> tuple[str, list[str]]:

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch.utils.cpp_extension
 
-from batchvl.layers import attention, native_kernels
+from batchvl.layers import native_kernels
 from batchvl.layers.attention import KVCache
 
 
@@ -28,8 +28,8 @@ def test_a_failed_build_is_one_warning_and_the_torch_path(monkeypatch, caplog, t
         assert native_kernels.native_ops.__wrapped__() is None
     (record,) = caplog.records
     assert "runs on torch ops only" in record.getMessage() and "g++ not found" in record.getMessage()
-    # what the engine then does (the cached `native_ops` itself is left alone for the other tests)
-    monkeypatch.setattr(attention, "native_ops", lambda: None)
+    # what the engine then does (the patch replaces the cached `native_ops` for this test only)
+    monkeypatch.setattr(native_kernels, "native_ops", lambda: None)
     assert not KVCache.allocate(1, 8, 1, 64, torch.float32, "cpu").decodes_in_place
 
 
