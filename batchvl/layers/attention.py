@@ -8,7 +8,9 @@ transformers from the decoder call down to this function.
 
 A step's decodes (one query each) are attended by the native kernel straight from the cache where it
 builds (`native_kernels`); elsewhere they are gathered into a few padded batches for torch's attention.
-Prefill chunks always take torch's attention.
+Prefill chunks, in bf16 on a CPU with bf16 dot products (`cpu_attention.use_native_attention`), are
+attended by the native bf16 kernel straight from the cache, all in one call per layer; elsewhere each
+takes torch's attention.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from batchvl.layers.cpu_attention import use_native_attention
 from batchvl.layers.cpu_features import has_amx
 from batchvl.layers.native_kernels import HEAD_DIMS, native_ops, runs_natively
 
@@ -38,6 +41,8 @@ class KVCache:
     # cache is allocated, so that the kernel is built (once per machine, about half a minute) before the first
     # step.
     decodes_in_place: bool = False
+    # Whether prefill chunks are attended by the native bf16 kernel, straight from the cache.
+    prefills_in_place: bool = False
 
     @classmethod
     def allocate(cls, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int, dtype, device):
@@ -49,7 +54,7 @@ class KVCache:
         layers = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         for layer in layers:
             layer[:, :, 0].zero_()
-        return cls(layers, reads_cache_in_place(layers[0]))
+        return cls(layers, reads_cache_in_place(layers[0]), use_native_attention(layers[0]))
 
     def write(self, layer: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         """Store a step's K and V, each (num_kv_heads, T, head_dim), at `slots` (T,)."""
@@ -147,12 +152,42 @@ class InPlaceDecodes:
 
 
 @dataclass
+class InPlacePrefills:
+    """Every prefill chunk of a step, attended by the native bf16 kernel where the cache holds its keys
+    (this step's written before): no gather, no mask, one call per layer."""
+
+    starts: torch.Tensor  # (B,) packed row of each chunk's first query
+    counts: torch.Tensor  # (B,) its queries, at the last positions of its keys
+    slots: torch.Tensor  # (B, L) cache slots of each chunk's keys (context and chunk), in order
+    lengths: torch.Tensor  # (B,)
+
+    @classmethod
+    def build(cls, sequences: list[SequenceSlice]) -> InPlacePrefills:
+        slots = torch.nn.utils.rnn.pad_sequence([seq.key_slots for seq in sequences], batch_first=True)
+        return cls(
+            torch.tensor([seq.query_start for seq in sequences]),
+            torch.tensor([seq.num_queries for seq in sequences]),
+            slots,
+            torch.tensor([len(seq.key_slots) for seq in sequences]),
+        )
+
+    def attend(self, out: torch.Tensor, query: torch.Tensor, kv: torch.Tensor, scaling: float) -> None:
+        """Write into `out` (T, H, D) each chunk's causal attention; `query` (H, T, D), `kv` a cache layer."""
+        if query.stride(-1) != 1:
+            query = query.contiguous()
+        native_ops().paged_prefill_attention(
+            out, query, kv, self.starts, self.counts, self.slots, self.lengths, scaling
+        )
+
+
+@dataclass
 class PagedAttentionMetadata:
     kv_cache: KVCache
     slot_mapping: torch.Tensor  # (T,) cache slot of each packed token
     sequences: list[SequenceSlice]  # attended one by one (prefill chunks)
     decodes: list[DecodeBatch] = field(default_factory=list)  # the single-query sequences, by length
     in_place_decodes: InPlaceDecodes | None = None  # or all of them, where the native kernel runs
+    in_place_prefills: InPlacePrefills | None = None  # the prefill chunks, where the bf16 kernel runs
 
     @classmethod
     def build(
@@ -165,6 +200,9 @@ class PagedAttentionMetadata:
             meta = cls(kv_cache, slot_mapping, others, in_place_decodes=InPlaceDecodes.build(single))
         else:
             meta = cls(kv_cache, slot_mapping, *split_decodes(sequences, kv_cache, device))
+        if meta.sequences and kv_cache.prefills_in_place:
+            meta.in_place_prefills = InPlacePrefills.build(meta.sequences)
+            meta.sequences = []
         for seq in meta.sequences:
             if not seq.is_full_causal:
                 seq.key_rows = kv_cache.gather_rows(seq.key_slots)
@@ -247,9 +285,11 @@ def paged_attention(
     num_tokens = query.shape[2]
     out = query.new_empty((num_tokens, query.shape[1], query.shape[3]))
     out[real:] = 0
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     if meta.in_place_decodes is not None:
-        scale = query.shape[-1] ** -0.5 if scaling is None else scaling
         meta.in_place_decodes.attend(out, query[0], cache.layers[layer], scale)
+    if meta.in_place_prefills is not None:
+        meta.in_place_prefills.attend(out, query[0], cache.layers[layer], scale)
     for decode in meta.decodes:
         q = query[0, :, decode.rows].transpose(0, 1)  # (B, H, D)
         out[decode.rows] = decode_attention(q, *cache.gather(layer, decode.key_rows), decode, scaling)

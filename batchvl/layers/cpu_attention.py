@@ -1,4 +1,9 @@
-"""Attention in bf16 on CPU as two batched matmuls per block of queries (the vision tower's).
+"""Attention in bf16 on CPU (the vision tower's): which kernel runs it, and the blocked-matmul fallback.
+
+Where the CPU has AVX512-BF16 dot products (and no AMX), batchvl's native kernel runs it
+(`native/bf16_attention.cpp`): 260-290 GFLOP/s on sequences of 256-1,024 patches on a 2-core AMD EPYC,
+against 100-145 for torch's fused kernel and 110-180 for the blocked matmuls below
+(`benchmarks/native_kernels.py`). Elsewhere in bf16, two batched matmuls per block of queries:
 
 torch's fused CPU attention kernel runs its inner products in float32 on CPUs without AMX: in bf16 it
 reached about 150 GFLOP/s where bf16 matmuls reach about 400. Two bf16 matmuls around a softmax, over
@@ -18,10 +23,39 @@ from __future__ import annotations
 import torch
 
 from batchvl.layers.cpu_features import has_amx
+from batchvl.layers.native_kernels import HEAD_DIMS, native_ops, runs_natively
 
 # Scores held per block of queries: 8 MB in bf16, within the last-level cache.
 SCORE_BLOCK_ELEMENTS = 4 * 2**20
 MIN_QUERY_BLOCK = 32  # fewer query rows per matmul and the per-call overhead shows
+
+
+def use_native_attention(query: torch.Tensor) -> bool:
+    """Whether `native_attention` takes this query: bf16 on a CPU with bf16 dot products and without AMX,
+    a head size the kernel is compiled for."""
+    return (
+        query.dtype == torch.bfloat16
+        and query.shape[-1] in HEAD_DIMS
+        and runs_natively(query)
+        and native_ops().bf16_dot_products()
+        and not has_amx()
+    )
+
+
+def native_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scaling: float | None,
+) -> torch.Tensor:
+    """Non-causal attention of the sequences packed in (T, H, D) query/key/value (head dimension
+    contiguous, any other strides), sequence s being rows cu_seqlens[s]..cu_seqlens[s + 1]; returns
+    (T, H, D)."""
+    out = torch.empty(query.shape, dtype=query.dtype)
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    native_ops().varlen_attention(out, query, key, value, cu_seqlens.to(torch.long), scale)
+    return out
 
 
 def use_blocked_attention(query: torch.Tensor) -> bool:

@@ -40,7 +40,7 @@ logger = logging.getLogger(__name__)
 
 SOURCES = [
     Path(__file__).parent / "native" / name
-    for name in ("bindings.cpp", "paged_decode_attention.cpp", "elementwise.cpp")
+    for name in ("bindings.cpp", "paged_decode_attention.cpp", "elementwise.cpp", "bf16_attention.cpp")
 ]
 DISABLE_VARIABLE = "BATCHVL_NATIVE_KERNELS"
 # Compiler flags per torch CPU capability: ATen's vector types pick their ISA from CPU_CAPABILITY_*.

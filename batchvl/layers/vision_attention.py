@@ -3,6 +3,8 @@
 transformers hands a vision attention function the packed patches of all images plus `cu_seqlens` only
 when the implementation's name contains "flash"; under that name this function runs:
 - flash-attn's varlen kernel on CUDA when the package is installed;
+- in bf16 on a CPU with bf16 dot products, batchvl's native kernel, all sequences in one call
+  (`cpu_attention.native_attention`);
 - otherwise attention on slices of the packed rows: consecutive sequences of equal length (images of one
   size, a video's frame groups) go through one batched call, every other sequence through a call of
   its own. Slices and equal-length batches are views of the packed layout: nothing is copied or
@@ -19,7 +21,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from batchvl.layers.cpu_attention import blocked_attention, use_blocked_attention
+from batchvl.layers.cpu_attention import (
+    blocked_attention,
+    native_attention,
+    use_blocked_attention,
+    use_native_attention,
+)
 
 VISION_ATTENTION_NAME = "batchvl_flash_varlen"  # "flash" in the name makes transformers pass cu_seqlens
 
@@ -94,6 +101,10 @@ def varlen_vision_attention(
             return _flash_varlen(query, key, value, cu_seq_lens_q, max(lengths), scaling), None
         except ImportError:
             pass  # flash-attn is optional; SDPA below works everywhere
+    if use_native_attention(query):
+        # (1, H, T, D) views of (T, H, D) rows: the kernel reads and writes the rows' own layout
+        q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+        return native_attention(q, k, v, cu_seq_lens_q, scaling)[None], None
     return _attention_per_run(query, key, value, lengths, scaling), None
 
 

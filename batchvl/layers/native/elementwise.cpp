@@ -81,10 +81,20 @@ void silu_and_mul_rows(at::Tensor& out, const at::Tensor& gate_up) {
       const T* gate = in_data + r * in_stride;
       const T* up = gate + width;
       T* y = out_data + r * out_stride;
-      for (int64_t d = 0; d < width; d += step) {
+      // torch's SiLU kernel: x / (1 + exp(-x)) in float32, rounded to T; then the product, in T
+      int64_t d = 0;
+      if constexpr (std::is_same_v<T, at::BFloat16>) {
+        for (; d + bVec::size() <= width; d += bVec::size()) {  // a whole bf16 vector: two float vectors
+          auto [g0, g1] = at::vec::convert_to_float<T>(bVec::loadu(gate + d));
+          auto [u0, u1] = at::vec::convert_to_float<T>(bVec::loadu(up + d));
+          auto [a0, a1] = at::vec::convert_to_float<T>(
+              at::vec::convert_from_float<T>(g0 / (one + g0.neg().exp()), g1 / (one + g1.neg().exp())));
+          at::vec::convert_from_float<T>(a0 * u0, a1 * u1).store(y + d);
+        }
+      }
+      for (; d < width; d += step) {
         const int64_t count = std::min(step, width - d);
         const fVec g = load(gate + d, count);
-        // torch's SiLU kernel: x / (1 + exp(-x)) in float32, rounded to T; then the product, in T
         const fVec activated = rounded(g / (one + g.neg().exp()), gate);
         store(activated * load(up + d, count), y + d, count);
       }

@@ -1,0 +1,120 @@
+"""The native bf16 attention of packed sequences (AVX512-BF16 dot products): as close to float64 as torch's
+fused bf16 kernel, sequences independent of each other, and chosen only where the CPU runs it."""
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from batchvl.layers import cpu_attention, vision_attention
+from batchvl.layers.native_kernels import native_ops
+
+# Lengths around the kernel's blocks: 32 keys per packed block, 8 query rows per score tile, 64 per task.
+LENGTHS = [1, 5, 33, 64, 100, 257]
+
+
+@pytest.fixture(scope="module")
+def ops():
+    if native_ops() is None:
+        pytest.skip("the native kernels did not build (needs a C++ compiler and ninja)")
+    return native_ops()
+
+
+def packed(lengths: list[int], heads: int, dim: int, seed: int = 0):
+    """q, k, v as strided (T, H, D) views of one (T, 3, H, D) tensor, as the vision tower's qkv output is,
+    with spread-out scores (a softmax far from uniform, as trained models have); and cu_seqlens."""
+    generator = torch.Generator().manual_seed(seed)
+    qkv = (torch.randn(sum(lengths), 3, heads, dim, generator=generator) * 2).bfloat16()
+    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    return qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens
+
+
+def per_sequence(fn, q, k, v, cu_seqlens):
+    bounds = cu_seqlens.tolist()
+    return torch.cat(
+        [
+            fn(*(t[a:b].transpose(0, 1) for t in (q, k, v))).transpose(0, 1)
+            for a, b in itertools.pairwise(bounds)
+        ]
+    )
+
+
+def runs_here(ops) -> bool:
+    """Whether this CPU runs the kernel. Where it does not, the kernel must refuse (it would stop the process
+    on an illegal instruction) and never be chosen: that is what the tests check there."""
+    q, k, v, cu_seqlens = packed([4], 2, 64)
+    if ops.bf16_dot_products():
+        # chosen for bf16 unless AMX tiles run torch's kernel faster
+        assert cpu_attention.use_native_attention(q) != cpu_attention.has_amx()
+        assert not cpu_attention.use_native_attention(q.float())
+        return True
+    assert not cpu_attention.use_native_attention(q)
+    with pytest.raises(RuntimeError, match="bf16_dot_products"):
+        ops.varlen_attention(torch.empty_like(q), q, k, v, cu_seqlens, 0.125)
+    return False
+
+
+@pytest.mark.parametrize("dim", [16, 32, 64, 128, 256])
+def test_as_close_to_float64_as_torchs_fused_bf16_kernel(ops, dim):
+    if not runs_here(ops):
+        return
+    q, k, v, cu_seqlens = packed(LENGTHS, 3, dim)
+    out = cpu_attention.native_attention(q, k, v, cu_seqlens, None)
+    assert out.shape == q.shape and out.dtype == torch.bfloat16
+    exact = per_sequence(F.scaled_dot_product_attention, q.double(), k.double(), v.double(), cu_seqlens)
+    fused = per_sequence(F.scaled_dot_product_attention, q, k, v, cu_seqlens)
+    fused_error = (fused.double() - exact).norm() / exact.norm()
+    native_error = (out.double() - exact).norm() / exact.norm()
+    assert native_error < 0.02
+    assert native_error < 2 * fused_error + 1e-3
+
+
+def test_sequences_never_see_each_other(ops):
+    if not runs_here(ops):
+        return
+    q, k, v, cu_seqlens = packed(LENGTHS, 2, 64, seed=1)
+    together = cpu_attention.native_attention(q, k, v, cu_seqlens, 0.3)
+    bounds = cu_seqlens.tolist()
+    for a, b in itertools.pairwise(bounds):
+        alone = cpu_attention.native_attention(q[a:b], k[a:b], v[a:b], torch.tensor([0, b - a]), 0.3)
+        assert torch.equal(together[a:b], alone)
+    # An empty sequence in cu_seqlens is no sequence; other keys changing changes nothing else.
+    with_empty = torch.tensor([0, 0, *bounds[1:]])
+    assert torch.equal(cpu_attention.native_attention(q, k, v, with_empty, 0.3), together)
+    k2 = k.clone()
+    k2[bounds[2] : bounds[3]] = 0
+    changed = cpu_attention.native_attention(q, k2, v, cu_seqlens, 0.3)
+    assert torch.equal(changed[: bounds[2]], together[: bounds[2]])
+    assert torch.equal(changed[bounds[3] :], together[bounds[3] :])
+    assert not torch.equal(changed[bounds[2] : bounds[3]], together[bounds[2] : bounds[3]])
+
+
+def test_the_vision_attention_function_takes_the_native_kernel_in_bf16(ops, monkeypatch):
+    if not runs_here(ops):
+        return
+    monkeypatch.setattr(cpu_attention, "has_amx", lambda: False)
+    q, k, v, cu_seqlens = packed(LENGTHS, 2, 64, seed=2)
+    views = [t.transpose(0, 1)[None] for t in (q, k, v)]  # (1, H, T, D), as the tower hands them
+    calls = []
+    native = cpu_attention.native_attention
+    monkeypatch.setattr(vision_attention, "native_attention", lambda *a: calls.append(1) or native(*a))
+    out, _ = vision_attention.varlen_vision_attention(
+        None, *views, None, scaling=0.125, cu_seq_lens_q=cu_seqlens
+    )
+    assert calls and torch.equal(out[0], native(q, k, v, cu_seqlens, 0.125))
+    # float32 keeps torch's kernel, the reference model's own
+    out32, _ = vision_attention.varlen_vision_attention(
+        None, *(t.float() for t in views), None, scaling=0.125, cu_seq_lens_q=cu_seqlens
+    )
+    assert len(calls) == 1
+    torch.testing.assert_close(
+        out32[0],
+        per_sequence(
+            lambda *t: F.scaled_dot_product_attention(*t, scale=0.125),
+            q.float(),
+            k.float(),
+            v.float(),
+            cu_seqlens,
+        ),
+    )
