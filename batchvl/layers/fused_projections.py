@@ -19,7 +19,7 @@ import torch
 from batchvl.layers.attention import paged_attention
 from batchvl.layers.module_swap import replace_children
 from batchvl.layers.native_kernels import native_ops, runs_natively
-from batchvl.layers.rotary import apply_rotary
+from batchvl.layers.rotary import apply_rotary_rows
 
 # Attention modules computing o_proj(attention(rope(q_proj(x)), rope(k_proj(x)), v_proj(x))) with the
 # cos/sin the decoder passes as `position_embeddings`, and MLPs computing down_proj(act_fn(gate_proj(x)) *
@@ -98,8 +98,8 @@ class FusedQKVAttention(torch.nn.Module):
         rows = hidden_states.shape[1]
         heads, kv_heads = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(hidden_states).view(rows, heads + 2 * kv_heads, self.head_dim)
-        cos, sin = (t[0, :, None, :] for t in position_embeddings)  # (1, T, D) -> (T, 1, D)
-        rotated = apply_rotary(qkv[:, : heads + kv_heads], cos, sin)
+        cos, sin = (t[0] for t in position_embeddings)  # (1, T, D) -> (T, D)
+        rotated = apply_rotary_rows(qkv[:, : heads + kv_heads], cos, sin)
         # (T, heads, D) -> (1, heads, T, D): the layout the attention function takes
         query = rotated[:, :heads].transpose(0, 1)[None]
         key = rotated[:, heads:].transpose(0, 1)[None]

@@ -96,7 +96,15 @@ def build_name_and_flags() -> tuple[str, list[str]]:
     """The module's name (the CPU capability, then a digest of the flags, the Python and torch versions and
     the sources) and its compiler flags."""
     capability = torch.backends.cpu.get_cpu_capability()
-    flags = ["-O3", *ISA_FLAGS.get(capability, []), f"-DCPU_CAPABILITY={_namespace(capability)}", "-fopenmp"]
+    # No contraction of a product and a sum into one FMA: the kernels that give torch's bits round where
+    # torch's separate ops round (GCC contracts by default, even through vector intrinsics).
+    flags = [
+        "-O3",
+        "-ffp-contract=off",
+        *ISA_FLAGS.get(capability, []),
+        f"-DCPU_CAPABILITY={_namespace(capability)}",
+        "-fopenmp",
+    ]
     # The build links against this Python and this torch: machines or environments sharing a home with
     # another of either get a build of their own.
     digest = hashlib.sha256(" ".join([*flags, sys.version, torch.__version__]).encode())

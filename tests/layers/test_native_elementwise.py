@@ -10,6 +10,7 @@ from transformers.models.llama.modeling_llama import LlamaConfig, LlamaMLP
 from batchvl.layers.fused_projections import GatedMLP
 from batchvl.layers.native_kernels import native_ops
 from batchvl.layers.rms_norm import STOCK_RMS_NORMS, NativeRMSNorm, use_native_rms_norms
+from batchvl.layers.rotary import apply_rotary, apply_rotary_rows
 
 MODULES = {
     "Qwen2RMSNorm": "qwen2",
@@ -112,3 +113,17 @@ def test_only_cpu_float_norms_are_replaced():
     )
     assert use_native_rms_norms(model) == 1
     assert type(model["replaced"]) is NativeRMSNorm and type(model["kept"]).__name__ == "LlamaRMSNorm"
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_native_rotary_gives_the_eager_rotarys_bits(dtype):
+    """Queries and keys as the fused projection's output leaves them (a strided view of q, k and v), head
+    sizes whose half is and is not a whole number of vectors."""
+    torch.manual_seed(0)
+    for rows, heads, dim in [(37, 10, 64), (5, 3, 80), (300, 2, 16)]:
+        qkv = (torch.randn(rows, heads + 2, dim) * 3).to(dtype)
+        cos, sin = torch.randn(2, rows, dim).to(dtype)
+        native = apply_rotary_rows(qkv[:, :heads], cos, sin)
+        assert native.shape == (rows, heads, dim) and native.is_contiguous()
+        assert torch.equal(native, apply_rotary(qkv[:, :heads], cos[:, None], sin[:, None]))

@@ -8,6 +8,7 @@ void paged_decode_attention(at::Tensor out, at::Tensor query, at::Tensor kv, at:
                             at::Tensor lengths, double scale);
 void rms_norm(at::Tensor out, at::Tensor input, at::Tensor weight, double eps);
 void silu_and_mul(at::Tensor out, at::Tensor gate_up);
+void rotary(at::Tensor out, at::Tensor x, at::Tensor cos, at::Tensor sin);
 bool bf16_dot_products();
 void varlen_attention(at::Tensor out, at::Tensor query, at::Tensor key, at::Tensor value, at::Tensor cu_seqlens,
                       double scale);
@@ -21,6 +22,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Decode attention over the paged KV cache", release());
   m.def("rms_norm", &batchvl_native::rms_norm, "RMSNorm of rows, as transformers' Llama/Qwen modules", release());
   m.def("silu_and_mul", &batchvl_native::silu_and_mul, "silu(gate) * up of a fused gate/up output", release());
+  m.def("rotary", &batchvl_native::rotary, "Rotary embedding of (R, H, D) rows, as rotary.apply_rotary", release());
   m.def("bf16_dot_products", &batchvl_native::bf16_dot_products, "Whether this CPU has AVX512-BF16 dot products");
   m.def("varlen_attention", &batchvl_native::varlen_attention,
         "Non-causal bf16 attention of packed variable-length sequences (AVX512-BF16)", release());

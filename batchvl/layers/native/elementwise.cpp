@@ -1,8 +1,9 @@
 // Row-wise ops that torch runs as chains of eager ops, each a pass over memory and a dispatch of its own:
 // a decoder's RMSNorm (transformers: to float32, pow, mean, add, rsqrt, mul, back to the input dtype, mul
-// by the weight: eight ops, on a few dozen rows per decode step) and a gated MLP's SiLU and product (two
-// ops, and the SiLU's output written and read again). Each is one pass here, with the arithmetic and the
-// roundings of the ops it replaces: float32 inside, rounded to the input dtype where torch rounds.
+// by the weight: eight ops, on a few dozen rows per decode step), a gated MLP's SiLU and product (two
+// ops, and the SiLU's output written and read again) and the rotary embedding of queries and keys (five
+// ops, see rotary.py). Each is one pass here, with the arithmetic and the roundings of the ops it
+// replaces: float32 inside, rounded to the input dtype where torch rounds.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -102,6 +103,38 @@ void silu_and_mul_rows(at::Tensor& out, const at::Tensor& gate_up) {
   });
 }
 
+// out (R, H, D) = x rotated: per half, x1 * cos1 - x2 * sin1 and x2 * cos2 + x1 * sin2, each product and
+// each sum rounded to T as rotary.apply_rotary's eager ops round them.
+template <typename T>
+void rotary_rows(at::Tensor& out, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  const int64_t rows = x.size(0), heads = x.size(1), half = x.size(2) / 2;
+  const T* x_data = x.data_ptr<T>();
+  const T* cos_data = cos.data_ptr<T>();
+  const T* sin_data = sin.data_ptr<T>();
+  T* out_data = out.data_ptr<T>();
+  constexpr int64_t step = fVec::size();
+  at::parallel_for(0, rows, grain(heads * 2 * half), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* c = cos_data + r * cos.stride(0);
+      const T* s = sin_data + r * sin.stride(0);
+      for (int64_t h = 0; h < heads; ++h) {
+        const T* x1 = x_data + r * x.stride(0) + h * x.stride(1);
+        const T* x2 = x1 + half;
+        T* y1 = out_data + r * out.stride(0) + h * out.stride(1);
+        T* y2 = y1 + half;
+        for (int64_t d = 0; d < half; d += step) {
+          const int64_t count = std::min(step, half - d);
+          const fVec a = load(x1 + d, count), b = load(x2 + d, count);
+          const fVec first = rounded(a * load(c + d, count), x1) - rounded(b * load(s + d, count), x1);
+          const fVec second = rounded(b * load(c + half + d, count), x1) + rounded(a * load(s + half + d, count), x1);
+          store(first, y1 + d, count);
+          store(second, y2 + d, count);
+        }
+      }
+    }
+  });
+}
+
 void check_rows(const at::Tensor& out, const at::Tensor& input, const char* what) {
   TORCH_CHECK(input.dim() == 2 && out.dim() == 2 && input.stride(1) == 1 && out.stride(1) == 1,
               what, ": 2-d rows with contiguous last dims");
@@ -136,6 +169,24 @@ void silu_and_mul(at::Tensor out, at::Tensor gate_up) {
     silu_and_mul_rows<float>(out, gate_up);
   } else {
     silu_and_mul_rows<at::BFloat16>(out, gate_up);
+  }
+}
+
+// out (R, H, D) = the rotary embedding of x (R, H, D) with cos and sin (R, D), as rotary.apply_rotary.
+void rotary(at::Tensor out, at::Tensor x, at::Tensor cos, at::Tensor sin) {
+  TORCH_CHECK(x.dim() == 3 && out.sizes() == x.sizes() && x.size(2) % 2 == 0, "rotary: x and out (R, H, D), D even");
+  TORCH_CHECK(x.stride(2) == 1 && out.stride(2) == 1, "rotary: contiguous head dims");
+  for (const auto* t : {&cos, &sin})
+    TORCH_CHECK(t->dim() == 2 && t->size(0) == x.size(0) && t->size(1) == x.size(2) && t->stride(1) == 1 &&
+                    t->scalar_type() == x.scalar_type(),
+                "rotary: cos and sin (R, D) in x's dtype, contiguous rows");
+  TORCH_CHECK(out.scalar_type() == x.scalar_type(), "rotary: one dtype");
+  if (x.scalar_type() == at::kFloat) {
+    rotary_rows<float>(out, x, cos, sin);
+  } else if (x.scalar_type() == at::kBFloat16) {
+    rotary_rows<at::BFloat16>(out, x, cos, sin);
+  } else {
+    TORCH_CHECK(false, "rotary: float32 or bfloat16 only, got ", x.scalar_type());
   }
 }
 
