@@ -7,8 +7,12 @@
   lies, the query heads sharing a KV head together. Measured on a 2-core CPU with AMX (bf16, 40
   sequences, 9,859 cached keys, 8 query and 2 KV heads of 64; `benchmarks/native_kernels.py`): 0.33-0.37
   ms per layer against 0.83-0.88 ms for the gather and torch's fused attention.
-- `rms_norm(out, input, weight, eps)` and `silu_and_mul(out, gate_up)`: a decoder's RMSNorm and a gated
-  MLP's SiLU and product, one pass each instead of chains of eager ops (`native/elementwise.cpp`).
+- `rms_norm(out, input, weight, eps)`, `silu_and_mul(out, gate_up)` and `rotary(out, x, cos, sin)`: a
+  decoder's RMSNorm, a gated MLP's SiLU and product, and the rotary embedding of a layer's queries and
+  keys, one pass each instead of chains of eager ops (`native/elementwise.cpp`).
+- `varlen_attention(out, query, key, value, cu_seqlens, scale)` and `paged_prefill_attention(...)`: bf16
+  attention with AVX512-BF16 dot products, for the vision tower's images and the language model's prefill
+  chunks (`native/bf16_attention.cpp`); `bf16_dot_products()` says whether this CPU has them.
 
 torch.utils.cpp_extension builds the sources once per machine kind and source version, under torch's
 extensions directory (`TORCH_EXTENSIONS_DIR`, by default `~/.cache/torch_extensions`); the first build
