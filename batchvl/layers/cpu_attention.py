@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from batchvl.layers.cpu_features import has_amx
-from batchvl.layers.native_kernels import HEAD_DIMS, native_ops, runs_natively
+from batchvl.layers.native_kernels import bf16_attention_takes, native_ops, runs_natively
 
 # Scores held per block of queries: 8 MB in bf16, within the last-level cache.
 SCORE_BLOCK_ELEMENTS = 4 * 2**20
@@ -35,7 +35,7 @@ def use_native_attention(query: torch.Tensor) -> bool:
     a head size the kernel is compiled for."""
     return (
         query.dtype == torch.bfloat16
-        and query.shape[-1] in HEAD_DIMS
+        and bf16_attention_takes(query.shape[-1])
         and runs_natively(query)
         and native_ops().bf16_dot_products()
         and not has_amx()

@@ -58,6 +58,12 @@ HEAD_DIMS = (16, 32, 64, 128, 256)
 DTYPES = (torch.float32, torch.bfloat16)
 
 
+def bf16_attention_takes(head_dim: int) -> bool:
+    """Whether the bf16 attention kernels are compiled for this head size: any even size up to 128 (the
+    Qwen-VL vision towers' 72 and 80 among them) and 242-256."""
+    return head_dim % 2 == 0 and (0 < head_dim <= 128 or 240 < head_dim <= 256)
+
+
 @functools.cache
 def native_ops() -> ModuleType | None:
     """The module of native kernels, built for this machine, or None where it is turned off or cannot be

@@ -80,14 +80,16 @@ void pack_keys(const Rows& key, const Sequence& seq, int64_t head, int pairs, ui
   }
 }
 
-// Values of one (sequence, KV head), packed: row i holds head_dim lanes, lane d the bf16 pair
-// (value[2i][d], value[2i + 1][d]); a missing last value of an odd count is 0.
-void pack_values(const Rows& value, const Sequence& seq, int64_t head, int dim, uint32_t* packed) {
+// Values of one (sequence, KV head), packed: row i holds `width` lanes (head_dim rounded up to whole
+// vectors), lane d the bf16 pair (value[2i][d], value[2i + 1][d]); lanes past head_dim and a missing last
+// value of an odd count are 0.
+void pack_values(const Rows& value, const Sequence& seq, int64_t head, int dim, int width, uint32_t* packed) {
   for (int64_t i = 0; i < (seq.num_keys + 1) / 2; ++i) {
     const uint16_t* even = value.at(seq.key_row(2 * i), head);
     const uint16_t* odd = 2 * i + 1 < seq.num_keys ? value.at(seq.key_row(2 * i + 1), head) : nullptr;
-    uint32_t* out = packed + i * dim;
+    uint32_t* out = packed + i * width;
     for (int d = 0; d < dim; ++d) out[d] = uint32_t(even[d]) | (odd ? uint32_t(odd[d]) << 16 : 0u);
+    std::fill(out + dim, out + width, 0u);
   }
 }
 
@@ -139,10 +141,10 @@ BF16_TARGET float softmax_row(const float* scores, int64_t length, int64_t width
 }
 
 // out rows r < ROWS (each `out[r]`, head_dim bf16) = the weighted sum of the packed values, times inverse[r].
-// DIM_VECTORS = head_dim / 16.
+// DIM_VECTORS = head_dim / 16 rounded up; `last` masks the lanes of the last vector within head_dim.
 template <int ROWS, int DIM_VECTORS>
 BF16_TARGET void weighted_values(const uint32_t* const* weights, const uint32_t* values, int64_t pairs,
-                                 const float* inverse, uint16_t* const* out) {
+                                 const float* inverse, uint16_t* const* out, __mmask16 last) {
   constexpr int dim = DIM_VECTORS * 16;
   __m512 acc[ROWS][DIM_VECTORS];
   for (int r = 0; r < ROWS; ++r)
@@ -158,8 +160,8 @@ BF16_TARGET void weighted_values(const uint32_t* const* weights, const uint32_t*
   for (int r = 0; r < ROWS; ++r) {
     const __m512 scale = _mm512_set1_ps(inverse[r]);
     for (int v = 0; v < DIM_VECTORS; ++v)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out[r] + v * 16),
-                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[r][v], scale)));
+      _mm256_mask_storeu_epi16(out[r] + v * 16, v + 1 < DIM_VECTORS ? __mmask16(0xFFFF) : last,
+                               (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[r][v], scale)));
   }
 }
 
@@ -183,14 +185,14 @@ void deal(int64_t total, const Fn& fn) {
 
 template <int DIM_VECTORS>
 struct Attention {
-  static constexpr int kDim = DIM_VECTORS * 16;
-  static constexpr int kPairs = kDim / 2;
+  static constexpr int kWidth = DIM_VECTORS * 16;  // a packed value row: head_dim rounded up to vectors
   static constexpr int kValueRows = std::max(1, 16 / DIM_VECTORS);  // accumulators of a value tile: 16
 
   // One task: queries [first, first + count) of `seq`, query head `head`, over its packed keys and values.
-  BF16_TARGET static void block(const Rows& query, const Rows& out, const Sequence& seq, int64_t head,
+  BF16_TARGET static void block(const Rows& query, const Rows& out, int dim, const Sequence& seq, int64_t head,
                                 const uint32_t* keys, const uint32_t* values, int64_t first, int64_t count,
                                 float scale, Buffers& buffers) {
+    const int pairs = dim / 2;
     const int64_t attended = seq.keys_of(first + count - 1);  // the block's last query sees the most keys
     const int64_t blocks = blocks_of(attended), padded = blocks * kKeyBlock, even = attended + attended % 2;
     buffers.scores.resize(kQueryBlock * padded);
@@ -204,12 +206,12 @@ struct Attention {
       rows[r] = reinterpret_cast<const uint32_t*>(query.at(seq.first_query + first + std::min(r, count - 1), head));
     float tail[kScoreRows * kKeyBlock];
     for (int64_t b = 0; b < blocks; ++b) {
-      const uint32_t* block = keys + b * kPairs * kKeyBlock;
+      const uint32_t* block = keys + b * pairs * kKeyBlock;
       for (int64_t r = 0; r < count; r += kScoreRows) {
         if (count - r >= kScoreRows) {
-          score_tile<kScoreRows>(rows + r, block, kPairs, scores + r * padded + b * kKeyBlock, padded);
+          score_tile<kScoreRows>(rows + r, block, pairs, scores + r * padded + b * kKeyBlock, padded);
         } else {
-          score_tile<kScoreRows>(rows + r, block, kPairs, tail, kKeyBlock);
+          score_tile<kScoreRows>(rows + r, block, pairs, tail, kKeyBlock);
           for (int64_t t = 0; t < count - r; ++t)
             std::memcpy(scores + (r + t) * padded + b * kKeyBlock, tail + t * kKeyBlock, sizeof(tail[0]) * kKeyBlock);
         }
@@ -221,39 +223,41 @@ struct Attention {
 
     const uint32_t* weight_rows[kQueryBlock + kValueRows];
     uint16_t* out_rows[kQueryBlock + kValueRows];
-    uint16_t spill[kValueRows][kDim];
+    uint16_t spill[kValueRows][kWidth];
     for (int64_t r = 0; r < count + kValueRows; ++r) {
       const bool real = r < count;
       weight_rows[r] = reinterpret_cast<const uint32_t*>(weights + std::min(r, count - 1) * even);
       out_rows[r] = real ? out.at(seq.first_query + first + r, head) : spill[(r - count) % kValueRows];
       if (!real) inverse[r] = 0.f;
     }
+    const __mmask16 last = __mmask16((1u << (dim - (DIM_VECTORS - 1) * 16)) - 1);
     for (int64_t r = 0; r < count; r += kValueRows)
-      weighted_values<kValueRows, DIM_VECTORS>(weight_rows + r, values, even / 2, inverse + r, out_rows + r);
+      weighted_values<kValueRows, DIM_VECTORS>(weight_rows + r, values, even / 2, inverse + r, out_rows + r, last);
   }
 
   // Attention of every sequence, every query head; query head h reads KV head h / (heads / kv_heads).
   static void run(const Rows& query, const Rows& key, const Rows& value, const Rows& out, int64_t heads,
-                  int64_t kv_heads, const std::vector<Sequence>& sequences, float scale) {
+                  int64_t kv_heads, int dim, const std::vector<Sequence>& sequences, float scale) {
     const int64_t group = heads / kv_heads, count = static_cast<int64_t>(sequences.size());
+    const int pairs = dim / 2;
     // Packed keys and values of every (sequence, KV head), at offsets computed up front.
     std::vector<int64_t> key_offset(count + 1, 0), value_offset(count + 1, 0);
     for (int64_t s = 0; s < count; ++s) {
       const int64_t keys = sequences[s].num_keys;
-      key_offset[s + 1] = key_offset[s] + kv_heads * blocks_of(keys) * kKeyBlock * kPairs;
-      value_offset[s + 1] = value_offset[s] + kv_heads * ((keys + 1) / 2) * kDim;
+      key_offset[s + 1] = key_offset[s] + kv_heads * blocks_of(keys) * kKeyBlock * pairs;
+      value_offset[s + 1] = value_offset[s] + kv_heads * ((keys + 1) / 2) * kWidth;
     }
     std::vector<uint32_t> packed_keys(key_offset[count]), packed_values(value_offset[count]);
     auto keys_of = [&](int64_t s, int64_t h) {
-      return packed_keys.data() + key_offset[s] + h * blocks_of(sequences[s].num_keys) * kKeyBlock * kPairs;
+      return packed_keys.data() + key_offset[s] + h * blocks_of(sequences[s].num_keys) * kKeyBlock * pairs;
     };
     auto values_of = [&](int64_t s, int64_t h) {
-      return packed_values.data() + value_offset[s] + h * ((sequences[s].num_keys + 1) / 2) * kDim;
+      return packed_values.data() + value_offset[s] + h * ((sequences[s].num_keys + 1) / 2) * kWidth;
     };
     deal(count * kv_heads, [&](int64_t task, Buffers&) {
       const int64_t s = task / kv_heads, h = task % kv_heads;
-      pack_keys(key, sequences[s], h, kPairs, keys_of(s, h));
-      pack_values(value, sequences[s], h, kDim, values_of(s, h));
+      pack_keys(key, sequences[s], h, pairs, keys_of(s, h));
+      pack_values(value, sequences[s], h, dim, kWidth, values_of(s, h));
     });
 
     // Tasks of kQueryBlock queries, the most expensive sequences' first, so that the last tasks are short.
@@ -272,7 +276,7 @@ struct Attention {
           tasks.push_back({s, h, first, std::min<int64_t>(kQueryBlock, sequences[s].num_queries - first)});
     deal(static_cast<int64_t>(tasks.size()), [&](int64_t index, Buffers& buffers) {
       const Task& t = tasks[index];
-      block(query, out, sequences[t.seq], t.head, keys_of(t.seq, t.head / group), values_of(t.seq, t.head / group),
+      block(query, out, dim, sequences[t.seq], t.head, keys_of(t.seq, t.head / group), values_of(t.seq, t.head / group),
             t.first, t.count, scale, buffers);
     });
   }
@@ -280,13 +284,19 @@ struct Attention {
 
 void run(const Rows& query, const Rows& key, const Rows& value, const Rows& out, int64_t heads, int64_t kv_heads,
          int64_t dim, const std::vector<Sequence>& sequences, float scale) {
-  switch (dim) {
-    case 16: return Attention<1>::run(query, key, value, out, heads, kv_heads, sequences, scale);
-    case 32: return Attention<2>::run(query, key, value, out, heads, kv_heads, sequences, scale);
-    case 64: return Attention<4>::run(query, key, value, out, heads, kv_heads, sequences, scale);
-    case 128: return Attention<8>::run(query, key, value, out, heads, kv_heads, sequences, scale);
-    case 256: return Attention<16>::run(query, key, value, out, heads, kv_heads, sequences, scale);
-    default: TORCH_CHECK(false, "head size ", dim, " is not one of 16, 32, 64, 128, 256");
+  TORCH_CHECK(dim > 0 && dim % 2 == 0, "head size ", dim, " is not even");
+  // one instantiation per number of 16-lane vectors a head takes
+  switch ((dim + 15) / 16) {
+    case 1: return Attention<1>::run(query, key, value, out, heads, kv_heads, dim, sequences, scale);
+    case 2: return Attention<2>::run(query, key, value, out, heads, kv_heads, dim, sequences, scale);
+    case 3: return Attention<3>::run(query, key, value, out, heads, kv_heads, dim, sequences, scale);
+    case 4: return Attention<4>::run(query, key, value, out, heads, kv_heads, dim, sequences, scale);
+    case 5: return Attention<5>::run(query, key, value, out, heads, kv_heads, dim, sequences, scale);
+    case 6: return Attention<6>::run(query, key, value, out, heads, kv_heads, dim, sequences, scale);
+    case 7: return Attention<7>::run(query, key, value, out, heads, kv_heads, dim, sequences, scale);
+    case 8: return Attention<8>::run(query, key, value, out, heads, kv_heads, dim, sequences, scale);
+    case 16: return Attention<16>::run(query, key, value, out, heads, kv_heads, dim, sequences, scale);
+    default: TORCH_CHECK(false, "head size ", dim, " is over 128 and not 242-256");
   }
 }
 
