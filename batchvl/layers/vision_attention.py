@@ -29,6 +29,7 @@ from batchvl.layers.cpu_attention import (
 )
 
 VISION_ATTENTION_NAME = "batchvl_flash_varlen"  # "flash" in the name makes transformers pass cu_seqlens
+BATCHED_VISION_ATTENTION_NAME = "batchvl_vision"  # towers that attend (B, H, N, D) batches of one size
 
 
 def _flash_varlen(query, key, value, cu_seqlens, max_length, scaling):
@@ -108,7 +109,36 @@ def varlen_vision_attention(
     return _attention_per_run(query, key, value, lengths, scaling), None
 
 
+def batched_vision_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """A batch of images of one size, (B, H, N, D), as the CLIP and SigLIP towers (LLaVA, Idefics3) call
+    attention; returns (B, N, H, D). Unmasked and non-causal, in bf16 on a CPU with bf16 dot products: the
+    images as packed sequences of the native kernel. Otherwise (a patch mask, fp32, other CPUs):
+    transformers' SDPA function, what these towers ran before."""
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", False)
+    if attention_mask is None and not causal and use_native_attention(query):
+        batch, heads, length, dim = query.shape
+        # (B, H, N, D) views of (B, N, H, D) projections: as packed (B * N, H, D) rows, a view again
+        q, k, v = (t.transpose(1, 2).reshape(batch * length, heads, dim) for t in (query, key, value))
+        cu_seqlens = torch.arange(0, batch * length + 1, length)
+        return native_attention(q, k, v, cu_seqlens, scaling).view(batch, length, heads, dim), None
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(
+        module, query, key, value, attention_mask, scaling=scaling, is_causal=is_causal, **kwargs
+    )
+
+
 def register_vision_attention() -> None:
     from transformers import AttentionInterface
 
     AttentionInterface.register(VISION_ATTENTION_NAME, varlen_vision_attention)
+    AttentionInterface.register(BATCHED_VISION_ATTENTION_NAME, batched_vision_attention)

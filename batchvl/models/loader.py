@@ -124,7 +124,11 @@ def load_model(
     from batchvl.layers.fused_projections import fuse_projections
     from batchvl.layers.qwen_vision_attention import use_own_vision_attention
     from batchvl.layers.rms_norm import use_native_rms_norms
-    from batchvl.layers.vision_attention import VISION_ATTENTION_NAME, register_vision_attention
+    from batchvl.layers.vision_attention import (
+        BATCHED_VISION_ATTENTION_NAME,
+        VISION_ATTENTION_NAME,
+        register_vision_attention,
+    )
     from batchvl.models.fused_activation import fuse_mlp_activations
     from batchvl.models.packed_linear import pack_linear_weights
     from batchvl.models.patch_embed import patch_convs_as_linear
@@ -150,11 +154,11 @@ def load_model(
     register_paged_attention()
     register_vision_attention()
     # Text attention goes through the engine's paged KV cache; a varlen vision tower attends over all
-    # images of an encode batch in one call per layer.
+    # images of an encode batch in one call per layer, another over its batch of equal-size images.
     model.set_attn_implementation(
         {
             "text_config": PAGED_ATTENTION_NAME,
-            "vision_config": VISION_ATTENTION_NAME if family.varlen_vision else "sdpa",
+            "vision_config": VISION_ATTENTION_NAME if family.varlen_vision else BATCHED_VISION_ATTENTION_NAME,
         }
     )
     logger.info("loaded %s (%s) on %s as %s", path, family.model_type, torch_device, torch_dtype)

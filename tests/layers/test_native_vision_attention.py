@@ -126,3 +126,66 @@ def test_the_vision_attention_function_takes_the_native_kernel_in_bf16(ops, monk
             cu_seqlens,
         ),
     )
+
+
+def test_batched_towers_take_the_kernel_unmasked_in_bf16_and_sdpa_otherwise(ops, monkeypatch):
+    """CLIP and SigLIP towers (LLaVA, Idefics3) hand attention (B, H, N, D) batches of one image size."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if not runs_here(ops):
+        return
+    monkeypatch.setattr(cpu_attention, "has_amx", lambda: False)
+    generator = torch.Generator().manual_seed(4)
+    projected = (torch.randn(3, 50, 3, 4, 72, generator=generator) * 2).bfloat16()  # (B, N, qkv, H, D)
+    query, key, value = (projected[:, :, i].transpose(1, 2) for i in range(3))  # (B, H, N, D) views
+    module = torch.nn.Module()
+    module.is_causal = False
+    out, _ = vision_attention.batched_vision_attention(module, query, key, value, None, scaling=0.1)
+    assert out.shape == (3, 50, 4, 72)
+    packed = [projected[:, :, i].reshape(150, 4, 72) for i in range(3)]
+    assert torch.equal(
+        out.reshape(150, 4, 72), cpu_attention.native_attention(*packed, torch.tensor([0, 50, 100, 150]), 0.1)
+    )
+    exact, _ = sdpa_attention_forward(module, query.double(), key.double(), value.double(), None, scaling=0.1)
+    fused, _ = sdpa_attention_forward(module, query, key, value, None, scaling=0.1)
+    assert (out.double() - exact).norm() < 2 * (fused.double() - exact).norm() + 1e-3 * exact.norm()
+    # a patch mask, a causal module, or fp32: transformers' SDPA function, as before
+    mask = torch.ones(3, 1, 50, 50, dtype=torch.bool)
+    mask[:, :, :, 40:] = False
+    for args, owner in [
+        ((query, key, value, mask), module),
+        ((query.float(), key.float(), value.float(), None), module),
+    ]:
+        got, _ = vision_attention.batched_vision_attention(owner, *args, scaling=0.1)
+        assert torch.equal(got, sdpa_attention_forward(owner, *args, scaling=0.1)[0])
+    module.is_causal = True
+    got, _ = vision_attention.batched_vision_attention(module, query, key, value, None, scaling=0.1)
+    assert torch.equal(got, sdpa_attention_forward(module, query, key, value, None, scaling=0.1)[0])
+
+
+@pytest.mark.parametrize("family", ["llava", "idefics3"])
+def test_a_bf16_llava_or_idefics3_tower_runs_on_the_kernel(ops, family, tmp_path, monkeypatch):
+    from batchvl.models.loader import load_model
+    from batchvl.models.tiny import build_tiny_model
+
+    loaded = load_model(
+        str(build_tiny_model(tmp_path / family, family=family)), dtype="bfloat16", device="cpu"
+    )
+    vision = loaded.adapter.model.config.vision_config
+    assert vision._attn_implementation == vision_attention.BATCHED_VISION_ATTENTION_NAME
+    if not runs_here(ops) or cpu_attention.has_amx():
+        return
+    calls = []
+    native = cpu_attention.native_attention
+    monkeypatch.setattr(
+        vision_attention, "native_attention", lambda *a: calls.append(a[0].shape) or native(*a)
+    )
+    tower = (
+        loaded.adapter.model.model.vision_model
+        if family == "idefics3"
+        else loaded.adapter.model.model.vision_tower
+    )
+    size = vision.image_size
+    with torch.inference_mode():
+        tower(torch.randn(2, 3, size, size, dtype=torch.bfloat16))
+    assert len(calls) == vision.num_hidden_layers
