@@ -14,6 +14,16 @@ pytest_plugins = ["pytester", "tests.ci_policy"]
 SHARPNESS = 8.0
 
 
+def bf16_packs() -> bool:
+    """Whether oneDNN packs bf16 weights on this CPU. On one without AVX-512 (an AVX2-only machine) torch
+    cannot, and a bf16 model's linear layers stay plain: the packing tests check that there instead."""
+    import torch
+
+    from batchvl.models.packed_linear import packs
+
+    return packs(torch.bfloat16)
+
+
 @pytest.fixture(scope="session")
 def s3():
     """An S3-compatible server (moto's) on 127.0.0.1 with a bucket `data`: (endpoint URL, boto3 client)."""

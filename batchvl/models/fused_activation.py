@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from transformers.activations import GELUActivation, GELUTanh, QuickGELUActivation, SiLUActivation
 
-from batchvl.models.packed_linear import PACKED_DTYPES, PackedLinear, parameter_owners
+from batchvl.models.packed_linear import PackedLinear, packs, parameter_owners
 
 QUICK_GELU_SCALE = 1.702
 # (first linear, activation, second linear): the two-layer MLPs of the supported towers and projectors
@@ -60,7 +60,7 @@ def fusable(first, activation, second, owners: dict[int, int]) -> bool:
     return (
         post_op(activation) is not None
         and all(type(m) is torch.nn.Linear for m in linears)
-        and all(m.weight.dtype in PACKED_DTYPES and m.weight.device.type == "cpu" for m in linears)
+        and all(packs(m.weight.dtype) and m.weight.device.type == "cpu" for m in linears)
         and all(owners[id(m.weight)] == 1 for m in linears)
     )
 

@@ -27,7 +27,15 @@ import torch
 from batchvl.layers.module_swap import replace_children
 from batchvl.layers.row_buckets import bucket_rows
 
-PACKED_DTYPES = (torch.bfloat16, torch.float32)
+
+def packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs weights of this dtype on this CPU: fp32 always; bf16 only where its bf16 kernels
+    run (AVX-512 BW/VL/DQ, or AVX-NE-CONVERT). On an AVX2-only CPU torch refuses to pack a bf16 weight, and
+    a model the user asked for in bf16 there keeps `F.linear` (slow, as the loader's warning says, but it
+    runs)."""
+    return dtype == torch.float32 or (
+        dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    )
 
 
 class PackedLinear(torch.nn.Module):
@@ -98,7 +106,7 @@ def packable(linear: torch.nn.Module, owners: dict[int, int]) -> bool:
     weight = getattr(linear, "weight", None)
     return (
         type(linear) is torch.nn.Linear
-        and weight.dtype in PACKED_DTYPES
+        and packs(weight.dtype)
         and weight.device.type == "cpu"
         and owners[id(weight)] == 1
     )
