@@ -128,6 +128,13 @@ class DecodeBatch:
         return cls(rows.to(device), kv_cache.gather_rows(key_slots.to(device)), mask.to(device))
 
 
+def key_slot_table(sequences: list[SequenceSlice]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The native kernels' view of where sequences' keys are: (B, L) cache slots, each row in position order
+    (past its length: unread), and (B,) lengths."""
+    slots = torch.nn.utils.rnn.pad_sequence([seq.key_slots for seq in sequences], batch_first=True)
+    return slots, torch.tensor([len(seq.key_slots) for seq in sequences])
+
+
 @dataclass
 class InPlaceDecodes:
     """Every single-query sequence of a step, attended by the native kernel where the cache holds its keys
@@ -139,15 +146,11 @@ class InPlaceDecodes:
 
     @classmethod
     def build(cls, sequences: list[SequenceSlice]) -> InPlaceDecodes:
-        slots = torch.nn.utils.rnn.pad_sequence([seq.key_slots for seq in sequences], batch_first=True)
-        lengths = torch.tensor([len(seq.key_slots) for seq in sequences])
-        return cls(torch.tensor([seq.query_start for seq in sequences]), slots, lengths)
+        return cls(torch.tensor([seq.query_start for seq in sequences]), *key_slot_table(sequences))
 
     def attend(self, out: torch.Tensor, query: torch.Tensor, kv: torch.Tensor, scaling: float) -> None:
         """Write into `out` (T, H, D), at each decode's row, its attention over its cached keys; `query` is
-        (H, T, D), `kv` one layer of the cache."""
-        if query.stride(-1) != 1:
-            query = query.contiguous()
+        (H, T, D) with contiguous heads, `kv` one layer of the cache."""
         native_ops().paged_decode_attention(out, query, kv, self.rows, self.slots, self.lengths, scaling)
 
 
@@ -163,18 +166,15 @@ class InPlacePrefills:
 
     @classmethod
     def build(cls, sequences: list[SequenceSlice]) -> InPlacePrefills:
-        slots = torch.nn.utils.rnn.pad_sequence([seq.key_slots for seq in sequences], batch_first=True)
         return cls(
             torch.tensor([seq.query_start for seq in sequences]),
             torch.tensor([seq.num_queries for seq in sequences]),
-            slots,
-            torch.tensor([len(seq.key_slots) for seq in sequences]),
+            *key_slot_table(sequences),
         )
 
     def attend(self, out: torch.Tensor, query: torch.Tensor, kv: torch.Tensor, scaling: float) -> None:
-        """Write into `out` (T, H, D) each chunk's causal attention; `query` (H, T, D), `kv` a cache layer."""
-        if query.stride(-1) != 1:
-            query = query.contiguous()
+        """Write into `out` (T, H, D) each chunk's causal attention; `query` (H, T, D) with contiguous heads,
+        `kv` a cache layer."""
         native_ops().paged_prefill_attention(
             out, query, kv, self.starts, self.counts, self.slots, self.lengths, scaling
         )
@@ -286,10 +286,11 @@ def paged_attention(
     out = query.new_empty((num_tokens, query.shape[1], query.shape[3]))
     out[real:] = 0
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    heads = query[0] if query.stride(-1) == 1 else query[0].contiguous()  # (H, T, D) as the kernels read it
     if meta.in_place_decodes is not None:
-        meta.in_place_decodes.attend(out, query[0], cache.layers[layer], scale)
+        meta.in_place_decodes.attend(out, heads, cache.layers[layer], scale)
     if meta.in_place_prefills is not None:
-        meta.in_place_prefills.attend(out, query[0], cache.layers[layer], scale)
+        meta.in_place_prefills.attend(out, heads, cache.layers[layer], scale)
     for decode in meta.decodes:
         q = query[0, :, decode.rows].transpose(0, 1)  # (B, H, D)
         out[decode.rows] = decode_attention(q, *cache.gather(layer, decode.key_rows), decode, scaling)

@@ -1,4 +1,5 @@
-"""Attention in bf16 on CPU (the vision tower's): which kernel runs it, and the blocked-matmul fallback.
+"""Attention in bf16 on CPU: where the native bf16 kernel runs it (the vision towers, and the prefill
+chunks through `attention.py`), and the vision towers' blocked-matmul fallback elsewhere.
 
 Where the CPU has AVX512-BF16 dot products (and no AMX), batchvl's native kernel runs it
 (`native/bf16_attention.cpp`): 260-290 GFLOP/s on sequences of 256-1,024 patches on a 2-core AMD EPYC,
