@@ -17,12 +17,7 @@ from batchvl.engine.adapter import ModelAdapter
 from batchvl.engine.block_manager import BlockManager
 from batchvl.engine.request import ScheduledChunk
 from batchvl.engine.vit_dp import DataParallelEncoder
-from batchvl.layers.attention import (
-    KVCache,
-    PagedAttentionMetadata,
-    SequenceSlice,
-    chunk_mask,
-)
+from batchvl.layers.attention import KVCache, PagedAttentionMetadata, SequenceSlice
 from batchvl.layers.row_buckets import bucket_rows
 from batchvl.preprocess.media import PreparedMedia
 
@@ -150,11 +145,7 @@ class ModelRunner:
             positions.append(self._chunk_positions(request.request_id, chunk.start, chunk.end))
             key_slots = block_manager.slots(request, chunk.end)
             slot_mapping.append(key_slots[chunk.start :])
-            sequences.append(
-                SequenceSlice(
-                    query_start, chunk.num_tokens, key_slots, chunk_mask(chunk.start, chunk.num_tokens, "cpu")
-                )
-            )
+            sequences.append(SequenceSlice(query_start, chunk.num_tokens, key_slots))
             query_start += chunk.num_tokens
         # Padding rows up to the step's row bucket: the packed linear layers then take the step as it is
         # (no copy per layer) and oneDNN reuses the kernels it built for that bucket. Padding tokens attend
@@ -167,8 +158,6 @@ class ModelRunner:
         device = self.adapter.device
         for seq in sequences:
             seq.key_slots = seq.key_slots.to(device)
-            if seq.mask is not None:
-                seq.mask = seq.mask.to(device)
         meta = PagedAttentionMetadata.build(
             self.kv_cache, torch.cat(slot_mapping).to(device), sequences, device
         )

@@ -82,19 +82,23 @@ class SequenceSlice:
     """One request's part of the packed step."""
 
     query_start: int  # first row of this request's queries in the packed step
-    num_queries: int
+    num_queries: int  # its queries are its last num_queries tokens, each attending causally
     key_slots: torch.Tensor  # cache slots of all its tokens so far (context + this chunk), in position order
-    mask: torch.Tensor | None  # (num_queries, num_keys) bool, True = attend; None = causal from 0 or decode
     key_rows: torch.Tensor | None = None  # KVCache.gather_rows(key_slots), when it reads from the cache
 
     @property
     def is_decode(self) -> bool:
         """One query attending to every key so far."""
-        return self.num_queries == 1 and self.mask is None
+        return self.num_queries == 1
 
     @property
     def is_full_causal(self) -> bool:
         return self.num_queries == len(self.key_slots) and self.num_queries > 1
+
+    def causal_mask(self) -> torch.Tensor | None:
+        """(num_queries, num_keys) bool, True = attend; None where plain causal or a decode needs none.
+        Built only by torch's attention path: the native kernels take the lengths alone."""
+        return chunk_mask(len(self.key_slots) - self.num_queries, self.num_queries, self.key_slots.device)
 
 
 # A decode group is split in two where that saves at least this many padded keys: about what one more
@@ -303,7 +307,13 @@ def paged_attention(
         else:
             k, v = (t[None] for t in cache.gather(layer, seq.key_rows))
         o = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=seq.mask, is_causal=seq.is_full_causal, scale=scaling, enable_gqa=True
+            q,
+            k,
+            v,
+            attn_mask=None if seq.is_full_causal else seq.causal_mask(),
+            is_causal=seq.is_full_causal,
+            scale=scaling,
+            enable_gqa=True,
         )
         out[rows] = o[0].transpose(0, 1)
     return out[None], None

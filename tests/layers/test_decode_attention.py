@@ -54,9 +54,7 @@ def test_decode_batch_equals_one_call_per_sequence(dtype):
     heads, slots, layer = 8, 500, 1
     cache = filled_cache(dtype, slots)
     lengths = [1, 37, 120, 5]
-    sequences = [
-        SequenceSlice(i, 1, torch.randperm(slots)[:length], None) for i, length in enumerate(lengths)
-    ]
+    sequences = [SequenceSlice(i, 1, torch.randperm(slots)[:length]) for i, length in enumerate(lengths)]
     rest, decodes = split_decodes(sequences, cache, "cpu")
     (decode,) = decodes  # too few padded keys to split: one batch
     assert rest == [] and isinstance(decode, DecodeBatch) and decode.mask.shape == (4, 120)
@@ -73,14 +71,22 @@ def test_decode_batch_equals_one_call_per_sequence(dtype):
 
 def test_prefill_chunks_and_a_lone_decode_stay_one_by_one():
     cache = filled_cache(torch.float32, slots=16)
-    chunk = SequenceSlice(0, 4, torch.arange(10), torch.ones(4, 10, dtype=torch.bool))
-    lone = SequenceSlice(4, 1, torch.arange(3), None)
-    full = SequenceSlice(5, 6, torch.arange(6), None)
+    chunk = SequenceSlice(0, 4, torch.arange(10))
+    lone = SequenceSlice(4, 1, torch.arange(3))
+    full = SequenceSlice(5, 6, torch.arange(6))
     meta = PagedAttentionMetadata.build(cache, torch.arange(11), [chunk, lone, full], "cpu")
     assert meta.sequences == [chunk, lone, full] and meta.decodes == []
     # the sequences that read the cache know their rows; a chunk from position 0 reads its own inputs
     assert torch.equal(chunk.key_rows, cache.gather_rows(torch.arange(10)))
     assert lone.key_rows is not None and full.key_rows is None
+
+
+def test_a_chunk_after_its_context_attends_causally_from_its_first_query():
+    chunk = SequenceSlice(0, 3, torch.arange(5))  # 2 keys of context, then its 3 queries
+    expected = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    assert torch.equal(chunk.causal_mask(), expected)
+    assert SequenceSlice(0, 1, torch.arange(7)).causal_mask() is None  # a decode sees every key
+    assert SequenceSlice(0, 4, torch.arange(4)).causal_mask() is None  # plain causal: SDPA's own
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -94,8 +100,8 @@ def test_unwritten_cache_slots_never_reach_a_decode(dtype):
         assert torch.equal(layer[:, :, 0], torch.zeros_like(layer[:, :, 0]))
         layer[:, :, 1:] = float("nan")  # the worst garbage an unwritten slot could hold
     sequences = [
-        SequenceSlice(0, 1, torch.tensor([5, 6, 7]), None),
-        SequenceSlice(1, 1, torch.tensor([9]), None),
+        SequenceSlice(0, 1, torch.tensor([5, 6, 7])),
+        SequenceSlice(1, 1, torch.tensor([9])),
     ]
     for seq in sequences:  # the slots the requests wrote
         cache.write(1, seq.key_slots, *torch.randn(2, 2, len(seq.key_slots), 8, dtype=dtype))
@@ -129,9 +135,7 @@ def test_decodes_split_by_length_equal_one_call_per_sequence(dtype):
     heads, slots, layer = 8, 3000, 0
     cache = filled_cache(dtype, slots)
     lengths = [900, 30, 850, 12, 40, 880]
-    sequences = [
-        SequenceSlice(i, 1, torch.randperm(slots)[:length], None) for i, length in enumerate(lengths)
-    ]
+    sequences = [SequenceSlice(i, 1, torch.randperm(slots)[:length]) for i, length in enumerate(lengths)]
     meta = PagedAttentionMetadata.build(cache, torch.arange(len(lengths)), sequences, "cpu")
     assert meta.sequences == [] and [d.mask.shape for d in meta.decodes] == [(3, 900), (3, 40)]
     q = torch.randn(1, heads, len(lengths), 16, dtype=dtype)

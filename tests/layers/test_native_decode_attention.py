@@ -59,7 +59,7 @@ def test_equals_each_sequence_alone(kernel, dtype, dim, kv_heads, heads):
     lengths = [1, 17, 300, 5, 64, 233]
     rows = [3, 0, 6, 1, 7, 4]  # the queries' rows in the packed step, out of order; rows 2 and 5 are others'
     sequences = [
-        SequenceSlice(row, 1, torch.randperm(slots, generator=generator)[:length], None)
+        SequenceSlice(row, 1, torch.randperm(slots, generator=generator)[:length])
         for row, length in zip(rows, lengths, strict=True)
     ]
     # (H, T, D) with the strides transformers' (1, T, H, D) -> (1, H, T, D) transpose leaves
@@ -78,8 +78,8 @@ def test_reads_only_each_sequence_own_slots(kernel):
     cache = filled_cache(torch.float32, 64, 2, 16)
     cache.layers[0][:, :, 32:] = float("nan")
     sequences = [
-        SequenceSlice(0, 1, torch.tensor([5, 9, 1]), None),
-        SequenceSlice(1, 1, torch.tensor([30]), None),
+        SequenceSlice(0, 1, torch.tensor([5, 9, 1])),
+        SequenceSlice(1, 1, torch.tensor([30])),
     ]
     decodes = InPlaceDecodes.build(sequences)
     decodes.slots[1, 1:] = 40  # the short sequence's padding points at garbage
@@ -99,8 +99,8 @@ def test_a_step_of_decodes_and_a_prefill_chunk_through_paged_attention(kernel):
     for layer in range(2):
         cache.write(layer, torch.arange(slots), *torch.randn(2, kv_heads, slots, dim))
     chunk_slots = torch.arange(600, 610)
-    decodes = [SequenceSlice(i, 1, torch.randperm(500)[: 40 * (i + 1)], None) for i in range(3)]
-    chunk = SequenceSlice(3, 4, chunk_slots, torch.ones(4, 10, dtype=torch.bool).tril(6))
+    decodes = [SequenceSlice(i, 1, torch.randperm(500)[: 40 * (i + 1)]) for i in range(3)]
+    chunk = SequenceSlice(3, 4, chunk_slots)  # 6 keys of context
     step_slots = torch.cat([torch.stack([seq.key_slots[-1] for seq in decodes]), chunk_slots[6:]])
     meta = PagedAttentionMetadata.build(cache, step_slots, [decodes[0], chunk, *decodes[1:]], "cpu")
     assert meta.sequences == [chunk] and meta.decodes == []
@@ -111,15 +111,16 @@ def test_a_step_of_decodes_and_a_prefill_chunk_through_paged_attention(kernel):
     module.layer_idx = 1
     out, _ = paged_attention(module, query, key, value, None, batchvl_attention=meta)
     keys, values = cache.layers[1]  # after the step wrote its K/V
-    for seq in [*decodes, chunk]:
+    causal_after_six = torch.ones(4, 10, dtype=torch.bool).tril(6)  # query i sees keys 0..6+i
+    for seq, mask in [*((d, None) for d in decodes), (chunk, causal_after_six)]:
         rows = slice(seq.query_start, seq.query_start + seq.num_queries)
         k, v = keys[:, seq.key_slots][None], values[:, seq.key_slots][None]
-        alone = F.scaled_dot_product_attention(query[:, :, rows], k, v, attn_mask=seq.mask, enable_gqa=True)
+        alone = F.scaled_dot_product_attention(query[:, :, rows], k, v, attn_mask=mask, enable_gqa=True)
         torch.testing.assert_close(out[0, rows], alone[0].transpose(0, 1), **tolerance(torch.float32))
 
 
 def test_refuses_a_head_size_it_is_not_built_for(kernel):
     cache = filled_cache(torch.float32, 8, 1, 48)
-    decodes = InPlaceDecodes.build([SequenceSlice(0, 1, torch.tensor([1, 2]), None)])
+    decodes = InPlaceDecodes.build([SequenceSlice(0, 1, torch.tensor([1, 2]))])
     with pytest.raises(RuntimeError, match="head size 48"):
         decodes.attend(torch.empty(1, 1, 48), torch.randn(1, 1, 48), cache.layers[0], 1.0)

@@ -11,7 +11,6 @@ from batchvl.layers.attention import (
     KVCache,
     PagedAttentionMetadata,
     SequenceSlice,
-    chunk_mask,
     paged_attention,
 )
 from batchvl.layers.native_kernels import native_ops
@@ -47,7 +46,7 @@ def step(dim: int, dtype, in_place: bool, seed: int = 0):
     for cached, chunk in CHUNKS:
         slots = order[used : used + cached + chunk]
         used += cached + chunk
-        sequences.append(SequenceSlice(row, chunk, slots, chunk_mask(cached, chunk, "cpu")))
+        sequences.append(SequenceSlice(row, chunk, slots))
         step_slots.append(slots[cached:])
         row += chunk
     query = values(1, total, HEADS, dim).transpose(1, 2)  # (1, H, T, D) as transformers hands it over
@@ -91,9 +90,7 @@ def test_each_chunk_attends_causally_to_its_own_keys_only(ops):
     cache = KVCache.allocate(1, 200, KV_HEADS, dim, torch.bfloat16, "cpu")
     cache.write(0, torch.arange(200), *torch.randn(2, KV_HEADS, 200, dim, generator=generator).bfloat16())
     slots = torch.arange(100, 100 + cached + chunk)
-    prefills = attention.InPlacePrefills.build(
-        [SequenceSlice(0, chunk, slots, chunk_mask(cached, chunk, "cpu"))]
-    )
+    prefills = attention.InPlacePrefills.build([SequenceSlice(0, chunk, slots)])
     query = torch.randn(HEADS, chunk, dim, generator=generator).bfloat16()
 
     def attend() -> torch.Tensor:
