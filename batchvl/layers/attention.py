@@ -96,9 +96,16 @@ class SequenceSlice:
         return self.num_queries == len(self.key_slots) and self.num_queries > 1
 
     def causal_mask(self) -> torch.Tensor | None:
-        """(num_queries, num_keys) bool, True = attend; None where plain causal or a decode needs none.
-        Built only by torch's attention path: the native kernels take the lengths alone."""
-        return chunk_mask(len(self.key_slots) - self.num_queries, self.num_queries, self.key_slots.device)
+        """(num_queries, num_keys) bool, True = attend: query i sits at position start + i, after the
+        chunk's context of `start` keys. None for a decode (it sees every key) and for a chunk from position
+        0 (plain causal). Built only by torch's attention path: the native kernels take the lengths alone."""
+        start = len(self.key_slots) - self.num_queries
+        if self.num_queries == 1 or start == 0:
+            return None
+        device = self.key_slots.device
+        key_pos = torch.arange(start + self.num_queries, device=device)
+        query_pos = torch.arange(start, start + self.num_queries, device=device)
+        return key_pos[None, :] <= query_pos[:, None]
 
 
 # A decode group is split in two where that saves at least this many padded keys: about what one more
@@ -255,15 +262,6 @@ def length_groups(lengths: list[int]) -> list[list[int]]:
     return [sorted(group) for group in groups]  # each in step order
 
 
-def chunk_mask(start: int, num_queries: int, device) -> torch.Tensor | None:
-    """Mask for queries at positions [start, start+num_queries) over keys [0, start+num_queries)."""
-    if num_queries == 1 or start == 0:
-        return None  # decode attends to everything; a chunk from position 0 is plain causal
-    key_pos = torch.arange(start + num_queries, device=device)
-    query_pos = torch.arange(start, start + num_queries, device=device)
-    return key_pos[None, :] <= query_pos[:, None]
-
-
 def paged_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -307,13 +305,7 @@ def paged_attention(
         else:
             k, v = (t[None] for t in cache.gather(layer, seq.key_rows))
         o = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=None if seq.is_full_causal else seq.causal_mask(),
-            is_causal=seq.is_full_causal,
-            scale=scaling,
-            enable_gqa=True,
+            q, k, v, attn_mask=seq.causal_mask(), is_causal=seq.is_full_causal, scale=scaling, enable_gqa=True
         )
         out[rows] = o[0].transpose(0, 1)
     return out[None], None
