@@ -637,7 +637,29 @@ def output_defining_config(cfg: JobConfig) -> dict:
         present = {k: d[section.name][k] for k in keys if k in d[section.name]}  # unset new keys are not
         if present:
             out[section.name] = present
+    for prompt in out["prompts"]:
+        orders = _unsorted_property_orders(prompt.get("json_schema"))
+        if orders:
+            prompt["json_schema_property_order"] = orders
     return out
+
+
+def _unsorted_property_orders(schema: Any) -> list[list[str]]:
+    """The names of every `properties` mapping in a JSON schema that does not list them alphabetically, in
+    the order written. The model writes properties in that order, so it defines the output; the fingerprint's
+    JSON sorts keys and would not see it. A schema with alphabetical properties adds nothing, so it keeps the
+    fingerprint it had when the grammar sorted them."""
+    orders = []
+    if isinstance(schema, dict):
+        properties = schema.get("properties")
+        if isinstance(properties, dict) and list(properties) != sorted(properties):
+            orders.append(list(properties))
+        for value in schema.values():
+            orders.extend(_unsorted_property_orders(value))
+    elif isinstance(schema, list):
+        for value in schema:
+            orders.extend(_unsorted_property_orders(value))
+    return orders
 
 
 def _without_unset_new_keys(value: Any) -> Any:

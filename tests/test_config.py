@@ -205,6 +205,40 @@ def test_a_constraint_enters_the_fingerprint_and_its_absence_keeps_the_old_one()
     assert len({config_fingerprint(free), config_fingerprint(choices), config_fingerprint(other)}) == 3
 
 
+def test_a_schemas_property_order_defines_the_output():
+    base = {"model": {"path": "/m"}, "input": {"paths": ["/d"]}, "output": {"dir": "/o"}}
+
+    def fingerprint(schema: dict) -> str:
+        prompt = {"name": "p", "text": "t", "json_schema": schema}
+        return config_fingerprint(job_config_from_dict({**base, "prompts": [prompt]}))
+
+    alphabetical = {
+        "type": "object",
+        "properties": {"color": {"type": "string"}, "count": {"type": "integer"}},
+    }
+    # the fingerprint this job had when the grammar sorted the properties (computed by that version): a
+    # schema whose properties are alphabetical writes the same rows as before, so keeps its shards
+    assert fingerprint(alphabetical) == "e0b69c7c5c0195d2"
+    assert fingerprint({"properties": alphabetical["properties"], "type": "object"}) == "e0b69c7c5c0195d2"
+    reordered = {"type": "object", "properties": {"count": {"type": "integer"}, "color": {"type": "string"}}}
+    nested = {
+        "type": "object",
+        "properties": {"a": {"type": "object", "properties": reordered["properties"]}},
+    }
+    nested_sorted = {"type": "object", "properties": {"a": alphabetical}}
+    assert (
+        len(
+            {
+                fingerprint(alphabetical),
+                fingerprint(reordered),
+                fingerprint(nested),
+                fingerprint(nested_sorted),
+            }
+        )
+        == 4
+    )
+
+
 def test_a_json_schema_path_is_read_relative_to_the_job_file(tmp_path):
     (tmp_path / "schemas").mkdir()
     (tmp_path / "schemas" / "a.json").write_text('{"type": "object"}')

@@ -1,12 +1,12 @@
 """Constrained decoding: a request may carry a constraint its output must follow (a JSON schema, a regular
 expression, or a list of choices), enforced with xgrammar as vLLM and SGLang do.
 
-Each distinct constraint is compiled once per engine (keyed by its canonical text) against the model's
-tokenizer; each constrained request holds its own matcher. Every step, the logits rows of constrained
-requests that sample get their token bitmask (masked tokens to -inf) before sampling, and each matcher then
-accepts its request's new token; unconstrained rows are not touched. A matcher that accepted an
-end-of-sequence token ends its request; a request that ends where its grammar could not (a token limit, a
-stop string) is `incomplete`.
+Each distinct constraint is compiled once per engine (keyed by its text: a schema's property order is kept)
+against the model's tokenizer; each constrained request holds its own matcher. Every step, the logits
+rows of constrained requests that sample get their token bitmask (masked tokens to -inf) before sampling,
+and each matcher then accepts its request's new token; unconstrained rows are not touched. A matcher that
+accepted an end-of-sequence token ends its request; a request that ends where its grammar could not (a
+token limit, a stop string) is `incomplete`.
 """
 
 from __future__ import annotations
@@ -29,12 +29,14 @@ class OutputConstraint:
     """What an output must match, as plain data (a request carries it; the engine compiles it)."""
 
     kind: Literal["json_schema", "regex", "choices"]
-    spec: str  # the schema as canonical JSON, the regular expression, or the choices as a JSON list
+    # The schema as compact JSON in the order it was written (its property order is the order the model
+    # writes the properties in), the regular expression, or the choices as a JSON list.
+    spec: str
     any_whitespace: bool = False  # json_schema: allow free whitespace between JSON tokens
 
     @classmethod
     def json_schema(cls, schema: dict, any_whitespace: bool = False) -> OutputConstraint:
-        return cls("json_schema", json.dumps(schema, sort_keys=True, separators=(",", ":")), any_whitespace)
+        return cls("json_schema", json.dumps(schema, separators=(",", ":")), any_whitespace)
 
     @classmethod
     def choices(cls, choices: list[str]) -> OutputConstraint:
