@@ -7,12 +7,16 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from batchvl.commits import WriteShard
+from batchvl.config import job_config_from_dict
 from batchvl.io.claims import STALE_S, Holder, ShardClaims
 from batchvl.io.commit import read_marker
 from batchvl.io.output_dir import LocalDir
+from batchvl.job import JobRunner
 from tests.conftest import png_bytes, random_image
 
 
@@ -43,6 +47,28 @@ def test_a_claim_is_held_until_released_and_a_dead_holders_claim_is_taken_over(t
     assert ours.acquire("b.parquet") is None  # its process is gone: stale, taken over
     with open(ours.path("b.parquet")) as claim:
         assert json.load(claim)["pid"] == os.getpid()
+
+
+def test_a_claim_naming_a_live_pid_that_another_process_now_has_is_stale(tmp_path):
+    ours = ShardClaims(LocalDir(str(tmp_path)), Holder.of_process(os.getpid()))
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        started = psutil.Process(sleeper.pid).create_time()
+        # the claim of a run that had this pid before: same host and pid, an earlier start
+        before = ShardClaims(
+            LocalDir(str(tmp_path)), Holder(socket.gethostname(), sleeper.pid, started - 3600)
+        )
+        assert before.acquire("s.parquet") is None
+        assert ours.acquire("s.parquet") is None  # taken over although the pid is alive
+        with open(ours.path("s.parquet")) as claim:
+            assert json.load(claim)["pid"] == os.getpid()
+        ours.release("s.parquet")
+        now = ShardClaims(LocalDir(str(tmp_path)), Holder(socket.gethostname(), sleeper.pid, started))
+        assert now.acquire("s.parquet") is None
+        assert ours.acquire("s.parquet") == now.holder  # the pid's own process keeps its claim
+    finally:
+        sleeper.kill()
+        sleeper.wait()
 
 
 def test_another_hosts_claim_is_live_until_its_heartbeat_is_old(tmp_path):
@@ -98,3 +124,38 @@ def test_two_runs_of_one_job_split_the_shards_instead_of_both_doing_all(tmp_path
         assert read_marker(LocalDir(str(tmp_path / "out")), shard) is not None
         assert pq.read_table(tmp_path / "out" / shard).num_rows == 4
     assert list((tmp_path / "out" / "_batchvl" / "claims").iterdir()) == []  # every claim released
+
+
+def test_a_shards_claim_is_released_when_it_commits_not_when_the_run_ends(
+    tmp_path, tiny_model_dir, loaded_fp32
+):
+    (tmp_path / "data").mkdir()
+    for number in range(3):
+        image = png_bytes(random_image(40, 48, seed=number))
+        pq.write_table(pa.table({"image": [image]}), tmp_path / "data" / f"part-{number}.parquet")
+    cfg = job_config_from_dict(
+        {
+            "model": {"path": str(tiny_model_dir), "dtype": "float32", "device": "cpu"},
+            "input": {"paths": ["data/*.parquet"]},
+            "prompts": [{"name": "caption", "text": "Describe this image."}],
+            "sampling": {"max_new_tokens": 2},
+            "preprocess": {"workers": 0},
+            "output": {"dir": "out"},
+        },
+        tmp_path,
+    )
+    claims = tmp_path / "out" / "_batchvl" / "claims"
+    write = WriteShard(cfg, LocalDir(cfg.output.dir), None)
+    seen = []  # (the shard being committed, the claims there are as it commits)
+
+    def look_then_commit(info, rows):
+        seen.append((info.shard, {path.name for path in claims.iterdir()}))
+        return write(info, rows)
+
+    JobRunner(cfg, loaded_fp32, show_progress=False, commit=look_then_commit).run()
+    assert sorted(shard for shard, _ in seen) == ["part-0.parquet", "part-1.parquet", "part-2.parquet"]
+    for i, (shard, held) in enumerate(seen):
+        assert f"{shard}.lock" in held  # held while its shard is written
+        for earlier, _ in seen[:i]:
+            assert f"{earlier}.lock" not in held  # released at its commit, while the run went on
+    assert list(claims.iterdir()) == []
