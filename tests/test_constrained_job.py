@@ -1,7 +1,7 @@
 """Constrained prompts in a whole job: a JSON schema read from a file beside the job, a regex and choices,
 next to a free-text prompt. Every `ok` row of a schema prompt parses and validates against its schema
 (checked here with jsonschema), every `ok` choices row is a choice, and an output cut by its token limit
-is an `incomplete_output` error row that keeps its text."""
+is an `incomplete_output` error row that keeps its text, unless the limit fell just after a whole match."""
 
 import json
 import re
@@ -94,6 +94,39 @@ def test_an_output_cut_by_its_token_limit_is_an_incomplete_output_row(job_root, 
         assert row["text"] and row["text"].startswith("{") and row["num_output_tokens"] == 3
         assert "max_new_tokens" in row["error_message"]
     assert all(row["status"] == "ok" for row in rows["caption"])  # free text cut short is still ok
+
+
+def test_an_output_cut_by_its_token_limit_just_after_a_whole_match_is_ok(
+    tmp_path, tiny_model_dir, loaded_fp32
+):
+    """The token limit reached on the match's last token, before the end-of-sequence token the grammar
+    would force next: the output is whole, so the row is ok (finish_reason `length`), not incomplete."""
+    write_job(tmp_path, tiny_model_dir)  # for its images
+    (tmp_path / "ab.yaml").write_text(f"""
+model: {{path: {tiny_model_dir}, dtype: float32, device: cpu}}
+input: {{paths: ["data/*.parquet"], key_column: key}}
+prompts: [{{name: ab, text: "a or b?", regex: "[ab]{{3}}"}}]
+preprocess: {{workers: 0}}
+""")
+
+    def rows(max_new_tokens: int) -> list[dict]:
+        overrides = [f"sampling.max_new_tokens={max_new_tokens}", f"output.dir=out{max_new_tokens}"]
+        run_job(load_job_config(tmp_path / "ab.yaml", overrides), loaded=loaded_fp32, show_progress=False)
+        return rows_of(tmp_path / f"out{max_new_tokens}" / "s.parquet")["ab"]
+
+    free = rows(16)
+    assert len(free) == 6
+    # 'a' and 'b' are single tokens of the tiny tokenizer: three of them, then the end-of-sequence token.
+    assert {(row["status"], row["finish_reason"], row["num_output_tokens"]) for row in free} == {
+        ("ok", "stop", 4)
+    }
+    cut = rows(3)
+    assert [row["text"] for row in cut] == [row["text"] for row in free]
+    assert {(row["status"], row["finish_reason"], row["num_output_tokens"]) for row in cut} == {
+        ("ok", "length", 3)
+    }
+    short = rows(2)  # one token earlier the match is not whole
+    assert {(row["status"], row["error_type"]) for row in short} == {("error", "incomplete_output")}
 
 
 def test_choices_can_be_generated_under_a_grammar_instead(job_root, loaded_fp32):

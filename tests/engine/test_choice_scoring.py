@@ -1,13 +1,15 @@
 """Scored choices equal the same sums computed with transformers' model forward (fp32, the tiny model):
 for each choice, the log-probabilities of its tokens and the end-of-sequence token given the prompt,
 teacher-forced. Checked with chunked prefill cutting through the choices, with a KV cache small enough
-to preempt, and next to a generating request that must still equal `generate`."""
+to preempt, and next to a generating request that must still equal `generate`. The winning choice is
+neither the first nor the last, and on hand-made logits the first of equally probable choices wins."""
 
 import pytest
 import torch
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from batchvl.config import EngineConfig
+from batchvl.engine.choice_scoring import ChoiceGroup
 from batchvl.engine.engine import Engine
 from batchvl.engine.request import EngineRequest, SamplingParams
 from batchvl.preprocess.prompts import PromptRenderer
@@ -15,7 +17,7 @@ from batchvl.preprocess.qwen_vision import QwenVisionSpec, prepare_image
 from tests.conftest import random_image
 from tests.engine.reference import EngineProbe, generate_reference, inputs_for
 
-CHOICES = ("photo", "drawing", "a screenshot of a web page")
+CHOICES = ("drawing", "photo", "a screenshot of a web page")
 TOLERANCE = 1e-4  # fp32: the engine and the reference sum in different orders
 LIMITS = {
     "chunked": EngineConfig(max_num_batched_tokens=37, max_num_seqs=16),
@@ -87,8 +89,10 @@ def test_choice_scores_equal_model_forward(loaded_fp32, reference, samples, limi
             atol=TOLERANCE,
         )
         best = max(range(len(CHOICES)), key=want.__getitem__)
+        assert best == 1  # neither the first nor the last: what the result holds must be the winner's
         assert result.text == CHOICES[best]
-        assert result.output_token_ids[-1] == tokenizer.eos_token_id
+        winner_ids = tokenizer(CHOICES[best], add_special_tokens=False)["input_ids"]
+        assert result.output_token_ids == winner_ids + [tokenizer.eos_token_id]
         values, top = per_token[best]
         assert result.token_logprobs == pytest.approx(values, abs=TOLERANCE)
         assert [
@@ -118,3 +122,43 @@ def test_a_choice_that_cannot_fit_rejects_the_prompt(loaded_fp32, samples):
     engine.add_request(EngineRequest(ids, media, SamplingParams(4), "t", scored_choices=CHOICES))
     (result,) = engine.step()
     assert result.error.error_type == "kv_cache_too_small" and engine.num_unfinished == 0
+
+
+# Hand-made logits over a vocabulary of 6 (token 5 ends a choice), for the choice the scores pick.
+EOS = 5
+EVEN = torch.tensor([2.0, 2.0, 3.0, 0.0, -1.0, 0.0])  # tokens 0 and 1 exactly as likely; 2 the most likely
+LOPSIDED = torch.tensor([0.0, 0.0, 0.0, 3.0, 0.0, 1.0])  # 3 the most likely
+END = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 3.0])  # the end-of-sequence token the most likely
+
+
+@pytest.mark.parametrize(
+    ("choices", "best"),
+    [  # choice -> (its first token, the logits row before it); then END predicts EOS after every choice
+        ({"low": (0, LOPSIDED), "first": (1, EVEN), "second": (0, EVEN)}, ("first", "second")),
+        ({"x": (0, EVEN), "y": (1, EVEN)}, ("x", "y")),
+        ({"low": (0, LOPSIDED), "mid": (1, EVEN), "high": (3, LOPSIDED)}, ("high",)),
+    ],
+)
+def test_the_most_probable_choice_wins_and_the_first_of_equal_ones(choices, best):
+    """`best`: the choices of the highest score, by hand. The first of them wins, and what the result
+    holds (text, tokens, log-probabilities, the most likely tokens) is the winner's."""
+    names = tuple(choices)
+    group = ChoiceGroup("t", names, [[token, EOS] for token, _ in choices.values()], 9, top_logprobs=1)
+    for index, (token, row) in enumerate(choices.values()):
+        group.record(index, 0, torch.stack([row, END]), [token, EOS])
+    end = torch.log_softmax(END, -1)
+    want = [float(torch.log_softmax(row, -1)[token]) + float(end[EOS]) for token, row in choices.values()]
+    scores = group.result().choice_logprobs
+    assert scores == pytest.approx(want, abs=1e-12)
+    assert tuple(name for name, score in zip(names, scores, strict=True) if score == max(scores)) == best
+    winner = best[0]
+    result = group.result()
+    assert result.text == winner and result.output_token_ids == [choices[winner][0], EOS]
+    record = group.best_token_logprobs()
+    token, row = choices[winner]
+    first = torch.log_softmax(row, -1)
+    assert record.chosen == pytest.approx([float(first[token]), float(end[EOS])], abs=1e-12)
+    assert record.top == [
+        [(int(first.argmax()), pytest.approx(float(first.max())))],
+        [(EOS, pytest.approx(float(end[EOS])))],
+    ]

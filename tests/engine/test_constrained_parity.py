@@ -4,9 +4,11 @@ sampling, for a JSON schema, a regular expression and choices, several constrain
 sharing steps with an unconstrained one, and token budgets that cut some outputs short.
 
 The reference compiles its grammars through xgrammar's own entry points (`compile_json_schema`,
-`compile_regex`, an EBNF written here), not through batchvl's `OutputConstraint`."""
+`compile_regex`, an EBNF written here), not through batchvl's `OutputConstraint`. The engine's grammar time
+and compile count stay at zero for free text and count each distinct constraint once."""
 
 import json
+import time
 
 import pytest
 import torch
@@ -107,6 +109,7 @@ def test_constrained_outputs_equal_generate_with_xgrammar(
     )
     probe = EngineProbe(engine)
     expected = {}
+    started = time.perf_counter()
     for (i, name), (ids, media, inputs) in samples.items():
         _, constraint, reference_grammar, max_new_tokens = next(k for k in KINDS if k[0] == name)
         compiled = reference_grammar(compiler) if reference_grammar else None
@@ -115,7 +118,7 @@ def test_constrained_outputs_equal_generate_with_xgrammar(
         engine.add_request(EngineRequest(ids, media, params, (i, name), constraint=constraint))
     observed = probe.run()
     assert engine.grammars.num_compiled == 4  # one per distinct constraint, shared by every request
-    assert engine.stats.grammar_s > 0
+    assert 0 < engine.stats.grammar_s < time.perf_counter() - started
     for tag, want in expected.items():
         tokens, logits = want.tokens, want.logits
         got = observed[tag]
@@ -150,3 +153,25 @@ def test_a_finished_grammar_ends_the_request_even_when_eos_is_ignored(loaded_fp3
     assert result.error is None and result.text in CHOICES
     assert result.output_token_ids[-1] in loaded_fp32.eos_token_ids()
     assert result.num_output_tokens < 30
+
+
+def test_grammar_time_and_compiles_count_only_constrained_work(loaded_fp32, samples):
+    engine = Engine(
+        loaded_fp32.adapter, loaded_fp32.processor.tokenizer, EngineConfig(), loaded_fp32.eos_token_ids()
+    )
+    ids, media, _ = samples[(0, "free")]
+    engine.add_request(EngineRequest(ids, media, SamplingParams(6), "free"))
+    EngineProbe(engine).run()
+    assert engine.stats.grammar_s == 0 and engine.grammars.num_compiled == 0  # free text costs nothing
+
+    started = time.perf_counter()
+    for tag in ("a", "b"):  # equal constraints, built apart: compiled once
+        constraint = OutputConstraint("regex", REGEX)
+        engine.add_request(EngineRequest(ids, media, SamplingParams(8), tag, constraint=constraint))
+    engine.add_request(
+        EngineRequest(ids, media, SamplingParams(8), "c", constraint=OutputConstraint.choices(CHOICES))
+    )
+    results = EngineProbe(engine).run()
+    assert 0 < engine.stats.grammar_s < time.perf_counter() - started
+    assert engine.grammars.num_compiled == 2
+    assert all(results[tag].result.error is None for tag in "abc")

@@ -1,6 +1,7 @@
 """Choosing the next tokens of a step: greedy rows in one argmax, sampled rows each from its own
 generator, in any mix; and what temperature, top-k and top-p leave to sample from, checked against
-transformers' warpers as `generate` builds and orders them (an independent reference)."""
+transformers' warpers as `generate` builds and orders them (an independent reference), and the tokens
+drawn against generate's own draw from those warpers' scores."""
 
 import math
 
@@ -41,26 +42,38 @@ def assert_same_as_generate(logits: torch.Tensor, params: SamplingParams) -> tor
     return theirs
 
 
+def generate_draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """The token `generate` draws for this (vocab,) row with `generator`: its warped scores' softmax, one
+    multinomial draw from the (batch, vocab) probabilities."""
+    probs = torch.softmax(hf_warped(logits, params), -1)[None]
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def seeded(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
 def kept(warped: torch.Tensor) -> set[int]:
     return set(torch.isfinite(warped).nonzero().flatten().tolist())
 
 
 def test_a_mixed_step_picks_what_each_row_would_pick_alone():
     torch.manual_seed(0)
-    logits = torch.randn(5, 300)
-    logits[1, 7] = logits[1, 250] = 50.0  # a tie: the first index wins, as in generate
     greedy = SamplingParams()
     sampled = SamplingParams(temperature=0.8, top_p=0.9, top_k=40, seed=3)
     other = SamplingParams(temperature=1.3, seed=4)
     params = [greedy, greedy, sampled, greedy, other]
     generators = [None if p.is_greedy else make_generator(p.seed) for p in params]
-    tokens = sample_tokens(logits, params, generators)
-
-    for i in (0, 1, 3):
-        assert tokens[i] == int(logits[i].argmax())
-    assert tokens[1] == 7
-    assert tokens[2] == sample_token(logits[2], sampled, make_generator(sampled.seed))
-    assert tokens[4] == sample_token(logits[4], other, make_generator(other.seed))
+    references = {2: seeded(sampled.seed), 4: seeded(other.seed)}  # what generate draws for rows 2 and 4
+    for _ in range(10):  # steps: each sampled row's draws go on from its own generator's state
+        logits = torch.randn(5, 300)
+        logits[1, 7] = logits[1, 250] = 50.0  # a tie: the first index wins, as in generate
+        tokens = sample_tokens(logits, params, generators)
+        for i in (0, 1, 3):
+            assert tokens[i] == int(logits[i].argmax())
+        assert tokens[1] == 7
+        for i, reference in references.items():
+            assert tokens[i] == generate_draw(logits[i], params[i], reference)
 
 
 def test_greedy_rows_pick_what_argmax_picks_at_vocabulary_size():
@@ -81,8 +94,12 @@ def test_greedy_rows_pick_what_argmax_picks_at_vocabulary_size():
 def test_an_all_sampled_step_needs_no_argmax(monkeypatch):
     monkeypatch.setattr(torch, "max", lambda *a, **k: (_ for _ in ()).throw(AssertionError("max")))
     sampled = SamplingParams(temperature=1.0, seed=1)
-    tokens = sample_tokens(torch.randn(2, 10), [sampled, sampled], [make_generator(1), make_generator(2)])
-    assert len(tokens) == 2 and all(0 <= t < 10 for t in tokens)
+    logits = torch.randn(2, 10, generator=torch.Generator().manual_seed(8))
+    tokens = sample_tokens(logits, [sampled, sampled], [make_generator(1), make_generator(2)])
+    assert tokens == [
+        generate_draw(logits[0], sampled, seeded(1)),
+        generate_draw(logits[1], sampled, seeded(2)),
+    ]
 
 
 @pytest.mark.parametrize("temperature", [1e-3, 0.3, 0.7, 1.0, 1.7])
@@ -162,10 +179,10 @@ def test_temperature_top_k_and_top_p_together_in_generate_order(temperature, top
 def test_a_seeded_draw_is_generates_draw_for_the_same_rng_state():
     logits = torch.randn(200, generator=torch.Generator().manual_seed(6)) * 2
     params = SamplingParams(temperature=0.9, top_k=50, top_p=0.9)
-    probs = torch.softmax(hf_warped(logits, params), -1)[None]  # generate draws from (batch, vocab)
     for seed in range(20):
-        expected = int(torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(seed)))
-        assert sample_token(logits, params, make_generator(seed)) == expected
+        assert sample_token(logits, params, make_generator(seed)) == generate_draw(
+            logits, params, seeded(seed)
+        )
 
 
 def test_sampled_frequencies_follow_generates_distribution():
