@@ -16,7 +16,7 @@ from typing import Annotated
 import click
 import typer
 
-from batchvl.errors import JobEnded, UserError
+from batchvl.errors import JobEnded, StopOverdue, UserError
 
 app = typer.Typer(
     add_completion=False,
@@ -390,6 +390,9 @@ def main() -> None:
     except JobEnded as ended:
         typer.echo(f"batchvl: {ended}", err=True)
         sys.exit(ended.exit_code)
+    except StopOverdue as overdue:
+        typer.echo(f"batchvl: {overdue}", err=True)
+        sys.exit(128 + overdue.signum)
     except click.ClickException as exc:  # usage errors: wrong option, missing argument
         exc.show()
         sys.exit(exc.exit_code)

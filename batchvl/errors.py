@@ -49,3 +49,13 @@ class ErrorBudgetExceeded(JobEnded):
     """More error rows than `output.max_error_rate` allows. Exit code 3."""
 
     EXIT_CODE = 3
+
+
+class StopOverdue(BaseException):
+    """A run given a stop signal had not stopped within its grace period and was interrupted wherever it
+    was. A BaseException, like KeyboardInterrupt, so that no handler of one sample's errors takes it for
+    that sample's and carries on. The CLI exits with 128 + the signal's number, as for a clean stop."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.signum = signum
