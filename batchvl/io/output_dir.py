@@ -108,6 +108,16 @@ def open_output_dir(url: str, storage_options: dict | None = None) -> OutputDir:
     return RemoteDir(url, storage_options or {}) if is_remote(url) else LocalDir(url)
 
 
+def write_file(path: str, data: bytes, storage_options: dict | None = None) -> None:
+    """Write one whole file at a local path (relative to the current folder) or an object-store URL (with
+    `storage_options`); a place that cannot be written is a one-line `UserError`."""
+    target = path if is_remote(path) else os.path.abspath(path)
+    try:
+        open_output_dir(posixpath.dirname(target), storage_options).write_bytes(target, data)
+    except OSError as exc:  # a missing bucket or folder, no permission
+        raise UserError(f"cannot write {path} ({exc}); check the path and its permissions") from None
+
+
 class LocalDir(OutputDir):
     def write_bytes(self, location: str, data: bytes) -> None:
         folder = os.path.dirname(location)
