@@ -172,7 +172,10 @@ class WhenConfig:
 
 @dataclass(frozen=True)
 class PromptConfig:
-    name: str = _key(help="Prompt name, written to the `prompt` column")
+    name: str = _key(
+        help="Prompt name, written to the `prompt` column; not empty, and not a column of the labels "
+        "(`shard`, `key`, `sample_index`, another prompt's name + `_status` / `_probs`)"
+    )
     text: str = _key(
         help="Prompt text after the sample's images in one user turn; "
         "`{field}` inserts a field of the sample, `{key}` its key, `{prompt}` an earlier prompt's output"

@@ -4,9 +4,10 @@ The committed rows are one per (sample, prompt), with every output as text. The 
 around: per sample its shard, key and index, then for each prompt its value, `<prompt>_status`, and for
 a scored choices prompt `<prompt>_probs` (a probability per choice). A JSON-schema prompt's value is typed
 from its schema (object -> struct, array -> list, string and enum -> string, integer -> int64, number ->
-double, boolean -> bool; a property the schema does not require is nullable; a part the schema leaves
-open, such as an object without `properties` or an `anyOf`, holds its JSON text); every other prompt's
-value is its text. A row that is not `ok` has a null value.
+double, boolean -> bool, null -> null; a property the schema does not require, or whose schema allows
+null, is nullable; a part the schema leaves open, such as an object without `properties`, an `anyOf` or
+a `true` subschema, holds its JSON text); every other prompt's value is its text. A row that is not `ok`
+has a null value. Prompt names cannot clash with these columns (`config._check_column_names`).
 
 A schema types the column, not the values: a number part that holds a value its Arrow type cannot (an
 integer beyond int64) holds JSON text instead, and the table's metadata says so (`NOTES_KEY`).
