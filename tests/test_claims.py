@@ -84,6 +84,25 @@ def test_another_hosts_claim_is_live_until_its_heartbeat_is_old(tmp_path):
     assert ours.acquire("s.parquet") is None
 
 
+def claim_in(folder, shard: str) -> Holder:
+    return Holder(**json.loads((folder / "_batchvl" / "claims" / f"{shard}.lock").read_text()))
+
+
+def test_a_live_holder_whose_start_time_reads_a_little_off_keeps_its_claim(tmp_path, monkeypatch):
+    ours = ShardClaims(LocalDir(str(tmp_path)), Holder.of_process(os.getpid()))
+    theirs = ShardClaims(LocalDir(str(tmp_path)), Holder.of_process(os.getppid()))
+    assert theirs.acquire("s.parquet") is None
+    create_time = psutil.Process.create_time
+    for seconds in (0.5, -0.5):  # boot time derived again from a stepped clock
+        monkeypatch.setattr(
+            psutil.Process, "create_time", lambda process, s=seconds: create_time(process) + s
+        )
+        assert ours.acquire("s.parquet") == theirs.holder
+    monkeypatch.setattr(psutil.Process, "create_time", lambda process: create_time(process) + 5)
+    assert ours.acquire("s.parquet") is None  # another process with that pid: stale, taken over
+    assert claim_in(tmp_path, "s.parquet") == ours.holder
+
+
 NUM_SHARDS = 16
 
 

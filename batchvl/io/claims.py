@@ -27,6 +27,9 @@ from batchvl.io.output_dir import OutputDir
 CLAIM_DIR = "_batchvl/claims"
 HEARTBEAT_S = 60.0
 STALE_S = 600.0
+# a process's start time is its start after boot plus the boot time, which each reader derives from the
+# wall clock in whole seconds: two processes can read one start a second apart (more after a clock step)
+STARTED_SLACK_S = 1.5
 
 
 @dataclass(frozen=True)
@@ -42,7 +45,7 @@ class Holder:
     def is_alive(self) -> bool:
         """Whether this holder runs, as far as this host can tell (another host's is judged by time)."""
         try:
-            return psutil.Process(self.pid).create_time() == self.started
+            return abs(psutil.Process(self.pid).create_time() - self.started) <= STARTED_SLACK_S
         except psutil.NoSuchProcess:
             return False
 
