@@ -22,6 +22,7 @@ import json
 import math
 import os
 import shutil
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,9 +32,6 @@ import pyarrow as pa
 
 from batchvl.config import JobConfig, is_remote, job_config_from_dict, load_job_config
 from batchvl.errors import UserError
-from batchvl.io.output_dir import OutputDir
-from batchvl.io.results import committed_outputs, results_table
-from batchvl.io.sources import job_source
 from batchvl.models.loader import LoadedModel
 from batchvl.models.loader import load_model as _load_model
 
@@ -197,13 +195,14 @@ def caption(
 
 
 def read_results(job: JobConfig | Mapping[str, Any] | str | Path) -> datasets.Dataset:
-    """The committed rows of a job (run by the CLI, `run` or `caption`) as one `datasets.Dataset`."""
+    """The committed rows of a job (run by the CLI, `run` or `caption`) as one `datasets.Dataset`;
+    refused, as `run` refuses, where shards were written by another config."""
     import datasets
     from datasets.table import InMemoryTable
 
-    cfg = _job_config(job, ())
-    outputs = committed_outputs(OutputDir.of(cfg.output), job_source(cfg).list_shards())
-    return datasets.Dataset(InMemoryTable(_without_maps(results_table(outputs))))
+    from batchvl.labels import job_rows
+
+    return datasets.Dataset(InMemoryTable(_without_maps(job_rows(_job_config(job, ())))))
 
 
 def _without_maps(table: pa.Table) -> pa.Table:
@@ -219,13 +218,18 @@ def _without_maps(table: pa.Table) -> pa.Table:
 def read_labels(job: JobConfig | Mapping[str, Any] | str | Path) -> datasets.Dataset:
     """The job's labels: one row per sample with, per prompt, its value (typed from a JSON schema: structs,
     lists, ints, floats, bools; text otherwise), `<prompt>_status`, and `<prompt>_probs` for scored
-    choices. See `labels.py`."""
+    choices. See `labels.py`; a value its column's type cannot hold (an integer beyond int64) makes the
+    column JSON text, with a warning. Refused, as `run` refuses, where shards were written by another
+    config."""
     import datasets
     from datasets.table import InMemoryTable
 
-    from batchvl.labels import job_labels
+    from batchvl.labels import job_labels, table_notes
 
-    return datasets.Dataset(InMemoryTable(job_labels(_job_config(job, ()))))
+    table = job_labels(_job_config(job, ()))
+    for note in table_notes(table):
+        warnings.warn(note, stacklevel=2)
+    return datasets.Dataset(InMemoryTable(table))
 
 
 def stage_dataset(dataset: datasets.Dataset, out: Path, rows_per_shard: int, overwrite: bool) -> Path:

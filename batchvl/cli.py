@@ -295,7 +295,12 @@ def report(
     samples: Annotated[int, typer.Option(help="Inputs shown in the gallery (a seeded random choice).")] = 24,
     seed: Annotated[int, typer.Option(help="Seed of the gallery's choice.")] = 0,
     out: Annotated[
-        Path | None, typer.Option(help="Where to write the page (default: output.dir/report.html).")
+        str | None,
+        typer.Option(
+            help="Where to write the page, a path or a URL (default: output.dir/report.html).",
+            metavar="PATH",
+            show_default=False,
+        ),
     ] = None,
 ) -> None:
     """Write a self-contained HTML page: run stats, token-length plots, a gallery and every error row."""
@@ -306,7 +311,7 @@ def report(
     if samples < 0:
         raise typer.BadParameter(f"--samples must be 0 or more, got {samples}")
     cfg = load_job_config(job_file, set_ or [])
-    path, written = write_report(cfg, str(out) if out else None, samples, seed)
+    path, written = write_report(cfg, out, samples, seed)
     typer.echo(
         f"report: {path} ({written.rows} rows, {written.errors} errors, "
         f"{written.gallery_samples} in the gallery)"
@@ -318,28 +323,50 @@ def export(
     job_file: JobFile,
     set_: SetOption = None,
     wide: Annotated[
-        Path | None, typer.Option(help="Write the labels: one row per sample, a typed column per prompt.")
+        str | None,
+        typer.Option(
+            help="Write the labels: one row per sample, a typed column per prompt (a path or a URL).",
+            metavar="PATH",
+            show_default=False,
+        ),
     ] = None,
     rows: Annotated[
-        Path | None, typer.Option(help="Write every committed row, one per (sample, prompt), in one file.")
+        str | None,
+        typer.Option(
+            help="Write every committed row, one per (sample, prompt), in one file (a path or a URL).",
+            metavar="PATH",
+            show_default=False,
+        ),
     ] = None,
 ) -> None:
     """Write the job's committed results as one Parquet file: the labels (--wide) or the rows (--rows)."""
     _setup_logging("warning")
     from batchvl.config import load_job_config
-    from batchvl.io.output_dir import LocalDir
+    from batchvl.io.output_dir import write_file
     from batchvl.io.writers import parquet_bytes
-    from batchvl.labels import job_rows, labels_table
+    from batchvl.labels import job_rows, labels_table, ran_output_dir, table_notes
 
     if wide is None and rows is None:
         raise UserError("export: name a file with --wide OUT.parquet (labels) or --rows OUT.parquet (rows)")
+    if wide is not None and rows is not None and _same_file(wide, rows):
+        raise UserError(f"export: --wide and --rows both name {wide}; give each its own file")
     cfg = load_job_config(job_file, set_ or [])
+    ran_output_dir(cfg)
     table = job_rows(cfg)
-    for path, written in ((rows, table), (wide, labels_table(cfg, table) if wide else None)):
+    labels = labels_table(cfg, table) if wide is not None else None
+    for path, written in ((rows, table), (wide, labels)):
         if path is not None:
-            target = os.path.abspath(path)
-            LocalDir(os.path.dirname(target)).write_bytes(target, parquet_bytes(written))
+            write_file(path, parquet_bytes(written), cfg.output.storage_options)
             typer.echo(f"wrote {path} ({written.num_rows} rows)")
+    for note in table_notes(labels) if labels is not None else ():
+        typer.echo(f"note: {note}")
+
+
+def _same_file(one: str, other: str) -> bool:
+    from batchvl.config import is_remote
+
+    where = [path.rstrip("/") if is_remote(path) else os.path.realpath(path) for path in (one, other)]
+    return where[0] == where[1]
 
 
 @app.command("make-tiny-model")

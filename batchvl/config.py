@@ -172,7 +172,10 @@ class WhenConfig:
 
 @dataclass(frozen=True)
 class PromptConfig:
-    name: str = _key(help="Prompt name, written to the `prompt` column")
+    name: str = _key(
+        help="Prompt name, written to the `prompt` column; not empty, and not a column of the labels "
+        "(`shard`, `key`, `sample_index`, another prompt's name + `_status` / `_probs`)"
+    )
     text: str = _key(
         help="Prompt text after the sample's images in one user turn; "
         "`{field}` inserts a field of the sample, `{key}` its key, `{prompt}` an earlier prompt's output"
@@ -469,8 +472,29 @@ def _check_values(cfg: JobConfig) -> None:
     names = [prompt.name for prompt in cfg.prompts]
     if len(set(names)) != len(names):
         raise ConfigError(f"'prompts' names must be unique, got {names}")
+    _check_column_names(names)
     for prompt in cfg.prompts:
         _check_constraint_keys(prompt)
+
+
+LABEL_COLUMNS = ("shard", "key", "sample_index")  # the label table's own columns, before the prompts'
+PROMPT_COLUMN_SUFFIXES = ("_status", "_probs")  # a prompt's columns in the label table besides its value
+
+
+def _check_column_names(names: list[str]) -> None:
+    """A prompt's name names its label-table columns (`<name>`, `<name>_status`, `<name>_probs`): none may
+    be empty, or be a column of the table's own or of another prompt."""
+    if any(not name.strip() for name in names):
+        raise ConfigError(f"'prompts' names must not be empty, got {names}; name each prompt")
+    reserved = f"{', '.join(LABEL_COLUMNS)} and each prompt's <name>{'/<name>'.join(PROMPT_COLUMN_SUFFIXES)}"
+    for name in names:
+        owner = next((n for n in names for s in PROMPT_COLUMN_SUFFIXES if n + s == name), None)
+        if name in LABEL_COLUMNS or owner is not None:
+            column = f"prompt '{owner}''s {name} column" if owner else f"the {name} column"
+            raise ConfigError(
+                f"prompt name '{name}' would replace {column} in the labels (reserved: {reserved}); "
+                "rename the prompt"
+            )
 
 
 def _check_constraint_keys(prompt: PromptConfig) -> None:

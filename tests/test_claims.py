@@ -84,6 +84,122 @@ def test_another_hosts_claim_is_live_until_its_heartbeat_is_old(tmp_path):
     assert ours.acquire("s.parquet") is None
 
 
+def claim_in(folder, shard: str) -> Holder:
+    return Holder(**json.loads((folder / "_batchvl" / "claims" / f"{shard}.lock").read_text()))
+
+
+def test_of_two_runs_that_judged_one_claim_stale_only_the_first_to_take_it_over_gets_the_shard(
+    tmp_path, monkeypatch
+):
+    dead = ShardClaims(LocalDir(str(tmp_path)), exited_process_holder())
+    first = ShardClaims(LocalDir(str(tmp_path)), Holder.of_process(os.getpid()))
+    second = ShardClaims(LocalDir(str(tmp_path)), Holder.of_process(os.getppid()))
+    assert dead.acquire("s.parquet") is None
+    judge = first._is_stale
+    judged = []
+
+    def second_takes_over_once_first_judged(path, holder):
+        stale = judge(path, holder)
+        if not judged:  # between the first's judging the dead claim stale and its taking it over
+            assert holder == dead.holder and stale
+            assert second.acquire("s.parquet") is None
+        judged.append(holder)
+        return stale
+
+    monkeypatch.setattr(first, "_is_stale", second_takes_over_once_first_judged)
+    assert first.acquire("s.parquet") == second.holder  # the second's fresh claim is not taken
+    assert judged == [dead.holder, second.holder]
+    assert claim_in(tmp_path, "s.parquet") == second.holder
+    assert sorted(os.listdir(tmp_path / "_batchvl" / "claims")) == ["s.parquet.lock"]
+
+
+def lost_claim_and_taker(tmp_path):
+    """Our claim (a run on another host) and a run here that takes it over once its heartbeat is old."""
+    ours = ShardClaims(LocalDir(str(tmp_path)), Holder(f"not-{socket.gethostname()}", 1, 0.0))
+    taker = ShardClaims(LocalDir(str(tmp_path)), Holder.of_process(os.getpid()))
+    assert ours.acquire("s.parquet") is None
+
+    def take_over():
+        old = time.time() - STALE_S - 5
+        os.utime(ours.path("s.parquet"), (old, old))
+        assert taker.acquire("s.parquet") is None
+
+    return ours, taker, take_over
+
+
+def test_a_release_leaves_the_claim_of_a_run_that_took_the_shard_over_after_it_was_read(
+    tmp_path, monkeypatch
+):
+    ours, taker, take_over = lost_claim_and_taker(tmp_path)
+    read = ours.out.read_bytes
+
+    def taken_over_once_read(location):
+        data = read(location)
+        take_over()
+        return data
+
+    monkeypatch.setattr(ours.out, "read_bytes", taken_over_once_read)
+    ours.release("s.parquet")
+    assert claim_in(tmp_path, "s.parquet") == taker.holder
+    assert sorted(os.listdir(tmp_path / "_batchvl" / "claims")) == ["s.parquet.lock"]
+
+
+def test_a_heartbeat_leaves_the_claim_of_a_run_that_took_the_shard_over_after_it_was_read(
+    tmp_path, monkeypatch
+):
+    ours, taker, take_over = lost_claim_and_taker(tmp_path)
+    utime = os.utime
+    old = int(time.time() - STALE_S / 2)
+
+    def taken_over_first(*args, **kwargs):  # the takeover comes between reading the claim and touching it
+        monkeypatch.setattr(os, "utime", utime)
+        take_over()
+        utime(taker.path("s.parquet"), (old, old))
+        utime(*args, **kwargs)
+
+    monkeypatch.setattr(os, "utime", taken_over_first)
+    ours.refresh(["s.parquet"], every_s=0)
+    assert claim_in(tmp_path, "s.parquet") == taker.holder
+    assert os.path.getmtime(taker.path("s.parquet")) == old  # not refreshed by the run that lost it
+
+
+def test_a_claim_moved_by_mistake_is_put_back_only_where_no_run_made_one_meanwhile(tmp_path, monkeypatch):
+    ours, taker, take_over = lost_claim_and_taker(tmp_path)
+    third = ShardClaims(LocalDir(str(tmp_path)), Holder.of_process(os.getppid()))
+    read, rename = ours.out.read_bytes, os.rename
+
+    def third_claims_once_renamed(source, target):  # the taker's claim moved away: the path is free
+        monkeypatch.setattr(os, "rename", rename)
+        rename(source, target)
+        assert third.acquire("s.parquet") is None
+
+    def taken_over_once_read(location):
+        data = read(location)
+        take_over()
+        monkeypatch.setattr(os, "rename", third_claims_once_renamed)
+        return data
+
+    monkeypatch.setattr(ours.out, "read_bytes", taken_over_once_read)
+    ours.release("s.parquet")
+    assert claim_in(tmp_path, "s.parquet") == third.holder  # not replaced by the taker's, put back
+    assert sorted(os.listdir(tmp_path / "_batchvl" / "claims")) == ["s.parquet.lock"]
+
+
+def test_a_live_holder_whose_start_time_reads_a_little_off_keeps_its_claim(tmp_path, monkeypatch):
+    ours = ShardClaims(LocalDir(str(tmp_path)), Holder.of_process(os.getpid()))
+    theirs = ShardClaims(LocalDir(str(tmp_path)), Holder.of_process(os.getppid()))
+    assert theirs.acquire("s.parquet") is None
+    create_time = psutil.Process.create_time
+    for seconds in (0.5, -0.5):  # boot time derived again from a stepped clock
+        monkeypatch.setattr(
+            psutil.Process, "create_time", lambda process, s=seconds: create_time(process) + s
+        )
+        assert ours.acquire("s.parquet") == theirs.holder
+    monkeypatch.setattr(psutil.Process, "create_time", lambda process: create_time(process) + 5)
+    assert ours.acquire("s.parquet") is None  # another process with that pid: stale, taken over
+    assert claim_in(tmp_path, "s.parquet") == ours.holder
+
+
 NUM_SHARDS = 16
 
 

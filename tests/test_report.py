@@ -285,3 +285,25 @@ def test_report_on_an_output_dir_that_does_not_exist_is_a_user_error(finished_jo
     (line,) = done.stderr.strip().splitlines()
     assert "never-ran does not exist: run the job first" in line
     assert not (root / "never-ran").exists()
+
+
+def test_report_out_is_a_path_in_the_current_folder_or_an_object_store_url(finished_job, s3):
+    root, _, _ = finished_job
+    endpoint, client = s3
+    client.create_bucket(Bucket="reports")
+    options = f"output.storage_options={{endpoint_url: '{endpoint}', key: testing, secret: testing}}"
+    for out in ("page.html", "s3://reports/job/page.html"):
+        args = ["report", "job.yaml", "--samples", "0", "--out", out, "--set", options]
+        done = subprocess.run(
+            [sys.executable, "-m", "batchvl", *args],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        )
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip() == f"report: {out} (18 rows, 4 errors, 0 in the gallery)"
+    stored = client.get_object(Bucket="reports", Key="job/page.html")["Body"].read().decode()
+    for page in ((root / "page.html").read_text(encoding="utf-8"), stored):
+        assert page.startswith("<!DOCTYPE html>") and "<title>batchvl report: out</title>" in page
+    assert not (root / "s3:").exists()

@@ -85,13 +85,16 @@ class OutputDir:
         """Create the file holding `text` unless one is there; False when there is one."""
         raise NotImplementedError
 
-    def take_over(self, location: str) -> None:
-        """Remove a file that another process may be removing too (a stale claim): locally, only one of
-        the takers removes it; on an object store, removing is all there is."""
+    def remove_if_holds(self, location: str, data: bytes) -> None:
+        """Remove the file if it holds `data` (a claim judged stale, or our own). Locally, a file that
+        replaced it since is never removed; on an object store, reading and removing are two requests, and
+        a file put there between them is removed."""
         raise NotImplementedError
 
-    def touch(self, location: str) -> None:
-        """Make the file's modified time now (a claim's heartbeat)."""
+    def touch_if_holds(self, location: str, data: bytes) -> None:
+        """Make the file's modified time now if it holds `data` (our claim's heartbeat). Locally, only the
+        file read is touched; on an object store, the file is read, then written again, and one put there
+        between them is replaced by `data`."""
         raise NotImplementedError
 
     def check_writable(self, create: bool) -> None:
@@ -106,6 +109,16 @@ class OutputDir:
 
 def open_output_dir(url: str, storage_options: dict | None = None) -> OutputDir:
     return RemoteDir(url, storage_options or {}) if is_remote(url) else LocalDir(url)
+
+
+def write_file(path: str, data: bytes, storage_options: dict | None = None) -> None:
+    """Write one whole file at a local path (relative to the current folder) or an object-store URL (with
+    `storage_options`); a place that cannot be written is a one-line `UserError`."""
+    target = path if is_remote(path) else os.path.abspath(path)
+    try:
+        open_output_dir(posixpath.dirname(target), storage_options).write_bytes(target, data)
+    except OSError as exc:  # a missing bucket or folder, no permission
+        raise UserError(f"cannot write {path} ({exc}); check the path and its permissions") from None
 
 
 class LocalDir(OutputDir):
@@ -166,15 +179,33 @@ class LocalDir(OutputDir):
         finally:
             os.remove(temp)
 
-    def take_over(self, location: str) -> None:
-        taken = f"{location}.stale-{uuid.uuid4().hex}"
-        with contextlib.suppress(FileNotFoundError):  # another taker was first
-            os.rename(location, taken)
+    def remove_if_holds(self, location: str, data: bytes) -> None:
+        # A second name pins the file that is checked; the file is then renamed away, and put back, never
+        # over another, if the rename took a file that replaced it in the meantime (another taker's).
+        unique = f"{location}{TEMP_INFIX}{uuid.uuid4().hex}"
+        probe, taken = f"{unique}-probe", f"{unique}-taken"
+        try:
+            os.link(location, probe)
+        except FileNotFoundError:
+            return
+        try:
+            if self.read_bytes(probe) != data:
+                return
+            try:
+                os.rename(location, taken)
+            except FileNotFoundError:
+                return  # removed by another taker
+            if not os.path.samefile(taken, probe):
+                with contextlib.suppress(FileExistsError):  # a file made since stays: never replaced
+                    os.link(taken, location)
             os.remove(taken)
+        finally:
+            os.remove(probe)
 
-    def touch(self, location: str) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.utime(location)
+    def touch_if_holds(self, location: str, data: bytes) -> None:
+        with contextlib.suppress(FileNotFoundError), open(location, "rb") as handle:
+            if handle.read() == data:
+                os.utime(handle.fileno())  # the file read, even if another has replaced it since
 
     def check_writable(self, create: bool) -> None:
         existing = self.url
@@ -304,12 +335,15 @@ class RemoteDir(OutputDir):
             self.fs.pipe_file(path, text.encode())
             return True
 
-    def take_over(self, location: str) -> None:
-        self.remove(location)
-
-    def touch(self, location: str) -> None:
+    def remove_if_holds(self, location: str, data: bytes) -> None:
         with contextlib.suppress(FileNotFoundError):
-            self.fs.pipe_file(self._path(location), self.read_bytes(location))
+            if self.read_bytes(location) == data:
+                self.remove(location)
+
+    def touch_if_holds(self, location: str, data: bytes) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            if self.read_bytes(location) == data:  # an object's time is only changed by writing it
+                self.fs.pipe_file(self._path(location), data)
 
     def check_writable(self, create: bool) -> None:
         try:

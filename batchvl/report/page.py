@@ -19,11 +19,11 @@ import pyarrow.compute as pc
 
 from batchvl import __version__
 from batchvl.config import JobConfig
-from batchvl.errors import UserError
-from batchvl.io.output_dir import OutputDir, open_output_dir
-from batchvl.io.results import committed_outputs, results_table
+from batchvl.io.output_dir import OutputDir, write_file
+from batchvl.io.results import results_table
 from batchvl.io.run_stats import read_run_stats
 from batchvl.io.sources import job_source
+from batchvl.labels import current_outputs, ran_output_dir
 from batchvl.report.gallery import GALLERY_CSS, gallery_html, gallery_items
 from batchvl.report.labels_section import labels_section
 from batchvl.report.svg import histogram_svg
@@ -166,7 +166,7 @@ def _error_rows_section(errors: pa.Table) -> str:
 def build_report(cfg: JobConfig, samples: int = 24, seed: int = 0) -> Report:
     shards = job_source(cfg).list_shards()
     out = OutputDir.of(cfg.output)
-    outputs = committed_outputs(out, shards)
+    outputs = current_outputs(cfg, out, shards)
     table = results_table(outputs)
     ok = table.filter(pc.equal(table["status"], "ok"))
     errors = table.filter(pc.equal(table["status"], "error"))
@@ -203,14 +203,8 @@ def write_report(
     cfg: JobConfig, path: str | None = None, samples: int = 24, seed: int = 0
 ) -> tuple[str, Report]:
     """Write the report (default: output.dir/report.html), whole; return where, and the report."""
-    out = OutputDir.of(cfg.output)
-    if not out.exists():
-        raise UserError(
-            f"output.dir {cfg.output.dir} does not exist: run the job first (batchvl run), or point "
-            "output.dir at the folder it wrote"
-        )
+    out = ran_output_dir(cfg)
     report = build_report(cfg, samples, seed)
     target = path or out.join(REPORT_NAME)
-    folder = out if path is None else open_output_dir(posixpath.dirname(path), cfg.output.storage_options)
-    folder.write_text(target, report.html)
+    write_file(target, report.html.encode(), cfg.output.storage_options)
     return target, report
