@@ -513,6 +513,8 @@ def _check_constraint_keys(prompt: PromptConfig) -> None:
         raise ConfigError(f"{where}: 'json_whitespace' applies to a json_schema prompt; remove it")
     if prompt.when is not None and (prompt.when.equals is None) == (prompt.when.in_ is None):
         raise ConfigError(f"{where}: 'when' takes one of 'equals' or 'in'")
+    if prompt.when is not None and prompt.when.in_ == []:
+        raise ConfigError(f"{where}: 'when.in' must list at least one output (with none, it never runs)")
 
 
 def is_remote(path: str) -> bool:

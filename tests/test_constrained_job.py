@@ -129,6 +129,26 @@ preprocess: {{workers: 0}}
     assert {(row["status"], row["error_type"]) for row in short} == {("error", "incomplete_output")}
 
 
+def test_a_stop_string_that_cuts_a_match_makes_the_row_invalid(tmp_path, tiny_model_dir, loaded_fp32):
+    """The grammar completes `xyz`, then the stop string `z` is cut from the text: the row as written does
+    not match its regex, so it is not ok."""
+    write_job(tmp_path, tiny_model_dir)  # for its images
+    (tmp_path / "xyz.yaml").write_text(f"""
+model: {{path: {tiny_model_dir}, dtype: float32, device: cpu}}
+input: {{paths: ["data/*.parquet"], key_column: key}}
+prompts: [{{name: xyz, text: "Spell xyz.", regex: xyz}}, {{name: xy, text: "Spell xy.", regex: xy}}]
+sampling: {{max_new_tokens: 8, stop: [z]}}
+preprocess: {{workers: 0}}
+output: {{dir: out}}
+""")
+    run_job(load_job_config(tmp_path / "xyz.yaml"), loaded=loaded_fp32, show_progress=False)
+    rows = rows_of(tmp_path / "out" / "s.parquet")
+    assert {(r["status"], r["error_type"], r["text"]) for r in rows["xyz"]} == {
+        ("error", "invalid_output", "xy")
+    }
+    assert {(r["status"], r["text"]) for r in rows["xy"]} == {("ok", "xy")}  # no stop string reached
+
+
 def test_choices_can_be_generated_under_a_grammar_instead(job_root, loaded_fp32):
     text = (job_root / "job.yaml").read_text()
     (job_root / "generate.yaml").write_text(
