@@ -229,7 +229,7 @@ class SamplingConfig:
         "Sample field (input column) holding a per-sample token limit, used instead of max_new_tokens "
         "(a null value falls back to max_new_tokens)",
     )
-    temperature: float = _key(0.0, "0 = greedy", at_least=0)
+    temperature: float = _key(0.0, "0 (or below 1e-5) = greedy", at_least=0)
     top_p: float = _key(1.0, "Nucleus sampling mass (1 = off)", above=0, at_most=1)
     top_k: int = _key(0, "Sample among the k most likely tokens (0 = off)", at_least=0)
     seed: int = _key(0, "Base seed; each request derives its own from it, its shard, key and prompt")

@@ -209,7 +209,9 @@ class JobRunner:
         if sample.downloads is not None:
             self.downloads += sample.downloads
         prompts = ledger.prompts_of(sample.shard, sample.index)
-        self._carry_out(self.flow.start(sample, prompts, ledger.position(sample.shard)), engine, ledger, bar)
+        used = ledger.used_rows_of(sample.shard, sample.index)
+        progress = self.flow.start(sample, prompts, ledger.position(sample.shard), used)
+        self._carry_out(progress, engine, ledger, bar)
 
     def _carry_out(self, progress: Progress, engine: Engine, ledger: ShardLedger, bar) -> None:
         """Rows to the ledger, requests to the engine, and a sample that is done to the count."""

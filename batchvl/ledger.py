@@ -1,10 +1,10 @@
 """The shard ledger: the bookkeeping of a run's shards, apart from the loop that feeds and steps.
 
 Per shard: which rows it is to produce (every (sample, prompt), or a selection, as a retry of failed
-rows has), the rows done, and whether it is committed or skipped (another run has it); the samples
-still in the engine are the sample flow's (`sample_flow.py`). A shard is committed, through the
-strategy the run was given, once every row it is to produce has its outcome; the ledger holds only
-plain data, and frees a shard's rows once written.
+rows has, with the committed rows its follow-ups use), the rows done, and whether it is committed or
+skipped (another run has it); the samples still in the engine are the sample flow's (`sample_flow.py`).
+A shard is committed, through the strategy the run was given, once every row it is to produce has its
+outcome; the ledger holds only plain data, and frees a shard's rows once written.
 """
 
 from __future__ import annotations
@@ -15,8 +15,18 @@ from dataclasses import dataclass, field
 from batchvl.io.types import ShardInfo
 from batchvl.io.writers import ResultRow
 
-# shard -> sample index -> the prompt indices to run for it
-Selection = dict[str, dict[int, frozenset[int]]]
+
+@dataclass(frozen=True)
+class SelectedRows:
+    """A sample's rows to produce, and the committed rows of the prompts they use, which are not run
+    again: a follow-up is rendered with their outputs, as it was the first time."""
+
+    prompts: frozenset[int]
+    used: dict[int, ResultRow] = field(default_factory=dict)  # prompt index -> its committed row
+
+
+# shard -> sample index -> its rows to produce
+Selection = dict[str, dict[int, SelectedRows]]
 # Writes a complete shard's rows (a new file, or merged into the committed one); returns where.
 CommitStrategy = Callable[[ShardInfo, list[ResultRow]], str]
 
@@ -55,7 +65,11 @@ class ShardLedger:
         """The prompts to run for a sample: all of them, or those selected for it."""
         if self.selection is None:
             return list(range(self.num_prompts))
-        return sorted(self.selection[shard][sample_index])
+        return sorted(self.selection[shard][sample_index].prompts)
+
+    def used_rows_of(self, shard: str, sample_index: int) -> dict[int, ResultRow]:
+        """The committed rows that a sample's selected follow-ups use instead of running those prompts."""
+        return {} if self.selection is None else self.selection[shard][sample_index].used
 
     def samples_of(self, info: ShardInfo) -> int | None:
         """How many samples of the shard this run reads (None: known only by reading it)."""
@@ -73,7 +87,7 @@ class ShardLedger:
             expected = num_samples * self.num_prompts
         else:
             chosen = self.selection[shard].items()
-            expected = sum(len(prompts) for index, prompts in chosen if index < num_samples)
+            expected = sum(len(rows.prompts) for index, rows in chosen if index < num_samples)
         self.shards[shard].expected_rows = expected
         self._commit_if_complete(self.shards[shard])
 

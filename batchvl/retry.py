@@ -3,8 +3,10 @@
 The job's own config decides which shards are its (their markers must match it, as for a run); `--set`
 overrides apply to the retry only (a larger `preprocess.max_pixels`, a longer `preprocess.timeout_s`...).
 The work is the committed shards with error rows, and per shard exactly those rows; each shard's retried
-rows replace its error rows in one atomic rewrite (`commits.MergeIntoShard`). Prompts and input settings
-may not be overridden: the rows would no longer belong to the shard they replace.
+rows replace its error rows in one atomic rewrite (`commits.MergeIntoShard`), so an ok row is never
+replaced. A retried follow-up is rendered with the committed outputs it uses (only those that are errors
+run again), so it sees the inputs it saw the first time. Prompts and input settings may not be
+overridden: the rows would no longer belong to the shard they replace.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from batchvl.config import JobConfig, changed_keys, config_to_dict
 from batchvl.errors import UserError
 from batchvl.io.commit import read_committed, read_marker
 from batchvl.io.output_dir import OutputDir
+from batchvl.io.writers import RESULT_SCHEMA, ResultRow
 from batchvl.job import JobRunner, RunSummary
+from batchvl.ledger import SelectedRows
 from batchvl.models.loader import LoadedModel
 from batchvl.plan import Work, plan_job
 from batchvl.prompt_graph import PromptGraph
@@ -59,14 +63,24 @@ def retry_work(job: JobConfig, task: TaskSlice | None) -> Work:
     return Work(plan.source, shards, selection, len(plan.shards), notes=notes)
 
 
-def _failed_rows(table: pa.Table, graph: PromptGraph) -> dict[int, frozenset[int]]:
-    """Per sample of a shard's `table`, its error rows' prompts and the prompts whose outputs they use (run
-    again to render them; a prompt whose own input failed is an error row itself, so it is among them)."""
-    table = table.select(["sample_index", "prompt", "status"])
+def _failed_rows(table: pa.Table, graph: PromptGraph) -> dict[int, SelectedRows]:
+    """Per sample of a shard's `table` with error rows: those rows' prompts, and the committed rows of the
+    prompts they use, directly or through another (a prompt whose own input failed is an error row itself,
+    so a failed input runs again and an ok or skipped one is used as committed)."""
+    errors = table.filter(pc.equal(table["status"], "error")).select(["sample_index", "prompt"])
     failed: dict[int, set[int]] = {}
-    for row in table.filter(pc.equal(table["status"], "error")).to_pylist():
+    for row in errors.to_pylist():
         failed.setdefault(row["sample_index"], set()).add(graph.names.index(row["prompt"]))
-    return {index: graph.with_what_they_use(frozenset(prompts)) for index, prompts in failed.items()}
+    used = {
+        index: graph.with_what_they_use(frozenset(prompts)) - prompts for index, prompts in failed.items()
+    }
+    rows: dict[int, dict[int, ResultRow]] = {index: {} for index in failed}
+    samples = table.filter(pc.is_in(table["sample_index"], pa.array(list(failed), pa.int64())))
+    for row in samples.select(RESULT_SCHEMA.names).to_pylist():
+        prompt = graph.names.index(row["prompt"])
+        if prompt in used[row["sample_index"]]:
+            rows[row["sample_index"]][prompt] = ResultRow(**row, prompt_index=prompt)
+    return {index: SelectedRows(frozenset(prompts), rows[index]) for index, prompts in failed.items()}
 
 
 def retry_failed(

@@ -56,8 +56,16 @@ class SampleFlow:
     def sample_of(self, tag: RowTag) -> PreparedSample:
         return self._samples[(tag.shard, tag.sample_index)].sample
 
-    def start(self, sample: PreparedSample, prompt_indices: list[int], priority: int) -> Progress:
-        """A prepared sample arrives: its prompts that need no other output go to the engine."""
+    def start(
+        self,
+        sample: PreparedSample,
+        prompt_indices: list[int],
+        priority: int,
+        used_rows: dict[int, ResultRow],
+    ) -> Progress:
+        """A prepared sample arrives: its prompts that need no other output go to the engine. `used_rows`
+        are committed rows (a retry's) that its follow-ups use in place of running those prompts again;
+        they are inputs only, not rows of this run."""
         progress = Progress(sample.shard)
         try:
             if sample.error is not None:
@@ -71,7 +79,7 @@ class SampleFlow:
             progress.sample_done = True
             return progress
         follow_ups = set(prompt_indices) & self.graph.follow_ups
-        state = _SampleState(sample, priority, max_new_tokens, follow_ups)
+        state = _SampleState(sample, priority, max_new_tokens, follow_ups, rows=dict(used_rows))
         for index in prompt_indices:
             if index in follow_ups:
                 continue

@@ -222,3 +222,42 @@ def test_the_report_counts_skipped_rows_apart_from_errors(job_root):
     skipped = sum(row["status"] == "skipped" for row in rows_by(root / "out" / "s.parquet").values())
     assert report.errors == 0
     assert f"skipped rows<b>{skipped}</b>" in report.html
+
+
+def test_a_follow_up_with_two_inputs_waits_for_both_and_fails_with_either(
+    tmp_path, tiny_model_dir, loaded_fp32
+):
+    """`both` inserts two outputs: it runs only once each has its row, on both texts. `mixed`'s second
+    input fails where the sample's `note` is null: that fails `mixed` too, though its first input is ok."""
+    (tmp_path / "data").mkdir()
+    images = [png_bytes(random_image(48, 40 + 8 * i, seed=60 + i)) for i in range(3)]
+    data = {"key": ["a0", "a1", "a2"], "image": images, "note": ["blue", None, "round"]}
+    pq.write_table(pa.table(data), tmp_path / "data" / "s.parquet")
+    job = {
+        "model": {"path": str(tiny_model_dir), "dtype": "float32", "device": "cpu"},
+        "input": {"paths": [str(tmp_path / "data" / "*.parquet")], "key_column": "key"},
+        "prompts": [
+            {"name": "first", "text": CAPTION},
+            {"name": "second", "text": "What colour is it?"},
+            {"name": "both", "text": "{first} and {second}"},
+            {"name": "noted", "text": "Note: {note}"},
+            {"name": "mixed", "text": "{first} and {noted}"},
+        ],
+        "sampling": {"max_new_tokens": NEW_TOKENS},
+        "preprocess": {"workers": 0},
+        "output": {"dir": str(tmp_path / "out")},
+    }
+    run_job(job_config_from_dict(job), loaded=loaded_fp32, show_progress=False)
+    rows = rows_by(tmp_path / "out" / "s.parquet")
+    model = AutoModelForImageTextToText.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    processor = AutoProcessor.from_pretrained(tiny_model_dir)
+    for i, key in enumerate(["a0", "a1", "a2"]):
+        inputs = f"{rows[(key, 'first')]['text']} and {rows[(key, 'second')]['text']}"
+        image = random_image(48, 40 + 8 * i, seed=60 + i)
+        both = generate_text(model, processor, [user(inputs, image=True)], image)
+        assert (rows[(key, "both")]["status"], rows[(key, "both")]["text"]) == ("ok", both)
+    assert rows[("a1", "noted")]["error_type"] == "missing_field"
+    mixed = rows[("a1", "mixed")]
+    assert (mixed["status"], mixed["error_type"]) == ("error", "dependency_failed")
+    assert "prompt 'noted', which failed (missing_field)" in mixed["error_message"]
+    assert rows[("a0", "mixed")]["status"] == rows[("a2", "mixed")]["status"] == "ok"

@@ -14,10 +14,11 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 from batchvl import api
 from batchvl.config import InputConfig, job_config_from_dict
 from batchvl.io.openai_batch import OpenAIBatchSource, parse_line
-from batchvl.io.types import ShardInfo
+from batchvl.io.types import Sample, ShardInfo
 from batchvl.job import run_job
+from batchvl.preprocess.sample import SampleProcessor
 from batchvl.retry import retry_failed
-from tests.conftest import png_bytes, random_image
+from tests.conftest import png_bytes, random_image, write_image_shards
 from tests.http_server import LoopbackServer
 from tests.test_cli import batchvl
 
@@ -53,6 +54,17 @@ def user(text: str, *urls: str) -> dict:
 
 def hf_user(text: str, images: int = 0) -> dict:
     return {"role": "user", "content": [{"type": "image"}] * images + [{"type": "text", "text": text}]}
+
+
+def read_requests(path, keep=lambda index: True) -> list[Sample]:
+    source = OpenAIBatchSource(InputConfig(paths=[str(path)], format="openai_batch"))
+    return [
+        item for item in source.iter_shard(ShardInfo("f", str(path), None), keep) if isinstance(item, Sample)
+    ]
+
+
+def batch_output(path) -> list[dict]:
+    return [json.loads(text) for text in path.read_text().splitlines()]
 
 
 def generate_text(model, processor, messages: list[dict], images: list, max_new_tokens: int) -> str:
@@ -111,6 +123,76 @@ def test_a_line_becomes_its_messages_media_and_sampling():
     assert parse_line(
         "s", 0, 1, line("j", [user("x")], response_format={"type": "json_object"})
     ).chat.json_schema == {"type": "object"}
+
+
+def test_max_completion_tokens_wins_over_max_tokens():
+    for body in (
+        {"max_tokens": 50, "max_completion_tokens": 7},
+        {"max_completion_tokens": 7, "max_tokens": 50},
+    ):
+        assert parse_line("s", 0, 1, line("x", [user("hi")], **body)).chat.max_tokens == 7
+
+
+def test_a_developer_message_is_rendered_as_the_system_turn(loaded_fp32):
+    text = line("d", [{"role": "developer", "content": "Answer briefly."}, user("What is two plus two?")])
+    prepared = SampleProcessor(loaded_fp32.processor, None, [])(parse_line("s", 0, 1, text))
+    by_hand = loaded_fp32.processor.tokenizer.apply_chat_template(
+        [
+            {"role": "system", "content": "Answer briefly."},
+            {"role": "user", "content": "What is two plus two?"},
+        ],
+        add_generation_prompt=True,
+        tokenize=True,
+    )["input_ids"]
+    assert prepared.error is None and prepared.prompts[0].token_ids == by_hand
+
+
+def test_a_utf8_bom_before_the_first_line_is_not_part_of_it(tmp_path):
+    path = tmp_path / "r.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + line("first", [user("hi")], max_tokens=2).encode() + b"\n")
+    assert [(s.key, s.error, s.chat.max_tokens) for s in read_requests(path)] == [("first", None, 2)]
+
+
+def test_a_carriage_return_inside_a_line_is_whitespace_not_a_line_break(tmp_path):
+    first = line("first", [user("hi")], max_tokens=2).replace(', "body"', ',\r"body"')
+    assert "\r" in first
+    path = tmp_path / "r.jsonl"
+    path.write_bytes(f"{first}\r\n{line('second', [user('yo')])}\r\n".encode())
+    assert [(s.key, s.error) for s in read_requests(path)] == [("first", None), ("second", None)]
+
+
+def test_a_repeated_custom_id_is_an_error_row_naming_the_line_that_has_it_first(tmp_path):
+    path = tmp_path / "r.jsonl"
+    texts = [line("a", [user("x")]), line("b", [user("x")]), line("a", [user("y")]), "{broken", line("a", [])]
+    path.write_text("\n".join(texts) + "\n")
+    samples = read_requests(path)
+    assert [(s.key, s.error and s.error.error_type) for s in samples] == [
+        ("a", None),
+        ("b", None),
+        ("a", "bad_request"),
+        ("line-4", "bad_request"),
+        ("a", "bad_request"),
+    ]
+    for repeated in (samples[2], samples[4]):
+        assert "custom_id 'a' is already line 1's" in repeated.error.message
+    # a retry that reads only the last line still knows the first one has its id
+    (last,) = read_requests(path, keep=lambda index: index == 4)
+    assert last.index == 4 and "already line 1's" in last.error.message
+
+
+def test_data_images_wrapped_in_lines_or_in_url_safe_base64_decode_to_their_bytes():
+    data = png_bytes(IMAGES[2])
+    standard = base64.b64encode(data).decode()
+    assert "+" in standard and "/" in standard and standard.endswith("=")  # url-safe differs, unpadded too
+    payloads = [
+        base64.encodebytes(data).decode(),  # MIME: lines of 76 characters
+        base64.encodebytes(data).decode().replace("\n", "\r\n"),
+        base64.urlsafe_b64encode(data).decode(),
+        base64.urlsafe_b64encode(data).decode().rstrip("="),
+    ]
+    for payload in payloads:
+        sample = parse_line("s", 0, 1, line("x", [user("hi", "data:image/png;base64," + payload)]))
+        assert sample.error is None and [ref.data for ref in sample.images] == [data]
 
 
 def test_a_file_of_10000_requests_is_read_in_the_memory_of_one(tmp_path):
@@ -294,3 +376,97 @@ def test_retry_failed_rewrites_the_batch_output_with_the_fixed_rows(tmp_path, lo
     assert after["label"]["error"] is None
     content = after["label"]["response"]["body"]["choices"][0]["message"]["content"]
     assert set(json.loads(content)) == {"color"}
+
+
+def test_odd_but_valid_files_give_each_line_one_output_line_with_ids_unique_in_the_job(
+    tmp_path, tiny_model_dir, loaded_fp32
+):
+    mime = "data:image/png;base64," + base64.encodebytes(png_bytes(IMAGES[0])).decode()
+    url_safe = "data:image/png;base64," + base64.urlsafe_b64encode(png_bytes(IMAGES[1])).decode().rstrip("=")
+    a = [
+        line("first", [user("Describe this image.", mime)], max_tokens=3).replace(', "body"', ',\r"body"'),
+        line("second", [user("Describe this image.", url_safe)], max_tokens=3),
+        "{broken",
+        line("first", [user("Say more.")], max_tokens=3),
+    ]
+    b = [line("second", [user("Describe this image.", url_safe)], max_tokens=3), line("third", []), "{broken"]
+    (tmp_path / "requests").mkdir()
+    (tmp_path / "requests" / "a.jsonl").write_bytes(("\ufeff" + "\r\n".join(a) + "\r\n").encode())
+    (tmp_path / "requests" / "b.jsonl").write_text("\n".join(b) + "\n")
+    job = {
+        "model": {"path": loaded_fp32.path, "dtype": "float32", "device": "cpu"},
+        "input": {"format": "openai_batch", "paths": [str(tmp_path / "requests" / "*.jsonl")]},
+        "sampling": {"ignore_eos": True},
+        "output": {"dir": str(tmp_path / "out"), "format": "openai_batch"},
+    }
+    api.run(job, model=loaded_fp32, progress=False)
+    out_a, out_b = (batch_output(tmp_path / "out" / f"{name}.output.jsonl") for name in "ab")
+
+    def outcomes(output):
+        return [(o["custom_id"], o["error"] and o["error"]["code"]) for o in output]
+
+    assert outcomes(out_a) == [
+        ("first", None),
+        ("second", None),
+        ("line-3", "bad_request"),
+        ("first", "bad_request"),
+    ]
+    assert "already line 1's" in out_a[3]["error"]["message"]
+    assert outcomes(out_b) == [("second", None), ("third", "bad_request"), ("line-3", "bad_request")]
+    ids = [o["id"] for o in out_a + out_b]
+    assert len(set(ids)) == len(ids) == 7  # the same error (line-3), the same answer ("second") in two files
+
+    model = AutoModelForImageTextToText.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    processor = AutoProcessor.from_pretrained(tiny_model_dir)
+    content = [
+        o["response"] and o["response"]["body"]["choices"][0]["message"]["content"] for o in out_a + out_b
+    ]
+    first = generate_text(model, processor, [hf_user("Describe this image.", 1)], [IMAGES[0]], 3)
+    second = generate_text(model, processor, [hf_user("Describe this image.", 1)], [IMAGES[1]], 3)
+    assert (content[0], content[1], content[4]) == (first, second, second)
+
+
+def test_a_temperature_too_small_to_divide_by_runs_greedily(tmp_path, tiny_model_dir, loaded_fp32):
+    """In a line's body and in the job's sampling: the row is ok and holds greedy generate's text."""
+    model = AutoModelForImageTextToText.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    processor = AutoProcessor.from_pretrained(tiny_model_dir)
+    greedy = generate_text(model, processor, [hf_user("Describe this image.", 1)], [IMAGES[2]], 4)
+    request = [user("Describe this image.", data_uri(IMAGES[2]))]
+    for name, body, sampling in [("line", {"temperature": 1e-40}, {}), ("job", {}, {"temperature": 1e-40})]:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "r.jsonl").write_text(line("cold", request, max_tokens=4, **body) + "\n")
+        job = {
+            "model": {"path": loaded_fp32.path, "dtype": "float32", "device": "cpu"},
+            "input": {"format": "openai_batch", "paths": [str(tmp_path / name / "r.jsonl")]},
+            "sampling": {"ignore_eos": True, **sampling},
+            "output": {"dir": str(tmp_path / f"{name}-out")},
+        }
+        (row,) = api.run(job, model=loaded_fp32, progress=False).dataset.to_list()
+        assert (row["status"], row["error_message"], row["text"]) == ("ok", None, greedy), name
+
+
+def test_several_prompts_name_lines_key_then_prompt_and_a_skipped_one_says_why(tmp_path, loaded_fp32):
+    write_image_shards(tmp_path / "data", [2])
+    job = {
+        "model": {"path": loaded_fp32.path, "dtype": "float32", "device": "cpu"},
+        "input": {"paths": [str(tmp_path / "data" / "*.parquet")], "key_column": "key"},
+        "prompts": [
+            {"name": "caption", "text": "Describe this image."},
+            {"name": "detail", "text": "More.", "when": {"prompt": "caption", "equals": "never said"}},
+            {"name": "more", "text": "Expand on {detail}."},
+        ],
+        "sampling": {"max_new_tokens": 2},
+        "output": {"dir": str(tmp_path / "out"), "format": "openai_batch"},
+    }
+    api.run(job, model=loaded_fp32, progress=False)
+    output = batch_output(tmp_path / "out" / "part-0.output.jsonl")
+    assert [o["custom_id"] for o in output] == [
+        "s0-0:caption", "s0-0:detail", "s0-0:more", "s0-1:caption", "s0-1:detail", "s0-1:more",
+    ]  # fmt: skip
+    assert output[0]["error"] is None and output[0]["response"]["status_code"] == 200
+    when_unmet = "not run: prompt 'detail' runs only where the output of prompt 'caption' is 'never said'"
+    uses_skipped = "not run: it uses prompt 'detail', which was skipped for this sample"
+    for skipped, message in [(output[1], when_unmet), (output[2], uses_skipped), (output[5], uses_skipped)]:
+        assert skipped["response"] is None
+        assert skipped["error"] == {"code": "skipped", "message": message}
+    assert len({o["id"] for o in output}) == 6

@@ -16,6 +16,7 @@ from batchvl.io.writers import output_path
 from batchvl.job import run_job
 from batchvl.retry import retry_failed
 from tests.conftest import output_rows, png_bytes, random_image, two_prompt_job_yaml
+from tests.test_cli import batchvl
 
 # per shard: image sizes; (120, 120) is over the job's max_image_pixels of 5000, None is not an image
 SHARDS = [[(40, 50), (120, 120), (45, 60)], [(40, 40), (50, 40)], [None, (120, 120), (50, 50), (110, 100)]]
@@ -111,3 +112,59 @@ def test_retry_may_not_change_prompts_or_inputs(job_dir):
     ):
         with pytest.raises(UserError, match=f"may not change {key}"):
             retry_failed(job, load_job_config(job_dir / "job.yaml", [override]), [override])
+
+
+def test_a_retried_follow_up_uses_its_inputs_committed_rows_and_no_ok_row_changes(tmp_path, tiny_model_dir):
+    """`attrs` inserts `{caption}` and fails on its own (too few tokens for its JSON); the retry, with more
+    tokens, runs `attrs` only, on the committed captions. One image is gone by then: its `attrs` fails
+    again, as file_not_found, and its ok caption stays."""
+    (tmp_path / "data").mkdir()
+    paths = []
+    for i in range(4):
+        paths.append(tmp_path / "data" / f"{i}.png")
+        paths[-1].write_bytes(png_bytes(random_image(40 + 8 * i, 48, seed=70 + i)))
+    keys = [f"k{i}" for i in range(4)]
+    table = pa.table({"key": keys, "image": [p.name for p in paths]})
+    pq.write_table(table, tmp_path / "data" / "part-0.parquet")
+    schema = "{type: object, properties: {n: {type: integer, minimum: 0, maximum: 9}}, required: [n]}"
+    (tmp_path / "job.yaml").write_text(f"""
+model: {{path: {tiny_model_dir}, dtype: float32, device: cpu}}
+input: {{paths: ["data/*.parquet"], key_column: key}}
+prompts:
+  - {{name: caption, text: "Describe this image."}}
+  - {{name: attrs, text: "Attributes of {{caption}} as JSON.", json_schema: {schema}}}
+sampling: {{max_new_tokens: 3}}
+preprocess: {{workers: 0}}
+output: {{dir: out}}
+""")
+    assert batchvl("run", "job.yaml", "--no-progress", cwd=tmp_path).returncode == 0
+    before = rows_of_shard(tmp_path / "out")
+    assert [(r["prompt"], r["status"], r["error_type"]) for r in before] == [
+        ("caption", "ok", None),
+        ("attrs", "error", "incomplete_output"),
+    ] * 4
+    paths[2].unlink()  # moved away after the run
+
+    result = batchvl(
+        "retry-failed", "job.yaml", "--set", "sampling.max_new_tokens=60", "--no-progress", cwd=tmp_path
+    )
+    assert result.returncode == 0, result.stderr
+    after = rows_of_shard(tmp_path / "out")
+    retried = [(r["key"], r["status"], r["error_type"]) for r in after if r["prompt"] == "attrs"]
+    assert retried == [
+        ("k0", "ok", None),
+        ("k1", "ok", None),
+        ("k2", "error", "file_not_found"),
+        ("k3", "ok", None),
+    ]
+    assert "retried 4 error row(s) in 1 shard(s): 3 ok now, 1 still errors" in result.stdout
+    ok_before = [r for r in before if r["status"] == "ok"]
+    assert [r for r in after if r["prompt"] == "caption"] == ok_before  # every column, latency too
+    # Each retried prompt is the first run's (the same committed caption inserted), so its token count is.
+    for old, new in zip(before[1::2], after[1::2], strict=True):
+        if new["status"] == "ok":
+            assert new["num_prompt_tokens"] == old["num_prompt_tokens"]
+
+
+def rows_of_shard(out_dir) -> list[dict]:
+    return pq.read_table(output_path(LocalDir(str(out_dir)), "part-0.parquet")).to_pylist()

@@ -15,6 +15,10 @@ from batchvl.engine.structured_output import OutputConstraint
 from batchvl.errors import SampleError
 from batchvl.preprocess.media import PreparedMedia
 
+# A temperature below this samples greedily, as vLLM does (its _SAMPLING_EPS): logits divided by a tiny
+# temperature overflow float32 to inf, and their softmax is NaN; greedy is the limit they tend to.
+SAMPLING_EPS = 1e-5
+
 
 class RequestStatus(Enum):
     WAITING = "waiting"
@@ -41,7 +45,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < SAMPLING_EPS
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,7 @@
 """Next-token choice: greedy, or temperature / top-k / top-p with a per-request seeded generator.
 
+A temperature below `SAMPLING_EPS` (1e-5) is greedy: dividing logits by it would overflow to inf.
+
 Each request draws from its own generator, so a sampled output does not depend on which other requests
 shared its batch.
 

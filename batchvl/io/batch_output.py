@@ -3,8 +3,11 @@ shape, `<shard>.output.jsonl` beside the shard's Parquet file.
 
 A line per row, in input order: `{"id", "custom_id", "response": {"status_code": 200, "request_id", "body":
 <a chat.completion>}, "error": null}` for an ok row, `{"id", "custom_id", "response": null, "error":
-{"code": <error_type>, "message": ...}}` otherwise. `custom_id` is the sample's key (with `:<prompt>`
-when the job has several prompts); `created` is when the file was written. The file is written whole
+{"code": <error_type>, "message": ...}}` otherwise. A follow-up that was skipped ran no request: like the
+API's requests that never ran (`batch_expired`), it has `"response": null` and `"error": {"code":
+"skipped", "message": <why: the `when` it did not meet, or the skipped prompt it uses>}`. `custom_id` is
+the sample's key (with `:<prompt>` when the job has several prompts); `id` is unique in the job (it hashes
+the shard and the row's place in it); `created` is when the file was written. The file is written whole
 after the Parquet file and before the shard's marker, so a committed shard has both and a rerun redoes a
 shard that has only some of them; `retry-failed` rewrites it with the merged rows.
 """
@@ -17,11 +20,13 @@ import os
 import pyarrow as pa
 import xxhash
 
+from batchvl.config import PromptConfig
 from batchvl.io.output_dir import OutputDir
 from batchvl.io.writers import output_path
+from batchvl.prompt_graph import PromptGraph
 
 COLUMNS = [
-    "key", "prompt", "status", "text", "error_type", "error_message", "finish_reason",
+    "sample_index", "key", "prompt", "status", "text", "error_type", "error_message", "finish_reason",
     "num_prompt_tokens", "num_output_tokens",
 ]  # fmt: skip
 
@@ -30,21 +35,31 @@ def batch_output_path(out: OutputDir, shard: str) -> str:
     return output_path(out, shard).removesuffix(".parquet") + ".output.jsonl"
 
 
-def write_batch_output(out: OutputDir, shard: str, table: pa.Table, model: str, created: int) -> str:
+def write_batch_output(
+    out: OutputDir, shard: str, table: pa.Table, model: str, created: int, prompts: list[PromptConfig]
+) -> str:
     path = batch_output_path(out, shard)
     several_prompts = len(set(table["prompt"].to_pylist())) > 1
-    lines = [
-        json.dumps(batch_line(row, model, created, several_prompts), ensure_ascii=False)
-        for row in table.select(COLUMNS).to_pylist()
-    ]
+    rows = table.select(COLUMNS).to_pylist()
+    statuses = {(row["sample_index"], row["prompt"]): row["status"] for row in rows}
+    graph = PromptGraph.of(prompts)
+    lines = []
+    for row in rows:
+        line = batch_line(row, shard, model, created, several_prompts)
+        if row["status"] == "skipped":
+            line["error"]["message"] = skip_reason(prompts, graph, row, statuses)
+        lines.append(json.dumps(line, ensure_ascii=False))
     out.write_text(path, "".join(line + "\n" for line in lines))
     return path
 
 
-def batch_line(row: dict, model: str, created: int, several_prompts: bool) -> dict:
+def batch_line(row: dict, shard: str, model: str, created: int, several_prompts: bool) -> dict:
     custom_id = f"{row['key']}:{row['prompt']}" if several_prompts else row["key"]
-    # from the row itself, so a row that a retry leaves alone keeps its id when the file is rewritten
-    digest = xxhash.xxh64_hexdigest(f"{model}\0{custom_id}\0{row['status']}\0{row['text']}".encode())
+    # From the row itself, so a row that a retry leaves alone keeps its id when the file is rewritten; its
+    # shard and place in it, so rows alike (the same error in two files, a repeated key) have ids apart.
+    digest = xxhash.xxh64_hexdigest(
+        f"{model}\0{shard}\0{row['sample_index']}\0{custom_id}\0{row['status']}\0{row['text']}".encode()
+    )
     line = {"id": f"batch_req_{digest}", "custom_id": custom_id, "response": None, "error": None}
     if row["status"] != "ok":
         line["error"] = {"code": row["error_type"] or row["status"], "message": row["error_message"] or ""}
@@ -74,6 +89,20 @@ def batch_line(row: dict, model: str, created: int, several_prompts: bool) -> di
         },
     }
     return line
+
+
+def skip_reason(
+    prompts: list[PromptConfig], graph: PromptGraph, row: dict, statuses: dict[tuple[int, str], str]
+) -> str:
+    """Why a follow-up did not run for this sample, as the job decides it: a prompt it uses was skipped,
+    else its `when` did not match."""
+    index = graph.names.index(row["prompt"])
+    for used in sorted(graph.uses[index]):
+        if statuses.get((row["sample_index"], graph.names[used])) == "skipped":
+            return f"not run: it uses prompt '{graph.names[used]}', which was skipped for this sample"
+    when = prompts[index].when
+    wanted = f"is {when.equals!r}" if when.equals is not None else f"is one of {when.in_!r}"
+    return f"not run: prompt '{row['prompt']}' runs only where the output of prompt '{when.prompt}' {wanted}"
 
 
 def model_name(model_path: str) -> str:

@@ -9,7 +9,12 @@ downloaded like a table's URL cells). `max_tokens` (or `max_completion_tokens`),
 `json_object` constrains the output. A line that cannot be run as asked is an error row: `bad_request`
 (not JSON, no custom_id, no messages) or `unsupported_request` (another endpoint, tools, n > 1, audio).
 
-The file is read line by line, so a file of 10,000 requests takes the memory of the ones in flight.
+Lines end at `\n` (or `\r\n`): a bare `\r` is JSON whitespace inside a line; a UTF-8 BOM at the start is
+dropped. Each custom_id names one request: a line that repeats an earlier line's custom_id is a `bad_request`
+error row naming that line (the first one runs), as its output line could not be told apart.
+
+The file is read twice, line by line: once for the hashes of its custom_ids (8 bytes a line, to find the
+repeated ones), then for its requests; a file of 10,000 requests takes the memory of the ones in flight.
 """
 
 from __future__ import annotations
@@ -18,8 +23,12 @@ import base64
 import binascii
 import io
 import json
+from array import array
 from collections.abc import Callable, Iterator
 from typing import Any
+
+import numpy as np
+import xxhash
 
 from batchvl.config import InputConfig
 from batchvl.errors import SampleError
@@ -42,6 +51,8 @@ UNSUPPORTED = {
     "prediction": "predicted outputs",
 }
 
+URL_SAFE = str.maketrans("-_", "+/")
+
 
 class OpenAIBatchSource:
     def __init__(self, cfg: InputConfig):
@@ -52,18 +63,59 @@ class OpenAIBatchSource:
         return stream_shards(self.paths, SUFFIXES, ".jsonl files", self.storage_options)
 
     def iter_shard(self, shard: ShardInfo, keep: Callable[[int], bool]) -> Iterator[Sample | ShardEnd]:
+        repeated = self._repeated_ids(shard)
+        first_lines: dict[str, int] = {}  # a repeated custom_id: the line that has it first
         index = 0
+        for number, line in self._lines(shard):
+            first = None
+            if repeated:  # every line's id, kept or not: a retry that reads some lines must still see them
+                custom_id = _custom_id(line)
+                if custom_id is not None and _hash(custom_id) in repeated:
+                    first = first_lines.setdefault(custom_id, number)
+            if keep(index):
+                sample = parse_line(shard.shard, index, number, line)
+                if first is not None and first != number:
+                    sample.error = SampleError(
+                        "bad_request",
+                        f"custom_id {sample.key!r} is already line {first}'s: each request needs a "
+                        f"custom_id of its own (line {first} runs, this line does not)",
+                    )
+                yield sample
+            index += 1
+        yield ShardEnd(shard.shard, index)
+
+    def _lines(self, shard: ShardInfo) -> Iterator[tuple[int, str]]:
+        """(line number, line) of each non-blank line; only `\n` ends a line, as in JSONL."""
         with (
             open_input(shard.path, self.storage_options) as binary,
-            io.TextIOWrapper(binary, encoding="utf-8", errors="replace") as lines,
+            io.TextIOWrapper(binary, encoding="utf-8-sig", errors="replace", newline="\n") as lines,
         ):
             for number, line in enumerate(lines, start=1):
-                if not line.strip():
-                    continue
-                if keep(index):
-                    yield parse_line(shard.shard, index, number, line)
-                index += 1
-        yield ShardEnd(shard.shard, index)
+                if line.strip():
+                    yield number, line
+
+    def _repeated_ids(self, shard: ShardInfo) -> set[int]:
+        """The hashes of the custom_ids that more than one line has (sorted in place: no copy of the ids)."""
+        ids = (_custom_id(line) for _, line in self._lines(shard))
+        hashes = array("Q", (_hash(custom_id) for custom_id in ids if custom_id is not None))
+        if len(hashes) < 2:
+            return set()
+        ordered = np.frombuffer(hashes, dtype=np.uint64)
+        ordered.sort()
+        return set(ordered[1:][ordered[1:] == ordered[:-1]].tolist())
+
+
+def _custom_id(line: str) -> str | None:
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    custom_id = record.get("custom_id") if isinstance(record, dict) else None
+    return custom_id if isinstance(custom_id, str) and custom_id else None
+
+
+def _hash(custom_id: str) -> int:
+    return xxhash.xxh64_intdigest(custom_id.encode("utf-8", "surrogatepass"))  # JSON allows lone surrogates
 
 
 def parse_line(shard: str, index: int, number: int, line: str) -> Sample:
@@ -153,7 +205,7 @@ def _image(spec: Any, where: str) -> MediaRef:
         if ";base64" not in header:
             raise SampleError("bad_request", f"{where}: a data: image must be base64-encoded")
         try:
-            return MediaRef(base64.b64decode(payload, validate=True), None)
+            return MediaRef(_base64_bytes(payload), None)
         except (binascii.Error, ValueError) as exc:
             raise SampleError(
                 "bad_request", f"{where}: the data: image is not valid base64 ({exc})"
@@ -164,6 +216,15 @@ def _image(spec: Any, where: str) -> MediaRef:
         "unsupported_request",
         f"{where}: image_url must be an http(s), data: or object-store (s3://, gs://) URL, got {url[:60]!r}",
     )
+
+
+def _base64_bytes(payload: str) -> bytes:
+    """Standard or URL-safe base64, MIME-wrapped (line breaks, spaces) or not, padded or not; any other
+    character is refused."""
+    text = "".join(payload.split()).translate(URL_SAFE)
+    if "=" not in text:
+        text += "=" * (-len(text) % 4)
+    return base64.b64decode(text, validate=True)
 
 
 def _positive_int(body: dict, key: str) -> int | None:

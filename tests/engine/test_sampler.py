@@ -205,3 +205,20 @@ def test_sampled_frequencies_follow_generates_distribution():
 def test_filtered_logits_refuses_greedy_params():
     with pytest.raises(ValueError, match="greedy"):
         filtered_logits(torch.zeros(4), SamplingParams())
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 9.9e-6])
+def test_a_temperature_too_small_to_divide_by_picks_the_argmax(temperature):
+    # Logits over 1e-40 overflow float32 to inf (generate's warper then samples from NaN and raises):
+    # below 1e-5, as in vLLM, the row is greedy, the limit of softmax(logits / t) as t falls to 0.
+    logits = torch.randn(3, 300, generator=torch.Generator().manual_seed(8)) * 3
+    logits[1, 40] = logits[1, 200] = 20.0  # tied maxima: the first, as greedy picks it
+    params = [SamplingParams(temperature=temperature, seed=i) for i in range(3)]
+    tokens = sample_tokens(logits, params, [make_generator(i) for i in range(3)])
+    assert tokens == torch.argmax(logits, dim=-1).tolist()
+    assert tokens[1] == 40
+
+
+def test_a_temperature_of_1e_5_still_samples_as_generate_does():
+    logits = torch.randn(64, generator=torch.Generator().manual_seed(9))
+    assert_same_as_generate(logits, SamplingParams(temperature=1e-5))  # refused if it were greedy
