@@ -133,7 +133,9 @@ def caption(
     dataset: datasets.Dataset,
     *,
     model: LoadedModel | str | Path,
-    prompts: str | Mapping[str, str] | Sequence[str | Mapping[str, str]] = "Describe this image.",
+    prompts: str
+    | Mapping[str, str | Mapping[str, Any]]
+    | Sequence[str | Mapping[str, Any]] = "Describe this image.",
     output_dir: str | Path,
     image_column: str = "image",
     rows_per_shard: int = 1000,
@@ -148,9 +150,10 @@ def caption(
     """Caption (or ask `prompts` about) every row of an in-memory `datasets.Dataset`.
 
     `image_column` holds images (an `Image` feature, bytes, paths or http(s) URLs, or a list of these;
-    `download` holds `input.download` settings for the URLs). Each row's key is its index in `dataset`.
-    Calling again with the same `output_dir` resumes; a different dataset there is refused unless
-    `overwrite=True`."""
+    `download` holds `input.download` settings for the URLs). `prompts` is one text, `{name: text}`,
+    `{name: {text, choices | json_schema | regex, ...}}` with a job file's prompt keys, or a list of
+    texts or such mappings with their `name`. Each row's key is its index in `dataset`. Calling again
+    with the same `output_dir` resumes; a different dataset there is refused unless `overwrite=True`."""
     import datasets
 
     if isinstance(dataset, datasets.DatasetDict):
@@ -274,17 +277,31 @@ def _save_atomically(dataset: datasets.Dataset, folder: Path, num_shards: int) -
     os.replace(temporary, folder)
 
 
-def _prompt_list(prompts) -> list[dict[str, str]]:
+def _prompt_list(prompts) -> list[dict]:
     if isinstance(prompts, str):
         return [{"name": "caption", "text": prompts}]
     if isinstance(prompts, Mapping):
-        return [{"name": str(name), "text": str(text)} for name, text in prompts.items()]
+        return [_named_prompt(str(name), prompt) for name, prompt in prompts.items()]
     listed = []
     for number, prompt in enumerate(prompts):
         listed.append(
             dict(prompt) if isinstance(prompt, Mapping) else {"name": f"prompt_{number}", "text": prompt}
         )
     return listed
+
+
+def _named_prompt(name: str, prompt) -> dict:
+    """`{name: text}` or `{name: {text, choices, json_schema, ...}}`: a prompt of the job file, named."""
+    if isinstance(prompt, str):
+        return {"name": name, "text": prompt}
+    if not isinstance(prompt, Mapping):
+        raise UserError(
+            f"prompts['{name}'] must be the prompt's text or a mapping of its keys (text, choices, "
+            f"json_schema, regex, ...), got {type(prompt).__name__}"
+        )
+    if prompt.get("name", name) != name:
+        raise UserError(f"prompts['{name}'] is named '{prompt['name']}' inside; keep one name")
+    return {**prompt, "name": name}
 
 
 def _job_config(job, overrides: Sequence[str]) -> JobConfig:

@@ -5,6 +5,8 @@ cannot drift apart. A plan checks that:
 - the model folder holds a supported family;
 - `output.dir` is a folder that can be written, holds no input and sits in no input folder or
   `input.root`, and no input pattern would read its results back as input;
+- the storage options suit the protocols of the input paths and `output.dir`, and
+  `input.download.cache_dir` is a folder that can be written;
 - every input shard has an output name of its own;
 - every prompt's `json_schema` or `regex` can be compiled to a grammar;
 - every table shard has the columns the job reads (image, key, per-sample token limit) and every
@@ -28,6 +30,7 @@ from batchvl.errors import UserError
 from batchvl.io.commit import is_committed_by
 from batchvl.io.output_dir import OutputDir
 from batchvl.io.paths import glob_matches
+from batchvl.io.remote import check_storage_options
 from batchvl.io.sources import Source, job_source
 from batchvl.io.types import ShardInfo
 from batchvl.io.writers import output_name, output_path
@@ -62,6 +65,9 @@ def plan_job(cfg: JobConfig, task: TaskSlice | None = None, record: bool = False
     model_family(model_type)
     check_constraints(cfg)
     PromptGraph.of(cfg.prompts)  # refuses a follow-up that uses itself, a later or an unknown prompt
+    check_storage_options("input.storage_options", cfg.input.storage_options, cfg.input.paths)
+    check_storage_options("output.storage_options", cfg.output.storage_options, [cfg.output.dir])
+    check_download_cache(cfg.input.download.cache_dir)
     out = OutputDir.of(cfg.output)
     out.check_writable(create=False)
     source = job_source(cfg)
@@ -103,6 +109,21 @@ def job_work(cfg: JobConfig, task: TaskSlice | None) -> Work:
         None if cfg.output.overwrite else functools.partial(is_committed_by, plan.out, plan.fingerprint)
     )
     return Work(plan.source, plan.resume.pending, None, len(plan.shards), committed)
+
+
+def check_download_cache(cache_dir: str | None) -> None:
+    """`input.download.cache_dir` is a folder, or can be made one, that the workers can write."""
+    if cache_dir is None:
+        return
+    existing = os.path.abspath(cache_dir)
+    while not os.path.exists(existing):  # the folder is made on first use: its nearest existing parent
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise UserError(f"input.download.cache_dir: {existing} is a file, not a folder; point it at a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(
+            f"input.download.cache_dir: {existing} cannot be written; point it at a folder you own"
+        )
 
 
 def _inside(path: str, folder: str) -> bool:

@@ -160,6 +160,33 @@ def test_run_from_a_dict_and_read_results(
     assert [r["text"] for r in rows] == [t for table in files for t in table["text"].to_pylist()]
 
 
+def test_caption_takes_a_prompts_keys_in_the_name_mapping(tmp_path, loaded_fp32, in_memory):
+    prompts = {
+        "kind": {"text": "Photo or drawing?", "choices": ["photo", "drawing"]},
+        "year": {"text": "Which year?", "regex": "(19|20)[0-9]{2}"},
+        "caption": "Describe this image.",
+    }
+    results = batchvl.caption(
+        in_memory.select([0, 1]), model=loaded_fp32, prompts=prompts, output_dir=tmp_path, progress=False
+    )
+    rows = {(row["key"], row["prompt"]): row for row in results.dataset.to_list()}
+    assert sorted(rows) == [(k, p) for k in ("0", "1") for p in ("caption", "kind", "year")]
+    for key in ("0", "1"):
+        kind, year = rows[(key, "kind")], rows[(key, "year")]
+        assert kind["status"] == "ok" and kind["text"] in ("photo", "drawing")
+        assert {entry["key"] for entry in kind["choice_probs"]} == {"photo", "drawing"}  # scored
+        assert year["status"] == "ok" and len(year["text"]) == 4 and year["text"][:2] in ("19", "20")
+    with pytest.raises(UserError, match=r"prompts\['kind'\] must be the prompt's text or a mapping"):
+        batchvl.caption(in_memory, model=loaded_fp32, prompts={"kind": ["photo"]}, output_dir=tmp_path / "x")
+    with pytest.raises(UserError, match="unknown key 'prompts\\[0\\].choice'"):
+        batchvl.caption(
+            in_memory,
+            model=loaded_fp32,
+            prompts={"k": {"text": "t", "choice": ["a"]}},
+            output_dir=tmp_path / "y",
+        )
+
+
 def test_api_mistakes_are_user_errors(tmp_path, loaded_fp32, in_memory):
     with pytest.raises(UserError, match="image_column 'picture' is not a column .*image, question"):
         batchvl.caption(in_memory, model=loaded_fp32, output_dir=tmp_path, image_column="picture")

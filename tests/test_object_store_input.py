@@ -178,3 +178,22 @@ def test_media_cells_may_be_object_store_urls(s3, tmp_path, tiny_model_dir):
     assert (got["missing"]["error_type"], got["big"]["error_type"]) == ("file_not_found", "image_too_large")
     assert "s3://data/media/absent.png" in got["missing"]["error_message"]
     assert got["local"]["error_type"] == "url_not_allowed"
+
+
+def test_storage_options_a_filesystem_does_not_take_are_one_line_exit_2_from_validate_and_run(
+    s3, tmp_path, tiny_model_dir
+):
+    endpoint, _ = s3
+    options = (
+        f', storage_options: {{endpoint: "{endpoint}", key: testing, secret: testing}}'  # not endpoint_url
+    )
+    (tmp_path / "job.yaml").write_text(
+        job_yaml(tiny_model_dir, "s3://data/parquet/*.parquet", "parquet", options)
+    )
+    for command in ("validate", "run"):
+        done = batchvl(command, "job.yaml", cwd=tmp_path)
+        assert done.returncode == 2, done.stderr
+        (line,) = done.stderr.strip().splitlines()
+        assert line.startswith("error: input.storage_options do not suit s3:// (")
+        assert "'endpoint'" in line and line.endswith("did you mean 'endpoint_url'?")
+    assert not (tmp_path / "out").exists()

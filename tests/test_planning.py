@@ -203,3 +203,17 @@ def test_validate_and_run_refuse_the_same_mistakes_before_any_work(tmp_path, tin
         done.returncode == 2
         and "written with a different config (changed: sampling.max_new_tokens)" in done.stderr
     )
+
+
+def test_a_download_cache_that_is_a_file_is_refused(tmp_path, tiny_model_dir):
+    table(tmp_path / "data" / "a.parquet")
+    (tmp_path / "cache").write_text("not a folder")
+    for cache_dir in ("cache", "cache/below"):
+        cfg = config(
+            tmp_path, tiny_model_dir, ["data/*.parquet"], input={"download": {"cache_dir": cache_dir}}
+        )
+        assert refusal(cfg) == (
+            f"input.download.cache_dir: {tmp_path / 'cache'} is a file, not a folder; point it at a folder"
+        )
+    cfg = config(tmp_path, tiny_model_dir, ["data/*.parquet"], input={"download": {"cache_dir": "new/cache"}})
+    plan_job(cfg)  # made on first use

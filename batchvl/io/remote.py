@@ -8,8 +8,15 @@ fetch byte ranges on demand, so a shard is never downloaded whole before it is r
 
 from __future__ import annotations
 
+import difflib
+import inspect
+import re
+
 from batchvl.config import is_remote
 from batchvl.errors import UserError
+
+# Protocols whose client set-up reads no network and refuses an unknown option; others are only built.
+CLIENT_SET_UP_OFFLINE = ("s3", "s3a")
 
 
 def filesystem(url: str, storage_options: dict):
@@ -42,3 +49,33 @@ def open_remote(url: str, storage_options: dict, mode: str = "rb"):
 def open_input(path: str, storage_options: dict):
     """A local path or a URL, opened for binary reading."""
     return open_remote(path, storage_options) if is_remote(path) else open(path, "rb")  # noqa: SIM115
+
+
+def check_storage_options(key: str, storage_options: dict, urls: list[str]) -> None:
+    """The filesystem of each URL's protocol takes the options: a user error naming `key` otherwise. s3fs
+    accepts any option when built and refuses an unknown one (`endpoint` for `endpoint_url`) only when it
+    first connects, which would be in the middle of a run; its client is set up here, without a request."""
+    import fsspec
+
+    for protocol in sorted({url.split("://", 1)[0] for url in urls if is_remote(url)}):
+        try:
+            fs = fsspec.filesystem(protocol, skip_instance_cache=True, **storage_options)
+            if protocol in CLIENT_SET_UP_OFFLINE:
+                fs.connect()
+        except ImportError:
+            continue  # reading the URL says which package to install
+        except (TypeError, ValueError) as exc:
+            raise UserError(
+                f"{key} do not suit {protocol}:// ({exc}){_did_you_mean(protocol, exc)}"
+            ) from None
+
+
+def _did_you_mean(protocol: str, exc: Exception) -> str:
+    import fsspec
+
+    unknown = re.search(r"unexpected keyword argument '(\w+)'", str(exc))
+    if unknown is None:
+        return ""
+    accepted = list(inspect.signature(fsspec.get_filesystem_class(protocol).__init__).parameters)
+    close = difflib.get_close_matches(unknown.group(1), accepted, n=1)
+    return f"; did you mean '{close[0]}'?" if close else ""
