@@ -9,6 +9,66 @@ exits with its code.
 
 from __future__ import annotations
 
+# Every `error_type` a row can carry, with its cause: the stable names users filter on. The README's table
+# is generated from this (`error_types_markdown_table`), and a test checks that every SampleError the code
+# raises names a type listed here. `<code>` stands for an HTTP status.
+ERROR_TYPES: dict[str, str] = {
+    "empty_image": "an image of zero bytes",
+    "empty_video": "a video of zero bytes",
+    "image_decode_error": "not an image, truncated JPEG/PNG, unreadable data",
+    "image_too_small": "an image with no pixels (a width or height of 0)",
+    "image_too_large": "more pixels than `preprocess.max_image_pixels` (checked from the header, before "
+    "decoding; Pillow's own decompression-bomb guard follows the same limit), or a downloaded body over "
+    "`input.download.max_bytes`",
+    "video_too_large": "a video whose frames exceed `preprocess.max_image_pixels`",
+    "extreme_aspect_ratio": "more elongated than 200:1 (e.g. 1x2000)",
+    "video_decode_error": "not a video, no video stream, no decodable frame",
+    "video_unsupported": "a video where PyAV, which decodes it, is not installed (`pip install av`)",
+    "unsupported_media": "a video given to a family that takes images only",
+    "file_not_found": "a media path or object that does not exist",
+    "path_outside_root": "a media path that escapes `input.root`",
+    "not_a_file": "a media path that is a directory, a named pipe or a device",
+    "missing_image": "a row or tar sample without media",
+    "bad_json": "a WebDataset `json` member that does not parse",
+    "truncated_shard": "the last sample read from a damaged tar file (the samples before it are kept)",
+    "missing_field": "the prompt uses a field the sample lacks (or `sampling.max_new_tokens_field` holds "
+    "no positive integer)",
+    "prompt_mismatch": "the rendered prompt's media placeholders do not match the sample's media (a "
+    "prompt or field that holds the model's own image or video token)",
+    "context_too_long": "prompt plus media over the model's context (refused before prefill)",
+    "kv_cache_too_small": "the request cannot fit in `engine.kv_cache_mb`",
+    "image_exceeds_chunk": "with `engine.disable_chunked_mm_input`, an image larger than one step's token "
+    "budget",
+    "incomplete_output": "a constrained output ended (token limit, stop string) before it was complete; "
+    "`text` keeps it",
+    "invalid_output": "a finished output, as written (after a stop string is cut), that does not validate "
+    "against its `json_schema`, match its `regex` or equal one of its `choices`; `text` keeps it",
+    "dependency_failed": "a follow-up prompt whose input prompt failed (the message names it); "
+    "`retry-failed` reruns it",
+    "download_http_<code>": "an image URL answered with that HTTP status (429 and 5xx after "
+    "`input.download.retries`)",
+    "download_timeout": "an image URL that did not answer in time (`input.download.timeout_s`, "
+    "`total_timeout_s`)",
+    "download_error": "an image URL that could not be reached (DNS, refused connection) or read",
+    "download_redirect_loop": "an image URL that redirected in a loop, or more than "
+    "`input.download.max_redirects` times",
+    "url_not_allowed": "an image URL resolving to a loopback, private or link-local address "
+    "(`input.download.allow_private`), or of a protocol batchvl does not fetch",
+    "bad_request": "an `openai_batch` line that is malformed (not JSON, no custom_id or messages, a "
+    "custom_id an earlier line has, a schema that cannot be used)",
+    "unsupported_request": "an `openai_batch` line that asks for what batchvl does not do (another "
+    "endpoint, tools, `n` > 1, audio)",
+    "preprocess_crash": "the preprocessing worker died on this sample",
+    "preprocess_timeout": "the sample's preprocessing exceeded `preprocess.timeout_s`",
+    "preprocess_error": "any other exception while preprocessing (the message has the exception)",
+}
+
+
+def error_types_markdown_table() -> str:
+    lines = ["| `error_type` | cause |", "|---|---|"]
+    lines += [f"| `{error_type}` | {cause} |" for error_type, cause in ERROR_TYPES.items()]
+    return "\n".join(lines)
+
 
 class UserError(Exception):
     """A mistake in how batchvl was called; the message names the problem and the fix."""
