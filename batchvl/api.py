@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from batchvl.config import JobConfig, is_remote, job_config_from_dict, load_job_config
+from batchvl.config import JobConfig, is_remote, job_config_from_dict, load_job_config, resolve_paths
 from batchvl.errors import UserError
 from batchvl.models.loader import LoadedModel
 from batchvl.models.loader import load_model as _load_model
@@ -308,7 +308,7 @@ def _job_config(job, overrides: Sequence[str]) -> JobConfig:
     if isinstance(job, JobConfig):
         if overrides:
             raise UserError("overrides apply to a dict or a job file; change the JobConfig itself instead")
-        return job
+        return resolve_paths(job, Path.cwd())  # as a job file's are against its folder
     if isinstance(job, Mapping):
         return job_config_from_dict(job, Path.cwd(), overrides)
     return load_job_config(job, overrides)

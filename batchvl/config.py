@@ -369,6 +369,12 @@ class JobConfig:
     engine: EngineConfig = _key(help="Engine limits", factory=EngineConfig)
     preprocess: PreprocessConfig = _key(help="Image and video preprocessing", factory=PreprocessConfig)
 
+    def __post_init__(self) -> None:
+        # A config built in Python (the API, a notebook) is held to the rules a job file is: every key's
+        # type and bounds, then what relates keys to each other.
+        _check_keys(self, "")
+        _check_values(self)
+
 
 # ---- conversion -------------------------------------------------------------------------------------
 
@@ -448,10 +454,35 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
         full = f"{prefix}.{key}" if prefix else key
         if key in data:
             values[f.name] = _convert(data[key], hints[f.name], full)
-            _check_bounds(full, values[f.name], f.metadata)
         elif f.default is REQUIRED and f.default_factory is REQUIRED:
             raise ConfigError(f"missing required key '{full}'")
     return cls(**values)
+
+
+def _check_keys(section: Any, prefix: str) -> None:
+    """Every key's type and bounds, section by section: what the loader's conversion checks in a job file,
+    for a config built from dataclasses, which skips it."""
+    hints = typing.get_type_hints(type(section))
+    for f in dataclasses.fields(section):
+        key, value, tp = f"{prefix}{_file_key(f)}", getattr(section, f.name), hints[f.name]
+        inner = [a for a in (tp, *typing.get_args(tp)) if dataclasses.is_dataclass(a)]
+        if inner and typing.get_origin(tp) is list:  # prompts
+            if not isinstance(value, list):
+                raise ConfigError(f"'{key}' must be a list, got {value!r} ({type(value).__name__})")
+            for i, item in enumerate(value):
+                _check_section(item, inner[0], f"{key}[{i}]")
+        elif inner:
+            if value is not None or type(None) not in typing.get_args(tp):
+                _check_section(value, inner[0], key)
+        else:
+            _convert(value, tp, key)
+            _check_bounds(key, value, f.metadata)
+
+
+def _check_section(value: Any, cls: type, key: str) -> None:
+    if not isinstance(value, cls):
+        raise ConfigError(f"'{key}' must be a {cls.__name__}, got {type(value).__name__}")
+    _check_keys(value, f"{key}.")
 
 
 def _check_values(cfg: JobConfig) -> None:
@@ -529,7 +560,9 @@ def _absolute(path: str, base: Path) -> str:
     return os.path.normpath(path if Path(path).is_absolute() else base / path)
 
 
-def _resolve_paths(cfg: JobConfig, base: Path) -> JobConfig:
+def resolve_paths(cfg: JobConfig, base: Path) -> JobConfig:
+    """Relative paths made absolute against `base` (a job file's folder, or the working folder of a config
+    built in Python), and a `json_schema` given as a path replaced by the schema the file holds."""
     model_path = cfg.model.path
     if not Path(model_path).is_absolute() and (base / model_path).is_dir():
         model_path = str((base / model_path).resolve())
@@ -603,8 +636,7 @@ def job_config_from_dict(
                 "input.format openai_batch: each request carries its own messages; remove 'prompts'"
             )
         cfg = dataclasses.replace(cfg, prompts=[CHAT_PROMPT])
-    _check_values(cfg)
-    return _resolve_paths(cfg, Path(base_dir) if base_dir is not None else Path.cwd())
+    return resolve_paths(cfg, Path(base_dir) if base_dir is not None else Path.cwd())
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):

@@ -5,6 +5,7 @@ import pytest
 
 from batchvl.config import (
     JobConfig,
+    PromptConfig,
     config_fingerprint,
     describe_keys,
     job_config_from_dict,
@@ -272,3 +273,55 @@ def test_constraint_key_mistakes_name_the_prompt(prompt, fragment):
     base = {"model": {"path": "/m"}, "input": {"paths": ["/d"]}, "output": {"dir": "/o"}}
     with pytest.raises(ConfigError, match=re.escape(fragment)):
         job_config_from_dict({**base, "prompts": [{"name": "p", "text": "t", **prompt}]})
+
+
+def python_built(**sections) -> JobConfig:
+    """A JobConfig made from its dataclasses, as a notebook or script would, without the job-file loader."""
+    from batchvl.config import InputConfig, ModelConfig, OutputConfig
+
+    base = dict(model=ModelConfig(path="/models/m"), input=InputConfig(paths=["/d/*.parquet"]))
+    return JobConfig(**{**base, "output": OutputConfig(dir="/o"), **sections})
+
+
+@pytest.mark.parametrize(
+    ("override", "built"),
+    [
+        ("engine.max_num_seqs=0", lambda c: python_built(engine=c.EngineConfig(max_num_seqs=0))),
+        ("sampling.top_p=1.5", lambda c: python_built(sampling=c.SamplingConfig(top_p=1.5))),
+        ("sampling.max_new_tokens=true", lambda c: python_built(
+            sampling=c.SamplingConfig(max_new_tokens=True))),
+        ("engine.vit_parallel=model", lambda c: python_built(engine=c.EngineConfig(vit_parallel="model"))),
+        ("input.download.retries=-1", lambda c: python_built(
+            input=c.InputConfig(paths=["/d/*.parquet"], download=c.DownloadConfig(retries=-1)))),
+        ("preprocess.min_pixels=100", lambda c: python_built(
+            preprocess=c.PreprocessConfig(min_pixels=100, max_pixels=50))),
+        ("prompts=[]", lambda c: python_built(prompts=[])),
+        ("prompts=[{name: a, text: t}, {name: a, text: u}]", lambda c: python_built(
+            prompts=[c.PromptConfig(name="a", text="t"), c.PromptConfig(name="a", text="u")])),
+        ("prompts=[{name: p, text: t, regex: a, choices: [a]}]", lambda c: python_built(
+            prompts=[c.PromptConfig(name="p", text="t", regex="a", choices=["a"])])),
+        ("prompts=[{name: p, text: 3}]", lambda c: python_built(prompts=[c.PromptConfig(name="p", text=3)])),
+        ("sampling.stop=a", lambda c: python_built(sampling=c.SamplingConfig(stop="a"))),
+    ],
+)  # fmt: skip
+def test_a_config_built_in_python_is_refused_with_the_job_files_message(tmp_path, override, built):
+    import batchvl.config as c
+
+    if override.startswith("preprocess.min_pixels"):  # two keys: the job file sets both
+        yaml_message = error_of(tmp_path, MINIMAL, [override, "preprocess.max_pixels=50"])
+    else:
+        yaml_message = error_of(tmp_path, MINIMAL, [override])
+    with pytest.raises(ConfigError) as python:
+        built(c)
+    assert str(python.value) == yaml_message
+
+
+def test_a_config_built_in_python_gets_its_paths_and_schema_read_by_the_api(tmp_path, monkeypatch):
+    from batchvl.api import _job_config
+
+    (tmp_path / "s.json").write_text('{"type": "object"}')
+    monkeypatch.chdir(tmp_path)
+    cfg = python_built(prompts=[PromptConfig(name="p", text="t", json_schema="s.json")])
+    resolved = _job_config(cfg, [])
+    assert resolved.prompts[0].json_schema == {"type": "object"}
+    assert resolved.input.paths == ["/d/*.parquet"] and resolved.output.dir == "/o"
