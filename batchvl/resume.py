@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from batchvl.config import changed_keys
 from batchvl.errors import UserError
-from batchvl.io.commit import read_marker
+from batchvl.io.commit import CommitState, commit_state
 from batchvl.io.output_dir import LocalDir, OutputDir
 from batchvl.io.types import ShardInfo
 from batchvl.io.writers import output_path
@@ -40,10 +40,10 @@ def plan_shards(
     pending, stale = [], []
     changed: set[str] = set()
     for shard in shards:
-        marker = read_marker(out, shard.shard)
-        if marker is None or overwrite:
+        state, marker = commit_state(out, shard.shard, fingerprint)
+        if state is CommitState.MISSING or overwrite:
             pending.append(shard)
-        elif marker.fingerprint != fingerprint:
+        elif state is CommitState.STALE:
             stale.append(shard)
             changed.update(changed_keys(marker.config, output_defining))
     if stale:

@@ -20,7 +20,7 @@ import pyarrow.compute as pc
 from batchvl.commits import MergeIntoShard
 from batchvl.config import JobConfig, changed_keys, config_to_dict
 from batchvl.errors import UserError
-from batchvl.io.commit import read_committed, read_marker
+from batchvl.io.commit import CommitState, commit_state, read_committed
 from batchvl.io.output_dir import OutputDir
 from batchvl.io.writers import RESULT_SCHEMA, ResultRow
 from batchvl.job import JobRunner, RunSummary
@@ -51,8 +51,8 @@ def retry_work(job: JobConfig, task: TaskSlice | None) -> Work:
     selection = {}
     not_committed = 0
     for shard in plan.shards:
-        marker = read_marker(plan.out, shard.shard)
-        if marker is None:
+        state, marker = commit_state(plan.out, shard.shard, plan.fingerprint)
+        if state is CommitState.MISSING:
             not_committed += 1
         elif marker.errors:
             selection[shard.shard] = _failed_rows(read_committed(plan.out, shard.shard, marker), graph)

@@ -10,7 +10,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from batchvl.config import JobConfig, config_fingerprint
-from batchvl.io.commit import read_marker
+from batchvl.io.commit import CommitState, commit_state
 from batchvl.io.folder import missing_members
 from batchvl.io.output_dir import OutputDir
 from batchvl.io.run_stats import read_run_stats
@@ -75,10 +75,10 @@ def job_status(cfg: JobConfig, num_tasks: int | None = None) -> JobStatus:
         task = TaskStatus(index)
         for shard in shards_of_task(listing, TaskSlice(index, num_tasks)):
             task.shards += 1
-            marker = read_marker(out, shard.shard)
-            if marker is None:
+            state, marker = commit_state(out, shard.shard, fingerprint)
+            if state is CommitState.MISSING:
                 continue
-            if marker.fingerprint != fingerprint:
+            if state is CommitState.STALE:
                 task.stale += 1
                 continue
             task.done += 1

@@ -17,6 +17,7 @@ redoes from scratch, overwriting what it finds. The hash is checked whenever a f
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import json
 import socket
@@ -90,10 +91,26 @@ def read_marker(out: OutputDir, shard: str) -> ShardMarker | None:
     return marker
 
 
+class CommitState(enum.Enum):
+    """Where a shard of an output folder stands, for a config: the one answer resume, status, retry-failed,
+    validate, export and the report all use."""
+
+    MISSING = "missing"  # no marker: never run, or stopped before its commit; the next run does it
+    DONE = "done"  # committed with rows of this config
+    STALE = "stale"  # committed with rows of another config: refused unless overwritten
+
+
+def commit_state(out: OutputDir, shard: str, fingerprint: str) -> tuple[CommitState, ShardMarker | None]:
+    """The shard's state for the config with this fingerprint, and its marker where it has one."""
+    marker = read_marker(out, shard)
+    if marker is None:
+        return CommitState.MISSING, None
+    return (CommitState.DONE if marker.fingerprint == fingerprint else CommitState.STALE), marker
+
+
 def is_committed_by(out: OutputDir, fingerprint: str, shard: str) -> bool:
     """Whether the shard is committed with rows of the config that has this fingerprint."""
-    marker = read_marker(out, shard)
-    return marker is not None and marker.fingerprint == fingerprint
+    return commit_state(out, shard, fingerprint)[0] is CommitState.DONE
 
 
 def read_committed(out: OutputDir, shard: str, marker: ShardMarker) -> pa.Table:
