@@ -19,6 +19,7 @@ from PIL import Image
 
 from batchvl.config import JobConfig
 from batchvl.errors import SampleError
+from batchvl.io.fetch_ahead import media_ready
 from batchvl.io.sources import job_source
 from batchvl.io.types import MediaRef, Sample
 from batchvl.preprocess.image import decode_image
@@ -107,7 +108,7 @@ def read_samples(cfg: JobConfig, wanted: list[tuple[str, int]]) -> list[Sample]:
             continue
         for sample in source.iter_shard(info, indices.__contains__):
             if isinstance(sample, Sample) and sample.index in indices:
-                samples.append(sample)
+                samples.append(media_ready(sample))
     return samples
 
 
