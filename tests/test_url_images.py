@@ -12,6 +12,7 @@ from batchvl.io.output_dir import LocalDir
 from batchvl.io.rows import RowSampler
 from batchvl.io.run_stats import read_run_stats
 from batchvl.job import run_job
+from batchvl.retry import retry_failed
 from tests.conftest import png_bytes, random_image
 from tests.http_server import LoopbackServer
 from tests.test_cli import batchvl
@@ -190,3 +191,17 @@ def test_a_download_that_hangs_is_ended_by_the_watchdog_and_the_other_samples_fl
     rows = rows_of(tmp_path / "out")
     assert rows["slow"]["error_type"] == "preprocess_timeout"
     assert [rows[key]["status"] for key in good] == ["ok"] * len(good)
+
+
+def test_retry_failed_downloads_again_a_cached_body_that_did_not_decode(tmp_path, loaded_fp32):
+    with LoopbackServer() as server:
+        server.images["late.png"] = IMAGES["a"]  # an error page with 200 first, the image after
+        cases = {"late": server.url("/html-then/late.png"), "b": server.add_image("b.png", IMAGES["b"])}
+        write_table(tmp_path / "urls", list(cases), list(cases.values()))
+        download = {"allow_private": True, "cache_dir": str(tmp_path / "cache")}
+        cfg = job_config_from_dict(job(tmp_path, loaded_fp32.path, "urls", "out", download))
+        run_job(cfg, loaded=loaded_fp32, show_progress=False)
+        assert rows_of(tmp_path / "out")["late"]["error_type"] == "image_decode_error"
+        retry_failed(cfg, cfg, [], loaded=loaded_fp32, show_progress=False)
+        assert server.requests == {"/html-then/late.png": 2, "/img/b.png": 1}
+    assert [row["status"] for row in rows_of(tmp_path / "out").values()] == ["ok", "ok"]

@@ -83,7 +83,7 @@ class Downloader:
     def __init__(self, config: DownloadConfig, storage_options: dict | None = None):
         self.config = config
         self.storage_options = storage_options or {}  # for object-store URLs
-        self.cache = DownloadCache(Path(config.cache_dir)) if config.cache_dir else None
+        self.cache = DownloadCache.of(config)
         self._client = None
         self._client_pid = None
         self._lock = threading.Lock()
@@ -283,6 +283,10 @@ class DownloadCache:
     def __init__(self, root: Path):
         self.root = root
 
+    @classmethod
+    def of(cls, config: DownloadConfig) -> DownloadCache | None:
+        return cls(Path(config.cache_dir)) if config.cache_dir else None
+
     def _url_file(self, url: str) -> Path:
         digest = hashlib.sha256(url.encode()).hexdigest()
         return self.root / "urls" / digest[:2] / digest
@@ -293,6 +297,11 @@ class DownloadCache:
             return (self.root / "blobs" / blob[:2] / blob).read_bytes()
         except (FileNotFoundError, NotADirectoryError):
             return None
+
+    def forget(self, url: str) -> None:
+        """Drop `url`'s entry, so that the next fetch asks the server again (its body did not decode:
+        an error page served with 200, a body cut short). The body stays: other URLs may name it."""
+        self._url_file(url).unlink(missing_ok=True)
 
     def put(self, url: str, data: bytes) -> None:
         blob = hashlib.sha256(data).hexdigest()
