@@ -314,8 +314,8 @@ class PreprocessConfig:
     prefetch: int = _key(8, "Prepared samples each worker may hold ready ahead of the engine", above=0)
     timeout_s: float = _key(
         120.0,
-        "A sample whose preprocessing takes longer becomes an error row and its worker is replaced "
-        "(needs workers >= 1)",
+        "A sample whose preprocessing (its downloads included) takes longer becomes an error row and its "
+        "worker is replaced (needs workers >= 1)",
         above=0,
     )
 

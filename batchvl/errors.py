@@ -49,17 +49,19 @@ ERROR_TYPES: dict[str, str] = {
     "`input.download.retries`)",
     "download_timeout": "an image URL that did not answer in time (`input.download.timeout_s`, "
     "`total_timeout_s`)",
-    "download_error": "an image URL that could not be reached (DNS, refused connection) or read",
+    "download_error": "an image URL that is malformed, could not be reached (DNS, refused connection) or "
+    "read",
     "download_redirect_loop": "an image URL that redirected in a loop, or more than "
     "`input.download.max_redirects` times",
-    "url_not_allowed": "an image URL resolving to a loopback, private or link-local address "
-    "(`input.download.allow_private`), or of a protocol batchvl does not fetch",
+    "url_not_allowed": "an image URL resolving to an address that is not public: loopback, private, "
+    "link-local, shared, reserved (`input.download.allow_private`), or of a protocol batchvl does not fetch",
     "bad_request": "an `openai_batch` line that is malformed (not JSON, no custom_id or messages, a "
     "custom_id an earlier line has, a schema that cannot be used)",
     "unsupported_request": "an `openai_batch` line that asks for what batchvl does not do (another "
     "endpoint, tools, `n` > 1, audio)",
     "preprocess_crash": "the preprocessing worker died on this sample",
-    "preprocess_timeout": "the sample's preprocessing exceeded `preprocess.timeout_s`",
+    "preprocess_timeout": "the sample's preprocessing (its downloads included) exceeded "
+    "`preprocess.timeout_s`",
     "preprocess_error": "any other exception while preprocessing (the message has the exception)",
 }
 

@@ -29,6 +29,7 @@ from batchvl.engine.vit_dp import (
     serve_encode_rounds,
 )
 from batchvl.errors import UserError
+from batchvl.io.download import DownloadCache
 from batchvl.models.loader import LoadedModel, load_model
 from batchvl.preprocess.sample import SampleProcessor
 from batchvl.prompt_graph import PromptGraph
@@ -84,7 +85,10 @@ def job_engine(cfg: JobConfig, loaded: LoadedModel, context: DistributedContext 
 def sample_processor(cfg: JobConfig, loaded: LoadedModel) -> SampleProcessor:
     """What the preprocessing workers run per sample: the family's media preparation and the prompts."""
     media = loaded.family.media_preparer(loaded.processor, loaded.adapter.model.config, cfg.preprocess)
-    return SampleProcessor(loaded.processor, media, cfg.prompts, PromptGraph.of(cfg.prompts).follow_ups)
+    follow_ups = PromptGraph.of(cfg.prompts).follow_ups
+    return SampleProcessor(
+        loaded.processor, media, cfg.prompts, follow_ups, DownloadCache.of(cfg.input.download)
+    )
 
 
 def serve_rank(cfg: JobConfig, loaded: LoadedModel, context: DistributedContext) -> int:

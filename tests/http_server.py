@@ -6,7 +6,12 @@ Paths:
   then the image 'flaky' (Retry-After: 0 on a 429)
 - /stall: headers, then nothing; /trickle: a byte every 0.1 s, forever
 - /endless: a chunked body that never ends; /big: a Content-Length over any small limit
-- /loop: redirects to itself; /html: a web page instead of an image; /slow/<name>: the image after 0.3 s
+- /loop: redirects to itself; /pingpong/a and /pingpong/b: redirect to each other
+- /to/<host>/<path>: redirects to http://<host>/<path> (another host, or a malformed URL)
+- /html: a web page instead of an image; /html-then/<name>: that page on the first request of <name>,
+  the image after
+- /slow/<name>: the image after 0.3 s; /slow-headers/<name>: the status line at once, then the headers
+  one byte every 0.1 s (about 5 s), then the image
 It counts requests per path, remembers each request's User-Agent, and the most requests in flight at once.
 """
 
@@ -16,6 +21,9 @@ import collections
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import unquote
+
+PAGE = b"<html><body>Not an image</body></html>"  # what /html serves
 
 
 class _QuietServer(ThreadingHTTPServer):
@@ -37,7 +45,11 @@ class LoopbackServer:
 
     @property
     def base(self) -> str:
-        return f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def port(self) -> int:
+        return self.httpd.server_address[1]
 
     def url(self, path: str) -> str:
         return self.base + path
@@ -102,8 +114,16 @@ def _handler(server: LoopbackServer):
                 return self._send(200, server.images["flaky"], "image/png")
             if head == "loop":
                 return self._redirect("/loop")
-            if head == "html":
-                return self._send(200, b"<html><body>Not an image</body></html>", "text/html")
+            if head == "pingpong":
+                return self._redirect("/pingpong/b" if parts[1] == "a" else "/pingpong/a")
+            if head == "to":
+                return self._redirect(f"http://{unquote(parts[1])}/{'/'.join(parts[2:])}")
+            if head == "html" or (head == "html-then" and server.requests[self.path] == 1):
+                return self._send(200, PAGE, "text/html")
+            if head == "html-then":
+                return self._send(200, server.images[parts[1]], "image/png")
+            if head == "slow-headers":
+                return self._slow_headers(server.images[parts[1]])
             if head == "big":
                 self.send_response(200)
                 self.send_header("Content-Length", str(10**9))
@@ -131,6 +151,15 @@ def _handler(server: LoopbackServer):
                 self.wfile.flush()
                 if kind == "trickle":
                     time.sleep(0.1)
+
+        def _slow_headers(self, body: bytes) -> None:
+            self.wfile.write(b"HTTP/1.1 200 OK\r\n")
+            self.wfile.flush()
+            for byte in b"Content-Type: image/png\r\nContent-Length: %d\r\n\r\n" % len(body):
+                time.sleep(0.1)
+                self.wfile.write(bytes([byte]))
+                self.wfile.flush()
+            self.wfile.write(body)
 
         def _redirect(self, location: str) -> None:
             self._send(302, b"", headers={"Location": location})

@@ -2,6 +2,8 @@
 the image's bytes or an error of its own type that names the URL; nothing waits past its timeouts."""
 
 import dataclasses
+import ipaddress
+import socket
 import time
 
 import pytest
@@ -9,7 +11,7 @@ import pytest
 from batchvl.config import DownloadConfig
 from batchvl.errors import SampleError
 from batchvl.io.download import Downloader, DownloadStats
-from batchvl.io.fetch_ahead import with_downloaded_media
+from batchvl.io.fetch_ahead import download_media, media_ready, with_downloaded_media
 from batchvl.io.types import MediaRef, Sample, ShardEnd
 from tests.conftest import png_bytes, random_image
 from tests.http_server import LoopbackServer
@@ -183,3 +185,131 @@ def test_samples_download_several_at_once_in_order_each_with_its_own_outcome(ser
     assert out[3].error.error_type == "download_http_404"
     assert out[0].downloads.downloads == 1
     assert out[3].downloads.download_failures_by_type == {"download_http_404": 1}
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:99999/x.png", "http://[::1/x.png"])
+@pytest.mark.parametrize("allow_private", [False, True])
+def test_a_malformed_url_is_a_download_error_naming_it(url, allow_private):
+    error, _ = failure(url, allow_private=allow_private, retries=0)
+    assert error.error_type == "download_error"
+    assert url in error.message and "not a valid URL" in error.message
+
+
+@pytest.mark.parametrize(
+    ("target", "reason"),
+    [
+        ("127.0.0.1:99999/x.png", "(redirected to http://127.0.0.1:99999/x.png) is not a valid URL"),
+        ("%5B::1/x.png", "Invalid URL in location header"),  # httpx's own check of the Location
+    ],
+)
+def test_a_redirect_to_a_malformed_url_is_a_download_error_naming_both(server, target, reason):
+    url = server.url(f"/to/{target}")
+    error, _ = failure(url, retries=0)
+    assert error.error_type == "download_error"
+    assert error.message.startswith(url) and reason in error.message
+
+
+def test_any_other_exception_while_downloading_is_the_samples_download_error(monkeypatch):
+    def broken_fetch(self, url, stats):
+        raise RuntimeError("something unforeseen")
+
+    monkeypatch.setattr(Downloader, "fetch", broken_fetch)
+    url = "http://images.example/a.png"
+    sample = download_media(Sample("shard", 0, "0", [MediaRef(None, None, "image", url)]), Downloader(LOCAL))
+    assert sample.error.error_type == "download_error"
+    assert sample.error.message == f"{url}: RuntimeError: something unforeseen"
+
+
+@pytest.mark.parametrize("redirected", [False, True])
+def test_a_server_trickling_its_headers_is_a_timeout_at_the_total_timeout(server, redirected):
+    server.images["t.png"] = IMAGE  # headers at one byte every 0.1 s: about 5 s for the whole answer
+    path = "/slow-headers/t.png"
+    url = server.url(f"/to/127.0.0.1:{server.port}{path}" if redirected else path)
+    started = time.monotonic()
+    error, _ = failure(url, retries=0, timeout_s=0.5, total_timeout_s=1.0)
+    assert time.monotonic() - started < 2.5
+    assert error.error_type == "download_timeout"
+    assert url in error.message and "total_timeout_s=1 s" in error.message
+    assert server.requests[path] == 1
+
+
+def test_a_trickling_server_holds_the_samples_behind_it_for_at_most_the_total_timeout(server):
+    server.images["t.png"] = IMAGE
+    urls = [server.url("/slow-headers/t.png")] + [server.add_image(f"f{i}.png", IMAGE) for i in range(4)]
+    items = [Sample("shard", i, str(i), [MediaRef(None, None, "image", url)]) for i, url in enumerate(urls)]
+    downloader = Downloader(dataclasses.replace(LOCAL, retries=0, timeout_s=0.5, total_timeout_s=1.0))
+    started = time.monotonic()
+    out = [media_ready(item) for item in with_downloaded_media(items, downloader, concurrency=2)]
+    assert time.monotonic() - started < 2.5  # the headers alone take 5 s
+    assert out[0].error.error_type == "download_timeout"
+    assert [s.images[0].data == IMAGE for s in out[1:]] == [True] * 4
+
+
+@pytest.fixture
+def fake_dns(monkeypatch, server):
+    """Made-up names resolve to the addresses in the returned table (any other name fails, numeric
+    addresses excepted); every connection, whatever address it is for, goes to the local test server,
+    so nothing leaves the machine."""
+    table: dict[str, str] = {}
+    real_getaddrinfo, real_connect = socket.getaddrinfo, socket.create_connection
+
+    def getaddrinfo(host, port, *args, **kwargs):
+        if host in table:
+            family = socket.AF_INET6 if ":" in table[host] else socket.AF_INET
+            return [(family, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", (table[host], port))]
+        ipaddress.ip_address(host)  # only numeric addresses reach the real resolver
+        return real_getaddrinfo(host, port, *args, **kwargs)
+
+    def create_connection(address, *args, **kwargs):
+        return real_connect(("127.0.0.1", server.port), *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    monkeypatch.setattr(socket, "create_connection", create_connection)
+    return table
+
+
+PUBLIC = "93.184.216.34"
+
+
+def test_a_redirect_from_a_public_host_into_the_private_network_is_refused(server, fake_dns):
+    fake_dns.update({"images.example": PUBLIC, "cdn.example": PUBLIC, "intranet.example": "10.0.0.5"})
+    server.add_image("a.png", IMAGE)
+    guarded = DownloadConfig(retries=0)
+    # public to public is followed (through the fake resolver, to the local server)
+    public = "http://images.example/to/cdn.example/img/a.png"
+    assert Downloader(guarded).fetch(public, DownloadStats()) == IMAGE
+    url = "http://images.example/to/intranet.example/img/a.png"
+    with pytest.raises(SampleError) as caught:
+        Downloader(guarded).fetch(url, DownloadStats())
+    assert caught.value.error_type == "url_not_allowed"
+    assert caught.value.message.startswith(f"{url} (redirected to http://intranet.example/img/a.png)")
+    assert "10.0.0.5" in caught.value.message
+    assert server.requests["/to/intranet.example/img/a.png"] == 1
+    assert server.requests["/img/a.png"] == 1  # the public one's: the private hop was never requested
+
+
+@pytest.mark.parametrize(
+    "address",
+    ["100.64.0.1", "100.127.255.254", "0.0.0.0", "169.254.10.20", "198.18.0.1", "240.0.0.1",
+     "::ffff:127.0.0.1", "::ffff:10.0.0.1", "fc00::1", "fd12:3456::1", "fe80::1", "::"],
+)  # fmt: skip
+def test_every_address_that_is_not_global_is_refused(server, fake_dns, address):
+    fake_dns["host.example"] = address
+    url = "http://host.example/img/a.png"
+    server.add_image("a.png", IMAGE)
+    with pytest.raises(SampleError) as caught:
+        Downloader(DownloadConfig(retries=0)).fetch(url, DownloadStats())
+    assert caught.value.error_type == "url_not_allowed"
+    assert f"{url} resolves to {ipaddress.ip_address(address)}, not a public address" in caught.value.message
+    assert sum(server.requests.values()) == 0
+
+
+@pytest.mark.parametrize(
+    ("path", "requests"), [("/loop", {"/loop": 1}), ("/pingpong/a", {"/pingpong/a": 1, "/pingpong/b": 1})]
+)
+def test_a_redirect_loop_is_caught_when_it_comes_back_long_before_the_redirect_cap(server, path, requests):
+    url = server.url(path)
+    error, _ = failure(url, max_redirects=20)
+    assert error.error_type == "download_redirect_loop"
+    assert error.message == f"{url} redirects in a loop (back to {url})"
+    assert dict(server.requests) == requests

@@ -9,16 +9,20 @@ import shutil
 import subprocess
 import sys
 from html.parser import HTMLParser
+from pathlib import Path
 
+import datasets
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
+from batchvl import api
 from batchvl.config import load_job_config
 from batchvl.job import run_job
 from tests.conftest import png_bytes
+from tests.http_server import LoopbackServer
 
 PROMPTS_YAML = "[{name: caption, text: Describe this image.}, {name: short, text: One word.}]"
 
@@ -153,6 +157,31 @@ def finished_job(tmp_path_factory, tiny_model_dir, loaded_fp32):
         for r in pq.read_table(root / "out" / f"part-{n}.parquet").to_pylist()
     }
     return root, images, rows
+
+
+def test_the_report_and_the_gallery_show_a_sample_whose_download_failed_with_its_error(tmp_path, loaded_fp32):
+    with LoopbackServer() as server:
+        urls = [
+            server.add_image("a.png", png_bytes(smooth_image(48, 64, seed=0))),
+            server.url("/img/gone.png"),
+        ]
+        results = api.caption(
+            datasets.Dataset.from_dict({"image": urls}),
+            model=loaded_fp32,
+            output_dir=tmp_path / "out",
+            download={"allow_private": True},
+            sampling={"max_new_tokens": 4},
+            progress=False,
+        )
+        report = parse_page(Path(results.report()))
+        gallery = PageParser()
+        gallery.feed(results.gallery(n=2).data)
+    error = f"download_http_404: {urls[1]}: HTTP 404 Not Found"
+    for page in (report, gallery):
+        first, failed = sorted(page.cards, key=lambda card: card["sample"])
+        assert len(first["images"]) == 1
+        assert failed["images"] == [] and error in failed["text"]
+        assert "cannot show this image" not in failed["text"]  # no attempt to decode the missing image
 
 
 def test_report_numbers_gallery_and_error_rows(finished_job):

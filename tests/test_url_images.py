@@ -9,8 +9,10 @@ import pyarrow.parquet as pq
 from batchvl import api
 from batchvl.config import job_config_from_dict
 from batchvl.io.output_dir import LocalDir
+from batchvl.io.rows import RowSampler
 from batchvl.io.run_stats import read_run_stats
 from batchvl.job import run_job
+from batchvl.retry import retry_failed
 from tests.conftest import png_bytes, random_image
 from tests.http_server import LoopbackServer
 from tests.test_cli import batchvl
@@ -138,3 +140,68 @@ def test_caption_takes_a_dataset_of_urls(tmp_path, loaded_fp32):
     assert [row["text"] for row in rows[:3]] == expected.dataset["text"]
     assert rows[3]["error_type"] == "download_http_404"
     assert results.stats["downloads"] == 3
+
+
+def test_malformed_urls_are_error_rows_naming_them_and_the_other_samples_are_captioned(tmp_path, loaded_fp32):
+    with LoopbackServer() as server:
+        good = {name: server.add_image(f"{name}.png", IMAGES[name]) for name in ("a", "b")}
+        bad = {
+            "port-out-of-range": "http://127.0.0.1:99999/x.png",
+            "unclosed-ipv6": "http://[::1/x.png",
+            "redirect-to-a-bad-port": server.url("/to/127.0.0.1:99999/x.png"),
+        }
+        cases = {"a": good["a"], **bad, "b": good["b"]}
+        write_table(tmp_path / "urls", list(cases), list(cases.values()))
+        download = {"allow_private": True, "backoff_s": 0}
+        run_job(
+            job_config_from_dict(job(tmp_path, loaded_fp32.path, "urls", "out", download)),
+            loaded=loaded_fp32,
+            show_progress=False,
+        )
+    rows = rows_of(tmp_path / "out")
+    assert [rows[key]["status"] for key in good] == ["ok", "ok"]
+    for key, url in bad.items():
+        assert rows[key]["error_type"] == "download_error"
+        assert (
+            rows[key]["error_message"].startswith(url) and "is not a valid URL" in rows[key]["error_message"]
+        )
+
+
+def test_any_other_exception_reading_a_media_cell_is_the_samples_error_row(tmp_path):
+    sample = RowSampler("image", "key", None).sample(
+        "part-0", 3, {"key": "k", "image": "a\0b.png"}, str(tmp_path)
+    )
+    assert (sample.error.error_type, sample.error.message) == (
+        "preprocess_error",
+        "media cell: ValueError: embedded null byte",
+    )
+
+
+def test_a_download_that_hangs_is_ended_by_the_watchdog_and_the_other_samples_flow(tmp_path, loaded_fp32):
+    with LoopbackServer() as server:
+        server.images["slow.png"] = IMAGES["a"]
+        good = {name: server.add_image(f"{name}.png", data) for name, data in IMAGES.items()}
+        cases = {"slow": server.url("/slow-headers/slow.png"), **good}
+        write_table(tmp_path / "urls", list(cases), list(cases.values()))
+        # Its headers take about 5 s, well within total_timeout_s: only the watchdog ends the wait.
+        download = {"allow_private": True, "retries": 0, "total_timeout_s": 60}
+        spec = job(tmp_path, loaded_fp32.path, "urls", "out", download)
+        spec["preprocess"] = {"workers": 1, "timeout_s": 2}
+        run_job(job_config_from_dict(spec), loaded=loaded_fp32, show_progress=False)
+    rows = rows_of(tmp_path / "out")
+    assert rows["slow"]["error_type"] == "preprocess_timeout"
+    assert [rows[key]["status"] for key in good] == ["ok"] * len(good)
+
+
+def test_retry_failed_downloads_again_a_cached_body_that_did_not_decode(tmp_path, loaded_fp32):
+    with LoopbackServer() as server:
+        server.images["late.png"] = IMAGES["a"]  # an error page with 200 first, the image after
+        cases = {"late": server.url("/html-then/late.png"), "b": server.add_image("b.png", IMAGES["b"])}
+        write_table(tmp_path / "urls", list(cases), list(cases.values()))
+        download = {"allow_private": True, "cache_dir": str(tmp_path / "cache")}
+        cfg = job_config_from_dict(job(tmp_path, loaded_fp32.path, "urls", "out", download))
+        run_job(cfg, loaded=loaded_fp32, show_progress=False)
+        assert rows_of(tmp_path / "out")["late"]["error_type"] == "image_decode_error"
+        retry_failed(cfg, cfg, [], loaded=loaded_fp32, show_progress=False)
+        assert server.requests == {"/html-then/late.png": 2, "/img/b.png": 1}
+    assert [row["status"] for row in rows_of(tmp_path / "out").values()] == ["ok", "ok"]

@@ -4,7 +4,10 @@ workers.
 One `Downloader` per worker process (its HTTP client is made on first use, after the fork). Every way a
 download can fail is a `SampleError` whose type says what happened and whose message names the URL:
 `url_not_allowed`, `download_timeout`, `download_http_<code>`, `download_redirect_loop`,
-`image_too_large` (the body passed `max_bytes`: reading stops there) or `download_error`. Timeouts,
+`image_too_large` (the body passed `max_bytes`: reading stops there) or `download_error` (a malformed
+URL too). `timeout_s` bounds each wait for the server, `total_timeout_s` one whole attempt, from the
+connection to the last byte of the body through the headers and every redirect hop (so a server
+trickling bytes cannot hold a sample, and the in-order window behind it, for longer). Timeouts,
 refused connections, HTTP 429 and 5xx are tried again with a doubling backoff (or the server's
 Retry-After, up to `MAX_RETRY_AFTER_S`); other failures are final.
 
@@ -31,12 +34,16 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import urljoin, urlsplit
+from typing import TYPE_CHECKING
+from urllib.parse import SplitResult, urljoin, urlsplit
 
 from batchvl import __version__
 from batchvl.config import DownloadConfig
 from batchvl.errors import SampleError
 from batchvl.utils.stats import Counters
+
+if TYPE_CHECKING:
+    from batchvl.io.http_deadline import Deadline
 
 USER_AGENT = f"batchvl/{__version__} (batch captioning; python-httpx)"
 MAX_RETRY_AFTER_S = 30.0
@@ -76,7 +83,7 @@ class Downloader:
     def __init__(self, config: DownloadConfig, storage_options: dict | None = None):
         self.config = config
         self.storage_options = storage_options or {}  # for object-store URLs
-        self.cache = DownloadCache(Path(config.cache_dir)) if config.cache_dir else None
+        self.cache = DownloadCache.of(config)
         self._client = None
         self._client_pid = None
         self._lock = threading.Lock()
@@ -123,34 +130,42 @@ class Downloader:
             return self._read_object(url)
         import httpx
 
+        from batchvl.io.http_deadline import Deadline
+
         client = self._http_client()
         current = url
         seen = {url}
-        for _hop in range(self.config.max_redirects + 1):
-            self._check_allowed(current, url)
-            try:
-                with client.stream("GET", current) as response:
-                    if response.is_redirect:
+        with Deadline(self.config.total_timeout_s) as deadline:
+            for _hop in range(self.config.max_redirects + 1):
+                self._check_allowed(current, url)
+                try:
+                    with client.stream("GET", current) as response:
+                        if not response.is_redirect:
+                            return self._read_body(response, url)
                         current = urljoin(current, response.headers.get("location", ""))
                         if current in seen:
                             raise SampleError(
                                 "download_redirect_loop", f"{url} redirects in a loop (back to {current})"
                             )
                         seen.add(current)
-                        continue
-                    return self._read_body(response, url)
-            except httpx.TimeoutException as exc:
-                raise _Retryable(
-                    SampleError("download_timeout", f"{url}: no response within {self.config.timeout_s:g} s")
-                ) from exc
-            except httpx.TransportError as exc:
-                reason = str(exc) or "connection failed"
-                raise _Retryable(
-                    SampleError("download_error", f"{url}: {type(exc).__name__}: {reason}")
-                ) from exc
+                except httpx.TimeoutException as exc:
+                    timeout = SampleError("download_timeout", self._timeout_message(url, deadline))
+                    raise _Retryable(timeout) from exc
+                except httpx.TransportError as exc:
+                    raise _Retryable(SampleError("download_error", _failure(url, exc))) from exc
+                except (httpx.HTTPError, httpx.InvalidURL) as exc:  # a bad encoding, a URL httpx refuses
+                    raise SampleError("download_error", _failure(url, exc)) from exc
         raise SampleError(
             "download_redirect_loop", f"{url} redirects more than {self.config.max_redirects} times"
         )
+
+    def _timeout_message(self, url: str, deadline: Deadline) -> str:
+        if deadline.passed:
+            return (
+                f"{url}: not complete within input.download.total_timeout_s="
+                f"{self.config.total_timeout_s:g} s (connection, headers, redirects and body)"
+            )
+        return f"{url}: no response within input.download.timeout_s={self.config.timeout_s:g} s"
 
     def _read_object(self, url: str) -> bytes:
         import fsspec
@@ -184,31 +199,22 @@ class Downloader:
         declared = response.headers.get("content-length")
         if declared and declared.isdigit() and int(declared) > limit:
             raise SampleError("image_too_large", f"{url}: body of {declared} bytes, over {_limit(limit)}")
-        deadline = time.monotonic() + self.config.total_timeout_s
         chunks, size = [], 0
         for chunk in response.iter_bytes():
             size += len(chunk)
             if size > limit:
                 raise SampleError("image_too_large", f"{url}: body over {_limit(limit)}; stopped reading")
             chunks.append(chunk)
-            if time.monotonic() > deadline:
-                raise _Retryable(
-                    SampleError(
-                        "download_timeout",
-                        f"{url}: body not complete within input.download.total_timeout_s="
-                        f"{self.config.total_timeout_s:g} s ({size} bytes read)",
-                    )
-                )
         return b"".join(chunks)
 
     def _check_allowed(self, url: str, asked: str) -> None:
-        parts = urlsplit(url)
+        parts, port = split_url(url, asked)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise SampleError("download_error", f"{asked}: cannot follow {url!r} (not an http(s) URL)")
         if self.config.allow_private:
             return
         try:
-            infos = socket.getaddrinfo(parts.hostname, parts.port or 80, proto=socket.IPPROTO_TCP)
+            infos = socket.getaddrinfo(parts.hostname, port, proto=socket.IPPROTO_TCP)
         except (socket.gaierror, UnicodeError) as exc:
             raise _Retryable(SampleError("download_error", f"{url}: cannot resolve host: {exc}")) from exc
         for info in infos:
@@ -217,12 +223,15 @@ class Downloader:
                 via = "" if url == asked else f" (redirected to {url})"
                 raise SampleError(
                     "url_not_allowed",
-                    f"{asked}{via} resolves to {address}, a private, loopback or link-local address; "
+                    f"{asked}{via} resolves to {address}, not a public address (private, loopback, "
+                    "link-local, shared or reserved); "
                     "set input.download.allow_private: true to fetch from your own network",
                 )
 
     def _http_client(self):
         import httpx
+
+        from batchvl.io.http_deadline import DeadlineTransport
 
         with self._lock:
             if self._client is None or self._client_pid != os.getpid():
@@ -231,11 +240,28 @@ class Downloader:
                     timeout=httpx.Timeout(cfg.timeout_s),
                     follow_redirects=False,
                     headers={"User-Agent": USER_AGENT},
-                    limits=httpx.Limits(max_connections=cfg.concurrency),
+                    transport=DeadlineTransport(httpx.Limits(max_connections=cfg.concurrency)),
                     trust_env=False,
                 )
                 self._client_pid = os.getpid()
             return self._client
+
+
+def split_url(url: str, asked: str | None = None) -> tuple[SplitResult, int]:
+    """The parts of `url` and its port (the scheme's default where it names none); a malformed URL (an
+    unclosed IPv6 bracket, a port out of range) is a `download_error` naming it (and `asked`, the URL
+    it was reached from)."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port or (443 if parts.scheme.lower() == "https" else 80)
+    except ValueError as exc:
+        named = url if asked in (None, url) else f"{asked} (redirected to {url})"
+        raise SampleError("download_error", f"{named} is not a valid URL ({exc})") from None
+    return parts, port
+
+
+def _failure(url: str, exc: Exception) -> str:
+    return f"{url}: {type(exc).__name__}: {str(exc) or 'connection failed'}"
 
 
 def _retry_after(value: str | None) -> float | None:
@@ -257,6 +283,10 @@ class DownloadCache:
     def __init__(self, root: Path):
         self.root = root
 
+    @classmethod
+    def of(cls, config: DownloadConfig) -> DownloadCache | None:
+        return cls(Path(config.cache_dir)) if config.cache_dir else None
+
     def _url_file(self, url: str) -> Path:
         digest = hashlib.sha256(url.encode()).hexdigest()
         return self.root / "urls" / digest[:2] / digest
@@ -267,6 +297,11 @@ class DownloadCache:
             return (self.root / "blobs" / blob[:2] / blob).read_bytes()
         except (FileNotFoundError, NotADirectoryError):
             return None
+
+    def forget(self, url: str) -> None:
+        """Drop `url`'s entry, so that the next fetch asks the server again (its body did not decode:
+        an error page served with 200, a body cut short). The body stays: other URLs may name it."""
+        self._url_file(url).unlink(missing_ok=True)
 
     def put(self, url: str, data: bytes) -> None:
         blob = hashlib.sha256(data).hexdigest()

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Iterator
 from typing import Any
-from urllib.parse import urlsplit
 
 import pyarrow as pa
 
 from batchvl.errors import SampleError, UserError
-from batchvl.io.download import is_url
+from batchvl.io.download import is_url, split_url
 from batchvl.io.paths import resolve_under_root
 from batchvl.io.types import VIDEO_EXTENSIONS, MediaRef, Sample, ShardEnd, ShardInfo, is_scalar
+
+logger = logging.getLogger(__name__)
 
 
 class RowSampler:
@@ -70,6 +72,9 @@ class RowSampler:
                 raise SampleError("missing_image", f"row has no image in column '{self.image_column}'")
         except SampleError as exc:
             sample.error = exc
+        except Exception as exc:  # bad input must never end the job; keep the traceback for debugging
+            logger.debug("reading the media of %s/%s failed", shard, key, exc_info=True)
+            sample.error = SampleError("preprocess_error", f"media cell: {type(exc).__name__}: {exc}")
         return sample
 
     def media(self, cell: Any, root: str) -> MediaRef:
@@ -81,7 +86,7 @@ class RowSampler:
             return MediaRef(cell, None)
         if isinstance(cell, str) and cell:
             if is_url(cell):  # fetched by the preprocessing worker
-                path = urlsplit(cell).path.lower()
+                path = split_url(cell)[0].path.lower()
                 return MediaRef(None, None, "video" if path.endswith(VIDEO_EXTENSIONS) else "image", cell)
             if "://" in cell:
                 raise SampleError(

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Any
 from batchvl.errors import SampleError
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
+
     from batchvl.io.download import DownloadStats
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff")
@@ -62,6 +64,7 @@ class Sample:
     error: SampleError | None = None  # the sample itself is unusable: becomes error rows downstream
     downloads: DownloadStats | None = None  # what fetching its URL media did (None: it has none)
     chat: ChatRequest | None = None  # an openai_batch request: its messages replace the job's prompts
+    fetching: Future | None = None  # its URL media still downloading (`fetch_ahead.media_ready` waits)
 
 
 @dataclass(frozen=True)

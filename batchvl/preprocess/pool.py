@@ -1,11 +1,12 @@
 """The preprocessing pool: a torch DataLoader over the input stream, robust to crashing and hanging workers.
 
 Each worker reads the shards and keeps every n-th sample (a disjoint part of the stream), preprocesses
-it (decode, resize, patchify, hash, tokenize) and hands plain arrays back; `in_order=False` lets a slow
-sample hold back only itself. Workers record what they are doing in shared memory. A watchdog thread
-kills a worker stuck on one sample longer than `timeout_s`; when a worker dies (killed, segfault, out of
-memory) the loader is rebuilt, the sample it was working on is reported as an error, and every sample
-not yet delivered is processed again, so one bad sample costs that sample only.
+it (waits for its downloads, decode, resize, patchify, hash, tokenize) and hands plain arrays back;
+`in_order=False` lets a slow sample hold back only itself. Workers record what they are doing in
+shared memory. A watchdog thread kills a worker stuck on one sample longer than `timeout_s`; when a
+worker dies (killed, segfault, out of memory) the loader is rebuilt, the sample it was working on is
+reported as an error, and every sample not yet delivered is processed again, so one bad sample costs
+that sample only.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch.utils.data
 
 from batchvl.errors import SampleError, UserError
 from batchvl.io.claims import ShardClaims
+from batchvl.io.fetch_ahead import media_ready
 from batchvl.io.sources import Source
 from batchvl.io.types import ShardEnd, ShardInfo, ShardSkipped
 from batchvl.preprocess.sample import PreparedSample, SampleProcessor
@@ -221,7 +223,8 @@ class PreprocessDataset(torch.utils.data.IterableDataset):
                         continue
                     if self.slots is not None:
                         self.slots.begin(worker, shard_no, item.index)
-                    prepared = self.processor(item)
+                    # After `begin`: a download that hangs is this sample's, and the watchdog ends it.
+                    prepared = self.processor(media_ready(item))
                     if self.slots is not None:
                         self.slots.end(worker)
                     yield prepared

@@ -15,7 +15,7 @@ from typing import Any
 
 from batchvl.config import PromptConfig
 from batchvl.errors import SampleError
-from batchvl.io.download import DownloadStats
+from batchvl.io.download import DownloadCache, DownloadStats
 from batchvl.io.types import ChatRequest, MediaRef, Sample
 from batchvl.preprocess.media import PreparedMedia
 from batchvl.preprocess.prompts import PromptRenderer, fill_template
@@ -64,11 +64,13 @@ class SampleProcessor:
         prepare_media: Callable[[MediaRef], PreparedMedia],
         prompts: list[PromptConfig],
         follow_ups: frozenset[int] = frozenset(),
+        download_cache: DownloadCache | None = None,
     ):
         self.renderer = PromptRenderer(processor)
         self.prepare_media = prepare_media
         self.prompts = prompts
         self.follow_ups = follow_ups  # prompts that use an earlier output: the job renders them later
+        self.download_cache = download_cache  # input.download.cache_dir: bodies kept only if they decode
 
     def __call__(self, sample: Sample) -> PreparedSample:
         start = time.perf_counter()
@@ -85,10 +87,20 @@ class SampleProcessor:
         prepared.downloads = sample.downloads
         return prepared
 
+    def _prepare(self, ref: MediaRef) -> PreparedMedia:
+        try:
+            return self.prepare_media(ref)
+        except Exception:
+            # A downloaded body that does not decode (an error page served with 200, a cut-off body) must
+            # not stay cached: a retry or rerun asks the server again.
+            if ref.url and self.download_cache is not None:
+                self.download_cache.forget(ref.url)
+            raise
+
     def _process(self, sample: Sample) -> PreparedSample:
         if sample.error is not None:
             raise sample.error
-        images = [self.prepare_media(ref) for ref in sample.images]
+        images = [self._prepare(ref) for ref in sample.images]
         prepared = PreparedSample(
             sample.shard,
             sample.index,

@@ -19,6 +19,7 @@ from PIL import Image
 
 from batchvl.config import JobConfig
 from batchvl.errors import SampleError
+from batchvl.io.fetch_ahead import media_ready
 from batchvl.io.sources import job_source
 from batchvl.io.types import MediaRef, Sample
 from batchvl.preprocess.image import decode_image
@@ -84,13 +85,16 @@ def gallery_items(cfg: JobConfig, table: pa.Table, n: int, seed: int = 0) -> lis
             item.outputs.append(output)
     for sample in read_samples(cfg, list(items)):
         item = items[(sample.shard, sample.index)]
-        if sample.error is not None:
+        if sample.error is not None:  # its media could not be read or downloaded: nothing to show
             item.media_notes.append(sample.error.message)
+            continue
         for ref in sample.images:
             try:
                 item.thumbnails.append(data_uri(thumbnail(ref, cfg.preprocess.max_image_pixels)))
             except SampleError as error:
                 item.media_notes.append(error.message)
+            except Exception as error:  # a gallery shows what it can: one odd image never ends the page
+                item.media_notes.append(f"cannot show this image: {type(error).__name__}: {error}")
     return list(items.values())
 
 
@@ -107,7 +111,7 @@ def read_samples(cfg: JobConfig, wanted: list[tuple[str, int]]) -> list[Sample]:
             continue
         for sample in source.iter_shard(info, indices.__contains__):
             if isinstance(sample, Sample) and sample.index in indices:
-                samples.append(sample)
+                samples.append(media_ready(sample))
     return samples
 
 
