@@ -197,3 +197,22 @@ def test_storage_options_a_filesystem_does_not_take_are_one_line_exit_2_from_val
         assert line.startswith("error: input.storage_options do not suit s3:// (")
         assert "'endpoint'" in line and line.endswith("did you mean 'endpoint_url'?")
     assert not (tmp_path / "out").exists()
+
+
+def test_an_object_store_media_cell_with_options_the_store_does_not_take_is_an_error_row_naming_the_fix(s3):
+    from batchvl.config import DownloadConfig
+    from batchvl.errors import SampleError
+    from batchvl.io.download import Downloader, DownloadStats
+
+    endpoint, client = s3
+    client.put_object(Bucket="data", Key="media/typo.png", Body=IMAGES[0])
+    downloader = Downloader(
+        DownloadConfig(retries=0), {"endpoint": endpoint, "key": "testing", "secret": "testing"}
+    )
+    with pytest.raises(SampleError) as failed:
+        downloader.fetch("s3://data/media/typo.png", DownloadStats())
+    assert failed.value.error_type == "download_error"
+    assert failed.value.message.startswith(
+        "s3://data/media/typo.png: input.storage_options do not suit s3:// ("
+    )
+    assert failed.value.message.endswith("did you mean 'endpoint_url'?")

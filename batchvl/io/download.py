@@ -40,6 +40,7 @@ from urllib.parse import SplitResult, urljoin, urlsplit
 from batchvl import __version__
 from batchvl.config import DownloadConfig
 from batchvl.errors import SampleError
+from batchvl.io.remote import options_mismatch
 from batchvl.utils.stats import Counters
 
 if TYPE_CHECKING:
@@ -187,6 +188,11 @@ class Downloader:
             raise SampleError("download_error", f"{url}: access denied ({exc})") from None
         except OSError as exc:
             raise _Retryable(SampleError("download_error", f"{url}: {type(exc).__name__}: {exc}")) from exc
+        except TypeError as exc:  # s3fs refuses an unknown option only when it first connects
+            protocol = url.split("://", 1)[0]
+            raise SampleError(
+                "download_error", f"{url}: {options_mismatch('input.storage_options', protocol, exc)}"
+            ) from None
 
     def _read_body(self, response, url: str) -> bytes:
         status = response.status_code

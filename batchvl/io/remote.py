@@ -65,9 +65,12 @@ def check_storage_options(key: str, storage_options: dict, urls: list[str]) -> N
         except ImportError:
             continue  # reading the URL says which package to install
         except (TypeError, ValueError) as exc:
-            raise UserError(
-                f"{key} do not suit {protocol}:// ({exc}){_did_you_mean(protocol, exc)}"
-            ) from None
+            raise UserError(options_mismatch(key, protocol, exc)) from None
+
+
+def options_mismatch(key: str, protocol: str, exc: Exception) -> str:
+    """Why a filesystem refused its storage options, with the option meant where one is close."""
+    return f"{key} do not suit {protocol}:// ({exc}){_did_you_mean(protocol, exc)}"
 
 
 def _did_you_mean(protocol: str, exc: Exception) -> str:
