@@ -1,8 +1,9 @@
 """run_job: plan -> read and preprocess (worker pool) -> engine -> write, one direction, nothing lost.
 
 Every (sample, prompt) ends as exactly one row: `ok` with its text, or `error` with a type and message.
-The ledger (`ledger.py`) keeps each shard's rows and commits a shard, through the run's commit strategy
-(`commits.py`), once every row of it has an outcome; committed shards are skipped on rerun. A run can be
+The ledger (`ledger.py`) keeps each shard's rows and says when every row of a shard has an outcome; the
+runner then commits it through the run's commit strategy (`commits.py`), after the step's results or the
+input item are handled; committed shards are skipped on rerun. A run can be
 one task of a split job (`TaskSlice`), and stops cleanly between engine steps on a stop signal.
 """
 
@@ -28,7 +29,7 @@ from batchvl.io.claims import Holder, ShardClaims
 from batchvl.io.download import DownloadStats
 from batchvl.io.output_dir import OutputDir
 from batchvl.io.run_stats import write_run_stats
-from batchvl.io.types import ShardEnd, ShardInfo, ShardSkipped
+from batchvl.io.types import ShardEnd, ShardSkipped
 from batchvl.io.writers import ResultRow
 from batchvl.launch import in_launched_processes, job_engine, load_job_model, sample_processor, serve_rank
 from batchvl.ledger import CommitStrategy, ShardLedger
@@ -130,7 +131,7 @@ class JobRunner:
         pre = self.cfg.preprocess
         workers = default_workers() if pre.workers is None else pre.workers
         self.stats.preprocess_workers = workers
-        ledger = ShardLedger(work.shards, work.selection, len(self.cfg.prompts), self._commit)
+        ledger = ShardLedger(work.shards, work.selection, len(self.cfg.prompts))
         renderer = PromptRenderer(self._load().processor)
         self.flow = SampleFlow(self.cfg, PromptGraph.of(self.cfg.prompts), renderer)
         pool = PreprocessPool(
@@ -185,6 +186,7 @@ class JobRunner:
                 break
             elif isinstance(item, ShardEnd):
                 ledger.end_of_shard(item.shard, item.num_samples)
+                self._commit_complete(ledger)
             elif isinstance(item, ShardSkipped):
                 self._skip(ledger, item, bar)
             else:
@@ -212,6 +214,7 @@ class JobRunner:
         used = ledger.used_rows_of(sample.shard, sample.index)
         progress = self.flow.start(sample, prompts, ledger.position(sample.shard), used)
         self._carry_out(progress, engine, ledger, bar)
+        self._commit_complete(ledger)  # a sample that fails before the engine can complete its shard
 
     def _carry_out(self, progress: Progress, engine: Engine, ledger: ShardLedger, bar) -> None:
         """Rows to the ledger, requests to the engine, and a sample that is done to the count."""
@@ -232,6 +235,7 @@ class JobRunner:
             sample = self.flow.sample_of(result.tag)
             row = result_row(sample, prompt_of(self.cfg, sample, result.tag.prompt_index), result)
             self._carry_out(self.flow.finish(result.tag, row), engine, ledger, bar)
+        self._commit_complete(ledger)  # after the loop: an upload never runs between two results
         elapsed = max(bar.format_dict["elapsed"], 1e-9)
         bar.set_postfix(out_tok_s=f"{engine.stats.output_tokens / elapsed:.1f}", refresh=False)
 
@@ -252,11 +256,12 @@ class JobRunner:
         if bar.total is not None and samples is not None:
             bar.total -= samples
 
-    def _commit(self, info: ShardInfo, rows: list[ResultRow]) -> str:
-        path = self.commit(info, rows)
-        logger.info("committed %s (%d rows)", path, len(rows))
-        self.claims.release(info.shard)
-        return path
+    def _commit_complete(self, ledger: ShardLedger) -> None:
+        for state in ledger.complete_shards():
+            path = self.commit(state.info, state.rows)
+            logger.info("committed %s (%d rows)", path, len(state.rows))
+            ledger.mark_committed(state.info.shard)
+            self.claims.release(state.info.shard)
 
 
 def run_job(

@@ -3,8 +3,10 @@
 Per shard: which rows it is to produce (every (sample, prompt), or a selection, as a retry of failed
 rows has, with the committed rows its follow-ups use), the rows done, and whether it is committed or
 skipped (another run has it); the samples still in the engine are the sample flow's (`sample_flow.py`).
-A shard is committed, through the strategy the run was given, once every row it is to produce has its
-outcome; the ledger holds only plain data, and frees a shard's rows once written.
+A shard is complete once every row it is to produce has its outcome: the ledger says which shards are
+(`complete_shards`), the runner commits them through its commit strategy after it has handled a step's
+results or an input item, never inside that loop, and tells the ledger (`mark_committed`), which frees
+the rows. The ledger holds only plain data.
 """
 
 from __future__ import annotations
@@ -46,17 +48,10 @@ class ShardState:
 
 
 class ShardLedger:
-    def __init__(
-        self,
-        shards: list[ShardInfo],
-        selection: Selection | None,
-        num_prompts: int,
-        commit: CommitStrategy,
-    ):
+    def __init__(self, shards: list[ShardInfo], selection: Selection | None, num_prompts: int):
         self.shards = {info.shard: ShardState(info, position) for position, info in enumerate(shards)}
         self.selection = selection
         self.num_prompts = num_prompts
-        self.commit = commit
 
     def position(self, shard: str) -> int:
         return self.shards[shard].position
@@ -89,15 +84,25 @@ class ShardLedger:
             chosen = self.selection[shard].items()
             expected = sum(len(rows.prompts) for index, rows in chosen if index < num_samples)
         self.shards[shard].expected_rows = expected
-        self._commit_if_complete(self.shards[shard])
 
     def skip(self, shard: str) -> None:
         self.shards[shard].skipped = True
 
     def add_row(self, shard: str, row: ResultRow) -> None:
+        self.shards[shard].rows.append(row)
+
+    def complete_shards(self) -> list[ShardState]:
+        """The open shards whose every row has its outcome: to be committed."""
+        return [
+            state
+            for state in self.shards.values()
+            if state.is_open and state.expected_rows is not None and len(state.rows) >= state.expected_rows
+        ]
+
+    def mark_committed(self, shard: str) -> None:
         state = self.shards[shard]
-        state.rows.append(row)
-        self._commit_if_complete(state)
+        state.committed = True
+        state.rows = []  # written; free the memory
 
     def open_shards(self) -> Iterator[str]:
         return (name for name, state in self.shards.items() if state.is_open)
@@ -114,10 +119,3 @@ class ShardLedger:
     def rows_not_committed(self) -> int:
         """Rows done in shards that are not committed (a stop leaves them for the next run)."""
         return sum(len(state.rows) for state in self.shards.values() if not state.committed)
-
-    def _commit_if_complete(self, state: ShardState) -> None:
-        if state.committed or state.expected_rows is None or len(state.rows) < state.expected_rows:
-            return
-        self.commit(state.info, state.rows)
-        state.committed = True
-        state.rows = []  # written; free the memory
