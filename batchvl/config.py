@@ -1,8 +1,8 @@
 """The job file: YAML -> typed, validated, frozen dataclasses.
 
-Every key is declared once here with its type, default and help text; the README's key table is
-generated from these declarations (`keys_markdown_table`) and a test checks it is current. Mistakes
-are one-line `ConfigError`s that name the dotted key.
+Every key is declared once here with its type, default and help text; the key table in
+docs/configuration.md is generated from these declarations (`keys_markdown_table`) and a test checks it
+is current. Mistakes are one-line `ConfigError`s that name the dotted key.
 """
 
 from __future__ import annotations

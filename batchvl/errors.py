@@ -9,9 +9,9 @@ exits with its code.
 
 from __future__ import annotations
 
-# Every `error_type` a row can carry, with its cause: the stable names users filter on. The README's table
-# is generated from this (`error_types_markdown_table`), and a test checks that every SampleError the code
-# raises names a type listed here. `<code>` stands for an HTTP status.
+# Every `error_type` a row can carry, with its cause: the stable names users filter on. The table in
+# docs/output.md is generated from this (`error_types_markdown_table`), and a test checks that every
+# SampleError the code raises names a type listed here. `<code>` stands for an HTTP status.
 ERROR_TYPES: dict[str, str] = {
     "empty_image": "an image of zero bytes",
     "empty_video": "a video of zero bytes",

@@ -1,3 +1,4 @@
+import json
 import re
 from pathlib import Path
 
@@ -130,7 +131,7 @@ def test_fingerprint_tracks_outputs_not_engine_limits():
     assert fp != config_fingerprint(job_config_from_dict(base, overrides=["sampling.max_new_tokens=3"]))
 
 
-def test_every_leaf_key_is_described_and_in_the_readme():
+def test_every_leaf_key_is_described_and_in_the_configuration_docs():
     import dataclasses
     import typing
 
@@ -153,10 +154,10 @@ def test_every_leaf_key_is_described_and_in_the_readme():
     described = [row[0] for row in describe_keys()]
     assert described == leaves(JobConfig)
     assert all(row[3] for row in describe_keys()), "every key needs help text"
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
-    table = re.search(r"<!-- keys-table:start -->\n(.*)\n<!-- keys-table:end -->", readme, re.S).group(1)
+    docs = (Path(__file__).parents[1] / "docs" / "configuration.md").read_text()
+    table = re.search(r"<!-- keys-table:start -->\n(.*)\n<!-- keys-table:end -->", docs, re.S).group(1)
     assert table == keys_markdown_table(), (
-        "README key table is stale: regenerate it from keys_markdown_table()"
+        "the key table in docs/configuration.md is stale: regenerate it from keys_markdown_table()"
     )
 
 
@@ -325,3 +326,18 @@ def test_a_config_built_in_python_gets_its_paths_and_schema_read_by_the_api(tmp_
     resolved = _job_config(cfg, [])
     assert resolved.prompts[0].json_schema == {"type": "object"}
     assert resolved.input.paths == ["/d/*.parquet"] and resolved.output.dir == "/o"
+
+
+def test_the_readmes_table_of_common_keys_gives_their_declared_defaults():
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    section = readme[readme.index("The keys most jobs set:") :]
+    rows = re.findall(r"^\| (`[^|]+`) \| ([^|]+) \|", section.split("\n\n")[1], re.M)[1:]  # past the header
+    declared = {key: default for key, _, default, _ in describe_keys()}
+    assert len(rows) >= 10
+    for keys, defaults in rows:
+        names = re.findall(r"`([^`]+)`", keys)
+        written = [d.strip().strip("`") for d in defaults.split(",")]
+        written = written * len(names) if len(written) == 1 else written  # one default for the row
+        for name, default in zip(names, written, strict=True):
+            value = declared[name] if declared[name] == "required" else json.loads(declared[name])
+            assert default == ("null" if value is None else str(value)), name

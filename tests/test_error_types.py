@@ -1,5 +1,5 @@
 """One registry of error types: every SampleError the code raises names a type in `errors.ERROR_TYPES`,
-every type there is raised somewhere, and the README's table is the one generated from it."""
+every type there is raised somewhere, and the table in docs/output.md is the one generated from it."""
 
 import ast
 import re
@@ -49,7 +49,7 @@ def test_every_raised_error_type_is_registered_and_every_registered_one_is_raise
     assert patterns == set(raised), "ERROR_TYPES lists types nothing raises"
 
 
-def test_the_readme_table_is_generated_from_the_registry():
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
-    table = re.search(r"<!-- error-types:start -->\n(.*)\n<!-- error-types:end -->", readme, re.S).group(1)
-    assert table == error_types_markdown_table(), "README error-type table is stale: regenerate it"
+def test_the_docs_table_is_generated_from_the_registry():
+    docs = (Path(__file__).parents[1] / "docs" / "output.md").read_text()
+    table = re.search(r"<!-- error-types:start -->\n(.*)\n<!-- error-types:end -->", docs, re.S).group(1)
+    assert table == error_types_markdown_table(), "docs/output.md error-type table is stale: regenerate it"
