@@ -37,7 +37,7 @@ def companion_files(cfg: JobConfig, out: OutputDir) -> Callable[[str, pa.Table],
     model = model_name(cfg.model.path)
 
     def write(shard: str, table: pa.Table) -> None:
-        write_batch_output(out, shard, table, model, int(time.time()), cfg.prompts)
+        write_batch_output(out, shard, table, model, int(time.time()))
 
     return write
 

@@ -128,13 +128,19 @@ def error_row(sample: PreparedSample, prompt_index: int, prompt_name: str, error
     return _row_without_output(sample, prompt_index, prompt_name, "error", error)
 
 
-def skipped_row(sample: PreparedSample, prompt_index: int, prompt_name: str) -> ResultRow:
-    """The row of a prompt whose `when` did not match (or that uses a skipped prompt's output)."""
-    return _row_without_output(sample, prompt_index, prompt_name, "skipped", None)
+def skipped_row(sample: PreparedSample, prompt_index: int, prompt_name: str, reason: str) -> ResultRow:
+    """The row of a prompt whose `when` did not match (or that uses a skipped prompt's output); its
+    `error_message` says which."""
+    return _row_without_output(sample, prompt_index, prompt_name, "skipped", None, reason)
 
 
 def _row_without_output(
-    sample: PreparedSample, prompt_index: int, prompt_name: str, status: str, error: SampleError | None
+    sample: PreparedSample,
+    prompt_index: int,
+    prompt_name: str,
+    status: str,
+    error: SampleError | None,
+    reason: str | None = None,
 ) -> ResultRow:
     return _row(
         sample,
@@ -143,7 +149,7 @@ def _row_without_output(
         text=None,
         status=status,
         error_type=error.error_type if error else None,
-        error_message=error.message if error else None,
+        error_message=error.message if error else reason,
         num_prompt_tokens=0,
         num_output_tokens=0,
         finish_reason=None,

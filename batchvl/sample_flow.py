@@ -141,8 +141,8 @@ class SampleFlow:
                 "retry-failed runs both again",
             )
             self._add_row(state, index, error_row(sample, index, prompt.name, error), progress)
-        elif any(row.status == "skipped" for row in used) or not self._when_matches(state, index):
-            self._add_row(state, index, skipped_row(sample, index, prompt.name), progress)
+        elif (reason := self._skip_reason(state, index, used)) is not None:
+            self._add_row(state, index, skipped_row(sample, index, prompt.name, reason), progress)
         else:
             try:
                 token_ids = self._render(state, index)
@@ -151,12 +151,23 @@ class SampleFlow:
                 return
             self._submit(state, index, token_ids, progress)
 
-    def _when_matches(self, state: _SampleState, index: int) -> bool:
-        when = self.cfg.prompts[index].when
+    def _skip_reason(self, state: _SampleState, index: int, used: list[ResultRow]) -> str | None:
+        """Why the follow-up does not run for this sample (a prompt it uses was skipped, or its `when` does
+        not match), written to its row; None: it runs."""
+        skipped = next((row for row in used if row.status == "skipped"), None)
+        if skipped is not None:
+            return f"not run: it uses prompt '{skipped.prompt}', which was skipped for this sample"
+        prompt = self.cfg.prompts[index]
+        when = prompt.when
         if when is None:
-            return True
+            return None
         output = state.rows[self.graph.names.index(when.prompt)].text
-        return output == when.equals if when.equals is not None else output in when.in_
+        if output == when.equals if when.equals is not None else output in when.in_:
+            return None
+        wanted = f"is {when.equals!r}" if when.equals is not None else f"is one of {when.in_!r}"
+        return (
+            f"not run: prompt '{prompt.name}' runs only where the output of prompt '{when.prompt}' {wanted}"
+        )
 
     def _render(self, state: _SampleState, index: int) -> list[int]:
         """The follow-up's token ids: its text with the outputs it uses filled in, as the next user turn of

@@ -17,7 +17,7 @@ import pyarrow as pa
 import pytest
 
 from batchvl.commits import MergeIntoShard
-from batchvl.config import PromptConfig, job_config_from_dict
+from batchvl.config import job_config_from_dict
 from batchvl.io.batch_output import batch_output_path, write_batch_output
 from batchvl.io.commit import ShardMarker, commit_shard, marker_path, read_committed, read_marker
 from batchvl.io.output_dir import LocalDir, open_output_dir
@@ -85,8 +85,7 @@ def crash_at(out, step: str):
 def commit(out, table: pa.Table) -> None:
     marker = ShardMarker.for_rows(SHARD.shard, [], {}, "f", task=None)
     marker.count(list(zip(table["status"].to_pylist(), table["error_type"].to_pylist(), strict=True)))
-    prompts = [PromptConfig(name="caption", text="Describe this image.")]
-    companion = lambda shard, rows: write_batch_output(out, shard, rows, "tiny", 0, prompts)  # noqa: E731
+    companion = lambda shard, rows: write_batch_output(out, shard, rows, "tiny", 0)  # noqa: E731
     commit_shard(out, SHARD.shard, table, marker, companion)
 
 

@@ -5,7 +5,8 @@ A line per row, in input order: `{"id", "custom_id", "response": {"status_code":
 <a chat.completion>}, "error": null}` for an ok row, `{"id", "custom_id", "response": null, "error":
 {"code": <error_type>, "message": ...}}` otherwise. A follow-up that was skipped ran no request: like the
 API's requests that never ran (`batch_expired`), it has `"response": null` and `"error": {"code":
-"skipped", "message": <why: the `when` it did not meet, or the skipped prompt it uses>}`. `custom_id` is
+"skipped", "message": <why, as its row's error_message says: the `when` it did not meet, or the skipped
+prompt it uses>}`. `custom_id` is
 the sample's key (with `:<prompt>` when the job has several prompts); `id` is unique in the job (it hashes
 the shard and the row's place in it); `created` is when the file was written. The file is written whole
 after the Parquet file and before the shard's marker, so a committed shard has both and a rerun redoes a
@@ -20,10 +21,8 @@ import os
 import pyarrow as pa
 import xxhash
 
-from batchvl.config import PromptConfig
 from batchvl.io.output_dir import OutputDir
 from batchvl.io.writers import output_path
-from batchvl.prompt_graph import PromptGraph
 
 COLUMNS = [
     "sample_index", "key", "prompt", "status", "text", "error_type", "error_message", "finish_reason",
@@ -35,21 +34,13 @@ def batch_output_path(out: OutputDir, shard: str) -> str:
     return output_path(out, shard).removesuffix(".parquet") + ".output.jsonl"
 
 
-def write_batch_output(
-    out: OutputDir, shard: str, table: pa.Table, model: str, created: int, prompts: list[PromptConfig]
-) -> str:
+def write_batch_output(out: OutputDir, shard: str, table: pa.Table, model: str, created: int) -> str:
     path = batch_output_path(out, shard)
     several_prompts = len(set(table["prompt"].to_pylist())) > 1
-    rows = table.select(COLUMNS).to_pylist()
-    statuses = {(row["sample_index"], row["prompt"]): row["status"] for row in rows}
-    graph = PromptGraph.of(prompts)
-    lines = []
-    for row in rows:
-        line = batch_line(row, shard, model, created, several_prompts)
-        if row["status"] == "skipped":
-            line["error"]["message"] = skip_reason(prompts, graph, row, statuses)
-        lines.append(json.dumps(line, ensure_ascii=False))
-    out.write_text(path, "".join(line + "\n" for line in lines))
+    lines = [
+        batch_line(row, shard, model, created, several_prompts) for row in table.select(COLUMNS).to_pylist()
+    ]
+    out.write_text(path, "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines))
     return path
 
 
@@ -62,7 +53,9 @@ def batch_line(row: dict, shard: str, model: str, created: int, several_prompts:
     )
     line = {"id": f"batch_req_{digest}", "custom_id": custom_id, "response": None, "error": None}
     if row["status"] != "ok":
-        line["error"] = {"code": row["error_type"] or row["status"], "message": row["error_message"] or ""}
+        # A skipped row's message says why it did not run (rows committed before it did say "not run").
+        message = row["error_message"] or ("not run" if row["status"] == "skipped" else "")
+        line["error"] = {"code": row["error_type"] or row["status"], "message": message}
         return line
     prompt_tokens, completion_tokens = row["num_prompt_tokens"], row["num_output_tokens"]
     line["response"] = {
@@ -89,20 +82,6 @@ def batch_line(row: dict, shard: str, model: str, created: int, several_prompts:
         },
     }
     return line
-
-
-def skip_reason(
-    prompts: list[PromptConfig], graph: PromptGraph, row: dict, statuses: dict[tuple[int, str], str]
-) -> str:
-    """Why a follow-up did not run for this sample, as the job decides it: a prompt it uses was skipped,
-    else its `when` did not match."""
-    index = graph.names.index(row["prompt"])
-    for used in sorted(graph.uses[index]):
-        if statuses.get((row["sample_index"], graph.names[used])) == "skipped":
-            return f"not run: it uses prompt '{graph.names[used]}', which was skipped for this sample"
-    when = prompts[index].when
-    wanted = f"is {when.equals!r}" if when.equals is not None else f"is one of {when.in_!r}"
-    return f"not run: prompt '{row['prompt']}' runs only where the output of prompt '{when.prompt}' {wanted}"
 
 
 def model_name(model_path: str) -> str:
