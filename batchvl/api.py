@@ -75,14 +75,14 @@ class Results:
         """`n` sampled inputs beside their outputs, as HTML a notebook displays (`IPython.display.HTML`)."""
         from IPython.display import HTML
 
-        from batchvl.report.gallery import gallery_html, gallery_items
+        from batchvl.commands.report.gallery import gallery_html, gallery_items
 
         table = self.dataset.data.table
         return HTML(gallery_html(gallery_items(self.config, table, n, seed)))
 
     def report(self, path: str | None = None, samples: int = 24, seed: int = 0) -> str:
         """Write the HTML report (as `batchvl report` does; default: output_dir/report.html); its path."""
-        from batchvl.report.page import write_report
+        from batchvl.commands.report.page import write_report
 
         return write_report(self.config, path, samples, seed)[0]
 
@@ -123,7 +123,7 @@ def run(
             f"model= was loaded from '{model.path}' but the job's model.path is '{cfg.model.path}'; "
             "pass the same checkpoint, or leave model= out"
         )
-    from batchvl.job import run_job
+    from batchvl.run.runner import run_job
 
     summary = run_job(cfg, loaded=model, show_progress=progress)
     return Results(read_results(cfg), summary.stats, cfg.output.dir, cfg)
@@ -203,7 +203,7 @@ def read_results(job: JobConfig | Mapping[str, Any] | str | Path) -> datasets.Da
     import datasets
     from datasets.table import InMemoryTable
 
-    from batchvl.labels import job_rows
+    from batchvl.commands.labels import job_rows
 
     return datasets.Dataset(InMemoryTable(_without_maps(job_rows(_job_config(job, ())))))
 
@@ -221,13 +221,13 @@ def _without_maps(table: pa.Table) -> pa.Table:
 def read_labels(job: JobConfig | Mapping[str, Any] | str | Path) -> datasets.Dataset:
     """The job's labels: one row per sample with, per prompt, its value (typed from a JSON schema: structs,
     lists, ints, floats, bools; text otherwise), `<prompt>_status`, and `<prompt>_probs` for scored
-    choices. See `labels.py`; a value its column's type cannot hold (an integer beyond int64) makes the
-    column JSON text, with a warning. Refused, as `run` refuses, where shards were written by another
-    config."""
+    choices. See `commands/labels.py`; a value its column's type cannot hold (an integer beyond int64)
+    makes the column JSON text, with a warning. Refused, as `run` refuses, where shards were written by
+    another config."""
     import datasets
     from datasets.table import InMemoryTable
 
-    from batchvl.labels import job_labels, table_notes
+    from batchvl.commands.labels import job_labels, table_notes
 
     table = job_labels(_job_config(job, ()))
     for note in table_notes(table):

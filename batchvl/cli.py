@@ -76,10 +76,10 @@ def run(
 ) -> None:
     """Run a job: caption / answer every (sample, prompt) and write one Parquet file per input shard."""
     _setup_logging(log_level)
+    from batchvl.commands.slurm import requeue_this_task
     from batchvl.config import load_job_config
-    from batchvl.job import run_job
-    from batchvl.slurm import requeue_this_task
-    from batchvl.tasks import parse_task_slice, slurm_task_slice
+    from batchvl.run.runner import run_job
+    from batchvl.run.tasks import parse_task_slice, slurm_task_slice
 
     overrides = [*(set_ or []), *(["output.overwrite=true"] if overwrite else [])]
     cfg = load_job_config(job_file, overrides)
@@ -140,7 +140,7 @@ def validate(job_file: JobFile, set_: SetOption = None, log_level: LogLevel = "w
     output folder), and list the input shards; runs nothing and writes nothing."""
     _setup_logging(log_level)
     from batchvl.config import load_job_config
-    from batchvl.plan import plan_job
+    from batchvl.run.plan import plan_job
 
     cfg = load_job_config(job_file, set_ or [])
     plan = plan_job(cfg)
@@ -179,9 +179,9 @@ def retry_failed_command(
 ) -> None:
     """Rerun only the error rows of committed shards and merge the new rows back into them."""
     _setup_logging(log_level)
+    from batchvl.commands.retry import retry_failed
     from batchvl.config import load_job_config
-    from batchvl.retry import retry_failed
-    from batchvl.tasks import parse_task_slice, slurm_task_slice
+    from batchvl.run.tasks import parse_task_slice, slurm_task_slice
 
     job = load_job_config(job_file)
     retry = load_job_config(job_file, set_ or [])
@@ -228,10 +228,10 @@ def slurm(
 ) -> None:
     """Write an sbatch script for a Slurm array job running `batchvl run` (and submit it with --submit)."""
     _setup_logging("warning")
+    from batchvl.commands.slurm import ArrayJob, write_array_job
+    from batchvl.commands.slurm import submit as sbatch_submit
     from batchvl.config import is_remote, load_job_config
-    from batchvl.plan import plan_job
-    from batchvl.slurm import ArrayJob, write_array_job
-    from batchvl.slurm import submit as sbatch_submit
+    from batchvl.run.plan import plan_job
 
     cfg = load_job_config(job_file, set_ or [])
     plan = plan_job(cfg)  # the tasks' own preflight, before anything is submitted
@@ -272,8 +272,8 @@ def status(
 ) -> None:
     """Report shards done / pending, rows ok / error, per-task throughput, and how to rerun the rest."""
     _setup_logging("warning")
+    from batchvl.commands.status import format_status, job_status
     from batchvl.config import load_job_config
-    from batchvl.status import format_status, job_status
 
     cfg = load_job_config(job_file, set_ or [])
     report = job_status(cfg, tasks)
@@ -305,8 +305,8 @@ def report(
 ) -> None:
     """Write a self-contained HTML page: run stats, token-length plots, a gallery and every error row."""
     _setup_logging("warning")
+    from batchvl.commands.report.page import write_report
     from batchvl.config import load_job_config
-    from batchvl.report.page import write_report
 
     if samples < 0:
         raise typer.BadParameter(f"--samples must be 0 or more, got {samples}")
@@ -341,10 +341,10 @@ def export(
 ) -> None:
     """Write the job's committed results as one Parquet file: the labels (--wide) or the rows (--rows)."""
     _setup_logging("warning")
+    from batchvl.commands.labels import job_rows, labels_table, ran_output_dir, table_notes
     from batchvl.config import load_job_config
-    from batchvl.io.output_dir import write_file
-    from batchvl.io.writers import parquet_bytes
-    from batchvl.labels import job_rows, labels_table, ran_output_dir, table_notes
+    from batchvl.outputs.writers import parquet_bytes
+    from batchvl.storage.output_dir import write_file
 
     if wide is None and rows is None:
         raise UserError("export: name a file with --wide OUT.parquet (labels) or --rows OUT.parquet (rows)")
@@ -382,7 +382,7 @@ def make_tiny_model(
 ) -> None:
     """Build a random-weight checkpoint locally (no hub needed). It writes meaningless text."""
     _setup_logging("warning")
-    from batchvl.models.tiny import build_tiny_model
+    from batchvl.demo.tiny_model import build_tiny_model
 
     path = build_tiny_model(out_dir, family=family, size=size, seed=seed)
     typer.echo(f"wrote {family} ({size}) to {path}")
@@ -394,7 +394,7 @@ def make_sample_data(
     num_shards: Annotated[int, typer.Option(help="Number of Parquet shards.")] = 2,
 ) -> None:
     """Write a small dataset of real photos (scikit-image's samples) at varied sizes as Parquet shards."""
-    from batchvl.sample_data import write_sample_data
+    from batchvl.demo.sample_data import write_sample_data
 
     paths = write_sample_data(out_dir, num_shards=num_shards)
     typer.echo(f"wrote {len(paths)} shard(s) to {out_dir}")

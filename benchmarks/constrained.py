@@ -76,7 +76,7 @@ def job(
 
 def run(loaded, cfg_dict: dict) -> dict:
     from batchvl.config import job_config_from_dict
-    from batchvl.job import run_job
+    from batchvl.run.runner import run_job
 
     return run_job(job_config_from_dict(cfg_dict), loaded=loaded, show_progress=False).stats
 
@@ -104,8 +104,8 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
 
+    from batchvl.demo.tiny_model import build_tiny_model
     from batchvl.models.loader import load_model
-    from batchvl.models.tiny import build_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)

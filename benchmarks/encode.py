@@ -56,9 +56,9 @@ def main() -> None:
 def measure(dtype_name: str, count: int, repeats: int) -> dict:
     from transformers import AutoModelForImageTextToText
 
+    from batchvl.demo.tiny_model import build_tiny_model
     from batchvl.engine.model_runner import encode_batches
     from batchvl.models.loader import load_model
-    from batchvl.models.tiny import build_tiny_model
     from batchvl.preprocess.qwen_vision import QwenVisionSpec, prepare_image
 
     with tempfile.TemporaryDirectory() as tmp:

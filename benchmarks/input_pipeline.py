@@ -114,7 +114,7 @@ def main() -> None:
     parser.add_argument("--starvation-samples", type=int, default=64)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
-    from batchvl.models.tiny import build_tiny_model
+    from batchvl.demo.tiny_model import build_tiny_model
 
     results: dict[str, list[dict]] = {"memory": [], "starvation": []}
     with tempfile.TemporaryDirectory() as tmp_name:

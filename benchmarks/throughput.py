@@ -209,8 +209,8 @@ def run_transformers(root: Path, model_dir: str, dtype: torch.dtype, batch: int)
 
 def run_batchvl(root: Path, model_dir: str, dtype_name: str) -> dict:
     from batchvl.config import job_config_from_dict
-    from batchvl.job import run_job
     from batchvl.models.loader import load_model
+    from batchvl.run.runner import run_job
 
     def job(data: Path, names: list[str], out: Path):
         return job_config_from_dict(
@@ -489,7 +489,7 @@ def main() -> None:
 
 def measure(args, work: Path, dtypes: list[str]) -> dict:
     """Build the model and workload in `work`, run each method in each dtype, print the tables."""
-    from batchvl.models.tiny import build_tiny_model
+    from batchvl.demo.tiny_model import build_tiny_model
 
     model_dir = build_tiny_model(work / "model", size="small", seed=0)
     write_workload(work, args.samples, args.duplicate_share, args.min_tokens, args.max_tokens)

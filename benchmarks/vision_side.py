@@ -92,8 +92,8 @@ def main() -> None:
     args = parser.parse_args()
 
     from batchvl.config import EngineConfig
+    from batchvl.demo.tiny_model import build_tiny_model
     from batchvl.models.loader import load_model
-    from batchvl.models.tiny import build_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         loaded = load_model(str(build_tiny_model(Path(tmp) / "small", size="small")), args.dtype, "cpu")

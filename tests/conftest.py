@@ -42,7 +42,7 @@ def s3():
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
-    from batchvl.models.tiny import build_tiny_model
+    from batchvl.demo.tiny_model import build_tiny_model
 
     folder = tmp_path_factory.mktemp("models") / "tiny-qwen2-vl"
     return build_tiny_model(folder, size="tiny", seed=0, sharpness=SHARPNESS)
@@ -66,8 +66,8 @@ NEW_FAMILIES = [
 @pytest.fixture(scope="session")
 def family_models(tmp_path_factory):
     """family -> (model folder, model loaded in fp32), built on first use."""
+    from batchvl.demo.tiny_model import build_tiny_model
     from batchvl.models.loader import load_model
-    from batchvl.models.tiny import build_tiny_model
 
     built = {}
 
@@ -93,7 +93,7 @@ def output_rows(out_dir, num_shards: int) -> list[dict]:
     """Every row of output shards part-0 .. part-{num_shards-1}, in order, without the timing column."""
     import pyarrow.parquet as pq
 
-    from batchvl.io.writers import output_name
+    from batchvl.outputs.writers import output_name
 
     return [
         row

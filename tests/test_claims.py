@@ -11,12 +11,12 @@ import psutil
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchvl.commits import WriteShard
 from batchvl.config import job_config_from_dict
-from batchvl.io.claims import STALE_S, Holder, ShardClaims
-from batchvl.io.commit import read_marker
-from batchvl.io.output_dir import LocalDir
-from batchvl.job import JobRunner
+from batchvl.outputs.claims import STALE_S, Holder, ShardClaims
+from batchvl.outputs.commit import read_marker
+from batchvl.run.commit_strategies import WriteShard
+from batchvl.run.runner import JobRunner
+from batchvl.storage.output_dir import LocalDir
 from tests.conftest import png_bytes, random_image
 
 

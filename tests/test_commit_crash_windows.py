@@ -16,14 +16,14 @@ import uuid
 import pyarrow as pa
 import pytest
 
-from batchvl.commits import MergeIntoShard
 from batchvl.config import job_config_from_dict
-from batchvl.io.batch_output import batch_output_path, write_batch_output
-from batchvl.io.commit import ShardMarker, commit_shard, marker_path, read_committed, read_marker
-from batchvl.io.output_dir import LocalDir, open_output_dir
-from batchvl.io.types import ShardInfo
-from batchvl.io.writers import ResultRow, output_path, parquet_bytes, rows_to_table
-from batchvl.resume import plan_shards
+from batchvl.inputs.types import ShardInfo
+from batchvl.outputs.batch_output import batch_output_path, write_batch_output
+from batchvl.outputs.commit import ShardMarker, commit_shard, marker_path, read_committed, read_marker
+from batchvl.outputs.writers import ResultRow, output_path, parquet_bytes, rows_to_table
+from batchvl.run.commit_strategies import MergeIntoShard
+from batchvl.run.resume import plan_shards
+from batchvl.storage.output_dir import LocalDir, open_output_dir
 
 SHARD = ShardInfo("part-0.parquet", "/input/part-0.parquet", 2)
 STEPS = ["output", "companion", "marker"]  # the commit's writes, in the order of the module's contract
@@ -149,7 +149,7 @@ def test_a_crash_while_retry_failed_merges_rows_into_a_shard_leaves_it_uncommitt
 LIMIT = 1 << 16  # bytes a process may write to one file (RLIMIT_FSIZE): a write beyond it fails midway
 CUT_SHORT = f"""
 import resource, signal, sys
-from batchvl.io.output_dir import LocalDir
+from batchvl.storage.output_dir import LocalDir
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
 resource.setrlimit(resource.RLIMIT_FSIZE, ({LIMIT}, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
 try:

@@ -10,9 +10,9 @@ import pytest
 
 from batchvl.config import DownloadConfig
 from batchvl.errors import SampleError
-from batchvl.io.download import Downloader, DownloadStats
-from batchvl.io.fetch_ahead import download_media, media_ready, with_downloaded_media
-from batchvl.io.types import MediaRef, Sample, ShardEnd
+from batchvl.inputs.download import Downloader, DownloadStats
+from batchvl.inputs.fetch_ahead import download_media, media_ready, with_downloaded_media
+from batchvl.inputs.types import MediaRef, Sample, ShardEnd
 from tests.conftest import png_bytes, random_image
 from tests.http_server import LoopbackServer
 

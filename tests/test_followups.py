@@ -13,11 +13,11 @@ import pytest
 import torch
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
+from batchvl.commands.retry import retry_failed
 from batchvl.config import job_config_from_dict, load_job_config
 from batchvl.errors import UserError
-from batchvl.job import run_job
-from batchvl.prompt_graph import PromptGraph
-from batchvl.retry import retry_failed
+from batchvl.run.prompt_graph import PromptGraph
+from batchvl.run.runner import run_job
 from tests.conftest import png_bytes, random_image
 from tests.test_cli import batchvl
 
@@ -215,7 +215,7 @@ def test_the_cli_refuses_a_forward_reference_with_exit_2(tmp_path, tiny_model_di
 
 
 def test_the_report_counts_skipped_rows_apart_from_errors(job_root):
-    from batchvl.report.page import build_report
+    from batchvl.commands.report.page import build_report
 
     root, _ = job_root
     report = build_report(load_job_config(root / "job.yaml"), samples=2)

@@ -11,8 +11,8 @@ from PIL import Image
 
 from batchvl.config import InputConfig
 from batchvl.errors import UserError
-from batchvl.io.sources import make_source
-from batchvl.io.types import Sample, ShardEnd
+from batchvl.inputs.sources import make_source
+from batchvl.inputs.types import Sample, ShardEnd
 from tests.conftest import random_image
 
 

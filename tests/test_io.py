@@ -9,11 +9,11 @@ from PIL import Image
 
 from batchvl.config import InputConfig
 from batchvl.errors import UserError
-from batchvl.io.commit import ShardMarker, commit_shard, marker_path, read_marker
-from batchvl.io.output_dir import LocalDir
-from batchvl.io.parquet import ParquetSource
-from batchvl.io.types import ShardEnd
-from batchvl.io.writers import ResultRow, rows_to_table
+from batchvl.inputs.parquet import ParquetSource
+from batchvl.inputs.types import ShardEnd
+from batchvl.outputs.commit import ShardMarker, commit_shard, marker_path, read_marker
+from batchvl.outputs.writers import ResultRow, rows_to_table
+from batchvl.storage.output_dir import LocalDir
 
 
 def png_bytes(color=(255, 0, 0)) -> bytes:

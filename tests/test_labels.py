@@ -11,13 +11,13 @@ import pytest
 import yaml
 
 import batchvl
-from batchvl.commits import WriteShard
+from batchvl.commands.labels import arrow_type, arrow_value, job_labels
 from batchvl.config import job_config_from_dict, load_job_config
 from batchvl.errors import ConfigError, UserError
-from batchvl.io.output_dir import OutputDir
-from batchvl.io.sources import job_source
-from batchvl.io.writers import ResultRow
-from batchvl.labels import arrow_type, arrow_value, job_labels
+from batchvl.inputs.sources import job_source
+from batchvl.outputs.writers import ResultRow
+from batchvl.run.commit_strategies import WriteShard
+from batchvl.storage.output_dir import OutputDir
 from tests.test_cli import batchvl as batchvl_cli
 from tests.test_constrained_job import write_job
 
@@ -165,7 +165,7 @@ def test_export_writes_the_labels_and_the_rows(job_root):
 
 
 def test_the_report_shows_label_shares_confidence_and_parsed_fields(job_root):
-    from batchvl.report.page import build_report
+    from batchvl.commands.report.page import build_report
 
     cfg = load_job_config(job_root / "job.yaml")
     report = build_report(cfg, samples=6)

@@ -1,20 +1,26 @@
-"""No module imports from a layer above its own: the ground (errors, config, utils) depends on nothing of
-batchvl's above it, the engine calls models only through its own adapter protocol, and the attention
-kernels live in `layers/`, which both the engine and the models use."""
+"""No module imports from a layer above its own, and no two packages import each other: the ground (errors,
+config, utils, storage) depends on nothing of batchvl's above it; inputs, outputs, preprocess, the engine
+and the models are the pipeline's stages, which the run drives; the engine calls models only through its
+own adapter protocol, and the kernels and layer swaps live in `layers/`, which both use. The order is
+written once, here, and shown in docs/architecture.md."""
 
 import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).parents[1] / "batchvl"
 
-# Lowest first. A module may import from its own layer or from a lower one. Top-level modules (job,
-# plan, cli, ...), the report and the API are the application layer.
-LAYERS = ["errors", "config", "utils", "io", "layers", "preprocess", "engine", "models"]
+# Lowest first. A module may import from its own layer or from a lower one. The modules at the package
+# root besides `errors` (api, cli, __main__, __init__) are the application, above every layer.
+LAYERS = [
+    "errors", "config", "utils", "storage", "inputs", "outputs", "layers", "preprocess", "engine", "models",
+    "demo", "run", "commands",
+]  # fmt: skip
 APPLICATION = len(LAYERS)
+ROOT_MODULES = {"__init__", "__main__", "api", "cli", "errors"}
 
 
 def layer_of(module: str) -> int:
-    """`module` is a dotted name inside batchvl, e.g. 'engine.engine' or 'job'."""
+    """`module` is a dotted name inside batchvl, e.g. 'engine.engine' or 'cli'."""
     head = module.split(".")[0]
     return LAYERS.index(head) if head in LAYERS else APPLICATION
 
@@ -41,8 +47,31 @@ def test_no_module_imports_from_a_layer_above_it():
     assert wrong == []
 
 
+def test_every_package_has_a_layer_and_the_root_holds_at_most_eight_modules():
+    packages = {path.name for path in PACKAGE.iterdir() if (path / "__init__.py").exists()}
+    assert packages == set(LAYERS) - {"errors"}
+    modules = {path.stem for path in PACKAGE.glob("*.py")}
+    assert modules == ROOT_MODULES and len(modules) <= 8
+
+
+def test_no_two_modules_import_each_other():
+    graph = {}
+    for path in PACKAGE.rglob("*.py"):
+        module = ".".join(path.relative_to(PACKAGE).with_suffix("").parts).removesuffix(".__init__")
+        graph[module] = {imported for imported, _ in imports_in(path.read_text())}
+    cycles = sorted(
+        f"{a} <-> {b}" for a, uses in graph.items() for b in uses if a < b and a in graph.get(b, ())
+    )
+    assert cycles == []
+
+
 def test_the_check_sees_imports_from_above_even_inside_functions():
-    assert layer_of("utils.stats") < layer_of("engine.engine") < layer_of("models.loader") < layer_of("job")
+    assert (
+        layer_of("utils.stats")
+        < layer_of("engine.engine")
+        < layer_of("models.loader")
+        < layer_of("run.runner")
+    )
     source = "import os\n\ndef load():\n    from batchvl.engine.engine import Engine\n"
     assert imports_in(source) == [("engine.engine", 4)]
 

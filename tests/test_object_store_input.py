@@ -202,7 +202,7 @@ def test_storage_options_a_filesystem_does_not_take_are_one_line_exit_2_from_val
 def test_an_object_store_media_cell_with_options_the_store_does_not_take_is_an_error_row_naming_the_fix(s3):
     from batchvl.config import DownloadConfig
     from batchvl.errors import SampleError
-    from batchvl.io.download import Downloader, DownloadStats
+    from batchvl.inputs.download import Downloader, DownloadStats
 
     endpoint, client = s3
     client.put_object(Bucket="data", Key="media/typo.png", Body=IMAGES[0])

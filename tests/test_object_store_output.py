@@ -16,14 +16,14 @@ import pyarrow.parquet as pq
 import pytest
 
 import batchvl.api as batchvl_api
+from batchvl.commands.report.page import write_report
 from batchvl.config import load_job_config
 from batchvl.errors import UserError
-from batchvl.io.claims import Holder, ShardClaims
-from batchvl.io.commit import ShardMarker, commit_shard, read_committed, read_marker
-from batchvl.io.output_dir import open_output_dir
-from batchvl.job import run_job
-from batchvl.report.page import write_report
-from batchvl.tasks import TaskSlice
+from batchvl.outputs.claims import Holder, ShardClaims
+from batchvl.outputs.commit import ShardMarker, commit_shard, read_committed, read_marker
+from batchvl.run.runner import run_job
+from batchvl.run.tasks import TaskSlice
+from batchvl.storage.output_dir import open_output_dir
 from tests.conftest import output_rows, png_bytes, random_image, two_prompt_job_yaml, write_image_shards
 from tests.test_cli import batchvl
 

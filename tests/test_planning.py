@@ -10,13 +10,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from batchvl.commands.status import format_status, job_status
 from batchvl.config import job_config_from_dict
 from batchvl.errors import UserError
-from batchvl.io.folder import missing_members
-from batchvl.job import run_job
-from batchvl.plan import plan_job
-from batchvl.status import format_status, job_status
-from batchvl.tasks import TaskSlice
+from batchvl.inputs.folder import missing_members
+from batchvl.run.plan import plan_job
+from batchvl.run.runner import run_job
+from batchvl.run.tasks import TaskSlice
 from tests.conftest import png_bytes, random_image
 
 

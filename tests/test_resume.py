@@ -13,11 +13,11 @@ import pytest
 
 from batchvl.config import load_job_config
 from batchvl.errors import ErrorBudgetExceeded, UserError
-from batchvl.io.commit import marker_path, read_marker
-from batchvl.io.output_dir import LocalDir
-from batchvl.io.writers import output_path
-from batchvl.job import run_job
-from batchvl.tasks import TaskSlice
+from batchvl.outputs.commit import marker_path, read_marker
+from batchvl.outputs.writers import output_path
+from batchvl.run.runner import run_job
+from batchvl.run.tasks import TaskSlice
+from batchvl.storage.output_dir import LocalDir
 from tests.conftest import output_rows, two_prompt_job_yaml, write_image_shards
 
 SHARD_SIZES = [3, 4, 2, 5, 3, 4]

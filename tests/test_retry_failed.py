@@ -8,13 +8,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from batchvl.commands.retry import retry_failed
 from batchvl.config import load_job_config
 from batchvl.errors import UserError
-from batchvl.io.commit import read_marker
-from batchvl.io.output_dir import LocalDir
-from batchvl.io.writers import output_path
-from batchvl.job import run_job
-from batchvl.retry import retry_failed
+from batchvl.outputs.commit import read_marker
+from batchvl.outputs.writers import output_path
+from batchvl.run.runner import run_job
+from batchvl.storage.output_dir import LocalDir
 from tests.conftest import output_rows, png_bytes, random_image, two_prompt_job_yaml
 from tests.test_cli import batchvl
 

@@ -14,9 +14,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchvl.config import load_job_config
-from batchvl.io.commit import read_marker
-from batchvl.io.output_dir import LocalDir
-from batchvl.job import run_job
+from batchvl.outputs.commit import read_marker
+from batchvl.run.runner import run_job
+from batchvl.storage.output_dir import LocalDir
 from tests.conftest import output_rows, png_bytes, random_image, two_prompt_job_yaml
 from tests.slurm_cluster import missing_reason, start_cluster
 

@@ -8,12 +8,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from batchvl.commands.slurm import ArrayJob, array_expression, sbatch_script, write_array_job
+from batchvl.commands.status import format_status, job_status
 from batchvl.config import load_job_config
-from batchvl.io.output_dir import LocalDir
-from batchvl.job import run_job
-from batchvl.slurm import ArrayJob, array_expression, sbatch_script, write_array_job
-from batchvl.status import format_status, job_status
-from batchvl.tasks import TaskSlice
+from batchvl.run.runner import run_job
+from batchvl.run.tasks import TaskSlice
+from batchvl.storage.output_dir import LocalDir
 from tests.conftest import png_bytes, random_image, two_prompt_job_yaml
 
 
@@ -96,7 +96,7 @@ def test_the_sbatch_script_runs_task_i_of_n_with_requeue_and_logs(tmp_path):
 
 
 def test_a_task_stopped_and_rerun_is_one_task_with_its_runs_added(tmp_path):
-    from batchvl.status import _runs_per_task
+    from batchvl.commands.status import _runs_per_task
 
     folder = tmp_path / "_batchvl" / "stats"
     folder.mkdir(parents=True)

@@ -5,8 +5,8 @@ import random
 import pytest
 
 from batchvl.errors import UserError
-from batchvl.io.types import ShardInfo
-from batchvl.tasks import TaskSlice, parse_task_slice, shards_of_task, slurm_task_slice
+from batchvl.inputs.types import ShardInfo
+from batchvl.run.tasks import TaskSlice, parse_task_slice, shards_of_task, slurm_task_slice
 
 
 def shards(rows):

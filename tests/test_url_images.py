@@ -7,12 +7,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchvl import api
+from batchvl.commands.retry import retry_failed
 from batchvl.config import job_config_from_dict
-from batchvl.io.output_dir import LocalDir
-from batchvl.io.rows import RowSampler
-from batchvl.io.run_stats import read_run_stats
-from batchvl.job import run_job
-from batchvl.retry import retry_failed
+from batchvl.inputs.table_rows import RowSampler
+from batchvl.outputs.run_stats import read_run_stats
+from batchvl.run.runner import run_job
+from batchvl.storage.output_dir import LocalDir
 from tests.conftest import png_bytes, random_image
 from tests.http_server import LoopbackServer
 from tests.test_cli import batchvl

@@ -121,7 +121,10 @@ def load_model(
     from transformers import AutoModelForImageTextToText
 
     from batchvl.layers.attention import PAGED_ATTENTION_NAME, register_paged_attention
+    from batchvl.layers.fused_activation import fuse_mlp_activations
     from batchvl.layers.fused_projections import fuse_projections
+    from batchvl.layers.packed_linear import pack_linear_weights
+    from batchvl.layers.patch_embed import patch_convs_as_linear
     from batchvl.layers.qwen_vision_attention import use_own_vision_attention
     from batchvl.layers.rms_norm import use_native_rms_norms
     from batchvl.layers.vision_attention import (
@@ -129,9 +132,6 @@ def load_model(
         VISION_ATTENTION_NAME,
         register_vision_attention,
     )
-    from batchvl.models.fused_activation import fuse_mlp_activations
-    from batchvl.models.packed_linear import pack_linear_weights
-    from batchvl.models.patch_embed import patch_convs_as_linear
 
     family = model_family(read_model_type(path, trust_remote_code))
     torch_device = resolve_device(device)

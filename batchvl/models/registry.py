@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from batchvl.config import PreprocessConfig
 from batchvl.errors import UserError
-from batchvl.io.types import MediaRef
+from batchvl.inputs.types import MediaRef
 from batchvl.preprocess.media import PreparedMedia
 
 MediaPreparer = Callable[[MediaRef], PreparedMedia]

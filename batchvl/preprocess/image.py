@@ -12,8 +12,8 @@ import numpy as np
 from PIL import Image, ImageOps
 
 from batchvl.errors import SampleError
-from batchvl.io.paths import is_empty_file
-from batchvl.io.types import MediaRef
+from batchvl.inputs.paths import is_empty_file
+from batchvl.inputs.types import MediaRef
 from batchvl.preprocess.media import PreparedMedia
 
 SIXTEEN_BIT_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I")

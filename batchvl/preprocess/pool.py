@@ -29,10 +29,10 @@ import psutil
 import torch.utils.data
 
 from batchvl.errors import SampleError, UserError
-from batchvl.io.claims import ShardClaims
-from batchvl.io.fetch_ahead import media_ready
-from batchvl.io.sources import Source
-from batchvl.io.types import ShardEnd, ShardInfo, ShardSkipped
+from batchvl.inputs.fetch_ahead import media_ready
+from batchvl.inputs.sources import Source
+from batchvl.inputs.types import ShardEnd, ShardInfo, ShardSkipped
+from batchvl.outputs.claims import ShardClaims
 from batchvl.preprocess.sample import PreparedSample, SampleProcessor
 from batchvl.utils.memory import load_libc, release_free_heap
 from batchvl.utils.stats import Counters

@@ -16,7 +16,7 @@ import numpy as np
 from PIL import Image
 
 from batchvl.config import PreprocessConfig
-from batchvl.io.types import MediaRef
+from batchvl.inputs.types import MediaRef
 from batchvl.preprocess.image import check_aspect_ratio, decode_image, normalize
 from batchvl.preprocess.media import PreparedMedia, content_hash
 from batchvl.preprocess.video import DecodedVideo, FrameSampling, decode_video

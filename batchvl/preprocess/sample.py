@@ -15,8 +15,8 @@ from typing import Any
 
 from batchvl.config import PromptConfig
 from batchvl.errors import SampleError
-from batchvl.io.download import DownloadCache, DownloadStats
-from batchvl.io.types import ChatRequest, MediaRef, Sample
+from batchvl.inputs.download import DownloadCache, DownloadStats
+from batchvl.inputs.types import ChatRequest, MediaRef, Sample
 from batchvl.preprocess.media import PreparedMedia
 from batchvl.preprocess.prompts import PromptRenderer, fill_template
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from batchvl.errors import SampleError
-from batchvl.io.paths import is_empty_file
+from batchvl.inputs.paths import is_empty_file
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from transformers import AutoModelForImageTextToText
 
 from batchvl.config import EngineConfig, PreprocessConfig
 from batchvl.engine.request import SamplingParams
-from batchvl.io.types import MediaRef
+from batchvl.inputs.types import MediaRef
 from batchvl.preprocess.prompts import PromptRenderer
 from tests.conftest import NEW_FAMILIES, png_bytes, random_image
 from tests.engine.reference import assert_matches_reference, make_case, run_cases

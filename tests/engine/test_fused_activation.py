@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers.activations import GELUActivation, GELUTanh, QuickGELUActivation, SiLUActivation
 
-from batchvl.models.fused_activation import fuse_mlp_activations
+from batchvl.layers.fused_activation import fuse_mlp_activations
+from batchvl.layers.packed_linear import PackedLinear
 from batchvl.models.loader import load_model
-from batchvl.models.packed_linear import PackedLinear
 from tests.conftest import bf16_packs
 
 

@@ -16,8 +16,9 @@ import torch.nn.functional as F
 from batchvl.config import EngineConfig
 from batchvl.engine.engine import Engine
 from batchvl.engine.request import EngineRequest, SamplingParams
-from batchvl.models import loader, packed_linear
-from batchvl.models.packed_linear import PackedLinear, pack_linear_weights, release_checkpoint_mapping
+from batchvl.layers import packed_linear
+from batchvl.layers.packed_linear import PackedLinear, pack_linear_weights, release_checkpoint_mapping
+from batchvl.models import loader
 from batchvl.preprocess.prompts import PromptRenderer
 from batchvl.preprocess.qwen_vision import QwenVisionSpec, prepare_image
 from tests.conftest import bf16_packs, random_image
@@ -96,7 +97,7 @@ def test_the_loader_packs_every_linear_in_bf16_and_fp32(tiny_model_dir, loaded_f
 AVX2_LOAD = """
 import sys, torch
 from batchvl.models.loader import load_model
-from batchvl.models.packed_linear import PackedLinear
+from batchvl.layers.packed_linear import PackedLinear
 assert not torch.ops.mkldnn._is_mkldnn_bf16_supported()
 for dtype in ("bfloat16", "float32"):
     model = load_model(sys.argv[1], dtype=dtype, device="cpu").adapter.model

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
+from batchvl.layers.packed_linear import PackedLinear
+from batchvl.layers.patch_embed import PatchLinear, patch_convs_as_linear
 from batchvl.models.loader import load_model
-from batchvl.models.packed_linear import PackedLinear
-from batchvl.models.patch_embed import PatchLinear, patch_convs_as_linear
 from tests.conftest import bf16_packs
 
 

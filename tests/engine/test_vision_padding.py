@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import AutoModelForImageTextToText
 
+from batchvl.layers.packed_linear import PackedLinear
 from batchvl.layers.row_buckets import bucket_rows
-from batchvl.models.packed_linear import PackedLinear
 from batchvl.models.qwen_vl import padded_to_bucket
 
 

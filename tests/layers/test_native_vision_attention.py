@@ -165,8 +165,8 @@ def test_batched_towers_take_the_kernel_unmasked_in_bf16_and_sdpa_otherwise(ops,
 
 @pytest.mark.parametrize("family", ["llava", "idefics3"])
 def test_a_bf16_llava_or_idefics3_tower_runs_on_the_kernel(ops, family, tmp_path, monkeypatch):
+    from batchvl.demo.tiny_model import build_tiny_model
     from batchvl.models.loader import load_model
-    from batchvl.models.tiny import build_tiny_model
 
     loaded = load_model(
         str(build_tiny_model(tmp_path / family, family=family)), dtype="bfloat16", device="cpu"

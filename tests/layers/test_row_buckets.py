@@ -4,8 +4,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from batchvl.layers.packed_linear import PackedLinear
 from batchvl.layers.row_buckets import MAX_BUCKETS, bucket_rows
-from batchvl.models.packed_linear import PackedLinear
 from tests.conftest import bf16_packs
 
 

@@ -12,8 +12,8 @@ import pytest
 
 import batchvl.preprocess.qwen_vision as qwen_vision
 from batchvl.config import InputConfig, PromptConfig
-from batchvl.io.parquet import ParquetSource
-from batchvl.io.types import ShardEnd
+from batchvl.inputs.parquet import ParquetSource
+from batchvl.inputs.types import ShardEnd
 from batchvl.preprocess.pool import PreprocessPool
 from batchvl.preprocess.qwen_vision import QwenMediaPreparer, QwenVisionSpec
 from batchvl.preprocess.sample import PreparedSample, SampleProcessor

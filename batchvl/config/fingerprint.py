@@ -1,0 +1,89 @@
+"""What defines a job's output: the keys declared `defines_output`, their fingerprint (stored in each shard's
+marker, so a changed config over committed shards is refused), and the keys that changed."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import typing
+from typing import Any
+
+import xxhash
+
+from batchvl.config.schema import JobConfig
+
+
+def config_to_dict(cfg: JobConfig) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def output_defining_config(cfg: JobConfig) -> dict:
+    """The part of the job config that a shard's rows depend on, as plain JSON values: the keys declared
+    with `defines_output` (a whole section where the section itself is). Engine limits, worker counts and
+    the input file list are left out: they change speed or which shards exist, not a shard's rows."""
+    d = _without_unset_new_keys(cfg)
+    out: dict = {}
+    hints = typing.get_type_hints(JobConfig)
+    for section in dataclasses.fields(JobConfig):
+        if section.metadata["defines_output"]:
+            out[section.name] = d[section.name]
+            continue
+        keys = [f.name for f in dataclasses.fields(hints[section.name]) if f.metadata["defines_output"]]
+        present = {k: d[section.name][k] for k in keys if k in d[section.name]}  # unset new keys are not
+        if present:
+            out[section.name] = present
+    for prompt in out["prompts"]:
+        orders = _unsorted_property_orders(prompt.get("json_schema"))
+        if orders:
+            prompt["json_schema_property_order"] = orders
+    return out
+
+
+def _unsorted_property_orders(schema: Any) -> list[list[str]]:
+    """The names of every `properties` mapping in a JSON schema that does not list them alphabetically, in
+    the order written. The model writes properties in that order, so it defines the output; the fingerprint's
+    JSON sorts keys and would not see it. A schema with alphabetical properties adds nothing, so it keeps the
+    fingerprint it had when the grammar sorted them."""
+    orders = []
+    if isinstance(schema, dict):
+        properties = schema.get("properties")
+        if isinstance(properties, dict) and list(properties) != sorted(properties):
+            orders.append(list(properties))
+        for value in schema.values():
+            orders.extend(_unsorted_property_orders(value))
+    elif isinstance(schema, list):
+        for value in schema:
+            orders.extend(_unsorted_property_orders(value))
+    return orders
+
+
+def _without_unset_new_keys(value: Any) -> Any:
+    """`config_to_dict`, leaving out the `unset_leaves_fingerprint` keys that hold their defaults."""
+    if isinstance(value, list):
+        return [_without_unset_new_keys(item) for item in value]
+    if not dataclasses.is_dataclass(value):
+        return value
+    out = {}
+    for f in dataclasses.fields(value):
+        item = getattr(value, f.name)
+        if f.metadata.get("unset_leaves_fingerprint") and item == f.default:
+            continue
+        out[f.name] = _without_unset_new_keys(item)
+    return out
+
+
+def config_fingerprint(cfg: JobConfig) -> str:
+    """Hash of what changes outputs (model, prompts, sampling, preprocessing), not of engine limits."""
+    return fingerprint_of(output_defining_config(cfg))
+
+
+def fingerprint_of(output_defining: dict) -> str:
+    return xxhash.xxh3_64_hexdigest(json.dumps(output_defining, sort_keys=True).encode())
+
+
+def changed_keys(old: Any, new: Any, prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two config dicts (a changed list is one key)."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        keys = sorted(set(old) | set(new))
+        return [k for key in keys for k in changed_keys(old.get(key), new.get(key), f"{prefix}{key}.")]
+    return [] if old == new else [prefix.rstrip(".")]

@@ -1,0 +1,140 @@
+"""A job file (YAML) or a dict, with `--set` overrides, into a `JobConfig`: relative paths resolved against
+the job file's folder and a `json_schema` given as a path read."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from batchvl.config.conversion import build
+from batchvl.config.schema import CHAT_PROMPT, JobConfig, PromptConfig, is_remote
+from batchvl.errors import ConfigError
+
+
+def _absolute(path: str, base: Path) -> str:
+    if is_remote(path):  # fsspec resolves it, never relative to the job file
+        return path
+    path = path.removeprefix("file://")
+    return os.path.normpath(path if Path(path).is_absolute() else base / path)
+
+
+def resolve_paths(cfg: JobConfig, base: Path) -> JobConfig:
+    """Relative paths made absolute against `base` (a job file's folder, or the working folder of a config
+    built in Python), and a `json_schema` given as a path replaced by the schema the file holds."""
+    model_path = cfg.model.path
+    if not Path(model_path).is_absolute() and (base / model_path).is_dir():
+        model_path = str((base / model_path).resolve())
+    inp = cfg.input
+    return dataclasses.replace(
+        cfg,
+        model=dataclasses.replace(cfg.model, path=model_path),
+        prompts=[_with_schema_read(prompt, base) for prompt in cfg.prompts],
+        input=dataclasses.replace(
+            inp,
+            paths=[_absolute(p, base) for p in inp.paths],
+            root=_absolute(inp.root, base) if inp.root else None,
+            download=dataclasses.replace(
+                inp.download,
+                cache_dir=_absolute(inp.download.cache_dir, base) if inp.download.cache_dir else None,
+            ),
+        ),
+        output=dataclasses.replace(cfg.output, dir=_absolute(cfg.output.dir, base)),
+    )
+
+
+def _with_schema_read(prompt: PromptConfig, base: Path) -> PromptConfig:
+    """A `json_schema` given as a path is replaced by the schema it holds, so the schema (not its file
+    name) is what the job's fingerprint covers."""
+    if not isinstance(prompt.json_schema, str):
+        return prompt
+    path = Path(_absolute(prompt.json_schema, base))
+    where = f"prompt '{prompt.name}': json_schema {prompt.json_schema}"
+    try:
+        schema = json.loads(path.read_text())
+    except OSError as exc:
+        raise ConfigError(
+            f"{where} cannot be read ({exc.strerror or exc}); give a path relative to the job file"
+        ) from None
+    except ValueError as exc:
+        raise ConfigError(f"{where} is not valid JSON ({exc}); fix the file") from None
+    if not isinstance(schema, dict):
+        raise ConfigError(f"{where} holds {type(schema).__name__}, not a JSON schema object")
+    return dataclasses.replace(prompt, json_schema=schema)
+
+
+def apply_overrides(data: dict, overrides: Sequence[str]) -> dict:
+    """Apply `section.key=value` strings (value parsed as YAML) to a raw job dict."""
+    for item in overrides:
+        dotted, sep, raw = item.partition("=")
+        if not sep or not dotted.strip():
+            raise ConfigError(f"--set expects section.key=value, got '{item}'")
+        try:
+            value = yaml.safe_load(raw)
+        except yaml.YAMLError:
+            value = raw
+        node = data
+        parts = dotted.strip().split(".")
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"--set {dotted}: '{part}' is not a section")
+            node = child
+        node[parts[-1]] = value
+    return data
+
+
+def job_config_from_dict(
+    data: Mapping, base_dir: str | Path | None = None, overrides: Sequence[str] = ()
+) -> JobConfig:
+    raw = apply_overrides(json.loads(json.dumps(dict(data))), overrides)
+    cfg = build(JobConfig, raw, "")
+    if cfg.input.format == "openai_batch":
+        if "prompts" in raw:
+            raise ConfigError(
+                "input.format openai_batch: each request carries its own messages; remove 'prompts'"
+            )
+        cfg = dataclasses.replace(cfg, prompts=[CHAT_PROMPT])
+    return resolve_paths(cfg, Path(base_dir) if base_dir is not None else Path.cwd())
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """A YAML loader that refuses a key given twice in one mapping: PyYAML keeps the last one silently,
+    so a second `sampling:` section would quietly replace the first."""
+
+    def construct_mapping(self, node, deep=False):
+        first_line: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if key in first_line:
+                raise ConfigError(
+                    f"{self.name}: key '{key}' is given twice (lines {first_line[key]} and {line}); "
+                    "keep one and merge the values into it"
+                )
+            first_line[key] = line
+        return super().construct_mapping(node, deep)
+
+
+def load_job_config(path: str | Path, overrides: Sequence[str] = ()) -> JobConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"job file not found: {path}")
+    try:
+        with path.open() as handle:
+            data = yaml.load(handle, Loader=_UniqueKeyLoader)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or "invalid YAML"
+        raise ConfigError(f"{path}: YAML syntax error{where}: {problem}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the job file must be a mapping of sections, got {type(data).__name__}")
+    return job_config_from_dict(data, path.resolve().parent, overrides)

@@ -1,0 +1,370 @@
+"""Build small random-weight VLM checkpoints locally, for tests, the demo and benchmarks.
+
+No model hub is needed: the tokenizer is a BPE trained here, loaded into the family's real tokenizer
+class with the family's special tokens; the model is built from its config class with seeded random
+weights and saved with `save_pretrained` beside its processor, so it loads offline exactly like a real
+checkpoint folder. A random model writes meaningless text; only the shapes are realistic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from batchvl.errors import UserError
+from batchvl.demo import chat_templates
+from batchvl.demo.tiny_tokenizers import (
+    QWEN_SPECIAL_TOKENS,
+    build_idefics3_tokenizer,
+    build_llama_tokenizer,
+    build_qwen_tokenizer,
+)
+
+
+@dataclass(frozen=True)
+class TinySize:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    vit_depth: int
+    vit_dim: int
+    vit_heads: int
+    merged_patches: tuple[int, int]  # Qwen: fewest and most merged patches per image (pixel limits)
+    clip_image_size: int  # LLaVA: the square crop side
+    tile_size: int  # Idefics3: the tile side (an even number of 14-pixel patches, for the pixel shuffle)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    def mrope_section(self, interleaved: bool) -> list[int]:
+        """Rope frequencies per (t, h, w) axis, summing to head_dim / 2, in the real checkpoints' ratios:
+        Qwen2-VL 16:24:24, Qwen3-VL (interleaved) 24:20:20."""
+        half = self.head_dim // 2
+        if interleaved:
+            spatial = half * 5 // 16
+            return [half - 2 * spatial, spatial, spatial]
+        temporal = half // 4
+        return [temporal, (half - temporal) // 2, half - temporal - (half - temporal) // 2]
+
+
+SIZES = {
+    # Seconds to build and run; for tests. head_dim 16.
+    "tiny": TinySize(
+        vocab_size=1024,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        vit_depth=2,
+        vit_dim=64,
+        vit_heads=4,
+        merged_patches=(4, 64),
+        clip_image_size=56,
+        tile_size=84,
+    ),
+    # ~90M parameters with a 32k vocabulary; for benchmarks. head_dim 64.
+    "small": TinySize(
+        vocab_size=32768,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_layers=8,
+        num_heads=8,
+        num_kv_heads=2,
+        vit_depth=6,
+        vit_dim=512,
+        vit_heads=8,
+        merged_patches=(4, 256),
+        clip_image_size=224,
+        tile_size=252,
+    ),
+}
+
+
+def _qwen_text_config(spec: TinySize, vocab_size: int, ids: dict[str, int], interleaved: bool) -> dict:
+    return {
+        "vocab_size": vocab_size,
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size,
+        "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads,
+        "head_dim": spec.head_dim,
+        "max_position_embeddings": 32768,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 1_000_000.0,
+            "mrope_section": spec.mrope_section(interleaved),
+        },
+        "bos_token_id": ids["<|endoftext|>"],
+        "eos_token_id": ids["<|im_end|>"],
+        "pad_token_id": ids["<|endoftext|>"],
+    }
+
+
+def _qwen_vision_config(family: str, spec: TinySize) -> dict:
+    common = {"depth": spec.vit_depth, "num_heads": spec.vit_heads, "spatial_merge_size": 2}
+    common["temporal_patch_size"] = 2
+    if family == "qwen2_vl":
+        return {**common, "embed_dim": spec.vit_dim, "hidden_size": spec.hidden_size, "patch_size": 14}
+    wide = {
+        **common,
+        "hidden_size": spec.vit_dim,
+        "intermediate_size": 2 * spec.vit_dim,
+        "out_hidden_size": spec.hidden_size,
+    }
+    if family == "qwen2_5_vl":
+        # Window attention in every block but the odd ones; windows of 2x2 merged patches (tiny images
+        # span several windows, so the windowed blocks really see several).
+        return {
+            **wide,
+            "patch_size": 14,
+            "window_size": 56,
+            "fullatt_block_indexes": list(range(1, spec.vit_depth, 2)),
+            "tokens_per_second": 2,
+        }
+    return {  # qwen3_vl
+        **wide,
+        "patch_size": 16,
+        "hidden_act": "gelu_pytorch_tanh",
+        "num_position_embeddings": 64,  # a square: an 8x8 learned grid, interpolated
+        "deepstack_visual_indexes": list(range(min(spec.vit_depth, spec.num_layers))),
+    }
+
+
+def sharpen_attention(model, factor: float) -> None:
+    """Scale every attention's query and key projections by `factor` (scores by its square).
+
+    Random weights give nearly uniform attention, so positions and masks barely move the logits and a
+    wrong position can pass a parity test; sharp attention makes such mistakes change the tokens. Applies
+    to separate `q_proj`/`k_proj` layers and to fused `qkv` layers (query and key thirds)."""
+    import torch
+
+    with torch.no_grad():
+        for module in model.modules():
+            if hasattr(module, "q_proj") and hasattr(module, "k_proj"):
+                for layer in (module.q_proj, module.k_proj):
+                    layer.weight.mul_(factor)
+                    if layer.bias is not None:
+                        layer.bias.mul_(factor)
+            elif isinstance(getattr(module, "qkv", None), torch.nn.Linear):
+                rows = 2 * module.qkv.out_features // 3
+                module.qkv.weight[:rows].mul_(factor)
+                if module.qkv.bias is not None:
+                    module.qkv.bias[:rows].mul_(factor)
+
+
+def _save_model(
+    model_class, config, seed: int, out: Path, eos: int | list[int], pad: int, bos: int, sharpness: float
+) -> None:
+    """Seeded random weights (attention sharpened by `sharpness`), the generation config `generate` reads
+    its special tokens from, saved."""
+    import torch
+
+    torch.manual_seed(seed)
+    model = model_class(config).eval()
+    if sharpness != 1.0:
+        sharpen_attention(model, sharpness)
+    model.generation_config.eos_token_id = eos
+    model.generation_config.pad_token_id = pad
+    model.generation_config.bos_token_id = bos
+    model.save_pretrained(out)
+
+
+def _build_qwen(out: Path, family: str, spec: TinySize, seed: int, sharpness: float) -> None:
+    from transformers import (
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2VLConfig,
+        Qwen2VLForConditionalGeneration,
+        Qwen2VLImageProcessorPil,
+        Qwen3VLConfig,
+        Qwen3VLForConditionalGeneration,
+    )
+
+    from batchvl.models.processor import IMAGE_ONLY_PROCESSORS
+
+    config_class, model_class = {
+        "qwen2_vl": (Qwen2VLConfig, Qwen2VLForConditionalGeneration),
+        "qwen2_5_vl": (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration),
+        "qwen3_vl": (Qwen3VLConfig, Qwen3VLForConditionalGeneration),
+    }[family]
+    is_qwen3 = family == "qwen3_vl"
+    template = chat_templates.QWEN3_VL if is_qwen3 else chat_templates.QWEN2_VL
+    tokenizer = build_qwen_tokenizer(spec.vocab_size, seed, template)
+    ids = {tok: tokenizer.convert_tokens_to_ids(tok) for tok in QWEN_SPECIAL_TOKENS}
+    vocab_size = max(spec.vocab_size, len(tokenizer))
+    config = config_class(
+        text_config=_qwen_text_config(spec, vocab_size, ids, interleaved=is_qwen3),
+        vision_config=_qwen_vision_config(family, spec),
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        **({"tie_word_embeddings": False} if is_qwen3 else {}),
+    )
+    eos = [ids["<|im_end|>"], ids["<|endoftext|>"]]
+    endoftext = ids["<|endoftext|>"]
+    _save_model(model_class, config, seed, out, eos, endoftext, endoftext, sharpness)
+    merged = (32 if is_qwen3 else 28) ** 2  # pixels of one merged patch
+    normalization = {"image_mean": [0.5] * 3, "image_std": [0.5] * 3} if is_qwen3 else {}
+    image_processor = Qwen2VLImageProcessorPil(
+        size={
+            "shortest_edge": merged * spec.merged_patches[0],
+            "longest_edge": merged * spec.merged_patches[1],
+        },
+        patch_size=16 if is_qwen3 else 14,
+        merge_size=2,
+        temporal_patch_size=2,
+        **normalization,
+    )
+    processor = IMAGE_ONLY_PROCESSORS[family](
+        image_processor=image_processor, tokenizer=tokenizer, chat_template=template
+    )
+    processor.save_pretrained(out)
+
+
+def _build_llava(out: Path, spec: TinySize, seed: int, sharpness: float) -> None:
+    """LLaVA-1.5 layout: CLIP vision (layer -2, CLS dropped), a 2-layer projector, a Llama decoder."""
+    from transformers import CLIPImageProcessorPil, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
+
+    tokenizer = build_llama_tokenizer(spec.vocab_size, seed, chat_templates.LLAVA)
+    pad_id = tokenizer.convert_tokens_to_ids("<pad>")
+    side, patch = spec.clip_image_size, 14
+    config = LlavaConfig(
+        vision_config={
+            "model_type": "clip_vision_model",
+            "hidden_size": spec.vit_dim,
+            "intermediate_size": 2 * spec.vit_dim,
+            "num_hidden_layers": spec.vit_depth + 1,  # the last layer is computed but not used (layer -2)
+            "num_attention_heads": spec.vit_heads,
+            "image_size": side,
+            "patch_size": patch,
+            "projection_dim": spec.vit_dim,
+            "hidden_act": "quick_gelu",
+        },
+        text_config={
+            "model_type": "llama",
+            "vocab_size": len(tokenizer),
+            "hidden_size": spec.hidden_size,
+            "intermediate_size": spec.intermediate_size,
+            "num_hidden_layers": spec.num_layers,
+            "num_attention_heads": spec.num_heads,
+            "num_key_value_heads": spec.num_kv_heads,
+            "max_position_embeddings": 4096,
+            "rms_norm_eps": 1e-5,
+            "bos_token_id": tokenizer.bos_token_id,
+            "eos_token_id": tokenizer.eos_token_id,
+            "pad_token_id": pad_id,
+        },
+        image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
+        image_seq_length=(side // patch) ** 2,
+        projector_hidden_act="gelu",
+        vision_feature_select_strategy="default",
+        vision_feature_layer=-2,
+        tie_word_embeddings=False,
+    )
+    _save_model(
+        LlavaForConditionalGeneration,
+        config,
+        seed,
+        out,
+        tokenizer.eos_token_id,
+        pad_id,
+        tokenizer.bos_token_id,
+        sharpness,
+    )
+    # llava-hf's LLaVA-1.5 checkpoints use the CLIP image processor: shortest edge, centre crop, no padding.
+    image_processor = CLIPImageProcessorPil(
+        size={"shortest_edge": side}, crop_size={"height": side, "width": side}
+    )
+    LlavaProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=patch,
+        vision_feature_select_strategy="default",
+        chat_template=chat_templates.LLAVA,
+        num_additional_image_tokens=1,  # CLIP's CLS; the "default" strategy drops it again
+    ).save_pretrained(out)
+
+
+def _build_idefics3(out: Path, spec: TinySize, seed: int, sharpness: float) -> None:
+    """Idefics3 layout: SigLIP-like tiles, a pixel-shuffle connector (scale 2), a Llama decoder. An image
+    is resized to 4 tiles on its longest edge (as the real 1456 / 364), so it becomes up to 4x4 tiles plus
+    a global view."""
+    from transformers import (
+        Idefics3Config,
+        Idefics3ForConditionalGeneration,
+        Idefics3ImageProcessorPil,
+        Idefics3Processor,
+    )
+
+    tokenizer = build_idefics3_tokenizer(spec.vocab_size, seed, chat_templates.IDEFICS3)
+    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in tokenizer.all_special_tokens}
+    tile, patch, scale = spec.tile_size, 14, 2
+    config = Idefics3Config(
+        vision_config={
+            "hidden_size": spec.vit_dim,
+            "intermediate_size": 2 * spec.vit_dim,
+            "num_hidden_layers": spec.vit_depth,
+            "num_attention_heads": spec.vit_heads,
+            "image_size": tile,
+            "patch_size": patch,
+        },
+        text_config={
+            "model_type": "llama",
+            "vocab_size": len(tokenizer),
+            "hidden_size": spec.hidden_size,
+            "intermediate_size": spec.intermediate_size,
+            "num_hidden_layers": spec.num_layers,
+            "num_attention_heads": spec.num_heads,
+            "num_key_value_heads": spec.num_kv_heads,
+            "max_position_embeddings": 8192,
+            "bos_token_id": ids["<|begin_of_text|>"],
+            "eos_token_id": ids["<end_of_utterance>"],
+            "pad_token_id": ids["<|finetune_right_pad_id|>"],
+        },
+        scale_factor=scale,
+        image_token_id=ids["<image>"],
+        pad_token_id=ids["<|finetune_right_pad_id|>"],
+    )
+    eos = [ids["<end_of_utterance>"], ids["<|end_of_text|>"]]
+    pad, bos = ids["<|finetune_right_pad_id|>"], ids["<|begin_of_text|>"]
+    _save_model(Idefics3ForConditionalGeneration, config, seed, out, eos, pad, bos, sharpness)
+    image_processor = Idefics3ImageProcessorPil(
+        size={"longest_edge": 4 * tile}, max_image_size={"longest_edge": tile}
+    )
+    Idefics3Processor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        image_seq_len=(tile // patch) ** 2 // scale**2,
+        chat_template=chat_templates.IDEFICS3,
+    ).save_pretrained(out)
+
+
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "idefics3")
+
+
+def build_tiny_model(
+    out_dir: str | Path, family: str = "qwen2_vl", size: str = "tiny", seed: int = 0, sharpness: float = 1.0
+) -> Path:
+    """Write a random-weight checkpoint (model, tokenizer, image processor, chat template) to out_dir.
+    `sharpness` scales attention queries and keys (see `sharpen_attention`): tests use it so that their
+    model's outputs depend on positions."""
+    if family not in FAMILIES:
+        raise UserError(f"unknown family '{family}'; supported: {', '.join(FAMILIES)}")
+    if size not in SIZES:
+        raise UserError(f"unknown size '{size}'; supported: {', '.join(SIZES)}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if family == "llava":
+        _build_llava(out, SIZES[size], seed, sharpness)
+    elif family == "idefics3":
+        _build_idefics3(out, SIZES[size], seed, sharpness)
+    else:
+        _build_qwen(out, family, SIZES[size], seed, sharpness)
+    return out

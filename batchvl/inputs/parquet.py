@@ -1,0 +1,47 @@
+"""`parquet` input: each file is a shard, streamed batch by batch (memory does not grow with file size)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from batchvl.config import InputConfig
+from batchvl.errors import UserError
+from batchvl.inputs.paths import match_files
+from batchvl.inputs.table_rows import RowSampler
+from batchvl.inputs.types import Sample, ShardEnd, ShardInfo
+from batchvl.storage.remote import is_remote, open_remote
+
+BATCH_ROWS = 256
+
+
+class ParquetSource:
+    def __init__(self, cfg: InputConfig):
+        self.paths = cfg.paths
+        self.storage_options = cfg.storage_options
+        self.rows = RowSampler(cfg.image_column, cfg.key_column, cfg.root)
+
+    def _open(self, path: str) -> pq.ParquetFile:
+        # On an object store: a seekable stream of byte ranges (the footer, then one row group at a time).
+        return pq.ParquetFile(open_remote(path, self.storage_options) if is_remote(path) else path)
+
+    def list_shards(self) -> list[ShardInfo]:
+        shards = []
+        for path, shard_id in match_files(self.paths, (".parquet",), "Parquet files", self.storage_options):
+            try:
+                footer = self._open(path)  # the footer only: row count and schema
+            except (pa.ArrowInvalid, OSError) as exc:
+                raise UserError(f"input file '{path}' is not a readable Parquet file: {exc}") from None
+            columns = tuple(footer.schema_arrow.names)
+            shards.append(ShardInfo(shard_id, path, footer.metadata.num_rows, columns=columns))
+        return shards
+
+    def iter_shard(self, shard: ShardInfo, keep: Callable[[int], bool]) -> Iterator[Sample | ShardEnd]:
+        parquet = self._open(shard.path)
+        self.rows.check_columns(parquet.schema_arrow.names, shard.path)
+        yield from self.rows.samples(
+            shard, parquet.iter_batches(batch_size=BATCH_ROWS), keep, os.path.dirname(shard.path)
+        )

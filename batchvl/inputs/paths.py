@@ -1,0 +1,116 @@
+"""Path confinement: media paths from data resolve under a root, never outside it."""
+
+from __future__ import annotations
+
+import fnmatch
+import glob
+import os
+import stat
+
+from batchvl.errors import SampleError, UserError
+from batchvl.inputs.types import ShardInfo
+from batchvl.storage.remote import glob_remote, is_remote
+
+
+def resolve_under_root(path: str, root: str) -> str:
+    """Resolve a relative path under `root` (symlinks followed); refuse absolute paths and escapes."""
+    resolved = os.path.realpath(os.path.join(root, path))
+    if os.path.isabs(path) or os.path.commonpath([resolved, root]) != root:
+        raise SampleError("path_outside_root", f"media path '{path}' resolves outside input.root '{root}'")
+    if not os.path.exists(resolved):
+        raise SampleError("file_not_found", f"media file not found: {resolved}")
+    if not os.path.isfile(resolved):
+        raise SampleError("not_a_file", f"media path is {_kind_of(resolved)}, not a file: {resolved}")
+    return resolved
+
+
+def _kind_of(path: str) -> str:
+    mode = os.stat(path).st_mode
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISFIFO(mode):
+        return "a named pipe (FIFO)"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    return "not a regular file"
+
+
+def is_empty_file(path: str) -> bool:
+    try:
+        return os.path.getsize(path) == 0
+    except OSError:
+        return False  # a missing file is reported where it is opened
+
+
+def has_glob(part: str) -> bool:
+    return any(char in part for char in "*?[")
+
+
+def glob_base(pattern: str) -> str:
+    """The folder a glob's matches are named relative to: its part before the first wildcard (for a plain
+    path, its folder). It depends on the pattern alone, so adding another input pattern to a job never
+    renames the shards this one matches."""
+    parts = pattern.split(os.sep)
+    for index, part in enumerate(parts):
+        if has_glob(part):
+            return os.sep.join(parts[:index]) or os.sep
+    return os.path.dirname(pattern)
+
+
+def glob_matches(pattern: str, path: str) -> bool:
+    """Whether `path` would be matched by `pattern` (absolute, '/'-separated, `**` for any depth)."""
+
+    def match(pattern_parts: list[str], path_parts: list[str]) -> bool:
+        if not pattern_parts:
+            return not path_parts
+        head, rest = pattern_parts[0], pattern_parts[1:]
+        if head == "**":
+            return any(match(rest, path_parts[skip:]) for skip in range(len(path_parts) + 1))
+        return bool(path_parts) and fnmatch.fnmatchcase(path_parts[0], head) and match(rest, path_parts[1:])
+
+    return match(pattern.strip(os.sep).split(os.sep), path.strip(os.sep).split(os.sep))
+
+
+def match_files(
+    patterns: list[str], suffixes: tuple[str, ...], what: str, storage_options: dict | None = None
+) -> list[tuple[str, str]]:
+    """(absolute path or URL, shard id) of the files matching any glob that end with one of `suffixes`,
+    sorted by id. The id is the path relative to its pattern's `glob_base`; a file that several patterns
+    match is named by the first of them. A pattern with a protocol (`s3://...`) is listed through fsspec."""
+    found: dict[str, str] = {}
+    for pattern in patterns:
+        if is_remote(pattern):
+            urls, path = glob_remote(pattern, storage_options or {})
+            matched = [url for url in urls if url.lower().endswith(suffixes)]
+            if not matched:
+                raise UserError(f"input.paths: no {what} match '{pattern}'; check the path or glob")
+            base = glob_base(path)
+            for url in matched:
+                found.setdefault(url, relative_id(url.split("://", 1)[1], base))
+            continue
+        matched = [
+            p
+            for p in glob.glob(pattern, recursive=True)
+            if p.lower().endswith(suffixes) and os.path.isfile(p)
+        ]
+        if not matched:
+            raise UserError(f"input.paths: no {what} match '{pattern}'; check the path or glob")
+        base = glob_base(pattern)
+        for path in matched:
+            found.setdefault(os.path.abspath(path), relative_id(path, base))
+    return sorted(found.items(), key=lambda item: item[1])
+
+
+def stream_shards(
+    patterns: list[str], suffixes: tuple[str, ...], what: str, storage_options: dict
+) -> list[ShardInfo]:
+    """The shards of a format whose files are shards with no sample count known before reading them."""
+    return [
+        ShardInfo(sid, path, None) for path, sid in match_files(patterns, suffixes, what, storage_options)
+    ]
+
+
+def relative_id(path: str, base: str) -> str:
+    return os.path.relpath(path, base).replace(os.sep, "/")

@@ -1,0 +1,145 @@
+"""Shard commits, the same on a local disk and on an object store (which has no rename):
+
+1. the shard's Parquet file is written under its final name, whole (`OutputDir.write_bytes`: a temp file
+   renamed into place locally; one upload on an object store, which shows the object only once complete);
+2. files made from it (the batch API output) are written beside it;
+3. the completion marker `_batchvl/done/<shard>.json` is written last. It names the output-defining config
+   that wrote the rows (so a rerun with a changed config is detected and the changed keys named) and the
+   Parquet file's size and SHA-256.
+
+A shard is committed when its marker exists and the file beside it has the size the marker names. A
+committed shard that is written again (`--overwrite`, `retry-failed`) loses its marker first, so a crash
+before the new marker leaves it uncommitted (redone by the next run), never committed with rows its marker
+does not describe. A crash at any other point leaves either a committed shard or one that the next run
+redoes from scratch, overwriting what it finds. The hash is checked whenever a file's rows are read back
+(results, retry-failed, the report): a file changed after its commit is named, not read.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from batchvl.errors import UserError
+from batchvl.outputs.writers import ResultRow, output_name, output_path, parquet_bytes
+from batchvl.storage.output_dir import OutputDir
+
+MARKER_DIR = "_batchvl/done"
+
+
+@dataclass
+class ShardMarker:
+    shard: str
+    fingerprint: str  # hash of `config`
+    config: dict  # the output-defining part of the job config that wrote the rows
+    rows: int
+    ok: int
+    errors: int
+    errors_by_type: dict[str, int]
+    task: str | None  # "I/N" when the run was one task of a split job
+    skipped: int = 0  # rows of follow-up prompts whose `when` did not match
+    host: str = field(default_factory=socket.gethostname)
+    written_at: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+    batchvl_version: str = ""
+    retries: list[dict] = field(default_factory=list)  # one record per `retry-failed` that changed rows
+    output_bytes: int | None = None  # the committed Parquet file's size and hash (None: an older marker)
+    output_sha256: str | None = None
+
+    @classmethod
+    def for_rows(
+        cls, shard: str, rows: list[ResultRow], config: dict, fingerprint: str, **extra
+    ) -> ShardMarker:
+        marker = cls(shard, fingerprint, config, rows=0, ok=0, errors=0, errors_by_type={}, **extra)
+        marker.count([(row.status, row.error_type) for row in rows])
+        return marker
+
+    def count(self, statuses: list[tuple[str, str | None]]) -> None:
+        """Set the row counts from each row's (status, error_type)."""
+        self.errors_by_type = {}
+        for status, error_type in statuses:
+            if status == "error":
+                name = error_type or "unknown"
+                self.errors_by_type[name] = self.errors_by_type.get(name, 0) + 1
+        self.rows = len(statuses)
+        self.errors = sum(self.errors_by_type.values())
+        self.skipped = sum(status == "skipped" for status, _ in statuses)
+        self.ok = self.rows - self.errors - self.skipped
+
+
+def marker_path(out: OutputDir, shard: str) -> str:
+    return out.join(MARKER_DIR, output_name(shard).removesuffix(".parquet") + ".json")
+
+
+def read_marker(out: OutputDir, shard: str) -> ShardMarker | None:
+    """The shard's marker, or None when the shard is not committed (no marker, an unreadable one, or no
+    output file of the size it names)."""
+    try:
+        marker = ShardMarker(**json.loads(out.read_text(marker_path(out, shard))))
+    except (OSError, ValueError, TypeError):
+        return None  # none, one from a killed write, or another version's: the shard is redone
+    size = out.size(output_path(out, shard))
+    if size is None or (marker.output_bytes is not None and size != marker.output_bytes):
+        return None
+    return marker
+
+
+class CommitState(enum.Enum):
+    """Where a shard of an output folder stands, for a config: the one answer resume, status, retry-failed,
+    validate, export and the report all use."""
+
+    MISSING = "missing"  # no marker: never run, or stopped before its commit; the next run does it
+    DONE = "done"  # committed with rows of this config
+    STALE = "stale"  # committed with rows of another config: refused unless overwritten
+
+
+def commit_state(out: OutputDir, shard: str, fingerprint: str) -> tuple[CommitState, ShardMarker | None]:
+    """The shard's state for the config with this fingerprint, and its marker where it has one."""
+    marker = read_marker(out, shard)
+    if marker is None:
+        return CommitState.MISSING, None
+    return (CommitState.DONE if marker.fingerprint == fingerprint else CommitState.STALE), marker
+
+
+def is_committed_by(out: OutputDir, fingerprint: str, shard: str) -> bool:
+    """Whether the shard is committed with rows of the config that has this fingerprint."""
+    return commit_state(out, shard, fingerprint)[0] is CommitState.DONE
+
+
+def read_committed(out: OutputDir, shard: str, marker: ShardMarker) -> pa.Table:
+    """The committed rows of a shard (`marker`: its marker), after checking the file is the one committed."""
+    path = output_path(out, shard)
+    data = out.read_bytes(path)
+    if marker.output_sha256 is not None and hashlib.sha256(data).hexdigest() != marker.output_sha256:
+        raise UserError(
+            f"{path} changed after it was committed (its SHA-256 is not the one its marker names); remove "
+            f"{marker_path(out, shard)} and rerun the job to write the shard again"
+        )
+    return pq.read_table(pa.BufferReader(data))
+
+
+def commit_shard(
+    out: OutputDir,
+    shard: str,
+    table: pa.Table,
+    marker: ShardMarker,
+    companion: Callable[[str, pa.Table], None] | None = None,
+) -> str:
+    """Write the shard's table, then `companion(shard, table)` (files made from it, such as the batch API
+    output), then its marker, which names the file's size and hash; returns the Parquet path."""
+    data = parquet_bytes(table)
+    marker.output_bytes, marker.output_sha256 = len(data), hashlib.sha256(data).hexdigest()
+    out.remove(marker_path(out, shard))  # a shard written again is uncommitted until its new marker
+    path = output_path(out, shard)
+    out.write_bytes(path, data)
+    if companion is not None:
+        companion(shard, table)
+    out.write_text(marker_path(out, shard), json.dumps(asdict(marker), indent=2, sort_keys=True))
+    return path

@@ -1,0 +1,54 @@
+"""Reading a job's results back: the committed output shards of its input shards, in input order."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pyarrow as pa
+
+from batchvl.inputs.types import ShardInfo
+from batchvl.outputs.commit import ShardMarker, read_committed, read_marker
+from batchvl.outputs.writers import RESULT_SCHEMA, output_path
+from batchvl.storage.output_dir import OutputDir
+
+
+@dataclass(frozen=True)
+class ShardOutput:
+    out: OutputDir
+    shard: ShardInfo
+    marker: ShardMarker
+
+    @property
+    def path(self) -> str:
+        """The committed Parquet file."""
+        return output_path(self.out, self.shard.shard)
+
+    def read(self) -> pa.Table:
+        return read_committed(self.out, self.shard.shard, self.marker)
+
+
+def committed_outputs(out: OutputDir, shards: list[ShardInfo]) -> list[ShardOutput]:
+    """Those of `shards` that are committed in `out` (output file and marker), in the given order."""
+    outputs = []
+    for shard in shards:
+        marker = read_marker(out, shard.shard)
+        if marker is not None:
+            outputs.append(ShardOutput(out, shard, marker))
+    return outputs
+
+
+def results_table(outputs: list[ShardOutput]) -> pa.Table:
+    """Every row of the committed outputs, in order, with a first column `shard` naming its shard.
+
+    Shards' pass-through columns may differ; a column a shard lacks is null in its rows."""
+    tables = []
+    for output in outputs:
+        table = output.read().replace_schema_metadata(None)
+        if "shard" in table.column_names:  # a pass-through input column: prefixed, as for the others
+            table = table.rename_columns(["input_shard" if c == "shard" else c for c in table.column_names])
+        tables.append(
+            table.add_column(0, "shard", pa.array([output.shard.shard] * table.num_rows, pa.string()))
+        )
+    if not tables:
+        return RESULT_SCHEMA.empty_table().add_column(0, "shard", pa.array([], pa.string()))
+    return pa.concat_tables(tables, promote_options="default")

@@ -1,0 +1,100 @@
+"""Parquet output: one file per input shard, its rows in input order."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from batchvl.storage.output_dir import OutputDir
+
+RESULT_SCHEMA = pa.schema(
+    [
+        ("key", pa.string()),
+        ("sample_index", pa.int64()),
+        ("prompt", pa.string()),
+        ("text", pa.string()),
+        ("status", pa.string()),
+        ("error_type", pa.string()),
+        ("error_message", pa.string()),
+        ("num_prompt_tokens", pa.int64()),
+        ("num_output_tokens", pa.int64()),
+        ("finish_reason", pa.string()),
+        ("num_images", pa.int64()),
+        ("latency_s", pa.float64()),
+    ]
+)
+
+
+TOP_LOGPROB = pa.struct([("token", pa.string()), ("token_id", pa.int64()), ("logprob", pa.float64())])
+# Columns a job writes only when its config asks for them (`output_columns` of the job), after the fixed
+# ones, in this order.
+OPTIONAL_COLUMNS = {
+    "mean_logprob": pa.float64(),
+    "min_logprob": pa.float64(),
+    "top_logprobs": pa.list_(pa.list_(TOP_LOGPROB)),  # per output token, the most likely tokens
+    "choice_probs": pa.map_(pa.string(), pa.float64()),  # a scored choices prompt: choice -> probability
+}
+
+
+@dataclass
+class ResultRow:
+    key: str
+    sample_index: int
+    prompt: str
+    prompt_index: int  # orders rows within a sample; not written
+    text: str | None
+    status: str
+    error_type: str | None
+    error_message: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    finish_reason: str | None
+    num_images: int
+    latency_s: float | None
+    fields: dict[str, Any] = field(default_factory=dict)
+    optional: dict[str, Any] = field(default_factory=dict)  # values of OPTIONAL_COLUMNS (absent: null)
+
+
+INPUT_SUFFIXES = (".parquet", ".tar.gz", ".tgz", ".tar", ".arrow", ".jsonl")
+
+
+def output_name(shard: str) -> str:
+    """The output file of a shard, relative to output.dir: its id with the input suffix replaced by
+    .parquet."""
+    stem = next((shard[: -len(s)] for s in INPUT_SUFFIXES if shard.endswith(s)), shard)
+    return f"{stem}.parquet"
+
+
+def output_path(out: OutputDir, shard: str) -> str:
+    return out.join(output_name(shard))
+
+
+def rows_to_table(
+    rows: list[ResultRow], metadata: dict[str, str], optional: tuple[str, ...] = ()
+) -> pa.Table:
+    """The shard's table: the fixed columns, the `optional` columns the job writes, the input's fields."""
+    rows = sorted(rows, key=lambda r: (r.sample_index, r.prompt_index))
+    columns = {name: [getattr(r, name) for r in rows] for name in RESULT_SCHEMA.names}
+    table = pa.Table.from_pydict(columns, schema=RESULT_SCHEMA)
+    for name in (name for name in OPTIONAL_COLUMNS if name in optional):
+        table = table.append_column(
+            pa.field(name, OPTIONAL_COLUMNS[name]),
+            pa.array([r.optional.get(name) for r in rows], OPTIONAL_COLUMNS[name]),
+        )
+    field_names: list[str] = []
+    for row in rows:
+        field_names.extend(name for name in row.fields if name not in field_names)
+    for name in field_names:
+        column = f"input_{name}" if name in RESULT_SCHEMA.names or name in OPTIONAL_COLUMNS else name
+        table = table.append_column(column, pa.array([r.fields.get(name) for r in rows]))
+    return table.replace_schema_metadata({k.encode(): v.encode() for k, v in metadata.items()})
+
+
+def parquet_bytes(table: pa.Table) -> bytes:
+    """The table as a Parquet file's bytes (written whole by an OutputDir, and hashed by its marker)."""
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink)
+    return sink.getvalue().to_pybytes()

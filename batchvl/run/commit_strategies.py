@@ -1,0 +1,122 @@
+"""How a complete shard is committed: written as a new file (a run), or merged into the committed file
+(a retry of its failed rows). Both commit through `outputs/commit.py`: the Parquet file first, whole, then the
+marker that makes the shard done."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+
+import pyarrow as pa
+
+from batchvl import __version__
+from batchvl.config import JobConfig, config_to_dict, fingerprint_of, output_defining_config
+from batchvl.inputs.types import ShardInfo
+from batchvl.outputs.batch_output import model_name, write_batch_output
+from batchvl.outputs.commit import ShardMarker, commit_shard, read_committed, read_marker
+from batchvl.outputs.writers import ResultRow, rows_to_table
+from batchvl.run.constraints import scored_choices
+from batchvl.run.tasks import TaskSlice
+from batchvl.storage.output_dir import OutputDir
+
+
+def stored_config(cfg: JobConfig) -> dict:
+    """The job config as each output file records it, without storage options' values (credentials)."""
+    stored = config_to_dict(cfg)
+    for section in ("input", "output"):
+        options = stored[section]["storage_options"]
+        stored[section]["storage_options"] = dict.fromkeys(options, "<not recorded>")
+    return stored
+
+
+def companion_files(cfg: JobConfig, out: OutputDir) -> Callable[[str, pa.Table], None] | None:
+    """What the job writes beside each committed Parquet file, from its table (before the shard's marker)."""
+    if cfg.output.format != "openai_batch":
+        return None
+    model = model_name(cfg.model.path)
+
+    def write(shard: str, table: pa.Table) -> None:
+        write_batch_output(out, shard, table, model, int(time.time()))
+
+    return write
+
+
+def optional_columns(cfg: JobConfig) -> tuple[str, ...]:
+    """The optional result columns this job's config asks for."""
+    columns = ("mean_logprob", "min_logprob") if cfg.sampling.logprobs else ()
+    columns += ("top_logprobs",) if cfg.sampling.top_logprobs else ()
+    return columns + (("choice_probs",) if any(scored_choices(p) for p in cfg.prompts) else ())
+
+
+class WriteShard:
+    """A run's commit: the shard's rows as its output file, and a marker naming the config that wrote it."""
+
+    def __init__(self, cfg: JobConfig, out: OutputDir, task: TaskSlice | None):
+        self.out = out
+        self.output_defining = output_defining_config(cfg)
+        self.fingerprint = fingerprint_of(self.output_defining)
+        self.task = str(task) if task else None
+        self.optional = optional_columns(cfg)
+        self.companion = companion_files(cfg, out)
+        self.metadata = {
+            "batchvl_version": __version__,
+            "model_path": cfg.model.path,
+            "config_fingerprint": self.fingerprint,
+            "job_config": json.dumps(stored_config(cfg), sort_keys=True),
+        }
+
+    def __call__(self, info: ShardInfo, rows: list[ResultRow]) -> str:
+        marker = ShardMarker.for_rows(
+            info.shard,
+            rows,
+            self.output_defining,
+            self.fingerprint,
+            task=self.task,
+            batchvl_version=__version__,
+        )
+        table = rows_to_table(rows, self.metadata, self.optional)
+        return commit_shard(self.out, info.shard, table, marker, self.companion)
+
+
+class MergeIntoShard:
+    """A retry's commit: the retried rows replace theirs in the committed file, rewritten whole in input
+    order; the marker keeps the job's config, recounts the rows and records the retry."""
+
+    def __init__(self, job: JobConfig, out: OutputDir, overrides: list[str]):
+        self.out = out
+        self.overrides = overrides
+        self.prompt_order = {prompt.name: i for i, prompt in enumerate(job.prompts)}
+        self.optional = optional_columns(job)
+        self.companion = companion_files(job, out)
+
+    def __call__(self, info: ShardInfo, rows: list[ResultRow]) -> str:
+        marker = read_marker(self.out, info.shard)
+        assert marker is not None  # a retry selects committed shards only
+        old = read_committed(self.out, info.shard, marker)
+        replaced = {(row.sample_index, row.prompt) for row in rows}
+        keep = [
+            (index, prompt) not in replaced
+            for index, prompt in zip(old["sample_index"].to_pylist(), old["prompt"].to_pylist(), strict=True)
+        ]
+        merged = pa.concat_tables(
+            [old.filter(pa.array(keep)), rows_to_table(rows, {}, self.optional)], promote_options="permissive"
+        )
+        order = sorted(
+            range(merged.num_rows),
+            key=lambda i: (merged["sample_index"][i].as_py(), self.prompt_order[merged["prompt"][i].as_py()]),
+        )
+        columns = old.column_names + [c for c in merged.column_names if c not in old.column_names]
+        merged = merged.take(order).select(columns).replace_schema_metadata(old.schema.metadata)
+        marker.count(
+            [(r["status"], r["error_type"]) for r in merged.select(["status", "error_type"]).to_pylist()]
+        )
+        marker.retries.append(
+            {
+                "at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "overrides": self.overrides,
+                "rows_retried": len(rows),
+                "rows_fixed": sum(row.status == "ok" for row in rows),
+            }
+        )
+        return commit_shard(self.out, info.shard, merged, marker, self.companion)

@@ -1,0 +1,99 @@
+"""A run's processes and what each holds: the model, the engine, and, under torchrun, the ViT data-parallel
+ranks.
+
+A plain run is one process that drives the job. Launched by torchrun with `engine.vit_parallel: data`,
+rank 0 drives the job and every other rank only encodes its share of each encode round
+(`engine/vit_dp.py`) until rank 0 lets it go.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+
+from batchvl.config import JobConfig
+from batchvl.engine.engine import Engine
+from batchvl.engine.model_runner import encode_images
+from batchvl.engine.vit_dp import (
+    DataParallelEncoder,
+    DistributedContext,
+    init_distributed,
+    launched_world_size,
+    leave_process_group,
+    release_serving_ranks,
+    serve_encode_rounds,
+)
+from batchvl.errors import UserError
+from batchvl.inputs.download import DownloadCache
+from batchvl.models.loader import LoadedModel, load_model
+from batchvl.preprocess.sample import SampleProcessor
+from batchvl.run.prompt_graph import PromptGraph
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def in_launched_processes(
+    cfg: JobConfig, drive: Callable[[DistributedContext | None], T], serve: Callable[[DistributedContext], T]
+) -> T:
+    """Run `drive` in the driving process (the only one without torchrun), `serve` in every other rank."""
+    world_size = launched_world_size()
+    if world_size == 1:
+        return drive(None)
+    if cfg.engine.vit_parallel != "data":
+        raise UserError(
+            f"launched as {world_size} processes (WORLD_SIZE={world_size}) but engine.vit_parallel is "
+            f"'{cfg.engine.vit_parallel}'; set engine.vit_parallel: data, or run without torchrun"
+        )
+    context = init_distributed(cfg.model.device)
+    try:
+        return drive(context) if context.is_driver else serve(context)
+    finally:
+        if context.is_driver:
+            release_serving_ranks(context.world_size)
+        leave_process_group()
+
+
+def load_job_model(cfg: JobConfig) -> tuple[LoadedModel, float]:
+    """The job's model, loaded with the job's thread count; and the seconds loading took."""
+    if cfg.engine.threads > 0:
+        torch.set_num_threads(cfg.engine.threads)
+    started = time.perf_counter()
+    m = cfg.model
+    return load_model(m.path, m.dtype, m.device, m.trust_remote_code), time.perf_counter() - started
+
+
+def _local_encode(cfg: JobConfig, loaded: LoadedModel):
+    return functools.partial(encode_images, loaded.adapter, max_patches=cfg.engine.max_patches_per_encode)
+
+
+def job_engine(cfg: JobConfig, loaded: LoadedModel, context: DistributedContext | None) -> Engine:
+    """The driver's engine; under torchrun its encode rounds are shared with the serving ranks."""
+    parallel_encoder = None
+    if context is not None:
+        parallel_encoder = DataParallelEncoder(context, _local_encode(cfg, loaded), loaded.adapter.device)
+    tokenizer, eos = loaded.processor.tokenizer, loaded.eos_token_ids()
+    return Engine(loaded.adapter, tokenizer, cfg.engine, eos, parallel_encoder)
+
+
+def sample_processor(cfg: JobConfig, loaded: LoadedModel) -> SampleProcessor:
+    """What the preprocessing workers run per sample: the family's media preparation and the prompts."""
+    media = loaded.family.media_preparer(loaded.processor, loaded.adapter.model.config, cfg.preprocess)
+    follow_ups = PromptGraph.of(cfg.prompts).follow_ups
+    return SampleProcessor(
+        loaded.processor, media, cfg.prompts, follow_ups, DownloadCache.of(cfg.input.download)
+    )
+
+
+def serve_rank(cfg: JobConfig, loaded: LoadedModel, context: DistributedContext) -> int:
+    """A rank other than 0: encode its share of every round rank 0 sends, until it says stop; returns how
+    many rounds it served."""
+    rounds = serve_encode_rounds(_local_encode(cfg, loaded), loaded.adapter.device)
+    logger.info("rank %d served %d encode rounds", context.rank, rounds)
+    return rounds

@@ -1,0 +1,223 @@
+"""Planning a job: everything a run would refuse is found here, before a model is loaded or a sample read.
+
+`run`, `retry-failed`, `validate` and `slurm` all plan through `plan_job`, so the preflight and the run
+cannot drift apart. A plan checks that:
+- the model folder holds a supported family;
+- `output.dir` is a folder that can be written, holds no input and sits in no input folder or
+  `input.root`, and no input pattern would read its results back as input;
+- the storage options suit the protocols of the input paths and `output.dir`, and
+  `input.download.cache_dir` is a folder that can be written;
+- every input shard has an output name of its own;
+- every prompt's `json_schema` or `regex` can be compiled to a grammar;
+- every table shard has the columns the job reads (image, key, per-sample token limit) and every
+  `{field}` the prompts use (Parquet footers and Arrow schemas are read, not the rows);
+- the shards already committed were written by this config (`resume.plan_shards`).
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import logging
+import os
+import posixpath
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from batchvl.config import JobConfig, fingerprint_of, is_remote, output_defining_config
+from batchvl.errors import UserError
+from batchvl.inputs.paths import glob_matches
+from batchvl.inputs.sources import Source, job_source
+from batchvl.inputs.types import ShardInfo
+from batchvl.models.loader import read_model_type
+from batchvl.models.registry import model_family
+from batchvl.outputs.commit import is_committed_by
+from batchvl.outputs.writers import output_name, output_path
+from batchvl.preprocess.prompts import template_fields
+from batchvl.run.constraints import check_constraints
+from batchvl.run.ledger import Selection
+from batchvl.run.prompt_graph import PromptGraph
+from batchvl.run.resume import ShardPlan, plan_shards
+from batchvl.run.tasks import TaskSlice, shards_of_task
+from batchvl.storage.output_dir import OutputDir
+from batchvl.storage.remote import check_storage_options
+
+logger = logging.getLogger(__name__)
+
+OWN_FILES = "_batchvl"  # batchvl's bookkeeping inside output.dir (the notebook API stages its input there)
+
+
+@dataclass(frozen=True)
+class JobPlan:
+    out: OutputDir  # where the results go
+    source: Source  # the reader that listed the shards; the run reads them through it
+    listing: list[ShardInfo]  # every input shard of the job
+    shards: list[ShardInfo]  # this task's shards, in shard id order
+    resume: ShardPlan  # which of them are committed and which to run
+    model_type: str
+    fingerprint: str  # of the output-defining config
+
+
+def plan_job(cfg: JobConfig, task: TaskSlice | None = None, record: bool = False) -> JobPlan:
+    """Check the job and list its shards. `record` (a run) creates `output.dir` and records new folder
+    shards; without it (validate, status) nothing is written."""
+    model_type = read_model_type(cfg.model.path, cfg.model.trust_remote_code)
+    model_family(model_type)
+    check_constraints(cfg)
+    PromptGraph.of(cfg.prompts)  # refuses a follow-up that uses itself, a later or an unknown prompt
+    check_storage_options("input.storage_options", cfg.input.storage_options, cfg.input.paths)
+    check_storage_options("output.storage_options", cfg.output.storage_options, [cfg.output.dir])
+    check_download_cache(cfg.input.download.cache_dir)
+    out = OutputDir.of(cfg.output)
+    out.check_writable(create=False)
+    source = job_source(cfg)
+    listing = source.list_shards()
+    check_output_location(cfg, out, listing)
+    check_output_names(listing)
+    check_columns(cfg, listing)
+    if record:  # every check passed: now the run may write
+        out.check_writable(create=True)
+        if cfg.input.format == "folder":  # the checked listing, now recorded
+            source = job_source(cfg, record=True)
+            listing = source.list_shards()
+    shards = shards_of_task(listing, task)
+    defining = output_defining_config(cfg)
+    fingerprint = fingerprint_of(defining)
+    resume = plan_shards(out, shards, defining, fingerprint, cfg.output.overwrite, clean=record)
+    return JobPlan(out, source, listing, shards, resume, model_type, fingerprint)
+
+
+@dataclass(frozen=True)
+class Work:
+    """What a run is to do: the shards to run, in order, and per shard the rows to produce."""
+
+    source: Source  # reads the shards
+    shards: list[ShardInfo]
+    selection: Selection | None  # None: every (sample, prompt) of each shard
+    num_task_shards: int  # the task's shards, done ones included
+    # Whether another run committed a shard while this one waited to read it (None: redo it anyway)
+    committed_elsewhere: Callable[[str], bool] | None = None
+    notes: dict = field(default_factory=dict)  # counts the run's stats report besides its own
+
+
+def job_work(cfg: JobConfig, task: TaskSlice | None) -> Work:
+    """A run's work: the task's shards that are not committed (all of them with --overwrite)."""
+    plan = plan_job(cfg, task, record=True)
+    if plan.resume.num_done:
+        logger.info("skipping %d committed shard(s) in %s", plan.resume.num_done, cfg.output.dir)
+    committed = (
+        None if cfg.output.overwrite else functools.partial(is_committed_by, plan.out, plan.fingerprint)
+    )
+    return Work(plan.source, plan.resume.pending, None, len(plan.shards), committed)
+
+
+def check_download_cache(cache_dir: str | None) -> None:
+    """`input.download.cache_dir` is a folder, or can be made one, that the workers can write."""
+    if cache_dir is None:
+        return
+    existing = os.path.abspath(cache_dir)
+    while not os.path.exists(existing):  # the folder is made on first use: its nearest existing parent
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise UserError(f"input.download.cache_dir: {existing} is a file, not a folder; point it at a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(
+            f"input.download.cache_dir: {existing} cannot be written; point it at a folder you own"
+        )
+
+
+def _inside(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(folder.rstrip("/") + "/")
+
+
+def _location(path: str) -> str:
+    """Where a path points, comparable with another's: a URL as written, a local path with its links
+    followed."""
+    return path.rstrip("/") if is_remote(path) else os.path.realpath(path)
+
+
+def check_output_location(cfg: JobConfig, out: OutputDir, listing: list[ShardInfo]) -> None:
+    """Results never land on, among or under the inputs, and are never read back as input."""
+    where = _location(out.url)
+    fix = "set output.dir to a folder outside the input"
+    for shard in listing:
+        location = _location(shard.path)
+        if _inside(location, posixpath.join(where, OWN_FILES)):
+            continue
+        if _inside(location, where) or (os.path.isdir(location) and _inside(where, location)):
+            raise UserError(
+                f"output.dir {out.url} overlaps the input {shard.path}: results would be written "
+                f"over or among the inputs; {fix}"
+            )
+    if cfg.input.root is not None:
+        root = os.path.realpath(cfg.input.root)
+        if _inside(where, root) or _inside(root, where):
+            raise UserError(f"output.dir {out.url} overlaps input.root {cfg.input.root}; {fix}")
+    folders_are_inputs = cfg.input.format in ("folder", "hf_dataset")
+    for pattern in cfg.input.paths:
+        if folders_are_inputs and glob_matches(pattern, out.url):
+            raise UserError(f"input.paths pattern '{pattern}' matches output.dir {out.url}; {fix}")
+        for shard in listing:
+            if not folders_are_inputs and glob_matches(pattern, output_path(out, shard.shard)):
+                raise UserError(
+                    f"input.paths pattern '{pattern}' would read the results in {out.url} back as "
+                    f"input on the next run; {fix}, or narrow the pattern"
+                )
+
+
+def check_output_names(listing: list[ShardInfo]) -> None:
+    """No two input shards write the same output file (`s.tar` and `s.tar.gz` both make `s.parquet`)."""
+    writers: dict[str, ShardInfo] = {}
+    for shard in listing:
+        name = os.path.normpath(output_name(shard.shard))
+        first = writers.setdefault(name, shard)
+        if first is not shard:
+            raise UserError(
+                f"inputs {first.path} and {shard.path} would both write {name}; rename one of them, or run "
+                "them as two jobs with different output.dir"
+            )
+
+
+def check_columns(cfg: JobConfig, listing: list[ShardInfo]) -> None:
+    """Each table shard has the columns the job reads; the prompts use only fields samples have."""
+    inp = cfg.input
+    prompt_names = {prompt.name for prompt in cfg.prompts}  # `{name}` of a prompt is its output
+    used = {
+        name: prompt.name
+        for prompt in cfg.prompts
+        for name in template_fields(prompt.text)
+        if name != "key" and name not in prompt_names
+    }
+    token_field = cfg.sampling.max_new_tokens_field
+    for shard in listing:
+        if shard.columns is None:
+            if inp.format == "folder" and (used or token_field):
+                name = next(iter(used), token_field)
+                raise UserError(
+                    f"'{name}' is used by the job, but folder input has no fields (only {{key}}, the file's "
+                    "path); use a table input (parquet) to give samples fields"
+                )
+            continue  # tar members' fields are known only by reading them
+        wanted = [
+            ("input.image_column", inp.image_column),
+            ("input.key_column", inp.key_column),
+            ("sampling.max_new_tokens_field", token_field),
+        ]
+        for option, column in wanted:
+            if column is not None and column not in shard.columns:
+                raise UserError(
+                    f"{option}: column '{column}' is not in {shard.path}{_close(column, shard.columns)}; "
+                    f"its columns: {', '.join(shard.columns)}"
+                )
+        fields = [c for c in shard.columns if c not in (inp.image_column, inp.key_column)]
+        for name, prompt in used.items():
+            if name not in fields:
+                raise UserError(
+                    f"prompt '{prompt}' uses {{{name}}}, which is not a column of {shard.path}"
+                    f"{_close(name, fields)}; fields: {', '.join(['key', *fields])}"
+                )
+
+
+def _close(name: str, names: list[str] | tuple[str, ...]) -> str:
+    close = difflib.get_close_matches(name, list(names), n=1)
+    return f" (did you mean '{close[0]}'?)" if close else ""

@@ -1,0 +1,264 @@
+"""run_job: plan -> read and preprocess (worker pool) -> engine -> write, one direction, nothing lost.
+
+Every (sample, prompt) ends as exactly one row: `ok` with its text, or `error` with a type and message.
+The ledger (`ledger.py`) keeps each shard's rows and says when every row of a shard has an outcome; the
+runner then commits it through the run's commit strategy (`commit_strategies.py`), after the step's
+results or the input item are handled; committed shards are skipped on rerun. A run can be one task of a
+split job (`TaskSlice`), and stops cleanly between engine steps on a stop signal.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import queue
+import time
+from collections.abc import Callable
+
+from tqdm.auto import tqdm
+
+from batchvl.config import JobConfig
+from batchvl.engine.engine import Engine
+from batchvl.engine.stats import EngineStats
+from batchvl.engine.vit_dp import DistributedContext
+from batchvl.inputs.download import DownloadStats
+from batchvl.inputs.types import ShardEnd, ShardSkipped
+from batchvl.models.loader import LoadedModel
+from batchvl.outputs.claims import Holder, ShardClaims
+from batchvl.outputs.run_stats import write_run_stats
+from batchvl.outputs.writers import ResultRow
+from batchvl.preprocess.pool import PoolStats, PreprocessPool, default_workers
+from batchvl.preprocess.prompts import PromptRenderer
+from batchvl.preprocess.sample import PreparedSample
+from batchvl.run.commit_strategies import WriteShard
+from batchvl.run.ending import RunSummary, raise_if_ended_early
+from batchvl.run.launch import in_launched_processes, job_engine, load_job_model, sample_processor, serve_rank
+from batchvl.run.ledger import CommitStrategy, ShardLedger
+from batchvl.run.plan import Work, job_work
+from batchvl.run.prompt_graph import PromptGraph
+from batchvl.run.rows import prompt_of, result_row
+from batchvl.run.sample_flow import Progress, SampleFlow
+from batchvl.run.tasks import TaskSlice
+from batchvl.storage.output_dir import OutputDir
+from batchvl.utils.background import END, BackgroundIterator
+from batchvl.utils.memory import HeapTrimmer, keep_freed_memory
+from batchvl.utils.stats import RunStats
+from batchvl.utils.stop import StopRequests
+
+logger = logging.getLogger(__name__)
+
+IDLE_POLL_S = 0.5  # how long an idle run waits for input before looking at stop requests again
+NOTHING = object()  # no prepared input was ready
+
+
+class JobRunner:
+    """Runs a job's work: `work` plans it (by default, the task's uncommitted shards) and `commit` writes
+    each complete shard (by default, as a new file); `mode` names the run in its stats, and only a
+    plain run ("run") is held to `output.max_error_rate`."""
+
+    def __init__(
+        self,
+        cfg: JobConfig,
+        loaded: LoadedModel | None = None,
+        show_progress: bool = True,
+        task: TaskSlice | None = None,
+        *,
+        work: Callable[[], Work] | None = None,
+        commit: CommitStrategy | None = None,
+        mode: str = "run",
+    ):
+        self.cfg = cfg
+        self.loaded = loaded
+        self.show_progress = show_progress
+        self.task = task
+        self.plan_work = work or functools.partial(job_work, cfg, task)
+        self.out = OutputDir.of(cfg.output)
+        self.commit = commit or WriteShard(cfg, self.out, task)
+        self.stats = RunStats(mode=mode, task=str(task) if task else None)
+        self.downloads = DownloadStats()
+        self.trimmer = HeapTrimmer()
+        self.stop = StopRequests()
+        self.claims = ShardClaims(self.out, Holder.of_process(os.getpid()))
+
+    def run(self) -> RunSummary:
+        keep_freed_memory()  # process-wide; the engine's steps reuse their activations' memory
+        return in_launched_processes(self.cfg, self._drive, self._serve)
+
+    def _load(self) -> LoadedModel:
+        if self.loaded is None:
+            self.loaded, seconds = load_job_model(self.cfg)
+            self.stats.model_load_s = round(seconds, 3)
+        return self.loaded
+
+    def _serve(self, context: DistributedContext) -> RunSummary:
+        rounds = serve_rank(self.cfg, self._load(), context)
+        return RunSummary(self.out.url, "", {"rank": context.rank, "encode_rounds": rounds}, is_driver=False)
+
+    def _drive(self, context: DistributedContext | None) -> RunSummary:
+        with self.stop:
+            summary = self._run_shards(context)
+        limit = self.cfg.output.max_error_rate if self.stats.mode == "run" else None
+        raise_if_ended_early(summary, self.stop, limit)
+        return summary
+
+    def _run_shards(self, context: DistributedContext | None) -> RunSummary:
+        start = time.perf_counter()
+        work = self.plan_work()  # every check runs even when every shard is done
+        self.stats.shards_total = work.num_task_shards
+        self.stats.shards_skipped = work.num_task_shards - len(work.shards)
+        engine, pool_stats = None, PoolStats()
+        if work.shards and not self.stop.requested:
+            engine = job_engine(self.cfg, self._load(), context)
+            pool_stats = self._process(work, engine)
+        self.stats.wall_s = round(time.perf_counter() - start, 3)
+        stats = self.stats.to_dict(engine.stats if engine else EngineStats(), pool_stats, self.downloads)
+        stats["vit_parallel_ranks"] = context.world_size if context else 1
+        stats["stopped_by"] = self.stop.signal_name or None
+        stats.update(work.notes)
+        return RunSummary(self.out.url, write_run_stats(self.out, stats), stats)
+
+    def _process(self, work: Work, engine: Engine) -> PoolStats:
+        pre = self.cfg.preprocess
+        workers = default_workers() if pre.workers is None else pre.workers
+        self.stats.preprocess_workers = workers
+        ledger = ShardLedger(work.shards, work.selection, len(self.cfg.prompts))
+        renderer = PromptRenderer(self._load().processor)
+        self.flow = SampleFlow(self.cfg, PromptGraph.of(self.cfg.prompts), renderer)
+        pool = PreprocessPool(
+            work.source,
+            work.shards,
+            sample_processor(self.cfg, self.loaded),
+            workers,
+            pre.prefetch,
+            pre.timeout_s,
+            ledger.wanted(),
+            self.claims,
+            work.committed_elsewhere,
+        )
+        known = [ledger.samples_of(info) for info in work.shards]
+        bar = tqdm(
+            total=sum(known) if None not in known else None,
+            unit="sample",
+            disable=not self.show_progress,
+            dynamic_ncols=True,
+            smoothing=0,  # the average since the start, as `samples_per_s` in the summary and stats
+        )
+        feed = BackgroundIterator(pool, maxsize=max(4, workers * 2))
+        started = time.perf_counter()
+        try:
+            with bar:
+                self._feed_and_step(feed, engine, ledger, bar)
+        finally:
+            feed.close()
+            for shard in ledger.shards:
+                self.claims.release(shard)  # ours only; the next run may take them
+            self.stats.processing_s = time.perf_counter() - started
+            self.stats.shards_committed = ledger.num_committed
+            self.stats.shards_claimed_elsewhere = ledger.num_skipped
+            self.stats.rows_not_committed = ledger.rows_not_committed
+        unfinished = list(ledger.open_shards())
+        if unfinished and not self.stop.requested:  # a stop leaves them for the next run
+            raise RuntimeError(f"shards {unfinished} ended incomplete; this is a bug")
+        return pool.stats
+
+    def _feed_and_step(self, feed: BackgroundIterator, engine: Engine, ledger: ShardLedger, bar) -> None:
+        """Feed prepared samples to the engine and step it until the input ends and every request is
+        done, or a stop is requested. The engine never waits while input is ready, nor the reverse."""
+        while not self.stop.requested:
+            if not engine.wants_requests:
+                self._step(engine, ledger, bar)
+                continue
+            item = self._next_input(feed, idle=engine.num_unfinished == 0)
+            if item is NOTHING:
+                if engine.num_unfinished:
+                    self._step(engine, ledger, bar)
+            elif item is END:
+                break
+            elif isinstance(item, ShardEnd):
+                ledger.end_of_shard(item.shard, item.num_samples)
+                self._commit_complete(ledger)
+            elif isinstance(item, ShardSkipped):
+                self._skip(ledger, item, bar)
+            else:
+                self._submit(item, engine, ledger, bar)
+        while engine.num_unfinished and not self.stop.requested:
+            self._step(engine, ledger, bar)
+
+    def _next_input(self, feed: BackgroundIterator, idle: bool):
+        """The next prepared item, NOTHING if none is ready. An idle engine waits for one (a while, then
+        looks at stop requests again); a busy one only looks, and keeps stepping."""
+        waited_from = time.perf_counter()
+        try:
+            return feed.get(timeout=IDLE_POLL_S) if idle else feed.get(block=False)
+        except queue.Empty:
+            return NOTHING
+        finally:
+            if idle:
+                self.stats.input_wait_s += time.perf_counter() - waited_from
+
+    def _submit(self, sample: PreparedSample, engine: Engine, ledger: ShardLedger, bar) -> None:
+        self.stats.preprocess_s += sample.preprocess_s
+        if sample.downloads is not None:
+            self.downloads += sample.downloads
+        prompts = ledger.prompts_of(sample.shard, sample.index)
+        used = ledger.used_rows_of(sample.shard, sample.index)
+        progress = self.flow.start(sample, prompts, ledger.position(sample.shard), used)
+        self._carry_out(progress, engine, ledger, bar)
+        self._commit_complete(ledger)  # a sample that fails before the engine can complete its shard
+
+    def _carry_out(self, progress: Progress, engine: Engine, ledger: ShardLedger, bar) -> None:
+        """Rows to the ledger, requests to the engine, and a sample that is done to the count."""
+        for row in progress.rows:
+            self._add_row(ledger, progress.shard, row)
+        for request in progress.requests:
+            engine.add_request(request)
+        if progress.sample_done:
+            self._sample_done(bar)
+
+    def _step(self, engine: Engine, ledger: ShardLedger, bar) -> None:
+        started = time.perf_counter()
+        results = engine.step()
+        self.stats.engine_s += time.perf_counter() - started
+        self.trimmer.maybe_trim()
+        self.claims.refresh(ledger.open_shards())
+        for result in results:
+            sample = self.flow.sample_of(result.tag)
+            row = result_row(sample, prompt_of(self.cfg, sample, result.tag.prompt_index), result)
+            self._carry_out(self.flow.finish(result.tag, row), engine, ledger, bar)
+        self._commit_complete(ledger)  # after the loop: an upload never runs between two results
+        elapsed = max(bar.format_dict["elapsed"], 1e-9)
+        bar.set_postfix(out_tok_s=f"{engine.stats.output_tokens / elapsed:.1f}", refresh=False)
+
+    def _sample_done(self, bar) -> None:
+        """Every row of a sample has its outcome: the one point where a sample counts, for the progress
+        bar and the stats alike."""
+        self.stats.samples += 1
+        bar.update(1)
+
+    def _add_row(self, ledger: ShardLedger, shard: str, row: ResultRow) -> None:
+        self.stats.record_row(row.status, row.error_type)
+        ledger.add_row(shard, row)
+
+    def _skip(self, ledger: ShardLedger, skipped: ShardSkipped, bar) -> None:
+        ledger.skip(skipped.shard)
+        logger.warning("skipping %s: %s", skipped.shard, skipped.reason)
+        samples = ledger.samples_of(ledger.shards[skipped.shard].info)
+        if bar.total is not None and samples is not None:
+            bar.total -= samples
+
+    def _commit_complete(self, ledger: ShardLedger) -> None:
+        for state in ledger.complete_shards():
+            path = self.commit(state.info, state.rows)
+            logger.info("committed %s (%d rows)", path, len(state.rows))
+            ledger.mark_committed(state.info.shard)
+            self.claims.release(state.info.shard)
+
+
+def run_job(
+    cfg: JobConfig,
+    loaded: LoadedModel | None = None,
+    show_progress: bool = True,
+    task: TaskSlice | None = None,
+) -> RunSummary:
+    return JobRunner(cfg, loaded, show_progress, task).run()
