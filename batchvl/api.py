@@ -34,13 +34,14 @@ from batchvl.config import JobConfig, is_remote, job_config_from_dict, load_job_
 from batchvl.errors import UserError
 from batchvl.models.loader import LoadedModel
 from batchvl.models.loader import load_model as _load_model
+from batchvl.storage import layout
 
 if TYPE_CHECKING:
     import datasets
     import pandas
 
 CAPTION_KEY_COLUMN = "__batchvl_row__"  # caption(): the key is the row's index in the caller's dataset
-STAGED_INPUT_DIR = os.path.join("_batchvl", "input")
+STAGED_INPUT_DIR = layout.STAGED_INPUT
 
 
 @dataclass

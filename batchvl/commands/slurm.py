@@ -22,12 +22,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from batchvl.errors import UserError
+from batchvl.storage import layout
 from batchvl.storage.output_dir import OutputDir
 
 logger = logging.getLogger(__name__)
 
-SLURM_DIR = "_batchvl/slurm"
-LOG_DIR = "_batchvl/logs"
+SLURM_DIR = layout.SLURM
+LOG_DIR = layout.LOGS
 RECORD_NAME = "array.json"
 
 

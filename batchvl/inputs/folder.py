@@ -23,10 +23,11 @@ from batchvl.config import InputConfig
 from batchvl.errors import SampleError, UserError
 from batchvl.inputs.paths import glob_base, relative_id, resolve_under_root
 from batchvl.inputs.types import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, MediaRef, Sample, ShardEnd, ShardInfo
+from batchvl.storage import layout
 from batchvl.storage.output_dir import OutputDir
 
 MEDIA_SUFFIXES = tuple(f".{ext}" for ext in IMAGE_EXTENSIONS + VIDEO_EXTENSIONS)
-RECORD_DIR = "_batchvl/folder_shards"
+RECORD_DIR = layout.FOLDER_SHARDS
 RECORD_ATTEMPTS = 20  # re-listings after another process recorded different shards at the same moment
 
 

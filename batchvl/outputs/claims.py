@@ -30,9 +30,10 @@ from dataclasses import asdict, dataclass
 
 import psutil
 
+from batchvl.storage import layout
 from batchvl.storage.output_dir import OutputDir
 
-CLAIM_DIR = "_batchvl/claims"
+CLAIM_DIR = layout.CLAIMS
 HEARTBEAT_S = 60.0
 STALE_S = 600.0
 # a process's start time is its start after boot plus the boot time, which each reader derives from the

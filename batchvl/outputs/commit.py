@@ -30,9 +30,10 @@ import pyarrow.parquet as pq
 
 from batchvl.errors import UserError
 from batchvl.outputs.writers import ResultRow, output_name, output_path, parquet_bytes
+from batchvl.storage import layout
 from batchvl.storage.output_dir import OutputDir
 
-MARKER_DIR = "_batchvl/done"
+MARKER_DIR = layout.MARKERS
 
 
 @dataclass

@@ -8,9 +8,10 @@ import os
 import posixpath
 import time
 
+from batchvl.storage import layout
 from batchvl.storage.output_dir import OutputDir
 
-STATS_DIR = "_batchvl/stats"
+STATS_DIR = layout.STATS
 
 
 def write_run_stats(out: OutputDir, stats: dict) -> str:

@@ -39,12 +39,11 @@ from batchvl.run.ledger import Selection
 from batchvl.run.prompt_graph import PromptGraph
 from batchvl.run.resume import ShardPlan, plan_shards
 from batchvl.run.tasks import TaskSlice, shards_of_task
+from batchvl.storage import layout
 from batchvl.storage.output_dir import OutputDir
 from batchvl.storage.remote import check_storage_options
 
 logger = logging.getLogger(__name__)
-
-OWN_FILES = "_batchvl"  # batchvl's bookkeeping inside output.dir (the notebook API stages its input there)
 
 
 @dataclass(frozen=True)
@@ -142,7 +141,7 @@ def check_output_location(cfg: JobConfig, out: OutputDir, listing: list[ShardInf
     fix = "set output.dir to a folder outside the input"
     for shard in listing:
         location = _location(shard.path)
-        if _inside(location, posixpath.join(where, OWN_FILES)):
+        if _inside(location, posixpath.join(where, layout.OWN_FILES)):
             continue
         if _inside(location, where) or (os.path.isdir(location) and _inside(where, location)):
             raise UserError(

@@ -26,6 +26,7 @@ from typing import BinaryIO
 
 from batchvl.config import OutputConfig, is_remote
 from batchvl.errors import UserError
+from batchvl.storage import layout
 
 TEMP_INFIX = ".tmp-"  # local temp files: .<name>.tmp-<host>-<pid>, hidden, never matching *.parquet
 
@@ -348,7 +349,7 @@ class RemoteDir(OutputDir):
     def check_writable(self, create: bool) -> None:
         try:
             if create:  # only a write tells whether writes are allowed
-                probe = self.join("_batchvl", f".write-check-{uuid.uuid4().hex}")
+                probe = self.join(layout.OWN_FILES, f".write-check-{uuid.uuid4().hex}")
                 self.write_bytes(probe, b"")
                 self.remove(probe)
             else:
