@@ -269,14 +269,7 @@ class Engine:
     def _finish(self, live: _Live, reason: str) -> EngineResult:
         request = live.request
         self._release(live)
-        error = None
-        if not self.grammars.is_complete(request.request_id):
-            limit = "max_new_tokens" if reason == "length" else "a stop string or stop token"
-            error = SampleError(
-                "incomplete_output",
-                f"the output ended ({limit}) before it matched its constraint; the partial text is kept; "
-                "raise sampling.max_new_tokens (or the sample's token limit)",
-            )
+        is_complete = self.grammars.is_complete(request.request_id)
         self.grammars.remove(request.request_id)
         return EngineResult(
             tag=live.tag,
@@ -284,7 +277,7 @@ class Engine:
             text=self.stopping.text_of(request),
             finish_reason=reason,
             num_prompt_tokens=request.num_prompt_tokens,
-            error=error,
+            is_complete=is_complete,
             latency_s=time.perf_counter() - live.start_time,
             **logprob_fields(live.logprobs, request.sampling, self.stopping.tokenizer),
         )

@@ -167,8 +167,7 @@ class EngineRequest:
 
 @dataclass
 class EngineResult:
-    """What the engine gives back for one request: its output, or the error that kept it from running or
-    from completing (an incomplete constrained output keeps its text and tokens)."""
+    """What the engine gives back for one request: its output, or the error that kept it from running."""
 
     tag: Any
     output_token_ids: list[int] = field(default_factory=list)
@@ -176,6 +175,9 @@ class EngineResult:
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     error: SampleError | None = None
+    # False where the output ended (its token limit, a stop) before it was a whole match of its constraint:
+    # the row code makes that an error, the engine only says it
+    is_complete: bool = True
     latency_s: float = 0.0
     # With SamplingParams.logprobs / top_logprobs: per output token its log-probability, and the most
     # likely tokens there as (text, token id, log-probability)

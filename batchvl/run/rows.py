@@ -161,7 +161,7 @@ def result_row(sample: PreparedSample, prompt: PromptConfig, result: EngineResul
     """The row of a finished request. An output that breaks its prompt's constraint (cut short, or not
     valid against its schema) is an error row that keeps the text it got."""
     tag: RowTag = result.tag
-    error = result.error if result.error is not None else output_error(prompt, result.text)
+    error = result.error or _incomplete_error(result) or output_error(prompt, result.text)
     if error is not None and not result.output_token_ids:  # it never ran
         row = error_row(sample, tag.prompt_index, prompt.name, error)
         row.num_prompt_tokens = result.num_prompt_tokens
@@ -179,6 +179,18 @@ def result_row(sample: PreparedSample, prompt: PromptConfig, result: EngineResul
         finish_reason=result.finish_reason,
         latency_s=round(result.latency_s, 6),
         optional=_logprob_columns(result) | _choice_columns(prompt, result),
+    )
+
+
+def _incomplete_error(result: EngineResult) -> SampleError | None:
+    """An output that ended before it was a whole match of its constraint keeps its text in an error row."""
+    if result.is_complete:
+        return None
+    limit = "max_new_tokens" if result.finish_reason == "length" else "a stop string or stop token"
+    return SampleError(
+        "incomplete_output",
+        f"the output ended ({limit}) before it matched its constraint; the partial text is kept; "
+        "raise sampling.max_new_tokens (or the sample's token limit)",
     )
 
 

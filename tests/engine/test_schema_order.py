@@ -81,12 +81,12 @@ def test_properties_are_generated_in_the_schema_order(tiny_model_dir, loaded_fp3
         result = observed[i].result
         assert result.output_token_ids == tokens
         assert result.text.startswith('{"reasoning":"')
-        if result.error is None:  # a whole object: its keys in the schema's order, not sorted
+        if result.is_complete:  # a whole object: its keys in the schema's order, not sorted
             value = json.loads(result.text)
             assert list(value) == ["reasoning", "label", "details"]
             assert list(value["details"]) == ["size", "color"]
     texts = [observed[i].result.text for i in expected]
-    assert any(observed[i].result.error is None for i in expected), texts
+    assert any(observed[i].result.is_complete for i in expected), texts
 
 
 def test_schemas_differing_only_in_property_order_are_different_constraints():
