@@ -124,7 +124,7 @@ def run(
             f"model= was loaded from '{model.path}' but the job's model.path is '{cfg.model.path}'; "
             "pass the same checkpoint, or leave model= out"
         )
-    from batchvl.run.runner import run_job
+    from batchvl.pipeline.runner import run_job
 
     summary = run_job(cfg, loaded=model, show_progress=progress)
     return Results(read_results(cfg), summary.stats, cfg.output.dir, cfg)

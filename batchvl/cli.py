@@ -78,8 +78,8 @@ def run(
     _setup_logging(log_level)
     from batchvl.commands.slurm import requeue_this_task
     from batchvl.config import load_job_config
-    from batchvl.run.runner import run_job
-    from batchvl.run.tasks import parse_task_slice, slurm_task_slice
+    from batchvl.pipeline.runner import run_job
+    from batchvl.pipeline.tasks import parse_task_slice, slurm_task_slice
 
     overrides = [*(set_ or []), *(["output.overwrite=true"] if overwrite else [])]
     cfg = load_job_config(job_file, overrides)
@@ -140,7 +140,7 @@ def validate(job_file: JobFile, set_: SetOption = None, log_level: LogLevel = "w
     output folder), and list the input shards; runs nothing and writes nothing."""
     _setup_logging(log_level)
     from batchvl.config import load_job_config
-    from batchvl.run.plan import plan_job
+    from batchvl.pipeline.plan import plan_job
 
     cfg = load_job_config(job_file, set_ or [])
     plan = plan_job(cfg)
@@ -181,7 +181,7 @@ def retry_failed_command(
     _setup_logging(log_level)
     from batchvl.commands.retry import retry_failed
     from batchvl.config import load_job_config
-    from batchvl.run.tasks import parse_task_slice, slurm_task_slice
+    from batchvl.pipeline.tasks import parse_task_slice, slurm_task_slice
 
     job = load_job_config(job_file)
     retry = load_job_config(job_file, set_ or [])
@@ -231,7 +231,7 @@ def slurm(
     from batchvl.commands.slurm import ArrayJob, write_array_job
     from batchvl.commands.slurm import submit as sbatch_submit
     from batchvl.config import is_remote, load_job_config
-    from batchvl.run.plan import plan_job
+    from batchvl.pipeline.plan import plan_job
 
     cfg = load_job_config(job_file, set_ or [])
     plan = plan_job(cfg)  # the tasks' own preflight, before anything is submitted

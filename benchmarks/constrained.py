@@ -76,7 +76,7 @@ def job(
 
 def run(loaded, cfg_dict: dict) -> dict:
     from batchvl.config import job_config_from_dict
-    from batchvl.run.runner import run_job
+    from batchvl.pipeline.runner import run_job
 
     return run_job(job_config_from_dict(cfg_dict), loaded=loaded, show_progress=False).stats
 

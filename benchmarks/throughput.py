@@ -210,7 +210,7 @@ def run_transformers(root: Path, model_dir: str, dtype: torch.dtype, batch: int)
 def run_batchvl(root: Path, model_dir: str, dtype_name: str) -> dict:
     from batchvl.config import job_config_from_dict
     from batchvl.models.loader import load_model
-    from batchvl.run.runner import run_job
+    from batchvl.pipeline.runner import run_job
 
     def job(data: Path, names: list[str], out: Path):
         return job_config_from_dict(

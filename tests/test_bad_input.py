@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 from PIL import Image
 
 from batchvl.config import job_config_from_dict
-from batchvl.run.runner import run_job
+from batchvl.pipeline.runner import run_job
 from tests.conftest import random_image, video_bytes
 
 

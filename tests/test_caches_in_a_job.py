@@ -8,7 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchvl.config import job_config_from_dict
-from batchvl.run.runner import run_job
+from batchvl.pipeline.runner import run_job
 from tests.conftest import random_image
 
 UNIQUE_IMAGES = 3

@@ -14,8 +14,8 @@ import pyarrow.parquet as pq
 from batchvl.config import job_config_from_dict
 from batchvl.outputs.claims import STALE_S, Holder, ShardClaims
 from batchvl.outputs.commit import read_marker
-from batchvl.run.commit_strategies import WriteShard
-from batchvl.run.runner import JobRunner
+from batchvl.pipeline.commit_strategies import WriteShard
+from batchvl.pipeline.runner import JobRunner
 from batchvl.storage.output_dir import LocalDir
 from tests.conftest import png_bytes, random_image
 

@@ -164,7 +164,7 @@ def test_make_tiny_model_is_deterministic(tmp_path):
 
 
 def test_ctrl_c_in_any_command_exits_130_without_a_traceback(job, monkeypatch, capsys):
-    import batchvl.run.plan
+    import batchvl.pipeline.plan
     from batchvl.cli import main
 
     root, _ = job
@@ -172,7 +172,7 @@ def test_ctrl_c_in_any_command_exits_130_without_a_traceback(job, monkeypatch, c
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(batchvl.run.plan, "plan_job", interrupted)
+    monkeypatch.setattr(batchvl.pipeline.plan, "plan_job", interrupted)
     monkeypatch.setattr(sys, "argv", ["batchvl", "validate", str(root / "job.yaml")])
     with pytest.raises(SystemExit) as ended:
         main()

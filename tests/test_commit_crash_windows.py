@@ -21,8 +21,8 @@ from batchvl.inputs.types import ShardInfo
 from batchvl.outputs.batch_output import batch_output_path, write_batch_output
 from batchvl.outputs.commit import ShardMarker, commit_shard, marker_path, read_committed, read_marker
 from batchvl.outputs.writers import ResultRow, output_path, parquet_bytes, rows_to_table
-from batchvl.run.commit_strategies import MergeIntoShard
-from batchvl.run.resume import plan_shards
+from batchvl.pipeline.commit_strategies import MergeIntoShard
+from batchvl.pipeline.resume import plan_shards
 from batchvl.storage.output_dir import LocalDir, open_output_dir
 
 SHARD = ShardInfo("part-0.parquet", "/input/part-0.parquet", 2)

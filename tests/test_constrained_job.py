@@ -12,8 +12,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchvl.config import PromptConfig, load_job_config
-from batchvl.run.constraints import output_error
-from batchvl.run.runner import run_job
+from batchvl.pipeline.constraints import output_error
+from batchvl.pipeline.runner import run_job
 from tests.conftest import png_bytes, random_image
 
 SCHEMA = {

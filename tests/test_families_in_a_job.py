@@ -9,8 +9,8 @@ from transformers import AutoModelForImageTextToText
 
 from batchvl.config import job_config_from_dict
 from batchvl.inputs.types import MediaRef
+from batchvl.pipeline.runner import run_job
 from batchvl.preprocess.prompts import PromptRenderer
-from batchvl.run.runner import run_job
 from tests.conftest import NEW_FAMILIES, random_image, video_bytes
 from tests.engine.reference import generate_reference, inputs_for
 

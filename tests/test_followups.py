@@ -16,8 +16,8 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 from batchvl.commands.retry import retry_failed
 from batchvl.config import job_config_from_dict, load_job_config
 from batchvl.errors import UserError
-from batchvl.run.prompt_graph import PromptGraph
-from batchvl.run.runner import run_job
+from batchvl.pipeline.prompt_graph import PromptGraph
+from batchvl.pipeline.runner import run_job
 from tests.conftest import png_bytes, random_image
 from tests.test_cli import batchvl
 

@@ -11,7 +11,7 @@ import pytest
 
 from batchvl.config import PromptConfig, job_config_from_dict
 from batchvl.errors import ConfigError, SampleError, UserError
-from batchvl.run.constraints import check_constraints, check_request_schema, output_error
+from batchvl.pipeline.constraints import check_constraints, check_request_schema, output_error
 
 BASE = {"model": {"path": "/m"}, "input": {"paths": ["/d"]}, "output": {"dir": "/o"}}
 

@@ -16,7 +16,7 @@ from batchvl.config import job_config_from_dict, load_job_config
 from batchvl.errors import ConfigError, UserError
 from batchvl.inputs.sources import job_source
 from batchvl.outputs.writers import ResultRow
-from batchvl.run.commit_strategies import WriteShard
+from batchvl.pipeline.commit_strategies import WriteShard
 from batchvl.storage.output_dir import OutputDir
 from tests.test_cli import batchvl as batchvl_cli
 from tests.test_constrained_job import write_job

@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).parents[1] / "batchvl"
 # root besides `errors` (api, cli, __main__, __init__) are the application, above every layer.
 LAYERS = [
     "errors", "config", "utils", "storage", "inputs", "outputs", "layers", "preprocess", "engine", "models",
-    "demo", "run", "commands",
+    "demo", "pipeline", "commands",
 ]  # fmt: skip
 APPLICATION = len(LAYERS)
 ROOT_MODULES = {"__init__", "__main__", "api", "cli", "errors"}
@@ -54,6 +54,16 @@ def test_every_package_has_a_layer_and_the_root_holds_at_most_eight_modules():
     assert modules == ROOT_MODULES and len(modules) <= 8
 
 
+def test_no_package_hides_a_function_of_the_api():
+    # `batchvl.run(...)` is the API's; a subpackage `batchvl/run/`, once imported, would replace it
+    import batchvl
+    import batchvl.pipeline.runner  # noqa: F401  (every package imported)
+
+    packages = {path.name for path in PACKAGE.iterdir() if (path / "__init__.py").exists()}
+    assert packages.isdisjoint(batchvl.__all__)
+    assert callable(batchvl.run) and callable(batchvl.caption)
+
+
 def test_no_two_modules_import_each_other():
     graph = {}
     for path in PACKAGE.rglob("*.py"):
@@ -70,7 +80,7 @@ def test_the_check_sees_imports_from_above_even_inside_functions():
         layer_of("utils.stats")
         < layer_of("engine.engine")
         < layer_of("models.loader")
-        < layer_of("run.runner")
+        < layer_of("pipeline.runner")
     )
     source = "import os\n\ndef load():\n    from batchvl.engine.engine import Engine\n"
     assert imports_in(source) == [("engine.engine", 4)]

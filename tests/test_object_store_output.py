@@ -21,8 +21,8 @@ from batchvl.config import load_job_config
 from batchvl.errors import UserError
 from batchvl.outputs.claims import Holder, ShardClaims
 from batchvl.outputs.commit import ShardMarker, commit_shard, read_committed, read_marker
-from batchvl.run.runner import run_job
-from batchvl.run.tasks import TaskSlice
+from batchvl.pipeline.runner import run_job
+from batchvl.pipeline.tasks import TaskSlice
 from batchvl.storage.output_dir import open_output_dir
 from tests.conftest import output_rows, png_bytes, random_image, two_prompt_job_yaml, write_image_shards
 from tests.test_cli import batchvl

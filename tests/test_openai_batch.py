@@ -16,8 +16,8 @@ from batchvl.commands.retry import retry_failed
 from batchvl.config import InputConfig, job_config_from_dict
 from batchvl.inputs.openai_batch import OpenAIBatchSource, parse_line
 from batchvl.inputs.types import Sample, ShardInfo
+from batchvl.pipeline.runner import run_job
 from batchvl.preprocess.sample import SampleProcessor
-from batchvl.run.runner import run_job
 from tests.conftest import png_bytes, random_image, write_image_shards
 from tests.http_server import LoopbackServer
 from tests.test_cli import batchvl

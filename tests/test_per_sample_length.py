@@ -4,7 +4,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchvl.config import load_job_config
-from batchvl.run.runner import run_job
+from batchvl.pipeline.runner import run_job
 from tests.conftest import png_bytes, random_image, two_prompt_job_yaml
 
 

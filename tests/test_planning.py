@@ -14,9 +14,9 @@ from batchvl.commands.status import format_status, job_status
 from batchvl.config import job_config_from_dict
 from batchvl.errors import UserError
 from batchvl.inputs.folder import missing_members
-from batchvl.run.plan import plan_job
-from batchvl.run.runner import run_job
-from batchvl.run.tasks import TaskSlice
+from batchvl.pipeline.plan import plan_job
+from batchvl.pipeline.runner import run_job
+from batchvl.pipeline.tasks import TaskSlice
 from tests.conftest import png_bytes, random_image
 
 

@@ -20,7 +20,7 @@ from PIL import Image
 
 from batchvl import api
 from batchvl.config import load_job_config
-from batchvl.run.runner import run_job
+from batchvl.pipeline.runner import run_job
 from tests.conftest import png_bytes
 from tests.http_server import LoopbackServer
 

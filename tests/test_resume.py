@@ -15,8 +15,8 @@ from batchvl.config import load_job_config
 from batchvl.errors import ErrorBudgetExceeded, UserError
 from batchvl.outputs.commit import marker_path, read_marker
 from batchvl.outputs.writers import output_path
-from batchvl.run.runner import run_job
-from batchvl.run.tasks import TaskSlice
+from batchvl.pipeline.runner import run_job
+from batchvl.pipeline.tasks import TaskSlice
 from batchvl.storage.output_dir import LocalDir
 from tests.conftest import output_rows, two_prompt_job_yaml, write_image_shards
 

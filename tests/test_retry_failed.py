@@ -13,7 +13,7 @@ from batchvl.config import load_job_config
 from batchvl.errors import UserError
 from batchvl.outputs.commit import read_marker
 from batchvl.outputs.writers import output_path
-from batchvl.run.runner import run_job
+from batchvl.pipeline.runner import run_job
 from batchvl.storage.output_dir import LocalDir
 from tests.conftest import output_rows, png_bytes, random_image, two_prompt_job_yaml
 from tests.test_cli import batchvl

@@ -15,7 +15,7 @@ import pytest
 
 from batchvl.config import load_job_config
 from batchvl.outputs.commit import read_marker
-from batchvl.run.runner import run_job
+from batchvl.pipeline.runner import run_job
 from batchvl.storage.output_dir import LocalDir
 from tests.conftest import output_rows, png_bytes, random_image, two_prompt_job_yaml
 from tests.slurm_cluster import missing_reason, start_cluster

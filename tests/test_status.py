@@ -11,8 +11,8 @@ import pytest
 from batchvl.commands.slurm import ArrayJob, array_expression, sbatch_script, write_array_job
 from batchvl.commands.status import format_status, job_status
 from batchvl.config import load_job_config
-from batchvl.run.runner import run_job
-from batchvl.run.tasks import TaskSlice
+from batchvl.pipeline.runner import run_job
+from batchvl.pipeline.tasks import TaskSlice
 from batchvl.storage.output_dir import LocalDir
 from tests.conftest import png_bytes, random_image, two_prompt_job_yaml
 

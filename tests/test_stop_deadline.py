@@ -18,7 +18,7 @@ from tests.conftest import two_prompt_job_yaml, write_image_shards
 # The run's own entry point, with the deadlines shortened and the row of every finished request hung.
 RUNNER = """
 import sys, pathlib
-import batchvl.run.runner, batchvl.utils.stop
+import batchvl.pipeline.runner, batchvl.utils.stop
 batchvl.utils.stop.STOP_GRACE_S = 1.0
 batchvl.utils.stop.HARD_EXIT_S = 2.0
 
@@ -31,9 +31,9 @@ def hang_on_close(*args, **kwargs):
     while True:
         pass
 
-batchvl.run.runner.result_row = hang
+batchvl.pipeline.runner.result_row = hang
 if {cleanup_hangs}:
-    batchvl.run.runner.BackgroundIterator.close = hang_on_close
+    batchvl.pipeline.runner.BackgroundIterator.close = hang_on_close
 from batchvl.cli import main
 sys.argv = ["batchvl", "run", "job.yaml", "--no-progress"]
 main()

@@ -10,7 +10,7 @@ import pytest
 
 from batchvl.config import job_config_from_dict
 from batchvl.errors import StoppedBySignal
-from batchvl.run.runner import JobRunner
+from batchvl.pipeline.runner import JobRunner
 from tests.conftest import png_bytes, random_image
 
 NUM_SHARDS = 8

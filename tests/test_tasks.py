@@ -6,7 +6,7 @@ import pytest
 
 from batchvl.errors import UserError
 from batchvl.inputs.types import ShardInfo
-from batchvl.run.tasks import TaskSlice, parse_task_slice, shards_of_task, slurm_task_slice
+from batchvl.pipeline.tasks import TaskSlice, parse_task_slice, shards_of_task, slurm_task_slice
 
 
 def shards(rows):

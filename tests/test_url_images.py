@@ -11,7 +11,7 @@ from batchvl.commands.retry import retry_failed
 from batchvl.config import job_config_from_dict
 from batchvl.inputs.table_rows import RowSampler
 from batchvl.outputs.run_stats import read_run_stats
-from batchvl.run.runner import run_job
+from batchvl.pipeline.runner import run_job
 from batchvl.storage.output_dir import LocalDir
 from tests.conftest import png_bytes, random_image
 from tests.http_server import LoopbackServer

@@ -25,8 +25,8 @@ from batchvl.errors import UserError
 from batchvl.inputs.sources import job_source
 from batchvl.inputs.types import ShardInfo
 from batchvl.outputs.results import ShardOutput, committed_outputs, results_table
-from batchvl.run.constraints import scored_choices
-from batchvl.run.resume import plan_shards
+from batchvl.pipeline.constraints import scored_choices
+from batchvl.pipeline.resume import plan_shards
 from batchvl.storage.output_dir import OutputDir
 
 SCALARS = {

@@ -22,13 +22,13 @@ from batchvl.errors import UserError
 from batchvl.models.loader import LoadedModel
 from batchvl.outputs.commit import CommitState, commit_state, read_committed
 from batchvl.outputs.writers import RESULT_SCHEMA, ResultRow
-from batchvl.run.commit_strategies import MergeIntoShard
-from batchvl.run.ending import RunSummary
-from batchvl.run.ledger import SelectedRows
-from batchvl.run.plan import Work, plan_job
-from batchvl.run.prompt_graph import PromptGraph
-from batchvl.run.runner import JobRunner
-from batchvl.run.tasks import TaskSlice
+from batchvl.pipeline.commit_strategies import MergeIntoShard
+from batchvl.pipeline.ending import RunSummary
+from batchvl.pipeline.ledger import SelectedRows
+from batchvl.pipeline.plan import Work, plan_job
+from batchvl.pipeline.prompt_graph import PromptGraph
+from batchvl.pipeline.runner import JobRunner
+from batchvl.pipeline.tasks import TaskSlice
 from batchvl.storage.output_dir import OutputDir
 
 logger = logging.getLogger(__name__)

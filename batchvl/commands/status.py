@@ -15,7 +15,7 @@ from batchvl.inputs.folder import missing_members
 from batchvl.inputs.sources import job_source
 from batchvl.outputs.commit import CommitState, commit_state
 from batchvl.outputs.run_stats import read_run_stats
-from batchvl.run.tasks import TaskSlice, parse_task_slice, shards_of_task
+from batchvl.pipeline.tasks import TaskSlice, parse_task_slice, shards_of_task
 from batchvl.storage.output_dir import OutputDir
 from batchvl.utils.stats import processing_seconds
 

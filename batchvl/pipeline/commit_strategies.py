@@ -16,8 +16,8 @@ from batchvl.inputs.types import ShardInfo
 from batchvl.outputs.batch_output import model_name, write_batch_output
 from batchvl.outputs.commit import ShardMarker, commit_shard, read_committed, read_marker
 from batchvl.outputs.writers import ResultRow, rows_to_table
-from batchvl.run.constraints import scored_choices
-from batchvl.run.tasks import TaskSlice
+from batchvl.pipeline.constraints import scored_choices
+from batchvl.pipeline.tasks import TaskSlice
 from batchvl.storage.output_dir import OutputDir
 
 

@@ -18,11 +18,11 @@ from batchvl.config import JobConfig
 from batchvl.engine.request import EngineRequest
 from batchvl.errors import SampleError
 from batchvl.outputs.writers import ResultRow
+from batchvl.pipeline.constraints import check_request_schema
+from batchvl.pipeline.prompt_graph import PromptGraph
+from batchvl.pipeline.rows import RowTag, error_row, max_new_tokens_of, prompt_request, skipped_row
 from batchvl.preprocess.prompts import PromptRenderer, fill_template
 from batchvl.preprocess.sample import PreparedSample
-from batchvl.run.constraints import check_request_schema
-from batchvl.run.prompt_graph import PromptGraph
-from batchvl.run.rows import RowTag, error_row, max_new_tokens_of, prompt_request, skipped_row
 
 
 @dataclass

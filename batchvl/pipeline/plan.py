@@ -33,12 +33,12 @@ from batchvl.models.loader import read_model_type
 from batchvl.models.registry import model_family
 from batchvl.outputs.commit import is_committed_by
 from batchvl.outputs.writers import output_name, output_path
+from batchvl.pipeline.constraints import check_constraints
+from batchvl.pipeline.ledger import Selection
+from batchvl.pipeline.prompt_graph import PromptGraph
+from batchvl.pipeline.resume import ShardPlan, plan_shards
+from batchvl.pipeline.tasks import TaskSlice, shards_of_task
 from batchvl.preprocess.prompts import template_fields
-from batchvl.run.constraints import check_constraints
-from batchvl.run.ledger import Selection
-from batchvl.run.prompt_graph import PromptGraph
-from batchvl.run.resume import ShardPlan, plan_shards
-from batchvl.run.tasks import TaskSlice, shards_of_task
 from batchvl.storage import layout
 from batchvl.storage.output_dir import OutputDir
 from batchvl.storage.remote import check_storage_options

@@ -31,8 +31,8 @@ from batchvl.engine.vit_dp import (
 from batchvl.errors import UserError
 from batchvl.inputs.download import DownloadCache
 from batchvl.models.loader import LoadedModel, load_model
+from batchvl.pipeline.prompt_graph import PromptGraph
 from batchvl.preprocess.sample import SampleProcessor
-from batchvl.run.prompt_graph import PromptGraph
 
 logger = logging.getLogger(__name__)
 

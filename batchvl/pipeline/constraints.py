@@ -19,7 +19,7 @@ import logging
 from batchvl.config import JobConfig, PromptConfig
 from batchvl.engine.structured_output import OutputConstraint
 from batchvl.errors import SampleError, UserError
-from batchvl.run.json_schemas import bounded_regex, bounded_validator, check_schema
+from batchvl.pipeline.json_schemas import bounded_regex, bounded_validator, check_schema
 
 logger = logging.getLogger(__name__)
 

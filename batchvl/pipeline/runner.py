@@ -28,18 +28,24 @@ from batchvl.models.loader import LoadedModel
 from batchvl.outputs.claims import Holder, ShardClaims
 from batchvl.outputs.run_stats import write_run_stats
 from batchvl.outputs.writers import ResultRow
+from batchvl.pipeline.commit_strategies import WriteShard
+from batchvl.pipeline.ending import RunSummary, raise_if_ended_early
+from batchvl.pipeline.launch import (
+    in_launched_processes,
+    job_engine,
+    load_job_model,
+    sample_processor,
+    serve_rank,
+)
+from batchvl.pipeline.ledger import CommitStrategy, ShardLedger
+from batchvl.pipeline.plan import Work, job_work
+from batchvl.pipeline.prompt_graph import PromptGraph
+from batchvl.pipeline.rows import prompt_of, result_row
+from batchvl.pipeline.sample_flow import Progress, SampleFlow
+from batchvl.pipeline.tasks import TaskSlice
 from batchvl.preprocess.pool import PoolStats, PreprocessPool, default_workers
 from batchvl.preprocess.prompts import PromptRenderer
 from batchvl.preprocess.sample import PreparedSample
-from batchvl.run.commit_strategies import WriteShard
-from batchvl.run.ending import RunSummary, raise_if_ended_early
-from batchvl.run.launch import in_launched_processes, job_engine, load_job_model, sample_processor, serve_rank
-from batchvl.run.ledger import CommitStrategy, ShardLedger
-from batchvl.run.plan import Work, job_work
-from batchvl.run.prompt_graph import PromptGraph
-from batchvl.run.rows import prompt_of, result_row
-from batchvl.run.sample_flow import Progress, SampleFlow
-from batchvl.run.tasks import TaskSlice
 from batchvl.storage.output_dir import OutputDir
 from batchvl.utils.background import END, BackgroundIterator
 from batchvl.utils.memory import HeapTrimmer, keep_freed_memory

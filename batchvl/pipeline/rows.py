@@ -17,8 +17,8 @@ from batchvl.engine.request import EngineRequest, EngineResult, SamplingParams
 from batchvl.errors import SampleError
 from batchvl.inputs.types import ChatRequest
 from batchvl.outputs.writers import ResultRow
+from batchvl.pipeline.constraints import output_error, prompt_constraint, scored_choices
 from batchvl.preprocess.sample import PreparedSample
-from batchvl.run.constraints import output_error, prompt_constraint, scored_choices
 
 
 @dataclass(frozen=True)
