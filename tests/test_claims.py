@@ -11,7 +11,7 @@ import psutil
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchvl.config import job_config_from_dict
+from batchvl.config import config_fingerprint, job_config_from_dict, output_defining_config
 from batchvl.outputs.claims import STALE_S, Holder, ShardClaims
 from batchvl.outputs.commit import read_marker
 from batchvl.pipeline.commit_strategies import WriteShard
@@ -261,7 +261,9 @@ def test_a_shards_claim_is_released_when_it_commits_not_when_the_run_ends(
         tmp_path,
     )
     claims = tmp_path / "out" / "_batchvl" / "claims"
-    write = WriteShard(cfg, LocalDir(cfg.output.dir), None)
+    write = WriteShard(
+        cfg, LocalDir(cfg.output.dir), None, output_defining_config(cfg), config_fingerprint(cfg)
+    )
     seen = []  # (the shard being committed, the claims there are as it commits)
 
     def look_then_commit(info, rows):

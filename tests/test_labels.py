@@ -12,7 +12,7 @@ import yaml
 
 import batchvl
 from batchvl.commands.labels import arrow_type, arrow_value, job_labels
-from batchvl.config import job_config_from_dict, load_job_config
+from batchvl.config import config_fingerprint, job_config_from_dict, load_job_config, output_defining_config
 from batchvl.errors import ConfigError, UserError
 from batchvl.inputs.sources import job_source
 from batchvl.outputs.writers import ResultRow
@@ -196,7 +196,9 @@ def committed_job(root, prompts: list[dict], shards: dict[str, list[tuple[str, d
     }
     (root / "job.yaml").write_text(yaml.safe_dump(job, sort_keys=False))
     cfg = load_job_config(root / "job.yaml")
-    commit = WriteShard(cfg, OutputDir.of(cfg.output), None)
+    commit = WriteShard(
+        cfg, OutputDir.of(cfg.output), None, output_defining_config(cfg), config_fingerprint(cfg)
+    )
     for info in job_source(cfg).list_shards():
         rows = [
             ResultRow(key, index, name, number, text, status, None if status == "ok" else "invalid_output",

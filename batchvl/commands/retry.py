@@ -48,7 +48,7 @@ def retry_work(job: JobConfig, task: TaskSlice | None) -> Work:
     """The task's committed shards with error rows, each with exactly those (sample, prompt) rows.
     Planning refuses shards written by another config, as a run does."""
     plan = plan_job(job, task, record=True)
-    graph = PromptGraph.of(job.prompts)
+    graph = plan.graph
     selection = {}
     not_committed = 0
     for shard in plan.shards:
@@ -61,7 +61,7 @@ def retry_work(job: JobConfig, task: TaskSlice | None) -> Work:
         logger.warning("%d shard(s) are not committed yet; `batchvl run` finishes them", not_committed)
     shards = [s for s in plan.shards if s.shard in selection]
     notes = {"shards_not_committed": not_committed}
-    return Work(plan.source, shards, selection, len(plan.shards), notes=notes)
+    return Work(plan, shards, selection, notes=notes)
 
 
 def _failed_rows(table: pa.Table, graph: PromptGraph) -> dict[int, SelectedRows]:

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import pyarrow as pa
 
 from batchvl import __version__
-from batchvl.config import JobConfig, config_to_dict, fingerprint_of, output_defining_config
+from batchvl.config import JobConfig, config_to_dict
 from batchvl.inputs.types import ShardInfo
 from batchvl.outputs.batch_output import model_name, write_batch_output
 from batchvl.outputs.commit import ShardMarker, commit_shard, read_committed, read_marker
@@ -52,10 +52,12 @@ def optional_columns(cfg: JobConfig) -> tuple[str, ...]:
 class WriteShard:
     """A run's commit: the shard's rows as its output file, and a marker naming the config that wrote it."""
 
-    def __init__(self, cfg: JobConfig, out: OutputDir, task: TaskSlice | None):
+    def __init__(
+        self, cfg: JobConfig, out: OutputDir, task: TaskSlice | None, output_defining: dict, fingerprint: str
+    ):
         self.out = out
-        self.output_defining = output_defining_config(cfg)
-        self.fingerprint = fingerprint_of(self.output_defining)
+        self.output_defining = output_defining
+        self.fingerprint = fingerprint
         self.task = str(task) if task else None
         self.optional = optional_columns(cfg)
         self.companion = companion_files(cfg, out)

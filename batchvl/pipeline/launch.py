@@ -82,12 +82,11 @@ def job_engine(cfg: JobConfig, loaded: LoadedModel, context: DistributedContext 
     return Engine(loaded.adapter, tokenizer, cfg.engine, eos, parallel_encoder)
 
 
-def sample_processor(cfg: JobConfig, loaded: LoadedModel) -> SampleProcessor:
+def sample_processor(cfg: JobConfig, loaded: LoadedModel, graph: PromptGraph) -> SampleProcessor:
     """What the preprocessing workers run per sample: the family's media preparation and the prompts."""
     media = loaded.family.media_preparer(loaded.processor, loaded.adapter.model.config, cfg.preprocess)
-    follow_ups = PromptGraph.of(cfg.prompts).follow_ups
     return SampleProcessor(
-        loaded.processor, media, cfg.prompts, follow_ups, DownloadCache.of(cfg.input.download)
+        loaded.processor, media, cfg.prompts, graph.follow_ups, DownloadCache.of(cfg.input.download)
     )
 
 

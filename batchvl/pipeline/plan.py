@@ -54,6 +54,8 @@ class JobPlan:
     shards: list[ShardInfo]  # this task's shards, in shard id order
     resume: ShardPlan  # which of them are committed and which to run
     model_type: str
+    graph: PromptGraph  # the prompts' follow-ups, checked
+    output_defining: dict  # the config that a shard's rows depend on, as stored in its marker
     fingerprint: str  # of the output-defining config
 
 
@@ -63,7 +65,7 @@ def plan_job(cfg: JobConfig, task: TaskSlice | None = None, record: bool = False
     model_type = read_model_type(cfg.model.path, cfg.model.trust_remote_code)
     model_family(model_type)
     check_constraints(cfg)
-    PromptGraph.of(cfg.prompts)  # refuses a follow-up that uses itself, a later or an unknown prompt
+    graph = PromptGraph.of(cfg.prompts)  # refuses a follow-up that uses itself, a later or an unknown prompt
     check_storage_options("input.storage_options", cfg.input.storage_options, cfg.input.paths)
     check_storage_options("output.storage_options", cfg.output.storage_options, [cfg.output.dir])
     check_download_cache(cfg.input.download.cache_dir)
@@ -83,20 +85,25 @@ def plan_job(cfg: JobConfig, task: TaskSlice | None = None, record: bool = False
     defining = output_defining_config(cfg)
     fingerprint = fingerprint_of(defining)
     resume = plan_shards(out, shards, defining, fingerprint, cfg.output.overwrite, clean=record)
-    return JobPlan(out, source, listing, shards, resume, model_type, fingerprint)
+    return JobPlan(out, source, listing, shards, resume, model_type, graph, defining, fingerprint)
 
 
 @dataclass(frozen=True)
 class Work:
-    """What a run is to do: the shards to run, in order, and per shard the rows to produce."""
+    """What a run is to do: the shards to run, in order, and per shard the rows to produce. `plan` is the
+    checked job they come from: its reader, prompt graph and fingerprint are the run's, computed once."""
 
-    source: Source  # reads the shards
+    plan: JobPlan
     shards: list[ShardInfo]
     selection: Selection | None  # None: every (sample, prompt) of each shard
-    num_task_shards: int  # the task's shards, done ones included
     # Whether another run committed a shard while this one waited to read it (None: redo it anyway)
     committed_elsewhere: Callable[[str], bool] | None = None
     notes: dict = field(default_factory=dict)  # counts the run's stats report besides its own
+
+    @property
+    def num_task_shards(self) -> int:
+        """The task's shards, done ones included."""
+        return len(self.plan.shards)
 
 
 def job_work(cfg: JobConfig, task: TaskSlice | None) -> Work:
@@ -107,7 +114,7 @@ def job_work(cfg: JobConfig, task: TaskSlice | None) -> Work:
     committed = (
         None if cfg.output.overwrite else functools.partial(is_committed_by, plan.out, plan.fingerprint)
     )
-    return Work(plan.source, plan.resume.pending, None, len(plan.shards), committed)
+    return Work(plan, plan.resume.pending, None, committed)
 
 
 def check_download_cache(cache_dir: str | None) -> None:

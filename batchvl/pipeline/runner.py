@@ -39,7 +39,6 @@ from batchvl.pipeline.launch import (
 )
 from batchvl.pipeline.ledger import CommitStrategy, ShardLedger
 from batchvl.pipeline.plan import Work, job_work
-from batchvl.pipeline.prompt_graph import PromptGraph
 from batchvl.pipeline.rows import prompt_of, result_row
 from batchvl.pipeline.sample_flow import Progress, SampleFlow
 from batchvl.pipeline.tasks import TaskSlice
@@ -80,7 +79,7 @@ class JobRunner:
         self.task = task
         self.plan_work = work or functools.partial(job_work, cfg, task)
         self.out = OutputDir.of(cfg.output)
-        self.commit = commit or WriteShard(cfg, self.out, task)
+        self.commit = commit  # None: write each shard as a new file, with the plan's fingerprint
         self.stats = RunStats(mode=mode, task=str(task) if task else None)
         self.downloads = DownloadStats()
         self.trimmer = HeapTrimmer()
@@ -130,11 +129,15 @@ class JobRunner:
         self.stats.preprocess_workers = workers
         ledger = ShardLedger(work.shards, work.selection, len(self.cfg.prompts))
         renderer = PromptRenderer(self._load().processor)
-        self.flow = SampleFlow(self.cfg, PromptGraph.of(self.cfg.prompts), renderer)
+        self.flow = SampleFlow(self.cfg, work.plan.graph, renderer)
+        if self.commit is None:
+            self.commit = WriteShard(
+                self.cfg, self.out, self.task, work.plan.output_defining, work.plan.fingerprint
+            )
         pool = PreprocessPool(
-            work.source,
+            work.plan.source,
             work.shards,
-            sample_processor(self.cfg, self.loaded),
+            sample_processor(self.cfg, self.loaded, work.plan.graph),
             workers,
             pre.prefetch,
             pre.timeout_s,
