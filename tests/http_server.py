@@ -18,6 +18,7 @@ It counts requests per path, remembers each request's User-Agent, and the most r
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -36,6 +37,8 @@ class LoopbackServer:
         self.images: dict[str, bytes] = {}
         self.requests: collections.Counter = collections.Counter()
         self.user_agents: list[str] = []
+        # /slow/ requests waiting at once (counted until their response starts: a client can only send its
+        # next request once it has the response, so the count never overlaps a client's two requests)
         self.in_flight = 0
         self.most_in_flight = 0
         self._lock = threading.Lock()
@@ -70,12 +73,17 @@ class LoopbackServer:
         with self._lock:
             self.requests[path] += 1
             self.user_agents.append(user_agent)
+
+    @contextlib.contextmanager
+    def waiting(self):
+        with self._lock:
             self.in_flight += 1
             self.most_in_flight = max(self.most_in_flight, self.in_flight)
-
-    def _leave(self) -> None:
-        with self._lock:
-            self.in_flight -= 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.in_flight -= 1
 
 
 def _handler(server: LoopbackServer):
@@ -87,12 +95,9 @@ def _handler(server: LoopbackServer):
 
         def do_GET(self) -> None:
             server._enter(self.path, self.headers.get("User-Agent", ""))
-            try:
+            # the client gave up (a timeout or a size limit): what these paths test
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
                 self._route(self.path.strip("/").split("/"))
-            except (BrokenPipeError, ConnectionResetError):
-                pass  # the client gave up (a timeout or a size limit): what these paths test
-            finally:
-                server._leave()
 
         def _route(self, parts: list[str]) -> None:
             head = parts[0]
@@ -102,7 +107,8 @@ def _handler(server: LoopbackServer):
             if head == "redirect":
                 return self._redirect(f"/img/{parts[1]}")
             if head == "slow":
-                time.sleep(0.3)
+                with server.waiting():
+                    time.sleep(0.3)
                 return self._send(200, server.images[parts[1]], "image/png")
             if head == "status":
                 return self._send(int(parts[1]), b"status")

@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from batchvl.errors import UserError
 from batchvl.demo import chat_templates
 from batchvl.demo.tiny_tokenizers import (
     QWEN_SPECIAL_TOKENS,
@@ -19,6 +18,7 @@ from batchvl.demo.tiny_tokenizers import (
     build_llama_tokenizer,
     build_qwen_tokenizer,
 )
+from batchvl.errors import UserError
 
 
 @dataclass(frozen=True)
