@@ -9,6 +9,12 @@ exits with its code.
 
 from __future__ import annotations
 
+from typing import Literal
+
+# A row's outcome: its text (`ok`), why it has none (`error`, with a type from ERROR_TYPES), or that its
+# follow-up prompt did not run (`skipped`, its error_message saying why).
+RowStatus = Literal["ok", "error", "skipped"]
+
 # Every `error_type` a row can carry, with its cause: the stable names users filter on. The table in
 # docs/output.md is generated from this (`error_types_markdown_table`), and a test checks that every
 # SampleError the code raises names a type listed here. `<code>` stands for an HTTP status.

@@ -8,6 +8,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from batchvl.errors import RowStatus
 from batchvl.storage.output_dir import OutputDir
 
 RESULT_SCHEMA = pa.schema(
@@ -46,7 +47,7 @@ class ResultRow:
     prompt: str
     prompt_index: int  # orders rows within a sample; not written
     text: str | None
-    status: str
+    status: RowStatus
     error_type: str | None
     error_message: str | None
     num_prompt_tokens: int

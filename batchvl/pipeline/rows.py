@@ -14,7 +14,7 @@ import xxhash
 
 from batchvl.config import JobConfig, PromptConfig
 from batchvl.engine.request import EngineRequest, EngineResult, SamplingParams
-from batchvl.errors import SampleError
+from batchvl.errors import RowStatus, SampleError
 from batchvl.inputs.types import ChatRequest
 from batchvl.outputs.writers import ResultRow
 from batchvl.pipeline.constraints import output_error, prompt_constraint, scored_choices
@@ -138,7 +138,7 @@ def _row_without_output(
     sample: PreparedSample,
     prompt_index: int,
     prompt_name: str,
-    status: str,
+    status: RowStatus,
     error: SampleError | None,
     reason: str | None = None,
 ) -> ResultRow:

@@ -21,7 +21,7 @@ from batchvl.outputs.writers import ResultRow
 from batchvl.pipeline.constraints import check_request_schema
 from batchvl.pipeline.prompt_graph import PromptGraph
 from batchvl.pipeline.rows import RowTag, error_row, max_new_tokens_of, prompt_request, skipped_row
-from batchvl.preprocess.prompts import PromptRenderer, fill_template
+from batchvl.preprocess.prompts import PromptRenderer, fill_template, template_values
 from batchvl.preprocess.sample import PreparedSample
 
 
@@ -174,7 +174,7 @@ class SampleFlow:
         the conversation it continues (each turn of which is filled the same way), or a turn of its own."""
         sample = state.sample
         outputs = {self.graph.names[i]: row.text for i, row in state.rows.items() if row.status == "ok"}
-        values = {**sample.fields, "key": sample.key, **outputs}
+        values = template_values(sample.fields, sample.key, outputs)
         turns = [index]
         while self.cfg.prompts[turns[0]].continue_ is not None:
             turns.insert(0, self.graph.names.index(self.cfg.prompts[turns[0]].continue_))

@@ -25,6 +25,15 @@ def template_fields(text: str) -> list[str]:
     return [match.group(1) for match in TEMPLATE_FIELD.finditer(text) if match.group(1)]
 
 
+def template_values(
+    fields: dict[str, Any], key: str, outputs: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """What a prompt's `{name}` inserts: the sample's field of that name, `{key}` its key, and an earlier
+    prompt's name that prompt's output, which wins over a field of the same name (as the prompt graph reads
+    such a name: a use of that prompt)."""
+    return {**fields, "key": key, **(outputs or {})}
+
+
 def fill_template(text: str, fields: dict[str, Any]) -> str:
     """Insert the sample's fields into a prompt; a missing or empty field is that request's error."""
 

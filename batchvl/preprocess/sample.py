@@ -18,7 +18,7 @@ from batchvl.errors import SampleError
 from batchvl.inputs.download import DownloadCache, DownloadStats
 from batchvl.inputs.types import ChatRequest, MediaRef, Sample
 from batchvl.preprocess.media import PreparedMedia
-from batchvl.preprocess.prompts import PromptRenderer, fill_template
+from batchvl.preprocess.prompts import PromptRenderer, fill_template, template_values
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ class SampleProcessor:
                 ) from exc
             prepared.prompts.append(PreparedPrompt(self.renderer.token_ids(rendered, images)))
             return prepared
-        values = {**sample.fields, "key": sample.key}
+        values = template_values(sample.fields, sample.key)
         for index, prompt in enumerate(self.prompts):
             if index in self.follow_ups:
                 prepared.prompts.append(PreparedPrompt(None))

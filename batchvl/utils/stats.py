@@ -8,6 +8,8 @@ import copy
 from collections import Counter
 from dataclasses import asdict, dataclass, field, fields, replace
 
+from batchvl.errors import RowStatus
+
 
 def _add(a, b):
     if isinstance(a, list):  # per-rank counts: added rank by rank, the shorter padded with zeros
@@ -55,7 +57,7 @@ class RunStats:  # not Counters: its mode and task name the run
     preprocess_s: float = 0.0  # summed over samples, in the workers (runs in parallel with the engine)
     preprocess_workers: int = 0
 
-    def record_row(self, status: str, error_type: str | None) -> None:
+    def record_row(self, status: RowStatus, error_type: str | None) -> None:
         self.requests += 1
         if status == "ok":
             self.ok += 1

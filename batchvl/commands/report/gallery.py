@@ -18,7 +18,7 @@ import pyarrow as pa
 from PIL import Image
 
 from batchvl.config import JobConfig
-from batchvl.errors import SampleError
+from batchvl.errors import RowStatus, SampleError
 from batchvl.inputs.fetch_ahead import media_ready
 from batchvl.inputs.sources import job_source
 from batchvl.inputs.types import MediaRef, Sample
@@ -31,7 +31,7 @@ THUMBNAIL_SIDE = 224
 class GalleryOutput:
     prompt: str
     text: str | None
-    status: str
+    status: RowStatus
     error_type: str | None
     error_message: str | None
     fields: dict | None = None  # a JSON-schema prompt's ok output, parsed: shown field by field
