@@ -20,7 +20,9 @@ from batchvl.storage.output_dir import LocalDir
 from tests.conftest import output_rows, png_bytes, random_image, two_prompt_job_yaml
 from tests.slurm_cluster import missing_reason, start_cluster
 
-NUM_SHARDS, SHARD_SIZE = 5, 6
+# Shards of task 0 must take long enough that a stop sent after its first commit lands before its last:
+# with one sequence at a time, ten samples of two prompts each per shard
+NUM_SHARDS, SHARD_SIZE = 5, 10
 
 
 @pytest.fixture(scope="module")
