@@ -41,7 +41,6 @@ if TYPE_CHECKING:
     import pandas
 
 CAPTION_KEY_COLUMN = "__batchvl_row__"  # caption(): the key is the row's index in the caller's dataset
-STAGED_INPUT_DIR = layout.STAGED_INPUT
 
 
 @dataclass
@@ -243,7 +242,7 @@ def stage_dataset(dataset: datasets.Dataset, out: Path, rows_per_shard: int, ove
     the transforms that made it, so rerunning a notebook finds the same folder and resumes."""
     staged = dataset.add_column(CAPTION_KEY_COLUMN, list(range(dataset.num_rows)))
     fingerprint = staged._fingerprint  # no public accessor; stable across datasets releases
-    root = out / STAGED_INPUT_DIR
+    root = out / layout.STAGED_INPUT
     record_path = root / "dataset.json"
     folder = root / fingerprint
     if record_path.is_file():

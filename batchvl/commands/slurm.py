@@ -27,8 +27,6 @@ from batchvl.storage.output_dir import OutputDir
 
 logger = logging.getLogger(__name__)
 
-SLURM_DIR = layout.SLURM
-LOG_DIR = layout.LOGS
 RECORD_NAME = "array.json"
 
 
@@ -46,11 +44,11 @@ class ArrayJob:
 
     @property
     def script_path(self) -> str:
-        return os.path.join(self.files_dir or self.out_dir, SLURM_DIR, "array.sbatch")
+        return os.path.join(self.files_dir or self.out_dir, layout.SLURM, "array.sbatch")
 
     @property
     def log_dir(self) -> str:
-        return os.path.join(self.files_dir or self.out_dir, LOG_DIR)
+        return os.path.join(self.files_dir or self.out_dir, layout.LOGS)
 
 
 def sbatch_script(job: ArrayJob) -> str:
@@ -91,13 +89,13 @@ def write_array_job(job: ArrayJob, out: OutputDir) -> str:
     os.makedirs(os.path.dirname(job.script_path), exist_ok=True)
     Path(job.script_path).write_text(sbatch_script(job))
     os.chmod(job.script_path, 0o755)
-    out.write_text(out.join(SLURM_DIR, RECORD_NAME), json.dumps(asdict(job), indent=2))
+    out.write_text(out.join(layout.SLURM, RECORD_NAME), json.dumps(asdict(job), indent=2))
     return job.script_path
 
 
 def read_array_job(out: OutputDir) -> ArrayJob | None:
     try:
-        return ArrayJob(**json.loads(out.read_text(out.join(SLURM_DIR, RECORD_NAME))))
+        return ArrayJob(**json.loads(out.read_text(out.join(layout.SLURM, RECORD_NAME))))
     except (OSError, ValueError, TypeError):
         return None
 

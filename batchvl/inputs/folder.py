@@ -27,7 +27,6 @@ from batchvl.storage import layout
 from batchvl.storage.output_dir import OutputDir
 
 MEDIA_SUFFIXES = tuple(f".{ext}" for ext in IMAGE_EXTENSIONS + VIDEO_EXTENSIONS)
-RECORD_DIR = layout.FOLDER_SHARDS
 RECORD_ATTEMPTS = 20  # re-listings after another process recorded different shards at the same moment
 
 
@@ -48,7 +47,7 @@ class ShardRecords:
 
     def __init__(self, out: OutputDir, name: str):
         self.out = out
-        self.folder = out.join(RECORD_DIR, name)
+        self.folder = out.join(layout.FOLDER_SHARDS, name)
 
     def read(self) -> dict[int, tuple[str, ...]]:
         parts = {}

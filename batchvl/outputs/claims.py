@@ -33,7 +33,6 @@ import psutil
 from batchvl.storage import layout
 from batchvl.storage.output_dir import OutputDir
 
-CLAIM_DIR = layout.CLAIMS
 HEARTBEAT_S = 60.0
 STALE_S = 600.0
 # a process's start time is its start after boot plus the boot time, which each reader derives from the
@@ -69,7 +68,7 @@ class ShardClaims:
         self._refreshed = time.monotonic()
 
     def path(self, shard: str) -> str:
-        return self.out.join(CLAIM_DIR, f"{shard}.lock")
+        return self.out.join(layout.CLAIMS, f"{shard}.lock")
 
     def acquire(self, shard: str) -> Holder | None:
         """Claim the shard; None when it is now ours, else the live holder that has it."""

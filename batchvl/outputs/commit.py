@@ -33,8 +33,6 @@ from batchvl.outputs.writers import ResultRow, output_name, output_path, parquet
 from batchvl.storage import layout
 from batchvl.storage.output_dir import OutputDir
 
-MARKER_DIR = layout.MARKERS
-
 
 @dataclass
 class ShardMarker:
@@ -76,7 +74,7 @@ class ShardMarker:
 
 
 def marker_path(out: OutputDir, shard: str) -> str:
-    return out.join(MARKER_DIR, output_name(shard).removesuffix(".parquet") + ".json")
+    return out.join(layout.MARKERS, output_name(shard).removesuffix(".parquet") + ".json")
 
 
 def read_marker(out: OutputDir, shard: str) -> ShardMarker | None:

@@ -11,11 +11,9 @@ import time
 from batchvl.storage import layout
 from batchvl.storage.output_dir import OutputDir
 
-STATS_DIR = layout.STATS
-
 
 def write_run_stats(out: OutputDir, stats: dict) -> str:
-    path = out.join(STATS_DIR, f"run-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.json")
+    path = out.join(layout.STATS, f"run-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.json")
     out.write_text(path, json.dumps(stats, indent=2, sort_keys=True))
     return path
 
@@ -24,7 +22,7 @@ def read_run_stats(out: OutputDir) -> list[dict]:
     """Every run's stats, oldest first, each with its file's name under "file"; files that cannot be read
     are left out (another version's, or damaged by hand)."""
     runs = []
-    for path in out.list(out.join(STATS_DIR), "run-*.json"):
+    for path in out.list(out.join(layout.STATS), "run-*.json"):
         try:
             stats = json.loads(out.read_text(path))
         except (OSError, ValueError):
