@@ -65,6 +65,11 @@ ERROR_TYPES: dict[str, str] = {
     "custom_id an earlier line has, a schema that cannot be used)",
     "unsupported_request": "an `openai_batch` line that asks for what batchvl does not do (another "
     "endpoint, tools, `n` > 1, audio)",
+    "server_rejected": "the server (engine.backend: openai) refused the request with an HTTP 4xx (an image "
+    "its processor refuses, a prompt over its context); the message is the server's",
+    "server_error": "the server failed the request (a timeout, HTTP 429 or 5xx) after "
+    "`engine.server.retries`, or gave an answer batchvl cannot use, while it answered others; "
+    "`retry-failed` reruns it",
     "preprocess_crash": "the preprocessing worker died on this sample",
     "preprocess_timeout": "the sample's preprocessing (its downloads included) exceeded "
     "`preprocess.timeout_s`",
@@ -117,6 +122,18 @@ class ErrorBudgetExceeded(JobEnded):
     """More error rows than `output.max_error_rate` allows. Exit code 3."""
 
     EXIT_CODE = 3
+
+
+class ServerGone(Exception):
+    """The server backend's server stopped answering every request (after the retries, and restarts of a
+    server batchvl launched): the run stops, and the requests it failed on are never written as rows."""
+
+
+class ServerUnavailable(JobEnded):
+    """The run stopped because its server went away, after committing every shard finished before. Exit
+    code 1; the same command resumes against a live server."""
+
+    EXIT_CODE = 1
 
 
 class StopOverdue(BaseException):

@@ -19,6 +19,7 @@ import json
 import os
 import resource
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -26,25 +27,13 @@ import torch
 from PIL import Image
 from throughput import PROMPTS, error_text, matmul_peak, requests_of, since_process_start
 
-
-def vllm_checkpoint(model_dir: Path, target: Path) -> Path:
-    """A copy of the checkpoint that vLLM's Qwen2-VL processor loads."""
-    from transformers import Qwen2VLVideoProcessor
-
-    if target.exists():
-        shutil.rmtree(target)
-    shutil.copytree(model_dir, target)
-    config_path = target / "processor_config.json"
-    config = json.loads(config_path.read_text())
-    config["processor_class"] = "Qwen2VLProcessor"
-    config_path.write_text(json.dumps(config, indent=2))
-    image = config["image_processor"]
-    keys = ("patch_size", "merge_size", "temporal_patch_size", "image_mean", "image_std")
-    Qwen2VLVideoProcessor(**{key: image[key] for key in keys}).save_pretrained(target)
-    return target
-
-
 KV_CACHE_BYTES = 2 << 30
+
+
+sys.path.insert(
+    0, str(Path(__file__).resolve().parents[1])
+)  # batchvl's source: this venv has not installed it
+from batchvl.demo.vllm_checkpoint import vllm_checkpoint  # noqa: E402
 
 
 def child_pids() -> list[int]:

@@ -12,8 +12,8 @@ PACKAGE = Path(__file__).parents[1] / "batchvl"
 # Lowest first. A module may import from its own layer or from a lower one. The modules at the package
 # root besides `errors` (api, cli, __main__, __init__) are the application, above every layer.
 LAYERS = [
-    "errors", "config", "utils", "storage", "inputs", "outputs", "layers", "preprocess", "engine", "models",
-    "demo", "pipeline", "commands",
+    "errors", "config", "utils", "storage", "inputs", "outputs", "layers", "preprocess", "engine", "server",
+    "models", "demo", "pipeline", "commands",
 ]  # fmt: skip
 APPLICATION = len(LAYERS)
 ROOT_MODULES = {"__init__", "__main__", "api", "cli", "errors"}

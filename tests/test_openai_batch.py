@@ -17,6 +17,7 @@ from batchvl.config import InputConfig, job_config_from_dict
 from batchvl.inputs.openai_batch import OpenAIBatchSource, parse_line
 from batchvl.inputs.types import Sample, ShardInfo
 from batchvl.pipeline.runner import run_job
+from batchvl.preprocess.prompts import PromptRenderer
 from batchvl.preprocess.sample import SampleProcessor
 from tests.conftest import png_bytes, random_image, write_image_shards
 from tests.http_server import LoopbackServer
@@ -135,7 +136,7 @@ def test_max_completion_tokens_wins_over_max_tokens():
 
 def test_a_developer_message_is_rendered_as_the_system_turn(loaded_fp32):
     text = line("d", [{"role": "developer", "content": "Answer briefly."}, user("What is two plus two?")])
-    prepared = SampleProcessor(loaded_fp32.processor, None, [])(parse_line("s", 0, 1, text))
+    prepared = SampleProcessor(PromptRenderer(loaded_fp32.processor), None, [])(parse_line("s", 0, 1, text))
     by_hand = loaded_fp32.processor.tokenizer.apply_chat_template(
         [
             {"role": "system", "content": "Answer briefly."},
@@ -144,7 +145,7 @@ def test_a_developer_message_is_rendered_as_the_system_turn(loaded_fp32):
         add_generation_prompt=True,
         tokenize=True,
     )["input_ids"]
-    assert prepared.error is None and prepared.prompts[0].token_ids == by_hand
+    assert prepared.error is None and prepared.prompts[0].prompt == by_hand
 
 
 def test_a_utf8_bom_before_the_first_line_is_not_part_of_it(tmp_path):

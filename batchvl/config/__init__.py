@@ -27,6 +27,7 @@ from batchvl.config.schema import (
     PreprocessConfig,
     PromptConfig,
     SamplingConfig,
+    ServerConfig,
     WhenConfig,
     is_remote,
 )
@@ -42,6 +43,7 @@ __all__ = [
     "PreprocessConfig",
     "PromptConfig",
     "SamplingConfig",
+    "ServerConfig",
     "WhenConfig",
     "apply_overrides",
     "changed_keys",

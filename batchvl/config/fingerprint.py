@@ -32,6 +32,8 @@ def output_defining_config(cfg: JobConfig) -> dict:
         present = {k: d[section.name][k] for k in keys if k in d[section.name]}  # unset new keys are not
         if present:
             out[section.name] = present
+    if cfg.engine.backend == "openai":  # the served model's name (model.path when unset) defines it too
+        out["engine"]["served_model"] = cfg.engine.server.model or cfg.model.path
     for prompt in out["prompts"]:
         orders = _unsorted_property_orders(prompt.get("json_schema"))
         if orders:

@@ -189,6 +189,43 @@ class SamplingConfig:
 
 
 @dataclass(frozen=True)
+class ServerConfig:
+    url: str | None = job_key(
+        None, "An OpenAI-compatible server that is running, e.g. http://127.0.0.1:8000/v1 (or set launch)"
+    )
+    launch: str | None = job_key(
+        None,
+        "A command that starts an OpenAI-compatible server, which batchvl runs for the job and stops after "
+        'it, e.g. "python -m vllm.entrypoints.openai.api_server" (or set url)',
+    )
+    launch_args: list[str] = job_key(
+        help="Arguments appended to `launch` (batchvl adds --model, --host, --port, --dtype and, with "
+        "`model`, --served-model-name)",
+        factory=list,
+    )
+    model: str | None = job_key(
+        None,
+        "The model name sent in requests (null: model.path, which must be the server's model)",
+        unset_leaves_fingerprint=True,
+    )
+    max_concurrency: int = job_key(64, "Requests in flight at once", above=0)
+    timeout_s: float = job_key(600.0, "Longest one request may take", above=0)
+    retries: int = job_key(
+        3,
+        "Further attempts after a refused connection, a timeout, HTTP 429 or 5xx (and restarts of a "
+        "launched server that died)",
+        at_least=0,
+    )
+    backoff_s: float = job_key(
+        1.0, "Wait before the first retry, doubled for each later one (a Retry-After header wins)", at_least=0
+    )
+    api_key_env: str | None = job_key(
+        None, "Name of the environment variable holding the API key (never the key itself)"
+    )
+    startup_timeout_s: float = job_key(900.0, "Longest a launched server may take to answer", above=0)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     max_num_seqs: int = job_key(256, "Most requests running at once", above=0)
     max_num_batched_tokens: int = job_key(
@@ -217,6 +254,14 @@ class EngineConfig:
         "none", "'data': split each encode step's images across torchrun ranks (ViT data parallelism)"
     )
     threads: int = job_key(0, "torch intra-op threads (0: torch's default)", at_least=0)
+    backend: Literal["batchvl", "openai"] = job_key(
+        "batchvl",
+        "batchvl: the built-in engine, in this process; openai: an OpenAI-compatible server (vLLM, SGLang), "
+        "set under engine.server",
+        defines_output=True,
+        unset_leaves_fingerprint=True,
+    )
+    server: ServerConfig = job_key(help="The server of the openai backend", factory=ServerConfig)
 
 
 @dataclass(frozen=True)
@@ -359,6 +404,26 @@ def _check_values(cfg: JobConfig) -> None:
     _check_column_names(names)
     for prompt in cfg.prompts:
         _check_constraint_keys(prompt)
+    _check_server(cfg.engine)
+
+
+def _check_server(engine: EngineConfig) -> None:
+    server = engine.server
+    if engine.backend != "openai":
+        if server != ServerConfig():
+            raise ConfigError(
+                "'engine.server' applies to engine.backend: openai; set it, or remove engine.server"
+            )
+        return
+    if (server.url is None) == (server.launch is None):
+        raise ConfigError(
+            "engine.backend openai takes one of 'engine.server.url' (a running server) or "
+            "'engine.server.launch' (a command that starts one)"
+        )
+    if server.url is not None and not server.url.startswith(("http://", "https://")):
+        raise ConfigError(f"'engine.server.url' must be an http(s) URL, got {server.url!r}")
+    if server.launch_args and server.launch is None:
+        raise ConfigError("'engine.server.launch_args' applies to 'engine.server.launch'; remove it")
 
 
 LABEL_COLUMNS = ("shard", "key", "sample_index")  # the label table's own columns, before the prompts'

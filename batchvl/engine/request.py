@@ -163,6 +163,9 @@ class EngineRequest:
     constraint: OutputConstraint | None = None  # what the output must match (None: free text)
     # Answer by scoring these strings (each followed by the end-of-sequence token) instead of generating
     scored_choices: tuple[str, ...] | None = None
+    # The prompt as chat messages (media parts as URLs), for a server backend, which renders them itself;
+    # then `prompt_token_ids` is empty and `images` are the media's URLs
+    messages: tuple[dict, ...] | None = None
 
 
 @dataclass
@@ -186,7 +189,10 @@ class EngineResult:
     # A scored-choices request: each choice's log-probability given the prompt (its tokens and the
     # end-of-sequence token); `text` is the most probable choice and `output_token_ids` its tokens
     choice_logprobs: list[float] | None = None
+    # The count of output tokens: len(output_token_ids) unless given (a server reports its count in
+    # `usage`, not always the ids)
+    num_output_tokens: int | None = None
 
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
+    def __post_init__(self):
+        if self.num_output_tokens is None:
+            self.num_output_tokens = len(self.output_token_ids)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from batchvl.errors import ErrorBudgetExceeded, StoppedBySignal
+from batchvl.errors import ErrorBudgetExceeded, ServerGone, ServerUnavailable, StoppedBySignal
 from batchvl.utils.stop import StopRequests
 
 
@@ -20,10 +20,23 @@ class RunSummary:
     is_driver: bool = True  # False on a rank that only served ViT encode rounds
 
 
-def raise_if_ended_early(summary: RunSummary, stop: StopRequests, max_error_rate: float | None) -> None:
-    """Raise when the run stopped on a signal, or when its share of error rows is over `max_error_rate`
-    (None: no budget, as for retry-failed)."""
+def raise_if_ended_early(
+    summary: RunSummary,
+    stop: StopRequests,
+    max_error_rate: float | None,
+    server_gone: ServerGone | None = None,
+) -> None:
+    """Raise when the run stopped on a signal or because its server went away, or when its share of error
+    rows is over `max_error_rate` (None: no budget, as for retry-failed)."""
     stats = summary.stats
+    if server_gone is not None:
+        left = stats["shards_total"] - stats["shards_skipped"] - stats["shards_committed"]
+        raise ServerUnavailable(
+            f"{server_gone}; {stats['shards_committed']} shard(s) were committed, {left} shard(s) are left "
+            "for the next run of the same command once the server answers",
+            ServerUnavailable.EXIT_CODE,
+            summary,
+        )
     if stop.requested:
         left = stats["shards_total"] - stats["shards_skipped"] - stats["shards_committed"]
         lost = stats["rows_not_committed"]

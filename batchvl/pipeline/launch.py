@@ -32,6 +32,7 @@ from batchvl.errors import UserError
 from batchvl.inputs.download import DownloadCache
 from batchvl.models.loader import LoadedModel, load_model
 from batchvl.pipeline.prompt_graph import PromptGraph
+from batchvl.preprocess.prompts import PromptRenderer
 from batchvl.preprocess.sample import SampleProcessor
 
 logger = logging.getLogger(__name__)
@@ -86,7 +87,7 @@ def sample_processor(cfg: JobConfig, loaded: LoadedModel, graph: PromptGraph) ->
     """What the preprocessing workers run per sample: the family's media preparation and the prompts."""
     media = loaded.family.media_preparer(loaded.processor, loaded.adapter.model.config, cfg.preprocess)
     return SampleProcessor(
-        loaded.processor, media, cfg.prompts, graph.follow_ups, DownloadCache.of(cfg.input.download)
+        PromptRenderer(loaded.processor), media, cfg.prompts, graph.follow_ups, DownloadCache.of(cfg.input.download)
     )
 
 

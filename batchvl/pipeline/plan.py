@@ -2,7 +2,8 @@
 
 `run`, `retry-failed`, `validate` and `slurm` all plan through `plan_job`, so the preflight and the run
 cannot drift apart. A plan checks that:
-- the model folder holds a supported family;
+- the model folder holds a supported family (the built-in engine), or the server answers and serves the
+  model (the openai backend);
 - `output.dir` is a folder that can be written, holds no input and sits in no input folder or
   `input.root`, and no input pattern would read its results back as input;
 - the storage options suit the protocols of the input paths and `output.dir`, and
@@ -37,6 +38,7 @@ from batchvl.pipeline.constraints import check_constraints
 from batchvl.pipeline.ledger import Selection
 from batchvl.pipeline.prompt_graph import PromptGraph
 from batchvl.pipeline.resume import ShardPlan, plan_shards
+from batchvl.pipeline.server_setup import check_server
 from batchvl.pipeline.tasks import TaskSlice, shards_of_task
 from batchvl.preprocess.prompts import template_fields
 from batchvl.storage import layout
@@ -62,8 +64,12 @@ class JobPlan:
 def plan_job(cfg: JobConfig, task: TaskSlice | None = None, record: bool = False) -> JobPlan:
     """Check the job and list its shards. `record` (a run) creates `output.dir` and records new folder
     shards; without it (validate, status) nothing is written."""
-    model_type = read_model_type(cfg.model.path, cfg.model.trust_remote_code)
-    model_family(model_type)
+    if cfg.engine.backend == "openai":  # the server runs the model: any model it serves
+        check_server(cfg)
+        model_type = "server"
+    else:
+        model_type = read_model_type(cfg.model.path, cfg.model.trust_remote_code)
+        model_family(model_type)
     check_constraints(cfg)
     graph = PromptGraph.of(cfg.prompts)  # refuses a follow-up that uses itself, a later or an unknown prompt
     check_storage_options("input.storage_options", cfg.input.storage_options, cfg.input.paths)

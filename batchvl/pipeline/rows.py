@@ -18,7 +18,7 @@ from batchvl.errors import RowStatus, SampleError
 from batchvl.inputs.types import ChatRequest
 from batchvl.outputs.writers import ResultRow
 from batchvl.pipeline.constraints import output_error, prompt_constraint, scored_choices
-from batchvl.preprocess.sample import PreparedSample
+from batchvl.preprocess.sample import PreparedSample, Prompt
 
 
 @dataclass(frozen=True)
@@ -95,14 +95,17 @@ def prompt_request(
     cfg: JobConfig,
     sample: PreparedSample,
     prompt_index: int,
-    token_ids: list[int],
+    rendered: Prompt,
     max_new_tokens: int,
     priority: int,
 ) -> EngineRequest:
-    """The engine request of one (sample, prompt), from the prompt's rendered token ids."""
+    """The engine request of one (sample, prompt), from the prompt as rendered for the backend: token ids
+    or chat messages."""
     prompt = prompt_of(cfg, sample, prompt_index)
+    is_messages = isinstance(rendered, tuple)
     return EngineRequest(
-        prompt_token_ids=token_ids,
+        prompt_token_ids=[] if is_messages else rendered,
+        messages=rendered if is_messages else None,
         images=sample.images,
         sampling=sampling_params(cfg, sample.shard, sample.key, prompt.name, max_new_tokens, sample.chat),
         tag=RowTag(sample.shard, sample.index, prompt_index),
@@ -162,7 +165,7 @@ def result_row(sample: PreparedSample, prompt: PromptConfig, result: EngineResul
     valid against its schema) is an error row that keeps the text it got."""
     tag: RowTag = result.tag
     error = result.error or _incomplete_error(result) or output_error(prompt, result.text)
-    if error is not None and not result.output_token_ids:  # it never ran
+    if error is not None and not result.num_output_tokens:  # it never ran
         row = error_row(sample, tag.prompt_index, prompt.name, error)
         row.num_prompt_tokens = result.num_prompt_tokens
         return row

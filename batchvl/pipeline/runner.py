@@ -22,7 +22,8 @@ from batchvl.config import JobConfig
 from batchvl.engine.engine import Engine
 from batchvl.engine.stats import EngineStats
 from batchvl.engine.vit_dp import DistributedContext
-from batchvl.inputs.download import DownloadStats
+from batchvl.errors import ServerGone
+from batchvl.inputs.download import DownloadCache, DownloadStats
 from batchvl.inputs.types import ShardEnd, ShardSkipped
 from batchvl.models.loader import LoadedModel
 from batchvl.outputs.claims import Holder, ShardClaims
@@ -41,10 +42,14 @@ from batchvl.pipeline.ledger import CommitStrategy, ShardLedger
 from batchvl.pipeline.plan import Work, job_work
 from batchvl.pipeline.rows import prompt_of, result_row
 from batchvl.pipeline.sample_flow import Progress, SampleFlow
+from batchvl.pipeline.server_setup import server_backend
 from batchvl.pipeline.tasks import TaskSlice
+from batchvl.preprocess.chat_messages import ChatMessages
+from batchvl.preprocess.media_urls import DataURLPreparer
 from batchvl.preprocess.pool import PoolStats, PreprocessPool, default_workers
 from batchvl.preprocess.prompts import PromptRenderer
-from batchvl.preprocess.sample import PreparedSample
+from batchvl.preprocess.sample import PreparedSample, SampleProcessor
+from batchvl.server.backend import ServerBackend
 from batchvl.storage.output_dir import OutputDir
 from batchvl.utils.background import END, BackgroundIterator
 from batchvl.utils.memory import HeapTrimmer, keep_freed_memory
@@ -85,6 +90,7 @@ class JobRunner:
         self.trimmer = HeapTrimmer()
         self.stop = StopRequests()
         self.claims = ShardClaims(self.out, Holder.of_process(os.getpid()))
+        self.server_gone: ServerGone | None = None  # the openai backend's server went away mid-run
 
     def run(self) -> RunSummary:
         keep_freed_memory()  # process-wide; the engine's steps reuse their activations' memory
@@ -104,8 +110,15 @@ class JobRunner:
         with self.stop:
             summary = self._run_shards(context)
         limit = self.cfg.output.max_error_rate if self.stats.mode == "run" else None
-        raise_if_ended_early(summary, self.stop, limit)
+        raise_if_ended_early(summary, self.stop, limit, self.server_gone)
         return summary
+
+    def _sample_processor(self, work: Work, builder) -> SampleProcessor:
+        if self.cfg.engine.backend == "openai":  # media as data URLs, prompts as messages
+            pre, cache = self.cfg.preprocess, DownloadCache.of(self.cfg.input.download)
+            media = DataURLPreparer(pre.max_image_pixels)
+            return SampleProcessor(builder, media, self.cfg.prompts, work.plan.graph.follow_ups, cache)
+        return sample_processor(self.cfg, self.loaded, work.plan.graph)
 
     def _run_shards(self, context: DistributedContext | None) -> RunSummary:
         start = time.perf_counter()
@@ -114,12 +127,19 @@ class JobRunner:
         self.stats.shards_skipped = work.num_task_shards - len(work.shards)
         engine, pool_stats = None, PoolStats()
         if work.shards and not self.stop.requested:
-            engine = job_engine(self.cfg, self._load(), context)
-            pool_stats = self._process(work, engine)
+            if self.cfg.engine.backend == "openai":
+                engine = server_backend(self.cfg, self.out, self.task)
+            else:
+                engine = job_engine(self.cfg, self._load(), context)
+            try:
+                pool_stats = self._process(work, engine)
+            finally:
+                if isinstance(engine, ServerBackend):
+                    engine.close()  # and stops a server it launched, on every way out
         self.stats.wall_s = round(time.perf_counter() - start, 3)
         stats = self.stats.to_dict(engine.stats if engine else EngineStats(), pool_stats, self.downloads)
         stats["vit_parallel_ranks"] = context.world_size if context else 1
-        stats["stopped_by"] = self.stop.signal_name or None
+        stats["stopped_by"] = self.stop.signal_name or ("server_gone" if self.server_gone else None)
         stats.update(work.notes)
         return RunSummary(self.out.url, write_run_stats(self.out, stats), stats)
 
@@ -128,8 +148,10 @@ class JobRunner:
         workers = default_workers() if pre.workers is None else pre.workers
         self.stats.preprocess_workers = workers
         ledger = ShardLedger(work.shards, work.selection, len(self.cfg.prompts))
-        renderer = PromptRenderer(self._load().processor)
-        self.flow = SampleFlow(self.cfg, work.plan.graph, renderer)
+        builder = (
+            ChatMessages() if isinstance(engine, ServerBackend) else PromptRenderer(self._load().processor)
+        )
+        self.flow = SampleFlow(self.cfg, work.plan.graph, builder)
         if self.commit is None:
             self.commit = WriteShard(
                 self.cfg, self.out, self.task, work.plan.output_defining, work.plan.fingerprint
@@ -137,7 +159,7 @@ class JobRunner:
         pool = PreprocessPool(
             work.plan.source,
             work.shards,
-            sample_processor(self.cfg, self.loaded, work.plan.graph),
+            self._sample_processor(work, builder),
             workers,
             pre.prefetch,
             pre.timeout_s,
@@ -158,6 +180,8 @@ class JobRunner:
         try:
             with bar:
                 self._feed_and_step(feed, engine, ledger, bar)
+        except ServerGone as gone:
+            self.server_gone = gone  # the rows of the shards in flight are left for the next run
         finally:
             feed.close()
             for shard in ledger.shards:
@@ -167,7 +191,9 @@ class JobRunner:
             self.stats.shards_claimed_elsewhere = ledger.num_skipped
             self.stats.rows_not_committed = ledger.rows_not_committed
         unfinished = list(ledger.open_shards())
-        if unfinished and not self.stop.requested:  # a stop leaves them for the next run
+        if (
+            unfinished and not self.stop.requested and self.server_gone is None
+        ):  # both leave them for the next run
             raise RuntimeError(f"shards {unfinished} ended incomplete; this is a bug")
         return pool.stats
 

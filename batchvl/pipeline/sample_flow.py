@@ -21,8 +21,8 @@ from batchvl.outputs.writers import ResultRow
 from batchvl.pipeline.constraints import check_request_schema
 from batchvl.pipeline.prompt_graph import PromptGraph
 from batchvl.pipeline.rows import RowTag, error_row, max_new_tokens_of, prompt_request, skipped_row
-from batchvl.preprocess.prompts import PromptRenderer, fill_template, template_values
-from batchvl.preprocess.sample import PreparedSample
+from batchvl.preprocess.prompts import fill_template, template_values
+from batchvl.preprocess.sample import PreparedSample, Prompt, PromptBuilder
 
 
 @dataclass
@@ -47,10 +47,10 @@ class _SampleState:
 
 
 class SampleFlow:
-    def __init__(self, cfg: JobConfig, graph: PromptGraph, renderer: PromptRenderer):
+    def __init__(self, cfg: JobConfig, graph: PromptGraph, builder: PromptBuilder):
         self.cfg = cfg
         self.graph = graph
-        self.renderer = renderer
+        self.builder = builder
         self._samples: dict[tuple[str, int], _SampleState] = {}
 
     def sample_of(self, tag: RowTag) -> PreparedSample:
@@ -92,7 +92,7 @@ class SampleFlow:
                     progress,
                 )
             else:
-                self._submit(state, index, prepared.token_ids, progress)
+                self._submit(state, index, prepared.prompt, progress)
         self._samples[(sample.shard, sample.index)] = state
         return self._advance(state, progress)
 
@@ -104,10 +104,8 @@ class SampleFlow:
         self._add_row(state, tag.prompt_index, row, progress)
         return self._advance(state, progress)
 
-    def _submit(self, state: _SampleState, index: int, token_ids: list[int], progress: Progress) -> None:
-        request = prompt_request(
-            self.cfg, state.sample, index, token_ids, state.max_new_tokens, state.priority
-        )
+    def _submit(self, state: _SampleState, index: int, prompt: Prompt, progress: Progress) -> None:
+        request = prompt_request(self.cfg, state.sample, index, prompt, state.max_new_tokens, state.priority)
         progress.requests.append(request)
         state.in_engine += 1
 
@@ -145,11 +143,11 @@ class SampleFlow:
             self._add_row(state, index, skipped_row(sample, index, prompt.name, reason), progress)
         else:
             try:
-                token_ids = self._render(state, index)
+                rendered = self._render(state, index)
             except SampleError as error:
                 self._add_row(state, index, error_row(sample, index, prompt.name, error), progress)
                 return
-            self._submit(state, index, token_ids, progress)
+            self._submit(state, index, rendered, progress)
 
     def _skip_reason(self, state: _SampleState, index: int, used: list[ResultRow]) -> str | None:
         """Why the follow-up does not run for this sample (a prompt it uses was skipped, or its `when` does
@@ -169,8 +167,8 @@ class SampleFlow:
             f"not run: prompt '{prompt.name}' runs only where the output of prompt '{when.prompt}' {wanted}"
         )
 
-    def _render(self, state: _SampleState, index: int) -> list[int]:
-        """The follow-up's token ids: its text with the outputs it uses filled in, as the next user turn of
+    def _render(self, state: _SampleState, index: int) -> Prompt:
+        """The follow-up's prompt: its text with the outputs it uses filled in, as the next user turn of
         the conversation it continues (each turn of which is filled the same way), or a turn of its own."""
         sample = state.sample
         outputs = {self.graph.names[i]: row.text for i, row in state.rows.items() if row.status == "ok"}
@@ -180,6 +178,4 @@ class SampleFlow:
             turns.insert(0, self.graph.names.index(self.cfg.prompts[turns[0]].continue_))
         user_texts = [fill_template(self.cfg.prompts[i].text, values) for i in turns]
         answers = [state.rows[i].text for i in turns[:-1]]
-        kinds = [media.kind for media in sample.images]
-        rendered = self.renderer.render_conversation(user_texts, answers, kinds)
-        return self.renderer.token_ids(rendered, sample.images)
+        return self.builder.conversation(user_texts, answers, sample.images)

@@ -90,6 +90,21 @@ class PromptRenderer:
         the model answers."""
         return self.processor.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
 
+    def one_turn(self, text: str, media: list[PreparedMedia]) -> list[int]:
+        """The token ids of one user turn: the media, then the text."""
+        return self.token_ids(self.render(text, [m.kind for m in media]), media)
+
+    def conversation(
+        self, user_texts: list[str], answers: list[str], media: list[PreparedMedia]
+    ) -> list[int]:
+        """The token ids of a conversation (`render_conversation`)."""
+        rendered = self.render_conversation(user_texts, answers, [m.kind for m in media])
+        return self.token_ids(rendered, media)
+
+    def request(self, messages: list[dict], media: list[PreparedMedia]) -> list[int]:
+        """The token ids of a request's own messages (`render_messages`)."""
+        return self.token_ids(self.render_messages(messages), media)
+
     def token_ids(self, rendered: str, media: list[PreparedMedia]) -> list[int]:
         pieces = self._placeholders.split(rendered)  # text, placeholder, text, ..., text
         found = [self.placeholder_kinds[token] for token in pieces[1::2]]

@@ -11,21 +11,37 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from batchvl.config import PromptConfig
 from batchvl.errors import SampleError
 from batchvl.inputs.download import DownloadCache, DownloadStats
 from batchvl.inputs.types import ChatRequest, MediaRef, Sample
 from batchvl.preprocess.media import PreparedMedia
-from batchvl.preprocess.prompts import PromptRenderer, fill_template, template_values
+from batchvl.preprocess.media_urls import MediaURL
+from batchvl.preprocess.prompts import fill_template, template_values
 
 logger = logging.getLogger(__name__)
 
 
+# A rendered prompt as the engine takes it: token ids for the built-in engine, chat messages (media as
+# URLs) for a server
+Prompt = list[int] | tuple[dict, ...]
+
+
+class PromptBuilder(Protocol):
+    """Renders prompts for one backend: `PromptRenderer` (token ids) or `ChatMessages` (messages)."""
+
+    def one_turn(self, text: str, media: list) -> Prompt: ...
+
+    def conversation(self, user_texts: list[str], answers: list[str], media: list) -> Prompt: ...
+
+    def request(self, messages: list[dict], media: list) -> Prompt: ...
+
+
 @dataclass
 class PreparedPrompt:
-    token_ids: list[int] | None  # None: an error, or a follow-up prompt the job renders later
+    prompt: Prompt | None  # None: an error, or a follow-up prompt the job renders later
     error: SampleError | None = None
 
 
@@ -36,7 +52,7 @@ class PreparedSample:
     key: str
     fields: dict[str, Any]
     num_images: int
-    images: list[PreparedMedia] = field(default_factory=list)
+    images: list[PreparedMedia] | list[MediaURL] = field(default_factory=list)
     prompts: list[PreparedPrompt] = field(default_factory=list)
     error: SampleError | None = None  # the whole sample failed: every prompt becomes an error row
     preprocess_s: float = 0.0
@@ -60,13 +76,13 @@ class PreparedSample:
 class SampleProcessor:
     def __init__(
         self,
-        processor,
-        prepare_media: Callable[[MediaRef], PreparedMedia],
+        builder: PromptBuilder,
+        prepare_media: Callable[[MediaRef], PreparedMedia | MediaURL],
         prompts: list[PromptConfig],
         follow_ups: frozenset[int] = frozenset(),
         download_cache: DownloadCache | None = None,
     ):
-        self.renderer = PromptRenderer(processor)
+        self.builder = builder
         self.prepare_media = prepare_media
         self.prompts = prompts
         self.follow_ups = follow_ups  # prompts that use an earlier output: the job renders them later
@@ -87,7 +103,7 @@ class SampleProcessor:
         prepared.downloads = sample.downloads
         return prepared
 
-    def _prepare(self, ref: MediaRef) -> PreparedMedia:
+    def _prepare(self, ref: MediaRef) -> PreparedMedia | MediaURL:
         try:
             return self.prepare_media(ref)
         except Exception:
@@ -112,12 +128,14 @@ class SampleProcessor:
         )
         if sample.chat is not None:  # the request's messages are its one prompt
             try:
-                rendered = self.renderer.render_messages(list(sample.chat.messages))
+                prompt = self.builder.request(list(sample.chat.messages), images)
+            except SampleError:
+                raise
             except Exception as exc:  # the template's own checks (roles out of order, ...) raise anything
                 raise SampleError(
                     "bad_request", f"the model's chat template refused the messages: {exc}"
                 ) from exc
-            prepared.prompts.append(PreparedPrompt(self.renderer.token_ids(rendered, images)))
+            prepared.prompts.append(PreparedPrompt(prompt))
             return prepared
         values = template_values(sample.fields, sample.key)
         for index, prompt in enumerate(self.prompts):
@@ -125,8 +143,9 @@ class SampleProcessor:
                 prepared.prompts.append(PreparedPrompt(None))
                 continue
             try:
-                rendered = self.renderer.render(fill_template(prompt.text, values), [m.kind for m in images])
-                prepared.prompts.append(PreparedPrompt(self.renderer.token_ids(rendered, images)))
+                prepared.prompts.append(
+                    PreparedPrompt(self.builder.one_turn(fill_template(prompt.text, values), images))
+                )
             except SampleError as exc:
                 prepared.prompts.append(PreparedPrompt(None, exc))
         return prepared

@@ -7,5 +7,5 @@ CLAIMS = f"{OWN_FILES}/claims"  # <shard>.lock: which run is writing a shard now
 STATS = f"{OWN_FILES}/stats"  # run-*.json: one per run, what it did
 FOLDER_SHARDS = f"{OWN_FILES}/folder_shards"  # the recorded shards of `folder` input
 SLURM = f"{OWN_FILES}/slurm"  # the sbatch script and the array it was submitted as
-LOGS = f"{OWN_FILES}/logs"  # task-I.log of Slurm array tasks
+LOGS = f"{OWN_FILES}/logs"  # task-I.log of Slurm array tasks, server-I.log of servers batchvl launched
 STAGED_INPUT = f"{OWN_FILES}/input"  # the notebook API's copy of an in-memory dataset

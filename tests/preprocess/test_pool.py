@@ -15,6 +15,7 @@ from batchvl.config import InputConfig, PromptConfig
 from batchvl.inputs.parquet import ParquetSource
 from batchvl.inputs.types import ShardEnd
 from batchvl.preprocess.pool import PreprocessPool
+from batchvl.preprocess.prompts import PromptRenderer
 from batchvl.preprocess.qwen_vision import QwenMediaPreparer, QwenVisionSpec
 from batchvl.preprocess.sample import PreparedSample, SampleProcessor
 from batchvl.preprocess.video import FrameSampling
@@ -41,7 +42,7 @@ def processor(loaded):
     spec = QwenVisionSpec.from_image_processor(loaded.processor.image_processor)
     prompts = [PromptConfig("caption", "Describe."), PromptConfig("ask", "Is it {key}?")]
     media = QwenMediaPreparer(spec, FrameSampling(2.0, 4, 16), 10**7, 10**8)
-    return SampleProcessor(loaded.processor, media, prompts)
+    return SampleProcessor(PromptRenderer(loaded.processor), media, prompts)
 
 
 def collect(pool):
@@ -67,7 +68,7 @@ def test_every_sample_exactly_once(loaded_fp32, shards, workers):
         assert sample.error is None and len(sample.images) == 1
         assert [p.error for p in sample.prompts] == [None, None]
     # the prompt template used the sample's field: prompts differ per sample
-    asks = {tuple(s.prompts[1].token_ids) for s in samples.values()}
+    asks = {tuple(s.prompts[1].prompt) for s in samples.values()}
     assert len(asks) == len(samples)
 
 

@@ -1,0 +1,123 @@
+"""The openai backend's set-up: the checks planning makes, and the backend a run drives (a server that
+answers at `engine.server.url`, or one batchvl launches with `engine.server.launch`).
+
+The model name sent in requests is `engine.server.model`, else `model.path`, which is how the fingerprint
+names the served model: a url server must serve that name, so a job resumed against a server of another
+model is refused like any changed config.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+import shutil
+import tempfile
+from pathlib import Path
+
+from batchvl.config import JobConfig, is_remote
+from batchvl.errors import UserError
+from batchvl.pipeline.tasks import TaskSlice
+from batchvl.server.backend import ServerBackend
+from batchvl.server.client import served_models
+from batchvl.server.process import ManagedServer
+from batchvl.storage import layout
+from batchvl.storage.output_dir import OutputDir
+
+logger = logging.getLogger(__name__)
+
+
+def served_model_name(cfg: JobConfig) -> str:
+    return cfg.engine.server.model or cfg.model.path
+
+
+def api_key(cfg: JobConfig) -> str | None:
+    """The API key, read from the environment variable `engine.server.api_key_env` names (never stored)."""
+    name = cfg.engine.server.api_key_env
+    if name is None:
+        return None
+    key = os.environ.get(name)
+    if not key:
+        raise UserError(f"engine.server.api_key_env names {name}, which is not set; export {name}=<key>")
+    return key
+
+
+def check_server(cfg: JobConfig) -> None:
+    """Planning's checks: a url server answers and serves the model; a launch command can be run; scored
+    choices have the tokenizer they need."""
+    server = cfg.engine.server
+    if server.url is not None:
+        check_served_model(server.url, served_model_name(cfg), api_key(cfg))
+    else:
+        program = shlex.split(server.launch)[0] if server.launch.strip() else ""
+        if shutil.which(program) is None:
+            raise UserError(f"engine.server.launch: {program!r} is not a program here; give its full path")
+    if (
+        any(p.choices is not None and p.choice_mode == "score" for p in cfg.prompts)
+        and load_tokenizer(cfg) is None
+    ):
+        raise UserError(
+            f"scored choices on the openai backend need the model's tokenizer, and model.path "
+            f"{cfg.model.path} has none; point model.path at the served model's folder, or set "
+            "choice_mode: generate"
+        )
+
+
+def check_served_model(url: str, model: str, key: str | None) -> None:
+    served = served_models(url, key)
+    if model not in served:
+        raise UserError(
+            f"the server at {url} serves {served}, not '{model}'; set engine.server.model to the name it "
+            "serves (or model.path to the model it serves)"
+        )
+
+
+def load_tokenizer(cfg: JobConfig):
+    """The model's tokenizer where model.path has one (choice scores and token texts need it), else None."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
+    except (OSError, ValueError) as exc:
+        logger.info("no tokenizer at model.path %s: %s", cfg.model.path, exc)
+        return None
+
+
+def launch_command(cfg: JobConfig) -> list[str]:
+    server = cfg.engine.server
+    command = [*shlex.split(server.launch), *server.launch_args, "--model", cfg.model.path]
+    command += ["--dtype", cfg.model.dtype]
+    if server.model is not None:
+        command += ["--served-model-name", server.model]
+    return command
+
+
+def server_log_path(out: OutputDir, task: TaskSlice | None) -> Path:
+    """`_batchvl/logs/server-<task>.log` in a local output.dir, a local temporary folder for an object
+    store's."""
+    name = f"server-{task.index if task else 0}.log"
+    if is_remote(out.url):
+        return Path(tempfile.gettempdir()) / "batchvl-server-logs" / name
+    return Path(out.url) / layout.LOGS / name
+
+
+def server_backend(cfg: JobConfig, out: OutputDir, task: TaskSlice | None) -> ServerBackend:
+    """The backend of a run: a launched server is started here (and stopped by the backend's `close`)."""
+    server_cfg = cfg.engine.server
+    model = served_model_name(cfg)
+    key = api_key(cfg)
+    managed = None
+    if server_cfg.launch is not None:
+        managed = ManagedServer(launch_command(cfg), server_log_path(out, task), server_cfg.startup_timeout_s)
+        managed.start()
+        url = managed.url
+    else:
+        url = server_cfg.url
+    try:
+        tokenizer = load_tokenizer(cfg)
+        eos = [tokenizer.eos_token_id] if tokenizer is not None and tokenizer.eos_token_id is not None else []
+        return ServerBackend(url, model, server_cfg, key, tokenizer, eos, managed)
+    except BaseException:
+        if managed is not None:
+            managed.stop()
+        raise

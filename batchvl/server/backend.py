@@ -1,0 +1,292 @@
+"""The openai backend: the engine interface the job loop drives (`add_request`, `step`, `wants_requests`,
+`num_unfinished`, `stats`), over an OpenAI-compatible server.
+
+Requests run as asyncio tasks on an event loop in a thread of their own, at most
+`engine.server.max_concurrency` HTTP exchanges at once; `wants_requests` is false while that many requests
+are unfinished, so the job stops reading input ahead while the server is busy. `step` hands back the
+requests that finished since the last step, waiting briefly for one when none has.
+
+What a failure becomes (see `client.py` for the kinds): a rejected request is a `server_rejected` row; a
+transient failure is retried with backoff and, after `retries`, is a `server_error` row. A request that
+finds no server checks whether the server still answers; if it does not, the backend restarts a server it
+launched (at most `retries` times) and retries the request, or, with no server left, declares it gone:
+`step` raises `ServerGone`, and the requests it failed on are never results (the job stops, and a rerun
+runs them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future
+
+import httpx
+
+from batchvl.config import ServerConfig
+from batchvl.engine.choice_scoring import ChoiceTokenizer
+from batchvl.engine.request import EngineRequest, EngineResult
+from batchvl.engine.stats import EngineStats
+from batchvl.errors import SampleError, ServerGone
+from batchvl.server import payloads
+from batchvl.server.client import Rejected, Transient, Unreachable, api_headers, post_json
+from batchvl.server.process import ManagedServer
+
+logger = logging.getLogger(__name__)
+
+STEP_WAIT_S = 0.05  # how long a step waits for a finished request when none is ready
+
+
+class ServerBackend:
+    def __init__(
+        self,
+        url: str,
+        model: str,
+        config: ServerConfig,
+        api_key: str | None = None,
+        tokenizer=None,
+        eos_token_ids: list[int] | None = None,
+        server: ManagedServer | None = None,
+    ):
+        self.url = url
+        self.model = model
+        self.config = config
+        self.api_key = api_key
+        self.tokenizer = tokenizer  # the model's, where model.path has one: choice scores, token texts
+        self.choice_tokens = (
+            ChoiceTokenizer(tokenizer, eos_token_ids or []) if tokenizer is not None else None
+        )
+        self.server = server
+        self.restarts = 0
+        self._stats = EngineStats()
+        self._finished: queue.Queue[Future] = queue.Queue()
+        self._unfinished = 0
+        self._gone: ServerGone | None = None
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="batchvl-server-client", daemon=True
+        )
+        self._thread.start()
+        self._call(self._open())
+
+    @property
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    @property
+    def num_unfinished(self) -> int:
+        return self._unfinished
+
+    @property
+    def wants_requests(self) -> bool:
+        return self._unfinished < self.config.max_concurrency
+
+    def add_request(self, item: EngineRequest) -> None:
+        if item.messages is None:
+            raise ValueError("the server backend takes requests with chat messages")
+        self._unfinished += 1
+        self._stats.images_total += len(item.images)
+        future = asyncio.run_coroutine_threadsafe(self._complete(item), self._loop)
+        future.add_done_callback(self._finished.put)
+
+    def step(self) -> list[EngineResult]:
+        """The requests finished since the last step (waiting up to STEP_WAIT_S for one when none is)."""
+        futures = []
+        if self._unfinished:
+            with contextlib.suppress(queue.Empty):
+                futures.append(self._finished.get(timeout=STEP_WAIT_S))
+        while not self._finished.empty():
+            futures.append(self._finished.get_nowait())
+        results = []
+        for future in futures:
+            self._unfinished -= 1
+            error = future.exception()
+            if isinstance(error, ServerGone):
+                raise error
+            if error is not None:
+                raise error  # a bug: every other failure is the request's result
+            results.append(future.result())
+        self._stats.steps += 1
+        return results
+
+    def close(self) -> None:
+        """Cancel what is in flight, close the connections and the loop, and stop a launched server."""
+        try:
+            if self._loop.is_running():
+                self._call(self._shutdown())
+                self._loop.call_soon_threadsafe(self._loop.stop)
+                self._thread.join(timeout=10)
+        finally:
+            if self.server is not None:
+                self.server.stop()
+
+    # On the event loop's thread from here on.
+
+    def _call(self, coroutine):
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+
+    async def _open(self) -> None:
+        self._client = httpx.AsyncClient(
+            base_url=self.url.rstrip("/"),
+            headers=api_headers(self.api_key),
+            timeout=self.config.timeout_s,
+            limits=httpx.Limits(max_connections=self.config.max_concurrency),
+        )
+        self._slots = asyncio.Semaphore(self.config.max_concurrency)
+        self._recovering = asyncio.Lock()
+
+    async def _shutdown(self) -> None:
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self._client.aclose()
+
+    async def _complete(self, item: EngineRequest) -> EngineResult:
+        started = time.perf_counter()
+        try:
+            if item.scored_choices is not None:
+                result = await self._score_choices(item)
+            else:
+                result = await self._generate(item)
+        except SampleError as error:
+            result = EngineResult(item.tag, error=error)
+        result.latency_s = time.perf_counter() - started
+        self._stats.prompt_tokens += result.num_prompt_tokens
+        self._stats.output_tokens += result.num_output_tokens
+        return result
+
+    async def _generate(self, item: EngineRequest) -> EngineResult:
+        response = await self._post(
+            payloads.chat_body(self.model, item, token_ids=self.tokenizer is not None)
+        )
+        try:
+            choice = response["choices"][0]
+            usage = response["usage"]
+            finish_reason = choice["finish_reason"]
+            result = EngineResult(
+                item.tag,
+                text=choice["message"]["content"] or "",
+                finish_reason=finish_reason,
+                num_prompt_tokens=usage["prompt_tokens"],
+                num_output_tokens=usage["completion_tokens"],
+                # the server's grammar ended the output only where it was complete, but for the token limit
+                is_complete=item.constraint is None or finish_reason != "length",
+            )
+            if item.sampling.wants_logprobs:
+                self._add_logprobs(result, choice["logprobs"]["content"], item.sampling.top_logprobs)
+        except (KeyError, IndexError, TypeError) as exc:
+            raise SampleError(
+                "server_error", f"the server's answer lacks {exc}: not a chat completion"
+            ) from exc
+        return result
+
+    def _add_logprobs(self, result: EngineResult, content: list[dict], top_logprobs: int) -> None:
+        result.token_logprobs = [float(entry["logprob"]) for entry in content]
+        if top_logprobs:
+            result.top_logprobs = [
+                [self._token(candidate) for candidate in entry["top_logprobs"][:top_logprobs]]
+                for entry in content
+            ]
+
+    def _token(self, entry: dict) -> tuple[str, int | None, float]:
+        token_id, text = payloads.token_of(entry)
+        if token_id is not None and self.tokenizer is not None:
+            text = self.tokenizer.decode([token_id])
+        return text, token_id, float(entry["logprob"])
+
+    async def _score_choices(self, item: EngineRequest) -> EngineResult:
+        if self.choice_tokens is None:
+            raise SampleError("server_error", "scoring choices needs the model's tokenizer at model.path")
+        token_ids = self.choice_tokens(item.scored_choices)
+        eos = self.tokenizer.convert_ids_to_tokens(self.choice_tokens.eos_token_id)
+        bodies = [payloads.choice_body(self.model, item, choice + eos) for choice in item.scored_choices]
+        responses = await asyncio.gather(*(self._post(body) for body in bodies))
+        k = item.sampling.top_logprobs
+        scored = [payloads.scored_tokens(r, ids, k) for r, ids in zip(responses, token_ids, strict=True)]
+        scores = [sum(s.logprobs) for s in scored]
+        best = max(range(len(scores)), key=scores.__getitem__)  # the first of equals, as the engine
+        result = EngineResult(
+            item.tag,
+            output_token_ids=list(token_ids[best]),
+            text=item.scored_choices[best],
+            finish_reason="stop",
+            num_prompt_tokens=responses[best]["usage"]["prompt_tokens"] - len(token_ids[best]),
+            choice_logprobs=scores,
+        )
+        if item.sampling.wants_logprobs:
+            result.token_logprobs = scored[best].logprobs
+            if k:
+                decode = self.tokenizer.decode
+                result.top_logprobs = [[(decode([t]), t, v) for t, v in pos] for pos in scored[best].top]
+        return result
+
+    async def _post(self, body: dict) -> dict:
+        """One chat completion, retried as the module says; a SampleError where it ends as a row."""
+        attempt = 0
+        while True:
+            try:
+                async with self._slots:
+                    return await post_json(self._client, "/chat/completions", body)
+            except Rejected as exc:
+                raise SampleError("server_rejected", f"the server refused the request: {exc}") from exc
+            except Unreachable as exc:
+                if not await self._answers():
+                    await self._recover()
+                    continue  # the server is back (or restarted): retry without counting
+                failure, wait = exc, None
+            except Transient as exc:
+                failure, wait = exc, exc.retry_after_s
+            attempt += 1
+            if attempt > self.config.retries:
+                raise SampleError(
+                    "server_error", f"the request failed after {self.config.retries} retries: {failure}"
+                )
+            await asyncio.sleep(wait if wait is not None else self.config.backoff_s * 2 ** (attempt - 1))
+
+    async def _answers(self) -> bool:
+        try:
+            return (await self._client.get("/models", timeout=10)).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    async def _recover(self) -> None:
+        """Wait for the server to answer again, restarting a launched one that died; raise ServerGone when
+        it does not come back."""
+        async with self._recovering:  # one request recovers; the others find it done
+            if self._gone is not None:
+                raise self._gone
+            for attempt in range(self.config.retries + 1):
+                if await self._answers():
+                    return
+                if (
+                    self.server is not None
+                    and not self.server.is_alive()
+                    and self.restarts < self.config.retries
+                ):
+                    self.restarts += 1
+                    logger.warning(
+                        "the server died; restarting it (%d of %d)", self.restarts, self.config.retries
+                    )
+                    try:
+                        await asyncio.to_thread(self.server.restart)
+                    except Exception as exc:  # a restart that fails is the server gone
+                        logger.error("restarting the server failed: %s", exc)
+                        break
+                    self._client_base_moved()
+                    continue
+                await asyncio.sleep(self.config.backoff_s * 2**attempt)
+            self._gone = ServerGone(
+                f"the server at {self.url} stopped answering (after {self.config.retries} retries"
+                + (f" and {self.restarts} restart(s)" if self.server is not None else "")
+                + ")"
+            )
+            raise self._gone
+
+    def _client_base_moved(self) -> None:
+        """A restarted server listens on a new port."""
+        self.url = self.server.url
+        self._client.base_url = self.url

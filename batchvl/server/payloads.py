@@ -1,0 +1,127 @@
+"""What goes to an OpenAI-compatible server for one engine request, and what its answers become.
+
+A request is a chat completion: the messages (media as URLs, usually data URLs) and the sampling. Labels
+use the server's structured outputs: `response_format` for a JSON schema (sent as written, so properties
+keep their order), vLLM's `structured_outputs` for a regex or generated choices. A scored-choices prompt
+is one request per choice, the choice written as the assistant's answer (followed by the end-of-sequence
+token) and `prompt_logprobs` asked for: the server computes the teacher-forced log-probability of every
+prompt token, whose last ones are the choice's, which is how the built-in engine scores it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from batchvl.engine.request import EngineRequest, SamplingParams
+from batchvl.engine.structured_output import OutputConstraint
+from batchvl.errors import SampleError
+
+TOKEN_ID_PREFIX = "token_id:"  # how vLLM writes a token with `return_tokens_as_token_ids`
+
+
+def chat_body(model: str, request: EngineRequest, token_ids: bool) -> dict:
+    """The chat-completion body of a generating request; `token_ids`: ask for log-probability tokens as
+    ids (vLLM's `return_tokens_as_token_ids`), which the rows' `token_id` needs."""
+    body = {"model": model, "messages": list(request.messages)}
+    body.update(sampling_fields(request.sampling))
+    if request.sampling.wants_logprobs:
+        body["logprobs"] = True
+        body["top_logprobs"] = request.sampling.top_logprobs
+        if token_ids:
+            body["return_tokens_as_token_ids"] = True
+    if request.constraint is not None:
+        body.update(constraint_fields(request.constraint))
+    return body
+
+
+def sampling_fields(params: SamplingParams) -> dict:
+    """The sampling settings as chat-completion fields (top_k, stop_token_ids and min_tokens are vLLM's and
+    SGLang's extensions)."""
+    fields = {
+        "max_tokens": params.max_new_tokens,
+        "temperature": 0.0 if params.is_greedy else params.temperature,
+        "top_p": params.top_p,
+        "seed": params.seed,
+    }
+    if params.top_k:
+        fields["top_k"] = params.top_k
+    if params.stop:
+        fields["stop"] = list(params.stop)
+    if params.stop_token_ids:
+        fields["stop_token_ids"] = list(params.stop_token_ids)
+    if params.ignore_eos:
+        fields["min_tokens"] = params.max_new_tokens  # no end-of-sequence before the limit
+    return fields
+
+
+def constraint_fields(constraint: OutputConstraint) -> dict:
+    if constraint.kind == "json_schema":
+        schema = json.loads(constraint.spec)  # a dict keeps the order the properties were written in
+        fields = {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "output", "schema": schema, "strict": True},
+            }
+        }
+        if not constraint.any_whitespace:  # vLLM's grammar allows free whitespace unless told not to
+            fields["structured_outputs"] = {"disable_any_whitespace": True}
+        return fields
+    if constraint.kind == "regex":
+        return {"structured_outputs": {"regex": constraint.spec}}
+    return {"structured_outputs": {"choice": json.loads(constraint.spec)}}
+
+
+def choice_body(model: str, request: EngineRequest, answer: str) -> dict:
+    """The body that scores one choice: the conversation with `answer` (the choice and the end-of-sequence
+    token) as the assistant's final message, continued rather than closed, and one generated token."""
+    messages = [*request.messages, {"role": "assistant", "content": answer}]
+    return {
+        "model": model,
+        "messages": messages,
+        "continue_final_message": True,
+        "add_generation_prompt": False,
+        "max_tokens": 1,
+        "temperature": 0.0,
+        "prompt_logprobs": request.sampling.top_logprobs,
+    }
+
+
+@dataclass
+class ScoredTokens:
+    """A choice's teacher-forced log-probabilities: per token, its own and the most likely there."""
+
+    logprobs: list[float]
+    top: list[list[tuple[int, float]]]
+
+
+def scored_tokens(response: dict, token_ids: list[int], top_logprobs: int) -> ScoredTokens:
+    """The log-probabilities of the last `len(token_ids)` prompt tokens from a choice's response, checked
+    to be those tokens (a server that tokenized the choice otherwise scored something else)."""
+    entries = response.get("prompt_logprobs") or []
+    tail = entries[len(entries) - len(token_ids) :] if len(entries) >= len(token_ids) else []
+    if len(tail) != len(token_ids) or any(entry is None for entry in tail):
+        raise SampleError(
+            "server_error", "the server's answer has no log-probabilities for the choice's tokens"
+        )
+    logprobs, top = [], []
+    for entry, token in zip(tail, token_ids, strict=True):
+        own = entry.get(str(token))
+        if own is None:
+            raise SampleError(
+                "server_error",
+                f"the server tokenized the choice differently (expected token {token} at its position, got "
+                f"{sorted(entry)}); use the tokenizer the server uses at model.path",
+            )
+        logprobs.append(float(own["logprob"]))
+        ranked = sorted(((int(t), v) for t, v in entry.items()), key=lambda item: item[1]["rank"])
+        top.append([(t, float(v["logprob"])) for t, v in ranked if v["rank"] <= top_logprobs][:top_logprobs])
+    return ScoredTokens(logprobs, top)
+
+
+def token_of(entry: dict) -> tuple[int | None, str]:
+    """(token id, text) of a log-probability entry; the id is known where tokens were asked for as ids."""
+    token = entry["token"]
+    if token.startswith(TOKEN_ID_PREFIX):
+        return int(token[len(TOKEN_ID_PREFIX) :]), ""
+    return None, token

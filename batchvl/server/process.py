@@ -1,0 +1,137 @@
+"""A server batchvl starts for a job (`engine.server.launch`) and stops on every way out.
+
+It runs in its own process group (so stopping it stops what it spawned, as vLLM's engine process) on a free
+loopback port, with its output in a log file, and is ready when `/health` and `/v1/models` answer. Stopping
+is SIGTERM to the group, then SIGKILL after a grace period. On Linux the server also gets SIGTERM when
+batchvl's process dies without stopping it (PR_SET_PDEATHSIG), so a killed job leaves no server behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from batchvl.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+STOP_GRACE_S = 15.0  # SIGTERM, then this long before SIGKILL
+POLL_S = 0.5
+LOG_TAIL_BYTES = 2000
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the parent dies (Linux; elsewhere the job's exit stops it)."""
+    if sys.platform.startswith("linux"):
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class ManagedServer:
+    """`start` runs `command` plus the loopback host and a free port; `url` is its /v1 address."""
+
+    def __init__(self, command: list[str], log_path: Path, startup_timeout_s: float):
+        self.command = command
+        self.log_path = log_path
+        self.startup_timeout_s = startup_timeout_s
+        self.process: subprocess.Popen | None = None
+        self.port = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def is_alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def start(self) -> None:
+        self.port = free_port()
+        command = [*self.command, "--host", "127.0.0.1", "--port", str(self.port)]
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        logger.info("starting the server: %s (log: %s)", shlex.join(command), self.log_path)
+        with open(self.log_path, "ab") as log:
+            try:
+                self.process = subprocess.Popen(
+                    command,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,  # its own process group: stopped as a whole, and not by Ctrl-C
+                    preexec_fn=_die_with_parent,
+                )
+            except OSError as exc:
+                raise UserError(
+                    f"engine.server.launch: cannot run {command[0]!r} ({exc}); fix the command"
+                ) from exc
+        self._wait_ready()
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        base = self.url.removesuffix("/v1")
+        while time.monotonic() < deadline:
+            if not self.is_alive():
+                raise UserError(
+                    f"the server exited with code {self.process.returncode} while starting; its log "
+                    f"{self.log_path} ends: {self.log_tail()}"
+                )
+            try:
+                healthy = httpx.get(f"{base}/health", timeout=5).status_code == 200
+                if healthy and httpx.get(f"{self.url}/models", timeout=5).status_code == 200:
+                    logger.info("the server answers at %s", self.url)
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(POLL_S)
+        self.stop()
+        raise UserError(
+            f"the server did not answer within engine.server.startup_timeout_s={self.startup_timeout_s:g} s; "
+            f"see its log {self.log_path}, or raise the timeout"
+        )
+
+    def stop(self) -> None:
+        """SIGTERM to its process group, SIGKILL after the grace period; returns once it has exited."""
+        process, self.process = self.process, None
+        if process is None or process.poll() is not None:
+            return
+        logger.info("stopping the server (pid %d)", process.pid)
+        _signal_group(process.pid, signal.SIGTERM)
+        try:
+            process.wait(STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            _signal_group(process.pid, signal.SIGKILL)
+            process.wait()
+        _signal_group(process.pid, signal.SIGKILL)  # what it spawned and left behind
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def log_tail(self) -> str:
+        try:
+            with open(self.log_path, "rb") as log:
+                log.seek(max(0, log.seek(0, os.SEEK_END) - LOG_TAIL_BYTES))
+                return log.read().decode(errors="replace").strip().replace("\n", " | ")[-LOG_TAIL_BYTES:]
+        except OSError:
+            return "(no log)"
+
+
+def _signal_group(pid: int, signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signum)
