@@ -1,15 +1,17 @@
 """What goes to an OpenAI-compatible server for one engine request, and what its answers become.
 
 A request is a chat completion: the messages (media as URLs, usually data URLs) and the sampling. Labels
-use the server's structured outputs: `response_format` for a JSON schema (sent as written, so properties
-keep their order), vLLM's `structured_outputs` for a regex or generated choices. A scored-choices prompt
-is one request per choice, the choice written as the assistant's answer (followed by the end-of-sequence
-token) and `prompt_logprobs` asked for: the server computes the teacher-forced log-probability of every
-prompt token, whose last ones are the choice's, which is how the built-in engine scores it.
+use the server's structured outputs: a JSON schema as the built-in engine's grammar (compact) or in
+`response_format` (any whitespace), both keeping the written property order; vLLM's `structured_outputs`
+for a regex or generated choices. A scored-choices prompt is one request per choice, the choice written
+as the assistant's answer (followed by the end-of-sequence token) and `prompt_logprobs` asked for: the
+server computes the teacher-forced log-probability of every prompt token, whose last ones are the
+choice's, which is how the built-in engine scores it.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 
@@ -57,16 +59,17 @@ def sampling_fields(params: SamplingParams) -> dict:
 
 def constraint_fields(constraint: OutputConstraint) -> dict:
     if constraint.kind == "json_schema":
-        schema = json.loads(constraint.spec)  # a dict keeps the order the properties were written in
-        fields = {
-            "response_format": {
-                "type": "json_schema",
-                "json_schema": {"name": "output", "schema": schema, "strict": True},
+        if constraint.any_whitespace:
+            schema = json.loads(constraint.spec)  # a dict keeps the order the properties were written in
+            return {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "output", "schema": schema},
+                }
             }
-        }
-        if not constraint.any_whitespace:  # vLLM's grammar allows free whitespace unless told not to
-            fields["structured_outputs"] = {"disable_any_whitespace": True}
-        return fields
+        # Compact JSON: vLLM sets whitespace for the whole server, not per request, so the request carries
+        # the grammar the built-in engine compiles from the schema (its properties in the written order)
+        return {"structured_outputs": {"grammar": grammar_text(constraint)}}
     if constraint.kind == "regex":
         return {"structured_outputs": {"regex": constraint.spec}}
     return {"structured_outputs": {"choice": json.loads(constraint.spec)}}
@@ -85,6 +88,12 @@ def choice_body(model: str, request: EngineRequest, answer: str) -> dict:
         "temperature": 0.0,
         "prompt_logprobs": request.sampling.top_logprobs,
     }
+
+
+@functools.lru_cache(maxsize=64)
+def grammar_text(constraint: OutputConstraint) -> str:
+    """The constraint's grammar as EBNF, compiled once per job for all its requests."""
+    return str(constraint.grammar())
 
 
 @dataclass
