@@ -46,8 +46,9 @@ def check_server(cfg: JobConfig) -> None:
     """Planning's checks: a url server answers and serves the model; a launch command can be run; scored
     choices have the tokenizer they need."""
     server = cfg.engine.server
+    key = api_key(cfg)  # set for a launched server too, before it is started
     if server.url is not None:
-        check_served_model(server.url, served_model_name(cfg), api_key(cfg))
+        check_served_model(server.url, served_model_name(cfg), key)
     else:
         program = shlex.split(server.launch)[0] if server.launch.strip() else ""
         if shutil.which(program) is None:

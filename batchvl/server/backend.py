@@ -100,15 +100,22 @@ class ServerBackend:
                 futures.append(self._finished.get(timeout=STEP_WAIT_S))
         while not self._finished.empty():
             futures.append(self._finished.get_nowait())
-        results = []
+        results, gone = [], []
         for future in futures:
-            self._unfinished -= 1
             error = future.exception()
             if isinstance(error, ServerGone):
-                raise error
+                gone.append(future)
+                continue
+            self._unfinished -= 1
             if error is not None:
                 raise error  # a bug: every other failure is the request's result
             results.append(future.result())
+        if gone and not results:
+            raise gone[0].exception()
+        # A server gone with results finished before it: they go back first (their shards can commit),
+        # and the next step raises.
+        for future in gone:
+            self._finished.put(future)
         self._stats.steps += 1
         return results
 

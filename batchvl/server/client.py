@@ -6,13 +6,14 @@ A failure is one of three kinds, which decide what happens to the request (`back
 - `Transient`: a timeout, 408, 429 or 5xx: worth retrying after a wait (Retry-After, when the server
   gives one).
 - `Unreachable`: no answer at all (connection refused or reset): the server may be gone.
+An HTTP 200 whose body is not JSON is the request's `server_error` row at once.
 """
 
 from __future__ import annotations
 
 import httpx
 
-from batchvl.errors import UserError
+from batchvl.errors import SampleError, UserError
 
 
 class Rejected(Exception):
@@ -42,7 +43,12 @@ async def post_json(client: httpx.AsyncClient, path: str, body: dict) -> dict:
     except (httpx.ConnectError, httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError) as exc:
         raise Unreachable(f"{type(exc).__name__}: {exc}") from exc
     if response.status_code == 200:
-        return response.json()
+        try:
+            return response.json()
+        except ValueError as exc:  # a proxy's page: this request's answer is lost, the server may be fine
+            raise SampleError(
+                "server_error", f"the server's answer is not JSON: {response.text[:200]!r}"
+            ) from exc
     message = f"HTTP {response.status_code}: {_error_message(response)}"
     if response.status_code in (408, 429) or response.status_code >= 500:
         raise Transient(message, _retry_after(response))

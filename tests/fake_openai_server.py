@@ -1,0 +1,240 @@
+"""A small OpenAI-compatible server on 127.0.0.1 for the openai backend's tests: it answers what vLLM's
+server answers to batchvl (`GET /v1/models`, `GET /health`, `POST /v1/chat/completions`), with a text
+derived from the request, and misbehaves on request.
+
+A request is recognised by its text (every text part of its messages, joined): a test puts a marker in a
+prompt (`{key}` makes each sample's text its own) and tells the server what to do with the requests that
+contain it:
+- `reject[marker] = message`: HTTP 400 with an OpenAI error body;
+- `fail[marker] = Failure(status, times, retry_after)`: that status the first `times` requests, then the
+  answer (times=None: always);
+- `garble` (a set of markers): HTTP 200 with a web page instead of JSON (a proxy's answer);
+- `stall[marker] = seconds`: wait that long before answering (a client with a shorter timeout gives up);
+- `hold_s`: every completion waits this long (requests pile up, to count how many are in flight);
+- `gone_after = K`: after its K-th answered completion the server stops listening and drops every
+  connection it has without an answer (a server gone mid-run).
+It records every request (path, headers, JSON body, arrival time) and the most completions in flight at
+once. The answer is `reply(body)`, by default "echo: " and the last user turn's text, with `usage` token
+counts of one per word.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+@dataclass(frozen=True)
+class Failure:
+    status: int
+    times: int | None = None  # None: every time
+    retry_after: str | None = None  # the Retry-After header's value
+
+
+@dataclass
+class Recorded:
+    path: str
+    headers: dict[str, str]
+    body: dict | None
+    at: float = field(default_factory=time.monotonic)
+
+    @property
+    def text(self) -> str:
+        return request_text(self.body or {})
+
+
+def request_text(body: dict) -> str:
+    """Every text part of a chat body's messages, joined by newlines."""
+    texts = []
+    for message in body.get("messages", []):
+        content = message.get("content")
+        if isinstance(content, str):
+            texts.append(content)
+        elif isinstance(content, list):
+            texts.extend(part["text"] for part in content if part.get("type") == "text")
+    return "\n".join(texts)
+
+
+def last_user_text(body: dict) -> str:
+    user = [m for m in body["messages"] if m["role"] == "user"][-1]
+    return " ".join(part["text"] for part in user["content"] if part.get("type") == "text")
+
+
+def echo(body: dict) -> str:
+    return "echo: " + last_user_text(body)
+
+
+class _QuietServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request, client_address) -> None:
+        pass  # a client that gave up (a timeout) is what some tests do
+
+
+class FakeOpenAIServer:
+    def __init__(self, model: str = "served-model"):
+        self.models = [model]
+        self.reply: Callable[[dict], str] = echo
+        self.reject: dict[str, str] = {}
+        self.fail: dict[str, Failure] = {}
+        self.garble: set[str] = set()
+        self.stall: dict[str, float] = {}
+        self.hold_s = 0.0
+        self.gone_after: int | None = None
+        self.requests: list[Recorded] = []
+        self.completed = 0  # completions answered
+        self.in_flight = 0
+        self.most_in_flight = 0
+        self.gone = False
+        self._lock = threading.Lock()
+        self._seen: dict[str, int] = {}  # marker -> requests that had it
+        self.httpd = _QuietServer(("127.0.0.1", 0), _handler(self))
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+
+    def __enter__(self) -> FakeOpenAIServer:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop_listening()
+
+    def stop_listening(self) -> None:
+        with self._lock:
+            self.gone = True
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    def completions(self, containing: str = "") -> list[Recorded]:
+        """The completion requests received (whose text contains `containing`), in arrival order."""
+        return [r for r in self.requests if r.path == "/v1/chat/completions" and containing in r.text]
+
+    def _record(self, path: str, headers, body: dict | None) -> Recorded:
+        recorded = Recorded(path, dict(headers.items()), body)
+        with self._lock:
+            self.requests.append(recorded)
+        return recorded
+
+    def _count(self, marker: str) -> int:
+        """How many requests with `marker` came so far, this one included."""
+        with self._lock:
+            self._seen[marker] = self._seen.get(marker, 0) + 1
+            return self._seen[marker]
+
+    @contextlib.contextmanager
+    def _in_flight(self):
+        with self._lock:
+            self.in_flight += 1
+            self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.in_flight -= 1
+
+    def _answered(self) -> None:
+        """Count an answered completion; the K-th of `gone_after` takes the server down behind it."""
+        with self._lock:
+            self.completed += 1
+            going = self.gone_after is not None and self.completed >= self.gone_after and not self.gone
+            if going:
+                self.gone = True
+        if going:  # shutdown waits for serve_forever's loop, which runs in another thread
+            threading.Thread(target=self.stop_listening, daemon=True).start()
+
+    def completion(self, body: dict) -> tuple[int, dict, dict | bytes]:
+        """(status, headers, body: JSON or bytes) of the answer to a completion request."""
+        text = request_text(body)
+        for marker, message in self.reject.items():
+            if marker in text:
+                return 400, {}, {"error": {"message": message, "type": "BadRequestError", "code": 400}}
+        for marker, failure in self.fail.items():
+            if marker in text and (failure.times is None or self._count(marker) <= failure.times):
+                headers = {"Retry-After": failure.retry_after} if failure.retry_after is not None else {}
+                error = {"message": f"busy ({failure.status})", "type": "ServiceUnavailable"}
+                return failure.status, headers, {"error": error}
+        if any(marker in text for marker in self.garble):
+            return 200, {"Content-Type": "text/html"}, b"<html><body>Bad gateway</body></html>"
+        for marker, seconds in self.stall.items():
+            if marker in text:
+                time.sleep(seconds)
+        time.sleep(self.hold_s)
+        content = self.reply(body)
+        answer = {
+            "id": "chatcmpl-fake",
+            "object": "chat.completion",
+            "model": body.get("model"),
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": content},
+                    "finish_reason": "stop",
+                }
+            ],
+            "usage": {
+                "prompt_tokens": len(text.split()),
+                "completion_tokens": len(content.split()),
+                "total_tokens": len(text.split()) + len(content.split()),
+            },
+        }
+        return 200, {}, answer
+
+
+def _handler(server: FakeOpenAIServer):
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args) -> None:  # quiet
+            pass
+
+        def do_GET(self) -> None:
+            server._record(self.path, self.headers, None)
+            if server.gone:
+                return self._drop()
+            if self.path == "/v1/models":
+                data = [{"id": name, "object": "model", "owned_by": "fake"} for name in server.models]
+                return self._send(200, {"object": "list", "data": data})
+            if self.path == "/health":
+                return self._send(200, {})
+            return self._send(404, {"error": {"message": f"no route {self.path}"}})
+
+        def do_POST(self) -> None:
+            length = int(self.headers.get("Content-Length", 0))
+            body = json.loads(self.rfile.read(length))
+            server._record(self.path, self.headers, body)
+            if server.gone:
+                return self._drop()
+            if self.path != "/v1/chat/completions":
+                return self._send(404, {"error": {"message": f"no route {self.path}"}})
+            with server._in_flight():
+                status, headers, answer = server.completion(body)
+            if server.gone:  # went down while this one waited
+                return self._drop()
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # the client gave up
+                self._send(status, answer, headers)
+            if status == 200:
+                server._answered()
+
+        def _drop(self) -> None:
+            """No answer: the connection closes, as a killed server's does."""
+            self.close_connection = True
+
+        def _send(self, code: int, payload: dict | bytes, headers: dict | None = None) -> None:
+            data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+            headers = {"Content-Type": "application/json", **(headers or {})}
+            self.send_response(code)
+            self.send_header("Content-Length", str(len(data)))
+            for name, value in headers.items():
+                self.send_header(name, value)
+            self.end_headers()
+            self.wfile.write(data)
+
+    return Handler

@@ -1,0 +1,579 @@
+"""engine.backend: openai against a small OpenAI-compatible server in this process
+(tests/fake_openai_server.py): what goes in a request, what each failure of the server becomes (a retried
+request, an error row, a run that stops and resumes), the planning checks, the config rules, the API key
+and the concurrency limit. The same behaviour against a real vLLM server is tested in tests/server/."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import logging
+import socket
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from PIL import Image
+
+from batchvl.config import (
+    EngineConfig,
+    InputConfig,
+    JobConfig,
+    ModelConfig,
+    OutputConfig,
+    ServerConfig,
+    config_fingerprint,
+    load_job_config,
+)
+from batchvl.engine.request import EngineRequest, SamplingParams
+from batchvl.errors import ConfigError, ServerGone, UserError
+from batchvl.pipeline.runner import run_job
+from batchvl.server.backend import ServerBackend
+from tests.conftest import output_rows, random_image, write_image_shards
+from tests.fake_openai_server import Failure, FakeOpenAIServer
+
+SIZES = [3, 2]  # samples per input shard
+PROMPTS = [
+    {"name": "caption", "text": "Describe {key}."},
+    {"name": "short", "text": "One word for {key}."},
+]
+
+
+def at(url: str, **keys) -> dict:
+    """engine.server keys for the server at `url`, with retries that take no time."""
+    return {"url": url, "retries": 3, "backoff_s": 0.01, "timeout_s": 5, **keys}
+
+
+@pytest.fixture
+def fake(tiny_model_dir):
+    """A server serving the job's model under its default name, model.path."""
+    with FakeOpenAIServer(str(tiny_model_dir)) as server:
+        yield server
+
+
+def write_job(root: Path, model_dir, server: dict, sizes=SIZES, prompts=PROMPTS, sampling=None) -> Path:
+    """Input shards `data/part-N.parquet` of sizes[N] images keyed `sN-i`, and a job file over them."""
+    write_image_shards(root / "data", list(sizes))
+    job = {
+        "model": {"path": str(model_dir)},
+        "input": {"paths": ["data/*.parquet"], "key_column": "key"},
+        "prompts": prompts,
+        "sampling": {"max_new_tokens": 6, **(sampling or {})},
+        "engine": {"backend": "openai", "server": server},
+        "preprocess": {"workers": 0},
+        "output": {"dir": "out"},
+    }
+    path = root / "job.yaml"
+    path.write_text(yaml.safe_dump(job, sort_keys=False))
+    return path
+
+
+def run(job_file: Path, *overrides: str):
+    return run_job(load_job_config(job_file, list(overrides)), show_progress=False)
+
+
+def rows_by_request(root: Path, num_shards: int = len(SIZES)) -> dict[tuple[str, str], dict]:
+    rows = output_rows(root / "out", num_shards)
+    by_request = {(r["key"], r["prompt"]): r for r in rows}
+    assert len(by_request) == len(rows), "a (sample, prompt) has two rows"
+    return by_request
+
+
+def all_requests(sizes=SIZES, prompts=PROMPTS) -> set[tuple[str, str]]:
+    return {(f"s{n}-{i}", p["name"]) for n, size in enumerate(sizes) for i in range(size) for p in prompts}
+
+
+def cli(monkeypatch, capsys, *args) -> tuple[int, str, str]:
+    """`batchvl ARGS` in this process: (exit code, stdout, stderr)."""
+    from batchvl.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["batchvl", *map(str, args)])
+    try:
+        main()
+        code = 0
+    except SystemExit as ended:
+        code = ended.code or 0
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def files_under(folder: Path) -> set[str]:
+    return {str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()}
+
+
+def closed_port_url() -> str:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return f"http://127.0.0.1:{port}/v1"
+
+
+# What goes in a request
+
+
+def decoded_data_url(url: str) -> np.ndarray:
+    prefix = "data:image/png;base64,"
+    assert url.startswith(prefix)
+    return np.asarray(Image.open(io.BytesIO(base64.b64decode(url[len(prefix) :]))).convert("RGB"))
+
+
+def test_a_request_holds_the_image_as_a_png_data_url_the_prompt_and_the_sampling(
+    tmp_path, tiny_model_dir, fake
+):
+    sampling = {"max_new_tokens": 7, "temperature": 0.7, "top_p": 0.9, "top_k": 5, "seed": 11}
+    sampling.update(stop=["END"], ignore_eos=True)
+    job = write_job(tmp_path, tiny_model_dir, at(fake.url), sizes=[2], prompts=PROMPTS[:1], sampling=sampling)
+    run(job)
+
+    bodies = {r.body["messages"][0]["content"][1]["text"]: r.body for r in fake.completions()}
+    assert sorted(bodies) == ["Describe s0-0.", "Describe s0-1."]
+    for i in range(2):
+        body = bodies[f"Describe s0-{i}."]
+        assert body["model"] == str(tiny_model_dir)
+        (message,) = body["messages"]
+        assert message["role"] == "user"
+        image_part, text_part = message["content"]
+        assert image_part["type"] == "image_url"
+        # the input image's own pixels, as write_image_shards made them
+        expected = np.asarray(random_image(40 + 9 * i, 60, seed=i))
+        np.testing.assert_array_equal(decoded_data_url(image_part["image_url"]["url"]), expected)
+        assert text_part == {"type": "text", "text": f"Describe s0-{i}."}
+        assert body["max_tokens"] == 7 and body["min_tokens"] == 7  # ignore_eos: no end before the limit
+        assert body["temperature"] == 0.7 and body["top_p"] == 0.9 and body["top_k"] == 5
+        assert body["stop"] == ["END"]
+        assert isinstance(body["seed"], int)
+    # each request its own seed, derived from sampling.seed
+    assert bodies["Describe s0-0."]["seed"] != bodies["Describe s0-1."]["seed"]
+    rows = rows_by_request(tmp_path, 1)
+    assert rows["s0-0", "caption"]["text"] == "echo: Describe s0-0."
+    assert rows["s0-0", "caption"]["num_output_tokens"] == 3  # the server's usage counts
+    assert rows["s0-0", "caption"]["num_prompt_tokens"] == 2
+
+
+def test_a_greedy_request_sends_temperature_zero_and_no_optional_fields(tmp_path, tiny_model_dir, fake):
+    job = write_job(tmp_path, tiny_model_dir, at(fake.url), sizes=[1], prompts=PROMPTS[:1])
+    run(job)
+    (request,) = fake.completions()
+    assert request.body["temperature"] == 0.0 and request.body["max_tokens"] == 6
+    for absent in ("top_k", "stop", "stop_token_ids", "min_tokens", "logprobs", "response_format"):
+        assert absent not in request.body
+
+
+def constrained_reply(body: dict) -> str:
+    if "response_format" in body:
+        return '{"zeta":"z","alpha":1}'
+    if "regex" in body.get("structured_outputs", {}):
+        return "123"
+    return "dog"
+
+
+def test_labels_go_as_structured_outputs_with_the_schemas_property_order(tmp_path, tiny_model_dir, fake):
+    schema = {
+        "type": "object",
+        "properties": {"zeta": {"type": "string"}, "alpha": {"type": "integer"}},
+        "required": ["zeta", "alpha"],
+    }
+    prompts = [
+        {"name": "j", "text": "J {key}", "json_schema": schema},
+        {"name": "r", "text": "R {key}", "regex": "[0-9]{3}"},
+        {"name": "c", "text": "C {key}", "choices": ["cat", "dog"], "choice_mode": "generate"},
+    ]
+    fake.reply = constrained_reply
+    job = write_job(tmp_path, tiny_model_dir, at(fake.url), sizes=[1], prompts=prompts)
+    run(job)
+
+    (j,) = fake.completions("J s0-0")
+    json_schema = j.body["response_format"]["json_schema"]
+    assert j.body["response_format"]["type"] == "json_schema"
+    assert json_schema["schema"] == schema and json_schema["strict"] is True
+    assert list(json_schema["schema"]["properties"]) == ["zeta", "alpha"]  # as written, not sorted
+    assert j.body["structured_outputs"] == {"disable_any_whitespace": True}  # json_whitespace: compact
+    (r,) = fake.completions("R s0-0")
+    assert r.body["structured_outputs"] == {"regex": "[0-9]{3}"} and "response_format" not in r.body
+    (c,) = fake.completions("C s0-0")
+    assert c.body["structured_outputs"] == {"choice": ["cat", "dog"]}
+    rows = rows_by_request(tmp_path, 1)
+    assert [rows["s0-0", p]["status"] for p in "jrc"] == ["ok"] * 3
+    assert [rows["s0-0", p]["text"] for p in "jrc"] == ['{"zeta":"z","alpha":1}', "123", "dog"]
+
+
+# What each failure of the server becomes
+
+
+def test_429_and_503_are_retried_until_the_request_is_answered(tmp_path, tiny_model_dir, fake):
+    fake.fail["Describe s0-1."] = Failure(503, times=2)
+    fake.fail["One word for s1-0."] = Failure(429, times=1)
+    run(write_job(tmp_path, tiny_model_dir, at(fake.url)))
+
+    rows = rows_by_request(tmp_path)
+    assert set(rows) == all_requests()
+    assert all(row["status"] == "ok" for row in rows.values())
+    assert rows["s0-1", "caption"]["text"] == "echo: Describe s0-1."
+    assert len(fake.completions("Describe s0-1.")) == 3
+    assert len(fake.completions("One word for s1-0.")) == 2
+    assert len(fake.completions()) == len(all_requests()) + 3  # nothing else was sent twice
+
+
+def test_a_retry_waits_as_long_as_retry_after_says(tmp_path, tiny_model_dir, fake):
+    fake.fail["Describe s0-1."] = Failure(503, times=1, retry_after="1")
+    run(write_job(tmp_path, tiny_model_dir, at(fake.url), sizes=[2]))  # backoff_s alone would wait 0.01 s
+
+    first, second = fake.completions("Describe s0-1.")
+    assert second.at - first.at >= 0.95
+    assert rows_by_request(tmp_path, 1)["s0-1", "caption"]["status"] == "ok"
+
+
+def test_a_request_that_fails_past_its_retries_is_a_server_error_row(tmp_path, tiny_model_dir, fake):
+    fake.fail["Describe s0-1."] = Failure(503)
+    run(write_job(tmp_path, tiny_model_dir, at(fake.url, retries=2)))
+
+    rows = rows_by_request(tmp_path)
+    failed = rows.pop(("s0-1", "caption"))
+    assert failed["status"] == "error" and failed["error_type"] == "server_error"
+    assert "after 2 retries" in failed["error_message"] and "HTTP 503" in failed["error_message"]
+    assert failed["text"] is None
+    assert len(fake.completions("Describe s0-1.")) == 3  # the first attempt and 2 retries
+    assert set(rows) == all_requests() - {("s0-1", "caption")}
+    assert all(row["status"] == "ok" for row in rows.values())
+
+
+def test_a_400_is_a_server_rejected_row_with_the_servers_message_and_is_not_retried(
+    tmp_path, tiny_model_dir, fake
+):
+    fake.reject["Describe s1-1."] = "the image is too large for the processor (9000 tokens)"
+    run(write_job(tmp_path, tiny_model_dir, at(fake.url)))
+
+    rows = rows_by_request(tmp_path)
+    rejected = rows.pop(("s1-1", "caption"))
+    assert rejected["status"] == "error" and rejected["error_type"] == "server_rejected"
+    assert "the image is too large for the processor (9000 tokens)" in rejected["error_message"]
+    assert "HTTP 400" in rejected["error_message"]
+    assert len(fake.completions("Describe s1-1.")) == 1
+    assert all(row["status"] == "ok" for row in rows.values()) and len(rows) == len(all_requests()) - 1
+
+
+def test_a_request_over_the_timeout_is_retried_then_a_server_error_row(tmp_path, tiny_model_dir, fake):
+    fake.stall["Describe s0-0."] = 1.5
+    run(write_job(tmp_path, tiny_model_dir, at(fake.url, timeout_s=0.3, retries=1), sizes=[2]))
+
+    rows = rows_by_request(tmp_path, 1)
+    timed_out = rows.pop(("s0-0", "caption"))
+    assert timed_out["status"] == "error" and timed_out["error_type"] == "server_error"
+    assert "timeout" in timed_out["error_message"] and "after 1 retries" in timed_out["error_message"]
+    assert len(fake.completions("Describe s0-0.")) == 2
+    assert all(row["status"] == "ok" for row in rows.values()) and len(rows) == 3
+
+
+def test_an_answer_that_is_not_json_is_a_server_error_row(tmp_path, tiny_model_dir, fake):
+    fake.garble.add("Describe s0-1.")
+    run(write_job(tmp_path, tiny_model_dir, at(fake.url), sizes=[2]))
+
+    rows = rows_by_request(tmp_path, 1)
+    garbled = rows.pop(("s0-1", "caption"))
+    assert garbled["status"] == "error" and garbled["error_type"] == "server_error"
+    assert "not JSON" in garbled["error_message"]
+    assert all(row["status"] == "ok" for row in rows.values()) and len(rows) == 3
+
+
+GONE_SIZES = [2, 2, 2, 2]  # 4 rows a shard with the two prompts
+
+
+def test_a_server_gone_mid_run_stops_it_after_the_finished_shards_and_the_rerun_completes(
+    tmp_path, tiny_model_dir, fake, monkeypatch, capsys, caplog
+):
+    # One request at a time: the server answers shard 0's and shard 1's 8 requests, then goes away.
+    server = at(fake.url, retries=1, max_concurrency=1)
+    job = write_job(tmp_path, tiny_model_dir, server, sizes=GONE_SIZES)
+    fake.gone_after = 8
+
+    code, out, err = cli(monkeypatch, capsys, "run", job, "--no-progress")
+    assert code == 1, err
+    (line,) = err.strip().splitlines()
+    assert f"the server at {fake.url} stopped answering" in line
+    assert "2 shard(s) were committed, 2 shard(s) are left" in line
+    assert "stopped: 4 samples, 8 ok" in out
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []  # the line is all
+    # The shards done before are committed; nothing of the others was written, not even a temporary file.
+    written = files_under(tmp_path / "out")
+    stats = [name for name in written if name.startswith("_batchvl/stats/")]
+    assert written - set(stats) == {
+        "part-0.parquet",
+        "part-1.parquet",
+        "_batchvl/done/part-0.json",
+        "_batchvl/done/part-1.json",
+    }
+    assert len(stats) == 1 and json.loads((tmp_path / "out" / stats[0]).read_text())["stopped_by"] == (
+        "server_gone"
+    )
+    done = rows_by_request(tmp_path, 2)
+    assert set(done) == all_requests(GONE_SIZES[:2]) and all(r["status"] == "ok" for r in done.values())
+
+    # The same command against a server that answers (here at a new address) runs what is left.
+    with FakeOpenAIServer(str(tiny_model_dir)) as again:
+        code, out, err = cli(
+            monkeypatch, capsys, "run", job, "--no-progress", "--set", f"engine.server.url={again.url}"
+        )
+        assert code == 0, err
+        assert "2 shard(s) written, 2 already done" in out
+        left = [f"s{n}-{i}" for n in (2, 3) for i in (0, 1)]
+        expected = [f"Describe {key}." for key in left] + [f"One word for {key}." for key in left]
+        assert sorted(r.text for r in again.completions()) == sorted(expected)
+    rows = rows_by_request(tmp_path, len(GONE_SIZES))
+    assert set(rows) == all_requests(GONE_SIZES)
+    assert all(row["status"] == "ok" and row["text"].startswith("echo: ") for row in rows.values())
+
+
+def request(tag, text: str) -> EngineRequest:
+    messages = ({"role": "user", "content": [{"type": "text", "text": text}]},)
+    return EngineRequest([], [], SamplingParams(max_new_tokens=4), tag=tag, messages=messages)
+
+
+def finished(backend: ServerBackend, tags: int, timeout_s: float = 10) -> list:
+    results, deadline = [], time.monotonic() + timeout_s
+    while len(results) < tags:
+        assert time.monotonic() < deadline, "the requests did not finish"
+        results += backend.step()
+    return results
+
+
+def test_the_results_finished_before_the_server_went_away_are_handed_back_first(fake):
+    fake.gone_after = 1
+    backend = ServerBackend(
+        fake.url, fake.models[0], ServerConfig(retries=1, backoff_s=0.01, max_concurrency=1)
+    )
+    try:
+        backend.add_request(request("answered", "first"))
+        backend.add_request(request("lost", "second"))
+        deadline = time.monotonic() + 10
+        while backend._finished.qsize() < 2:  # both done before a step looks: one answer, one server gone
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        (result,) = backend.step()
+        assert result.tag == "answered" and result.text == "echo: first"
+        with pytest.raises(ServerGone, match=f"the server at {fake.url} stopped answering"):
+            backend.step()
+    finally:
+        backend.close()
+
+
+# Planning: the server must answer and serve the model, before any work
+
+
+def test_a_server_that_does_not_answer_is_exit_2_before_any_work(
+    tmp_path, tiny_model_dir, monkeypatch, capsys
+):
+    url = closed_port_url()
+    job = write_job(tmp_path, tiny_model_dir, at(url))
+    for command in (["validate", job], ["run", job, "--no-progress"]):
+        code, out, err = cli(monkeypatch, capsys, *command)
+        assert code == 2
+        (line,) = err.strip().splitlines()
+        assert (
+            line.startswith(f"error: engine.server.url {url} does not answer") and "start the server" in line
+        )
+        assert not (tmp_path / "out").exists()
+
+
+def test_a_server_of_another_model_is_exit_2_naming_engine_server_model(
+    tmp_path, tiny_model_dir, monkeypatch, capsys
+):
+    with FakeOpenAIServer("other-model") as other:
+        job = write_job(tmp_path, tiny_model_dir, at(other.url))
+        code, _, err = cli(monkeypatch, capsys, "run", job, "--no-progress")
+        assert code == 2
+        (line,) = err.strip().splitlines()
+        assert f"the server at {other.url} serves ['other-model'], not '{tiny_model_dir}'" in line
+        assert "set engine.server.model" in line
+        assert not (tmp_path / "out").exists() and other.completions() == []
+
+        code, out, err = cli(
+            monkeypatch, capsys, "run", job, "--no-progress", "--set", "engine.server.model=other-model"
+        )
+        assert code == 0, err
+        assert {r.body["model"] for r in other.completions()} == {"other-model"}
+
+
+# Config rules
+
+
+def python_server_config(backend: str, **server) -> JobConfig:
+    return JobConfig(
+        model=ModelConfig(path="/models/m"),
+        input=InputConfig(paths=["/d/*.parquet"]),
+        output=OutputConfig(dir="/o"),
+        engine=EngineConfig(backend=backend, server=ServerConfig(**server)),
+    )
+
+
+@pytest.mark.parametrize(
+    ("backend", "server", "fragment"),
+    [
+        (
+            "openai",
+            {"url": "http://127.0.0.1:8000/v1", "launch": "vllm serve"},
+            "engine.backend openai takes one of 'engine.server.url' (a running server) or "
+            "'engine.server.launch' (a command that starts one)",
+        ),
+        ("openai", {}, "engine.backend openai takes one of 'engine.server.url'"),
+        (
+            "openai",
+            {"url": "http://127.0.0.1:8000/v1", "launch_args": ["--max-model-len", "4096"]},
+            "'engine.server.launch_args' applies to 'engine.server.launch'; remove it",
+        ),
+        (
+            "batchvl",
+            {"url": "http://127.0.0.1:8000/v1"},
+            "'engine.server' applies to engine.backend: openai; set it, or remove engine.server",
+        ),
+        ("openai", {"url": "127.0.0.1:8000/v1"}, "'engine.server.url' must be an http(s) URL"),
+    ],
+)
+def test_server_key_mistakes_are_the_same_one_line_error_in_python_and_yaml(
+    tmp_path, backend, server, fragment
+):
+    with pytest.raises(ConfigError) as built:
+        python_server_config(backend, **server)
+    job = {
+        "model": {"path": "/models/m"},
+        "input": {"paths": ["/d/*.parquet"]},
+        "output": {"dir": "/o"},
+        "engine": {"backend": backend, "server": server},
+    }
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    with pytest.raises(ConfigError) as loaded:
+        load_job_config(tmp_path / "job.yaml")
+    assert str(built.value) == str(loaded.value)
+    assert fragment in str(built.value) and "\n" not in str(built.value)
+
+
+def test_the_backend_and_the_served_model_define_the_output_but_not_how_the_server_is_reached():
+    url = {"url": "http://127.0.0.1:8000/v1"}
+    builtin = config_fingerprint(python_server_config("batchvl"))
+    openai = config_fingerprint(python_server_config("openai", **url))
+    assert openai != builtin
+    assert config_fingerprint(python_server_config("openai", **url, model="other")) != openai
+    # the served model's default name is model.path: naming it is the same output
+    assert config_fingerprint(python_server_config("openai", **url, model="/models/m")) == openai
+    same = [
+        {"url": "https://elsewhere:9000/v1"},
+        {"launch": "python -m vllm.entrypoints.openai.api_server", "launch_args": ["--max-model-len", "9"]},
+        {**url, "max_concurrency": 3, "timeout_s": 7.0, "retries": 0, "backoff_s": 9.0},
+        {**url, "api_key_env": "KEY", "startup_timeout_s": 5.0},
+    ]
+    for server in same:
+        assert config_fingerprint(python_server_config("openai", **server)) == openai, server
+
+
+def test_a_rerun_with_another_served_model_over_committed_shards_is_refused(tmp_path, tiny_model_dir, fake):
+    job = write_job(tmp_path, tiny_model_dir, at(fake.url))
+    run(job)
+    fake.models.append("alias")
+    with pytest.raises(UserError) as refused:
+        run(job, "engine.server.model=alias")
+    message = str(refused.value)
+    assert "holds 2 shard(s) written with a different config (changed: engine.served_model)" in message
+    assert "rerun with --overwrite" in message
+    # and a changed address, concurrency or timeout is the same job: nothing to do
+    with FakeOpenAIServer(str(tiny_model_dir)) as again:
+        summary = run(
+            job,
+            f"engine.server.url={again.url}",
+            "engine.server.max_concurrency=2",
+            "engine.server.timeout_s=9",
+        )
+        assert summary.stats["shards_skipped"] == 2 and again.completions() == []
+
+
+# The API key
+
+
+KEY = "sk-test-7f3a9c1e5b2d4f60"
+
+
+def test_the_api_key_is_sent_from_its_variable_and_written_nowhere(
+    tmp_path, tiny_model_dir, fake, monkeypatch, capsys, caplog
+):
+    monkeypatch.setenv("BATCHVL_TEST_SERVER_KEY", KEY)
+    job = write_job(tmp_path, tiny_model_dir, at(fake.url, api_key_env="BATCHVL_TEST_SERVER_KEY"))
+    caplog.set_level(logging.DEBUG)
+    code, out, err = cli(monkeypatch, capsys, "run", job, "--no-progress", "--log-level", "debug")
+    assert code == 0, err
+
+    assert {r.path for r in fake.requests} == {"/v1/models", "/v1/chat/completions"}
+    assert all(r.headers["Authorization"] == f"Bearer {KEY}" for r in fake.requests)
+    files = [p for p in (tmp_path / "out").rglob("*") if p.is_file()]
+    assert {p.suffix for p in files} == {".parquet", ".json"}
+    for path in files:
+        assert KEY.encode() not in path.read_bytes(), path
+    assert KEY not in out + err + caplog.text
+    assert KEY not in (tmp_path / "job.yaml").read_text()
+
+
+def test_an_api_key_variable_that_is_not_set_is_exit_2(tmp_path, tiny_model_dir, fake, monkeypatch, capsys):
+    monkeypatch.delenv("BATCHVL_TEST_SERVER_KEY", raising=False)
+    job = write_job(tmp_path, tiny_model_dir, at(fake.url, api_key_env="BATCHVL_TEST_SERVER_KEY"))
+    code, _, err = cli(monkeypatch, capsys, "run", job, "--no-progress")
+    assert code == 2
+    (line,) = err.strip().splitlines()
+    assert "engine.server.api_key_env names BATCHVL_TEST_SERVER_KEY, which is not set" in line
+    assert fake.completions() == [] and not (tmp_path / "out").exists()
+
+
+def test_a_launched_server_with_an_unset_api_key_variable_is_refused_when_planning(
+    tmp_path, tiny_model_dir, monkeypatch, capsys
+):
+    monkeypatch.delenv("BATCHVL_TEST_SERVER_KEY", raising=False)
+    server = {
+        "launch": f"{sys.executable} -m server_that_is_never_started",
+        "api_key_env": "BATCHVL_TEST_SERVER_KEY",
+    }
+    job = write_job(tmp_path, tiny_model_dir, server)
+    code, _, err = cli(monkeypatch, capsys, "validate", job)
+    assert code == 2
+    (line,) = err.strip().splitlines()
+    assert "engine.server.api_key_env names BATCHVL_TEST_SERVER_KEY, which is not set" in line
+
+
+# Backpressure
+
+
+def test_the_backend_wants_no_requests_while_max_concurrency_are_unfinished(fake):
+    backend = ServerBackend(fake.url, fake.models[0], ServerConfig(url=fake.url, max_concurrency=2))
+    try:
+        backend.add_request(request(0, "a"))
+        assert backend.wants_requests
+        backend.add_request(request(1, "b"))
+        assert not backend.wants_requests and backend.num_unfinished == 2
+        assert sorted(r.tag for r in finished(backend, 2)) == [0, 1]
+        assert backend.wants_requests and backend.num_unfinished == 0
+    finally:
+        backend.close()
+
+
+def test_requests_beyond_max_concurrency_wait_for_a_slot_not_against_their_timeout(fake):
+    """Six requests at once on two slots: the server never has more than two, and the last ones' timeout
+    starts when they are sent (0.7 s each, where waiting for a slot takes 0.8 s)."""
+    fake.hold_s = 0.4
+    config = ServerConfig(url=fake.url, max_concurrency=2, timeout_s=0.7, retries=0)
+    backend = ServerBackend(fake.url, fake.models[0], config)
+    try:
+        for i in range(6):
+            backend.add_request(request(i, f"r{i}"))
+        results = finished(backend, 6)
+    finally:
+        backend.close()
+    assert fake.most_in_flight == 2
+    assert sorted(r.tag for r in results) == list(range(6))
+    assert all(r.error is None and r.text == f"echo: r{r.tag}" for r in results)
+    assert len(fake.completions()) == 6
+
+
+def test_a_job_never_has_more_than_max_concurrency_requests_at_the_server(tmp_path, tiny_model_dir, fake):
+    fake.hold_s = 0.05
+    run(write_job(tmp_path, tiny_model_dir, at(fake.url, max_concurrency=2)))
+    assert fake.most_in_flight == 2
+    assert set(rows_by_request(tmp_path)) == all_requests()
