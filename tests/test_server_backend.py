@@ -164,7 +164,7 @@ def test_a_greedy_request_sends_temperature_zero_and_no_optional_fields(tmp_path
 
 
 def constrained_reply(body: dict) -> str:
-    if "response_format" in body:
+    if "response_format" in body or "grammar" in body.get("structured_outputs", {}):
         return '{"zeta":"z","alpha":1}'
     if "regex" in body.get("structured_outputs", {}):
         return "123"
@@ -179,6 +179,7 @@ def test_labels_go_as_structured_outputs_with_the_schemas_property_order(tmp_pat
     }
     prompts = [
         {"name": "j", "text": "J {key}", "json_schema": schema},
+        {"name": "w", "text": "W {key}", "json_schema": schema, "json_whitespace": "any"},
         {"name": "r", "text": "R {key}", "regex": "[0-9]{3}"},
         {"name": "c", "text": "C {key}", "choices": ["cat", "dog"], "choice_mode": "generate"},
     ]
@@ -186,18 +187,23 @@ def test_labels_go_as_structured_outputs_with_the_schemas_property_order(tmp_pat
     job = write_job(tmp_path, tiny_model_dir, at(fake.url), sizes=[1], prompts=prompts)
     run(job)
 
+    # Compact JSON (the default): the built-in engine's grammar, its object rule taking zeta before alpha
     (j,) = fake.completions("J s0-0")
-    json_schema = j.body["response_format"]["json_schema"]
-    assert j.body["response_format"]["type"] == "json_schema"
-    assert json_schema["schema"] == schema and json_schema["strict"] is True
+    grammar = j.body["structured_outputs"]["grammar"]
+    assert "response_format" not in j.body
+    assert 0 < grammar.index('\\"zeta\\"') < grammar.index('\\"alpha\\"')
+    # Any whitespace: the schema as written, in response_format
+    (w,) = fake.completions("W s0-0")
+    json_schema = w.body["response_format"]["json_schema"]
+    assert w.body["response_format"]["type"] == "json_schema" and "structured_outputs" not in w.body
+    assert json_schema["schema"] == schema
     assert list(json_schema["schema"]["properties"]) == ["zeta", "alpha"]  # as written, not sorted
-    assert j.body["structured_outputs"] == {"disable_any_whitespace": True}  # json_whitespace: compact
     (r,) = fake.completions("R s0-0")
     assert r.body["structured_outputs"] == {"regex": "[0-9]{3}"} and "response_format" not in r.body
     (c,) = fake.completions("C s0-0")
     assert c.body["structured_outputs"] == {"choice": ["cat", "dog"]}
     rows = rows_by_request(tmp_path, 1)
-    assert [rows["s0-0", p]["status"] for p in "jrc"] == ["ok"] * 3
+    assert [rows["s0-0", p]["status"] for p in "jwrc"] == ["ok"] * 4
     assert [rows["s0-0", p]["text"] for p in "jrc"] == ['{"zeta":"z","alpha":1}', "123", "dog"]
 
 

@@ -86,9 +86,8 @@ def job_engine(cfg: JobConfig, loaded: LoadedModel, context: DistributedContext 
 def sample_processor(cfg: JobConfig, loaded: LoadedModel, graph: PromptGraph) -> SampleProcessor:
     """What the preprocessing workers run per sample: the family's media preparation and the prompts."""
     media = loaded.family.media_preparer(loaded.processor, loaded.adapter.model.config, cfg.preprocess)
-    return SampleProcessor(
-        PromptRenderer(loaded.processor), media, cfg.prompts, graph.follow_ups, DownloadCache.of(cfg.input.download)
-    )
+    cache = DownloadCache.of(cfg.input.download)
+    return SampleProcessor(PromptRenderer(loaded.processor), media, cfg.prompts, graph.follow_ups, cache)
 
 
 def serve_rank(cfg: JobConfig, loaded: LoadedModel, context: DistributedContext) -> int:

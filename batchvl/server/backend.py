@@ -161,6 +161,9 @@ class ServerBackend:
                 result = await self._generate(item)
         except SampleError as error:
             result = EngineResult(item.tag, error=error)
+        except (KeyError, IndexError, TypeError) as exc:  # an answer without a chat completion's fields
+            error = SampleError("server_error", f"the server's answer lacks {exc}: not a chat completion")
+            result = EngineResult(item.tag, error=error)
         result.latency_s = time.perf_counter() - started
         self._stats.prompt_tokens += result.num_prompt_tokens
         self._stats.output_tokens += result.num_output_tokens
@@ -170,25 +173,20 @@ class ServerBackend:
         response = await self._post(
             payloads.chat_body(self.model, item, token_ids=self.tokenizer is not None)
         )
-        try:
-            choice = response["choices"][0]
-            usage = response["usage"]
-            finish_reason = choice["finish_reason"]
-            result = EngineResult(
-                item.tag,
-                text=choice["message"]["content"] or "",
-                finish_reason=finish_reason,
-                num_prompt_tokens=usage["prompt_tokens"],
-                num_output_tokens=usage["completion_tokens"],
-                # the server's grammar ended the output only where it was complete, but for the token limit
-                is_complete=item.constraint is None or finish_reason != "length",
-            )
-            if item.sampling.wants_logprobs:
-                self._add_logprobs(result, choice["logprobs"]["content"], item.sampling.top_logprobs)
-        except (KeyError, IndexError, TypeError) as exc:
-            raise SampleError(
-                "server_error", f"the server's answer lacks {exc}: not a chat completion"
-            ) from exc
+        choice = response["choices"][0]
+        usage = response["usage"]
+        finish_reason = choice["finish_reason"]
+        result = EngineResult(
+            item.tag,
+            text=choice["message"]["content"] or "",
+            finish_reason=finish_reason,
+            num_prompt_tokens=usage["prompt_tokens"],
+            num_output_tokens=usage["completion_tokens"],
+            # the server's grammar ended the output only where it was complete, but for the token limit
+            is_complete=item.constraint is None or finish_reason != "length",
+        )
+        if item.sampling.wants_logprobs:
+            self._add_logprobs(result, choice["logprobs"]["content"], item.sampling.top_logprobs)
         return result
 
     def _add_logprobs(self, result: EngineResult, content: list[dict], top_logprobs: int) -> None:
