@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # On a GPU machine, set TORCH_SPEC to the CUDA build you want (e.g. TORCH_SPEC=torch==2.13.0).
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install demo test lint format clean slurm browser
+.PHONY: install demo test lint format clean slurm browser vllm
 
 install: $(VENV)/.installed
 
@@ -24,6 +24,12 @@ demo: install
 # A local Slurm (Debian packages, root) for the tests that run array jobs on a real cluster.
 slurm:
 	bash scripts/install-slurm.sh
+
+# vLLM's CPU build in a virtualenv of its own, for the tests of the openai backend against a real server
+# (built once; VLLM_VENV moves it).
+VLLM_VENV ?= $(HOME)/.cache/batchvl/vllm-venv
+vllm:
+	@$(VLLM_VENV)/bin/python -c "import vllm" 2>/dev/null || bash benchmarks/vllm_env.sh $(VLLM_VENV)
 
 # Debian's Chromium and chromium-driver (root) for the test that opens `batchvl report`'s page.
 browser:

@@ -60,6 +60,7 @@ METHODS = {
     "c": "batchvl run",
     "d": "vLLM-CPU LLM.generate, defaults",
     "e": "vLLM-CPU LLM.generate, all cores",
+    "f": "batchvl run on a vLLM-CPU server",
 }
 PEERS = ("a", "b", "d", "e")  # the methods batchvl (c) is compared with
 # vLLM's CPU build runs in its own virtualenv (`vllm_env.sh`); its defaults keep one of the machine's
@@ -207,7 +208,8 @@ def run_transformers(root: Path, model_dir: str, dtype: torch.dtype, batch: int)
     return {"wall_s": wall, "startup_s": startup, "output_tokens": output_tokens, "rows": rows}
 
 
-def run_batchvl(root: Path, model_dir: str, dtype_name: str) -> dict:
+def run_batchvl(root: Path, model_dir: str, dtype_name: str, engine: dict | None = None) -> dict:
+    """batchvl's own engine, or with `engine` (the openai backend's settings) a server's."""
     from batchvl.config import job_config_from_dict
     from batchvl.models.loader import load_model
     from batchvl.pipeline.runner import run_job
@@ -220,6 +222,7 @@ def run_batchvl(root: Path, model_dir: str, dtype_name: str) -> dict:
                 "prompts": [{"name": name, "text": PROMPTS[name]} for name in names],
                 "sampling": {"max_new_tokens_field": "budget", "ignore_eos": True},
                 "output": {"dir": str(out), "overwrite": True},
+                **({"engine": engine} if engine else {}),
             }
         )
 
@@ -227,7 +230,7 @@ def run_batchvl(root: Path, model_dir: str, dtype_name: str) -> dict:
     first = root / "startup" / dtype_name
     first.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.Table.from_pylist(read_part(root, "one_prompt")[:1]), first / "part-0.parquet")
-    loaded = load_model(model_dir, dtype=dtype_name, device="cpu")
+    loaded = None if engine else load_model(model_dir, dtype=dtype_name, device="cpu")
     run_job(job(first, PARTS["one_prompt"], first / "out"), loaded=loaded, show_progress=False)
     startup = since_process_start()
     totals: dict = {"startup_s": startup}
@@ -264,6 +267,10 @@ def child(args) -> None:
     root = Path(args.root)
     if args.method == "c":
         result = run_batchvl(root, args.model, args.dtype)
+    elif args.method == "f":
+        from server_method import run_batchvl_on_server
+
+        result = run_batchvl_on_server(root, Path(args.model), args.dtype)
     else:
         result = run_transformers(root, args.model, dtype, 1 if args.method == "a" else BATCH)
     result["matmul_peak_flops"] = matmul_peak(dtype)
@@ -294,7 +301,7 @@ def check_rows(method: str, dtype: str, run: dict, expected: list[tuple[str, str
     missing = [pair for pair in expected if pair not in seen]
     extra = sorted(pair for pair, count in seen.items() if pair not in wanted or count > 1)
     problems = []
-    if method == "c" and (run["ok"], run["errors"]) != (len(ok), len(errors)):
+    if method in ("c", "f") and (run["ok"], run["errors"]) != (len(ok), len(errors)):
         problems.append(
             f"  its stats count {run['ok']} ok and {run['errors']} error rows, its output Parquet "
             f"{len(ok)} and {len(errors)}"
@@ -543,6 +550,9 @@ def measure(args, work: Path, dtypes: list[str]) -> dict:
                 row["workload_flops_share_of_peak"] = round(total / wall / run["matmul_peak_flops"], 4)
             if "contended_wall_s" in run:  # one core of two lost: about 2x is the fair slowdown
                 row["contention_slowdown"] = round(run["contended_wall_s"] / wall, 2)
+            if method == "f":
+                row["peak_rss_server_mb"] = run["peak_rss_server_mb"]
+                row["samples_per_s_processing"] = round(run["samples_completed"] / run["processing_s"], 3)
             if method == "c":
                 row["peak_rss_workers_mb"] = run["peak_rss_workers_mb"]
                 busy = run["encode_s"] + run["forward_s"]
@@ -563,6 +573,8 @@ def measure(args, work: Path, dtypes: list[str]) -> dict:
                     # the floor: batchvl's work with every FLOP at the matmul peak, nothing else taking time
                     row["executed_at_peak_s"] = round(executed / run["matmul_peak_flops"], 2)
             runs[method] = row
+        if "f" in runs and "d" in runs:  # the openai backend's cost: the same server work, batchvl around it
+            runs["f"]["speedup_vs_d"] = round(runs["d"]["wall_s"] / runs["f"]["wall_s"], 2)
         if "c" in runs:
             c = runs["c"]
             for base in PEERS:

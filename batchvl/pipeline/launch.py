@@ -31,6 +31,7 @@ from batchvl.engine.vit_dp import (
 from batchvl.errors import UserError
 from batchvl.inputs.download import DownloadCache
 from batchvl.models.loader import LoadedModel, load_model
+from batchvl.pipeline.backend import RunBackend
 from batchvl.pipeline.prompt_graph import PromptGraph
 from batchvl.preprocess.prompts import PromptRenderer
 from batchvl.preprocess.sample import SampleProcessor
@@ -88,6 +89,14 @@ def sample_processor(cfg: JobConfig, loaded: LoadedModel, graph: PromptGraph) ->
     media = loaded.family.media_preparer(loaded.processor, loaded.adapter.model.config, cfg.preprocess)
     cache = DownloadCache.of(cfg.input.download)
     return SampleProcessor(PromptRenderer(loaded.processor), media, cfg.prompts, graph.follow_ups, cache)
+
+
+def builtin_backend(
+    cfg: JobConfig, loaded: LoadedModel, context: DistributedContext | None, graph: PromptGraph
+) -> RunBackend:
+    """The built-in engine over the loaded model: prompts as token ids, images as the family's pixels."""
+    engine = job_engine(cfg, loaded, context)
+    return RunBackend(engine, PromptRenderer(loaded.processor), sample_processor(cfg, loaded, graph))
 
 
 def serve_rank(cfg: JobConfig, loaded: LoadedModel, context: DistributedContext) -> int:

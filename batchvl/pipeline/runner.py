@@ -19,37 +19,33 @@ from collections.abc import Callable
 from tqdm.auto import tqdm
 
 from batchvl.config import JobConfig
-from batchvl.engine.engine import Engine
+from batchvl.engine.interface import EngineInterface
 from batchvl.engine.stats import EngineStats
 from batchvl.engine.vit_dp import DistributedContext
 from batchvl.errors import ServerGone
-from batchvl.inputs.download import DownloadCache, DownloadStats
+from batchvl.inputs.download import DownloadStats
 from batchvl.inputs.types import ShardEnd, ShardSkipped
 from batchvl.models.loader import LoadedModel
 from batchvl.outputs.claims import Holder, ShardClaims
 from batchvl.outputs.run_stats import write_run_stats
 from batchvl.outputs.writers import ResultRow
+from batchvl.pipeline.backend import RunBackend
 from batchvl.pipeline.commit_strategies import WriteShard
 from batchvl.pipeline.ending import RunSummary, raise_if_ended_early
 from batchvl.pipeline.launch import (
+    builtin_backend,
     in_launched_processes,
-    job_engine,
     load_job_model,
-    sample_processor,
     serve_rank,
 )
 from batchvl.pipeline.ledger import CommitStrategy, ShardLedger
 from batchvl.pipeline.plan import Work, job_work
 from batchvl.pipeline.rows import prompt_of, result_row
 from batchvl.pipeline.sample_flow import Progress, SampleFlow
-from batchvl.pipeline.server_setup import server_backend
+from batchvl.pipeline.server_setup import server_run_backend
 from batchvl.pipeline.tasks import TaskSlice
-from batchvl.preprocess.chat_messages import ChatMessages
-from batchvl.preprocess.media_urls import DataURLPreparer
 from batchvl.preprocess.pool import PoolStats, PreprocessPool, default_workers
-from batchvl.preprocess.prompts import PromptRenderer
-from batchvl.preprocess.sample import PreparedSample, SampleProcessor
-from batchvl.server.backend import ServerBackend
+from batchvl.preprocess.sample import PreparedSample
 from batchvl.storage.output_dir import OutputDir
 from batchvl.utils.background import END, BackgroundIterator
 from batchvl.utils.memory import HeapTrimmer, keep_freed_memory
@@ -113,13 +109,6 @@ class JobRunner:
         raise_if_ended_early(summary, self.stop, limit, self.server_gone)
         return summary
 
-    def _sample_processor(self, work: Work, builder) -> SampleProcessor:
-        if self.cfg.engine.backend == "openai":  # media as data URLs, prompts as messages
-            pre, cache = self.cfg.preprocess, DownloadCache.of(self.cfg.input.download)
-            media = DataURLPreparer(pre.max_image_pixels)
-            return SampleProcessor(builder, media, self.cfg.prompts, work.plan.graph.follow_ups, cache)
-        return sample_processor(self.cfg, self.loaded, work.plan.graph)
-
     def _run_shards(self, context: DistributedContext | None) -> RunSummary:
         start = time.perf_counter()
         work = self.plan_work()  # every check runs even when every shard is done
@@ -128,14 +117,14 @@ class JobRunner:
         engine, pool_stats = None, PoolStats()
         if work.shards and not self.stop.requested:
             if self.cfg.engine.backend == "openai":
-                engine = server_backend(self.cfg, self.out, self.task)
+                backend = server_run_backend(self.cfg, self.out, self.task, work.plan.graph)
             else:
-                engine = job_engine(self.cfg, self._load(), context)
+                backend = builtin_backend(self.cfg, self._load(), context, work.plan.graph)
+            engine = backend.engine
             try:
-                pool_stats = self._process(work, engine)
+                pool_stats = self._process(work, backend)
             finally:
-                if isinstance(engine, ServerBackend):
-                    engine.close()  # and stops a server it launched, on every way out
+                backend.close()  # a launched server is stopped on every way out
         self.stats.wall_s = round(time.perf_counter() - start, 3)
         stats = self.stats.to_dict(engine.stats if engine else EngineStats(), pool_stats, self.downloads)
         stats["vit_parallel_ranks"] = context.world_size if context else 1
@@ -143,15 +132,13 @@ class JobRunner:
         stats.update(work.notes)
         return RunSummary(self.out.url, write_run_stats(self.out, stats), stats)
 
-    def _process(self, work: Work, engine: Engine) -> PoolStats:
+    def _process(self, work: Work, backend: RunBackend) -> PoolStats:
         pre = self.cfg.preprocess
         workers = default_workers() if pre.workers is None else pre.workers
         self.stats.preprocess_workers = workers
         ledger = ShardLedger(work.shards, work.selection, len(self.cfg.prompts))
-        builder = (
-            ChatMessages() if isinstance(engine, ServerBackend) else PromptRenderer(self._load().processor)
-        )
-        self.flow = SampleFlow(self.cfg, work.plan.graph, builder)
+        engine = backend.engine
+        self.flow = SampleFlow(self.cfg, work.plan.graph, backend.prompts)
         if self.commit is None:
             self.commit = WriteShard(
                 self.cfg, self.out, self.task, work.plan.output_defining, work.plan.fingerprint
@@ -159,7 +146,7 @@ class JobRunner:
         pool = PreprocessPool(
             work.plan.source,
             work.shards,
-            self._sample_processor(work, builder),
+            backend.samples,
             workers,
             pre.prefetch,
             pre.timeout_s,
@@ -197,7 +184,9 @@ class JobRunner:
             raise RuntimeError(f"shards {unfinished} ended incomplete; this is a bug")
         return pool.stats
 
-    def _feed_and_step(self, feed: BackgroundIterator, engine: Engine, ledger: ShardLedger, bar) -> None:
+    def _feed_and_step(
+        self, feed: BackgroundIterator, engine: EngineInterface, ledger: ShardLedger, bar
+    ) -> None:
         """Feed prepared samples to the engine and step it until the input ends and every request is
         done, or a stop is requested. The engine never waits while input is ready, nor the reverse."""
         while not self.stop.requested:
@@ -232,7 +221,7 @@ class JobRunner:
             if idle:
                 self.stats.input_wait_s += time.perf_counter() - waited_from
 
-    def _submit(self, sample: PreparedSample, engine: Engine, ledger: ShardLedger, bar) -> None:
+    def _submit(self, sample: PreparedSample, engine: EngineInterface, ledger: ShardLedger, bar) -> None:
         self.stats.preprocess_s += sample.preprocess_s
         if sample.downloads is not None:
             self.downloads += sample.downloads
@@ -242,7 +231,7 @@ class JobRunner:
         self._carry_out(progress, engine, ledger, bar)
         self._commit_complete(ledger)  # a sample that fails before the engine can complete its shard
 
-    def _carry_out(self, progress: Progress, engine: Engine, ledger: ShardLedger, bar) -> None:
+    def _carry_out(self, progress: Progress, engine: EngineInterface, ledger: ShardLedger, bar) -> None:
         """Rows to the ledger, requests to the engine, and a sample that is done to the count."""
         for row in progress.rows:
             self._add_row(ledger, progress.shard, row)
@@ -251,7 +240,7 @@ class JobRunner:
         if progress.sample_done:
             self._sample_done(bar)
 
-    def _step(self, engine: Engine, ledger: ShardLedger, bar) -> None:
+    def _step(self, engine: EngineInterface, ledger: ShardLedger, bar) -> None:
         started = time.perf_counter()
         results = engine.step()
         self.stats.engine_s += time.perf_counter() - started

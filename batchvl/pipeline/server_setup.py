@@ -17,7 +17,13 @@ from pathlib import Path
 
 from batchvl.config import JobConfig, is_remote
 from batchvl.errors import UserError
+from batchvl.inputs.download import DownloadCache
+from batchvl.pipeline.backend import RunBackend
+from batchvl.pipeline.prompt_graph import PromptGraph
 from batchvl.pipeline.tasks import TaskSlice
+from batchvl.preprocess.chat_messages import ChatMessages
+from batchvl.preprocess.media_urls import DataURLPreparer
+from batchvl.preprocess.sample import SampleProcessor
 from batchvl.server.backend import ServerBackend
 from batchvl.server.client import served_models
 from batchvl.server.process import ManagedServer
@@ -100,6 +106,17 @@ def server_log_path(out: OutputDir, task: TaskSlice | None) -> Path:
     if is_remote(out.url):
         return Path(tempfile.gettempdir()) / "batchvl-server-logs" / name
     return Path(out.url) / layout.LOGS / name
+
+
+def server_run_backend(
+    cfg: JobConfig, out: OutputDir, task: TaskSlice | None, graph: PromptGraph
+) -> RunBackend:
+    """The openai backend of a run: prompts as chat messages, images as PNG data URLs."""
+    engine = server_backend(cfg, out, task)
+    media = DataURLPreparer(cfg.preprocess.max_image_pixels)
+    cache = DownloadCache.of(cfg.input.download)
+    samples = SampleProcessor(ChatMessages(), media, cfg.prompts, graph.follow_ups, cache)
+    return RunBackend(engine, ChatMessages(), samples, engine.close)
 
 
 def server_backend(cfg: JobConfig, out: OutputDir, task: TaskSlice | None) -> ServerBackend:

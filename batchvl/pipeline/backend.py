@@ -1,0 +1,23 @@
+"""What a run drives, chosen by `engine.backend`: the engine, how prompts are rendered for it, how the
+preprocessing workers prepare a sample for it, and what closes it.
+
+- `batchvl`: the model is loaded here; prompts are token ids, images pixel arrays (`launch.py`).
+- `openai`: no model; prompts are chat messages, images PNG data URLs, and the engine is a server's
+  (`server_setup.py`), which `close` stops where batchvl launched it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from batchvl.engine.interface import EngineInterface
+from batchvl.preprocess.sample import PromptBuilder, SampleProcessor
+
+
+@dataclass
+class RunBackend:
+    engine: EngineInterface
+    prompts: PromptBuilder
+    samples: SampleProcessor
+    close: Callable[[], None] = lambda: None
