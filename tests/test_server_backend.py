@@ -247,6 +247,26 @@ def test_a_request_that_fails_past_its_retries_is_a_server_error_row(tmp_path, t
     assert all(row["status"] == "ok" for row in rows.values())
 
 
+def test_retry_failed_reruns_a_server_error_row_and_leaves_the_ok_rows(
+    tmp_path, tiny_model_dir, fake, monkeypatch, capsys
+):
+    fake.fail["Describe s0-1."] = Failure(503)
+    job = write_job(tmp_path, tiny_model_dir, at(fake.url, retries=0))
+    run(job)
+    before = rows_by_request(tmp_path)
+    assert before["s0-1", "caption"]["error_type"] == "server_error"
+    fake.fail.clear()  # the server answers it now
+    monkeypatch.chdir(tmp_path)
+    code, _, err = cli(monkeypatch, capsys, "retry-failed", job, "--no-progress")
+
+    assert code == 0, err
+    after = rows_by_request(tmp_path)
+    assert after.pop(("s0-1", "caption"))["status"] == "ok"
+    before.pop(("s0-1", "caption"))
+    assert after == before  # every other row as it was
+    assert len(fake.completions("Describe s0-1.")) == 2  # the run's attempt, then the retry's
+
+
 def test_a_400_is_a_server_rejected_row_with_the_servers_message_and_is_not_retried(
     tmp_path, tiny_model_dir, fake
 ):
