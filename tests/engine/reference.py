@@ -104,9 +104,9 @@ class EngineProbe:
                 self._logits.setdefault(request.request_id, {})[request.num_output_tokens] = row.clone()
             return out
 
-        def recording_positions(request_id, start, end):
-            positions = chunk_positions(request_id, start, end)
-            seen = self._positions.setdefault(request_id, {})
+        def recording_positions(request, start, end):
+            positions = chunk_positions(request, start, end)
+            seen = self._positions.setdefault(request.request_id, {})
             for index in range(start, end):
                 column = positions[:, index - start].clone()
                 assert index not in seen or torch.equal(seen[index], column), "a recompute moved a token"
@@ -118,7 +118,7 @@ class EngineProbe:
 
     def run(self) -> dict:
         """tag -> Observed for every request added so far (rejected ones: no logits, no positions)."""
-        ids = {request_id: live.tag for request_id, live in self.engine._live.items()}
+        ids = {request.request_id: request.tag for request in self.engine.scheduler.requests}
         results: dict = {}
         while self.engine.num_unfinished:
             results.update({result.tag: result for result in self.engine.step()})
