@@ -9,7 +9,7 @@ the KV cache) comes back at once as an error result instead of stalling or faili
 
 from __future__ import annotations
 
-import dataclasses
+import itertools
 import logging
 import time
 
@@ -73,7 +73,7 @@ class Engine:
         self.runner = ModelRunner(adapter, num_blocks, config.block_size, parallel_encoder)
         self._stats = EngineStats()  # the engine's own counters; `stats` adds its components'
         self._rejected: list[EngineResult] = []
-        self._next_id = 0
+        self._ids = itertools.count()  # request ids, in arrival order
         logger.info("KV cache: %d blocks of %d tokens", num_blocks, config.block_size)
 
     @property
@@ -102,14 +102,13 @@ class Engine:
     def add_request(self, item: EngineRequest) -> None:
         """Queue a request, or a scored-choices prompt as one scoring request per choice; a request that
         can never run comes back from the next step as an error result."""
-        choices = None if item.scored_choices is None else self.choice_tokens(item.scored_choices)
-        prompts = [item.prompt_token_ids] if choices is None else [item.prompt_token_ids + c for c in choices]
         try:
             spans = media_spans(item.prompt_token_ids, item.images, self.adapter.placeholder_token_ids)
-            for prompt in prompts:
+            requests = self._requests_of(item, spans)
+            for request in requests:
                 check_fits(
-                    len(prompt),
-                    item.sampling.max_new_tokens if choices is None else 0,
+                    request.num_prompt_tokens,
+                    request.max_new_tokens,
                     spans,
                     max_model_len=self.adapter.geometry.max_model_len,
                     kv_capacity_tokens=self.block_manager.capacity_tokens,
@@ -121,44 +120,32 @@ class Engine:
             )
             return
         self._stats.images_total += len(item.images)
-        if choices is None:
-            self._start(item, item.prompt_token_ids, spans)
-            return
-        top_logprobs = item.sampling.top_logprobs
-        group = ChoiceGroup(item.tag, item.scored_choices, choices, len(item.prompt_token_ids), top_logprobs)
-        for index, prompt in enumerate(prompts):
-            request = self._start(item, prompt, spans, choice=(group, index))
-            group.pending.add(request.request_id)
-
-    def _start(
-        self,
-        item: EngineRequest,
-        prompt: list[int],
-        spans: list[MediaSpan],
-        choice: tuple[ChoiceGroup, int] | None = None,
-    ) -> Request:
-        request = Request(
-            self._next_id,
-            list(prompt),
-            spans,
-            item.sampling,
-            priority=item.priority,
-            score_from=None if choice is None else len(item.prompt_token_ids),
-            choice=choice,
-            tag=item.tag,
-            media={img.content_hash: img for img in item.images},
-            positions=self.runner.prompt_positions(prompt, item.images),
-        )
-        self._next_id += 1
-        if choice is None:  # a generating request; a scoring one samples nothing
-            sampling = item.sampling
-            request.generator = None if sampling.is_greedy else make_generator(sampling.seed)
-            request.logprobs = TokenLogprobs() if sampling.wants_logprobs else None
-            if item.constraint is not None:
+        media = {img.content_hash: img for img in item.images}
+        for request in requests:
+            request.media = media
+            request.positions = self.runner.prompt_positions(request.prompt_token_ids, item.images)
+            if item.constraint is not None and request.choice is None:
                 request.grammar = self.grammars.matcher(item.constraint)
-        self.scheduler.add(request)
-        self._stats.prompt_tokens += request.num_prompt_tokens
-        return request
+            self.scheduler.add(request)
+            self._stats.prompt_tokens += request.num_prompt_tokens
+
+    def _requests_of(self, item: EngineRequest, spans: list[MediaSpan]) -> list[Request]:
+        """The request that generates `item`'s answer, or its choice group's scoring requests."""
+        if item.scored_choices is not None:
+            group = ChoiceGroup(item, self.choice_tokens(item.scored_choices), self.stopping.tokenizer)
+            return group.make_requests(self._ids, spans)
+        sampling = item.sampling
+        request = Request(
+            next(self._ids),
+            list(item.prompt_token_ids),
+            spans,
+            sampling,
+            priority=item.priority,
+            tag=item.tag,
+            generator=None if sampling.is_greedy else make_generator(sampling.seed),
+            logprobs=TokenLogprobs() if sampling.wants_logprobs else None,
+        )
+        return [request]
 
     def check_integrity(self) -> None:
         """Assert the KV-block and encoder-cache bookkeeping agree with the unfinished requests (tests run
@@ -225,28 +212,18 @@ class Engine:
         return finished
 
     def _score(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> list[EngineResult]:
-        """Record the log-probabilities the scoring requests' chunks computed; a choice is done when its
-        chunk reaches its end, and a scored-choices prompt when its last choice is."""
+        """Hand each scoring request's chunk its rows of logits (a row per scored position, in chunk
+        order) to its choice group; a request is done when its chunk reaches its end, and the group's
+        result comes with its last request's."""
+        scoring = [chunk for chunk in chunks if chunk.request.choice is not None]
+        rows = logits.split([len(chunk.scored_positions) for chunk in scoring])
         finished = []
-        row = 0
-        for chunk in chunks:
-            request = chunk.request
-            if request.score_from is None:
-                continue
-            group, choice = request.choice
-            positions = chunk.scored_positions
-            if positions:
-                targets = request.token_ids(positions.start + 1, positions.stop + 1)
-                first = positions.start - (request.score_from - 1)
-                group.record(choice, first, logits[row : row + len(positions)], targets)
-                row += len(positions)
+        for chunk, chunk_logits in zip(scoring, rows, strict=True):
+            result = chunk.request.choice.collect(chunk, chunk_logits)
             if chunk.reaches_end:
-                self.scheduler.finish(request)  # frees its KV blocks and images; nothing else holds it
-                group.pending.remove(request.request_id)
-                if not group.pending:
-                    record = group.best_token_logprobs() if request.sampling.wants_logprobs else None
-                    fields = logprob_fields(record, request.sampling, self.stopping.tokenizer)
-                    finished.append(dataclasses.replace(group.result(), **fields))
+                self.scheduler.finish(chunk.request)  # frees its KV blocks and images; nothing else holds it
+            if result is not None:
+                finished.append(result)
         return finished
 
     def _finish(self, request: Request, reason: str) -> EngineResult:

@@ -100,8 +100,8 @@ class Request:
     admitted_before: int = 0
     # A scoring request (one choice of a scored `choices` prompt) generates nothing: the logits at
     # positions score_from - 1 .. num_tokens - 2 score its tokens from `score_from` on, and it ends when
-    # its prompt is computed. `choice`: (the ChoiceGroup it scores for, which of its choices it scores),
-    # typed Any, as `logprobs` below, because the module that defines its type imports this one.
+    # its prompt is computed. `choice` is the ChoiceGroup that made it and collects those logits (typed
+    # Any, as `logprobs` below, because the module that defines its type imports this one).
     score_from: int | None = None
     choice: Any = None
 
@@ -125,6 +125,11 @@ class Request:
         """How many leading tokens may come from the prefix cache: all before the first position whose
         logits the request needs (its last token, or for a scoring request the one before its choice)."""
         return (self.num_tokens if self.score_from is None else self.score_from) - 1
+
+    @property
+    def max_new_tokens(self) -> int:
+        """The most tokens it may generate: a scoring request generates none."""
+        return self.sampling.max_new_tokens if self.score_from is None else 0
 
     @property
     def num_tokens(self) -> int:

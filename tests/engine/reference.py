@@ -87,7 +87,7 @@ class Observed:
 class EngineProbe:
     """Runs an engine to the end, recording per request the logits of every sampled position and the
     positions of every token it fed (a preempted request's recompute must give the same again), and
-    checking the engine's bookkeeping after every step."""
+    checking the engine's bookkeeping after every step and that each request is answered once."""
 
     def __init__(self, engine: Engine):
         self.engine = engine
@@ -121,7 +121,9 @@ class EngineProbe:
         ids = {request.request_id: request.tag for request in self.engine.scheduler.requests}
         results: dict = {}
         while self.engine.num_unfinished:
-            results.update({result.tag: result for result in self.engine.step()})
+            for result in self.engine.step():
+                assert result.tag not in results, f"{result.tag} answered twice"  # one result per request
+                results[result.tag] = result
             self.engine.check_integrity()
         observed = {tag: Observed(result, torch.empty(0), {}) for tag, result in results.items()}
         for request_id, tag in ids.items():
