@@ -20,7 +20,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from batchvl.config import JobConfig, PromptConfig, fingerprint_of, output_defining_config
+from batchvl.config import JobConfig, PromptConfig, output_definition
 from batchvl.errors import UserError
 from batchvl.inputs.sources import job_source
 from batchvl.inputs.types import ShardInfo
@@ -214,8 +214,8 @@ def current_outputs(cfg: JobConfig, out: OutputDir, shards: list[ShardInfo]) -> 
     """The committed outputs of `shards`, refused as `run` refuses them (one line naming the changed
     keys) when any was written by another config: its rows are not what this config would make, and
     this config's types and prompts do not describe them."""
-    defining = output_defining_config(cfg)
-    plan_shards(out, shards, defining, fingerprint_of(defining), overwrite=False, clean=False)
+    defining, fingerprint = output_definition(cfg)
+    plan_shards(out, shards, defining, fingerprint, overwrite=False, clean=False)
     return committed_outputs(out, shards)
 
 

@@ -11,8 +11,8 @@ from batchvl.config.fingerprint import (
     changed_keys,
     config_fingerprint,
     config_to_dict,
-    fingerprint_of,
     output_defining_config,
+    output_definition,
 )
 from batchvl.config.loading import apply_overrides, job_config_from_dict, load_job_config, resolve_paths
 from batchvl.config.reference import describe_keys, keys_markdown_table
@@ -50,11 +50,11 @@ __all__ = [
     "config_fingerprint",
     "config_to_dict",
     "describe_keys",
-    "fingerprint_of",
     "is_remote",
     "job_config_from_dict",
     "keys_markdown_table",
     "load_job_config",
     "output_defining_config",
+    "output_definition",
     "resolve_paths",
 ]

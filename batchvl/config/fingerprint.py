@@ -74,13 +74,16 @@ def _without_unset_new_keys(value: Any) -> Any:
     return out
 
 
+def output_definition(cfg: JobConfig) -> tuple[dict, str]:
+    """The output-defining config (as stored in each shard's marker) and its fingerprint, the one place
+    the fingerprint is computed: the plan of a run, `status` and the label export all take it from here."""
+    defining = output_defining_config(cfg)
+    return defining, xxhash.xxh3_64_hexdigest(json.dumps(defining, sort_keys=True).encode())
+
+
 def config_fingerprint(cfg: JobConfig) -> str:
     """Hash of what changes outputs (model, prompts, sampling, preprocessing), not of engine limits."""
-    return fingerprint_of(output_defining_config(cfg))
-
-
-def fingerprint_of(output_defining: dict) -> str:
-    return xxhash.xxh3_64_hexdigest(json.dumps(output_defining, sort_keys=True).encode())
+    return output_definition(cfg)[1]
 
 
 def changed_keys(old: Any, new: Any, prefix: str = "") -> list[str]:

@@ -1,24 +1,28 @@
 """Scored choices: a `choices` prompt answered by scoring every choice instead of generating one.
 
 A choice's score is the sum of the log-probabilities of its tokens followed by the end-of-sequence token,
-given the prompt (teacher forcing). The engine runs one scoring request per choice, the prompt then the
-choice's tokens, keeping the logits of the positions that predict the choice's tokens. The prefix cache
-shares the prompt's full blocks among a prompt's choices (the scheduler lets the others wait while the
-first computes them), so N choices cost about N short prefills rather than N generations.
+given the prompt (teacher forcing). A prompt's `ChoiceGroup` is all the engine asks: it makes one scoring
+request per choice, the prompt then the choice's tokens, collects the logits of the positions that predict
+the choice's tokens (the runner computes those, see `ScheduledChunk.scored_positions`), and builds the
+result once every choice is scored. The prefix cache shares the prompt's full blocks among a prompt's
+choices (the scheduler lets the others wait while the first computes them), so N choices cost about N
+short prefills rather than N generations.
 
 The answer is the most probable choice (the first of equals); its tokens stand as the output tokens.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from batchvl.engine.logprobs import TokenLogprobs
-from batchvl.engine.request import EngineResult
+from batchvl.engine.logprobs import TokenLogprobs, logprob_fields
+from batchvl.engine.request import EngineRequest, EngineResult, MediaSpan, Request, ScheduledChunk
 
 
 class ChoiceTokenizer:
@@ -40,22 +44,65 @@ class ChoiceTokenizer:
         return self._cache[choices]
 
 
-@dataclass
+@dataclass(eq=False)
 class ChoiceGroup:
-    """The scoring requests of one prompt's choices, and the log-probabilities computed so far: per choice,
-    one value per scored token (a recompute after preemption writes the same positions again)."""
+    """One scored-choices request: the scoring requests of its choices, the log-probabilities they have
+    computed so far (per choice, one value per scored token; a recompute after preemption writes the same
+    positions again), and the result once every choice is scored."""
 
-    tag: Any
-    choices: tuple[str, ...]
-    token_ids: list[list[int]]
-    num_prompt_tokens: int
-    top_logprobs: int = 0  # also keep this many most likely tokens at each scored position
-    pending: set[int] = field(default_factory=set)  # request ids of the choices still being scored
+    item: EngineRequest
+    token_ids: list[list[int]]  # per choice, its tokens and the end-of-sequence token
+    tokenizer: Any = None  # decodes the most likely tokens for `top_logprobs`
     start_time: float = field(default_factory=time.perf_counter)
 
     def __post_init__(self):
         self.logprobs = [torch.zeros(len(ids), dtype=torch.float64) for ids in self.token_ids]
         self.top: list[list[list[tuple[int, float]]]] = [[[] for _ in ids] for ids in self.token_ids]
+        self._choice_of: dict[int, int] = {}  # request id -> the choice it scores
+        self._pending: set[int] = set()  # ids of the requests still scoring
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.item.prompt_token_ids)
+
+    def make_requests(self, ids: Iterator[int], spans: list[MediaSpan]) -> list[Request]:
+        """Its scoring requests, one per choice (the prompt, then the choice's tokens), numbered from
+        `ids`; each generates nothing and ends when its tokens are computed."""
+        item = self.item
+        requests = [
+            Request(
+                next(ids),
+                item.prompt_token_ids + choice,
+                spans,
+                item.sampling,
+                priority=item.priority,
+                score_from=self.num_prompt_tokens,
+                choice=self,
+                tag=item.tag,
+            )
+            for choice in self.token_ids
+        ]
+        self._choice_of = {request.request_id: index for index, request in enumerate(requests)}
+        self._pending = set(self._choice_of)
+        return requests
+
+    def collect(self, chunk: ScheduledChunk, logits: torch.Tensor) -> EngineResult | None:
+        """Record the logits a step computed for a chunk of one of its requests (a row per position of
+        `chunk.scored_positions`); returns the group's result once its last request has reached its end."""
+        request = chunk.request
+        positions = chunk.scored_positions
+        if positions:
+            targets = request.token_ids(positions.start + 1, positions.stop + 1)
+            first = positions.start - (self.num_prompt_tokens - 1)
+            self.record(self._choice_of[request.request_id], first, logits, targets)
+        if not chunk.reaches_end:
+            return None
+        self._pending.remove(request.request_id)
+        if self._pending:
+            return None
+        sampling = self.item.sampling
+        record = self.best_token_logprobs() if sampling.wants_logprobs else None
+        return dataclasses.replace(self.result(), **logprob_fields(record, sampling, self.tokenizer))
 
     def record(self, choice: int, first_position: int, logits: torch.Tensor, targets: list[int]) -> None:
         """Record the log-probabilities of `targets` under the logits rows of consecutive positions from
@@ -63,8 +110,9 @@ class ChoiceGroup:
         logprobs = torch.log_softmax(logits, dim=-1)
         end = first_position + len(targets)
         self.logprobs[choice][first_position:end] = logprobs[torch.arange(len(targets)), targets]
-        if self.top_logprobs:
-            values, ids = torch.topk(logprobs, min(self.top_logprobs, logprobs.shape[-1]))
+        top_logprobs = self.item.sampling.top_logprobs
+        if top_logprobs:
+            values, ids = torch.topk(logprobs, min(top_logprobs, logprobs.shape[-1]))
             self.top[choice][first_position:end] = [
                 list(zip(row_ids, row_values, strict=True))
                 for row_ids, row_values in zip(ids.tolist(), values.tolist(), strict=True)
@@ -82,14 +130,17 @@ class ChoiceGroup:
     def best_token_logprobs(self) -> TokenLogprobs:
         """The most probable choice's tokens' log-probabilities, and the most likely tokens there."""
         best = self.best
-        return TokenLogprobs(self.logprobs[best].tolist(), self.top[best] if self.top_logprobs else [])
+        return TokenLogprobs(
+            self.logprobs[best].tolist(), self.top[best] if self.item.sampling.top_logprobs else []
+        )
 
     def result(self) -> EngineResult:
+        """The answer without log-probabilities of its tokens: the most probable choice, every score."""
         best = self.best
         return EngineResult(
-            tag=self.tag,
+            tag=self.item.tag,
             output_token_ids=list(self.token_ids[best]),
-            text=self.choices[best],
+            text=self.item.scored_choices[best],
             finish_reason="stop",
             num_prompt_tokens=self.num_prompt_tokens,
             latency_s=time.perf_counter() - self.start_time,

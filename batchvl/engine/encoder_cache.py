@@ -18,6 +18,8 @@ class EncoderCacheManager:
     def __init__(self, capacity_bytes: int):
         self.capacity_bytes = capacity_bytes
         self._bytes: dict[str, int] = {}
+        # Who holds what, both ways, by request id: the entries' reference counts, kept whole here (like the
+        # block manager's) rather than spread over the requests; a request lets go in one call.
         self._holders: dict[str, set[int]] = {}  # content hash -> ids of the requests that hold it
         self._held: dict[int, set[str]] = {}  # request id -> the hashes it holds
         self._freeable: OrderedDict[str, None] = OrderedDict()

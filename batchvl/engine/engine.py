@@ -1,17 +1,17 @@
 """The engine loop: add requests, step until done. Each step is schedule -> encode -> forward -> sample.
 
+Each request is one `Request` object that holds all the engine keeps about it; the scheduler's queues
+are the only place unfinished requests live, and finishing one frees its shared resources and forgets it.
 Bookkeeping (scheduler, block manager, encoder-cache manager) holds ints and hashes; the model runner
-holds the tensors. A request that can never run (prompt too long for the model, or larger than the KV
-cache) comes back at once as an error result instead of stalling or failing the job.
+holds the shared tensors. A request that can never run (prompt too long for the model, or larger than
+the KV cache) comes back at once as an error result instead of stalling or failing the job.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import itertools
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -37,24 +37,10 @@ from batchvl.engine.stopping import StopChecker
 from batchvl.engine.structured_output import GrammarMatchers
 from batchvl.engine.vit_dp import DataParallelEncoder
 from batchvl.errors import SampleError, UserError
-from batchvl.preprocess.media import PreparedMedia
 
 logger = logging.getLogger(__name__)
 
 MB = 1 << 20
-
-
-@dataclass
-class _Live:
-    """Per-request state the engine keeps besides the scheduler's counters."""
-
-    request: Request
-    tag: Any
-    images: dict[str, PreparedMedia]
-    generator: torch.Generator | None
-    logprobs: TokenLogprobs | None  # when the request asked for them
-    choice: tuple[ChoiceGroup, int] | None  # a scoring request: its group, and which choice it scores
-    start_time: float = field(default_factory=time.perf_counter)
 
 
 class Engine:
@@ -86,9 +72,8 @@ class Engine:
         )
         self.runner = ModelRunner(adapter, num_blocks, config.block_size, parallel_encoder)
         self._stats = EngineStats()  # the engine's own counters; `stats` adds its components'
-        self._live: dict[int, _Live] = {}
         self._rejected: list[EngineResult] = []
-        self._next_id = 0
+        self._ids = itertools.count()  # request ids, in arrival order
         logger.info("KV cache: %d blocks of %d tokens", num_blocks, config.block_size)
 
     @property
@@ -117,14 +102,13 @@ class Engine:
     def add_request(self, item: EngineRequest) -> None:
         """Queue a request, or a scored-choices prompt as one scoring request per choice; a request that
         can never run comes back from the next step as an error result."""
-        choices = None if item.scored_choices is None else self.choice_tokens(item.scored_choices)
-        prompts = [item.prompt_token_ids] if choices is None else [item.prompt_token_ids + c for c in choices]
         try:
             spans = media_spans(item.prompt_token_ids, item.images, self.adapter.placeholder_token_ids)
-            for prompt in prompts:
+            requests = self._requests_of(item, spans)
+            for request in requests:
                 check_fits(
-                    len(prompt),
-                    item.sampling.max_new_tokens if choices is None else 0,
+                    request.num_prompt_tokens,
+                    request.max_new_tokens,
                     spans,
                     max_model_len=self.adapter.geometry.max_model_len,
                     kv_capacity_tokens=self.block_manager.capacity_tokens,
@@ -136,44 +120,39 @@ class Engine:
             )
             return
         self._stats.images_total += len(item.images)
-        if choices is None:
-            request = self._start(item, item.prompt_token_ids, spans)
-            if item.constraint is not None:
-                self.grammars.add(request.request_id, item.constraint)
-            return
-        top_logprobs = item.sampling.top_logprobs
-        group = ChoiceGroup(item.tag, item.scored_choices, choices, len(item.prompt_token_ids), top_logprobs)
-        for index, prompt in enumerate(prompts):
-            request = self._start(item, prompt, spans, choice=(group, index))
-            group.pending.add(request.request_id)
+        media = {img.content_hash: img for img in item.images}
+        for request in requests:
+            request.media = media
+            request.positions = self.runner.prompt_positions(request.prompt_token_ids, item.images)
+            if item.constraint is not None and request.choice is None:
+                request.grammar = self.grammars.matcher(item.constraint)
+            self.scheduler.add(request)
+            self._stats.prompt_tokens += request.num_prompt_tokens
 
-    def _start(
-        self,
-        item: EngineRequest,
-        prompt: list[int],
-        spans: list[MediaSpan],
-        choice: tuple[ChoiceGroup, int] | None = None,
-    ) -> Request:
-        score_from = None if choice is None else len(item.prompt_token_ids)
+    def _requests_of(self, item: EngineRequest, spans: list[MediaSpan]) -> list[Request]:
+        """The request that generates `item`'s answer, or its choice group's scoring requests."""
+        if item.scored_choices is not None:
+            group = ChoiceGroup(item, self.choice_tokens(item.scored_choices), self.stopping.tokenizer)
+            return group.make_requests(self._ids, spans)
+        sampling = item.sampling
         request = Request(
-            self._next_id, list(prompt), spans, item.sampling, priority=item.priority, score_from=score_from
+            next(self._ids),
+            list(item.prompt_token_ids),
+            spans,
+            sampling,
+            priority=item.priority,
+            tag=item.tag,
+            generator=None if sampling.is_greedy else make_generator(sampling.seed),
+            logprobs=TokenLogprobs() if sampling.wants_logprobs else None,
         )
-        self._next_id += 1
-        generates = choice is None
-        generator = make_generator(item.sampling.seed) if generates and not item.sampling.is_greedy else None
-        images = {img.content_hash: img for img in item.images}
-        logprobs = TokenLogprobs() if generates and item.sampling.wants_logprobs else None
-        self._live[request.request_id] = _Live(request, item.tag, images, generator, logprobs, choice)
-        self.runner.add_request(request.request_id, request.prompt_token_ids, item.images)
-        self.scheduler.add(request)
-        self._stats.prompt_tokens += request.num_prompt_tokens
-        return request
+        return [request]
 
     def check_integrity(self) -> None:
-        """Assert the KV-block and encoder-cache bookkeeping agree with the live requests (tests run it
-        after every step; it walks every block, so the engine itself does not)."""
-        self.block_manager.check_integrity([live.request for live in self._live.values()])
-        self.encoder_cache.check_integrity(set(self._live))
+        """Assert the KV-block and encoder-cache bookkeeping agree with the unfinished requests (tests run
+        it after every step; it walks every block, so the engine itself does not)."""
+        requests = self.scheduler.requests
+        self.block_manager.check_integrity(requests)
+        self.encoder_cache.check_integrity({request.request_id for request in requests})
         kept = self.encoder_cache.cached_hashes | set(self.scheduler.pending_freed)
         assert set(self.runner.embeddings) == kept, "the runner's embeddings differ from the cache's entries"
 
@@ -194,7 +173,7 @@ class Engine:
         self._stats.encoder_cache_hits += plan.num_cache_hits
         if not plan.to_encode:
             return
-        images = [self._live[request_id].images[content_hash] for request_id, content_hash in plan.to_encode]
+        images = [request.media[content_hash] for request, content_hash in plan.to_encode]
         started = time.perf_counter()
         sizes = self.runner.encode(images, self.config.max_patches_per_encode)
         self._stats.encode_s += time.perf_counter() - started
@@ -212,72 +191,50 @@ class Engine:
         return self._sample(chunks, step_logits.sampled) + self._score(chunks, step_logits.scored)
 
     def _sample(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> list[EngineResult]:
-        sampling = [self._live[chunk.request.request_id] for chunk in chunks if chunk.samples_next_token]
-        self.grammars.mask(logits, [live.request.request_id for live in sampling])
+        sampling = [chunk.request for chunk in chunks if chunk.samples_next_token]
+        self.grammars.mask(logits, [request.grammar for request in sampling])
         tokens = sample_tokens(
-            logits, [live.request.sampling for live in sampling], [live.generator for live in sampling]
+            logits, [request.sampling for request in sampling], [request.generator for request in sampling]
         )
         finished = []
-        for row, (live, token) in enumerate(zip(sampling, tokens, strict=True)):
-            request = live.request
-            if live.logprobs is not None:
-                live.logprobs.add(logits[row], request.sampling, token)
+        for row, (request, token) in enumerate(zip(sampling, tokens, strict=True)):
+            if request.logprobs is not None:
+                request.logprobs.add(logits[row], request.sampling, token)
             request.output_token_ids.append(token)
             self._stats.output_tokens += 1
-            self.grammars.accept(request.request_id, token)
-            if self.grammars.is_terminated(request.request_id):
+            self.grammars.accept(request.grammar, token)
+            if self.grammars.is_terminated(request.grammar):
                 reason = "stop"  # a grammar that took an end-of-sequence token allows nothing more
             else:
                 reason = self.stopping.finish_reason(request)
             if reason is not None:
-                finished.append(self._finish(live, reason))
+                finished.append(self._finish(request, reason))
         return finished
 
     def _score(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> list[EngineResult]:
-        """Record the log-probabilities the scoring requests' chunks computed; a choice is done when its
-        chunk reaches its end, and a scored-choices prompt when its last choice is."""
+        """Hand each scoring request's chunk its rows of logits (a row per scored position, in chunk
+        order) to its choice group; a request is done when its chunk reaches its end, and the group's
+        result comes with its last request's."""
+        scoring = [chunk for chunk in chunks if chunk.request.choice is not None]
+        rows = logits.split([len(chunk.scored_positions) for chunk in scoring])
         finished = []
-        row = 0
-        for chunk in chunks:
-            request = chunk.request
-            if request.score_from is None:
-                continue
-            live = self._live[request.request_id]
-            group, choice = live.choice
-            positions = chunk.scored_positions
-            if positions:
-                targets = request.token_ids(positions.start + 1, positions.stop + 1)
-                first = positions.start - (request.score_from - 1)
-                group.record(choice, first, logits[row : row + len(positions)], targets)
-                row += len(positions)
+        for chunk, chunk_logits in zip(scoring, rows, strict=True):
+            result = chunk.request.choice.collect(chunk, chunk_logits)
             if chunk.reaches_end:
-                self._release(live)
-                group.pending.remove(request.request_id)
-                if not group.pending:
-                    record = group.best_token_logprobs() if request.sampling.wants_logprobs else None
-                    fields = logprob_fields(record, request.sampling, self.stopping.tokenizer)
-                    finished.append(dataclasses.replace(group.result(), **fields))
+                self.scheduler.finish(chunk.request)  # frees its KV blocks and images; nothing else holds it
+            if result is not None:
+                finished.append(result)
         return finished
 
-    def _release(self, live: _Live) -> None:
-        """Forget a finished request: its KV blocks, its images, its positions."""
-        request = live.request
-        self.scheduler.finish(request)
-        self.runner.remove_request(request.request_id)
-        del self._live[request.request_id]
-
-    def _finish(self, live: _Live, reason: str) -> EngineResult:
-        request = live.request
-        self._release(live)
-        is_complete = self.grammars.is_complete(request.request_id)
-        self.grammars.remove(request.request_id)
+    def _finish(self, request: Request, reason: str) -> EngineResult:
+        self.scheduler.finish(request)  # frees its KV blocks and images; nothing else holds it
         return EngineResult(
-            tag=live.tag,
+            tag=request.tag,
             output_token_ids=list(request.output_token_ids),
             text=self.stopping.text_of(request),
             finish_reason=reason,
             num_prompt_tokens=request.num_prompt_tokens,
-            is_complete=is_complete,
-            latency_s=time.perf_counter() - live.start_time,
-            **logprob_fields(live.logprobs, request.sampling, self.stopping.tokenizer),
+            is_complete=self.grammars.is_complete(request.grammar),
+            latency_s=time.perf_counter() - request.start_time,
+            **logprob_fields(request.logprobs, request.sampling, self.stopping.tokenizer),
         )

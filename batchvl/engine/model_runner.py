@@ -15,7 +15,7 @@ import torch
 
 from batchvl.engine.adapter import ModelAdapter
 from batchvl.engine.block_manager import BlockManager
-from batchvl.engine.request import ScheduledChunk
+from batchvl.engine.request import Request, RequestPositions, ScheduledChunk
 from batchvl.engine.vit_dp import DataParallelEncoder
 from batchvl.layers.attention import KVCache, PagedAttentionMetadata, SequenceSlice
 from batchvl.layers.row_buckets import bucket_rows
@@ -29,12 +29,6 @@ class StepLogits:
 
     sampled: torch.Tensor
     scored: torch.Tensor
-
-
-@dataclass
-class RequestPositions:
-    prompt: torch.Tensor  # (axes, num_prompt_tokens)
-    delta: int  # generated token i (0-based over prompt + output) sits at position i + delta
 
 
 def kv_bytes_per_block(adapter: ModelAdapter, block_size: int) -> int:
@@ -95,15 +89,11 @@ class ModelRunner:
             adapter.device,
         )
         self.embeddings: dict[str, torch.Tensor] = {}
-        self.positions: dict[int, RequestPositions] = {}
         self.forward_s = 0.0  # summed time of the language model's forwards
 
-    def add_request(self, request_id: int, prompt_token_ids: list[int], images: list[PreparedMedia]) -> None:
-        prompt, delta = self.adapter.prompt_positions(prompt_token_ids, images)
-        self.positions[request_id] = RequestPositions(prompt, delta)
-
-    def remove_request(self, request_id: int) -> None:
-        self.positions.pop(request_id, None)
+    def prompt_positions(self, prompt_token_ids: list[int], images: list[PreparedMedia]) -> RequestPositions:
+        """A request's positions, computed once when it is added (the request holds them)."""
+        return RequestPositions(*self.adapter.prompt_positions(prompt_token_ids, images))
 
     def encode(self, images: list[PreparedMedia], max_patches_per_call: int) -> dict[str, int]:
         """Encode images (here, or split across ranks under ViT data parallelism); returns embedding
@@ -122,8 +112,8 @@ class ModelRunner:
         for content_hash in hashes:
             del self.embeddings[content_hash]
 
-    def _chunk_positions(self, request_id: int, start: int, end: int) -> torch.Tensor:
-        pos = self.positions[request_id]
+    def _chunk_positions(self, request: Request, start: int, end: int) -> torch.Tensor:
+        pos = request.positions
         num_prompt = pos.prompt.shape[1]
         if end <= num_prompt:
             return pos.prompt[:, start:end]
@@ -142,7 +132,7 @@ class ModelRunner:
         for chunk in chunks:
             request = chunk.request
             token_ids.extend(request.token_ids(chunk.start, chunk.end))
-            positions.append(self._chunk_positions(request.request_id, chunk.start, chunk.end))
+            positions.append(self._chunk_positions(request, chunk.start, chunk.end))
             key_slots = block_manager.slots(request, chunk.end)
             slot_mapping.append(key_slots[chunk.start :])
             sequences.append(SequenceSlice(query_start, chunk.num_tokens, key_slots))

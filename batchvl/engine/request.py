@@ -1,4 +1,4 @@
-"""Engine-side request bookkeeping: counters and token ids, no tensors.
+"""The engine's requests: one object per running request, holding all the engine keeps about it.
 
 A request is one (sample, prompt). Its progress is two counters: `num_computed_tokens` (tokens whose K/V
 are in the cache) and the chunk the scheduler gives it this step. Prefill, chunked prefill, decode and
@@ -7,13 +7,17 @@ recompute after preemption are the same state machine over these counters.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from batchvl.engine.structured_output import OutputConstraint
 from batchvl.errors import SampleError
 from batchvl.preprocess.media import PreparedMedia
+
+if TYPE_CHECKING:
+    import torch
 
 # A temperature below this samples greedily, as vLLM does (its _SAMPLING_EPS): logits divided by a tiny
 # temperature overflow float32 to inf, and their softmax is NaN; greedy is the limit they tend to.
@@ -66,7 +70,19 @@ class MediaSpan:
 
 
 @dataclass
+class RequestPositions:
+    prompt: torch.Tensor  # (axes, num_prompt_tokens)
+    delta: int  # generated token i (0-based over prompt + output) sits at position i + delta
+
+
+@dataclass(eq=False)  # one object per request: compared by identity, never field by field
 class Request:
+    """One running request, from `Engine.add_request` until it finishes: finishing it frees its KV blocks
+    and encoder-cache holds (shared, counted by their managers) and forgets this object.
+
+    The scheduler, block manager and prefix cache read only the bookkeeping fields (ints, token ids,
+    spans, hashes); the rest is what the engine and the runner need to run it and to answer."""
+
     request_id: int
     prompt_token_ids: list[int]
     images: list[MediaSpan]
@@ -79,10 +95,26 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
     priority: int = 0  # lower is admitted first among the waiting (the job passes its shard's position)
+    # The scheduler's admission count when the request last joined the waiting queue: a request passed
+    # over by `lookahead` admissions since then goes first.
+    admitted_before: int = 0
     # A scoring request (one choice of a scored `choices` prompt) generates nothing: the logits at
     # positions score_from - 1 .. num_tokens - 2 score its tokens from `score_from` on, and it ends when
-    # its prompt is computed.
+    # its prompt is computed. `choice` is the ChoiceGroup that made it and collects those logits (typed
+    # Any, as `logprobs` below, because the module that defines its type imports this one).
     score_from: int | None = None
+    choice: Any = None
+
+    # --- what running it and answering need ---------------------------------------------------------
+    tag: Any = None  # the caller's, returned untouched
+    media: dict[str, PreparedMedia] = field(default_factory=dict)  # its images by content hash, to encode
+    # Its prompt's positions (a small CPU tensor; the runner's large tensors, the KV cache and image
+    # embeddings, are shared between requests and stay in the runner, keyed by slot and content hash)
+    positions: RequestPositions | None = None
+    generator: torch.Generator | None = None  # a sampling request's own seeded generator
+    logprobs: Any = None  # its TokenLogprobs record, when it asked for its tokens' log-probabilities
+    grammar: Any = None  # the xgrammar matcher of its output constraint (see `GrammarMatchers`)
+    start_time: float = field(default_factory=time.perf_counter)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -93,6 +125,11 @@ class Request:
         """How many leading tokens may come from the prefix cache: all before the first position whose
         logits the request needs (its last token, or for a scoring request the one before its choice)."""
         return (self.num_tokens if self.score_from is None else self.score_from) - 1
+
+    @property
+    def max_new_tokens(self) -> int:
+        """The most tokens it may generate: a scoring request generates none."""
+        return self.sampling.max_new_tokens if self.score_from is None else 0
 
     @property
     def num_tokens(self) -> int:

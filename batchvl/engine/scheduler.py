@@ -27,11 +27,11 @@ from batchvl.engine.request import Request, RequestStatus, ScheduledChunk
 @dataclass
 class StepPlan:
     """What one step is to do, as plain data the runner carries out: drop the embeddings named in `freed`
-    (evicted since the last plan), encode the images in `to_encode` (not cached; (request id, content
-    hash) in first-use order), then run `chunks` through the model."""
+    (evicted since the last plan), encode the images in `to_encode` (not cached; (a request that holds
+    it, content hash) in first-use order), then run `chunks` through the model."""
 
     chunks: list[ScheduledChunk] = field(default_factory=list)
-    to_encode: list[tuple[int, str]] = field(default_factory=list)
+    to_encode: list[tuple[Request, str]] = field(default_factory=list)
     freed: list[str] = field(default_factory=list)
     num_cache_hits: int = 0  # image uses this step served by the encoder cache
 
@@ -59,16 +59,20 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_admitted = 0
         self.num_prefix_cached_tokens = 0  # tokens admitted requests took from the prefix cache
-        self._admitted_before: dict[int, int] = {}  # request id -> admissions counted when it arrived
 
     def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
-        self._admitted_before[request.request_id] = self.num_admitted
+        request.admitted_before = self.num_admitted
         self.waiting.append(request)
 
     @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
+
+    @property
+    def requests(self) -> list[Request]:
+        """Every unfinished request: the waiting, then the running."""
+        return self.waiting + self.running
 
     def schedule(self) -> StepPlan:
         """This step's chunks, the images they need that are not cached, and what to drop first."""
@@ -87,7 +91,7 @@ class Scheduler:
                     plan.num_cache_hits += 1
                 else:
                     missing.add(span.content_hash)
-                    plan.to_encode.append((request.request_id, span.content_hash))
+                    plan.to_encode.append((request, span.content_hash))
         return plan
 
     def encoded(self, sizes: dict[str, int]) -> None:
@@ -139,7 +143,6 @@ class Scheduler:
             self.block_manager.admit(request, cached, num_new)
             self.num_prefix_cached_tokens += num_computed
             self.waiting.remove(request)
-            del self._admitted_before[request.request_id]
             self.num_admitted += 1
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -181,7 +184,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING
-        self._admitted_before[request.request_id] = self.num_admitted
+        request.admitted_before = self.num_admitted
         self.waiting.append(request)
         self.num_preemptions += 1
 
@@ -192,10 +195,7 @@ class Scheduler:
         def key(request: Request) -> tuple[int, int, int, int]:
             if request.num_preemptions:
                 return (0, 0, 0, request.request_id)
-            if (
-                self.lookahead <= 1
-                or self.num_admitted - self._admitted_before[request.request_id] >= self.lookahead
-            ):
+            if self.lookahead <= 1 or self.num_admitted - request.admitted_before >= self.lookahead:
                 return (1, 0, 0, request.request_id)
             cost = sum(span.length for span in request.images)
             return (2, request.priority, cost, request.request_id)

@@ -70,8 +70,9 @@ def _xgrammar_reason(exc: Exception) -> str:
 
 
 class GrammarMatchers:
-    """The engine's constrained decoding: compiled grammars by constraint, one matcher per constrained
-    request, and the step's bitmask."""
+    """The engine's constrained decoding: compiled grammars by constraint, a fresh matcher for each
+    constrained request (the request holds it), and the step's bitmask. A request without a constraint
+    has the matcher None, which every method accepts: it is never masked, always complete."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]):
         self.tokenizer = tokenizer
@@ -79,12 +80,12 @@ class GrammarMatchers:
         self.stop_token_ids = stop_token_ids
         self._compiler = None  # built on the first constrained request: reading the vocabulary takes a while
         self._compiled: dict[OutputConstraint, object] = {}
-        self._matchers: dict[int, object] = {}  # request id -> its matcher
         self._bitmask: torch.Tensor | None = None
         self.num_compiled = 0
         self.seconds = 0.0  # compiling, masking and advancing: what constraints add to the steps
 
-    def add(self, request_id: int, constraint: OutputConstraint) -> None:
+    def matcher(self, constraint: OutputConstraint):
+        """A new matcher for one request's output, its grammar compiled on the constraint's first use."""
         import xgrammar as xgr
 
         started = time.perf_counter()
@@ -92,8 +93,9 @@ class GrammarMatchers:
         if compiled is None:
             compiled = self._compiled[constraint] = self._get_compiler().compile_grammar(constraint.grammar())
             self.num_compiled += 1
-        self._matchers[request_id] = xgr.GrammarMatcher(compiled)
+        matcher = xgr.GrammarMatcher(compiled)
         self.seconds += time.perf_counter() - started
+        return matcher
 
     def _get_compiler(self):
         import xgrammar as xgr
@@ -105,42 +107,35 @@ class GrammarMatchers:
             self._compiler = xgr.GrammarCompiler(info, max_threads=1)
         return self._compiler
 
-    def remove(self, request_id: int) -> None:
-        self._matchers.pop(request_id, None)
-
-    def mask(self, logits: torch.Tensor, request_ids: list[int]) -> None:
-        """Mask, in place, the row of each constrained request in `request_ids` (row i is request_ids[i])
-        to the tokens its grammar allows next."""
-        if not self._matchers:
+    def mask(self, logits: torch.Tensor, matchers: list) -> None:
+        """Mask, in place, each row of `logits` whose matcher (row i is matchers[i]) is not None to the
+        tokens its grammar allows next."""
+        rows = [i for i, matcher in enumerate(matchers) if matcher is not None]
+        if not rows:
             return  # no constrained request: a free-text step pays nothing
         import xgrammar as xgr
 
-        rows = [i for i, request_id in enumerate(request_ids) if request_id in self._matchers]
-        if not rows:
-            return
         started = time.perf_counter()
-        bitmask = self._bitmask_rows(len(request_ids))
+        bitmask = self._bitmask_rows(len(matchers))
         for row in rows:
-            self._matchers[request_ids[row]].fill_next_token_bitmask(bitmask, row)
+            matchers[row].fill_next_token_bitmask(bitmask, row)
         xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
         self.seconds += time.perf_counter() - started
 
-    def accept(self, request_id: int, token: int) -> None:
-        matcher = self._matchers.get(request_id)
+    def accept(self, matcher, token: int) -> None:
         if matcher is not None and not matcher.is_terminated():
             started = time.perf_counter()
             matcher.accept_token(token)
             self.seconds += time.perf_counter() - started
 
-    def is_terminated(self, request_id: int) -> bool:
-        """The request's grammar accepted an end-of-sequence token: nothing more may follow."""
-        matcher = self._matchers.get(request_id)
+    @staticmethod
+    def is_terminated(matcher) -> bool:
+        """The grammar accepted an end-of-sequence token: nothing more may follow."""
         return matcher is not None and matcher.is_terminated()
 
-    def is_complete(self, request_id: int) -> bool:
+    def is_complete(self, matcher) -> bool:
         """The output so far is a whole match: its grammar ended, or would accept an end-of-sequence token
         now (an output cut by its token limit just after its last character is complete)."""
-        matcher = self._matchers.get(request_id)
         if matcher is None or matcher.is_terminated():
             return True
         bitmask = self._bitmask_rows(1)

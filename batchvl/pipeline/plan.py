@@ -25,7 +25,7 @@ import posixpath
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from batchvl.config import JobConfig, fingerprint_of, is_remote, output_defining_config
+from batchvl.config import JobConfig, is_remote, output_definition
 from batchvl.errors import UserError
 from batchvl.inputs.paths import glob_matches
 from batchvl.inputs.sources import Source, job_source
@@ -88,8 +88,7 @@ def plan_job(cfg: JobConfig, task: TaskSlice | None = None, record: bool = False
             source = job_source(cfg, record=True)
             listing = source.list_shards()
     shards = shards_of_task(listing, task)
-    defining = output_defining_config(cfg)
-    fingerprint = fingerprint_of(defining)
+    defining, fingerprint = output_definition(cfg)
     resume = plan_shards(out, shards, defining, fingerprint, cfg.output.overwrite, clean=record)
     return JobPlan(out, source, listing, shards, resume, model_type, graph, defining, fingerprint)
 

@@ -87,7 +87,7 @@ class Observed:
 class EngineProbe:
     """Runs an engine to the end, recording per request the logits of every sampled position and the
     positions of every token it fed (a preempted request's recompute must give the same again), and
-    checking the engine's bookkeeping after every step."""
+    checking the engine's bookkeeping after every step and that each request is answered once."""
 
     def __init__(self, engine: Engine):
         self.engine = engine
@@ -104,9 +104,9 @@ class EngineProbe:
                 self._logits.setdefault(request.request_id, {})[request.num_output_tokens] = row.clone()
             return out
 
-        def recording_positions(request_id, start, end):
-            positions = chunk_positions(request_id, start, end)
-            seen = self._positions.setdefault(request_id, {})
+        def recording_positions(request, start, end):
+            positions = chunk_positions(request, start, end)
+            seen = self._positions.setdefault(request.request_id, {})
             for index in range(start, end):
                 column = positions[:, index - start].clone()
                 assert index not in seen or torch.equal(seen[index], column), "a recompute moved a token"
@@ -118,10 +118,12 @@ class EngineProbe:
 
     def run(self) -> dict:
         """tag -> Observed for every request added so far (rejected ones: no logits, no positions)."""
-        ids = {request_id: live.tag for request_id, live in self.engine._live.items()}
+        ids = {request.request_id: request.tag for request in self.engine.scheduler.requests}
         results: dict = {}
         while self.engine.num_unfinished:
-            results.update({result.tag: result for result in self.engine.step()})
+            for result in self.engine.step():
+                assert result.tag not in results, f"{result.tag} answered twice"  # one result per request
+                results[result.tag] = result
             self.engine.check_integrity()
         observed = {tag: Observed(result, torch.empty(0), {}) for tag, result in results.items()}
         for request_id, tag in ids.items():

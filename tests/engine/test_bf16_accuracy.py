@@ -44,14 +44,13 @@ def engine_logits(tiny_model_dir):
         engine.add_request(EngineRequest(renderer.token_ids(rendered, [prepared]), [prepared], sampling, tag))
 
     logits: dict[int, list[torch.Tensor]] = {tag: [] for tag in inputs}
-    tag_of = {live.request.request_id: live.tag for live in engine._live.values()}
     execute = engine.runner.execute
 
     def recording(chunks, block_manager):
         out = execute(chunks, block_manager)
         sampled = [chunk for chunk in chunks if chunk.samples_next_token]
         for chunk, row in zip(sampled, out.sampled, strict=True):
-            logits[tag_of[chunk.request.request_id]].append(row.clone())
+            logits[chunk.request.tag].append(row.clone())
         return out
 
     engine.runner.execute = recording

@@ -161,7 +161,7 @@ def test_the_scheduler_plans_encodes_and_frees():
     scheduler.add(first)
     scheduler.add(second)
     plan = scheduler.schedule()
-    assert plan.to_encode == [(0, "x")] and plan.num_cache_hits == 1  # one encode for both requests
+    assert plan.to_encode == [(first, "x")] and plan.num_cache_hits == 1  # one encode for both requests
     scheduler.encoded({"x": 100})
     scheduler.commit(plan.chunks)  # both prefilled past the image: they let go, and x is evicted
     assert scheduler.schedule().freed == ["x"]

@@ -143,7 +143,8 @@ def test_the_most_probable_choice_wins_and_the_first_of_equal_ones(choices, best
     """`best`: the choices of the highest score, by hand. The first of them wins, and what the result
     holds (text, tokens, log-probabilities, the most likely tokens) is the winner's."""
     names = tuple(choices)
-    group = ChoiceGroup("t", names, [[token, EOS] for token, _ in choices.values()], 9, top_logprobs=1)
+    item = EngineRequest(list(range(9)), [], SamplingParams(top_logprobs=1), "t", scored_choices=names)
+    group = ChoiceGroup(item, [[token, EOS] for token, _ in choices.values()])
     for index, (token, row) in enumerate(choices.values()):
         group.record(index, 0, torch.stack([row, END]), [token, EOS])
     end = torch.log_softmax(END, -1)

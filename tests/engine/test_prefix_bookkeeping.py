@@ -115,6 +115,20 @@ def test_admission_is_cheapest_image_first_and_nothing_waits_forever():
     assert order == [1, 2, 3, 0, 4]
 
 
+def test_a_request_counts_the_admissions_that_pass_it_over_from_its_arrival():
+    scheduler = Scheduler(1, 1000, BlockManager(256, 4), lookahead=2)
+    for request_id in (1, 2):
+        scheduler.add(request_with_image(request_id, f"small{request_id}", [1], length=4))
+    for _ in range(2):
+        (chunk,) = run_step(scheduler)
+        scheduler.finish(chunk.request)
+    # two admissions happened before the big one arrived: they do not make it overdue
+    scheduler.add(request_with_image(3, "big", [1], length=40))
+    scheduler.add(request_with_image(4, "small4", [1], length=4))
+    (chunk,) = run_step(scheduler)
+    assert chunk.request.request_id == 4
+
+
 def test_lookahead_one_is_arrival_order():
     scheduler = Scheduler(1, 1000, BlockManager(256, 4), lookahead=1)
     scheduler.add(request_with_image(0, "big", [1], length=40))

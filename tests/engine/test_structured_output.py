@@ -6,8 +6,6 @@ import pytest
 
 from batchvl.engine.structured_output import GrammarMatchers, OutputConstraint
 
-REQUEST = 7
-
 
 @pytest.fixture
 def grammars(loaded_fp32):
@@ -15,13 +13,13 @@ def grammars(loaded_fp32):
     return GrammarMatchers(tokenizer, loaded_fp32.adapter.geometry.vocab_size, loaded_fp32.eos_token_ids())
 
 
-def fed(grammars, loaded, constraint: OutputConstraint, text: str) -> GrammarMatchers:
-    """`grammars` with one request under `constraint` that has accepted `text`'s tokens."""
-    grammars.add(REQUEST, constraint)
+def fed(grammars, loaded, constraint: OutputConstraint, text: str):
+    """A request's matcher under `constraint` that has accepted `text`'s tokens."""
+    matcher = grammars.matcher(constraint)
     tokens = loaded.processor.tokenizer.encode(text, add_special_tokens=False)
     for token in tokens:
-        grammars.accept(REQUEST, token)
-    return grammars
+        grammars.accept(matcher, token)
+    return matcher
 
 
 @pytest.mark.parametrize(
@@ -47,17 +45,18 @@ def fed(grammars, loaded, constraint: OutputConstraint, text: str) -> GrammarMat
 def test_an_output_without_end_of_sequence_is_complete_exactly_when_it_is_a_whole_match(
     grammars, loaded_fp32, constraint, text, complete
 ):
-    fed(grammars, loaded_fp32, constraint, text)
-    assert not grammars.is_terminated(REQUEST)  # no end-of-sequence yet: the case `is_complete` decides
-    assert grammars.is_complete(REQUEST) is complete
+    matcher = fed(grammars, loaded_fp32, constraint, text)
+    assert not grammars.is_terminated(matcher)  # no end-of-sequence yet: the case `is_complete` decides
+    assert grammars.is_complete(matcher) is complete
 
 
 @pytest.mark.parametrize("eos", [0, 1])  # either of the model's end-of-sequence tokens
 def test_a_grammar_that_accepted_end_of_sequence_is_terminated_and_complete(grammars, loaded_fp32, eos):
-    fed(grammars, loaded_fp32, OutputConstraint("regex", "[ab]{2,3}"), "ab")
-    grammars.accept(REQUEST, loaded_fp32.eos_token_ids()[eos])
-    assert grammars.is_terminated(REQUEST) and grammars.is_complete(REQUEST)
+    matcher = fed(grammars, loaded_fp32, OutputConstraint("regex", "[ab]{2,3}"), "ab")
+    grammars.accept(matcher, loaded_fp32.eos_token_ids()[eos])
+    assert grammars.is_terminated(matcher) and grammars.is_complete(matcher)
 
 
 def test_a_request_without_a_constraint_is_always_complete(grammars):
-    assert grammars.is_complete(REQUEST) and not grammars.is_terminated(REQUEST)
+    unconstrained = None  # the matcher of a request without a constraint
+    assert grammars.is_complete(unconstrained) and not grammars.is_terminated(unconstrained)
