@@ -123,7 +123,11 @@ class ImagePreparer:
 
 def decode_image(data: bytes | None, path: str | None, max_image_pixels: int) -> Image.Image:
     """Bytes or a path -> an upright RGB image, or a SampleError saying what is wrong with it."""
-    image = open_image(data, path, max_image_pixels)
+    return upright_rgb(open_image(data, path, max_image_pixels))
+
+
+def upright_rgb(image: Image.Image) -> Image.Image:
+    """A decoded image turned by its EXIF orientation and converted to RGB."""
     try:
         return to_rgb(ImageOps.exif_transpose(image))
     except (OSError, ValueError) as exc:

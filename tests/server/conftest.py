@@ -1,4 +1,4 @@
-"""A real vLLM server (its CPU build) on loopback, started once per test session with the `small` model in
+"""A real vLLM server (its CPU build) on loopback, started once per test module with the `small` model in
 fp32, for the openai backend's tests.
 
 vLLM lives in a virtualenv of its own (`bash benchmarks/vllm_env.sh`, which `.ci/run` builds): it pins
@@ -58,9 +58,10 @@ def launch_command(model: Path) -> list[str]:
     return [*shlex.split(LAUNCH), *SERVER_ARGS, "--model", str(model), "--dtype", "float32"]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def vllm_server(vllm_model, tmp_path_factory):
-    """A running server of `vllm_model`; its `url` ends in /v1."""
+    """A running server of `vllm_model`; its `url` ends in /v1. One per test module, so that no server
+    idles in memory beside the rest of the suite."""
     log = tmp_path_factory.mktemp("vllm-log") / "server.log"
     server = ManagedServer(launch_command(vllm_model), log, startup_timeout_s=600)
     server.start()

@@ -8,6 +8,7 @@ probabilities come from the server's teacher-forced `prompt_logprobs`.
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
 from pathlib import Path
@@ -15,6 +16,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from PIL import Image
 
 import batchvl
 from tests.conftest import png_bytes, random_image, write_image_shards
@@ -47,10 +49,22 @@ COMPARED = ["key", "prompt", "status", "error_type", "text", "finish_reason", "n
 COMPARED += ["num_output_tokens"]
 
 
+def jpeg(seed: int, orientation: int = 1) -> bytes:
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    buffer = io.BytesIO()
+    random_image(52, 70, seed=seed).save(buffer, format="JPEG", quality=90, exif=exif)
+    return buffer.getvalue()
+
+
 @pytest.fixture(scope="module")
 def data_root(tmp_path_factory) -> Path:
+    """PNGs, JPEGs (sent as their own bytes) and a JPEG turned by its EXIF orientation (sent as batchvl's
+    upright PNG)."""
     root = tmp_path_factory.mktemp("server-data")
-    write_image_shards(root / "data", [3, 2, 3])
+    write_image_shards(
+        root / "data", [3, 2, 3], replaced={(0, 1): jpeg(1), (1, 0): jpeg(2, 6), (2, 2): jpeg(3)}
+    )
     return root
 
 
