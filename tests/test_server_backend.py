@@ -603,3 +603,34 @@ def test_a_job_never_has_more_than_max_concurrency_requests_at_the_server(tmp_pa
     run(write_job(tmp_path, tiny_model_dir, at(fake.url, max_concurrency=2)))
     assert fake.most_in_flight == 2
     assert set(rows_by_request(tmp_path)) == all_requests()
+
+
+# Image URLs
+
+
+@pytest.mark.parametrize("pass_urls", [True, False])
+def test_image_urls_go_to_the_server_as_they_are_with_pass_urls_else_as_the_downloaded_bytes(
+    tmp_path, tiny_model_dir, fake, pass_urls
+):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tests.conftest import png_bytes
+    from tests.http_server import LoopbackServer
+
+    image = png_bytes(random_image(30, 40, seed=0))
+    with LoopbackServer() as images:
+        url = images.add_image("a.png", image)
+        write_job(tmp_path, tiny_model_dir, at(fake.url, pass_urls=pass_urls), sizes=[], prompts=PROMPTS[:1])
+        pq.write_table(pa.table({"key": ["u0"], "image": [url]}), tmp_path / "data" / "part-0.parquet")
+        job = tmp_path / "job.yaml"
+        run(job, "input.download.allow_private=true")  # the image server is on loopback
+        fetches = images.requests["/img/a.png"]
+
+    (request,) = fake.completions("Describe u0.")
+    sent = request.body["messages"][0]["content"][0]["image_url"]["url"]
+    if pass_urls:
+        assert sent == url and fetches == 0  # batchvl neither downloaded nor checked it
+    else:
+        assert sent == "data:image/png;base64," + base64.b64encode(image).decode() and fetches == 1
+    assert rows_by_request(tmp_path, 1)["u0", "caption"]["status"] == "ok"

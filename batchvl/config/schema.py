@@ -219,6 +219,11 @@ class ServerConfig:
     backoff_s: float = job_key(
         1.0, "Wait before the first retry, doubled for each later one (a Retry-After header wins)", at_least=0
     )
+    pass_urls: bool = job_key(
+        False,
+        "Send image cells that are http(s) URLs to the server as they are, for it to fetch (batchvl neither "
+        "downloads nor checks them; the server's refusals are server_rejected rows)",
+    )
     api_key_env: str | None = job_key(
         None, "Name of the environment variable holding the API key (never the key itself)"
     )

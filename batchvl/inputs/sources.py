@@ -36,16 +36,18 @@ SOURCES = {
 }
 
 
-def make_source(cfg: InputConfig, out: OutputDir | None = None, record: bool = False) -> Source:
+def make_source(
+    cfg: InputConfig, out: OutputDir | None = None, record: bool = False, pass_http_urls: bool = False
+) -> Source:
     """The reader of `cfg`'s format. `out` holds what a format records about its shards (the `folder`
     format's membership); `record` lets the listing write it (a run does, before any work)."""
     if cfg.format == "folder":
         return FolderSource(cfg, out, record)
-    # Table cells and request messages may hold image URLs: they are downloaded as the shard is read.
-    return FetchingSource(
-        SOURCES[cfg.format](cfg), Downloader(cfg.download, cfg.storage_options), cfg.download.concurrency
-    )
+    # Table cells and request messages may hold image URLs: they are downloaded as the shard is read, but
+    # for http(s) URLs a server fetches itself (`pass_http_urls`).
+    downloader = Downloader(cfg.download, cfg.storage_options)
+    return FetchingSource(SOURCES[cfg.format](cfg), downloader, cfg.download.concurrency, pass_http_urls)
 
 
-def job_source(cfg: JobConfig, record: bool = False) -> Source:
-    return make_source(cfg.input, OutputDir.of(cfg.output), record)
+def job_source(cfg: JobConfig, record: bool = False, pass_http_urls: bool = False) -> Source:
+    return make_source(cfg.input, OutputDir.of(cfg.output), record, pass_http_urls)

@@ -77,7 +77,8 @@ def plan_job(cfg: JobConfig, task: TaskSlice | None = None, record: bool = False
     check_download_cache(cfg.input.download.cache_dir)
     out = OutputDir.of(cfg.output)
     out.check_writable(create=False)
-    source = job_source(cfg)
+    pass_urls = cfg.engine.backend == "openai" and cfg.engine.server.pass_urls  # the server fetches them
+    source = job_source(cfg, pass_http_urls=pass_urls)
     listing = source.list_shards()
     check_output_location(cfg, out, listing)
     check_output_names(listing)
@@ -85,7 +86,7 @@ def plan_job(cfg: JobConfig, task: TaskSlice | None = None, record: bool = False
     if record:  # every check passed: now the run may write
         out.check_writable(create=True)
         if cfg.input.format == "folder":  # the checked listing, now recorded
-            source = job_source(cfg, record=True)
+            source = job_source(cfg, record=True, pass_http_urls=pass_urls)
             listing = source.list_shards()
     shards = shards_of_task(listing, task)
     defining, fingerprint = output_definition(cfg)

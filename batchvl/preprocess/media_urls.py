@@ -4,7 +4,8 @@ An image is decoded and checked as for the built-in engine, so a bad image is th
 backends. Its own bytes are sent where the server, decoding them, gets the pixels batchvl's engine would:
 a JPEG, PNG or WebP already in RGB with no EXIF rotation (the common case, and no re-encoding). Any other
 image (rotated, CMYK, palette, 16-bit, with alpha, another format) is sent as batchvl converted it, a
-lossless PNG. Video is not sent to servers.
+lossless PNG. With `engine.server.pass_urls`, an http(s) URL cell is sent as it is, for the server to
+fetch. Video is not sent to servers.
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ class DataURLPreparer:
                 "unsupported_media",
                 "video is not sent to a server (engine.backend: openai); use the batchvl backend",
             )
+        if ref.data is None and ref.path is None:  # a URL the server fetches (engine.server.pass_urls)
+            return MediaURL("image", ref.url, xxhash.xxh3_128_hexdigest(ref.url.encode()))
         image = open_image(ref.data, ref.path, self.max_image_pixels)  # decoded, as the engine's
         if _decodes_as_is(image):
             data = ref.data if ref.data is not None else Path(ref.path).read_bytes()
