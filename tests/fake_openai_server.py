@@ -11,8 +11,8 @@ contain it:
 - `garble` (a set of markers): HTTP 200 with a web page instead of JSON (a proxy's answer);
 - `stall[marker] = seconds`: wait that long before answering (a client with a shorter timeout gives up);
 - `hold_s`: every completion waits this long (requests pile up, to count how many are in flight);
-- `gone_after = K`: after its K-th answered completion the server stops listening and drops every
-  connection it has without an answer (a server gone mid-run).
+- `gone_after = K`: after its K-th answered completion (planning's probes not counted) the server stops
+  listening and drops every connection it has without an answer (a server gone mid-run).
 It records every request (path, headers, JSON body, arrival time) and the most completions in flight at
 once. The answer is `reply(body)`, by default "echo: " and the last user turn's text, with `usage` token
 counts of one per word.
@@ -27,6 +27,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from batchvl.pipeline.server_setup import PROBE_TEXT
 
 
 @dataclass(frozen=True)
@@ -114,8 +116,19 @@ class FakeOpenAIServer:
         self.httpd.server_close()
 
     def completions(self, containing: str = "") -> list[Recorded]:
-        """The completion requests received (whose text contains `containing`), in arrival order."""
-        return [r for r in self.requests if r.path == "/v1/chat/completions" and containing in r.text]
+        """The completion requests received (whose text contains `containing`), in arrival order; the
+        probes planning sends (see `probes`) only where `containing` asks for them."""
+        return [
+            r
+            for r in self.requests
+            if r.path == "/v1/chat/completions"
+            and containing in r.text
+            and (PROBE_TEXT not in r.text or PROBE_TEXT in containing)
+        ]
+
+    def probes(self) -> list[Recorded]:
+        """The one-token requests that check which kinds of request the server takes."""
+        return self.completions(PROBE_TEXT)
 
     def _record(self, path: str, headers, body: dict | None) -> Recorded:
         recorded = Recorded(path, dict(headers.items()), body)
@@ -220,7 +233,7 @@ def _handler(server: FakeOpenAIServer):
                 return self._drop()
             with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # the client gave up
                 self._send(status, answer, headers)
-            if status == 200:
+            if status == 200 and PROBE_TEXT not in json.dumps(body):  # planning's probes do not count
                 server._answered()
 
         def _drop(self) -> None:

@@ -32,6 +32,7 @@ from batchvl.config import (
 from batchvl.engine.request import EngineRequest, SamplingParams
 from batchvl.errors import ConfigError, ServerGone, UserError
 from batchvl.pipeline.runner import run_job
+from batchvl.pipeline.server_setup import PROBE_TEXT
 from batchvl.server.backend import ServerBackend
 from tests.conftest import output_rows, random_image, write_image_shards
 from tests.fake_openai_server import Failure, FakeOpenAIServer
@@ -402,6 +403,23 @@ def test_a_server_that_does_not_answer_is_exit_2_before_any_work(
             line.startswith(f"error: engine.server.url {url} does not answer") and "start the server" in line
         )
         assert not (tmp_path / "out").exists()
+
+
+def test_a_server_that_refuses_a_prompts_kind_of_request_is_exit_2_before_any_work(
+    tmp_path, tiny_model_dir, fake, monkeypatch, capsys
+):
+    fake.fail[PROBE_TEXT] = Failure(400)  # this server refuses the kind of request the prompt makes
+    prompts = [{"name": "digits", "text": "Digits {key}", "regex": "[0-9]{3}"}]
+    job = write_job(tmp_path, tiny_model_dir, at(fake.url), prompts=prompts)
+    for command in (["validate", job], ["run", job, "--no-progress"]):
+        code, _, err = cli(monkeypatch, capsys, *command)
+        assert code == 2
+        (line,) = err.strip().splitlines()
+        assert f"the server at {fake.url} refuses prompt 'digits''s request" in line
+        assert "structured_outputs" in line and "HTTP 400" in line
+    assert not (tmp_path / "out").exists()
+    probe = fake.probes()[0].body
+    assert probe["structured_outputs"] == {"regex": "[0-9]{3}"} and probe["max_tokens"] == 1
 
 
 def test_a_server_of_another_model_is_exit_2_naming_engine_server_model(

@@ -8,6 +8,8 @@ model is refused like any changed config.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import os
 import shlex
@@ -16,21 +18,27 @@ import tempfile
 from pathlib import Path
 
 from batchvl.config import JobConfig, is_remote
+from batchvl.engine.request import EngineRequest
 from batchvl.errors import UserError
 from batchvl.inputs.download import DownloadCache
 from batchvl.pipeline.backend import RunBackend
+from batchvl.pipeline.constraints import prompt_constraint, scored_choices
 from batchvl.pipeline.prompt_graph import PromptGraph
+from batchvl.pipeline.rows import sampling_params
 from batchvl.pipeline.tasks import TaskSlice
 from batchvl.preprocess.chat_messages import ChatMessages
 from batchvl.preprocess.media_urls import DataURLPreparer
 from batchvl.preprocess.sample import SampleProcessor
+from batchvl.server import payloads
 from batchvl.server.backend import ServerBackend
-from batchvl.server.client import served_models
+from batchvl.server.client import check_accepted, served_models
 from batchvl.server.process import ManagedServer
 from batchvl.storage import layout
 from batchvl.storage.output_dir import OutputDir
 
 logger = logging.getLogger(__name__)
+
+PROBE_TEXT = "Reply with one word."  # the text of the requests that check what a server takes
 
 
 def served_model_name(cfg: JobConfig) -> str:
@@ -55,6 +63,7 @@ def check_server(cfg: JobConfig) -> None:
     key = api_key(cfg)  # set for a launched server too, before it is started
     if server.url is not None:
         check_served_model(server.url, served_model_name(cfg), key)
+        check_prompts_accepted(cfg, server.url, key, load_tokenizer(cfg))
     else:
         program = shlex.split(server.launch)[0] if server.launch.strip() else ""
         if shutil.which(program) is None:
@@ -68,6 +77,30 @@ def check_server(cfg: JobConfig) -> None:
             f"{cfg.model.path} has none; point model.path at the served model's folder, or set "
             "choice_mode: generate"
         )
+
+
+def check_prompts_accepted(cfg: JobConfig, url: str, key: str | None, tokenizer) -> None:
+    """Each prompt's kind of request (its constraint, scored choices, log-probabilities), sent once as a
+    one-token text request: a server that refuses one is a one-line error before any sample is read, not
+    a run of error rows."""
+    model = served_model_name(cfg)
+    messages = ({"role": "user", "content": [{"type": "text", "text": PROBE_TEXT}]},)
+    sampling = dataclasses.replace(sampling_params(cfg, "", "", "", max_new_tokens=1), seed=0)
+    probes: dict[str, dict] = {}
+    for prompt in cfg.prompts:
+        request = EngineRequest([], [], sampling, constraint=prompt_constraint(prompt), messages=messages)
+        choices = scored_choices(prompt)
+        if choices is not None:
+            eos = tokenizer.convert_ids_to_tokens(tokenizer.eos_token_id)
+            what = f"prompt '{prompt.name}''s scored choices (prompt_logprobs of a continued answer)"
+            probes.setdefault("scored", (what, payloads.choice_body(model, request, choices[0] + eos)))
+            continue
+        body = payloads.chat_body(model, request, token_ids=tokenizer is not None)
+        kind = json.dumps({k: v for k, v in body.items() if k not in ("messages", "seed")}, sort_keys=True)
+        what = f"prompt '{prompt.name}''s request ({', '.join(sorted(set(body) - {'model', 'messages'}))})"
+        probes.setdefault(kind, (what, body))
+    for what, body in probes.values():
+        check_accepted(url, key, body, what, cfg.engine.server.timeout_s)
 
 
 def check_served_model(url: str, model: str, key: str | None) -> None:
@@ -133,6 +166,8 @@ def server_backend(cfg: JobConfig, out: OutputDir, task: TaskSlice | None) -> Se
         url = server_cfg.url
     try:
         tokenizer = load_tokenizer(cfg)
+        if managed is not None:  # planning could not ask a server that was not started yet
+            check_prompts_accepted(cfg, url, key, tokenizer)
         eos = [tokenizer.eos_token_id] if tokenizer is not None and tokenizer.eos_token_id is not None else []
         return ServerBackend(url, model, server_cfg, key, tokenizer, eos, managed)
     except BaseException:

@@ -92,3 +92,19 @@ def served_models(url: str, api_key: str | None, timeout_s: float = 10.0) -> lis
         return [entry["id"] for entry in response.json()["data"]]
     except (ValueError, KeyError, TypeError) as exc:
         raise UserError(f"engine.server.url {url}: GET /models is not an OpenAI model list") from exc
+
+
+def check_accepted(url: str, api_key: str | None, body: dict, what: str, timeout_s: float) -> None:
+    """Send one request as a probe; a UserError naming `what` where the server refuses it (HTTP 4xx). A
+    probe that fails otherwise (a timeout, 5xx) decides nothing: the run's retries meet that."""
+    try:
+        response = httpx.post(
+            f"{url.rstrip('/')}/chat/completions", json=body, headers=api_headers(api_key), timeout=timeout_s
+        )
+    except httpx.HTTPError:
+        return
+    if 400 <= response.status_code < 500 and response.status_code not in (408, 429):
+        raise UserError(
+            f"the server at {url} refuses {what} (HTTP {response.status_code}: {_error_message(response)}); "
+            "use a server that takes it (vLLM does), or change the prompt"
+        )
