@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from batchvl.pipeline.server_setup import PROBE_TEXT
+from tests.http_server import InFlight
 
 
 @dataclass(frozen=True)
@@ -90,8 +91,7 @@ class FakeOpenAIServer:
         self.gone_after: int | None = None
         self.requests: list[Recorded] = []
         self.completed = 0  # completions answered
-        self.in_flight = 0
-        self.most_in_flight = 0
+        self._in_flight = InFlight()
         self.gone = False
         self._lock = threading.Lock()
         self._seen: dict[str, int] = {}  # marker -> requests that had it
@@ -142,16 +142,9 @@ class FakeOpenAIServer:
             self._seen[marker] = self._seen.get(marker, 0) + 1
             return self._seen[marker]
 
-    @contextlib.contextmanager
-    def _in_flight(self):
-        with self._lock:
-            self.in_flight += 1
-            self.most_in_flight = max(self.most_in_flight, self.in_flight)
-        try:
-            yield
-        finally:
-            with self._lock:
-                self.in_flight -= 1
+    @property
+    def most_in_flight(self) -> int:
+        return self._in_flight.most
 
     def _answered(self) -> None:
         """Count an answered completion; the K-th of `gone_after` takes the server down behind it."""
@@ -227,7 +220,7 @@ def _handler(server: FakeOpenAIServer):
                 return self._drop()
             if self.path != "/v1/chat/completions":
                 return self._send(404, {"error": {"message": f"no route {self.path}"}})
-            with server._in_flight():
+            with server._in_flight.counting():
                 status, headers, answer = server.completion(body)
             if server.gone:  # went down while this one waited
                 return self._drop()

@@ -32,6 +32,26 @@ class _QuietServer(ThreadingHTTPServer):
         pass  # a client that gave up mid-response (a timeout, a size cap) is what these paths test
 
 
+class InFlight:
+    """Requests being handled at once (`now`), and the most there were at once (`most`)."""
+
+    def __init__(self):
+        self.now = 0
+        self.most = 0
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def counting(self):
+        with self._lock:
+            self.now += 1
+            self.most = max(self.most, self.now)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.now -= 1
+
+
 class LoopbackServer:
     def __init__(self):
         self.images: dict[str, bytes] = {}
@@ -39,8 +59,7 @@ class LoopbackServer:
         self.user_agents: list[str] = []
         # /slow/ requests waiting at once (counted until their response starts: a client can only send its
         # next request once it has the response, so the count never overlaps a client's two requests)
-        self.in_flight = 0
-        self.most_in_flight = 0
+        self._waiting = InFlight()
         self._lock = threading.Lock()
         self.httpd = _QuietServer(("127.0.0.1", 0), _handler(self))
         self.httpd.daemon_threads = True
@@ -74,16 +93,12 @@ class LoopbackServer:
             self.requests[path] += 1
             self.user_agents.append(user_agent)
 
-    @contextlib.contextmanager
+    @property
+    def most_in_flight(self) -> int:
+        return self._waiting.most
+
     def waiting(self):
-        with self._lock:
-            self.in_flight += 1
-            self.most_in_flight = max(self.most_in_flight, self.in_flight)
-        try:
-            yield
-        finally:
-            with self._lock:
-                self.in_flight -= 1
+        return self._waiting.counting()
 
 
 def _handler(server: LoopbackServer):
