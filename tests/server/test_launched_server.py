@@ -147,3 +147,35 @@ def test_sigterm_stops_the_run_and_its_server(job_root):
     output = run.communicate(timeout=120)[0]
     assert run.returncode == 128 + signal.SIGTERM, output
     assert not server.is_running() and processes_in_group(pgid) == []
+
+
+def test_a_slurm_array_starts_one_server_per_task_and_writes_every_row_once(tmp_path, vllm_model):
+    from tests.slurm_cluster import missing_reason, start_cluster
+
+    needs_vllm()
+    reason = missing_reason()
+    if reason:
+        pytest.skip(reason)
+    write_image_shards(tmp_path / "data", [2] * 4)
+    launched_job(tmp_path, vllm_model, retries=0)
+    cluster = start_cluster()
+    try:
+        env = {**cluster.env, "HF_HUB_OFFLINE": "1"}
+        command = [sys.executable, "-m", "batchvl", "slurm", "job.yaml", "--array", "2", "--submit"]
+        submitted = subprocess.run(
+            [*command, "--sbatch-arg=--time=00:30:00"], cwd=tmp_path, env=env, capture_output=True, text=True
+        )
+        assert submitted.returncode == 0, submitted.stderr
+        job_id = submitted.stdout.split("submitted Slurm job ")[1].split()[0]
+        cluster.wait_until_gone(job_id, timeout_s=900)
+    finally:
+        cluster.stop()
+    logs = tmp_path / "out" / "_batchvl" / "logs"
+    for task in (0, 1):  # each task started and stopped a server of its own
+        assert "task" in (logs / f"task-{task}.log").read_text()
+        assert "Application startup complete" in (logs / f"server-{task}.log").read_text()
+    rows = batchvl.read_results(tmp_path / "job.yaml").to_list()
+    keys = [(r["key"], r["prompt"]) for r in rows]
+    assert len(keys) == len(set(keys)) == 8 and {r["status"] for r in rows} == {"ok"}
+    model = str(vllm_model)
+    assert not [p for p in psutil.process_iter(["cmdline"]) if model in " ".join(p.info["cmdline"] or [])]
