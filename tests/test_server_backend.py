@@ -422,6 +422,22 @@ def test_a_server_that_refuses_a_prompts_kind_of_request_is_exit_2_before_any_wo
     assert probe["structured_outputs"] == {"regex": "[0-9]{3}"} and probe["max_tokens"] == 1
 
 
+def test_scored_choices_without_the_models_tokenizer_are_exit_2_before_any_work(
+    tmp_path, monkeypatch, capsys
+):
+    folder = tmp_path / "served-elsewhere"  # model.path without a tokenizer: the model lives on the server
+    folder.mkdir()
+    prompts = [{"name": "kind", "text": "Kind of {key}?", "choices": ["photo", "drawing"]}]
+    with FakeOpenAIServer(str(folder)) as server:
+        job = write_job(tmp_path, folder, at(server.url), prompts=prompts)
+        code, _, err = cli(monkeypatch, capsys, "validate", job)
+        assert server.completions() == [] and server.probes() == []
+    assert code == 2
+    (line,) = err.strip().splitlines()
+    assert "scored choices on the openai backend need the model's tokenizer" in line
+    assert "choice_mode: generate" in line
+
+
 def test_a_server_of_another_model_is_exit_2_naming_engine_server_model(
     tmp_path, tiny_model_dir, monkeypatch, capsys
 ):

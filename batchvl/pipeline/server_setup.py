@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 
 from batchvl.config import JobConfig, is_remote
+from batchvl.engine.choice_scoring import ChoiceTokenizer
 from batchvl.engine.request import EngineRequest
 from batchvl.errors import UserError
 from batchvl.inputs.download import DownloadCache
@@ -61,25 +62,26 @@ def check_server(cfg: JobConfig) -> None:
     choices have the tokenizer they need."""
     server = cfg.engine.server
     key = api_key(cfg)  # set for a launched server too, before it is started
+    tokenizer = load_tokenizer(cfg)
+    choice_tokens = choice_tokenizer(tokenizer)
+    if any(scored_choices(p) is not None for p in cfg.prompts) and choice_tokens is None:
+        raise UserError(
+            f"scored choices on the openai backend need the model's tokenizer, with an end-of-sequence "
+            f"token, and model.path {cfg.model.path} has none; point model.path at the served model's "
+            "folder, or set choice_mode: generate"
+        )
     if server.url is not None:
         check_served_model(server.url, served_model_name(cfg), key)
-        check_prompts_accepted(cfg, server.url, key, load_tokenizer(cfg))
+        check_prompts_accepted(cfg, server.url, key, tokenizer, choice_tokens)
     else:
         program = shlex.split(server.launch)[0] if server.launch.strip() else ""
         if shutil.which(program) is None:
             raise UserError(f"engine.server.launch: {program!r} is not a program here; give its full path")
-    if (
-        any(p.choices is not None and p.choice_mode == "score" for p in cfg.prompts)
-        and load_tokenizer(cfg) is None
-    ):
-        raise UserError(
-            f"scored choices on the openai backend need the model's tokenizer, and model.path "
-            f"{cfg.model.path} has none; point model.path at the served model's folder, or set "
-            "choice_mode: generate"
-        )
 
 
-def check_prompts_accepted(cfg: JobConfig, url: str, key: str | None, tokenizer) -> None:
+def check_prompts_accepted(
+    cfg: JobConfig, url: str, key: str | None, tokenizer, choice_tokens: ChoiceTokenizer | None
+) -> None:
     """Each prompt's kind of request (its constraint, scored choices, log-probabilities), sent once as a
     one-token text request: a server that refuses one is a one-line error before any sample is read, not
     a run of error rows."""
@@ -91,9 +93,9 @@ def check_prompts_accepted(cfg: JobConfig, url: str, key: str | None, tokenizer)
         request = EngineRequest([], [], sampling, constraint=prompt_constraint(prompt), messages=messages)
         choices = scored_choices(prompt)
         if choices is not None:
-            eos = tokenizer.convert_ids_to_tokens(tokenizer.eos_token_id)
+            answer = payloads.choice_answer(choices[0], choice_tokens)
             what = f"prompt '{prompt.name}''s scored choices (prompt_logprobs of a continued answer)"
-            probes.setdefault("scored", (what, payloads.choice_body(model, request, choices[0] + eos)))
+            probes.setdefault("scored", (what, payloads.choice_body(model, request, answer)))
             continue
         body = payloads.chat_body(model, request, token_ids=tokenizer is not None)
         kind = json.dumps({k: v for k, v in body.items() if k not in ("messages", "seed")}, sort_keys=True)
@@ -101,6 +103,13 @@ def check_prompts_accepted(cfg: JobConfig, url: str, key: str | None, tokenizer)
         probes.setdefault(kind, (what, body))
     for what, body in probes.values():
         check_accepted(url, key, body, what, cfg.engine.server.timeout_s)
+
+
+def choice_tokenizer(tokenizer) -> ChoiceTokenizer | None:
+    """What scores choices: the tokenizer, where it has an end-of-sequence token for a choice to end in."""
+    if tokenizer is None or tokenizer.eos_token_id is None:
+        return None
+    return ChoiceTokenizer(tokenizer, [tokenizer.eos_token_id])
 
 
 def check_served_model(url: str, model: str, key: str | None) -> None:
@@ -166,10 +175,10 @@ def server_backend(cfg: JobConfig, out: OutputDir, task: TaskSlice | None) -> Se
         url = server_cfg.url
     try:
         tokenizer = load_tokenizer(cfg)
+        choice_tokens = choice_tokenizer(tokenizer)
         if managed is not None:  # planning could not ask a server that was not started yet
-            check_prompts_accepted(cfg, url, key, tokenizer)
-        eos = [tokenizer.eos_token_id] if tokenizer is not None and tokenizer.eos_token_id is not None else []
-        return ServerBackend(url, model, server_cfg, key, tokenizer, eos, managed)
+            check_prompts_accepted(cfg, url, key, tokenizer, choice_tokens)
+        return ServerBackend(url, model, server_cfg, key, tokenizer, choice_tokens, managed)
     except BaseException:
         if managed is not None:
             managed.stop()

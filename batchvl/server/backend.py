@@ -48,7 +48,7 @@ class ServerBackend:
         config: ServerConfig,
         api_key: str | None = None,
         tokenizer=None,
-        eos_token_ids: list[int] | None = None,
+        choice_tokens: ChoiceTokenizer | None = None,
         server: ManagedServer | None = None,
     ):
         self.url = url
@@ -56,9 +56,7 @@ class ServerBackend:
         self.config = config
         self.api_key = api_key
         self.tokenizer = tokenizer  # the model's, where model.path has one: choice scores, token texts
-        self.choice_tokens = (
-            ChoiceTokenizer(tokenizer, eos_token_ids or []) if tokenizer is not None else None
-        )
+        self.choice_tokens = choice_tokens  # scored choices' tokens, each ending in end-of-sequence
         self.server = server
         self.restarts = 0
         self._stats = EngineStats()
@@ -207,8 +205,8 @@ class ServerBackend:
         if self.choice_tokens is None:
             raise SampleError("server_error", "scoring choices needs the model's tokenizer at model.path")
         token_ids = self.choice_tokens(item.scored_choices)
-        eos = self.tokenizer.convert_ids_to_tokens(self.choice_tokens.eos_token_id)
-        bodies = [payloads.choice_body(self.model, item, choice + eos) for choice in item.scored_choices]
+        answers = [payloads.choice_answer(choice, self.choice_tokens) for choice in item.scored_choices]
+        bodies = [payloads.choice_body(self.model, item, answer) for answer in answers]
         responses = await asyncio.gather(*(self._post(body) for body in bodies))
         k = item.sampling.top_logprobs
         scored = [payloads.scored_tokens(r, ids, k) for r, ids in zip(responses, token_ids, strict=True)]

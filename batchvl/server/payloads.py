@@ -15,6 +15,7 @@ import functools
 import json
 from dataclasses import dataclass
 
+from batchvl.engine.choice_scoring import ChoiceTokenizer
 from batchvl.engine.request import EngineRequest, SamplingParams
 from batchvl.engine.structured_output import OutputConstraint
 from batchvl.errors import SampleError
@@ -73,6 +74,12 @@ def constraint_fields(constraint: OutputConstraint) -> dict:
     if constraint.kind == "regex":
         return {"structured_outputs": {"regex": constraint.spec}}
     return {"structured_outputs": {"choice": json.loads(constraint.spec)}}
+
+
+def choice_answer(choice: str, choice_tokens: ChoiceTokenizer) -> str:
+    """The assistant answer that scores a choice: its text, then the end-of-sequence token's text (which
+    the server's tokenizer reads back as that token), so that it ends as the engine's scored tokens do."""
+    return choice + choice_tokens.tokenizer.convert_ids_to_tokens(choice_tokens.eos_token_id)
 
 
 def choice_body(model: str, request: EngineRequest, answer: str) -> dict:
