@@ -84,19 +84,16 @@ def job_engine(cfg: JobConfig, loaded: LoadedModel, context: DistributedContext 
     return Engine(loaded.adapter, tokenizer, cfg.engine, eos, parallel_encoder)
 
 
-def sample_processor(cfg: JobConfig, loaded: LoadedModel, graph: PromptGraph) -> SampleProcessor:
-    """What the preprocessing workers run per sample: the family's media preparation and the prompts."""
-    media = loaded.family.media_preparer(loaded.processor, loaded.adapter.model.config, cfg.preprocess)
-    cache = DownloadCache.of(cfg.input.download)
-    return SampleProcessor(PromptRenderer(loaded.processor), media, cfg.prompts, graph.follow_ups, cache)
-
-
 def builtin_backend(
     cfg: JobConfig, loaded: LoadedModel, context: DistributedContext | None, graph: PromptGraph
 ) -> RunBackend:
-    """The built-in engine over the loaded model: prompts as token ids, images as the family's pixels."""
-    engine = job_engine(cfg, loaded, context)
-    return RunBackend(engine, PromptRenderer(loaded.processor), sample_processor(cfg, loaded, graph))
+    """The built-in engine over the loaded model: prompts as token ids, images as the family's pixels (what
+    the preprocessing workers run per sample: the family's media preparation and the prompts)."""
+    renderer = PromptRenderer(loaded.processor)
+    media = loaded.family.media_preparer(loaded.processor, loaded.adapter.model.config, cfg.preprocess)
+    cache = DownloadCache.of(cfg.input.download)
+    samples = SampleProcessor(renderer, media, cfg.prompts, graph.follow_ups, cache)
+    return RunBackend(job_engine(cfg, loaded, context), renderer, samples)
 
 
 def serve_rank(cfg: JobConfig, loaded: LoadedModel, context: DistributedContext) -> int:

@@ -77,7 +77,7 @@ def plan_job(cfg: JobConfig, task: TaskSlice | None = None, record: bool = False
     check_download_cache(cfg.input.download.cache_dir)
     out = OutputDir.of(cfg.output)
     out.check_writable(create=False)
-    pass_urls = cfg.engine.backend == "openai" and cfg.engine.server.pass_urls  # the server fetches them
+    pass_urls = cfg.engine.server.pass_urls  # the server fetches them (set with the openai backend only)
     source = job_source(cfg, pass_http_urls=pass_urls)
     listing = source.list_shards()
     check_output_location(cfg, out, listing)

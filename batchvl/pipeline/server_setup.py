@@ -157,8 +157,9 @@ def server_run_backend(
     engine = server_backend(cfg, out, task)
     media = DataURLPreparer(cfg.preprocess.max_image_pixels)
     cache = DownloadCache.of(cfg.input.download)
-    samples = SampleProcessor(ChatMessages(), media, cfg.prompts, graph.follow_ups, cache)
-    return RunBackend(engine, ChatMessages(), samples, engine.close)
+    messages = ChatMessages()
+    samples = SampleProcessor(messages, media, cfg.prompts, graph.follow_ups, cache)
+    return RunBackend(engine, messages, samples, engine.close)
 
 
 def server_backend(cfg: JobConfig, out: OutputDir, task: TaskSlice | None) -> ServerBackend:
