@@ -17,7 +17,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from throughput import PROMPTS, VLLM_VENV, requests_of, run_batchvl, since_process_start
+from throughput import PROMPTS, VLLM_VENV, peak_rss_kb, requests_of, run_batchvl, since_process_start
 
 KV_CACHE_BYTES = 2 << 30  # as method d's LLM(kv_cache_memory_bytes=...)
 REPO = Path(__file__).resolve().parents[1]
@@ -33,16 +33,6 @@ def server_checkpoint(model_dir: Path, target: Path) -> Path:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     subprocess.run([str(python), "-c", script, str(model_dir), str(target)], check=True, env=env)
     return target
-
-
-def peak_rss_mb(pids: list[int]) -> float:
-    """The sum of the processes' peak resident sets (VmHWM)."""
-    total_kb = 0
-    for pid in pids:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                total_kb += int(line.split()[1])
-    return round(total_kb / 1024, 1)
 
 
 def started_server(root: Path, model_dir: Path, dtype_name: str):
@@ -64,7 +54,8 @@ def server_peak_rss_mb(server) -> float:
     import psutil
 
     process = psutil.Process(server.process.pid)
-    return peak_rss_mb([process.pid] + [child.pid for child in process.children(recursive=True)])
+    pids = [process.pid] + [child.pid for child in process.children(recursive=True)]
+    return round(sum(peak_rss_kb(pid) for pid in pids) / 1024, 1)
 
 
 def run_batchvl_on_server(root: Path, model_dir: Path, dtype_name: str) -> dict:

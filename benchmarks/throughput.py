@@ -156,6 +156,15 @@ def since_process_start() -> float:
     return time.time() - psutil.Process().create_time()
 
 
+def peak_rss_kb(pid: int) -> int:
+    """A live process's peak resident set (VmHWM), in KiB: of a server or engine process the method did not
+    wait for, which getrusage does not count."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    return 0
+
+
 def error_text(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 from PIL import Image
-from throughput import PROMPTS, error_text, matmul_peak, requests_of, since_process_start
+from throughput import PROMPTS, error_text, matmul_peak, peak_rss_kb, requests_of, since_process_start
 
 KV_CACHE_BYTES = 2 << 30
 
@@ -40,14 +40,6 @@ def child_pids() -> list[int]:
     import psutil
 
     return [child.pid for child in psutil.Process().children(recursive=True)]
-
-
-def peak_rss_kb(pid: int) -> int:
-    """A live process's peak resident set (VmHWM), in KiB."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1])
-    return 0
 
 
 def main() -> None:
