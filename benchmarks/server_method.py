@@ -13,33 +13,21 @@ from __future__ import annotations
 
 import base64
 import os
-import subprocess
 import time
 from pathlib import Path
 
 from throughput import PROMPTS, VLLM_VENV, peak_rss_kb, requests_of, run_batchvl, since_process_start
 
 KV_CACHE_BYTES = 2 << 30  # as method d's LLM(kv_cache_memory_bytes=...)
-REPO = Path(__file__).resolve().parents[1]
-
-
-def server_checkpoint(model_dir: Path, target: Path) -> Path:
-    """The checkpoint as vLLM's processor loads it, made with vLLM's own python (its transformers)."""
-    script = (
-        "import sys; from pathlib import Path; from batchvl.demo.vllm_checkpoint import vllm_checkpoint; "
-        "vllm_checkpoint(Path(sys.argv[1]), Path(sys.argv[2]))"
-    )
-    python = VLLM_VENV / "bin" / "python"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    subprocess.run([str(python), "-c", script, str(model_dir), str(target)], check=True, env=env)
-    return target
 
 
 def started_server(root: Path, model_dir: Path, dtype_name: str):
     """A vLLM server of the checkpoint, started; and the checkpoint's path (the served model's name)."""
+    from batchvl.demo.vllm_checkpoint import vllm_checkpoint_made_by
     from batchvl.server.process import ManagedServer
 
-    checkpoint = server_checkpoint(model_dir, root / f"server-model-{os.getpid()}")
+    target = root / f"server-model-{os.getpid()}"
+    checkpoint = vllm_checkpoint_made_by(VLLM_VENV / "bin" / "python", model_dir, target)
     command = [
         str(VLLM_VENV / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(checkpoint), "--dtype", dtype_name, "--seed", "0",

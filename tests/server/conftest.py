@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import os
 import shlex
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from batchvl.demo.tiny_model import build_tiny_model
+from batchvl.demo.vllm_checkpoint import vllm_checkpoint_made_by
 from batchvl.server.process import ManagedServer
 
 VLLM_VENV = Path(os.environ.get("VLLM_VENV", Path.home() / ".cache" / "batchvl" / "vllm-venv"))
@@ -26,7 +25,6 @@ LAUNCH = f"{VLLM_PYTHON} -m vllm.entrypoints.openai.api_server"
 SERVER_ARGS = [
     "--max-model-len", "4096", "--limit-mm-per-prompt", '{"image":1,"video":0}', "--enforce-eager",
 ]  # fmt: skip
-REPO = Path(__file__).parents[2]
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: the tests' requests need little
 
@@ -45,13 +43,7 @@ def vllm_model(tmp_path_factory) -> Path:
     needs_vllm()
     folder = tmp_path_factory.mktemp("vllm-model")
     build_tiny_model(folder / "source", size="small", seed=0)
-    script = (
-        "import sys; from pathlib import Path; from batchvl.demo.vllm_checkpoint import vllm_checkpoint; "
-        "vllm_checkpoint(Path(sys.argv[1]), Path(sys.argv[2]))"
-    )
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    subprocess.run([VLLM_PYTHON, "-c", script, folder / "source", folder / "model"], check=True, env=env)
-    return folder / "model"
+    return vllm_checkpoint_made_by(VLLM_PYTHON, folder / "source", folder / "model")
 
 
 def launch_command(model: Path) -> list[str]:
@@ -73,7 +65,6 @@ def server_job(
     model: Path,
     url: str | None,
     prompts: str,
-    extra: str = "",
     out: str = "out",
     sampling: str = "max_new_tokens: 12",
 ) -> str:
@@ -89,18 +80,5 @@ prompts:
 {prompts}
 sampling: {{{sampling}}}
 {engine}
-{extra}
 output: {{dir: {out}}}
 """
-
-
-def run_cli(root: Path, job_file: str, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    """`batchvl run` in its own process, as a user runs it."""
-    return subprocess.run(
-        [sys.executable, "-m", "batchvl", "run", job_file, *args],
-        cwd=root,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-    )
