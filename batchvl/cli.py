@@ -272,18 +272,13 @@ def status(
 ) -> None:
     """Report shards done / pending, rows ok / error, per-task throughput, and how to rerun the rest."""
     _setup_logging("warning")
-    from batchvl.commands.status import format_status, job_status
+    from batchvl.commands.status import format_status, job_status, status_json
     from batchvl.config import load_job_config
 
     cfg = load_job_config(job_file, set_ or [])
     report = job_status(cfg, tasks)
     if json_output:
-        import dataclasses
-        import json
-
-        typer.echo(
-            json.dumps({**dataclasses.asdict(report), "missing_tasks": report.missing_tasks}, indent=2)
-        )
+        typer.echo(status_json(report))
     else:
         typer.echo(format_status(report, str(job_file)))
 

@@ -2,6 +2,7 @@
 
 import json
 import shlex
+from collections import Counter
 from pathlib import Path
 
 import pyarrow as pa
@@ -9,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchvl.commands.slurm import ArrayJob, array_expression, sbatch_script, write_array_job
-from batchvl.commands.status import format_status, job_status
+from batchvl.commands.status import JobStatus, TaskStatus, format_status, job_status, status_json
 from batchvl.config import load_job_config
 from batchvl.pipeline.runner import run_job
 from batchvl.pipeline.tasks import TaskSlice
@@ -113,3 +114,13 @@ def test_a_task_stopped_and_rerun_is_one_task_with_its_runs_added(tmp_path):
     assert (task.samples, task.output_tokens, task.processing_s) == (40, 800, 16.0)
     assert task.last_run == "run-1.json"
     assert merged[(2, 0)].samples == 8
+
+
+def test_status_json_holds_the_error_counts_by_type():
+    status = JobStatus("out", 2, [TaskStatus(0, shards=2, done=2), TaskStatus(1, shards=1)], rows_ok=3)
+    status.rows_error = 3
+    status.errors_by_type = Counter({"image_decode_error": 2, "server_error": 1})
+    printed = json.loads(status_json(status))
+    assert printed["errors_by_type"] == {"image_decode_error": 2, "server_error": 1}
+    assert printed["rows_error"] == 3 and printed["missing_tasks"] == [1]
+    assert [t["done"] for t in printed["tasks"]] == [2, 0]

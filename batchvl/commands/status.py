@@ -6,6 +6,8 @@ a job of hundreds of shards and safe to run while tasks are writing.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -120,6 +122,14 @@ def _runs_per_task(out: OutputDir) -> dict[tuple[int, int], TaskRuns]:
         task = parse_task_slice(run.get("task") or "0/1")
         runs.setdefault((task.count, task.index), TaskRuns()).add(run["file"], run)
     return runs
+
+
+def status_json(status: JobStatus) -> str:
+    """The status as JSON (`status --json`). `errors_by_type` is a Counter, which `dataclasses.asdict`
+    would rebuild from its (type, count) pairs as keys; it goes as the plain mapping it is."""
+    fields = dataclasses.asdict(dataclasses.replace(status, errors_by_type=Counter()))
+    fields["errors_by_type"] = dict(status.errors_by_type)
+    return json.dumps({**fields, "missing_tasks": status.missing_tasks}, indent=2)
 
 
 def format_status(status: JobStatus, job_file: str) -> str:
