@@ -10,6 +10,8 @@ contain it:
   answer (times=None: always);
 - `garble` (a set of markers): HTTP 200 with a web page instead of JSON (a proxy's answer);
 - `stall[marker] = seconds`: wait that long before answering (a client with a shorter timeout gives up);
+- `trickle[marker] = seconds`: the answer's body one byte every `seconds` (each read is quick, the whole
+  answer is not);
 - `hold_s`: every completion waits this long (requests pile up, to count how many are in flight);
 - `gone_after = K`: after its K-th answered completion (planning's probes not counted) the server stops
   listening and drops every connection it has without an answer (a server gone mid-run).
@@ -87,6 +89,7 @@ class FakeOpenAIServer:
         self.fail: dict[str, Failure] = {}
         self.garble: set[str] = set()
         self.stall: dict[str, float] = {}
+        self.trickle: dict[str, float] = {}
         self.hold_s = 0.0
         self.gone_after: int | None = None
         self.requests: list[Recorded] = []
@@ -224,8 +227,9 @@ def _handler(server: FakeOpenAIServer):
                 status, headers, answer = server.completion(body)
             if server.gone:  # went down while this one waited
                 return self._drop()
+            trickle = next((s for m, s in server.trickle.items() if m in request_text(body)), None)
             with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # the client gave up
-                self._send(status, answer, headers)
+                self._send(status, answer, headers, trickle)
             if status == 200 and PROBE_TEXT not in json.dumps(body):  # planning's probes do not count
                 server._answered()
 
@@ -233,7 +237,9 @@ def _handler(server: FakeOpenAIServer):
             """No answer: the connection closes, as a killed server's does."""
             self.close_connection = True
 
-        def _send(self, code: int, payload: dict | bytes, headers: dict | None = None) -> None:
+        def _send(
+            self, code: int, payload: dict | bytes, headers: dict | None = None, trickle: float | None = None
+        ) -> None:
             data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
             headers = {"Content-Type": "application/json", **(headers or {})}
             self.send_response(code)
@@ -241,6 +247,12 @@ def _handler(server: FakeOpenAIServer):
             for name, value in headers.items():
                 self.send_header(name, value)
             self.end_headers()
-            self.wfile.write(data)
+            if trickle is None:
+                self.wfile.write(data)
+                return
+            for i in range(len(data)):
+                self.wfile.write(data[i : i + 1])
+                self.wfile.flush()
+                time.sleep(trickle)
 
     return Handler

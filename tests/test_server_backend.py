@@ -35,7 +35,7 @@ from batchvl.pipeline.runner import run_job
 from batchvl.pipeline.server_setup import PROBE_TEXT
 from batchvl.server.backend import ServerBackend
 from tests.conftest import output_rows, random_image, write_image_shards
-from tests.fake_openai_server import Failure, FakeOpenAIServer
+from tests.fake_openai_server import Failure, FakeOpenAIServer, echo, last_user_text
 
 SIZES = [3, 2]  # samples per input shard
 PROMPTS = [
@@ -234,6 +234,34 @@ def test_a_retry_waits_as_long_as_retry_after_says(tmp_path, tiny_model_dir, fak
     assert rows_by_request(tmp_path, 1)["s0-1", "caption"]["status"] == "ok"
 
 
+@pytest.mark.parametrize(
+    ("retry_after", "least_s", "most_s"),
+    [
+        ("86400", 0.45, 3.0),  # a day: cut to max_retry_wait_s
+        ("1e300", 0.45, 3.0),
+        ("inf", 0.0, 0.4),  # not a number of seconds: as if absent, the backoff (0.01 s) decides
+        ("soon", 0.0, 0.4),
+    ],
+)
+def test_a_retry_after_beyond_max_retry_wait_s_is_cut_to_it_and_one_that_is_not_a_number_is_ignored(
+    tmp_path, tiny_model_dir, fake, retry_after, least_s, most_s
+):
+    fake.fail["Describe s0-1."] = Failure(503, times=1, retry_after=retry_after)
+    run(write_job(tmp_path, tiny_model_dir, at(fake.url, max_retry_wait_s=0.5), sizes=[2]))
+
+    first, second = fake.completions("Describe s0-1.")
+    assert least_s <= second.at - first.at <= most_s
+    assert rows_by_request(tmp_path, 1)["s0-1", "caption"]["status"] == "ok"
+
+
+def test_a_long_wait_before_a_retry_is_logged(tmp_path, tiny_model_dir, fake, monkeypatch, caplog):
+    monkeypatch.setattr("batchvl.server.backend.LOGGED_WAIT_S", 0.2)
+    fake.fail["Describe s0-1."] = Failure(503, times=1, retry_after="0.3")
+    run(write_job(tmp_path, tiny_model_dir, at(fake.url), sizes=[2]))
+    (line,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert line.startswith("waiting 0 s before retrying (HTTP 503: busy (503))")
+
+
 def test_a_request_that_fails_past_its_retries_is_a_server_error_row(tmp_path, tiny_model_dir, fake):
     fake.fail["Describe s0-1."] = Failure(503)
     run(write_job(tmp_path, tiny_model_dir, at(fake.url, retries=2)))
@@ -292,6 +320,31 @@ def test_a_request_over_the_timeout_is_retried_then_a_server_error_row(tmp_path,
     assert timed_out["status"] == "error" and timed_out["error_type"] == "server_error"
     assert "timeout" in timed_out["error_message"] and "after 1 retries" in timed_out["error_message"]
     assert len(fake.completions("Describe s0-0.")) == 2
+    assert all(row["status"] == "ok" for row in rows.values()) and len(rows) == 3
+
+
+def test_an_answer_trickled_past_the_timeout_is_cut_there_though_each_read_is_quick(
+    tmp_path, tiny_model_dir, fake
+):
+    fake.trickle["Describe s0-0."] = 0.05  # a byte every 0.05 s: the answer would take about 15 s
+    started = time.monotonic()
+    run(write_job(tmp_path, tiny_model_dir, at(fake.url, timeout_s=1, retries=1), sizes=[1]))
+
+    assert time.monotonic() - started < 8  # two attempts of 1 s each, and the job around them
+    timed_out = rows_by_request(tmp_path, 1)["s0-0", "caption"]
+    assert timed_out["status"] == "error" and timed_out["error_type"] == "server_error"
+    assert "no whole answer within engine.server.timeout_s=1 s" in timed_out["error_message"]
+    assert len(fake.completions("Describe s0-0.")) == 2
+
+
+def test_an_answer_larger_than_its_max_tokens_can_be_is_refused_unread(tmp_path, tiny_model_dir, fake):
+    fake.reply = lambda body: "word " * 2_000_000 if "Describe s0-1." in last_user_text(body) else echo(body)
+    run(write_job(tmp_path, tiny_model_dir, at(fake.url), sizes=[2]))
+
+    rows = rows_by_request(tmp_path, 1)
+    refused = rows.pop(("s0-1", "caption"))
+    assert refused["status"] == "error" and refused["error_type"] == "server_error"
+    assert "the server's answer is over 68608 bytes" in refused["error_message"]  # 64 KiB + 6 tokens
     assert all(row["status"] == "ok" for row in rows.values()) and len(rows) == 3
 
 

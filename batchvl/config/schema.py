@@ -209,7 +209,9 @@ class ServerConfig:
         unset_leaves_fingerprint=True,
     )
     max_concurrency: int = job_key(64, "Requests in flight at once", above=0)
-    timeout_s: float = job_key(600.0, "Longest one request may take", above=0)
+    timeout_s: float = job_key(
+        600.0, "Longest one request may take, from its connection to its answer's last byte", above=0
+    )
     retries: int = job_key(
         3,
         "Further attempts after a refused connection, a timeout, HTTP 429 or 5xx (and restarts of a "
@@ -218,6 +220,12 @@ class ServerConfig:
     )
     backoff_s: float = job_key(
         1.0, "Wait before the first retry, doubled for each later one (a Retry-After header wins)", at_least=0
+    )
+    max_retry_wait_s: float = job_key(
+        300.0,
+        "Longest wait before one retry, whatever backoff_s or the server's Retry-After says (a wait over 5 s "
+        "is logged)",
+        at_least=0,
     )
     pass_urls: bool = job_key(
         False,

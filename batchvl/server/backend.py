@@ -38,6 +38,7 @@ from batchvl.server.process import ManagedServer
 logger = logging.getLogger(__name__)
 
 STEP_WAIT_S = 0.05  # how long a step waits for a finished request when none is ready
+LOGGED_WAIT_S = 5.0  # a wait before a retry this long or longer is logged: the job is not hung
 
 
 class ServerBackend:
@@ -233,7 +234,13 @@ class ServerBackend:
         while True:
             try:
                 async with self._slots:
-                    return await post_json(self._client, "/chat/completions", body)
+                    return await post_json(
+                        self._client,
+                        "/chat/completions",
+                        body,
+                        self.config.timeout_s,
+                        payloads.answer_limit(body),
+                    )
             except Rejected as exc:
                 raise SampleError("server_rejected", f"the server refused the request: {exc}") from exc
             except Unreachable as exc:
@@ -248,7 +255,16 @@ class ServerBackend:
                 raise SampleError(
                     "server_error", f"the request failed after {self.config.retries} retries: {failure}"
                 )
-            await asyncio.sleep(wait if wait is not None else self.config.backoff_s * 2 ** (attempt - 1))
+            await self._back_off(attempt, f"{failure}", wait)
+
+    async def _back_off(self, attempt: int, why: str, retry_after_s: float | None = None) -> None:
+        """Wait before retry number `attempt`: as the server's Retry-After says, else `backoff_s` doubled
+        per attempt, never longer than `max_retry_wait_s` (a server may say a day, or `inf`)."""
+        wait = retry_after_s if retry_after_s is not None else self.config.backoff_s * 2 ** (attempt - 1)
+        wait = min(wait, self.config.max_retry_wait_s)
+        if wait >= LOGGED_WAIT_S:
+            logger.warning("waiting %.0f s before retrying (%s)", wait, why)
+        await asyncio.sleep(wait)
 
     async def _answers(self) -> bool:
         try:
@@ -281,7 +297,7 @@ class ServerBackend:
                         break
                     self._client_base_moved()
                     continue
-                await asyncio.sleep(self.config.backoff_s * 2**attempt)
+                await self._back_off(attempt + 1, "the server does not answer")
             self._gone = ServerGone(
                 f"the server at {self.url} stopped answering (after {self.config.retries} retries"
                 + (f" and {self.restarts} restart(s)" if self.server is not None else "")

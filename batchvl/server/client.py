@@ -6,14 +6,25 @@ A failure is one of three kinds, which decide what happens to the request (`back
 - `Transient`: a timeout, 408, 429 or 5xx: worth retrying after a wait (Retry-After, when the server
   gives one).
 - `Unreachable`: no answer at all (connection refused or reset): the server may be gone.
-An HTTP 200 whose body is not JSON is the request's `server_error` row at once.
+An HTTP 200 whose body is not JSON, or larger than the request's answer can be, is the request's
+`server_error` row at once.
+
+One exchange, from the connection to the answer's last byte, ends within its timeout (httpx's own
+timeouts bound each socket call only: a server trickling a byte at a time would never trip them), and
+no more of an answer is read than `max_bytes`.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
+import math
+
 import httpx
 
 from batchvl.errors import SampleError, UserError
+
+ERROR_BODY_BYTES = 64 * 1024  # read of an error answer: its message is all that is kept
 
 
 class Rejected(Exception):
@@ -21,9 +32,10 @@ class Rejected(Exception):
 
 
 class Transient(Exception):
-    def __init__(self, message: str, retry_after_s: float | None = None):
+    def __init__(self, message: str, retry_after_s: float | None = None, timed_out: bool = False):
         super().__init__(message)
         self.retry_after_s = retry_after_s
+        self.timed_out = timed_out  # no answer in time: the server may be hung
 
 
 class Unreachable(Exception):
@@ -34,44 +46,90 @@ def api_headers(api_key: str | None) -> dict:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
-async def post_json(client: httpx.AsyncClient, path: str, body: dict) -> dict:
+def described(exc: BaseException) -> str:
+    """An exception as `Type: message`, or its type alone where it has no message (httpx's ReadError often
+    has none)."""
+    message = str(exc).strip()
+    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
+
+
+async def post_json(
+    client: httpx.AsyncClient, path: str, body: dict, timeout_s: float, max_bytes: int
+) -> dict:
     """POST `body` to `path` under the client's base URL; the answer's JSON, or one of the failures."""
     try:
-        response = await client.post(path, json=body)
-    except httpx.TimeoutException as exc:
-        raise Transient(f"no answer within the timeout ({type(exc).__name__})") from exc
+        status, headers, data = await asyncio.wait_for(_exchange(client, path, body, max_bytes), timeout_s)
+    except (asyncio.TimeoutError, httpx.TimeoutException) as exc:
+        raise Transient(
+            f"no whole answer within engine.server.timeout_s={timeout_s:g} s ({type(exc).__name__})",
+            timed_out=True,
+        ) from exc
     except (httpx.ConnectError, httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError) as exc:
-        raise Unreachable(f"{type(exc).__name__}: {exc}") from exc
-    if response.status_code == 200:
+        raise Unreachable(described(exc)) from exc
+    if status == 200:
         try:
-            return response.json()
+            return json.loads(data)
         except ValueError as exc:  # a proxy's page: this request's answer is lost, the server may be fine
-            raise SampleError(
-                "server_error", f"the server's answer is not JSON: {response.text[:200]!r}"
-            ) from exc
-    message = f"HTTP {response.status_code}: {_error_message(response)}"
-    if response.status_code in (408, 429) or response.status_code >= 500:
-        raise Transient(message, _retry_after(response))
+            raise SampleError("server_error", f"the server's answer is not JSON: {data[:200]!r}") from exc
+    message = f"HTTP {status}: {_error_message(data)}"
+    if status in (408, 429) or status >= 500:
+        raise Transient(message, retry_after(headers.get("retry-after")))
     raise Rejected(message)
 
 
-def _error_message(response: httpx.Response) -> str:
+async def _exchange(
+    client: httpx.AsyncClient, path: str, body: dict, max_bytes: int
+) -> tuple[int, httpx.Headers, bytes]:
+    async with client.stream("POST", path, json=body) as response:
+        limit = max_bytes if response.status_code == 200 else ERROR_BODY_BYTES
+        return response.status_code, response.headers, await _read_at_most(response, limit)
+
+
+async def _read_at_most(response: httpx.Response, limit: int) -> bytes:
+    """The body, refused once it is over `limit` (an answer that size cannot be this request's); an error
+    answer is cut there instead, its start being its message."""
+    declared = response.headers.get("content-length", "")
+    if response.status_code == 200 and declared.isdigit() and int(declared) > limit:
+        raise _too_large(int(declared), limit)
+    chunks, size = [], 0
+    async for chunk in response.aiter_bytes():
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > limit:
+            if response.status_code != 200:
+                break
+            raise _too_large(size, limit)
+    return b"".join(chunks)[:limit]
+
+
+def _too_large(size: int, limit: int) -> SampleError:
+    return SampleError(
+        "server_error",
+        f"the server's answer is over {limit} bytes (at least {size}), more than the request's max_tokens "
+        "can give; refused",
+    )
+
+
+def _error_message(data: bytes) -> str:
     """The server's own words: OpenAI's `{"error": {"message": ...}}`, else the body's start."""
     try:
-        error = response.json().get("error")
+        error = json.loads(data).get("error")
         message = error.get("message") if isinstance(error, dict) else error
         if message:
             return str(message)
     except (ValueError, AttributeError):
         pass
-    return response.text[:500]
+    return data[:500].decode(errors="replace")
 
 
-def _retry_after(response: httpx.Response) -> float | None:
+def retry_after(value: str | None) -> float | None:
+    """Retry-After in seconds; None where it is absent or not a finite number of seconds (an HTTP date,
+    `inf`, garbage): the backoff decides then."""
     try:
-        return max(0.0, float(response.headers["retry-after"]))
-    except (KeyError, ValueError):
+        seconds = float(value)
+    except (TypeError, ValueError):
         return None
+    return max(0.0, seconds) if math.isfinite(seconds) else None
 
 
 def served_models(url: str, api_key: str | None, timeout_s: float = 10.0) -> list[str]:
@@ -80,13 +138,14 @@ def served_models(url: str, api_key: str | None, timeout_s: float = 10.0) -> lis
         response = httpx.get(f"{url.rstrip('/')}/models", headers=api_headers(api_key), timeout=timeout_s)
     except httpx.HTTPError as exc:
         raise UserError(
-            f"engine.server.url {url} does not answer ({type(exc).__name__}: {exc}); start the server, or "
+            f"engine.server.url {url} does not answer ({described(exc)}); start the server, or "
             "fix the URL (it ends in /v1)"
         ) from exc
     if response.status_code != 200:
+        message = _error_message(response.content)
         raise UserError(
-            f"engine.server.url {url}: GET /models answered HTTP {response.status_code} "
-            f"({_error_message(response)}); check the URL (it ends in /v1) and engine.server.api_key_env"
+            f"engine.server.url {url}: GET /models answered HTTP {response.status_code} ({message}); check "
+            "the URL (it ends in /v1) and engine.server.api_key_env"
         )
     try:
         return [entry["id"] for entry in response.json()["data"]]
@@ -104,7 +163,8 @@ def check_accepted(url: str, api_key: str | None, body: dict, what: str, timeout
     except httpx.HTTPError:
         return
     if 400 <= response.status_code < 500 and response.status_code not in (408, 429):
+        message = _error_message(response.content)
         raise UserError(
-            f"the server at {url} refuses {what} (HTTP {response.status_code}: {_error_message(response)}); "
+            f"the server at {url} refuses {what} (HTTP {response.status_code}: {message}); "
             "use a server that takes it (vLLM does), or change the prompt"
         )

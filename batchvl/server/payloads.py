@@ -22,6 +22,22 @@ from batchvl.errors import SampleError
 
 TOKEN_ID_PREFIX = "token_id:"  # how vLLM writes a token with `return_tokens_as_token_ids`
 
+# What an answer may weigh: its envelope, then per token it may hold at most this many bytes per entry (its
+# text JSON-escaped, and each log-probability candidate's token, bytes and value). A scored choice's answer
+# holds every prompt token's candidates, of a prompt whose length the server alone knows.
+ANSWER_ENVELOPE_BYTES = 64 * 1024
+TOKEN_ENTRY_BYTES = 512
+PROMPT_LOGPROBS_ANSWER_BYTES = 256 * 1024 * 1024
+
+
+def answer_limit(body: dict) -> int:
+    """The most bytes an answer to `body` can hold: a larger one is refused unread (a server that sends
+    megabytes for a few tokens would otherwise fill the job's memory)."""
+    if "prompt_logprobs" in body:
+        return PROMPT_LOGPROBS_ANSWER_BYTES
+    entries = 1 + (1 + (body.get("top_logprobs") or 0) if body.get("logprobs") else 0)
+    return ANSWER_ENVELOPE_BYTES + body["max_tokens"] * entries * TOKEN_ENTRY_BYTES
+
 
 def chat_body(model: str, request: EngineRequest, token_ids: bool) -> dict:
     """The chat-completion body of a generating request; `token_ids`: ask for log-probability tokens as
