@@ -70,6 +70,8 @@ ERROR_TYPES: dict[str, str] = {
     "server_error": "the server failed the request (a timeout, HTTP 429 or 5xx) after "
     "`engine.server.retries`, or gave an answer batchvl cannot use, while it answered others; "
     "`retry-failed` reruns it",
+    "server_crash": "the server stopped answering (died or hung) each time this request was sent, the "
+    "last times alone, after `engine.server.retries`; the rest of the job went on",
     "preprocess_crash": "the preprocessing worker died on this sample",
     "preprocess_timeout": "the sample's preprocessing (its downloads included) exceeded "
     "`preprocess.timeout_s`",

@@ -13,6 +13,10 @@ contain it:
 - `trickle[marker] = seconds`: the answer's body one byte every `seconds` (each read is quick, the whole
   answer is not);
 - `hold_s`: every completion waits this long (requests pile up, to count how many are in flight);
+- `crash[marker] = seconds`: the server goes down for that long (a crash, then a supervisor's restart):
+  this request and every one in flight or arriving meanwhile lose their connection without an answer;
+- `hang_on` (a set of markers): such a request wedges the server: from then on no request is answered,
+  `/health` and `/v1/models` included, and connections stay open (a stopped process, a wedged GPU);
 - `gone_after = K`: after its K-th answered completion (planning's probes not counted) the server stops
   listening and drops every connection it has without an answer (a server gone mid-run).
 It records every request (path, headers, JSON body, arrival time) and the most completions in flight at
@@ -82,7 +86,7 @@ class _QuietServer(ThreadingHTTPServer):
 
 
 class FakeOpenAIServer:
-    def __init__(self, model: str = "served-model"):
+    def __init__(self, model: str = "served-model", port: int = 0):
         self.models = [model]
         self.reply: Callable[[dict], str] = echo
         self.reject: dict[str, str] = {}
@@ -90,6 +94,10 @@ class FakeOpenAIServer:
         self.garble: set[str] = set()
         self.stall: dict[str, float] = {}
         self.trickle: dict[str, float] = {}
+        self.crash: dict[str, float] = {}
+        self.hang_on: set[str] = set()
+        self.hung = False
+        self.down_until = 0.0
         self.hold_s = 0.0
         self.gone_after: int | None = None
         self.requests: list[Recorded] = []
@@ -98,7 +106,7 @@ class FakeOpenAIServer:
         self.gone = False
         self._lock = threading.Lock()
         self._seen: dict[str, int] = {}  # marker -> requests that had it
-        self.httpd = _QuietServer(("127.0.0.1", 0), _handler(self))
+        self.httpd = _QuietServer(("127.0.0.1", port), _handler(self))
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
 
     @property
@@ -159,9 +167,28 @@ class FakeOpenAIServer:
         if going:  # shutdown waits for serve_forever's loop, which runs in another thread
             threading.Thread(target=self.stop_listening, daemon=True).start()
 
+    @property
+    def down(self) -> bool:
+        return self.gone or time.monotonic() < self.down_until
+
+    def wait_while_hung(self) -> None:
+        while self.hung and not self.gone:
+            time.sleep(0.02)
+
+    def crashes(self, body: dict) -> bool:
+        """Whether this request brings the server down (for its `crash` seconds)."""
+        text = request_text(body)
+        seconds = max((s for marker, s in self.crash.items() if marker in text), default=None)
+        if seconds is not None:
+            self.down_until = time.monotonic() + seconds
+        return seconds is not None
+
     def completion(self, body: dict) -> tuple[int, dict, dict | bytes]:
         """(status, headers, body: JSON or bytes) of the answer to a completion request."""
         text = request_text(body)
+        if any(marker in text for marker in self.hang_on):
+            self.hung = True
+            self.wait_while_hung()
         for marker, message in self.reject.items():
             if marker in text:
                 return 400, {}, {"error": {"message": message, "type": "BadRequestError", "code": 400}}
@@ -206,7 +233,8 @@ def _handler(server: FakeOpenAIServer):
 
         def do_GET(self) -> None:
             server._record(self.path, self.headers, None)
-            if server.gone:
+            server.wait_while_hung()
+            if server.down:
                 return self._drop()
             if self.path == "/v1/models":
                 data = [{"id": name, "object": "model", "owned_by": "fake"} for name in server.models]
@@ -219,13 +247,14 @@ def _handler(server: FakeOpenAIServer):
             length = int(self.headers.get("Content-Length", 0))
             body = json.loads(self.rfile.read(length))
             server._record(self.path, self.headers, body)
-            if server.gone:
+            server.wait_while_hung()
+            if server.down or server.crashes(body):
                 return self._drop()
             if self.path != "/v1/chat/completions":
                 return self._send(404, {"error": {"message": f"no route {self.path}"}})
             with server._in_flight.counting():
                 status, headers, answer = server.completion(body)
-            if server.gone:  # went down while this one waited
+            if server.down:  # went down while this one waited
                 return self._drop()
             trickle = next((s for m, s in server.trickle.items() if m in request_text(body)), None)
             with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # the client gave up

@@ -9,10 +9,8 @@ import base64
 import io
 import json
 import logging
-import socket
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -31,22 +29,22 @@ from batchvl.config import (
 )
 from batchvl.engine.request import EngineRequest, SamplingParams
 from batchvl.errors import ConfigError, ServerGone, UserError
-from batchvl.pipeline.runner import run_job
 from batchvl.pipeline.server_setup import PROBE_TEXT
 from batchvl.server.backend import ServerBackend
-from tests.conftest import output_rows, random_image, write_image_shards
+from tests.conftest import random_image
 from tests.fake_openai_server import Failure, FakeOpenAIServer, echo, last_user_text
-
-SIZES = [3, 2]  # samples per input shard
-PROMPTS = [
-    {"name": "caption", "text": "Describe {key}."},
-    {"name": "short", "text": "One word for {key}."},
-]
-
-
-def at(url: str, **keys) -> dict:
-    """engine.server keys for the server at `url`, with retries that take no time."""
-    return {"url": url, "retries": 3, "backoff_s": 0.01, "timeout_s": 5, **keys}
+from tests.server_jobs import (
+    GONE_SIZES,
+    PROMPTS,
+    all_requests,
+    at,
+    cli,
+    closed_port_url,
+    files_under,
+    rows_by_request,
+    run,
+    write_job,
+)
 
 
 @pytest.fixture
@@ -54,63 +52,6 @@ def fake(tiny_model_dir):
     """A server serving the job's model under its default name, model.path."""
     with FakeOpenAIServer(str(tiny_model_dir)) as server:
         yield server
-
-
-def write_job(root: Path, model_dir, server: dict, sizes=SIZES, prompts=PROMPTS, sampling=None) -> Path:
-    """Input shards `data/part-N.parquet` of sizes[N] images keyed `sN-i`, and a job file over them."""
-    write_image_shards(root / "data", list(sizes))
-    job = {
-        "model": {"path": str(model_dir)},
-        "input": {"paths": ["data/*.parquet"], "key_column": "key"},
-        "prompts": prompts,
-        "sampling": {"max_new_tokens": 6, **(sampling or {})},
-        "engine": {"backend": "openai", "server": server},
-        "preprocess": {"workers": 0},
-        "output": {"dir": "out"},
-    }
-    path = root / "job.yaml"
-    path.write_text(yaml.safe_dump(job, sort_keys=False))
-    return path
-
-
-def run(job_file: Path, *overrides: str):
-    return run_job(load_job_config(job_file, list(overrides)), show_progress=False)
-
-
-def rows_by_request(root: Path, num_shards: int = len(SIZES)) -> dict[tuple[str, str], dict]:
-    rows = output_rows(root / "out", num_shards)
-    by_request = {(r["key"], r["prompt"]): r for r in rows}
-    assert len(by_request) == len(rows), "a (sample, prompt) has two rows"
-    return by_request
-
-
-def all_requests(sizes=SIZES, prompts=PROMPTS) -> set[tuple[str, str]]:
-    return {(f"s{n}-{i}", p["name"]) for n, size in enumerate(sizes) for i in range(size) for p in prompts}
-
-
-def cli(monkeypatch, capsys, *args) -> tuple[int, str, str]:
-    """`batchvl ARGS` in this process: (exit code, stdout, stderr)."""
-    from batchvl.cli import main
-
-    monkeypatch.setattr(sys, "argv", ["batchvl", *map(str, args)])
-    try:
-        main()
-        code = 0
-    except SystemExit as ended:
-        code = ended.code or 0
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
-def files_under(folder: Path) -> set[str]:
-    return {str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()}
-
-
-def closed_port_url() -> str:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    return f"http://127.0.0.1:{port}/v1"
 
 
 # What goes in a request
@@ -357,9 +298,6 @@ def test_an_answer_that_is_not_json_is_a_server_error_row(tmp_path, tiny_model_d
     assert garbled["status"] == "error" and garbled["error_type"] == "server_error"
     assert "not JSON" in garbled["error_message"]
     assert all(row["status"] == "ok" for row in rows.values()) and len(rows) == 3
-
-
-GONE_SIZES = [2, 2, 2, 2]  # 4 rows a shard with the two prompts
 
 
 def test_a_server_gone_mid_run_stops_it_after_the_finished_shards_and_the_rerun_completes(

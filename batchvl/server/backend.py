@@ -8,10 +8,13 @@ requests that finished since the last step, waiting briefly for one when none ha
 
 What a failure becomes (see `client.py` for the kinds): a rejected request is a `server_rejected` row; a
 transient failure is retried with backoff and, after `retries`, is a `server_error` row. A request that
-finds no server checks whether the server still answers; if it does not, the backend restarts a server it
-launched (at most `retries` times) and retries the request, or, with no server left, declares it gone:
-`step` raises `ServerGone`, and the requests it failed on are never results (the job stops, and a rerun
-runs them).
+finds no server, or no answer in time, checks whether the server still answers (a hung server times out
+there too); if it does not, the backend restarts a server it launched (at most `retries` times in a row
+without an answered request) and retries the request, or, with no server left, declares it gone: `step`
+raises `ServerGone`, and the requests it failed on are never results (the job stops, and a rerun runs
+them). Every retry after the server came back counts and waits its backoff, and the request goes alone
+(nothing else in flight): one that brings the server down each time it is sent alone is, after its
+retries, a `server_crash` row, and the rest of the job goes on.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from batchvl.server.process import ManagedServer
 logger = logging.getLogger(__name__)
 
 STEP_WAIT_S = 0.05  # how long a step waits for a finished request when none is ready
+HEALTH_TIMEOUT_S = 10.0  # longest a server that answers takes to list its models
 LOGGED_WAIT_S = 5.0  # a wait before a retry this long or longer is logged: the job is not hung
 
 
@@ -60,6 +64,8 @@ class ServerBackend:
         self.choice_tokens = choice_tokens  # scored choices' tokens, each ending in end-of-sequence
         self.server = server
         self.restarts = 0
+        # restarts since a request was last answered (or given up as the one that brings the server down)
+        self.restarts_in_a_row = 0
         self._stats = EngineStats()
         self._finished: queue.Queue[Future] = queue.Queue()
         self._unfinished = 0
@@ -143,6 +149,7 @@ class ServerBackend:
         )
         self._slots = asyncio.Semaphore(self.config.max_concurrency)
         self._recovering = asyncio.Lock()
+        self._alone = asyncio.Lock()
 
     async def _shutdown(self) -> None:
         tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
@@ -230,32 +237,63 @@ class ServerBackend:
 
     async def _post(self, body: dict) -> dict:
         """One chat completion, retried as the module says; a SampleError where it ends as a row."""
-        attempt = 0
+        attempt, suspect = 0, False
         while True:
+            alone = suspect or self.config.max_concurrency == 1
             try:
-                async with self._slots:
-                    return await post_json(
+                async with self._sending(alone):
+                    if suspect and not await self._answers():
+                        await self._recover()  # down from another request's crash: not this one's doing
+                    answer = await post_json(
                         self._client,
                         "/chat/completions",
                         body,
                         self.config.timeout_s,
                         payloads.answer_limit(body),
                     )
+                self.restarts_in_a_row = 0
+                return answer
             except Rejected as exc:
                 raise SampleError("server_rejected", f"the server refused the request: {exc}") from exc
-            except Unreachable as exc:
-                if not await self._answers():
+            except (Unreachable, Transient) as exc:
+                failure, wait = exc, getattr(exc, "retry_after_s", None)
+                lost = isinstance(exc, Unreachable) or exc.timed_out
+                if lost and not await self._answers():
+                    # The server died or hung with this request in flight: it counts, and is sent alone
+                    # from now on, so that a request that brings the server down each time is known as
+                    # such (an error row) rather than sent again after every recovery.
+                    attempt += 1
+                    if alone and attempt > self.config.retries:
+                        self.restarts_in_a_row = 0  # the request that brought it down is done
+                        raise SampleError(
+                            "server_crash",
+                            f"the server stopped answering each time this request was sent ({attempt} times, "
+                            f"the last alone): {failure}",
+                        ) from exc
                     await self._recover()
-                    continue  # the server is back (or restarted): retry without counting
-                failure, wait = exc, None
-            except Transient as exc:
-                failure, wait = exc, exc.retry_after_s
+                    suspect = True
+                    await self._back_off(attempt, f"the server stopped answering: {failure}")
+                    continue
             attempt += 1
             if attempt > self.config.retries:
                 raise SampleError(
                     "server_error", f"the request failed after {self.config.retries} retries: {failure}"
                 )
             await self._back_off(attempt, f"{failure}", wait)
+
+    @contextlib.asynccontextmanager
+    async def _sending(self, alone: bool):
+        """A slot to send a request in; `alone`: every slot, so that nothing else is in flight with it."""
+        wanted, held = self.config.max_concurrency if alone else 1, 0
+        try:
+            async with self._alone if alone else contextlib.nullcontext():  # one request alone at a time
+                while held < wanted:
+                    await self._slots.acquire()
+                    held += 1
+            yield
+        finally:
+            for _ in range(held):
+                self._slots.release()
 
     async def _back_off(self, attempt: int, why: str, retry_after_s: float | None = None) -> None:
         """Wait before retry number `attempt`: as the server's Retry-After says, else `backoff_s` doubled
@@ -268,7 +306,8 @@ class ServerBackend:
 
     async def _answers(self) -> bool:
         try:
-            return (await self._client.get("/models", timeout=10)).status_code == 200
+            timeout = min(HEALTH_TIMEOUT_S, self.config.timeout_s)
+            return (await self._client.get("/models", timeout=timeout)).status_code == 200
         except httpx.HTTPError:
             return False
 
@@ -284,11 +323,14 @@ class ServerBackend:
                 if (
                     self.server is not None
                     and not self.server.is_alive()
-                    and self.restarts < self.config.retries
+                    and self.restarts_in_a_row < self.config.retries
                 ):
                     self.restarts += 1
+                    self.restarts_in_a_row += 1
                     logger.warning(
-                        "the server died; restarting it (%d of %d)", self.restarts, self.config.retries
+                        "the server died; restarting it (%d of %d in a row)",
+                        self.restarts_in_a_row,
+                        self.config.retries,
                     )
                     try:
                         await asyncio.to_thread(self.server.restart)

@@ -1,0 +1,44 @@
+"""The fake OpenAI server (tests/fake_openai_server.py) as a program, for `engine.server.launch` in tests:
+it takes the arguments batchvl gives vLLM's server (`--model`, `--dtype`, `--served-model-name`, `--host`,
+`--port`) and serves until it is stopped. `--exit-on MARKER`: a request holding MARKER makes the process
+exit at once, unanswered (a request that crashes the server)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tests.fake_openai_server import FakeOpenAIServer, request_text  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--served-model-name")
+    parser.add_argument("--dtype")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--exit-on", action="append", default=[])
+    args = parser.parse_args()
+    server = FakeOpenAIServer(args.served_model_name or args.model, port=args.port)
+    answer = server.completion
+
+    def completion(body: dict):
+        if any(marker in request_text(body) for marker in args.exit_on):
+            print(f"exiting on {request_text(body)!r}", flush=True)
+            os._exit(3)
+        return answer(body)
+
+    server.completion = completion
+    print(f"serving {server.models} at {server.url}", flush=True)
+    with server:
+        threading.Event().wait()
+
+
+if __name__ == "__main__":
+    main()
