@@ -19,6 +19,9 @@ contain it:
   `/health` and `/v1/models` included, and connections stay open (a stopped process, a wedged GPU);
 - `gone_after = K`: after its K-th answered completion (planning's probes not counted) the server stops
   listening and drops every connection it has without an answer (a server gone mid-run).
+`edit(answer, body)`, where set, changes a completion's JSON answer before it is sent (a malformed one). With
+`logprobs` asked for, each word of the text is a token of log-probability -0.5 (`token_id:<i>` where
+`return_tokens_as_token_ids` is), its candidates the same.
 It records every request (path, headers, JSON body, arrival time) and the most completions in flight at
 once. The answer is `reply(body)`, by default "echo: " and the last user turn's text, with `usage` token
 counts of one per word.
@@ -78,6 +81,16 @@ def echo(body: dict) -> str:
     return "echo: " + last_user_text(body)
 
 
+def logprobs(content: str, body: dict) -> list[dict]:
+    """A log-probability entry per word of `content`, with `top_logprobs` candidates."""
+    as_ids = body.get("return_tokens_as_token_ids")
+    entries = []
+    for i, word in enumerate(content.split()):
+        token = {"token": f"token_id:{i + 1}" if as_ids else word, "logprob": -0.5}
+        entries.append({**token, "top_logprobs": [token] * body.get("top_logprobs", 0)})
+    return entries
+
+
 class _QuietServer(ThreadingHTTPServer):
     daemon_threads = True
 
@@ -89,6 +102,7 @@ class FakeOpenAIServer:
     def __init__(self, model: str = "served-model", port: int = 0):
         self.models = [model]
         self.reply: Callable[[dict], str] = echo
+        self.edit: Callable[[dict, dict], None] | None = None
         self.reject: dict[str, str] = {}
         self.fail: dict[str, Failure] = {}
         self.garble: set[str] = set()
@@ -221,6 +235,10 @@ class FakeOpenAIServer:
                 "total_tokens": len(text.split()) + len(content.split()),
             },
         }
+        if body.get("logprobs"):
+            answer["choices"][0]["logprobs"] = {"content": logprobs(content, body)}
+        if self.edit is not None:
+            self.edit(answer, body)
         return 200, {}, answer
 
 

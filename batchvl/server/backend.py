@@ -34,8 +34,8 @@ from batchvl.engine.choice_scoring import ChoiceTokenizer
 from batchvl.engine.request import EngineRequest, EngineResult
 from batchvl.engine.stats import EngineStats
 from batchvl.errors import SampleError, ServerGone
-from batchvl.server import payloads
-from batchvl.server.client import Rejected, Transient, Unreachable, api_headers, post_json
+from batchvl.server import answers, payloads
+from batchvl.server.client import Rejected, Transient, Unreachable, api_headers, described, post_json
 from batchvl.server.process import ManagedServer
 
 logger = logging.getLogger(__name__)
@@ -167,8 +167,8 @@ class ServerBackend:
                 result = await self._generate(item)
         except SampleError as error:
             result = EngineResult(item.tag, error=error)
-        except (KeyError, IndexError, TypeError) as exc:  # an answer without a chat completion's fields
-            error = SampleError("server_error", f"the server's answer lacks {exc}: not a chat completion")
+        except (KeyError, IndexError, TypeError, ValueError) as exc:  # what `answers` does not check
+            error = SampleError("server_error", f"the server's answer cannot be used ({described(exc)})")
             result = EngineResult(item.tag, error=error)
         result.latency_s = time.perf_counter() - started
         self._stats.prompt_tokens += result.num_prompt_tokens
@@ -176,23 +176,21 @@ class ServerBackend:
         return result
 
     async def _generate(self, item: EngineRequest) -> EngineResult:
-        response = await self._post(
-            payloads.chat_body(self.model, item, token_ids=self.tokenizer is not None)
+        body = payloads.chat_body(self.model, item, token_ids=self.tokenizer is not None)
+        answer = answers.generated(
+            await self._post(body), self.model, body["max_tokens"], item.sampling.wants_logprobs
         )
-        choice = response["choices"][0]
-        usage = response["usage"]
-        finish_reason = choice["finish_reason"]
         result = EngineResult(
             item.tag,
-            text=choice["message"]["content"] or "",
-            finish_reason=finish_reason,
-            num_prompt_tokens=usage["prompt_tokens"],
-            num_output_tokens=usage["completion_tokens"],
+            text=answer.text,
+            finish_reason=answer.finish_reason,
+            num_prompt_tokens=answer.prompt_tokens,
+            num_output_tokens=answer.completion_tokens,
             # the server's grammar ended the output only where it was complete, but for the token limit
-            is_complete=item.constraint is None or finish_reason != "length",
+            is_complete=item.constraint is None or answer.finish_reason != "length",
         )
         if item.sampling.wants_logprobs:
-            self._add_logprobs(result, choice["logprobs"]["content"], item.sampling.top_logprobs)
+            self._add_logprobs(result, answer.logprobs, item.sampling.top_logprobs)
         return result
 
     def _add_logprobs(self, result: EngineResult, content: list[dict], top_logprobs: int) -> None:
@@ -215,7 +213,8 @@ class ServerBackend:
         token_ids = self.choice_tokens(item.scored_choices)
         answers = [payloads.choice_answer(choice, self.choice_tokens) for choice in item.scored_choices]
         bodies = [payloads.choice_body(self.model, item, answer) for answer in answers]
-        responses = await asyncio.gather(*(self._post(body) for body in bodies))
+        posted = await asyncio.gather(*(self._post(body) for body in bodies))
+        responses = [answers.checked(response, self.model) for response in posted]
         k = item.sampling.top_logprobs
         scored = [payloads.scored_tokens(r, ids, k) for r, ids in zip(responses, token_ids, strict=True)]
         scores = [sum(s.logprobs) for s in scored]
