@@ -24,7 +24,7 @@ def main() -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--exit-on", action="append", default=[])
-    args = parser.parse_args()
+    args, _ = parser.parse_known_args()  # what a real server takes besides (--max-model-len, --api-key)
     server = FakeOpenAIServer(args.served_model_name or args.model, port=args.port)
     answer = server.completion
 

@@ -408,6 +408,7 @@ def test_a_server_that_refuses_a_prompts_kind_of_request_is_exit_2_before_any_wo
         (line,) = err.strip().splitlines()
         assert f"the server at {fake.url} refuses prompt 'digits''s request" in line
         assert "structured_outputs" in line and "HTTP 400" in line
+        assert line.endswith("change the prompt, or start the server with what that request needs")
     assert not (tmp_path / "out").exists()
     probe = fake.probes()[0].body
     assert probe["structured_outputs"] == {"regex": "[0-9]{3}"} and probe["max_tokens"] == 1

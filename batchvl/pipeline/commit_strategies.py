@@ -5,6 +5,7 @@ marker that makes the shard done."""
 from __future__ import annotations
 
 import json
+import shlex
 import time
 from collections.abc import Callable
 
@@ -19,14 +20,22 @@ from batchvl.outputs.writers import ResultRow, rows_to_table
 from batchvl.pipeline.constraints import scored_choices
 from batchvl.pipeline.tasks import TaskSlice
 from batchvl.storage.output_dir import OutputDir
+from batchvl.utils.secrets import MASK, masked_args, url_without_userinfo
 
 
 def stored_config(cfg: JobConfig) -> dict:
-    """The job config as each output file records it, without storage options' values (credentials)."""
+    """The job config as each output file records it, without credentials: storage options' values, a
+    server URL's user info, the values of secret-looking arguments of a server's launch command."""
     stored = config_to_dict(cfg)
     for section in ("input", "output"):
         options = stored[section]["storage_options"]
-        stored[section]["storage_options"] = dict.fromkeys(options, "<not recorded>")
+        stored[section]["storage_options"] = dict.fromkeys(options, MASK)
+    server = stored["engine"]["server"]
+    if server["url"] is not None:
+        server["url"] = url_without_userinfo(server["url"])
+    if server["launch"] is not None:
+        server["launch"] = shlex.join(masked_args(shlex.split(server["launch"])))
+    server["launch_args"] = masked_args(server["launch_args"])
     return stored
 
 

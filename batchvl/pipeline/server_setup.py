@@ -36,6 +36,7 @@ from batchvl.server.client import check_accepted, served_models
 from batchvl.server.process import ManagedServer
 from batchvl.storage import layout
 from batchvl.storage.output_dir import OutputDir
+from batchvl.utils.secrets import url_without_userinfo
 
 logger = logging.getLogger(__name__)
 
@@ -116,8 +117,8 @@ def check_served_model(url: str, model: str, key: str | None) -> None:
     served = served_models(url, key)
     if model not in served:
         raise UserError(
-            f"the server at {url} serves {served}, not '{model}'; set engine.server.model to the name it "
-            "serves (or model.path to the model it serves)"
+            f"the server at {url_without_userinfo(url)} serves {served}, not '{model}'; set "
+            "engine.server.model to the name it serves (or model.path to the model it serves)"
         )
 
 

@@ -35,7 +35,7 @@ from batchvl.engine.request import EngineRequest, EngineResult
 from batchvl.engine.stats import EngineStats
 from batchvl.errors import SampleError, ServerGone
 from batchvl.server import answers, payloads
-from batchvl.server.client import Rejected, Transient, Unreachable, api_headers, described, post_json
+from batchvl.server.client import Rejected, Transient, Unreachable, connection, described, post_json
 from batchvl.server.process import ManagedServer
 
 logger = logging.getLogger(__name__)
@@ -141,9 +141,11 @@ class ServerBackend:
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
 
     async def _open(self) -> None:
+        base_url, options = connection(self.url, self.api_key)
+        self.url = base_url
         self._client = httpx.AsyncClient(
-            base_url=self.url.rstrip("/"),
-            headers=api_headers(self.api_key),
+            base_url=base_url,
+            **options,
             timeout=self.config.timeout_s,
             limits=httpx.Limits(max_connections=self.config.max_concurrency),
         )
@@ -340,7 +342,8 @@ class ServerBackend:
                     continue
                 await self._back_off(attempt + 1, "the server does not answer")
             self._gone = ServerGone(
-                f"the server at {self.url} stopped answering (after {self.config.retries} retries"
+                f"the server at {self.url} stopped answering (after "
+                f"{self.config.retries} retries"
                 + (f" and {self.restarts} restart(s)" if self.server is not None else "")
                 + ")"
             )

@@ -23,6 +23,7 @@ import math
 import httpx
 
 from batchvl.errors import SampleError, UserError
+from batchvl.utils.secrets import url_without_userinfo
 
 ERROR_BODY_BYTES = 64 * 1024  # read of an error answer: its message is all that is kept
 
@@ -44,6 +45,14 @@ class Unreachable(Exception):
 
 def api_headers(api_key: str | None) -> dict:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def connection(url: str, api_key: str | None) -> tuple[str, dict]:
+    """The base URL of the server at `url` and the options every request to it goes with: the API key, and
+    the URL's user info as basic auth (the URL itself is kept without it: httpx logs each request's URL)."""
+    parts = httpx.URL(url)
+    auth = httpx.BasicAuth(parts.username, parts.password) if parts.username or parts.password else None
+    return url_without_userinfo(url).rstrip("/"), {"headers": api_headers(api_key), "auth": auth}
 
 
 def described(exc: BaseException) -> str:
@@ -133,38 +142,39 @@ def retry_after(value: str | None) -> float | None:
 
 
 def served_models(url: str, api_key: str | None, timeout_s: float = 10.0) -> list[str]:
-    """The model names a server serves (`GET /models`), or a one-line UserError saying why not."""
+    """The model names a server serves (`GET /models`), or a one-line UserError saying why not (naming the
+    URL without its user info)."""
+    shown, options = connection(url, api_key)
     try:
-        response = httpx.get(f"{url.rstrip('/')}/models", headers=api_headers(api_key), timeout=timeout_s)
+        response = httpx.get(f"{shown}/models", timeout=timeout_s, **options)
     except httpx.HTTPError as exc:
         raise UserError(
-            f"engine.server.url {url} does not answer ({described(exc)}); start the server, or "
+            f"engine.server.url {shown} does not answer ({described(exc)}); start the server, or "
             "fix the URL (it ends in /v1)"
         ) from exc
     if response.status_code != 200:
         message = _error_message(response.content)
         raise UserError(
-            f"engine.server.url {url}: GET /models answered HTTP {response.status_code} ({message}); check "
+            f"engine.server.url {shown}: GET /models answered HTTP {response.status_code} ({message}); check "
             "the URL (it ends in /v1) and engine.server.api_key_env"
         )
     try:
         return [entry["id"] for entry in response.json()["data"]]
     except (ValueError, KeyError, TypeError) as exc:
-        raise UserError(f"engine.server.url {url}: GET /models is not an OpenAI model list") from exc
+        raise UserError(f"engine.server.url {shown}: GET /models is not an OpenAI model list") from exc
 
 
 def check_accepted(url: str, api_key: str | None, body: dict, what: str, timeout_s: float) -> None:
     """Send one request as a probe; a UserError naming `what` where the server refuses it (HTTP 4xx). A
     probe that fails otherwise (a timeout, 5xx) decides nothing: the run's retries meet that."""
+    base, options = connection(url, api_key)
     try:
-        response = httpx.post(
-            f"{url.rstrip('/')}/chat/completions", json=body, headers=api_headers(api_key), timeout=timeout_s
-        )
+        response = httpx.post(f"{base}/chat/completions", json=body, timeout=timeout_s, **options)
     except httpx.HTTPError:
         return
     if 400 <= response.status_code < 500 and response.status_code not in (408, 429):
         message = _error_message(response.content)
         raise UserError(
-            f"the server at {url} refuses {what} (HTTP {response.status_code}: {message}); "
-            "use a server that takes it (vLLM does), or change the prompt"
+            f"the server at {base} refuses {what} (HTTP {response.status_code}: "
+            f"{message}); change the prompt, or start the server with what that request needs"
         )

@@ -23,6 +23,7 @@ from pathlib import Path
 import httpx
 
 from batchvl.errors import UserError
+from batchvl.utils.secrets import masked_args
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +66,7 @@ class ManagedServer:
         self.port = free_port()
         command = [*self.command, "--host", "127.0.0.1", "--port", str(self.port)]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        logger.info("starting the server: %s (log: %s)", shlex.join(command), self.log_path)
+        logger.info("starting the server: %s (log: %s)", shlex.join(masked_args(command)), self.log_path)
         with open(self.log_path, "ab") as log:
             try:
                 self.process = subprocess.Popen(
