@@ -17,6 +17,7 @@ no more of an answer is read than `max_bytes`.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import math
 
@@ -48,11 +49,23 @@ def api_headers(api_key: str | None) -> dict:
 
 
 def connection(url: str, api_key: str | None) -> tuple[str, dict]:
-    """The base URL of the server at `url` and the options every request to it goes with: the API key, and
-    the URL's user info as basic auth (the URL itself is kept without it: httpx logs each request's URL)."""
+    """The base URL of the server at `url` and the options every request to it goes with: the API key, the
+    URL's user info as basic auth (the URL itself is kept without it: httpx logs each request's URL), and
+    the environment's proxies (HTTP_PROXY, ...) for a server elsewhere, never for one on loopback."""
     parts = httpx.URL(url)
     auth = httpx.BasicAuth(parts.username, parts.password) if parts.username or parts.password else None
-    return url_without_userinfo(url).rstrip("/"), {"headers": api_headers(api_key), "auth": auth}
+    options = {"headers": api_headers(api_key), "auth": auth, "trust_env": not is_loopback(url)}
+    return url_without_userinfo(url).rstrip("/"), options
+
+
+def is_loopback(url: str) -> bool:
+    """Whether `url` names this machine (localhost, 127.0.0.0/8, ::1): no proxy can reach it as meant, and
+    a proxy would see the API key, the images and the prompts."""
+    host = httpx.URL(url).host
+    try:
+        return host == "localhost" or host.endswith(".localhost") or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def described(exc: BaseException) -> str:

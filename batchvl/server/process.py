@@ -93,8 +93,9 @@ class ManagedServer:
                     f"{self.log_path} ends: {self.log_tail()}"
                 )
             try:
-                healthy = httpx.get(f"{base}/health", timeout=5).status_code == 200
-                if healthy and httpx.get(f"{self.url}/models", timeout=5).status_code == 200:
+                # trust_env=False: a proxy of the environment (HTTP_PROXY) does not reach this loopback port
+                healthy = httpx.get(f"{base}/health", timeout=5, trust_env=False).status_code == 200
+                if healthy and httpx.get(f"{self.url}/models", timeout=5, trust_env=False).status_code == 200:
                     logger.info("the server answers at %s", self.url)
                     return
             except httpx.HTTPError:
