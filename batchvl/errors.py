@@ -32,7 +32,8 @@ ERROR_TYPES: dict[str, str] = {
     "video_unsupported": "a video where PyAV, which decodes it, is not installed (`pip install av`)",
     "unsupported_media": "a video given to a family that takes images only",
     "file_not_found": "a media path or object that does not exist",
-    "path_outside_root": "a media path that escapes `input.root`",
+    "path_outside_root": "a media path that leads outside `input.root` (absolute elsewhere, up with `..`, "
+    "or through a symbolic link)",
     "not_a_file": "a media path that is a directory, a named pipe or a device",
     "missing_image": "a row or tar sample without media",
     "bad_json": "a WebDataset `json` member that does not parse",

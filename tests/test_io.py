@@ -83,6 +83,23 @@ def test_path_column_is_confined_to_root(tmp_path):
     ]
 
 
+def test_an_absolute_path_inside_the_root_is_read_and_each_refusal_names_its_rule(tmp_path):
+    root = tmp_path / "data"
+    (root / "img").mkdir(parents=True)
+    (root / "img" / "ok.png").write_bytes(png_bytes())
+    (tmp_path / "secret.png").write_bytes(png_bytes())
+    os.symlink(tmp_path / "secret.png", root / "img" / "link.png")
+    paths = [str(root / "img" / "ok.png"), str(tmp_path / "secret.png"), "../secret.png", "img/link.png"]
+    samples = read_all(write_table(root / "p.parquet", {"image": paths}))
+    assert samples[0].error is None and samples[0].images[0].path == str(root / "img" / "ok.png")
+    assert [s.error.message for s in samples[1:]] == [
+        f"media path '{tmp_path / 'secret.png'}' is absolute and not under input.root '{root}'",
+        f"media path '../secret.png' climbs out of input.root '{root}' with '..'",
+        f"media path 'img/link.png' is a symbolic link (or lies under one) to {tmp_path / 'secret.png'}, "
+        f"outside input.root '{root}'",
+    ]
+
+
 def test_key_column_and_missing_columns(tmp_path):
     path = write_table(tmp_path / "k.parquet", {"image": [b"x", b"y", b"z"], "id": [10, None, 12]})
     # A null key is the row's index, as without a key column; never the text 'None'.

@@ -13,15 +13,26 @@ from batchvl.storage.remote import glob_remote, is_remote
 
 
 def resolve_under_root(path: str, root: str) -> str:
-    """Resolve a relative path under `root` (symlinks followed); refuse absolute paths and escapes."""
-    resolved = os.path.realpath(os.path.join(root, path))
-    if os.path.isabs(path) or os.path.commonpath([resolved, root]) != root:
-        raise SampleError("path_outside_root", f"media path '{path}' resolves outside input.root '{root}'")
+    """Resolve a media path, relative to `root` or absolute (symlinks followed), that must lead inside
+    `root`; the refusal of one that does not names the rule it broke."""
+    resolved = os.path.realpath(os.path.join(root, path))  # an absolute `path` is joined as itself
+    if os.path.commonpath([resolved, root]) != root:
+        raise SampleError("path_outside_root", f"media path '{path}' {_outside(path, root, resolved)}")
     if not os.path.exists(resolved):
         raise SampleError("file_not_found", f"media file not found: {resolved}")
     if not os.path.isfile(resolved):
         raise SampleError("not_a_file", f"media path is {_kind_of(resolved)}, not a file: {resolved}")
     return resolved
+
+
+def _outside(path: str, root: str, resolved: str) -> str:
+    """Which way `path` leads outside `root`, for its refusal."""
+    written = os.path.normpath(os.path.join(root, path))
+    if os.path.commonpath([written, root]) == root:
+        return f"is a symbolic link (or lies under one) to {resolved}, outside input.root '{root}'"
+    if os.path.isabs(path):
+        return f"is absolute and not under input.root '{root}'"
+    return f"climbs out of input.root '{root}' with '..'"
 
 
 def _kind_of(path: str) -> str:
