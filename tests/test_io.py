@@ -66,12 +66,18 @@ def test_bytes_struct_list_and_missing_cells(tmp_path):
     assert samples[1].error.error_type == "missing_image"
 
 
-def test_path_column_is_confined_to_root(tmp_path):
+def root_with_a_link_out(tmp_path):
+    """A root `data/` holding img/ok.png and img/link.png, a symbolic link to secret.png beside the root."""
     root = tmp_path / "data"
     (root / "img").mkdir(parents=True)
     (root / "img" / "ok.png").write_bytes(png_bytes())
     (tmp_path / "secret.png").write_bytes(png_bytes())
     os.symlink(tmp_path / "secret.png", root / "img" / "link.png")
+    return root
+
+
+def test_path_column_is_confined_to_root(tmp_path):
+    root = root_with_a_link_out(tmp_path)
     paths = ["img/ok.png", "../../etc/passwd", "/etc/passwd", "img/link.png", "img/missing.png"]
     samples = read_all(write_table(root / "p.parquet", {"image": paths}))
     assert samples[0].error is None and samples[0].images[0].path == str(root / "img" / "ok.png")
@@ -84,11 +90,7 @@ def test_path_column_is_confined_to_root(tmp_path):
 
 
 def test_an_absolute_path_inside_the_root_is_read_and_each_refusal_names_its_rule(tmp_path):
-    root = tmp_path / "data"
-    (root / "img").mkdir(parents=True)
-    (root / "img" / "ok.png").write_bytes(png_bytes())
-    (tmp_path / "secret.png").write_bytes(png_bytes())
-    os.symlink(tmp_path / "secret.png", root / "img" / "link.png")
+    root = root_with_a_link_out(tmp_path)
     paths = [str(root / "img" / "ok.png"), str(tmp_path / "secret.png"), "../secret.png", "img/link.png"]
     samples = read_all(write_table(root / "p.parquet", {"image": paths}))
     assert samples[0].error is None and samples[0].images[0].path == str(root / "img" / "ok.png")
