@@ -1,6 +1,7 @@
 """The fake OpenAI server (tests/fake_openai_server.py) as a program, for `engine.server.launch` in tests:
 it takes the arguments batchvl gives vLLM's server (`--model`, `--dtype`, `--served-model-name`, `--host`,
-`--port`) and serves until it is stopped. `--exit-on MARKER`: a request holding MARKER makes the process
+`--port`) and serves until it is stopped; a flag `--bogus...` is refused as a server refuses a flag it does
+not know. `--exit-on MARKER`: a request holding MARKER makes the process
 exit at once, unanswered (a request that crashes the server)."""
 
 from __future__ import annotations
@@ -24,7 +25,13 @@ def main() -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--exit-on", action="append", default=[])
-    args, _ = parser.parse_known_args()  # what a real server takes besides (--max-model-len, --api-key)
+    args, others = parser.parse_known_args()  # what a real server takes besides (--max-model-len, --api-key)
+    bogus = [arg for arg in others if arg.startswith("--bogus")]
+    if bogus:  # as vLLM's server: its long usage text, then the error, on a flag it does not know
+        print(
+            "usage: api_server.py " + " ".join(f"[--option-{i} VALUE]" for i in range(200)), file=sys.stderr
+        )
+        parser.error(f"unrecognized arguments: {' '.join(others)}")
     server = FakeOpenAIServer(args.served_model_name or args.model, port=args.port)
     answer = server.completion
 

@@ -1,3 +1,4 @@
+import base64
 import hashlib
 import io
 import os
@@ -100,6 +101,20 @@ def test_an_absolute_path_inside_the_root_is_read_and_each_refusal_names_its_rul
         f"media path 'img/link.png' is a symbolic link (or lies under one) to {tmp_path / 'secret.png'}, "
         f"outside input.root '{root}'",
     ]
+
+
+def test_a_data_url_cell_is_the_image_it_holds(tmp_path):
+    image = png_bytes()
+    cells = [
+        "data:image/png;base64," + base64.b64encode(image).decode(),
+        "DATA:image/png;base64,@@@",
+        "data:,x",
+    ]
+    samples = read_all(write_table(tmp_path / "d.parquet", {"image": cells}))
+    assert samples[0].error is None and samples[0].images[0].data == image
+    assert [s.error.error_type for s in samples[1:]] == ["image_decode_error", "image_decode_error"]
+    assert "the data: image is not valid base64" in samples[1].error.message
+    assert "a data: image must be base64-encoded" in samples[2].error.message
 
 
 def test_key_column_and_missing_columns(tmp_path):

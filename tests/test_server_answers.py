@@ -5,8 +5,10 @@ its text parts."""
 
 from __future__ import annotations
 
+import httpx
 import pytest
 
+from batchvl.server.client import described
 from tests.fake_openai_server import FakeOpenAIServer
 from tests.server_jobs import all_requests, at, rows_by_request, run, write_job
 
@@ -44,6 +46,7 @@ def first_logprob(value):
 
 
 CASES = {
+    "no_choices": (lambda answer: answer.update(choices=[]), "choices: [] should be non-empty"),
     "content_int": (set_content(42), "choices/0/message/content: 42 is not of type"),
     "usage_str": (set_usage(prompt_tokens="five"), "usage/prompt_tokens: 'five' is not of type 'integer'"),
     "surrogate": (
@@ -98,3 +101,10 @@ def test_content_given_as_parts_is_its_text_parts(tmp_path, tiny_model_dir, fake
         ("s0-0", "caption"): "a cat on a mat",
         ("s0-0", "short"): "a cat on a mat",
     }
+
+
+def test_a_failure_without_a_message_is_named_by_its_type_alone():
+    assert described(httpx.ReadError("")) == "ReadError"  # not "ReadError: "
+    assert described(httpx.ConnectError("[Errno 111] Connection refused")) == (
+        "ConnectError: [Errno 111] Connection refused"
+    )

@@ -482,6 +482,16 @@ def python_server_config(backend: str, **server) -> JobConfig:
             "'engine.server' applies to engine.backend: openai; set it, or remove engine.server",
         ),
         ("openai", {"url": "127.0.0.1:8000/v1"}, "'engine.server.url' must be an http(s) URL"),
+        (
+            "openai",
+            {"url": "http://127.0.0.1:8000/v1", "api_key_env": ""},
+            "'engine.server.api_key_env' must be the name of the environment variable holding the API key",
+        ),
+        (
+            "openai",
+            {"url": "http://127.0.0.1:8000/v1", "api_key_env": "sk-live-a81f"},  # the key, not its variable
+            "(letters, digits and _, e.g. OPENAI_API_KEY), not the key itself; or remove it",
+        ),
     ],
 )
 def test_server_key_mistakes_are_the_same_one_line_error_in_python_and_yaml(
@@ -500,6 +510,7 @@ def test_server_key_mistakes_are_the_same_one_line_error_in_python_and_yaml(
         load_job_config(tmp_path / "job.yaml")
     assert str(built.value) == str(loaded.value)
     assert fragment in str(built.value) and "\n" not in str(built.value)
+    assert "sk-live" not in str(built.value)
 
 
 def test_the_backend_and_the_served_model_define_the_output_but_not_how_the_server_is_reached():
@@ -634,9 +645,9 @@ def test_a_job_never_has_more_than_max_concurrency_requests_at_the_server(tmp_pa
 # Image URLs
 
 
-@pytest.mark.parametrize("pass_urls", [True, False])
+@pytest.mark.parametrize(("pass_urls", "scheme"), [(True, "http"), (True, "HTTP"), (False, "http")])
 def test_image_urls_go_to_the_server_as_they_are_with_pass_urls_else_as_the_downloaded_bytes(
-    tmp_path, tiny_model_dir, fake, pass_urls
+    tmp_path, tiny_model_dir, fake, pass_urls, scheme
 ):
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -646,7 +657,7 @@ def test_image_urls_go_to_the_server_as_they_are_with_pass_urls_else_as_the_down
 
     image = png_bytes(random_image(30, 40, seed=0))
     with LoopbackServer() as images:
-        url = images.add_image("a.png", image)
+        url = images.add_image("a.png", image).replace("http://", f"{scheme}://")  # schemes are any case
         write_job(tmp_path, tiny_model_dir, at(fake.url, pass_urls=pass_urls), sizes=[], prompts=PROMPTS[:1])
         pq.write_table(pa.table({"key": ["u0"], "image": [url]}), tmp_path / "data" / "part-0.parquet")
         job = tmp_path / "job.yaml"

@@ -104,3 +104,16 @@ def test_a_request_that_crashes_a_launched_server_each_time_is_a_server_crash_ro
     log = (tmp_path / "out" / "_batchvl" / "logs" / "server-0.log").read_text()
     assert log.count("exiting on 'Describe s0-1.'") == 3 and log.count("serving [") == 4
     assert summary.stats["samples"] == 4
+
+
+def test_a_launched_server_that_refuses_its_arguments_is_one_short_line_naming_the_problem(
+    tmp_path, tiny_model_dir, monkeypatch, capsys
+):
+    job = write_job(tmp_path, tiny_model_dir, launched("--bogus-flag", "1"), sizes=[1])
+    code, _, err = cli(monkeypatch, capsys, "run", job, "--no-progress")
+
+    assert code == 2
+    (line,) = err.strip().splitlines()
+    assert "the server exited with code 2 while starting: " in line
+    assert "error: unrecognized arguments: --bogus-flag 1" in line and "--option-" not in line
+    assert len(line) < 500

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import typing
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -437,6 +438,12 @@ def _check_server(engine: EngineConfig) -> None:
         raise ConfigError(f"'engine.server.url' must be an http(s) URL, got {server.url!r}")
     if server.launch_args and server.launch is None:
         raise ConfigError("'engine.server.launch_args' applies to 'engine.server.launch'; remove it")
+    if server.api_key_env is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", server.api_key_env):
+        # not echoed: a value that is no variable's name may be the key itself
+        raise ConfigError(
+            "'engine.server.api_key_env' must be the name of the environment variable holding the API key "
+            "(letters, digits and _, e.g. OPENAI_API_KEY), not the key itself; or remove it"
+        )
 
 
 LABEL_COLUMNS = ("shard", "key", "sample_index")  # the label table's own columns, before the prompts'

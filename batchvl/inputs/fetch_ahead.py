@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 from batchvl.errors import SampleError
-from batchvl.inputs.download import Downloader, DownloadStats
+from batchvl.inputs.download import URL_SCHEMES, Downloader, DownloadStats
 from batchvl.inputs.types import MediaRef, Sample, ShardEnd, ShardInfo
 
 logger = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ def media_ready(sample: Sample) -> Sample:
 
 def is_fetched(url: str | None, pass_http_urls: bool = False) -> bool:
     """Whether batchvl downloads a media URL: always, but for an http(s) one a server fetches itself."""
-    return url is not None and not (pass_http_urls and url.startswith(("http://", "https://")))
+    return url is not None and not (pass_http_urls and url[:8].lower().startswith(URL_SCHEMES))
 
 
 def has_urls(item, fetched: Callable[[str | None], bool] = is_fetched) -> bool:

@@ -19,8 +19,6 @@ repeated ones), then for its requests; a file of 10,000 requests takes the memor
 
 from __future__ import annotations
 
-import base64
-import binascii
 import io
 import json
 from array import array
@@ -32,6 +30,7 @@ import xxhash
 
 from batchvl.config import InputConfig
 from batchvl.errors import SampleError
+from batchvl.inputs.data_urls import data_url_bytes, is_data_url
 from batchvl.inputs.download import is_url
 from batchvl.inputs.paths import stream_shards
 from batchvl.inputs.types import ChatRequest, MediaRef, Sample, ShardEnd, ShardInfo
@@ -50,8 +49,6 @@ UNSUPPORTED = {
     "modalities": "output modalities",
     "prediction": "predicted outputs",
 }
-
-URL_SAFE = str.maketrans("-_", "+/")
 
 
 class OpenAIBatchSource:
@@ -200,31 +197,17 @@ def _image(spec: Any, where: str) -> MediaRef:
     url = spec.get("url") if isinstance(spec, dict) else spec
     if not isinstance(url, str):
         raise SampleError("bad_request", f"{where}: image_url needs a url")
-    if url.startswith("data:"):
-        header, _, payload = url.partition(",")
-        if ";base64" not in header:
-            raise SampleError("bad_request", f"{where}: a data: image must be base64-encoded")
+    if is_data_url(url):
         try:
-            return MediaRef(_base64_bytes(payload), None)
-        except (binascii.Error, ValueError) as exc:
-            raise SampleError(
-                "bad_request", f"{where}: the data: image is not valid base64 ({exc})"
-            ) from None
+            return MediaRef(data_url_bytes(url), None)
+        except ValueError as exc:
+            raise SampleError("bad_request", f"{where}: {exc}") from None
     if is_url(url):
         return MediaRef(None, None, "image", url)
     raise SampleError(
         "unsupported_request",
         f"{where}: image_url must be an http(s), data: or object-store (s3://, gs://) URL, got {url[:60]!r}",
     )
-
-
-def _base64_bytes(payload: str) -> bytes:
-    """Standard or URL-safe base64, MIME-wrapped (line breaks, spaces) or not, padded or not; any other
-    character is refused."""
-    text = "".join(payload.split()).translate(URL_SAFE)
-    if "=" not in text:
-        text += "=" * (-len(text) % 4)
-    return base64.b64decode(text, validate=True)
 
 
 def _positive_int(body: dict, key: str) -> int | None:

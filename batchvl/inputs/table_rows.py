@@ -10,6 +10,7 @@ from typing import Any
 import pyarrow as pa
 
 from batchvl.errors import SampleError, UserError
+from batchvl.inputs.data_urls import data_url_bytes, is_data_url
 from batchvl.inputs.download import is_url, split_url
 from batchvl.inputs.paths import resolve_under_root
 from batchvl.inputs.types import VIDEO_EXTENSIONS, MediaRef, Sample, ShardEnd, ShardInfo, is_scalar
@@ -19,8 +20,8 @@ logger = logging.getLogger(__name__)
 
 class RowSampler:
     """Turns the rows of one shard into samples; the media column holds bytes, a {bytes, path} struct
-    (the Hugging Face Image feature), a path under the root, an http(s) or object-store URL, or a list of
-    these."""
+    (the Hugging Face Image feature), a path under the root, an http(s) or object-store URL, a base64
+    `data:` URL, or a list of these."""
 
     def __init__(self, image_column: str, key_column: str | None, root: str | None):
         self.image_column = image_column
@@ -85,6 +86,11 @@ class RowSampler:
         if isinstance(cell, bytes):  # empty bytes too: that is a broken image, not a missing one
             return MediaRef(cell, None)
         if isinstance(cell, str) and cell:
+            if is_data_url(cell):  # the image itself, as an openai_batch line may give it
+                try:
+                    return MediaRef(data_url_bytes(cell), None)
+                except ValueError as exc:
+                    raise SampleError("image_decode_error", f"media cell {cell[:40]!r}...: {exc}") from None
             if is_url(cell):  # fetched by the preprocessing worker
                 path = split_url(cell)[0].path.lower()
                 return MediaRef(None, None, "video" if path.endswith(VIDEO_EXTENSIONS) else "image", cell)

@@ -12,6 +12,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import re
 import shlex
 import signal
 import socket
@@ -29,7 +30,9 @@ logger = logging.getLogger(__name__)
 
 STOP_GRACE_S = 15.0  # SIGTERM, then this long before SIGKILL
 POLL_S = 0.5
-LOG_TAIL_BYTES = 2000
+LOG_TAIL_BYTES = 16 * 1024  # the end of a server's log read for why it did not start
+PROBLEM_CHARS = 300  # the most of it a one-line error quotes
+ERROR_WORDS = re.compile(r"error|exception|unrecognized|invalid|not found|no such", re.IGNORECASE)
 
 
 def free_port() -> int:
@@ -89,8 +92,8 @@ class ManagedServer:
         while time.monotonic() < deadline:
             if not self.is_alive():
                 raise UserError(
-                    f"the server exited with code {self.process.returncode} while starting; its log "
-                    f"{self.log_path} ends: {self.log_tail()}"
+                    f"the server exited with code {self.process.returncode} while starting: "
+                    f"{self.log_problem()} (its log: {self.log_path})"
                 )
             try:
                 # trust_env=False: a proxy of the environment (HTTP_PROXY) does not reach this loopback port
@@ -125,13 +128,19 @@ class ManagedServer:
         self.stop()
         self.start()
 
-    def log_tail(self) -> str:
+    def log_problem(self) -> str:
+        """What the end of the server's log says went wrong: its last line naming an error (a server's
+        usage text and traceback above it are many lines), else its last line, cut to PROBLEM_CHARS."""
         try:
             with open(self.log_path, "rb") as log:
                 log.seek(max(0, log.seek(0, os.SEEK_END) - LOG_TAIL_BYTES))
-                return log.read().decode(errors="replace").strip().replace("\n", " | ")[-LOG_TAIL_BYTES:]
+                lines = [line.strip() for line in log.read().decode(errors="replace").splitlines()]
         except OSError:
             return "(no log)"
+        lines = [line for line in lines if line] or ["(an empty log)"]
+        named = [line for line in lines if ERROR_WORDS.search(line)]
+        line = (named or lines)[-1]
+        return line if len(line) <= PROBLEM_CHARS else line[: PROBLEM_CHARS - 3] + "..."
 
 
 def _signal_group(pid: int, signum: int) -> None:
