@@ -2,7 +2,8 @@
 it takes the arguments batchvl gives vLLM's server (`--model`, `--dtype`, `--served-model-name`, `--host`,
 `--port`) and serves until it is stopped; a flag `--bogus...` is refused as a server refuses a flag it does
 not know. `--exit-on MARKER`: a request holding MARKER makes the process
-exit at once, unanswered (a request that crashes the server)."""
+exit at once, unanswered (a request that crashes the server); `--hold-s S`: every completion waits S
+seconds."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ def main() -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--exit-on", action="append", default=[])
+    parser.add_argument("--hold-s", type=float, default=0.0)
     args, others = parser.parse_known_args()  # what a real server takes besides (--max-model-len, --api-key)
     bogus = [arg for arg in others if arg.startswith("--bogus")]
     if bogus:  # as vLLM's server: its long usage text, then the error, on a flag it does not know
@@ -42,7 +44,8 @@ def main() -> None:
         return answer(body)
 
     server.completion = completion
-    print(f"serving {server.models} at {server.url}", flush=True)
+    server.hold_s = args.hold_s
+    print(f"serving {server.models} at {server.url} (pid {os.getpid()})", flush=True)
     with server:
         threading.Event().wait()
 

@@ -3,6 +3,10 @@ request that brings the server down each time it is sent. Each ends in seconds."
 
 from __future__ import annotations
 
+import os
+import re
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -117,3 +121,48 @@ def test_a_launched_server_that_refuses_its_arguments_is_one_short_line_naming_t
     assert "the server exited with code 2 while starting: " in line
     assert "error: unrecognized arguments: --bogus-flag 1" in line and "--option-" not in line
     assert len(line) < 500
+
+
+def test_a_server_its_launch_command_wraps_without_exec_goes_when_batchvl_is_killed(tmp_path, tiny_model_dir):
+    # The launch command is a shell that runs the server as its child (not exec'd): the kernel's
+    # parent-death signal reaches the shell alone.
+    wrapper = f'{sys.executable} {FAKE_SERVER_PROGRAM} "$@"; echo the server ended'
+    server = {"launch": f"bash -c '{wrapper}' wrapper", "launch_args": ["--hold-s", "60"]}
+    job = write_job(tmp_path, tiny_model_dir, server, sizes=[1])
+    log = tmp_path / "out" / "_batchvl" / "logs" / "server-0.log"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    run = subprocess.Popen(
+        [sys.executable, "-m", "batchvl", "run", str(job), "--no-progress"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    server_pid = None
+    try:
+        deadline = time.monotonic() + 60
+        while server_pid is None:
+            assert time.monotonic() < deadline and run.poll() is None, "the server did not start"
+            found = re.search(r"\(pid (\d+)\)", log.read_text()) if log.exists() else None
+            server_pid = int(found.group(1)) if found else None
+            time.sleep(0.1)
+        time.sleep(1)  # the job's requests wait at the server
+        run.kill()
+        run.wait()
+        assert gone_within(server_pid, 20), "the wrapped server outlived batchvl"
+    finally:
+        run.kill()
+        if server_pid is not None and not gone_within(server_pid, 0):
+            os.kill(server_pid, signal.SIGKILL)
+
+
+def gone_within(pid: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)

@@ -2,8 +2,10 @@
 
 It runs in its own process group (so stopping it stops what it spawned, as vLLM's engine process) on a free
 loopback port, with its output in a log file, and is ready when `/health` and `/v1/models` answer. Stopping
-is SIGTERM to the group, then SIGKILL after a grace period. On Linux the server also gets SIGTERM when
-batchvl's process dies without stopping it (PR_SET_PDEATHSIG), so a killed job leaves no server behind.
+is SIGTERM to the group, then SIGKILL after a grace period. When batchvl's process dies without stopping
+it (SIGKILL), a small watcher process (`group_watch.py`) stops the group, so a killed job leaves no server
+behind, even one its launch command wraps without `exec`; on Linux the command's own process also gets
+SIGTERM from the kernel (PR_SET_PDEATHSIG).
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ class ManagedServer:
         self.log_path = log_path
         self.startup_timeout_s = startup_timeout_s
         self.process: subprocess.Popen | None = None
+        self._watcher: subprocess.Popen | None = None
         self.port = 0
 
     @property
@@ -84,6 +87,7 @@ class ManagedServer:
                 raise UserError(
                     f"engine.server.launch: cannot run {command[0]!r} ({exc}); fix the command"
                 ) from exc
+        self._watcher = _group_watcher(self.process.pid)
         self._wait_ready()
 
     def _wait_ready(self) -> None:
@@ -113,16 +117,19 @@ class ManagedServer:
     def stop(self) -> None:
         """SIGTERM to its process group, SIGKILL after the grace period; returns once it has exited."""
         process, self.process = self.process, None
-        if process is None or process.poll() is not None:
+        watcher, self._watcher = self._watcher, None
+        if watcher is not None:  # the server is stopped here, not by it
+            watcher.kill()
+            watcher.wait()
+        if process is None:
             return
-        logger.info("stopping the server (pid %d)", process.pid)
-        _signal_group(process.pid, signal.SIGTERM)
-        try:
-            process.wait(STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
-            _signal_group(process.pid, signal.SIGKILL)
-            process.wait()
+        if process.poll() is None:
+            logger.info("stopping the server (pid %d)", process.pid)
+            _signal_group(process.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(STOP_GRACE_S)
         _signal_group(process.pid, signal.SIGKILL)  # what it spawned and left behind
+        process.wait()
 
     def restart(self) -> None:
         self.stop()
@@ -141,6 +148,13 @@ class ManagedServer:
         named = [line for line in lines if ERROR_WORDS.search(line)]
         line = (named or lines)[-1]
         return line if len(line) <= PROBLEM_CHARS else line[: PROBLEM_CHARS - 3] + "..."
+
+
+def _group_watcher(group: int) -> subprocess.Popen:
+    """A process that stops the server's group once this process is gone (`group_watch.py`)."""
+    watch = Path(__file__).with_name("group_watch.py")
+    command = [sys.executable, str(watch), str(os.getpid()), str(group), str(STOP_GRACE_S)]
+    return subprocess.Popen(command, stdin=subprocess.DEVNULL, start_new_session=True)
 
 
 def _signal_group(pid: int, signum: int) -> None:
