@@ -65,7 +65,7 @@ ERROR_TYPES: dict[str, str] = {
     "bad_request": "an `openai_batch` line that is malformed (not JSON, no custom_id or messages, a "
     "custom_id an earlier line has, a schema that cannot be used)",
     "unsupported_request": "an `openai_batch` line that asks for what batchvl does not do (another "
-    "endpoint, tools, `n` > 1, audio)",
+    "endpoint, tools, `n` > 1, audio, log-probabilities in the output)",
     "server_rejected": "the server (engine.backend: openai) refused the request with an HTTP 4xx (an image "
     "its processor refuses, a prompt over its context); the message is the server's",
     "server_error": "the server failed the request (a timeout, HTTP 429 or 5xx) after "

@@ -91,12 +91,19 @@ def generate_text(model, processor, messages: list[dict], images: list, max_new_
         (line("x", [user("hi", "data:image/png;base64,***")]), "bad_request", "base64"),
         (line("x", [user("hi")], response_format={"type": "grammar"}), "unsupported_request", "grammar"),
         (line("x", [{"role": "robot", "content": "hi"}]), "bad_request", "role"),
+        (line("x", [user("hi")], logprobs=True), "unsupported_request", "body.logprobs: log-probabilities"),
+        (line("x", [user("hi")], top_logprobs=2), "unsupported_request", "body.top_logprobs: log-prob"),
     ],
 )  # fmt: skip
 def test_lines_that_cannot_run_as_asked_are_errors_of_their_own_type(text, error_type, words):
     sample = parse_line("s.jsonl", 0, 7, text)
     assert sample.error is not None and sample.error.error_type == error_type
     assert words in sample.error.message
+
+
+def test_a_line_that_does_not_ask_for_log_probabilities_runs():
+    sample = parse_line("s.jsonl", 0, 7, line("x", [user("hi")], logprobs=False, top_logprobs=0))
+    assert sample.error is None and sample.chat is not None
 
 
 def test_a_line_becomes_its_messages_media_and_sampling():

@@ -7,7 +7,8 @@ Messages (system, user, assistant turns) keep their order and are rendered with 
 downloaded like a table's URL cells). `max_tokens` (or `max_completion_tokens`), `temperature`, `top_p`,
 `stop` and `seed` override the job's sampling for that request; `response_format` `json_schema` or
 `json_object` constrains the output. A line that cannot be run as asked is an error row: `bad_request`
-(not JSON, no custom_id, no messages) or `unsupported_request` (another endpoint, tools, n > 1, audio).
+(not JSON, no custom_id, no messages) or `unsupported_request` (another endpoint, tools, n > 1, audio,
+log-probabilities).
 
 Lines end at `\n` (or `\r\n`): a bare `\r` is JSON whitespace inside a line; a UTF-8 BOM at the start is
 dropped. Each custom_id names one request: a line that repeats an earlier line's custom_id is a `bad_request`
@@ -48,6 +49,9 @@ UNSUPPORTED = {
     "audio": "audio output",
     "modalities": "output modalities",
     "prediction": "predicted outputs",
+    # the output line's `logprobs` is null: a line asking for them would silently get none
+    "logprobs": "log-probabilities in the output (sampling.logprobs gives them as result columns)",
+    "top_logprobs": "log-probabilities in the output (sampling.top_logprobs gives them as result columns)",
 }
 
 
