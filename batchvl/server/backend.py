@@ -196,7 +196,7 @@ class ServerBackend:
         return result
 
     def _add_logprobs(self, result: EngineResult, content: list[dict], top_logprobs: int) -> None:
-        result.token_logprobs = [float(entry["logprob"]) for entry in content]
+        result.token_logprobs = [payloads.logprob_of(entry) for entry in content]
         if top_logprobs:
             result.top_logprobs = [
                 [self._token(candidate) for candidate in entry["top_logprobs"][:top_logprobs]]
@@ -207,7 +207,7 @@ class ServerBackend:
         token_id, text = payloads.token_of(entry)
         if token_id is not None and self.tokenizer is not None:
             text = self.tokenizer.decode([token_id])
-        return text, token_id, float(entry["logprob"])
+        return text, token_id, payloads.logprob_of(entry)
 
     async def _score_choices(self, item: EngineRequest) -> EngineResult:
         if self.choice_tokens is None:

@@ -21,6 +21,7 @@ from batchvl.engine.structured_output import OutputConstraint
 from batchvl.errors import SampleError
 
 TOKEN_ID_PREFIX = "token_id:"  # how vLLM writes a token with `return_tokens_as_token_ids`
+VLLM_NO_LOGPROB = -9999.0  # what vLLM writes for the log-probability of a token it cannot sample
 
 # What an answer may weigh: its envelope, then per token it may hold at most this many bytes per entry (its
 # text JSON-escaped, and each log-probability candidate's token, bytes and value). A scored choice's answer
@@ -145,10 +146,17 @@ def scored_tokens(response: dict, token_ids: list[int], top_logprobs: int) -> Sc
                 f"the server tokenized the choice differently (expected token {token} at its position, got "
                 f"{sorted(entry)}); use the tokenizer the server uses at model.path",
             )
-        logprobs.append(float(own["logprob"]))
+        logprobs.append(logprob_of(own))
         ranked = sorted(((int(t), v) for t, v in entry.items()), key=lambda item: item[1]["rank"])
-        top.append([(t, float(v["logprob"])) for t, v in ranked if v["rank"] <= top_logprobs][:top_logprobs])
+        top.append([(t, logprob_of(v)) for t, v in ranked if v["rank"] <= top_logprobs][:top_logprobs])
     return ScoredTokens(logprobs, top)
+
+
+def logprob_of(entry: dict) -> float:
+    """An entry's log-probability as the engine writes it: vLLM writes a token of probability 0 (one a
+    grammar masks) as VLLM_NO_LOGPROB, JSON having no -inf; the engine writes -inf."""
+    value = float(entry["logprob"])
+    return float("-inf") if value <= VLLM_NO_LOGPROB else value
 
 
 def token_of(entry: dict) -> tuple[int | None, str]:
