@@ -166,6 +166,14 @@ def test_429_and_503_are_retried_until_the_request_is_answered(tmp_path, tiny_mo
     assert len(fake.completions()) == len(all_requests()) + 3  # nothing else was sent twice
 
 
+@pytest.mark.parametrize("status", [500, 502, 408])
+def test_other_transient_statuses_are_retried_too(tmp_path, tiny_model_dir, fake, status):
+    fake.fail["Describe s0-1."] = Failure(status, times=1)
+    run(write_job(tmp_path, tiny_model_dir, at(fake.url), sizes=[2]))
+    assert len(fake.completions("Describe s0-1.")) == 2
+    assert rows_by_request(tmp_path, 1)["s0-1", "caption"]["status"] == "ok"
+
+
 def test_a_retry_waits_as_long_as_retry_after_says(tmp_path, tiny_model_dir, fake):
     fake.fail["Describe s0-1."] = Failure(503, times=1, retry_after="1")
     run(write_job(tmp_path, tiny_model_dir, at(fake.url), sizes=[2]))  # backoff_s alone would wait 0.01 s
@@ -253,8 +261,9 @@ def test_a_400_is_a_server_rejected_row_with_the_servers_message_and_is_not_retr
 
 
 def test_a_request_over_the_timeout_is_retried_then_a_server_error_row(tmp_path, tiny_model_dir, fake):
-    fake.stall["Describe s0-0."] = 1.5
-    run(write_job(tmp_path, tiny_model_dir, at(fake.url, timeout_s=0.3, retries=1), sizes=[2]))
+    # a timeout the other requests keep to on a loaded machine, and a stall far over it
+    fake.stall["Describe s0-0."] = 5
+    run(write_job(tmp_path, tiny_model_dir, at(fake.url, timeout_s=1.5, retries=1), sizes=[2]))
 
     rows = rows_by_request(tmp_path, 1)
     timed_out = rows.pop(("s0-0", "caption"))
@@ -414,6 +423,18 @@ def test_a_server_that_refuses_a_prompts_kind_of_request_is_exit_2_before_any_wo
     assert probe["structured_outputs"] == {"regex": "[0-9]{3}"} and probe["max_tokens"] == 1
 
 
+def test_a_probe_that_meets_a_5xx_decides_nothing_and_the_job_runs(
+    tmp_path, tiny_model_dir, fake, monkeypatch, capsys
+):
+    fake.fail[PROBE_TEXT] = Failure(503)  # a busy server: the run's retries meet that, not planning
+    prompts = [{"name": "digits", "text": "Digits {key}", "regex": "[0-9]{3}"}]
+    fake.reply = lambda body: "123"
+    job = write_job(tmp_path, tiny_model_dir, at(fake.url), sizes=[1], prompts=prompts)
+    code, _, err = cli(monkeypatch, capsys, "run", job, "--no-progress")
+    assert code == 0, err
+    assert len(fake.probes()) == 1 and rows_by_request(tmp_path, 1)["s0-0", "digits"]["status"] == "ok"
+
+
 def test_scored_choices_without_the_models_tokenizer_are_exit_2_before_any_work(
     tmp_path, monkeypatch, capsys
 ):
@@ -482,6 +503,11 @@ def python_server_config(backend: str, **server) -> JobConfig:
             "'engine.server' applies to engine.backend: openai; set it, or remove engine.server",
         ),
         ("openai", {"url": "127.0.0.1:8000/v1"}, "'engine.server.url' must be an http(s) URL"),
+        (
+            "openai",
+            {"url": "http://127.0.0.1:8000/v1", "max_concurrency": 0},
+            "'engine.server.max_concurrency' must be positive, got 0",
+        ),
         (
             "openai",
             {"url": "http://127.0.0.1:8000/v1", "api_key_env": ""},

@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.fake_openai_server import FakeOpenAIServer
@@ -166,3 +167,19 @@ def gone_within(pid: int, seconds: float) -> bool:
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.1)
+
+
+def test_a_launched_server_that_does_not_answer_in_time_is_stopped(
+    tmp_path, tiny_model_dir, monkeypatch, capsys
+):
+    marker = f"never-answers-{tmp_path.name}"
+    server = {
+        "launch": f"{sys.executable} -c 'import time; time.sleep(120)' {marker}",
+        "startup_timeout_s": 2,
+    }
+    job = write_job(tmp_path, tiny_model_dir, server, sizes=[1])
+    code, _, err = cli(monkeypatch, capsys, "run", job, "--no-progress")
+
+    assert code == 2 and "did not answer within engine.server.startup_timeout_s=2 s" in err
+    left = [p.pid for p in psutil.process_iter(["cmdline"]) if marker in " ".join(p.info["cmdline"] or [])]
+    assert left == []

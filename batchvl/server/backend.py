@@ -41,7 +41,9 @@ from batchvl.server.process import ManagedServer
 logger = logging.getLogger(__name__)
 
 STEP_WAIT_S = 0.05  # how long a step waits for a finished request when none is ready
-HEALTH_TIMEOUT_S = 10.0  # longest a server that answers takes to list its models
+# How long a server that answers may take to list its models: the request's timeout, within these bounds
+# (a busy server, or a loaded machine, can take a moment over a short request timeout)
+HEALTH_TIMEOUT_S = (2.0, 10.0)
 LOGGED_WAIT_S = 5.0  # a wait before a retry this long or longer is logged: the job is not hung
 
 
@@ -307,7 +309,8 @@ class ServerBackend:
 
     async def _answers(self) -> bool:
         try:
-            timeout = min(HEALTH_TIMEOUT_S, self.config.timeout_s)
+            low, high = HEALTH_TIMEOUT_S
+            timeout = min(high, max(low, self.config.timeout_s))
             return (await self._client.get("/models", timeout=timeout)).status_code == 200
         except httpx.HTTPError:
             return False

@@ -1,0 +1,24 @@
+"""The openai backend's set-up, piece by piece: what scores choices, where a launched server logs."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from batchvl.pipeline.server_setup import choice_tokenizer, server_log_path
+from batchvl.pipeline.tasks import TaskSlice
+from batchvl.storage.output_dir import LocalDir
+
+
+def test_a_tokenizer_without_an_end_of_sequence_token_cannot_score_choices():
+    assert choice_tokenizer(SimpleNamespace(eos_token_id=None)) is None
+    assert choice_tokenizer(None) is None
+    scorer = choice_tokenizer(SimpleNamespace(eos_token_id=5))
+    assert scorer is not None and scorer.eos_token_id == 5
+
+
+def test_each_slurm_task_has_its_own_server_log(tmp_path):
+    out = LocalDir(str(tmp_path / "out"))
+    logs = tmp_path / "out" / "_batchvl" / "logs"
+    assert server_log_path(out, TaskSlice(3, 4)) == logs / "server-3.log"
+    assert server_log_path(out, TaskSlice(0, 4)) == logs / "server-0.log"
+    assert server_log_path(out, None) == logs / "server-0.log"
