@@ -19,9 +19,10 @@ contain it:
   `/health` and `/v1/models` included, and connections stay open (a stopped process, a wedged GPU);
 - `gone_after = K`: after its K-th answered completion (planning's probes not counted) the server stops
   listening and drops every connection it has without an answer (a server gone mid-run).
-`edit(answer, body)`, where set, changes a completion's JSON answer before it is sent (a malformed one). With
-`logprobs` asked for, each word of the text is a token of log-probability -0.5 (`token_id:<i>` where
-`return_tokens_as_token_ids` is), its candidates the same.
+`prompt_logprobs(body)`, where set, is the answer's `prompt_logprobs` to a request asking for them (a
+scored choice). `edit(answer, body)`, where set, changes a completion's JSON answer before it is sent (a
+malformed one). With `logprobs` asked for, each word of the text is a token of log-probability -0.5
+(`token_id:<i>` where `return_tokens_as_token_ids` is), its candidates the same.
 It records every request (path, headers, JSON body, arrival time) and the most completions in flight at
 once. The answer is `reply(body)`, by default "echo: " and the last user turn's text, with `usage` token
 counts of one per word.
@@ -103,6 +104,7 @@ class FakeOpenAIServer:
         self.models = [model]
         self.reply: Callable[[dict], str] = echo
         self.edit: Callable[[dict, dict], None] | None = None
+        self.prompt_logprobs: Callable[[dict], list] | None = None
         self.reject: dict[str, str] = {}
         self.fail: dict[str, Failure] = {}
         self.garble: set[str] = set()
@@ -237,6 +239,8 @@ class FakeOpenAIServer:
         }
         if body.get("logprobs"):
             answer["choices"][0]["logprobs"] = {"content": logprobs(content, body)}
+        if body.get("prompt_logprobs") is not None and self.prompt_logprobs is not None:
+            answer["prompt_logprobs"] = self.prompt_logprobs(body)
         if self.edit is not None:
             self.edit(answer, body)
         return 200, {}, answer

@@ -3,7 +3,7 @@ it takes the arguments batchvl gives vLLM's server (`--model`, `--dtype`, `--ser
 `--port`) and serves until it is stopped; a flag `--bogus...` is refused as a server refuses a flag it does
 not know. `--exit-on MARKER`: a request holding MARKER makes the process
 exit at once, unanswered (a request that crashes the server); `--hold-s S`: every completion waits S
-seconds."""
+seconds; `--reject-probes`: planning's probes are refused (HTTP 400)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from batchvl.pipeline.server_setup import PROBE_TEXT  # noqa: E402
 from tests.fake_openai_server import FakeOpenAIServer, request_text  # noqa: E402
 
 
@@ -27,6 +28,7 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--exit-on", action="append", default=[])
     parser.add_argument("--hold-s", type=float, default=0.0)
+    parser.add_argument("--reject-probes", action="store_true")
     args, others = parser.parse_known_args()  # what a real server takes besides (--max-model-len, --api-key)
     bogus = [arg for arg in others if arg.startswith("--bogus")]
     if bogus:  # as vLLM's server: its long usage text, then the error, on a flag it does not know
@@ -45,6 +47,8 @@ def main() -> None:
 
     server.completion = completion
     server.hold_s = args.hold_s
+    if args.reject_probes:
+        server.reject[PROBE_TEXT] = "this server takes no structured_outputs"
     print(f"serving {server.models} at {server.url} (pid {os.getpid()})", flush=True)
     with server:
         threading.Event().wait()

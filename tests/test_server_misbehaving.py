@@ -183,3 +183,16 @@ def test_a_launched_server_that_does_not_answer_in_time_is_stopped(
     assert code == 2 and "did not answer within engine.server.startup_timeout_s=2 s" in err
     left = [p.pid for p in psutil.process_iter(["cmdline"]) if marker in " ".join(p.info["cmdline"] or [])]
     assert left == []
+
+
+def test_a_launched_server_is_probed_once_started_and_stopped_when_it_refuses(
+    tmp_path, tiny_model_dir, monkeypatch, capsys
+):
+    marker = f"refuses-probes-{tmp_path.name}"
+    prompts = [{"name": "digits", "text": "Digits {key}", "regex": "[0-9]{3}"}]
+    job = write_job(tmp_path, tiny_model_dir, launched("--reject-probes", marker), sizes=[1], prompts=prompts)
+    code, _, err = cli(monkeypatch, capsys, "run", job, "--no-progress")
+
+    assert code == 2 and "refuses prompt 'digits''s request" in err
+    left = [p.pid for p in psutil.process_iter(["cmdline"]) if marker in " ".join(p.info["cmdline"] or [])]
+    assert left == []

@@ -215,8 +215,8 @@ class ServerBackend:
         if self.choice_tokens is None:
             raise SampleError("server_error", "scoring choices needs the model's tokenizer at model.path")
         token_ids = self.choice_tokens(item.scored_choices)
-        answers = [payloads.choice_answer(choice, self.choice_tokens) for choice in item.scored_choices]
-        bodies = [payloads.choice_body(self.model, item, answer) for answer in answers]
+        written = [payloads.choice_answer(choice, self.choice_tokens) for choice in item.scored_choices]
+        bodies = [payloads.choice_body(self.model, item, answer) for answer in written]
         posted = await asyncio.gather(*(self._post(body) for body in bodies))
         responses = [answers.checked(response, self.model) for response in posted]
         k = item.sampling.top_logprobs
