@@ -10,6 +10,7 @@ Paths:
 - /to/<host>/<path>: redirects to http://<host>/<path> (another host, or a malformed URL)
 - /html: a web page instead of an image; /html-then/<name>: that page on the first request of <name>,
   the image after
+- /slow-hops/<n>/<name>: n redirects of 0.3 s each, then the image
 - /slow/<name>: the image after 0.3 s; /slow-headers/<name>: the status line at once, then the headers
   one byte every 0.1 s (about 5 s), then the image
 It counts requests per path, remembers each request's User-Agent, and the most requests in flight at once.
@@ -121,6 +122,10 @@ def _handler(server: LoopbackServer):
                 return self._send(200, data, "image/png") if data is not None else self._send(404, b"no")
             if head == "redirect":
                 return self._redirect(f"/img/{parts[1]}")
+            if head == "slow-hops":  # /slow-hops/<n>/<name>: 0.3 s, then a redirect, n times; then the image
+                time.sleep(0.3)
+                hops = int(parts[1])
+                return self._redirect(f"/slow-hops/{hops - 1}/{parts[2]}" if hops else f"/img/{parts[2]}")
             if head == "slow":
                 with server.waiting():
                     time.sleep(0.3)

@@ -233,6 +233,26 @@ def test_a_server_trickling_its_headers_is_a_timeout_at_the_total_timeout(server
     assert server.requests[path] == 1
 
 
+def test_the_total_timeout_bounds_a_chain_of_redirects_each_quicker_than_it(server):
+    server.images["h.png"] = IMAGE
+    started = time.monotonic()
+    error, _ = failure(server.url("/slow-hops/5/h.png"), retries=0, timeout_s=0.5, total_timeout_s=1.0)
+    assert time.monotonic() - started < 2  # 6 hops of 0.3 s each: the deadline is the whole chain's
+    assert error.error_type == "download_timeout" and "total_timeout_s=1 s" in error.message
+    assert fetch(server.url("/slow-hops/1/h.png"), total_timeout_s=2.0)[0] == IMAGE
+
+
+def test_a_tls_handshake_that_never_completes_ends_at_the_total_timeout():
+    with socket.socket() as listener:  # accepts the connection, then never answers the TLS hello
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        url = f"https://127.0.0.1:{listener.getsockname()[1]}/a.png"
+        started = time.monotonic()
+        error, _ = failure(url, retries=0, timeout_s=5.0, total_timeout_s=0.8)
+        assert time.monotonic() - started < 3
+    assert error.error_type == "download_timeout" and "total_timeout_s=0.8 s" in error.message
+
+
 def test_a_trickling_server_holds_the_samples_behind_it_for_at_most_the_total_timeout(server):
     server.images["t.png"] = IMAGE
     urls = [server.url("/slow-headers/t.png")] + [server.add_image(f"f{i}.png", IMAGE) for i in range(4)]
