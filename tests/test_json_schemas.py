@@ -40,6 +40,11 @@ def check(**prompt) -> None:
             "lookaround and backreferences can neither",
         ),
         (nested(200), "nests subschemas over 32 deep"),
+        (nested(33), "nests subschemas over 32 deep"),
+        (
+            {"type": "string", "$defs": {"code": {"type": "string", "pattern": "a(?=b)"}}},
+            "the pattern 'a(?=b)' at /$defs/code cannot be used",
+        ),
         ({"not": {}}, "no output can satisfy it: the top level is 'not' of a schema every value satisfies"),
         ({"allOf": [{"type": "string"}, {"type": "integer"}]}, "asks for types that share no value"),
         ({"type": "object", "properties": {"a": False}, "required": ["a"]}, "/properties/a is false"),
@@ -63,7 +68,7 @@ def test_schemas_that_cannot_be_enforced_checked_or_satisfied_are_refused_before
 @pytest.mark.parametrize(
     "schema",
     [
-        nested(30),
+        nested(32),
         {"allOf": [{"type": "number"}, {"type": "integer", "minimum": 1}]},
         {"type": ["string", "null"], "allOf": [{"type": "null"}]},
         {"type": "string", "pattern": "^[a-z]+(-[a-z]+)*$"},
@@ -124,6 +129,13 @@ def test_the_keywords_that_take_patterns_give_jsonschemas_answers():
     }
     prompt = schema_prompt(schema)
     assert output_error(prompt, '{"id":"ab1","x_a":3,"x_b":4}') is None
+    # a pattern is found anywhere in the string, as JSON Schema says, unless it anchors itself
+    unanchored = schema_prompt(
+        {"type": "object", "properties": {"c": {"type": "string", "pattern": "[0-9]{2}"}}}
+    )
+    assert output_error(unanchored, '{"c":"ab12cd"}') is None
+    keys = schema_prompt({"type": "object", "patternProperties": {"_n": {"type": "integer"}}})
+    assert "'3' is not of type 'integer'" in output_error(keys, '{"x_n_y":"3"}').message
     cases = {
         '{"id":"ab12"}': "at id: 'ab12' does not match '^[a-z]{2}[0-9]$'",
         '{"id":"ab1","x_a":"3"}': "at x_a: '3' is not of type 'integer'",
@@ -151,3 +163,5 @@ def test_a_regex_prompt_is_checked_on_the_text_as_written():
         "invalid_output",
         "the output 'xy' does not match the regex 'xyz'",
     )
+    for text in ("wxyz", "xyzz"):  # the whole output must match, not a part of it
+        assert output_error(prompt, text).message == f"the output '{text}' does not match the regex 'xyz'"
