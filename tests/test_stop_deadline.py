@@ -79,3 +79,24 @@ def test_a_stop_signal_ends_a_hung_step_within_seconds(job_dir, cleanup_hangs):
         assert "Timeout (0:00:03)!" in stderr and "in hang_on_close" in stderr  # where, for a bug report
         assert took < 1 + 2 + 7, took
     assert "stopping after the current step" in stderr
+
+
+# A run that stops cleanly before its deadline leaves no deadline behind: the process (a notebook's kernel,
+# a test session) lives on past it.
+DISARMED = """
+import os, signal, time
+import batchvl.utils.stop as stop
+stop.STOP_GRACE_S = 0.3
+stop.HARD_EXIT_S = 0.3
+with stop.StopRequests() as requests:
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.05)
+    assert requests.requested
+time.sleep(1.5)
+print("alive")
+"""
+
+
+def test_the_stop_deadline_is_disarmed_when_the_run_ends(tmp_path):
+    done = subprocess.run([sys.executable, "-c", DISARMED], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout.strip()) == (0, "alive"), done.stderr
