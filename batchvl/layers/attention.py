@@ -85,6 +85,7 @@ class SequenceSlice:
     num_queries: int  # its queries are its last num_queries tokens, each attending causally
     key_slots: torch.Tensor  # cache slots of all its tokens so far (context + this chunk), in position order
     key_rows: torch.Tensor | None = None  # KVCache.gather_rows(key_slots), when it reads from the cache
+    attention_mask: torch.Tensor | None = None  # causal_mask(...), built once a step for every layer
 
     @property
     def is_decode(self) -> bool:
@@ -95,17 +96,20 @@ class SequenceSlice:
     def is_full_causal(self) -> bool:
         return self.num_queries == len(self.key_slots) and self.num_queries > 1
 
-    def causal_mask(self) -> torch.Tensor | None:
-        """(num_queries, num_keys) bool, True = attend: query i sits at position start + i, after the
-        chunk's context of `start` keys. None for a decode (it sees every key) and for a chunk from position
-        0 (plain causal). Built only by torch's attention path: the native kernels take the lengths alone."""
+    def causal_mask(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """(num_queries, num_keys) additive mask in `dtype`, 0 where query i, at position start + i after the
+        chunk's context of `start` keys, attends and -inf where it does not. None for a decode (it sees every
+        key) and for a chunk from position 0 (plain causal). Built only by torch's attention path (the native
+        kernels take the lengths alone), once a step: torch's attention turns a bool mask into this one on
+        every call, which cost about 0.1 ms of a 0.9 ms bf16 call of 261 queries (one thread, AMX)."""
         start = len(self.key_slots) - self.num_queries
         if self.num_queries == 1 or start == 0:
             return None
         device = self.key_slots.device
         key_pos = torch.arange(start + self.num_queries, device=device)
         query_pos = torch.arange(start, start + self.num_queries, device=device)
-        return key_pos[None, :] <= query_pos[:, None]
+        hidden = key_pos[None, :] > query_pos[:, None]
+        return torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(hidden, float("-inf"))
 
 
 # A decode group is split in two where that saves at least this many padded keys: about what one more
@@ -217,6 +221,7 @@ class PagedAttentionMetadata:
         for seq in meta.sequences:
             if not seq.is_full_causal:
                 seq.key_rows = kv_cache.gather_rows(seq.key_slots)
+                seq.attention_mask = seq.causal_mask(kv_cache.layers[0].dtype)
         return meta
 
 
@@ -305,7 +310,13 @@ def paged_attention(
         else:
             k, v = (t[None] for t in cache.gather(layer, seq.key_rows))
         o = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=seq.causal_mask(), is_causal=seq.is_full_causal, scale=scaling, enable_gqa=True
+            q,
+            k,
+            v,
+            attn_mask=seq.attention_mask,
+            is_causal=seq.is_full_causal,
+            scale=scaling,
+            enable_gqa=True,
         )
         out[rows] = o[0].transpose(0, 1)
     return out[None], None
