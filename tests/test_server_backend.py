@@ -697,3 +697,34 @@ def test_image_urls_go_to_the_server_as_they_are_with_pass_urls_else_as_the_down
     else:
         assert sent == "data:image/png;base64," + base64.b64encode(image).decode() and fetches == 1
     assert rows_by_request(tmp_path, 1)["u0", "caption"]["status"] == "ok"
+
+
+def test_retry_failed_reruns_error_rows_and_leaves_skipped_ones(
+    tmp_path, tiny_model_dir, fake, monkeypatch, capsys
+):
+    prompts = [
+        {"name": "kind", "text": "Kind of {key}."},
+        {"name": "if_cat", "text": "Name the cat in {key}.", "when": {"prompt": "kind", "in": ["cat"]}},
+        {"name": "size", "text": "Size of {key}."},
+    ]
+    fake.fail["Size of s0-1."] = Failure(503)
+    job = write_job(tmp_path, tiny_model_dir, at(fake.url, retries=0), sizes=[2], prompts=prompts)
+    run(job)
+    before = rows_by_request(tmp_path, 1)
+    assert {k: r["status"] for k, r in before.items() if r["status"] != "ok"} == {
+        ("s0-0", "if_cat"): "skipped",
+        ("s0-1", "if_cat"): "skipped",
+        ("s0-1", "size"): "error",
+    }
+    fake.fail.clear()
+    sent = len(fake.completions())
+    monkeypatch.chdir(tmp_path)
+    code, out, err = cli(monkeypatch, capsys, "retry-failed", job, "--no-progress")
+
+    assert code == 0, err
+    assert "retried 1 error row(s) in 1 shard(s): 1 ok now" in out
+    assert [r.text for r in fake.completions()[sent:]] == ["Size of s0-1."]
+    after = rows_by_request(tmp_path, 1)
+    assert after.pop(("s0-1", "size"))["status"] == "ok"
+    before.pop(("s0-1", "size"))
+    assert after == before  # the skipped rows as they were
