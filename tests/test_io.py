@@ -2,6 +2,7 @@ import base64
 import hashlib
 import io
 import os
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -12,7 +13,7 @@ from batchvl.config import InputConfig
 from batchvl.errors import UserError
 from batchvl.inputs.parquet import ParquetSource
 from batchvl.inputs.types import ShardEnd
-from batchvl.outputs.commit import ShardMarker, commit_shard, marker_path, read_marker
+from batchvl.outputs.commit import ShardMarker, commit_shard, marker_path, read_committed, read_marker
 from batchvl.outputs.writers import ResultRow, rows_to_table
 from batchvl.storage.output_dir import LocalDir
 
@@ -181,6 +182,21 @@ def test_a_committed_shard_has_its_rows_in_order_and_a_marker_naming_size_and_ha
     assert marker_path(out, "sub/part-0.parquet") == str(
         tmp_path / "_batchvl" / "done" / "sub" / "part-0.json"
     )
+
+
+def test_a_committed_local_file_changed_since_is_refused_when_read_back(tmp_path):
+    rows = [row(0, 0), row(1, 0)]
+    path = commit(tmp_path, "part-0.parquet", rows, {"job": "j"})
+    out = LocalDir(str(tmp_path))
+    marker = read_marker(out, "part-0.parquet")
+    assert read_committed(out, "part-0.parquet", marker).num_rows == 2
+    data = bytearray(Path(path).read_bytes())
+    data[len(data) // 2] ^= 0xFF  # the same size: only the hash tells
+    Path(path).write_bytes(bytes(data))
+    marker = read_marker(out, "part-0.parquet")
+    with pytest.raises(UserError, match="changed after it was committed") as refused:
+        read_committed(out, "part-0.parquet", marker)
+    assert path in str(refused.value)
 
 
 def test_write_empty_shard(tmp_path):
