@@ -67,6 +67,29 @@ def test_any_other_image_is_sent_as_the_png_of_the_pixels_the_engine_takes(data)
     assert np.array_equal(np.asarray(Image.open(io.BytesIO(body))), engine_pixels)
 
 
+def decoded_png(url: str) -> np.ndarray:
+    header, body = sent(url)
+    assert header == "data:image/png;base64"
+    return np.asarray(Image.open(io.BytesIO(body)))
+
+
+def test_an_exif_rotated_image_is_sent_turned_upright():
+    # Orientation 6: displayed turned a quarter clockwise; lossless PNG, so the pixels are known exactly.
+    pixels = np.random.default_rng(8).integers(0, 256, (4, 6, 3), dtype=np.uint8)
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    data = encoded(Image.fromarray(pixels), "PNG", exif=exif)
+    assert np.array_equal(decoded_png(PREPARE(MediaRef(data, None)).url), np.rot90(pixels, k=-1))
+
+
+def test_a_cmyk_image_is_sent_as_the_rgb_its_inks_make():
+    cmyk = np.random.default_rng(9).integers(0, 256, (5, 7, 4), dtype=np.uint8)
+    data = encoded(Image.fromarray(cmyk, mode="CMYK"), "TIFF")  # lossless
+    ink, black = cmyk[..., :3].astype(float), cmyk[..., 3:].astype(float)
+    rgb = np.round((255 - ink) * (255 - black) / 255).astype(np.uint8)  # each ink and the black absorb light
+    assert np.array_equal(decoded_png(PREPARE(MediaRef(data, None)).url), rgb)
+
+
 def test_a_bad_image_is_the_engines_error_and_a_video_is_unsupported():
     with pytest.raises(SampleError) as broken:
         PREPARE(MediaRef(b"not an image", None))
