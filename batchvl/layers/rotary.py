@@ -31,10 +31,11 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 def apply_rotary_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """`apply_rotary` of x (R, H, D) with one cos/sin row (R, D) per row of x, shared by its heads;
-    returns a new (R, H, D) tensor."""
+    """`apply_rotary` of x (R, H, D) with one cos/sin row (R, D) per row of x, shared by its heads, cos and
+    sin rounded to x's dtype first (the native kernel rounds them as it reads them: float32 cos and sin of
+    a bf16 x need no copy); returns a new (R, H, D) tensor."""
     if runs_natively(x) and x.stride(-1) == 1 and cos.stride(-1) == 1 and sin.stride(-1) == 1:
         out = torch.empty(x.shape, dtype=x.dtype)
         native_ops().rotary(out, x, cos, sin)
         return out
-    return apply_rotary(x, cos[:, None], sin[:, None])
+    return apply_rotary(x, cos.to(x.dtype)[:, None], sin.to(x.dtype)[:, None])

@@ -131,3 +131,17 @@ def test_the_native_rotary_gives_the_bits_of_transformers_rotary(dtype):
         # transformers' rotation of (rows, heads, dim) queries with one cos/sin row per row of them
         want, _ = apply_rotary_pos_emb(qkv[:, :heads], qkv[:, :heads], cos, sin, unsqueeze_dim=1)
         assert torch.equal(native, want)
+
+
+@torch.inference_mode()
+def test_float32_cos_and_sin_of_bf16_rows_are_rounded_as_a_copy_to_bf16_would_round_them():
+    """A vision tower's cos and sin are float32 for its bf16 queries and keys: the kernel rounds each value
+    as it reads it, to the bits of rotating with cos and sin copied to bf16 first."""
+    torch.manual_seed(0)
+    for rows, heads, dim in [(37, 10, 64), (5, 3, 80)]:
+        x = (torch.randn(rows, heads, dim) * 3).to(torch.bfloat16)
+        angles = torch.rand(rows, dim) * 6.3 + 1e-3  # values that bf16 rounds, unlike whole numbers
+        cos, sin = angles.cos(), angles.sin()
+        native = apply_rotary_rows(x, cos, sin)
+        want, _ = apply_rotary_pos_emb(x, x, cos.bfloat16(), sin.bfloat16(), unsqueeze_dim=1)
+        assert native.dtype == torch.bfloat16 and torch.equal(native, want)

@@ -104,19 +104,21 @@ void silu_and_mul_rows(at::Tensor& out, const at::Tensor& gate_up) {
 }
 
 // out (R, H, D) = x rotated: per half, x1 * cos1 - x2 * sin1 and x2 * cos2 + x1 * sin2, each product and
-// each sum rounded to T as rotary.apply_rotary's eager ops round them.
-template <typename T>
+// each sum rounded to T as rotary.apply_rotary's eager ops round them. cos and sin may be float32 for a
+// bf16 x: each value is rounded to T where it is read, as `cos.to(T)` would round it, without that copy
+// (a vision tower would make it in every layer of a call, for the same cos and sin).
+template <typename T, typename C>
 void rotary_rows(at::Tensor& out, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   const int64_t rows = x.size(0), heads = x.size(1), half = x.size(2) / 2;
   const T* x_data = x.data_ptr<T>();
-  const T* cos_data = cos.data_ptr<T>();
-  const T* sin_data = sin.data_ptr<T>();
+  const C* cos_data = cos.data_ptr<C>();
+  const C* sin_data = sin.data_ptr<C>();
   T* out_data = out.data_ptr<T>();
   constexpr int64_t step = fVec::size();
   at::parallel_for(0, rows, grain(heads * 2 * half), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const T* c = cos_data + r * cos.stride(0);
-      const T* s = sin_data + r * sin.stride(0);
+      const C* c = cos_data + r * cos.stride(0);
+      const C* s = sin_data + r * sin.stride(0);
       for (int64_t h = 0; h < heads; ++h) {
         const T* x1 = x_data + r * x.stride(0) + h * x.stride(1);
         const T* x2 = x1 + half;
@@ -125,8 +127,10 @@ void rotary_rows(at::Tensor& out, const at::Tensor& x, const at::Tensor& cos, co
         for (int64_t d = 0; d < half; d += step) {
           const int64_t count = std::min(step, half - d);
           const fVec a = load(x1 + d, count), b = load(x2 + d, count);
-          const fVec first = rounded(a * load(c + d, count), x1) - rounded(b * load(s + d, count), x1);
-          const fVec second = rounded(b * load(c + half + d, count), x1) + rounded(a * load(s + half + d, count), x1);
+          const fVec c1 = rounded(load(c + d, count), x1), s1 = rounded(load(s + d, count), x1);
+          const fVec c2 = rounded(load(c + half + d, count), x1), s2 = rounded(load(s + half + d, count), x1);
+          const fVec first = rounded(a * c1, x1) - rounded(b * s1, x1);
+          const fVec second = rounded(b * c2, x1) + rounded(a * s2, x1);
           store(first, y1 + d, count);
           store(second, y2 + d, count);
         }
@@ -172,19 +176,23 @@ void silu_and_mul(at::Tensor out, at::Tensor gate_up) {
   }
 }
 
-// out (R, H, D) = the rotary embedding of x (R, H, D) with cos and sin (R, D), as rotary.apply_rotary.
+// out (R, H, D) = the rotary embedding of x (R, H, D) with cos and sin (R, D), as rotary.apply_rotary of x
+// and cos and sin in x's dtype. cos and sin are in x's dtype or in float32.
 void rotary(at::Tensor out, at::Tensor x, at::Tensor cos, at::Tensor sin) {
   TORCH_CHECK(x.dim() == 3 && out.sizes() == x.sizes() && x.size(2) % 2 == 0, "rotary: x and out (R, H, D), D even");
   TORCH_CHECK(x.stride(2) == 1 && out.stride(2) == 1, "rotary: contiguous head dims");
   for (const auto* t : {&cos, &sin})
     TORCH_CHECK(t->dim() == 2 && t->size(0) == x.size(0) && t->size(1) == x.size(2) && t->stride(1) == 1 &&
-                    t->scalar_type() == x.scalar_type(),
-                "rotary: cos and sin (R, D) in x's dtype, contiguous rows");
+                    (t->scalar_type() == x.scalar_type() || t->scalar_type() == at::kFloat) &&
+                    t->scalar_type() == cos.scalar_type(),
+                "rotary: cos and sin (R, D) in x's dtype or float32, contiguous rows");
   TORCH_CHECK(out.scalar_type() == x.scalar_type(), "rotary: one dtype");
   if (x.scalar_type() == at::kFloat) {
-    rotary_rows<float>(out, x, cos, sin);
+    rotary_rows<float, float>(out, x, cos, sin);
+  } else if (x.scalar_type() == at::kBFloat16 && cos.scalar_type() == at::kFloat) {
+    rotary_rows<at::BFloat16, float>(out, x, cos, sin);
   } else if (x.scalar_type() == at::kBFloat16) {
-    rotary_rows<at::BFloat16>(out, x, cos, sin);
+    rotary_rows<at::BFloat16, at::BFloat16>(out, x, cos, sin);
   } else {
     TORCH_CHECK(false, "rotary: float32 or bfloat16 only, got ", x.scalar_type());
   }
