@@ -15,8 +15,9 @@
   chunks (`native/bf16_attention.cpp`); `bf16_dot_products()` says whether this CPU has them.
 
 torch.utils.cpp_extension builds the sources once per machine kind and source version, under torch's
-extensions directory (`TORCH_EXTENSIONS_DIR`, by default `~/.cache/torch_extensions`); the first build
-takes about half a minute, when the model is loaded. Processes starting together (a Slurm array on a
+extensions directory (`TORCH_EXTENSIONS_DIR`, by default `~/.cache/torch_extensions`), from a copy of
+them there, so that checkouts and environments sharing a home share the build; the first build takes
+about half a minute, when the model is loaded. Processes starting together (a Slurm array on a
 shared home) build it once: they queue on an flock, which the kernel releases when its holder dies.
 cpp_extension's own lock is a file that a process killed mid-build (`kill -9`, a preempted Slurm task)
 leaves behind, and every later load would wait on it forever; under the flock no other process can be
@@ -84,7 +85,7 @@ def native_ops() -> ModuleType | None:
                 logger.info("building the native kernels for this CPU (%s), once: about half a minute", name)
             module = load(
                 name,
-                [str(s) for s in SOURCES],
+                [str(s) for s in sources_in(directory)],
                 extra_cflags=flags,
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(directory),
@@ -121,6 +122,25 @@ def build_name_and_flags() -> tuple[str, list[str]]:
     for source in SOURCES:
         digest.update(source.read_bytes())
     return f"batchvl_native_{capability.lower()}_{digest.hexdigest()[:12]}", flags
+
+
+def sources_in(directory: Path) -> list[Path]:
+    """The sources, copied into the build directory (once: its name holds their digest), which the build
+    then compiles. cpp_extension's build file names the sources' paths, so building from each checkout's
+    own files made every checkout or environment sharing a home (a cluster's, say) rebuild at its first
+    use, and the next one rebuild back; from the copy, they share one build. Written whole, then renamed,
+    so a process killed while copying leaves no half file."""
+    folder = directory / "sources"
+    folder.mkdir(exist_ok=True)
+    copies = []
+    for source in SOURCES:
+        copy = folder / source.name
+        if not copy.exists():
+            partial = folder / f".{source.name}.partial"
+            partial.write_bytes(source.read_bytes())
+            partial.replace(copy)
+        copies.append(copy)
+    return copies
 
 
 def build_directory(name: str) -> Path:

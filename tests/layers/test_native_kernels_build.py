@@ -4,6 +4,7 @@ torch path, a build named by the machine's vector ISA."""
 import logging
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch.utils.cpp_extension
@@ -53,6 +54,31 @@ def test_the_build_is_named_by_the_isa_and_the_sources(monkeypatch, tmp_path):
     assert avx512.startswith("batchvl_native_avx512_") and "-mavx512f" in avx512_flags
     assert default.startswith("batchvl_native_default_") and "-DCPU_CAPABILITY=DEFAULT" in default_flags
     assert len({avx2, avx512, default}) == 3
+
+
+def test_two_checkouts_of_the_same_sources_build_the_same_files(monkeypatch, tmp_path):
+    """cpp_extension's build file names the sources' paths: built from each checkout's own files, two
+    checkouts sharing a home rebuilt at each one's first use, back and forth."""
+    builds = []
+
+    def recording_load(name, sources, build_directory, **kwargs):
+        builds.append((name, sources, build_directory))
+        raise RuntimeError("stop here")
+
+    monkeypatch.delenv(native_kernels.DISABLE_VARIABLE, raising=False)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", recording_load)
+    for checkout in ("first", "second"):
+        folder = tmp_path / checkout / "native"
+        folder.mkdir(parents=True)
+        for source in native_kernels.SOURCES:
+            (folder / source.name).write_bytes(source.read_bytes())
+        monkeypatch.setattr(native_kernels, "SOURCES", [folder / s.name for s in native_kernels.SOURCES])
+        native_kernels.native_ops.__wrapped__()
+    (first_name, first_sources, directory), (second_name, second_sources, _) = builds
+    assert (first_name, first_sources) == (second_name, second_sources)
+    assert all(source.startswith(directory) for source in first_sources)
+    assert [Path(s).read_bytes() for s in first_sources] == [s.read_bytes() for s in native_kernels.SOURCES]
 
 
 def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_load():
