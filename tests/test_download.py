@@ -237,7 +237,7 @@ def test_the_total_timeout_bounds_a_chain_of_redirects_each_quicker_than_it(serv
     server.images["h.png"] = IMAGE
     started = time.monotonic()
     error, _ = failure(server.url("/slow-hops/5/h.png"), retries=0, timeout_s=0.5, total_timeout_s=1.0)
-    assert time.monotonic() - started < 2  # 6 hops of 0.3 s each: the deadline is the whole chain's
+    assert time.monotonic() - started < 2.5  # 6 hops of 0.3 s each: the deadline is the whole chain's
     assert error.error_type == "download_timeout" and "total_timeout_s=1 s" in error.message
     assert fetch(server.url("/slow-hops/1/h.png"), total_timeout_s=2.0)[0] == IMAGE
 
