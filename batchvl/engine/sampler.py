@@ -33,7 +33,13 @@ def sample_tokens(
 
 def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """Draw one token from a (vocab,) float32 logits row (sampling params; greedy rows take the step's
-    shared argmax in `sample_tokens`)."""
+    shared argmax in `sample_tokens`).
+
+    The row is filtered and drawn from on its generator's device, the CPU (`make_generator`): PyTorch
+    refuses a CPU generator for CUDA logits, and drawing on the CPU gives a seed the same tokens whatever
+    device ran the model (one row of the vocabulary copied per sampled request)."""
+    if generator is not None:
+        logits = logits.to(generator.device)
     probs = torch.softmax(filtered_logits(logits, params), dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator))
 
@@ -65,6 +71,7 @@ def filtered_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
 
 
 def make_generator(seed: int) -> torch.Generator:
+    """A request's own generator, on the CPU whatever the model's device (see `sample_token`)."""
     generator = torch.Generator()
     generator.manual_seed(seed)
     return generator

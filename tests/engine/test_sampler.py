@@ -16,6 +16,7 @@ from transformers.generation.logits_process import (
 
 from batchvl.engine.request import SamplingParams
 from batchvl.engine.sampler import filtered_logits, make_generator, sample_token, sample_tokens
+from tests.fake_cuda import on_fake_cuda
 
 
 def hf_warped(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -222,3 +223,24 @@ def test_a_temperature_too_small_to_divide_by_picks_the_argmax(temperature):
 def test_a_temperature_of_1e_5_still_samples_as_generate_does():
     logits = torch.randn(64, generator=torch.Generator().manual_seed(9))
     assert_same_as_generate(logits, SamplingParams(temperature=1e-5))  # refused if it were greedy
+
+
+def test_sampled_rows_of_cuda_logits_draw_on_the_cpu_the_tokens_cpu_logits_give():
+    # A request's generator is a CPU one; PyTorch refuses it for CUDA logits (the fake CUDA tensor
+    # refuses it the same way), so each sampled row is drawn from its copy on the CPU: a seed gives the
+    # same tokens whichever device ran the model.
+    logits = torch.randn(6, 500, generator=torch.Generator().manual_seed(10)) * 2
+    params = [
+        SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=i) if i % 3 else SamplingParams()
+        for i in range(6)
+    ]
+
+    def generators():
+        return [None if p.is_greedy else make_generator(p.seed) for p in params]
+
+    on_cpu = sample_tokens(logits, params, generators())
+    assert sample_tokens(on_fake_cuda(logits), params, generators()) == on_cpu
+    row = SamplingParams(temperature=1.3, seed=5)
+    assert sample_token(on_fake_cuda(logits[2]), row, make_generator(5)) == sample_token(
+        logits[2], row, make_generator(5)
+    )
