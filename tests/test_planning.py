@@ -217,3 +217,27 @@ def test_a_download_cache_that_is_a_file_is_refused(tmp_path, tiny_model_dir):
         )
     cfg = config(tmp_path, tiny_model_dir, ["data/*.parquet"], input={"download": {"cache_dir": "new/cache"}})
     plan_job(cfg)  # made on first use
+
+
+def test_a_gpu_the_machine_does_not_have_is_refused_before_the_model_loads(
+    tmp_path, tiny_model_dir, monkeypatch
+):
+    data = tmp_path / "d"
+    table(data / "x.parquet")
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    cfg = config(
+        tmp_path,
+        tiny_model_dir,
+        [str(data / "*.parquet")],
+        model={"path": str(tiny_model_dir), "device": "cuda"},
+    )
+    assert refusal(cfg) == "model.device is 'cuda' but no CUDA device is available; use 'cpu' or 'auto'"
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 1)
+    cfg = config(
+        tmp_path,
+        tiny_model_dir,
+        [str(data / "*.parquet")],
+        model={"path": str(tiny_model_dir), "device": "cuda:1"},
+    )
+    assert "this machine has 1 CUDA device(s), cuda:0 to cuda:0" in refusal(cfg)

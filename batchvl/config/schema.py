@@ -22,7 +22,11 @@ class ModelConfig:
         "auto: bfloat16 on CUDA and on CPUs with AVX-512, else float32 (never float16 on CPU)",
         defines_output=True,
     )
-    device: Literal["cpu", "cuda", "auto"] = job_key("auto", "auto: cuda when available, else cpu")
+    device: str = job_key(
+        "auto",
+        "cpu, cuda, cuda:N or auto (cuda when available, else cpu); under torchrun `cuda` is each rank's "
+        "local GPU, rank i on GPU i % count",
+    )
     trust_remote_code: bool = job_key(
         False, "Allow the checkpoint's own Python code to run", defines_output=True
     )
@@ -399,6 +403,8 @@ def _check_section(value: Any, cls: type, key: str) -> None:
 
 def _check_values(cfg: JobConfig) -> None:
     """What one key's bounds cannot say (each key's own bounds are checked as it is read)."""
+    if not re.fullmatch(r"cpu|auto|cuda(:\d+)?", cfg.model.device):
+        raise ConfigError(f"'model.device' must be cpu, cuda, cuda:N or auto; got {cfg.model.device!r}")
     p = cfg.preprocess
     if p.min_pixels is not None and p.max_pixels is not None and p.min_pixels > p.max_pixels:
         raise ConfigError("'preprocess.min_pixels' must not exceed 'preprocess.max_pixels'")

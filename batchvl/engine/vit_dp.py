@@ -5,13 +5,13 @@ them to ranks by greedy longest-processing-time on patch counts (`lpt_assignment
 share, encodes its own, and all-gathers the embeddings (padded to the longest share), which it puts back
 in the original order. The other ranks hold a replica of the model and serve encode rounds until rank 0
 says stop (`serve_encode_rounds`). Launched by `torchrun --nproc-per-node N -m batchvl run job.yaml`
-with `engine.vit_parallel: data`: gloo on CPU, nccl on GPU.
+with `engine.vit_parallel: data`: gloo on CPU, nccl on GPUs of their own, gloo again where ranks share a
+GPU (NCCL refuses two ranks of a group on one GPU; gloo copies CUDA tensors through the host).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -37,21 +37,23 @@ class DistributedContext:
         return self.rank == 0
 
 
-def launched_world_size() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
+def process_group_backend(device: torch.device, shares_its_gpu: bool) -> str:
+    """From the resolved device, never the config's word for it: `auto` may be CUDA."""
+    return "nccl" if device.type == "cuda" and not shares_its_gpu else "gloo"
 
 
-def init_distributed(device: str) -> DistributedContext:
-    """Join the process group torchrun set up (gloo on CPU, nccl on CUDA)."""
+def init_distributed(device: torch.device, shares_its_gpu: bool = False) -> DistributedContext:
+    """Join the process group torchrun set up, on this rank's resolved device (`devices.process_device`)."""
     import torch.distributed as dist
 
     if not dist.is_available():
         raise UserError("this torch build has no torch.distributed; run without torchrun")
     if not dist.is_initialized():
-        backend = "nccl" if device.startswith("cuda") else "gloo"
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend)
+        if device.type == "cuda":
+            # The rank's own GPU becomes its current one: collectives and every `cuda` tensor without
+            # an index go there, not to GPU 0.
+            torch.cuda.set_device(device)
+        dist.init_process_group(process_group_backend(device, shares_its_gpu))
     return DistributedContext(dist.get_rank(), dist.get_world_size())
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from batchvl.engine.devices import resolve_device
 from batchvl.errors import UserError
 from batchvl.models.adapter import VLMAdapter
 from batchvl.models.registry import ModelFamily, model_family
@@ -34,14 +35,6 @@ class LoadedModel:
         if eos is None:
             eos = self.processor.tokenizer.eos_token_id
         return [eos] if isinstance(eos, int) else list(eos or [])
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise UserError("model.device is 'cuda' but no CUDA device is available; use 'cpu' or 'auto'")
-    return torch.device(device)
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
@@ -116,7 +109,7 @@ def load_processor(path: str, model_type: str, trust_remote_code: bool = False):
 
 
 def load_model(
-    path: str, dtype: str = "auto", device: str = "auto", trust_remote_code: bool = False
+    path: str, dtype: str = "auto", device: str | torch.device = "auto", trust_remote_code: bool = False
 ) -> LoadedModel:
     from transformers import AutoModelForImageTextToText
 
@@ -134,7 +127,7 @@ def load_model(
     )
 
     family = model_family(read_model_type(path, trust_remote_code))
-    torch_device = resolve_device(device)
+    torch_device = device if isinstance(device, torch.device) else resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     if not any(Path(path).glob("*.safetensors")):
         raise UserError(

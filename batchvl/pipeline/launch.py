@@ -17,13 +17,13 @@ from typing import TypeVar
 import torch
 
 from batchvl.config import JobConfig
+from batchvl.engine.devices import launched_world_size, process_device, shares_its_gpu
 from batchvl.engine.engine import Engine
 from batchvl.engine.model_runner import encode_images
 from batchvl.engine.vit_dp import (
     DataParallelEncoder,
     DistributedContext,
     init_distributed,
-    launched_world_size,
     leave_process_group,
     release_serving_ranks,
     serve_encode_rounds,
@@ -53,7 +53,8 @@ def in_launched_processes(
             f"launched as {world_size} processes (WORLD_SIZE={world_size}) but engine.vit_parallel is "
             f"'{cfg.engine.vit_parallel}'; set engine.vit_parallel: data, or run without torchrun"
         )
-    context = init_distributed(cfg.model.device)
+    device = process_device(cfg.model.device)
+    context = init_distributed(device, shares_its_gpu(cfg.model.device, device))
     try:
         return drive(context) if context.is_driver else serve(context)
     finally:
@@ -68,7 +69,8 @@ def load_job_model(cfg: JobConfig) -> tuple[LoadedModel, float]:
         torch.set_num_threads(cfg.engine.threads)
     started = time.perf_counter()
     m = cfg.model
-    return load_model(m.path, m.dtype, m.device, m.trust_remote_code), time.perf_counter() - started
+    device = process_device(m.device)  # under torchrun, this rank's GPU
+    return load_model(m.path, m.dtype, device, m.trust_remote_code), time.perf_counter() - started
 
 
 def _local_encode(cfg: JobConfig, loaded: LoadedModel):

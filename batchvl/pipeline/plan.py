@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from batchvl.config import JobConfig, is_remote, output_definition
+from batchvl.engine.devices import process_device
 from batchvl.errors import UserError
 from batchvl.inputs.paths import glob_matches
 from batchvl.inputs.sources import Source, job_source
@@ -70,6 +71,7 @@ def plan_job(cfg: JobConfig, task: TaskSlice | None = None, record: bool = False
     else:
         model_type = read_model_type(cfg.model.path, cfg.model.trust_remote_code)
         model_family(model_type)
+        process_device(cfg.model.device)  # refuses a GPU the machine does not have
     check_constraints(cfg)
     graph = PromptGraph.of(cfg.prompts)  # refuses a follow-up that uses itself, a later or an unknown prompt
     check_storage_options("input.storage_options", cfg.input.storage_options, cfg.input.paths)
