@@ -42,7 +42,7 @@ def convert(value: Any, tp: Any, key: str) -> Any:
             return None
         inner = [a for a in args if a is not type(None)]
         if len(inner) > 1:  # e.g. dict | str: the type the value has, if it is one of them
-            fitting = [a for a in inner if isinstance(value, typing.get_origin(a) or a)]
+            fitting = [a for a in inner if _fits(value, a)]
             if not fitting:
                 raise ConfigError(
                     f"'{key}' must be {' or '.join(type_name(a) for a in inner)}, got {value!r} "
@@ -67,6 +67,16 @@ def convert(value: Any, tp: Any, key: str) -> Any:
     if tp is str and not isinstance(value, str):
         raise ConfigError(f"'{key}' must be a string, got {value!r} ({type(value).__name__})")
     return value
+
+
+def _fits(value: Any, tp: Any) -> bool:
+    """Whether `value` is of `tp`, one type of a union: a Literal's own values (`float | Literal["auto"]`),
+    a whole number for a float."""
+    if typing.get_origin(tp) is Literal:
+        return value in typing.get_args(tp)
+    if tp is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    return isinstance(value, typing.get_origin(tp) or tp)
 
 
 def build(cls: type, data: Any, prefix: str) -> Any:

@@ -249,7 +249,19 @@ class EngineConfig:
     max_num_batched_tokens: int = job_key(
         2048, "Token budget of one engine step (decode tokens + prefill chunks)", above=0
     )
-    kv_cache_mb: float = job_key(1024, "Memory for the paged KV cache, in MiB", above=0)
+    kv_cache_mb: float | Literal["auto"] = job_key(
+        "auto",
+        "Memory for the paged KV cache, in MiB; auto: 1024 on CPU, on CUDA a share (gpu_memory_utilization) "
+        "of the GPU memory free after the model, less a reserve for activations and the encoder cache",
+        above=0,
+    )
+    gpu_memory_utilization: float = job_key(
+        0.9,
+        "kv_cache_mb auto on CUDA: the share of the memory left after the model and the reserve that the "
+        "KV cache takes (as vLLM's option of that name, a bound that leaves room for other processes)",
+        above=0,
+        at_most=1,
+    )
     block_size: int = job_key(16, "Tokens per KV-cache block", above=0)
     encoder_cache_mb: float = job_key(
         512, "Memory for cached image embeddings, in MiB (0: keep only while in use)", at_least=0

@@ -21,6 +21,7 @@ from batchvl.engine.admission import check_fits, media_spans
 from batchvl.engine.block_manager import BlockManager
 from batchvl.engine.choice_scoring import ChoiceGroup, ChoiceTokenizer
 from batchvl.engine.encoder_cache import EncoderCacheManager
+from batchvl.engine.kv_budget import MB, kv_cache_bytes
 from batchvl.engine.logprobs import TokenLogprobs, logprob_fields
 from batchvl.engine.model_runner import ModelRunner, StepLogits, kv_bytes_per_block
 from batchvl.engine.request import (
@@ -40,8 +41,6 @@ from batchvl.errors import SampleError, UserError
 
 logger = logging.getLogger(__name__)
 
-MB = 1 << 20
-
 
 class Engine:
     def __init__(
@@ -57,7 +56,8 @@ class Engine:
         self.stopping = StopChecker(tokenizer, eos_token_ids, adapter.geometry.max_model_len)
         self.grammars = GrammarMatchers(tokenizer, adapter.geometry.vocab_size, eos_token_ids)
         self.choice_tokens = ChoiceTokenizer(tokenizer, eos_token_ids)
-        num_blocks = int(config.kv_cache_mb * MB) // kv_bytes_per_block(adapter, config.block_size)
+        kv_bytes = kv_cache_bytes(config, adapter.device)
+        num_blocks = kv_bytes // kv_bytes_per_block(adapter, config.block_size)
         if num_blocks < 1:
             raise UserError(f"engine.kv_cache_mb={config.kv_cache_mb} holds no KV block; raise it")
         self.block_manager = BlockManager(num_blocks, config.block_size, config.prefix_caching)
@@ -74,7 +74,13 @@ class Engine:
         self._stats = EngineStats()  # the engine's own counters; `stats` adds its components'
         self._rejected: list[EngineResult] = []
         self._ids = itertools.count()  # request ids, in arrival order
-        logger.info("KV cache: %d blocks of %d tokens", num_blocks, config.block_size)
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.0f MiB, engine.kv_cache_mb=%s)",
+            num_blocks,
+            config.block_size,
+            kv_bytes / MB,
+            config.kv_cache_mb,
+        )
 
     @property
     def stats(self) -> EngineStats:
