@@ -1,8 +1,9 @@
 """Paged KV-cache bookkeeping: fixed-size blocks from a free list, a block table per request, and a
 prefix cache of full blocks keyed by their chain hash (see `prefix_cache.py`).
 
-Only ints live here (`slots` turns a block table into an index tensor for the runner); the model runner
-owns the K/V tensors and addresses them by slot (`block_id * block_size + offset`).
+Only ints live here, and each request's slots (`slots`: its block table as an index tensor for the runner,
+kept and grown as blocks are added); the model runner owns the K/V tensors and addresses them by slot
+(`block_id * block_size + offset`).
 
 A block is shared by every request whose prefix hashes to it (a reference count per block). When its
 last user lets go, a block holding a hashed prefix is not wiped: it waits in an LRU and is handed out
@@ -39,6 +40,11 @@ class BlockManager:
         self._refs = [0] * num_blocks
         self._block_of_hash: dict[int, int] = {}
         self._hash_of_block: dict[int, int] = {}
+        # Per request id: how many of its blocks are expanded into slots, and those slots (with room to grow).
+        # A block table only grows until `free` empties it, so a step adds the slots of new blocks alone,
+        # where recomputing every context token's slot of every request cost 18 ms per step at 256 decodes
+        # of 600 tokens.
+        self._slots: dict[int, tuple[int, torch.Tensor]] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -85,6 +91,7 @@ class BlockManager:
                 del self._free_cached[block]
             self._refs[block] += 1
         request.block_ids = list(cached)
+        self._slots.pop(request.request_id, None)
         request.num_computed_tokens = len(cached) * self.block_size
         self.allocate(request, num_new_tokens)
 
@@ -135,6 +142,7 @@ class BlockManager:
             else:
                 self._free.append(block)
         request.block_ids = []
+        self._slots.pop(request.request_id, None)
 
     def check_integrity(self, requests: list[Request]) -> None:
         """Assert the bookkeeping is whole, given every request that holds blocks: each block is free,
@@ -154,8 +162,19 @@ class BlockManager:
         assert not set(free) & set(self._hash_of_block), "a plain free block still has a hash"
 
     def slots(self, request: Request, end: int) -> torch.Tensor:
-        """Cache slots of the request's token positions [0, end), as a long tensor."""
+        """Cache slots of the request's token positions [0, end), as a long tensor (a view of the slots kept
+        for the request: read it, never write it)."""
         size = self.block_size
-        positions = torch.arange(end)
-        table = torch.tensor(request.block_ids[: blocks_needed(end, size)], dtype=torch.long)
-        return table[positions // size] * size + positions % size
+        needed = blocks_needed(end, size)
+        expanded, slots = self._slots.get(request.request_id, (0, torch.empty(0, dtype=torch.long)))
+        if expanded < needed:
+            if len(slots) < needed * size:  # room for twice the blocks: a request grows a block at a time
+                grown = torch.empty(2 * needed * size, dtype=torch.long)
+                grown[: expanded * size] = slots[: expanded * size]
+                slots = grown
+            new_blocks = torch.tensor(request.block_ids[expanded:needed], dtype=torch.long)
+            slots[expanded * size : needed * size] = (
+                new_blocks[:, None] * size + torch.arange(size)
+            ).reshape(-1)
+            self._slots[request.request_id] = (needed, slots)
+        return slots[:end]

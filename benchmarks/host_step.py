@@ -1,0 +1,95 @@
+"""Host work per engine step: what a step costs outside the model's forward (scheduling, block tables and
+slot mappings, attention metadata, sampling, bookkeeping), at many long decodes.
+
+256 text requests of 600 prompt tokens on the `tiny` model in fp32 are prefilled, then timed over decode
+steps: per step, the wall time of `Engine.step`, the model's forward (`forward_s`, logits included) and
+their difference, the host work. On a GPU the forward runs while the host prepares nothing else, so the
+host work is what keeps the device waiting; on a CPU it is time the cores do not compute.
+
+    python benchmarks/host_step.py [--requests 256] [--prompt 600] [--steps 30] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--prompt", type=int, default=600)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+
+    from batchvl.config import EngineConfig
+    from batchvl.demo.tiny_model import build_tiny_model
+    from batchvl.engine.engine import Engine
+    from batchvl.engine.request import EngineRequest, SamplingParams
+    from batchvl.models.loader import load_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        loaded = load_model(
+            str(build_tiny_model(Path(tmp) / "tiny", size="tiny")), dtype="float32", device="cpu"
+        )
+    # Enough new tokens that no request finishes before the timed steps end (the first prefilled decode
+    # while the others prefill, about one step per 4,096 prompt tokens).
+    max_new_tokens = args.requests * args.prompt // 4096 + args.steps + 16
+    tokens = args.prompt + max_new_tokens
+    config = EngineConfig(
+        max_num_seqs=args.requests,
+        max_num_batched_tokens=4096,
+        kv_cache_mb=1 + args.requests * tokens * _kv_bytes_per_token(loaded.adapter) / 2**20,
+        prefix_caching=False,
+    )
+    engine = Engine(loaded.adapter, loaded.processor.tokenizer, config, loaded.eos_token_ids())
+    generator = torch.Generator().manual_seed(0)
+    sampling = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
+    for i in range(args.requests):
+        ids = torch.randint(100, 1000, (args.prompt,), generator=generator).tolist()
+        engine.add_request(EngineRequest(ids, [], sampling, tag=i))
+    while engine.scheduler.waiting or any(not r.is_prefill_done for r in engine.scheduler.running):
+        engine.step()  # prefills, not timed
+    walls, forwards = [], []
+    for _ in range(args.steps):
+        forward_before = engine.runner.forward_s
+        started = time.perf_counter()
+        if engine.step() or len(engine.scheduler.running) != args.requests:
+            raise SystemExit("a request finished or left before the timed steps ended")
+        walls.append(time.perf_counter() - started)
+        forwards.append(engine.runner.forward_s - forward_before)
+    host = [wall - forward for wall, forward in zip(walls, forwards, strict=True)]
+    result = {
+        "requests": args.requests,
+        "context_tokens": args.prompt,
+        "steps": args.steps,
+        "step_ms_median": round(statistics.median(walls) * 1e3, 2),
+        "forward_ms_median": round(statistics.median(forwards) * 1e3, 2),
+        "host_ms_median": round(statistics.median(host) * 1e3, 2),
+        "torch_threads": torch.get_num_threads(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+    }
+    print(
+        f"{args.requests} decodes over {args.prompt}+ tokens: step {result['step_ms_median']} ms, model "
+        f"forward {result['forward_ms_median']} ms, host work {result['host_ms_median']} ms "
+        f"(medians of {args.steps})"
+    )
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2))
+
+
+def _kv_bytes_per_token(adapter) -> int:
+    geo = adapter.geometry
+    return 2 * geo.num_layers * geo.num_kv_heads * geo.head_dim * 4
+
+
+if __name__ == "__main__":
+    main()
