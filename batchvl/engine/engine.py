@@ -20,6 +20,7 @@ from batchvl.engine.adapter import ModelAdapter
 from batchvl.engine.admission import check_fits, media_spans
 from batchvl.engine.block_manager import BlockManager
 from batchvl.engine.choice_scoring import ChoiceGroup, ChoiceTokenizer
+from batchvl.engine.device_sync import synchronize
 from batchvl.engine.encoder_cache import EncoderCacheManager
 from batchvl.engine.kv_budget import MB, kv_cache_bytes
 from batchvl.engine.logprobs import TokenLogprobs, logprob_fields
@@ -182,6 +183,7 @@ class Engine:
         images = [request.media[content_hash] for request, content_hash in plan.to_encode]
         started = time.perf_counter()
         sizes = self.runner.encode(images, self.config.max_patches_per_encode)
+        synchronize(self.adapter.device)  # the vision tower's kernels done, not just launched
         self._stats.encode_s += time.perf_counter() - started
         self._stats.images_encoded += len(images)
         self._stats.patches_encoded += sum(image.num_patches for image in images)

@@ -15,6 +15,7 @@ import torch
 
 from batchvl.engine.adapter import ModelAdapter
 from batchvl.engine.block_manager import BlockManager
+from batchvl.engine.device_sync import synchronize
 from batchvl.engine.request import Request, RequestPositions, ScheduledChunk
 from batchvl.engine.vit_dp import DataParallelEncoder
 from batchvl.layers.attention import KVCache, PagedAttentionMetadata, SequenceSlice
@@ -169,6 +170,7 @@ class ModelRunner:
             for position in chunk.scored_positions
         ]
         logits = self.adapter.compute_logits(hidden[last_rows + scored_rows])
+        synchronize(device)  # the forward's kernels done, not just launched
         self.forward_s += time.perf_counter() - started
         return StepLogits(logits[: len(last_rows)], logits[len(last_rows) :])
 
