@@ -190,6 +190,22 @@ def test_the_scheduler_plans_encodes_and_frees():
     assert scheduler.schedule().freed == ["x"]
 
 
+def test_a_request_that_finishes_holding_images_lets_go_of_them():
+    """A request lets go of an image once its placeholders are in the KV cache; one that finishes before that
+    (its prefill stopped short) must not keep it held, or the entry could never be evicted."""
+    cache = EncoderCacheManager(capacity_bytes=0)
+    scheduler = Scheduler(8, 4, BlockManager(64, 4), encoder_cache=cache)
+    request = make_request(0, 12, [MediaSpan(2, 8, "x")])
+    scheduler.add(request)
+    plan = scheduler.schedule()  # a chunk of 4 tokens: into the image, not past it
+    scheduler.encoded({"x": 100})
+    scheduler.commit(plan.chunks)
+    assert cache.held_by(0) == {"x"}
+    scheduler.finish(request)
+    assert cache.held_by(0) == set() and scheduler.schedule().freed == ["x"]
+    cache.check_integrity(set())
+
+
 @pytest.mark.parametrize("num_blocks", [0, -1])
 def test_block_manager_rejects_empty_cache(num_blocks):
     with pytest.raises(ValueError):
