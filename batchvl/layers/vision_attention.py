@@ -2,7 +2,8 @@
 
 transformers hands a vision attention function the packed patches of all images plus `cu_seqlens` only
 when the implementation's name contains "flash"; under that name this function runs:
-- flash-attn's varlen kernel on CUDA when the package is installed;
+- flash-attn's varlen kernel on CUDA when the package is installed, in fp16 or bf16 on Ampere or newer
+  (elsewhere, or once it has failed, the SDPA path below);
 - in bf16 on a CPU with bf16 dot products, batchvl's native kernel, all sequences in one call
   (`cpu_attention.native_attention`);
 - otherwise attention on slices of the packed rows: consecutive sequences of equal length (images of one
@@ -18,6 +19,9 @@ vision forward per encode call instead of one per size class.
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
 import torch.nn.functional as F
 
@@ -31,14 +35,45 @@ from batchvl.layers.cpu_attention import (
 VISION_ATTENTION_NAME = "batchvl_flash_varlen"  # "flash" in the name makes transformers pass cu_seqlens
 BATCHED_VISION_ATTENTION_NAME = "batchvl_vision"  # towers that attend (B, H, N, D) batches of one size
 
+logger = logging.getLogger(__name__)
+
+
+FLASH_DTYPES = (torch.float16, torch.bfloat16)  # flash-attn raises RuntimeError for any other
+_flash_refusals: list[str] = []  # why flash-attn failed in this process, once: SDPA from then on
+
+
+@functools.cache
+def _flash_varlen_func():
+    """flash-attn's varlen function, or None without the package: imported once per process, where a
+    failed import searched sys.path again in every layer of every vision call."""
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except ImportError:
+        return None
+    return flash_attn_varlen_func
+
+
+@functools.cache
+def _ampere_or_newer(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device)[0] >= 8
+
+
+def _flash_takes(query: torch.Tensor) -> bool:
+    """Whether flash-attn runs this CUDA query. Its known refusals (fp32, GPUs before Ampere) are checked
+    before the call instead of raised in every layer; fp32 vision towers then run SDPA as without it."""
+    return (
+        not _flash_refusals
+        and query.dtype in FLASH_DTYPES
+        and _flash_varlen_func() is not None
+        and _ampere_or_newer(query.device)
+    )
+
 
 def _flash_varlen(query, key, value, cu_seqlens, max_length, scaling):
-    from flash_attn import flash_attn_varlen_func
-
     # (1, H, T, D) -> (T, H, D)
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
     cu = cu_seqlens.to(torch.int32)
-    out = flash_attn_varlen_func(q, k, v, cu, cu, max_length, max_length, softmax_scale=scaling)
+    out = _flash_varlen_func()(q, k, v, cu, cu, max_length, max_length, softmax_scale=scaling)
     return out[None]
 
 
@@ -97,11 +132,16 @@ def varlen_vision_attention(
     if cu_seq_lens_q is None:
         raise RuntimeError("varlen vision attention needs cu_seqlens (use it for vision_config only)")
     lengths = (cu_seq_lens_q[1:] - cu_seq_lens_q[:-1]).tolist()
-    if query.is_cuda:
+    if query.is_cuda and _flash_takes(query):
         try:
             return _flash_varlen(query, key, value, cu_seq_lens_q, max(lengths), scaling), None
-        except ImportError:
-            pass  # flash-attn is optional; SDPA below works everywhere
+        except torch.OutOfMemoryError:
+            raise  # SDPA would need more memory, not less
+        except RuntimeError as exc:
+            # A refusal not checked above (a head size, a build for other GPUs): said once, and SDPA
+            # below from now on instead of the same failure in every layer.
+            _flash_refusals.append(str(exc))
+            logger.warning("flash-attn failed on the vision tower (%s); using torch's SDPA instead", exc)
     if use_native_attention(query):
         # (1, H, T, D) views of (T, H, D) rows: the kernel reads and writes the rows' own layout
         q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
