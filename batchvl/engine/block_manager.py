@@ -161,6 +161,10 @@ class BlockManager:
         assert all(block in self._hash_of_block for block in free_cached), "a cached free block lost its hash"
         assert not set(free) & set(self._hash_of_block), "a plain free block still has a hash"
 
+    def slot(self, request: Request, position: int) -> int:
+        """The cache slot of one of the request's token positions."""
+        return request.block_ids[position // self.block_size] * self.block_size + position % self.block_size
+
     def slots(self, request: Request, end: int) -> torch.Tensor:
         """Cache slots of the request's token positions [0, end), as a long tensor (a view of the slots kept
         for the request: read it, never write it)."""

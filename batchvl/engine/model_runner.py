@@ -129,15 +129,34 @@ class ModelRunner:
         """Run one packed forward; returns the logits the chunks need (see `StepLogits`)."""
         token_ids: list[int] = []
         positions, slot_mapping, sequences = [], [], []
+        # A run of decodes (one generated token each, most of a step) as plain ints, made into one tensor
+        # each at the run's end: a tensor or two per decode cost milliseconds a step at hundreds of them.
+        decode_positions: list[int] = []
+        decode_slots: list[int] = []
+
+        def end_decode_run() -> None:
+            if decode_positions:
+                axes = chunks[0].request.positions.prompt.shape[0]
+                positions.append(torch.tensor(decode_positions).expand(axes, -1))
+                slot_mapping.append(torch.tensor(decode_slots))
+                decode_positions.clear()
+                decode_slots.clear()
+
         query_start = 0
         for chunk in chunks:
             request = chunk.request
             token_ids.extend(request.token_ids(chunk.start, chunk.end))
-            positions.append(self._chunk_positions(request, chunk.start, chunk.end))
             key_slots = block_manager.slots(request, chunk.end)
-            slot_mapping.append(key_slots[chunk.start :])
+            if chunk.num_tokens == 1 and chunk.start >= request.num_prompt_tokens:
+                decode_positions.append(chunk.start + request.positions.delta)  # on every axis
+                decode_slots.append(block_manager.slot(request, chunk.start))
+            else:
+                end_decode_run()
+                positions.append(self._chunk_positions(request, chunk.start, chunk.end))
+                slot_mapping.append(key_slots[chunk.start :])
             sequences.append(SequenceSlice(query_start, chunk.num_tokens, key_slots))
             query_start += chunk.num_tokens
+        end_decode_run()
         # Padding rows up to the step's row bucket: the packed linear layers then take the step as it is
         # (no copy per layer) and oneDNN reuses the kernels it built for that bucket. Padding tokens attend
         # to nothing and write no KV; their rows are dropped with the rest of the hidden states.

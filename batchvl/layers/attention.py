@@ -15,6 +15,7 @@ takes torch's attention.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -156,17 +157,26 @@ class InPlaceDecodes:
     (`native_kernels`): no gather, no padding to a common length, one call per layer."""
 
     rows: torch.Tensor  # (B,) packed row of each query
-    slots: torch.Tensor  # (B, L) cache slots of each sequence's keys, in order; past its length: unread
+    slots: torch.Tensor  # the sequences' cache slots one after the other, each in position order
+    starts: torch.Tensor  # (B,) where each sequence's slots begin in `slots`
     lengths: torch.Tensor  # (B,)
 
     @classmethod
     def build(cls, sequences: list[SequenceSlice]) -> InPlaceDecodes:
-        return cls(torch.tensor([seq.query_start for seq in sequences]), *key_slot_table(sequences))
+        lengths = [len(seq.key_slots) for seq in sequences]
+        return cls(
+            torch.tensor([seq.query_start for seq in sequences]),
+            torch.cat([seq.key_slots for seq in sequences]),
+            torch.tensor([0, *itertools.accumulate(lengths[:-1])]),
+            torch.tensor(lengths),
+        )
 
     def attend(self, out: torch.Tensor, query: torch.Tensor, kv: torch.Tensor, scaling: float) -> None:
         """Write into `out` (T, H, D), at each decode's row, its attention over its cached keys; `query` is
         (H, T, D) with contiguous heads, `kv` one layer of the cache."""
-        native_ops().paged_decode_attention(out, query, kv, self.rows, self.slots, self.lengths, scaling)
+        native_ops().paged_decode_attention(
+            out, query, kv, self.rows, self.slots, self.starts, self.lengths, scaling
+        )
 
 
 @dataclass

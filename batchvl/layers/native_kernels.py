@@ -1,6 +1,6 @@
 """Kernels compiled for this machine on first use (`native/`), one Python module:
 
-- `paged_decode_attention(out, query, kv, rows, slots, lengths, scale)`: a step's decodes attended
+- `paged_decode_attention(out, query, kv, rows, slots, starts, lengths, scale)`: a step's decodes attended
   straight from the paged KV cache. The torch path gathers every decode's keys and values into a padded
   batch, then attends over the copy: each cached row is read, written and read again, and every layer of
   every step pays the gather and the attention call's set-up. The kernel reads each row once where it

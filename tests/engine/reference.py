@@ -94,27 +94,37 @@ class EngineProbe:
         self._logits: dict[int, dict[int, torch.Tensor]] = {}
         self._positions: dict[int, dict[int, torch.Tensor]] = {}
         runner = engine.runner
-        execute, chunk_positions = runner.execute, runner._chunk_positions
+        execute, adapter = runner.execute, runner.adapter
 
         def recording_execute(chunks, block_manager):
-            out = execute(chunks, block_manager)
+            fed = []  # the positions the model was given, (axes, rows) in the step's packed order
+
+            def recording_forward(token_ids, positions, *args, **kwargs):
+                fed.append(positions)
+                return forward(token_ids, positions, *args, **kwargs)
+
+            forward = adapter.forward
+            adapter.forward = recording_forward
+            try:
+                out = execute(chunks, block_manager)
+            finally:
+                del adapter.forward  # the class's method again
+            (positions,) = fed
+            row = 0
+            for chunk in chunks:
+                seen = self._positions.setdefault(chunk.request.request_id, {})
+                for index in range(chunk.start, chunk.end):
+                    column = positions[:, row].clone()
+                    assert index not in seen or torch.equal(seen[index], column), "a recompute moved a token"
+                    seen[index] = column
+                    row += 1
             sampled = [chunk for chunk in chunks if chunk.samples_next_token]
             for chunk, row in zip(sampled, out.sampled, strict=True):
                 request = chunk.request
                 self._logits.setdefault(request.request_id, {})[request.num_output_tokens] = row.clone()
             return out
 
-        def recording_positions(request, start, end):
-            positions = chunk_positions(request, start, end)
-            seen = self._positions.setdefault(request.request_id, {})
-            for index in range(start, end):
-                column = positions[:, index - start].clone()
-                assert index not in seen or torch.equal(seen[index], column), "a recompute moved a token"
-                seen[index] = column
-            return positions
-
         runner.execute = recording_execute
-        runner._chunk_positions = recording_positions
 
     def run(self) -> dict:
         """tag -> Observed for every request added so far (rejected ones: no logits, no positions)."""

@@ -82,7 +82,8 @@ def test_reads_only_each_sequence_own_slots(kernel):
         SequenceSlice(1, 1, torch.tensor([30])),
     ]
     decodes = InPlaceDecodes.build(sequences)
-    decodes.slots[1, 1:] = 40  # the short sequence's padding points at garbage
+    assert decodes.slots.tolist() == [5, 9, 1, 30] and decodes.starts.tolist() == [0, 3]
+    decodes.slots = torch.cat([decodes.slots, torch.tensor([40, 41])])  # slots past the last list: garbage
     query = torch.randn(4, 2, 16)
     out = torch.empty(2, 4, 16)
     decodes.attend(out, query, cache.layers[0], 0.25)

@@ -5,7 +5,7 @@
 
 namespace batchvl_native {
 void paged_decode_attention(at::Tensor out, at::Tensor query, at::Tensor kv, at::Tensor rows, at::Tensor slots,
-                            at::Tensor lengths, double scale);
+                            at::Tensor starts, at::Tensor lengths, double scale);
 void rms_norm(at::Tensor out, at::Tensor input, at::Tensor weight, double eps);
 void silu_and_mul(at::Tensor out, at::Tensor gate_up);
 void rotary(at::Tensor out, at::Tensor x, at::Tensor cos, at::Tensor sin);

@@ -147,9 +147,9 @@ void attend_group(const Task& task, int64_t query_head_stride, int64_t out_head_
 
 template <typename T, int DIM>
 void attend(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv, const at::Tensor& rows,
-            const at::Tensor& slots, const at::Tensor& lengths, float scaling) {
+            const at::Tensor& slots, const at::Tensor& starts, const at::Tensor& lengths, float scaling) {
   const int64_t kv_heads = kv.size(1), num_slots = kv.size(2), group = query.size(0) / kv_heads;
-  const int64_t batch = rows.size(0), max_keys = slots.size(1);
+  const int64_t batch = rows.size(0);
   // A group larger than kMaxGroup query heads is attended in parts, each a task of its own.
   const int64_t parts = (group + kMaxGroup - 1) / kMaxGroup, part_size = (group + parts - 1) / parts;
   const T* query_data = query.data_ptr<T>();
@@ -157,6 +157,7 @@ void attend(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv, cons
   T* out_data = out.data_ptr<T>();
   const int64_t* row_of = rows.data_ptr<int64_t>();
   const int64_t* slot_data = slots.data_ptr<int64_t>();
+  const int64_t* start_of = starts.data_ptr<int64_t>();
   const int64_t* length_of = lengths.data_ptr<int64_t>();
   auto task_at = [&](int64_t index) {
     const int64_t seq = index / (kv_heads * parts), kv_head = index / parts % kv_heads, part = index % parts;
@@ -164,7 +165,7 @@ void attend(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv, cons
     return Task{query_data + head * query.stride(0) + row * query.stride(1),
                 kv_data + kv_head * num_slots * DIM,
                 kv_data + (kv_heads + kv_head) * num_slots * DIM,
-                slot_data + seq * max_keys,
+                slot_data + start_of[seq],
                 length_of[seq],
                 out_data + row * out.stride(0) + head * out.stride(1),
                 static_cast<int>(std::min(part_size, group - part * part_size))};
@@ -182,13 +183,13 @@ void attend(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv, cons
 
 template <typename T>
 void attend_dim(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv, const at::Tensor& rows,
-                const at::Tensor& slots, const at::Tensor& lengths, float scaling) {
+                const at::Tensor& slots, const at::Tensor& starts, const at::Tensor& lengths, float scaling) {
   switch (query.size(2)) {
-    case 16: return attend<T, 16>(out, query, kv, rows, slots, lengths, scaling);
-    case 32: return attend<T, 32>(out, query, kv, rows, slots, lengths, scaling);
-    case 64: return attend<T, 64>(out, query, kv, rows, slots, lengths, scaling);
-    case 128: return attend<T, 128>(out, query, kv, rows, slots, lengths, scaling);
-    case 256: return attend<T, 256>(out, query, kv, rows, slots, lengths, scaling);
+    case 16: return attend<T, 16>(out, query, kv, rows, slots, starts, lengths, scaling);
+    case 32: return attend<T, 32>(out, query, kv, rows, slots, starts, lengths, scaling);
+    case 64: return attend<T, 64>(out, query, kv, rows, slots, starts, lengths, scaling);
+    case 128: return attend<T, 128>(out, query, kv, rows, slots, starts, lengths, scaling);
+    case 256: return attend<T, 256>(out, query, kv, rows, slots, starts, lengths, scaling);
     default: TORCH_CHECK(false, "head size ", query.size(2), " is not one of 16, 32, 64, 128, 256");
   }
 }
@@ -199,23 +200,25 @@ namespace batchvl_native {
 
 // out (T, H, D): rows[b] of it receives sequence b's attention output, every head.
 // query (H, T, D), last dim contiguous; kv (2, H_kv, slots, D) contiguous, one layer of the cache;
-// rows (B,), slots (B, L) with each row's first lengths[b] entries used, lengths (B,) >= 1, all int64.
+// rows (B,); slots, every sequence's cache slots one after the other, sequence b's lengths[b] >= 1 of them
+// from starts[b] on (the lists as they are, concatenated: no padding to the longest, whose copy cost
+// milliseconds a step at hundreds of decodes); all int64.
 void paged_decode_attention(at::Tensor out, at::Tensor query, at::Tensor kv, at::Tensor rows, at::Tensor slots,
-                            at::Tensor lengths, double scale) {
+                            at::Tensor starts, at::Tensor lengths, double scale) {
   TORCH_CHECK(query.dim() == 3 && out.dim() == 3 && kv.dim() == 4, "query (H, T, D), out (T, H, D), kv (2, Hkv, S, D)");
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1 && kv.is_contiguous(), "head dims must be contiguous");
   TORCH_CHECK(query.scalar_type() == kv.scalar_type() && out.scalar_type() == kv.scalar_type(), "one dtype");
   TORCH_CHECK(query.size(2) == kv.size(3) && out.size(2) == kv.size(3), "one head size");
   TORCH_CHECK(query.size(0) % kv.size(1) == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(rows.scalar_type() == at::kLong && slots.scalar_type() == at::kLong &&
-                  lengths.scalar_type() == at::kLong && slots.is_contiguous() && slots.size(0) == rows.size(0) &&
-                  lengths.size(0) == rows.size(0),
-              "rows, slots and lengths are int64 with one entry per sequence, slots contiguous");
+                  starts.scalar_type() == at::kLong && lengths.scalar_type() == at::kLong && slots.dim() == 1 &&
+                  slots.is_contiguous() && starts.size(0) == rows.size(0) && lengths.size(0) == rows.size(0),
+              "rows, starts and lengths are int64 with one entry per sequence, slots a contiguous int64 list");
   const float scaling = static_cast<float>(scale);
   if (kv.scalar_type() == at::kFloat) {
-    attend_dim<float>(out, query, kv, rows, slots, lengths, scaling);
+    attend_dim<float>(out, query, kv, rows, slots, starts, lengths, scaling);
   } else if (kv.scalar_type() == at::kBFloat16) {
-    attend_dim<at::BFloat16>(out, query, kv, rows, slots, lengths, scaling);
+    attend_dim<at::BFloat16>(out, query, kv, rows, slots, starts, lengths, scaling);
   } else {
     TORCH_CHECK(false, "float32 or bfloat16 only, got ", kv.scalar_type());
   }
