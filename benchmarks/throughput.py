@@ -480,8 +480,10 @@ def busy_process():
 
 
 def run_child(script: str, method: str, dtype: str, root: Path, model_dir: Path, device: str) -> dict:
-    arguments = ["--dtype", dtype, "--root", str(root), "--model", str(model_dir), "--device", device]
+    arguments = ["--dtype", dtype, "--root", str(root), "--model", str(model_dir)]
     env = {**(os.environ if method == "c" else PEER_ENV), "HF_HUB_OFFLINE": "1"}
+    if method not in VLLM_SETTINGS:  # vLLM's CPU build runs on the CPU alone (checked in `device_problem`)
+        arguments += ["--device", device]
     if method in VLLM_SETTINGS:
         python = VLLM_VENV / "bin" / "python"
         if not python.is_file():

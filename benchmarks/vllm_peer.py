@@ -42,13 +42,17 @@ def child_pids() -> list[int]:
     return [child.pid for child in psutil.Process().children(recursive=True)]
 
 
-def main() -> None:
+def argument_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--root", type=Path, required=True)
     parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--enforce-eager", action="store_true")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = argument_parser().parse_args()
 
     from transformers import AutoProcessor
     from vllm import LLM, SamplingParams

@@ -49,3 +49,23 @@ def test_asking_for_a_gpu_the_machine_lacks_is_one_line_and_exit_2_before_any_wo
     assert result.returncode == 2
     assert result.stderr == "error: --device cuda but no CUDA device is available; use --device cpu\n"
     assert not out.exists()
+
+
+def test_the_vllm_peer_is_given_only_the_arguments_it_takes(throughput, monkeypatch, tmp_path):
+    """vLLM's CPU build takes no device: its command line is the one its own parser accepts, and batchvl's
+    child still gets the device."""
+    commands = []
+
+    def fake_run(command, **kwargs):
+        commands.append(command)
+        return subprocess.CompletedProcess(command, 0, stdout='{"wall_s": 1.0}\n', stderr="")
+
+    monkeypatch.setattr(throughput.subprocess, "run", fake_run)
+    monkeypatch.setattr(throughput, "VLLM_VENV", Path(sys.executable).parent.parent)
+    for method in ("e", "c"):
+        throughput.run_child(str(BENCHMARKS / "throughput.py"), method, "bfloat16", tmp_path, tmp_path, "cpu")
+    vllm, batchvl = commands
+    vllm_peer = importlib.import_module("vllm_peer")
+    arguments = vllm_peer.argument_parser().parse_args(vllm[2:])  # after the python and the script
+    assert (arguments.root, arguments.dtype) == (tmp_path, "bfloat16")
+    assert batchvl[batchvl.index("--device") + 1] == "cpu"
