@@ -103,12 +103,15 @@ class EngineProbe:
                 fed.append(positions)
                 return forward(token_ids, positions, *args, **kwargs)
 
-            forward = adapter.forward
+            forward, own = adapter.forward, vars(adapter).get("forward")  # another probe's, if any
             adapter.forward = recording_forward
             try:
                 out = execute(chunks, block_manager)
             finally:
-                del adapter.forward  # the class's method again
+                if own is None:
+                    del adapter.forward  # the class's method again
+                else:
+                    adapter.forward = own
             (positions,) = fed
             row = 0
             for chunk in chunks:
