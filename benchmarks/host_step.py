@@ -32,6 +32,7 @@ def main() -> None:
     from batchvl.config import EngineConfig
     from batchvl.demo.tiny_model import build_tiny_model
     from batchvl.engine.engine import Engine
+    from batchvl.engine.model_runner import kv_bytes_per_block
     from batchvl.engine.request import EngineRequest, SamplingParams
     from batchvl.models.loader import load_model
 
@@ -46,7 +47,7 @@ def main() -> None:
     config = EngineConfig(
         max_num_seqs=args.requests,
         max_num_batched_tokens=4096,
-        kv_cache_mb=1 + args.requests * tokens * _kv_bytes_per_token(loaded.adapter) / 2**20,
+        kv_cache_mb=1 + args.requests * tokens * kv_bytes_per_block(loaded.adapter, 1) / 2**20,
         prefix_caching=False,
     )
     engine = Engine(loaded.adapter, loaded.processor.tokenizer, config, loaded.eos_token_ids())
@@ -84,11 +85,6 @@ def main() -> None:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2))
-
-
-def _kv_bytes_per_token(adapter) -> int:
-    geo = adapter.geometry
-    return 2 * geo.num_layers * geo.num_kv_heads * geo.head_dim * 4
 
 
 if __name__ == "__main__":

@@ -271,26 +271,31 @@ def run_batchvl(
     loaded = None if engine else load_model(model_dir, dtype=dtype_name, device=device)
     run_job(job(first, PARTS["one_prompt"], first / "out"), loaded=loaded, show_progress=False)
     startup = since_process_start()
+
+    def run_parts(out: Path) -> list[tuple[str, list[str], dict]]:
+        """The workload's jobs, one per part, writing under `out`: (part, its prompts, the job's stats)."""
+        return [
+            (part, names, run_job(job(root / "data" / part, names, out / part), loaded=loaded,
+                                  show_progress=False).stats)
+            for part, names in PARTS.items()
+        ]  # fmt: skip
+
     totals: dict = {"startup_s": startup}
     wall = 0.0
-    for part, names in PARTS.items():
-        cfg = job(root / "data" / part, names, root / "out" / dtype_name / part)
-        stats = run_job(cfg, loaded=loaded, show_progress=False).stats
+    for _, _, stats in run_parts(root / "out" / dtype_name):
         wall += stats["wall_s"]
         for key in SUMMED_STATS:
             totals[key] = totals.get(key, 0) + stats[key]
     if loaded is not None:
         # The same jobs again in this process (new engines, so no cache carries over): the rate once every
         # oneDNN kernel the workload needs is built, which a long job reaches and a fresh one does not.
-        totals["warm_wall_s"] = 0.0
-        for part, names in PARTS.items():
-            cfg = job(root / "data" / part, names, root / "warm" / dtype_name / part)
-            stats = run_job(cfg, loaded=loaded, show_progress=False).stats
+        warm = run_parts(root / "warm" / dtype_name)
+        for part, names, stats in warm:
             if stats["errors"] or stats["ok"] != len(names) * len(read_part(root, part)):
                 raise SystemExit(
                     f"batchvl's warm run of {part} wrote {stats['ok']} ok, {stats['errors']} error rows"
                 )
-            totals["warm_wall_s"] += stats["wall_s"]
+        totals["warm_wall_s"] = sum(stats["wall_s"] for _, _, stats in warm)
     # The rows as written (after the clock): what the row check counts.
     rows = [
         [row["key"], row["prompt"], row["status"], row["error_message"]]
