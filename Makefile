@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # On a GPU machine, set TORCH_SPEC to the CUDA build you want (e.g. TORCH_SPEC=torch==2.13.0).
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install demo test lint format clean slurm browser vllm
+.PHONY: install demo test lint format clean slurm browser vllm gpu-check gpu-wheels
 
 install: $(VENV)/.installed
 
@@ -34,6 +34,26 @@ vllm:
 # Debian's Chromium and chromium-driver (root) for the test that opens `batchvl report`'s page.
 browser:
 	bash scripts/install-browser.sh
+
+# The GPU check (scripts/gpu_check.py): the engine on a GPU in at most 8 minutes, one JSON. On a machine
+# without network whose image has torch but not all of batchvl's requirements, `make gpu-wheels` (here,
+# with network) saves the missing ones to .whl for Python 3.12; gpu-check installs them from there.
+# DEVICE=cpu runs the same stages on a CPU.
+DEVICE ?= cuda
+GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
+GPU_WHEELS := transformers==5.23.0 regex==2026.11.19 xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2 \
+	pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 \
+	jsonschema==4.26.0 referencing==0.37.0 rpds-py==2026.9.1 jsonschema-specifications==2025.9.1 \
+	google-re2==1.1.20251105
+gpu-wheels:
+	python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+		--platform manylinux2014_x86_64 -d .whl $(GPU_WHEELS)
+
+gpu-check:
+	@if [ -d .whl ] && $(GPU_PY) -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))'; then \
+		$(GPU_PY) -m pip install -q --no-index --no-deps --no-compile --upgrade --target .whl/site .whl/*.whl; fi
+	PYTHONPATH=$(CURDIR)/.whl/site:$(CURDIR) DEVICE=$(DEVICE) $(GPU_PY) scripts/gpu_check.py
 
 lint: install
 	$(VENV)/bin/ruff check .

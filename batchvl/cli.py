@@ -371,7 +371,10 @@ def make_tiny_model(
         str, typer.Option(help="Model family: qwen2_vl, qwen2_5_vl, qwen3_vl, llava or idefics3.")
     ] = "qwen2_vl",
     size: Annotated[
-        str, typer.Option(help="tiny (tests, seconds) or small (~90M params, benchmarks).")
+        str,
+        typer.Option(
+            help="tiny (tests, seconds), small (~90M params, benchmarks) or wide (Qwen2-VL-2B's widths)."
+        ),
     ] = "tiny",
     seed: Annotated[int, typer.Option(help="Seed for tokenizer corpus and weights.")] = 0,
 ) -> None:

@@ -6,7 +6,7 @@ steps: per step, the wall time of `Engine.step`, the model's forward (`forward_s
 their difference, the host work. On a GPU the forward runs while the host prepares nothing else, so the
 host work is what keeps the device waiting; on a CPU it is time the cores do not compute.
 
-    python benchmarks/host_step.py [--requests 256] [--prompt 600] [--steps 30] [--json PATH]
+    python benchmarks/host_step.py [--requests 256] [--prompt 600] [--steps 30] [--device cpu] [--json PATH]
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--prompt", type=int, default=600)
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
 
@@ -38,7 +39,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         loaded = load_model(
-            str(build_tiny_model(Path(tmp) / "tiny", size="tiny")), dtype="float32", device="cpu"
+            str(build_tiny_model(Path(tmp) / "tiny", size="tiny")), dtype="float32", device=args.device
         )
     # Enough new tokens that no request finishes before the timed steps end (the first prefilled decode
     # while the others prefill, about one step per 4,096 prompt tokens).
@@ -74,6 +75,7 @@ def main() -> None:
         "step_ms_median": round(statistics.median(walls) * 1e3, 2),
         "forward_ms_median": round(statistics.median(forwards) * 1e3, 2),
         "host_ms_median": round(statistics.median(host) * 1e3, 2),
+        "device": args.device,
         "torch_threads": torch.get_num_threads(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
     }

@@ -13,6 +13,17 @@ pytest_plugins = ["pytester", "tests.ci_policy"]
 # attention, wrong positions or masks barely move the logits and could pass the parity tests.
 SHARPNESS = 8.0
 
+# Where the engine under test runs: BATCHVL_TEST_DEVICE=cuda runs the parity, sampler, constrained-decoding,
+# family and ViT-DP tests on a GPU against references computed on the CPU (`make gpu-check`).
+TEST_DEVICE = os.environ.get("BATCHVL_TEST_DEVICE", "cpu")
+if TEST_DEVICE.startswith("cuda"):
+    import torch
+
+    # fp32 means fp32 on both sides of a cross-device comparison: cuDNN's convolutions (the patch
+    # embedding) would otherwise round through TF32
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+
 
 def bf16_packs() -> bool:
     """Whether oneDNN has bf16 kernels on this CPU, asked of torch itself rather than of the code under
@@ -52,7 +63,7 @@ def tiny_model_dir(tmp_path_factory):
 def loaded_fp32(tiny_model_dir):
     from batchvl.models.loader import load_model
 
-    return load_model(str(tiny_model_dir), dtype="float32", device="cpu")
+    return load_model(str(tiny_model_dir), dtype="float32", device=TEST_DEVICE)
 
 
 NEW_FAMILIES = [
@@ -75,7 +86,7 @@ def family_models(tmp_path_factory):
         if family not in built:
             folder = tmp_path_factory.mktemp("models") / family
             path = build_tiny_model(folder, family=family, seed=0, sharpness=SHARPNESS)
-            built[family] = (path, load_model(str(path), dtype="float32", device="cpu"))
+            built[family] = (path, load_model(str(path), dtype="float32", device=TEST_DEVICE))
         return built[family]
 
     return get
@@ -131,7 +142,7 @@ def write_image_shards(
 def two_prompt_job_yaml(model_dir, engine: str, extra: str = "") -> str:
     """A job file over `data/*.parquet` (key column `key`) with two prompts, written to `out`."""
     return f"""
-model: {{path: {model_dir}, dtype: float32, device: cpu}}
+model: {{path: {model_dir}, dtype: float32, device: {TEST_DEVICE}}}
 input: {{paths: ["data/*.parquet"], key_column: key}}
 prompts:
   - {{name: caption, text: Describe this image.}}

@@ -82,6 +82,22 @@ SIZES = {
         clip_image_size=224,
         tile_size=252,
     ),
+    # Qwen2-VL-2B's widths and depths (1.5B parameters with this vocabulary); for GPU benchmarks at real
+    # width. head_dim 128.
+    "wide": TinySize(
+        vocab_size=32768,
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_layers=28,
+        num_heads=12,
+        num_kv_heads=2,
+        vit_depth=32,
+        vit_dim=1280,
+        vit_heads=16,
+        merged_patches=(4, 1024),
+        clip_image_size=336,
+        tile_size=364,
+    ),
 }
 
 

@@ -1,9 +1,14 @@
 """What the parity tests compare, at every generated position: the engine's tokens, its logits and the
 positions it gave every token it fed, against transformers' `generate` (tokens and raw logits) and the
-family's own position rule (`get_rope_index` for the Qwen families, 1-D positions for the others)."""
+family's own position rule (`get_rope_index` for the Qwen families, 1-D positions for the others).
+
+The references are computed on the CPU. With BATCHVL_TEST_DEVICE=cuda the engine runs on the GPU, where
+fp32 kernels sum in other orders: there the logits may differ from the CPU reference by twice as much as
+transformers' own `generate` on that GPU differs from it (`logits_tolerance`), and no more."""
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -11,6 +16,7 @@ import torch
 from batchvl.engine.engine import Engine
 from batchvl.engine.request import EngineRequest, EngineResult, SamplingParams
 from batchvl.preprocess.media import PreparedMedia
+from tests.conftest import TEST_DEVICE
 
 # Largest difference allowed between the engine's and generate's logits at a position, relative to the
 # largest logit there (fp32; the two sum in different orders, so they are not bit-identical).
@@ -33,7 +39,43 @@ def generate_reference(model, inputs: dict, max_new_tokens: int, **options) -> E
         **{"do_sample": False, **options},
     )
     prompt_length = inputs["input_ids"].shape[1]
-    return Expected(out.sequences[0, prompt_length:].tolist(), torch.cat(out.logits).float())
+    return Expected(out.sequences[0, prompt_length:].tolist(), torch.cat(out.logits).float().cpu())
+
+
+_ON_TEST_DEVICE: dict[int, torch.nn.Module] = {}
+
+
+def on_test_device(model):
+    """A copy of a CPU reference model on the test device, made once per model."""
+    if id(model) not in _ON_TEST_DEVICE:
+        _ON_TEST_DEVICE[id(model)] = copy.deepcopy(model).to(TEST_DEVICE)
+    return _ON_TEST_DEVICE[id(model)]
+
+
+def device_gap(on_cpu: Expected, on_device: Expected) -> float:
+    """The largest difference between two runs' finite logits, over the positions both computed from the
+    same tokens (the first position whose chosen tokens differ is still compared; a sampled or near-tied
+    run may go its own way after it)."""
+    same = 0
+    while same < min(len(on_cpu.tokens), len(on_device.tokens)) and (
+        on_cpu.tokens[same] == on_device.tokens[same]
+    ):
+        same += 1
+    positions = min(same + 1, len(on_cpu.logits), len(on_device.logits))
+    one, other = on_cpu.logits[:positions], on_device.logits[:positions]
+    finite = torch.isfinite(one) & torch.isfinite(other)
+    return float((one - other)[finite].abs().max()) if finite.any() else 0.0
+
+
+def logits_tolerance(model, inputs: dict, expected: Expected, reference_generate) -> float:
+    """How far the engine's logits may be from `expected` (`reference_generate(model, inputs)` on the CPU):
+    `LOGITS_TOLERANCE` of the largest finite logit, or on another test device twice the distance of
+    `reference_generate` there from the CPU, if larger."""
+    tolerance = LOGITS_TOLERANCE * float(expected.logits[torch.isfinite(expected.logits)].abs().max())
+    if TEST_DEVICE == "cpu":
+        return tolerance
+    moved = {k: v.to(TEST_DEVICE) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    return max(tolerance, 2 * device_gap(expected, reference_generate(on_test_device(model), moved)))
 
 
 def inputs_for(model, ids: list[int], media: list[PreparedMedia]) -> dict:
@@ -113,6 +155,7 @@ class EngineProbe:
                 else:
                     adapter.forward = own
             (positions,) = fed
+            positions = positions.cpu()  # the references are computed on the CPU
             row = 0
             for chunk in chunks:
                 seen = self._positions.setdefault(chunk.request.request_id, {})
@@ -124,7 +167,9 @@ class EngineProbe:
             sampled = [chunk for chunk in chunks if chunk.samples_next_token]
             for chunk, row in zip(sampled, out.sampled, strict=True):
                 request = chunk.request
-                self._logits.setdefault(request.request_id, {})[request.num_output_tokens] = row.clone()
+                self._logits.setdefault(request.request_id, {})[request.num_output_tokens] = row.to(
+                    "cpu", copy=True
+                )
             return out
 
         runner.execute = recording_execute
@@ -156,11 +201,18 @@ class Case:
     media: list[PreparedMedia]
     expected: Expected
     positions: torch.Tensor  # the family's positions of the prompt and every generated token but the last
+    tolerance: float  # the largest difference allowed between the engine's logits and `expected`'s
 
 
 def make_case(model, tag, ids: list[int], media: list[PreparedMedia], inputs: dict, max_new_tokens: int):
-    expected = generate_reference(model, inputs, max_new_tokens)
-    return Case(tag, ids, media, expected, family_positions(model, ids + expected.tokens[:-1], media))
+    def reference_generate(model, inputs):
+        return generate_reference(model, inputs, max_new_tokens)
+
+    expected = reference_generate(model, inputs)
+    positions = family_positions(model, ids + expected.tokens[:-1], media)
+    return Case(
+        tag, ids, media, expected, positions, logits_tolerance(model, inputs, expected, reference_generate)
+    )
 
 
 def run_cases(loaded, cases: list[Case], limits, sampling: SamplingParams) -> tuple[Engine, dict]:
@@ -177,8 +229,9 @@ def assert_matches_reference(observed: Observed, case: Case) -> None:
     expected = case.expected
     assert observed.result.error is None, (case.tag, observed.result.error)
     assert observed.result.output_token_ids == expected.tokens, case.tag
-    tolerance = LOGITS_TOLERANCE * float(expected.logits.abs().max())
-    torch.testing.assert_close(observed.logits, expected.logits, rtol=0, atol=tolerance, msg=str(case.tag))
+    torch.testing.assert_close(
+        observed.logits, expected.logits, rtol=0, atol=case.tolerance, msg=lambda text: f"{case.tag}: {text}"
+    )
     fed = sorted(observed.positions)  # the prompt after its cached prefix, then the generated tokens
     assert fed == list(range(fed[0], case.positions.shape[1])), case.tag
     got = torch.stack([observed.positions[i] for i in fed], dim=1)

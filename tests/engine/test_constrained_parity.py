@@ -23,7 +23,7 @@ from batchvl.engine.structured_output import OutputConstraint
 from batchvl.preprocess.prompts import PromptRenderer
 from batchvl.preprocess.qwen_vision import QwenVisionSpec, prepare_image
 from tests.conftest import random_image
-from tests.engine.reference import LOGITS_TOLERANCE, EngineProbe, Expected, generate_reference
+from tests.engine.reference import EngineProbe, Expected, generate_reference, logits_tolerance
 
 SCHEMA = {
     "type": "object",
@@ -112,21 +112,25 @@ def test_constrained_outputs_equal_generate_with_xgrammar(
     started = time.perf_counter()
     for (i, name), (ids, media, inputs) in samples.items():
         _, constraint, reference_grammar, max_new_tokens = next(k for k in KINDS if k[0] == name)
-        compiled = reference_grammar(compiler) if reference_grammar else None
-        expected[(i, name)] = generate_constrained(reference, inputs, compiled, max_new_tokens, sampling)
+
+        def reference_generate(model, inputs, grammar=reference_grammar, max_new_tokens=max_new_tokens):
+            compiled = grammar(compiler) if grammar else None  # a processor of its own for each run
+            return generate_constrained(model, inputs, compiled, max_new_tokens, sampling)
+
+        want = reference_generate(reference, inputs)
+        expected[(i, name)] = want, logits_tolerance(reference, inputs, want, reference_generate)
         params = SamplingParams(max_new_tokens, **sampling)
         engine.add_request(EngineRequest(ids, media, params, (i, name), constraint=constraint))
     observed = probe.run()
     assert engine.grammars.num_compiled == 4  # one per distinct constraint, shared by every request
     assert 0 < engine.stats.grammar_s < time.perf_counter() - started
-    for tag, want in expected.items():
+    for tag, (want, tolerance) in expected.items():
         tokens, logits = want.tokens, want.logits
         got = observed[tag]
         assert got.result.output_token_ids == tokens, tag
         # xgrammar's processor masks generate's logits in place, so its "raw" logits are -inf where the
         # grammar forbids a token; the engine's recorded logits are from before its own mask.
         allowed = torch.isfinite(logits)
-        tolerance = LOGITS_TOLERANCE * float(logits[allowed].abs().max())
         torch.testing.assert_close(got.logits[allowed], logits[allowed], rtol=0, atol=tolerance, msg=str(tag))
         if tag[1].endswith("-cut"):
             assert not got.result.is_complete and got.result.error is None  # the row code makes it an error

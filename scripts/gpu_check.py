@@ -1,0 +1,325 @@
+"""`make gpu-check`: batchvl's own engine on a GPU in at most 8 minutes, reported as one JSON.
+
+Stages, each in a process of its own under its own time limit, so that one that fails or hangs is
+reported and the next still runs:
+
+  environment      torch, CUDA, the GPU and its free memory, transformers, the optional kernels importable
+  parity           the engine parity, family, sampler, logprobs, choice-scoring and constrained-decoding
+                   tests with BATCHVL_TEST_DEVICE set: the engine on the device, references on the CPU
+  vit_dp           the ViT data-parallel job test (two torchrun ranks on the one device) on the device
+  sampled_job      a job sampling at temperature 0.8 on the device and on the CPU: rows ok on each, and the
+                   share of rows whose text is the same (each request's seeded draws run on the CPU)
+  constrained_job  a JSON-schema, regex, choices and free-text job in fp32 on the device and on the CPU:
+                   rows and texts equal
+  host_step        benchmarks/host_step.py on the device: host work per step at 256 long decodes
+  throughput_*     benchmarks/throughput.py: transformers `generate` on padded batches of 8 against batchvl
+                   in bf16, on the `small` model and at Qwen2-VL-2B's widths (`wide`); batchvl's busy
+                   share is the time in vision-tower and language-model forwards (synchronized) over wall time
+
+DEVICE=cpu runs the same stages on the CPU with smaller workloads, so the script is tried on any machine.
+The JSON is printed and written to GPU_CHECK_JSON (default: gpu-check.json); GPU_CHECK_BUDGET_S (480)
+bounds the whole run, and a stage that no longer fits is reported as skipped.
+
+    DEVICE=cuda python scripts/gpu_check.py
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ElementTree
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DEVICE = os.environ.get("DEVICE", "cuda")
+ON_CPU = DEVICE == "cpu"
+BUDGET_S = float(os.environ.get("GPU_CHECK_BUDGET_S", 480))
+REPORT = Path(os.environ.get("GPU_CHECK_JSON", "gpu-check.json"))
+SHOWN = 2000  # characters of a failed stage's output kept in the report
+PARITY_TESTS = [
+    "tests/engine/test_parity.py",
+    "tests/engine/test_family_parity.py",
+    "tests/engine/test_sampler.py",
+    "tests/engine/test_logprobs.py",
+    "tests/engine/test_choice_scoring.py",
+    "tests/engine/test_constrained_parity.py",
+]
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "color": {"type": "string", "enum": ["red", "green", "blue"]},
+        "count": {"type": "integer", "minimum": 0, "maximum": 9},
+    },
+    "required": ["color", "count"],
+}
+STARTED = time.monotonic()
+
+
+def left_s() -> float:
+    return BUDGET_S - (time.monotonic() - STARTED)
+
+
+def run(command: list[str], limit_s: float, env: dict | None = None, cwd: Path = ROOT) -> dict:
+    """A command under min(limit_s, the time left): its exit status, seconds, standard output (with
+    standard error where it was stopped) and, if it failed, its output's tail."""
+    timeout = min(limit_s, left_s())
+    started = time.monotonic()
+    try:
+        done = subprocess.run(
+            command,
+            cwd=cwd,
+            env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})},
+            capture_output=True,
+            text=True,
+            timeout=max(timeout, 1),
+        )
+        result = {"rc": done.returncode, "seconds": round(time.monotonic() - started, 1)}
+        if done.returncode:
+            result["output_tail"] = (done.stdout + done.stderr)[-SHOWN:]
+        result["stdout"] = done.stdout
+    except subprocess.TimeoutExpired as timed_out:
+        output = (timed_out.stdout or b"") + (timed_out.stderr or b"")
+        text = output.decode(errors="replace") if isinstance(output, bytes) else output
+        result = {"rc": "timeout", "seconds": round(timeout, 1), "output_tail": text[-SHOWN:], "stdout": text}
+    return result
+
+
+# ---- stages ----------------------------------------------------------------------------------------
+
+
+def environment(work: Path) -> dict:
+    import importlib.util
+
+    import torch
+    import transformers
+
+    found = {
+        name: importlib.util.find_spec(name) is not None for name in ("flash_attn", "xgrammar", "triton")
+    }
+    facts = {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": sys.version.split()[0],
+        "cpu_count": os.cpu_count(),
+        "cuda_available": torch.cuda.is_available(),
+        "importable": found,
+    }
+    if torch.cuda.is_available():
+        free, total = torch.cuda.mem_get_info()
+        facts |= {
+            "gpu": torch.cuda.get_device_name(),
+            "capability": ".".join(map(str, torch.cuda.get_device_capability())),
+            "gpu_memory_free_gib": round(free / 2**30, 1),
+            "gpu_memory_total_gib": round(total / 2**30, 1),
+        }
+    return {"ok": ON_CPU or torch.cuda.is_available(), **facts}
+
+
+def pytest_stage(files: list[str], limit_s: float, work: Path, name: str) -> dict:
+    junit = work / f"{name}.xml"
+    command = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", f"--junitxml={junit}", *files]
+    result = run(command, limit_s, env={"BATCHVL_TEST_DEVICE": DEVICE})
+    stdout = result.pop("stdout", "")
+    if not junit.exists():  # stopped at its time limit: the outcomes printed so far
+        printed = [line.split(" ") for line in stdout.splitlines() if "::" in line]
+        outcomes = {words[0]: words[1] for words in printed if len(words) > 1 and words[1].isupper()}
+        return {"ok": False, "outcomes_printed": outcomes, **result}
+    counts = {"passed": 0, "failed": 0, "skipped": 0}
+    failures = []
+    for case in ElementTree.parse(junit).iter("testcase"):
+        problem = case.find("failure")
+        if problem is None:
+            problem = case.find("error")
+        if problem is not None:
+            counts["failed"] += 1
+            message = (problem.get("message") or problem.text or "")[:400]
+            failures.append(f"{case.get('classname')}::{case.get('name')}: {message}")
+        elif case.find("skipped") is not None:
+            counts["skipped"] += 1
+        else:
+            counts["passed"] += 1
+    if not failures:
+        result.pop("output_tail", None)
+    return {"ok": result["rc"] == 0, **counts, "failures": failures[:20], **result}
+
+
+def parity(work: Path) -> dict:
+    return pytest_stage(PARITY_TESTS, 200, work, "parity")
+
+
+def vit_dp(work: Path) -> dict:
+    files = ["tests/engine/test_vit_dp.py::test_two_rank_vit_data_parallel_job_equals_one_process"]
+    return pytest_stage(files, 90, work, "vit_dp")
+
+
+def write_images(folder: Path, count: int) -> None:
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from PIL import Image
+
+    folder.mkdir(parents=True, exist_ok=True)
+    images = []
+    for seed in range(count):
+        rng = np.random.default_rng(seed)
+        height, width = (int(side) for side in rng.integers(28, 400, size=2))
+        buffer = io.BytesIO()
+        Image.fromarray(rng.integers(0, 256, size=(height, width, 3), dtype=np.uint8)).save(buffer, "PNG")
+        images.append(buffer.getvalue())
+    images[-1] = images[0]  # a duplicate image: the encoder cache's hit
+    keys = [f"k{i}" for i in range(count)]
+    pq.write_table(pa.table({"key": keys, "image": images}), folder / "s.parquet")
+
+
+def tiny_model(work: Path) -> Path:
+    folder = work / "tiny"
+    if not (folder / "config.json").exists():
+        from batchvl.demo.tiny_model import build_tiny_model
+
+        build_tiny_model(folder, size="tiny", seed=0, sharpness=8.0)
+    return folder
+
+
+def job_on(work: Path, name: str, device: str, prompts: str, sampling: str) -> dict:
+    """Runs the job in its own folder on `device`; its status counts and rows (prompt, key) -> row."""
+    import pyarrow.parquet as pq
+
+    root = work / f"{name}-{device.replace(':', '')}"
+    write_images(root / "data", 24)
+    (root / "job.yaml").write_text(
+        f"model: {{path: {tiny_model(work)}, dtype: float32, device: {device}}}\n"
+        'input: {paths: ["data/*.parquet"], key_column: key}\n'
+        f"prompts: {prompts}\nsampling: {sampling}\npreprocess: {{workers: 1}}\noutput: {{dir: out}}\n"
+    )
+    result = run([sys.executable, "-m", "batchvl", "run", "job.yaml", "--no-progress"], 90, cwd=root)
+    result.pop("stdout", None)
+    if result["rc"] != 0:
+        return {"job": result, "rows": {}}
+    rows = pq.read_table(root / "out" / "s.parquet").to_pylist()
+    statuses: dict[str, int] = {}
+    for row in rows:
+        statuses[row["status"]] = statuses.get(row["status"], 0) + 1
+    return {"job": {**result, "statuses": statuses}, "rows": {(r["prompt"], r["key"]): r for r in rows}}
+
+
+def compared(work: Path, name: str, prompts: str, sampling: str, same_required: bool) -> dict:
+    on_device = job_on(work, name, DEVICE, prompts, sampling)
+    on_cpu = job_on(work, name, "cpu", prompts, sampling) if not ON_CPU else on_device
+    device_rows, cpu_rows = on_device["rows"], on_cpu["rows"]
+    same = [k for k in device_rows if k in cpu_rows and device_rows[k]["text"] == cpu_rows[k]["text"]]
+    errors = [
+        f"{k}: {r.get('error_type')}: {r.get('error_message')}"
+        for k, r in device_rows.items()
+        if r["status"] == "error"
+    ]
+    complete = bool(device_rows) and set(device_rows) == set(cpu_rows)
+    share = round(len(same) / max(len(device_rows), 1), 3)
+    return {
+        "ok": complete and (share == 1.0 or not same_required),
+        "device_job": on_device["job"],
+        "cpu_job": on_cpu["job"],
+        "rows": len(device_rows),
+        "same_text_share": share,
+        "device_errors": errors[:5],
+    }
+
+
+def sampled_job(work: Path) -> dict:
+    prompts = "[{name: caption, text: Describe this image.}, {name: short, text: One word.}]"
+    sampling = "{max_new_tokens: 24, temperature: 0.8, top_p: 0.9, top_k: 50, seed: 7, logprobs: true}"
+    return compared(work, "sampled", prompts, sampling, same_required=False)
+
+
+def constrained_job(work: Path) -> dict:
+    prompts = (
+        f"[{{name: attrs, text: Describe the image as JSON., json_schema: {json.dumps(SCHEMA)}}}, "
+        '{name: year, text: "Which year?", regex: "(19|20)[0-9]{2}"}, '
+        '{name: kind, text: "Photo or drawing?", choices: [photo, drawing, screenshot]}, '
+        "{name: caption, text: Describe this image.}]"
+    )
+    return compared(work, "constrained", prompts, "{max_new_tokens: 48}", same_required=True)
+
+
+def host_step(work: Path) -> dict:
+    out = work / "host_step.json"
+    steps = ["--steps", "10", "--requests", "64"] if ON_CPU else []
+    command = [sys.executable, "benchmarks/host_step.py", "--device", DEVICE, "--json", str(out), *steps]
+    result = run(command, 90)
+    result.pop("stdout", None)
+    return {"ok": result["rc"] == 0, **result, **(json.loads(out.read_text()) if out.exists() else {})}
+
+
+def throughput(work: Path, size: str) -> dict:
+    out = work / f"throughput-{size}.json"
+    dtype = "float32" if ON_CPU else "bfloat16"
+    workload = ["--samples", "4", "--max-tokens", "8"] if ON_CPU else ["--samples", "160"]
+    command = [sys.executable, "benchmarks/throughput.py", "--device", DEVICE, "--methods", "b,c"]
+    command += ["--dtypes", dtype, "--size", size, "--json", str(out), *workload]
+    result = run(command, 150 if size == "small" else 200)
+    result.pop("stdout", None)
+    if not out.exists():
+        return {"ok": False, **result}
+    runs = json.loads(out.read_text())["runs"][dtype]
+    keep = ("samples_per_s", "samples_per_s_warm", "output_tokens_per_s", "wall_s", "peak_rss_mb")
+    summary = {method: {k: run[k] for k in keep if k in run} for method, run in runs.items()}
+    batchvl = runs["c"]
+    summary["c"] |= {
+        "speedup_vs_generate": batchvl.get("speedup_vs_b"),
+        "warm_speedup_vs_generate": batchvl.get("warm_speedup_vs_b"),
+        "busy_share": round(1 - batchvl["engine_idle_share"], 3),
+        "input_wait_share": batchvl["input_wait_share"],
+    }
+    return {"ok": result["rc"] == 0, "seconds": result["seconds"], "size": size, "runs": summary}
+
+
+STAGES = [
+    ("environment", environment),
+    ("parity", parity),
+    ("sampled_job", sampled_job),
+    ("constrained_job", constrained_job),
+    ("vit_dp", vit_dp),
+    ("host_step", host_step),
+    ("throughput_small", lambda work: throughput(work, "small")),
+    ("throughput_wide", lambda work: throughput(work, "wide")),
+]
+MIN_STAGE_S = 20  # a stage started with less time left could not finish
+
+
+def main() -> None:
+    report: dict = {"device": DEVICE, "budget_s": BUDGET_S, "stages": {}}
+    with tempfile.TemporaryDirectory(prefix="batchvl-gpu-check-") as tmp:
+        work = Path(tmp)
+        for name, stage in STAGES:
+            if left_s() < MIN_STAGE_S:
+                report["stages"][name] = {"ok": False, "skipped": "the time budget ran out"}
+                continue
+            started = time.monotonic()
+            try:
+                outcome = stage(work)
+            except Exception as error:  # a stage's own set-up failed: report it, run the next
+                outcome = {"ok": False, "exception": f"{type(error).__name__}: {error}"[:SHOWN]}
+            outcome.setdefault("seconds", round(time.monotonic() - started, 1))
+            report["stages"][name] = outcome
+            print(f"{name}: {'ok' if outcome['ok'] else 'FAILED'} ({outcome['seconds']} s)", file=sys.stderr)
+            write(report)  # after every stage: a run cut short still leaves what it found
+            for benchmark in work.glob("*.json"):  # the benchmarks' own full reports, beside this one
+                (REPORT.parent / f"gpu-check-{benchmark.name}").write_text(benchmark.read_text())
+    report["ok"] = all(stage["ok"] for stage in report["stages"].values())
+    print(write(report))
+    sys.exit(0 if report["ok"] else 1)
+
+
+def write(report: dict) -> str:
+    report["seconds"] = round(time.monotonic() - STARTED, 1)
+    text = json.dumps(report, indent=2, default=str)
+    REPORT.write_text(text)
+    return text
+
+
+if __name__ == "__main__":
+    main()

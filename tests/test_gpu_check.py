@@ -1,0 +1,66 @@
+"""`make gpu-check`'s runner (scripts/gpu_check.py): a stage that fails, raises, hangs or no longer fits
+the time budget is reported and the next one still runs; test outcomes are read from pytest's report, or
+from what it printed when it was stopped. (`DEVICE=cpu make gpu-check` runs the real stages.)"""
+
+import importlib
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+
+
+@pytest.fixture
+def gpu_check(monkeypatch, tmp_path):
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    module = importlib.import_module("gpu_check")
+    monkeypatch.setattr(module, "REPORT", tmp_path / "report.json")
+    monkeypatch.setattr(module, "STARTED", time.monotonic())
+    return module
+
+
+def test_test_outcomes_are_counted_with_the_failures_named(gpu_check, tmp_path):
+    tests = tmp_path / "test_two.py"
+    tests.write_text(
+        "def test_passes():\n    assert True\n\n\ndef test_fails():\n    assert 1 == 2, 'one is not two'\n"
+    )
+    outcome = gpu_check.pytest_stage([str(tests)], 60, tmp_path, "two")
+    assert (outcome["ok"], outcome["passed"], outcome["failed"]) == (False, 1, 1)
+    (failure,) = outcome["failures"]
+    assert "test_fails" in failure and "one is not two" in failure
+
+
+def test_a_stopped_test_run_reports_what_it_printed(gpu_check, tmp_path):
+    tests = tmp_path / "test_slow.py"
+    tests.write_text(
+        "import time\n\n\ndef test_quick():\n    pass\n\n\ndef test_slow():\n    time.sleep(60)\n"
+    )
+    outcome = gpu_check.pytest_stage([str(tests)], 8, tmp_path, "slow")
+    assert outcome["ok"] is False and outcome["rc"] == "timeout"
+    ((test, printed),) = outcome["outcomes_printed"].items()  # the slow test was still running
+    assert test.endswith("test_slow.py::test_quick") and printed == "PASSED"
+
+
+def test_every_stage_is_reported_whatever_the_others_do(gpu_check, monkeypatch, tmp_path):
+    def raises(work):
+        raise RuntimeError("no GPU here")
+
+    def slow(work):
+        return {"ok": False, **gpu_check.run([sys.executable, "-c", "import time; time.sleep(30)"], 2)}
+
+    stages = [("raises", raises), ("fine", lambda work: {"ok": True}), ("hangs", slow), ("late", raises)]
+    monkeypatch.setattr(gpu_check, "STAGES", stages)
+    monkeypatch.setattr(gpu_check, "BUDGET_S", gpu_check.MIN_STAGE_S + 1.5)  # "late" no longer fits
+    with pytest.raises(SystemExit) as exit_status:
+        gpu_check.main()
+    assert exit_status.value.code == 1
+    report = json.loads(gpu_check.REPORT.read_text())
+    stages = report["stages"]
+    assert stages["raises"] == {"ok": False, "exception": "RuntimeError: no GPU here", "seconds": 0.0}
+    assert stages["hangs"]["rc"] == "timeout"
+    assert stages["fine"]["ok"] is True
+    assert stages["late"] == {"ok": False, "skipped": "the time budget ran out"}
+    assert report["ok"] is False
