@@ -6,7 +6,11 @@ steps: per step, the wall time of `Engine.step`, the model's forward (`forward_s
 their difference, the host work. On a GPU the forward runs while the host prepares nothing else, so the
 host work is what keeps the device waiting; on a CPU it is time the cores do not compute.
 
-    python benchmarks/host_step.py [--requests 256] [--prompt 600] [--steps 30] [--device cpu] [--json PATH]
+`--profile` adds the ops and calls that took the most host time over the timed steps (torch's profiler;
+the steps it watches are slower, so their times are not the table's).
+
+    python benchmarks/host_step.py [--requests 256] [--prompt 600] [--steps 30] [--device cpu] [--profile]
+                                   [--json PATH]
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=600)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    parser.add_argument("--profile", action="store_true", help="Also profile the timed steps' host work")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
 
@@ -43,7 +48,7 @@ def main() -> None:
         )
     # Enough new tokens that no request finishes before the timed steps end (the first prefilled decode
     # while the others prefill, about one step per 4,096 prompt tokens).
-    max_new_tokens = args.requests * args.prompt // 4096 + args.steps + 16
+    max_new_tokens = args.requests * args.prompt // 4096 + args.steps + 16 + 10 * args.profile
     tokens = args.prompt + max_new_tokens
     config = EngineConfig(
         max_num_seqs=args.requests,
@@ -67,6 +72,8 @@ def main() -> None:
             raise SystemExit("a request finished or left before the timed steps ended")
         walls.append(time.perf_counter() - started)
         forwards.append(engine.runner.forward_s - forward_before)
+    if args.profile:
+        profile = profiled_steps(engine, args.requests, steps=5)
     host = [wall - forward for wall, forward in zip(walls, forwards, strict=True)]
     result = {
         "requests": args.requests,
@@ -84,9 +91,57 @@ def main() -> None:
         f"forward {result['forward_ms_median']} ms, host work {result['host_ms_median']} ms "
         f"(medians of {args.steps})"
     )
+    if args.profile:
+        result["profile_per_step"] = profile
+        for kind, rows in profile.items():
+            print(f"{kind}, own host time per step:")
+            for row in rows:
+                print(f"{row['ms']:>9.3f} ms {row['calls']:>8.1f} calls  {row['name']}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2))
+
+
+def profiled_steps(engine, requests: int, steps: int, rows: int = 15) -> dict:
+    """Where `steps` more decode steps spend host time: torch ops by their own time (a device sync shows as
+    a copy or `_local_scalar_dense` that waits), then Python functions by theirs (cProfile), each run over
+    steps of its own."""
+    import cProfile
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile
+
+    def run_steps():
+        for _ in range(steps):
+            if engine.step() or len(engine.scheduler.running) != requests:
+                raise SystemExit("a request finished or left before the profiled steps ended")
+
+    with profile(activities=[ProfilerActivity.CPU]) as profiler:
+        run_steps()
+    events = sorted(profiler.key_averages(), key=lambda event: event.self_cpu_time_total, reverse=True)
+    ops = [
+        {
+            "name": e.key,
+            "calls": round(e.count / steps, 1),
+            "ms": round(e.self_cpu_time_total / 1e3 / steps, 3),
+        }
+        for e in events[:rows]
+    ]
+    python = cProfile.Profile()
+    python.runcall(run_steps)
+    stats = pstats.Stats(
+        python
+    ).stats  # (file, line, function) -> (calls, primitive, own, cumulative, callers)
+    by_own = sorted(stats.items(), key=lambda item: item[1][2], reverse=True)[:rows]
+    functions = [
+        {
+            "name": f"{Path(file).name}:{line} {name}",
+            "calls": round(calls / steps, 1),
+            "ms": round(own * 1e3 / steps, 3),
+        }
+        for (file, line, name), (_, calls, own, _, _) in by_own
+    ]
+    return {"torch_ops": ops, "python_functions": functions}
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ reported and the next still runs:
                    share of rows whose text is the same (each request's seeded draws run on the CPU)
   constrained_job  a JSON-schema, regex, choices and free-text job in fp32 on the device and on the CPU:
                    rows and texts equal
-  host_step        benchmarks/host_step.py on the device: host work per step at 256 long decodes
+  host_step        benchmarks/host_step.py on the device: host work per step at 256 long decodes, and
+                   where it goes (the torch ops and Python functions with the most host time)
   throughput_*     benchmarks/throughput.py: transformers `generate` on padded batches of 8 against batchvl
                    in bf16, on the `small` model and at Qwen2-VL-2B's widths (`wide`); batchvl's busy
                    share is the time in vision-tower and language-model forwards (synchronized) over wall time
@@ -248,7 +249,8 @@ def constrained_job(work: Path) -> dict:
 def host_step(work: Path) -> dict:
     out = work / "host_step.json"
     steps = ["--steps", "10", "--requests", "64"] if ON_CPU else []
-    command = [sys.executable, "benchmarks/host_step.py", "--device", DEVICE, "--json", str(out), *steps]
+    command = [sys.executable, "benchmarks/host_step.py", "--device", DEVICE, "--profile", "--json", str(out)]
+    command += steps
     result = run(command, 90)
     result.pop("stdout", None)
     return {"ok": result["rc"] == 0, **result, **(json.loads(out.read_text()) if out.exists() else {})}

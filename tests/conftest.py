@@ -34,6 +34,26 @@ def bf16_packs() -> bool:
     return torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
+@pytest.fixture(autouse=True, scope="session")
+def cpu_sized_kv_cache():
+    """On a GPU, `engine.kv_cache_mb: auto` fills it (about 8 million blocks of the tiny model on an H100,
+    which `check_integrity` walks after every step: 25 s a parity test). The tests keep the CPU's cache
+    there, so that they also preempt where they do on the CPU."""
+    if TEST_DEVICE == "cpu":
+        yield
+        return
+    import torch
+
+    import batchvl.engine.engine as engine_module
+
+    sized_for = engine_module.kv_cache_bytes
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(
+            engine_module, "kv_cache_bytes", lambda config, _device: sized_for(config, torch.device("cpu"))
+        )
+        yield
+
+
 @pytest.fixture(scope="session")
 def s3():
     """An S3-compatible server (moto's) on 127.0.0.1 with a bucket `data`: (endpoint URL, boto3 client)."""

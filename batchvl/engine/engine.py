@@ -32,7 +32,7 @@ from batchvl.engine.request import (
     Request,
     ScheduledChunk,
 )
-from batchvl.engine.sampler import make_generator, sample_tokens
+from batchvl.engine.sampler import make_generator, rows_on_host, sample_tokens
 from batchvl.engine.scheduler import Scheduler, StepPlan
 from batchvl.engine.stats import EngineStats
 from batchvl.engine.stopping import StopChecker
@@ -201,13 +201,20 @@ class Engine:
     def _sample(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> list[EngineResult]:
         sampling = [chunk.request for chunk in chunks if chunk.samples_next_token]
         self.grammars.mask(logits, [request.grammar for request in sampling])
+        # The rows drawn from (on the CPU) or whose log-probabilities are kept, read from the device at once
+        on_host = rows_on_host(
+            logits, [not request.sampling.is_greedy or request.logprobs is not None for request in sampling]
+        )
         tokens = sample_tokens(
-            logits, [request.sampling for request in sampling], [request.generator for request in sampling]
+            logits,
+            [request.sampling for request in sampling],
+            [request.generator for request in sampling],
+            on_host,
         )
         finished = []
         for row, (request, token) in enumerate(zip(sampling, tokens, strict=True)):
             if request.logprobs is not None:
-                request.logprobs.add(logits[row], request.sampling, token)
+                request.logprobs.add(on_host[row], request.sampling, token)
             request.output_token_ids.append(token)
             self._stats.output_tokens += 1
             self.grammars.accept(request.grammar, token)

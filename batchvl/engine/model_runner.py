@@ -166,8 +166,6 @@ class ModelRunner:
 
         media_mask, media_rows = self._media_rows(len(token_ids), chunks, sequences)
         device = self.adapter.device
-        for seq in sequences:
-            seq.key_slots = seq.key_slots.to(device)
         meta = PagedAttentionMetadata.build(
             self.kv_cache, torch.cat(slot_mapping).to(device), sequences, device
         )

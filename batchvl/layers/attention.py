@@ -84,7 +84,9 @@ class SequenceSlice:
 
     query_start: int  # first row of this request's queries in the packed step
     num_queries: int  # its queries are its last num_queries tokens, each attending causally
-    key_slots: torch.Tensor  # cache slots of all its tokens so far (context + this chunk), in position order
+    # cache slots of all its tokens so far (context + this chunk), in position order; on the CPU, where the
+    # step's metadata is built (a GPU gets what it reads uploaded once per step, not one tensor per sequence)
+    key_slots: torch.Tensor
     key_rows: torch.Tensor | None = None  # KVCache.gather_rows(key_slots), when it reads from the cache
     attention_mask: torch.Tensor | None = None  # causal_mask(...), built once a step for every layer
 
@@ -97,7 +99,7 @@ class SequenceSlice:
     def is_full_causal(self) -> bool:
         return self.num_queries == len(self.key_slots) and self.num_queries > 1
 
-    def causal_mask(self, dtype: torch.dtype) -> torch.Tensor | None:
+    def causal_mask(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
         """(num_queries, num_keys) additive mask in `dtype`, 0 where query i, at position start + i after the
         chunk's context of `start` keys, attends and -inf where it does not. None for a decode (it sees every
         key) and for a chunk from position 0 (plain causal). Built only by torch's attention path (the native
@@ -106,7 +108,6 @@ class SequenceSlice:
         start = len(self.key_slots) - self.num_queries
         if self.num_queries == 1 or start == 0:
             return None
-        device = self.key_slots.device
         key_pos = torch.arange(start + self.num_queries, device=device)
         query_pos = torch.arange(start, start + self.num_queries, device=device)
         hidden = key_pos[None, :] > query_pos[:, None]
@@ -230,8 +231,8 @@ class PagedAttentionMetadata:
             meta.sequences = []
         for seq in meta.sequences:
             if not seq.is_full_causal:
-                seq.key_rows = kv_cache.gather_rows(seq.key_slots)
-                seq.attention_mask = seq.causal_mask(kv_cache.layers[0].dtype)
+                seq.key_rows = kv_cache.gather_rows(seq.key_slots.to(device))
+                seq.attention_mask = seq.causal_mask(kv_cache.layers[0].dtype, device)
         return meta
 
 

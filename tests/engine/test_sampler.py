@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 from transformers.generation.logits_process import (
     LogitsProcessorList,
     TemperatureLogitsWarper,
@@ -15,7 +16,7 @@ from transformers.generation.logits_process import (
 )
 
 from batchvl.engine.request import SamplingParams
-from batchvl.engine.sampler import filtered_logits, make_generator, sample_token, sample_tokens
+from batchvl.engine.sampler import filtered_logits, make_generator, rows_on_host, sample_token, sample_tokens
 from tests.fake_cuda import on_fake_cuda
 
 
@@ -244,3 +245,35 @@ def test_sampled_rows_of_cuda_logits_draw_on_the_cpu_the_tokens_cpu_logits_give(
     assert sample_token(on_fake_cuda(logits[2]), row, make_generator(5)) == sample_token(
         logits[2], row, make_generator(5)
     )
+
+
+class HostCopies(TorchFunctionMode):
+    """Counts copies of tensors to the CPU (each waits for a GPU's queued work)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cpu or (
+            func is torch.Tensor.to and torch._C._nn._parse_to(*args[1:], **kwargs)[0] == torch.device("cpu")
+        ):
+            self.count += 1
+        return func(*args, **kwargs)
+
+
+def test_a_steps_sampled_rows_leave_the_gpu_in_one_copy():
+    logits = torch.randn(6, 500, generator=torch.Generator().manual_seed(11))
+    params = [SamplingParams(temperature=0.7, seed=i) if i % 2 else SamplingParams() for i in range(6)]
+    generators = [None if p.is_greedy else make_generator(p.seed) for p in params]
+    copies = HostCopies()
+    with copies:
+        on_gpu = sample_tokens(on_fake_cuda(logits), params, generators)
+    assert copies.count == 1  # the three sampled rows together, not one copy each
+    generators = [None if p.is_greedy else make_generator(p.seed) for p in params]
+    assert on_gpu == sample_tokens(logits, params, generators)
+    with copies:
+        rows = rows_on_host(on_fake_cuda(logits), [True, False, True, False, False, True])
+    assert copies.count == 2 and list(rows) == [0, 2, 5]
+    assert all(torch.equal(rows[i], logits[i]) and rows[i].device.type == "cpu" for i in rows)

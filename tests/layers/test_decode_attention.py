@@ -19,6 +19,8 @@ from batchvl.layers.attention import (
     split_decodes,
 )
 
+CPU = torch.device("cpu")
+
 
 @pytest.fixture(autouse=True)
 def torch_decode_path(monkeypatch):
@@ -80,7 +82,7 @@ def test_prefill_chunks_and_a_lone_decode_stay_one_by_one():
     assert torch.equal(chunk.key_rows, cache.gather_rows(torch.arange(10)))
     assert lone.key_rows is not None and full.key_rows is None
     # the chunk's mask is built once for every layer; the decode and the chunk from position 0 need none
-    assert torch.equal(chunk.attention_mask, chunk.causal_mask(torch.float32))
+    assert torch.equal(chunk.attention_mask, chunk.causal_mask(torch.float32, CPU))
     assert lone.attention_mask is None and full.attention_mask is None
 
 
@@ -88,9 +90,10 @@ def test_a_chunk_after_its_context_attends_causally_from_its_first_query():
     chunk = SequenceSlice(0, 3, torch.arange(5))  # 2 keys of context, then its 3 queries
     inf = float("-inf")
     expected = torch.tensor([[0, 0, 0, inf, inf], [0, 0, 0, 0, inf], [0, 0, 0, 0, 0]], dtype=torch.bfloat16)
-    assert torch.equal(chunk.causal_mask(torch.bfloat16), expected)
-    assert SequenceSlice(0, 1, torch.arange(7)).causal_mask(torch.float32) is None  # a decode sees every key
-    assert SequenceSlice(0, 4, torch.arange(4)).causal_mask(torch.float32) is None  # plain causal: SDPA's own
+    assert torch.equal(chunk.causal_mask(torch.bfloat16, CPU), expected)
+    # a decode sees every key; a chunk from position 0 is plain causal, SDPA's own
+    assert SequenceSlice(0, 1, torch.arange(7)).causal_mask(torch.float32, CPU) is None
+    assert SequenceSlice(0, 4, torch.arange(4)).causal_mask(torch.float32, CPU) is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
