@@ -111,6 +111,23 @@ def test_a_request_that_crashes_a_launched_server_each_time_is_a_server_crash_ro
     assert summary.stats["samples"] == 4
 
 
+def test_a_launched_server_that_dies_whatever_it_is_sent_is_restarted_retries_plus_one_times_then_gone(
+    tmp_path, tiny_model_dir, monkeypatch, capsys
+):
+    # Every request brings the server down: the first is given up as a server_crash after 2 restarts in a
+    # row, the restart after it is on its account, and the next request's crash finds no restart left. A
+    # give-up that reset the count would restart the server twice more for every request of the job.
+    server = launched("--exit-on", "Describe s", max_concurrency=1)
+    job = write_job(tmp_path, tiny_model_dir, server, sizes=[2, 2], prompts=PROMPTS[:1])
+    code, _, err = cli(monkeypatch, capsys, "run", job, "--no-progress")
+
+    assert code == 1, err
+    assert "stopped answering (after 2 retries and 3 restart(s))" in err.strip().splitlines()[-1]
+    log = (tmp_path / "out" / "_batchvl" / "logs" / "server-0.log").read_text()
+    assert log.count("serving [") == 4  # the start and 3 restarts: retries + 1
+    assert not [name for name in files_under(tmp_path / "out") if name.endswith(".parquet")]
+
+
 def test_a_launched_server_that_refuses_its_arguments_is_one_short_line_naming_the_problem(
     tmp_path, tiny_model_dir, monkeypatch, capsys
 ):

@@ -14,7 +14,9 @@ without an answered request) and retries the request, or, with no server left, d
 raises `ServerGone`, and the requests it failed on are never results (the job stops, and a rerun runs
 them). Every retry after the server came back counts and waits its backoff, and the request goes alone
 (nothing else in flight): one that brings the server down each time it is sent alone is, after its
-retries, a `server_crash` row, and the rest of the job goes on.
+retries, a `server_crash` row, and the rest of the job goes on: the restart after it is its own, not
+counted against the next request. A server that dies whatever it is sent (or by itself) is thus restarted
+`retries` + 1 times in all, then gone, rather than once more for every request of the job.
 """
 
 from __future__ import annotations
@@ -66,8 +68,11 @@ class ServerBackend:
         self.choice_tokens = choice_tokens  # scored choices' tokens, each ending in end-of-sequence
         self.server = server
         self.restarts = 0
-        # restarts since a request was last answered (or given up as the one that brings the server down)
+        # restarts since a request was last answered
         self.restarts_in_a_row = 0
+        # a request was just given up as the one that brings the server down: the restart that follows is
+        # on that request's account, once
+        self._restart_owed = False
         self._stats = EngineStats()
         self._finished: queue.Queue[Future] = queue.Queue()
         self._unfinished = 0
@@ -255,6 +260,7 @@ class ServerBackend:
                         payloads.answer_limit(body),
                     )
                 self.restarts_in_a_row = 0
+                self._restart_owed = False
                 return answer
             except Rejected as exc:
                 raise SampleError("server_rejected", f"the server refused the request: {exc}") from exc
@@ -267,7 +273,7 @@ class ServerBackend:
                     # such (an error row) rather than sent again after every recovery.
                     attempt += 1
                     if alone and attempt > self.config.retries:
-                        self.restarts_in_a_row = 0  # the request that brought it down is done
+                        self._restart_owed = True  # the request that brought it down is done
                         raise SampleError(
                             "server_crash",
                             f"the server stopped answering each time this request was sent ({attempt} times, "
@@ -327,15 +333,19 @@ class ServerBackend:
                 if (
                     self.server is not None
                     and not self.server.is_alive()
-                    and self.restarts_in_a_row < self.config.retries
+                    and (self._restart_owed or self.restarts_in_a_row < self.config.retries)
                 ):
                     self.restarts += 1
-                    self.restarts_in_a_row += 1
-                    logger.warning(
-                        "the server died; restarting it (%d of %d in a row)",
-                        self.restarts_in_a_row,
-                        self.config.retries,
-                    )
+                    if self._restart_owed:
+                        self._restart_owed = False
+                        logger.warning("the server died on a request given up; restarting it")
+                    else:
+                        self.restarts_in_a_row += 1
+                        logger.warning(
+                            "the server died; restarting it (%d of %d in a row)",
+                            self.restarts_in_a_row,
+                            self.config.retries,
+                        )
                     try:
                         await asyncio.to_thread(self.server.restart)
                     except Exception as exc:  # a restart that fails is the server gone
