@@ -117,6 +117,24 @@ def _attention_per_run(query, key, value, lengths: list[int], scaling):
     return out
 
 
+# The packed sequences' lengths of the last vision calls, by their cu_seqlens tensor: every layer of a
+# call gets the same tensor (Qwen2.5-VL's towers alternate two, windows and whole images), and reading it
+# from a GPU waits for all the work queued before it, a sync in every layer. The tensors are held, so an
+# identity match is never a new tensor at a freed one's address.
+_lengths_read: list[tuple[torch.Tensor, list[int]]] = []
+LENGTHS_KEPT = 2
+
+
+def sequence_lengths(cu_seq_lens: torch.Tensor) -> list[int]:
+    for tensor, lengths in _lengths_read:
+        if tensor is cu_seq_lens:
+            return lengths
+    lengths = (cu_seq_lens[1:] - cu_seq_lens[:-1]).tolist()
+    _lengths_read.insert(0, (cu_seq_lens, lengths))
+    del _lengths_read[LENGTHS_KEPT:]
+    return lengths
+
+
 def varlen_vision_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -131,7 +149,7 @@ def varlen_vision_attention(
     """q/k/v (1, H, T, D) packed over sequences given by cu_seq_lens_q; returns (1, T, H, D)."""
     if cu_seq_lens_q is None:
         raise RuntimeError("varlen vision attention needs cu_seqlens (use it for vision_config only)")
-    lengths = (cu_seq_lens_q[1:] - cu_seq_lens_q[:-1]).tolist()
+    lengths = sequence_lengths(cu_seq_lens_q)
     if query.is_cuda and _flash_takes(query):
         try:
             return _flash_varlen(query, key, value, cu_seq_lens_q, max(lengths), scaling), None

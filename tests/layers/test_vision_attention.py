@@ -64,6 +64,33 @@ def test_one_call_per_layer_equals_each_image_alone(loaded_fp32, stock, media, m
     torch.testing.assert_close(video[0], stock_features(stock, clip), rtol=0, atol=1e-5)
 
 
+def test_a_vision_calls_sequence_lengths_are_read_once_not_in_every_layer(loaded_fp32, monkeypatch):
+    # Reading them from a GPU is a sync. Each call's cu_seqlens is one tensor that every layer gets.
+    spec = QwenVisionSpec.from_image_processor(loaded_fp32.processor.image_processor)
+    reads = []
+    tolist = torch.Tensor.tolist
+
+    def recording_tolist(tensor):
+        values = tolist(tensor)
+        reads.append(values)
+        return values
+
+    monkeypatch.setattr(torch.Tensor, "tolist", recording_tolist)
+    lengths_of_calls = []
+    for sizes in ([(60, 60), (120, 80), (30, 300)], [(200, 150), (90, 90), (60, 60)]):
+        chosen = [prepare_image(random_image(h, w, seed), spec) for seed, (h, w) in enumerate(sizes)]
+        pixel_values = torch.cat([torch.from_numpy(img.pixel_values) for img in chosen])
+        grid = torch.tensor([img.grid_thw for img in chosen])
+        loaded_fp32.adapter.encode("image", pixel_values, grid)
+        lengths = [t * h * w for t, h, w in grid.tolist()]
+        padding = bucket_rows(sum(lengths)) - sum(lengths)  # a blank image pads the call's rows to a bucket
+        lengths_of_calls.append(lengths + [padding] if padding else lengths)
+    assert loaded_fp32.adapter.model.config.vision_config.depth > 1
+    assert [
+        read for read in reads if read in lengths_of_calls
+    ] == lengths_of_calls  # once a call, each its own
+
+
 def test_encode_batches_group_by_kind_and_patch_count(media):
     images, clip = media
     batches = encode_batches([*images, clip], max_patches=2 * images[0].num_patches)
