@@ -121,6 +121,11 @@ def _echo_summary(summary) -> None:
         + f"{s['shards_committed']} shard(s) written, {s['shards_skipped']} already done; "
         f"{s['samples_per_s']} samples/s, {s['output_tokens_per_s']} output tok/s"
     )
+    if s.get("encoder_disk_hits") or s.get("encoder_disk_writes"):
+        typer.echo(
+            f"encoder disk cache: {s['encoder_disk_hits']} image(s) read from it, "
+            f"{s['encoder_disk_writes']} encoded and written to it"
+        )
     if s.get("shards_claimed_elsewhere"):
         typer.echo(
             f"skipped: {s['shards_claimed_elsewhere']} shard(s) another run had; "

@@ -41,11 +41,18 @@ def resolve_paths(cfg: JobConfig, base: Path) -> JobConfig:
             root=_absolute(inp.root, base) if inp.root else None,
             download=dataclasses.replace(
                 inp.download,
-                cache_dir=_absolute(inp.download.cache_dir, base) if inp.download.cache_dir else None,
+                cache_dir=_absolute_or_none(inp.download.cache_dir, base),
             ),
         ),
         output=dataclasses.replace(cfg.output, dir=_absolute(cfg.output.dir, base)),
+        engine=dataclasses.replace(
+            cfg.engine, encoder_cache_dir=_absolute_or_none(cfg.engine.encoder_cache_dir, base)
+        ),
     )
+
+
+def _absolute_or_none(path: str | None, base: Path) -> str | None:
+    return _absolute(path, base) if path else None
 
 
 def _with_schema_read(prompt: PromptConfig, base: Path) -> PromptConfig:

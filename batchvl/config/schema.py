@@ -266,6 +266,14 @@ class EngineConfig:
     encoder_cache_mb: float = job_key(
         512, "Memory for cached image embeddings, in MiB (0: keep only while in use)", at_least=0
     )
+    encoder_cache_dir: str | None = job_key(
+        None,
+        "A local folder where image embeddings are kept across runs and jobs (a node-local disk; shared "
+        "safely by concurrent runs), keyed by the image's pixels and the vision weights",
+    )
+    encoder_cache_dir_gb: float = job_key(
+        20.0, "Largest size of encoder_cache_dir, in GiB; the least recently used entries go first", above=0
+    )
     max_patches_per_encode: int = job_key(
         4096, "Most image patches in one vision-tower call (images are grouped by patch count)", above=0
     )
@@ -437,6 +445,17 @@ def _check_values(cfg: JobConfig) -> None:
     for prompt in cfg.prompts:
         _check_constraint_keys(prompt)
     _check_server(cfg.engine)
+    _check_encoder_cache_dir(cfg.engine)
+
+
+def _check_encoder_cache_dir(engine: EngineConfig) -> None:
+    folder = engine.encoder_cache_dir
+    if folder is not None and is_remote(folder):
+        raise ConfigError(
+            f"'engine.encoder_cache_dir' must be a local folder (a node-local disk), got {folder!r}"
+        )
+    if folder is not None and engine.backend != "batchvl":
+        raise ConfigError("'engine.encoder_cache_dir' applies to engine.backend: batchvl; remove it")
 
 
 def _check_server(engine: EngineConfig) -> None:

@@ -22,6 +22,7 @@ from batchvl.engine.block_manager import BlockManager
 from batchvl.engine.choice_scoring import ChoiceGroup, ChoiceTokenizer
 from batchvl.engine.device_sync import synchronize
 from batchvl.engine.encoder_cache import EncoderCacheManager
+from batchvl.engine.encoder_disk_cache import GB, EncoderDiskCache
 from batchvl.engine.kv_budget import MB, kv_cache_bytes
 from batchvl.engine.logprobs import TokenLogprobs, logprob_fields
 from batchvl.engine.model_runner import ModelRunner, StepLogits, kv_bytes_per_block
@@ -37,8 +38,10 @@ from batchvl.engine.scheduler import Scheduler, StepPlan
 from batchvl.engine.stats import EngineStats
 from batchvl.engine.stopping import StopChecker
 from batchvl.engine.structured_output import GrammarMatchers
+from batchvl.engine.vision_digest import vision_digest
 from batchvl.engine.vit_dp import DataParallelEncoder
 from batchvl.errors import SampleError, UserError
+from batchvl.preprocess.media import PreparedMedia
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +75,11 @@ class Engine:
             self.encoder_cache,
         )
         self.runner = ModelRunner(adapter, num_blocks, config.block_size, parallel_encoder)
+        self.disk_cache = None
+        if config.encoder_cache_dir is not None:
+            self.disk_cache = EncoderDiskCache(
+                config.encoder_cache_dir, int(config.encoder_cache_dir_gb * GB), vision_digest(adapter)
+            )
         self._stats = EngineStats()  # the engine's own counters; `stats` adds its components'
         self._rejected: list[EngineResult] = []
         self._ids = itertools.count()  # request ids, in arrival order
@@ -86,8 +94,11 @@ class Engine:
     @property
     def stats(self) -> EngineStats:
         """The engine's counters, with those its components own read from them (not copied each step)."""
-        encoder = self.runner.parallel_encoder
+        encoder, disk = self.runner.parallel_encoder, self.disk_cache
         return self._stats + EngineStats(
+            encoder_disk_hits=disk.hits if disk else 0,
+            encoder_disk_writes=disk.writes if disk else 0,
+            encoder_disk_s=disk.seconds if disk else 0.0,
             forward_s=self.runner.forward_s,
             grammar_s=self.grammars.seconds,
             preemptions=self.scheduler.num_preemptions,
@@ -176,18 +187,37 @@ class Engine:
         return results + self._postprocess(plan.chunks, logits)
 
     def _encode(self, plan: StepPlan) -> None:
-        """Encode the plan's images that are not cached, in batches grouped by patch count."""
+        """Encode the plan's images that are not cached (in memory or on disk), in batches grouped by
+        patch count."""
         self._stats.encoder_cache_hits += plan.num_cache_hits
         if not plan.to_encode:
             return
         images = [request.media[content_hash] for request, content_hash in plan.to_encode]
-        started = time.perf_counter()
-        sizes = self.runner.encode(images, self.config.max_patches_per_encode)
-        synchronize(self.adapter.device)  # the vision tower's kernels done, not just launched
-        self._stats.encode_s += time.perf_counter() - started
-        self._stats.images_encoded += len(images)
-        self._stats.patches_encoded += sum(image.num_patches for image in images)
+        sizes = self._load_from_disk(images)
+        images = [image for image in images if image.content_hash not in sizes]
+        if images:
+            started = time.perf_counter()
+            sizes |= self.runner.encode(images, self.config.max_patches_per_encode)
+            synchronize(self.adapter.device)  # the vision tower's kernels done, not just launched
+            self._stats.encode_s += time.perf_counter() - started
+            self._stats.images_encoded += len(images)
+            self._stats.patches_encoded += sum(image.num_patches for image in images)
+            if self.disk_cache is not None:
+                for image in images:
+                    self.disk_cache.store(image.content_hash, self.runner.embeddings[image.content_hash])
         self.scheduler.encoded(sizes)
+
+    def _load_from_disk(self, images: list[PreparedMedia]) -> dict[str, int]:
+        """The embeddings the disk cache holds, put where the runner keeps embeddings; bytes per hash."""
+        sizes = {}
+        if self.disk_cache is None:
+            return sizes
+        for image in images:
+            embedding = self.disk_cache.load(image.content_hash)
+            if embedding is not None:
+                self.runner.embeddings[image.content_hash] = embedding.to(self.adapter.device)
+                sizes[image.content_hash] = embedding.numel() * embedding.element_size()
+        return sizes
 
     def _postprocess(self, chunks: list[ScheduledChunk], step_logits: StepLogits) -> list[EngineResult]:
         """Count the step, sample the next token of each request whose chunk reached its end, score the

@@ -15,6 +15,9 @@ class EngineStats(Counters):
     images_encoded: int = 0
     encoder_cache_hits: int = 0
     encoder_cache_evictions: int = 0
+    encoder_disk_hits: int = 0  # images whose embedding was read from engine.encoder_cache_dir
+    encoder_disk_writes: int = 0
+    encoder_disk_s: float = 0.0  # reading and writing the disk cache's entries
     patches_encoded: int = 0
     patches_encoded_per_rank: list[int] = field(default_factory=list)  # under ViT data parallelism
     encode_s: float = 0.0

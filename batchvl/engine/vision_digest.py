@@ -1,0 +1,68 @@
+"""What an image's embedding depends on besides its pixels, as one digest: the key of the encoder disk
+cache's entries is this digest with the image's content hash (which already covers the preprocessed
+pixels, the patch grid and the media kind, so every preprocessing setting that changes pixels).
+
+The digest covers the vision tower's weights (every parameter and buffer of the model outside its
+language model and token embeddings: the tower and the projector into the decoder), read from memory
+once at load, so a checkpoint changed in place is a new digest; the dtype; the device kind and what
+changes a device's numerics (the GPU's name, or the CPU's vector ISA and whether batchvl's native kernels
+run); the family's adapter, torch's version and batchvl's, whose kernels compute the tower.
+"""
+
+from __future__ import annotations
+
+import torch
+import xxhash
+
+from batchvl import __version__
+from batchvl.layers.native_kernels import native_ops
+
+
+def vision_digest(adapter) -> str:
+    """The digest of what `adapter`'s embeddings depend on besides the image (an adapter with `model`
+    and `language_model`, as every Hugging Face family's has)."""
+    digest = xxhash.xxh3_128()
+    for part in _numerics(adapter):
+        digest.update(part.encode())
+        digest.update(b"\0")
+    for name, tensor in _vision_tensors(adapter):
+        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}\0".encode())
+        digest.update(_plain(tensor).reshape(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()
+
+
+def _numerics(adapter) -> list[str]:
+    device = adapter.device
+    if device.type == "cuda":
+        machine = torch.cuda.get_device_name(device)
+    else:
+        machine = f"{torch.backends.cpu.get_cpu_capability()} native={native_ops() is not None}"
+    return [
+        type(adapter).__name__,
+        str(adapter.dtype),
+        device.type,
+        machine,
+        torch.__version__,
+        __version__,
+    ]
+
+
+def _vision_tensors(adapter) -> list[tuple[str, torch.Tensor]]:
+    """The model's parameters and buffers that are not the language model's or the token embeddings'."""
+    model = adapter.model
+    text_modules = [adapter.language_model, model.get_input_embeddings(), model.get_output_embeddings()]
+    text = {id(t) for module in text_modules if module is not None for t in _tensors_of(module)}
+    named = [*model.named_parameters(), *model.named_buffers()]
+    return [(name, tensor) for name, tensor in named if id(tensor) not in text]
+
+
+def _tensors_of(module: torch.nn.Module) -> list[torch.Tensor]:
+    return [*module.parameters(), *module.buffers()]
+
+
+def _plain(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous CPU tensor of the same values: weights packed for oneDNN are opaque until made dense
+    (and their dense form is the same on every CPU, where the packed layout is not)."""
+    if tensor.is_mkldnn:
+        tensor = tensor.to_dense()
+    return tensor.detach().to("cpu").contiguous()

@@ -1,0 +1,228 @@
+"""The encoder disk cache's folder on its own: entries read back whole or not at all (corrupt, truncated,
+misplaced), the least recently used entries evicted at the size bound, and processes sharing the folder
+while they write, read and evict."""
+
+import logging
+import multiprocessing
+import os
+import time
+
+import pytest
+import torch
+
+from batchvl.config import job_config_from_dict
+from batchvl.engine.encoder_disk_cache import EncoderDiskCache
+from batchvl.errors import ConfigError, UserError
+
+DIGEST = "model-digest"
+ENTRY_BYTES = 64 * 48 * 4  # a float32 embedding of 64 rows of 48, as `embedding` makes
+
+
+def embedding(seed: int, dtype=torch.float32) -> torch.Tensor:
+    return torch.randn(64, 48, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def test_an_entry_reads_back_bitwise_in_its_dtype(tmp_path):
+    cache = EncoderDiskCache(str(tmp_path), 1 << 30, DIGEST)
+    for seed, dtype in ((0, torch.float32), (1, torch.bfloat16)):
+        cache.store(f"image{seed}", embedding(seed, dtype))
+        loaded = cache.load(f"image{seed}")
+        assert loaded.dtype == dtype and torch.equal(loaded, embedding(seed, dtype))
+    assert cache.load("never-stored") is None
+    assert (cache.hits, cache.writes) == (2, 2)
+
+
+def test_another_models_digest_never_reads_an_entry(tmp_path):
+    EncoderDiskCache(str(tmp_path), 1 << 30, DIGEST).store("image", embedding(0))
+    assert EncoderDiskCache(str(tmp_path), 1 << 30, "other-weights").load("image") is None
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda data: data[: len(data) // 2],  # a writer cut short
+        lambda data: data[:-1],  # the checksum's last byte missing
+        lambda data: data[:20] + bytes([data[20] ^ 1]) + data[21:],  # one bit of the header flipped
+        lambda data: data[:-40] + bytes([data[-40] ^ 1]) + data[-39:],  # one bit of the payload flipped
+        lambda data: b"",
+    ],
+    ids=["half", "no-checksum-end", "header-bit", "payload-bit", "empty"],
+)
+def test_a_damaged_entry_is_a_miss_and_is_written_again(tmp_path, damage, caplog):
+    cache = EncoderDiskCache(str(tmp_path), 1 << 30, DIGEST)
+    cache.store("image", embedding(0))
+    path = cache.path("image")
+    with open(path, "rb") as file:
+        data = file.read()
+    with open(path, "wb") as file:
+        file.write(damage(data))
+    with caplog.at_level(logging.WARNING):
+        assert cache.load("image") is None
+    assert "is damaged" in caplog.text
+    cache.store("image", embedding(0))
+    assert torch.equal(cache.load("image"), embedding(0))
+
+
+def test_an_entry_under_another_keys_name_is_a_miss(tmp_path):
+    cache = EncoderDiskCache(str(tmp_path), 1 << 30, DIGEST)
+    cache.store("image-a", embedding(0))
+    os.makedirs(os.path.dirname(cache.path("image-b")), exist_ok=True)
+    os.replace(cache.path("image-a"), cache.path("image-b"))
+    assert cache.load("image-b") is None
+
+
+def set_age(path: str, seconds_ago: float) -> None:
+    then = time.time_ns() - int(seconds_ago * 1e9)
+    os.utime(path, ns=(then, then))
+
+
+def test_the_size_bound_evicts_the_least_recently_used_entries(tmp_path):
+    entry = os.path.getsize(_stored(tmp_path / "probe", "probe"))
+    cache = EncoderDiskCache(str(tmp_path / "cache"), 3 * entry + entry // 2, DIGEST)  # room for three
+    for age, name in ((300, "read-since"), (200, "oldest-unread"), (100, "newer")):
+        cache.store(name, embedding(0))
+        set_age(cache.path(name), age)
+    assert cache.load("read-since") is not None  # now the most recently used
+    cache.store("newest", embedding(1))  # four entries: over the bound
+    names = ("read-since", "oldest-unread", "newer", "newest")
+    kept = {name for name in names if os.path.exists(cache.path(name))}
+    assert kept == {"read-since", "newer", "newest"}
+    assert torch.equal(cache.load("newest"), embedding(1))
+
+
+def test_a_new_process_counts_the_folder_and_trims_it_and_stale_temporary_files(tmp_path):
+    first = EncoderDiskCache(str(tmp_path), 1 << 30, DIGEST)
+    for seed in range(4):
+        first.store(f"image{seed}", embedding(seed))
+        set_age(first.path(f"image{seed}"), 100 - seed)
+    stale = first.path("image0") + ".123.abc.tmp"
+    fresh = first.path("image1") + ".456.def.tmp"
+    for path, age in ((stale, 7200), (fresh, 10)):
+        with open(path, "wb") as file:
+            file.write(b"partial")
+        set_age(path, age)
+    entry = os.path.getsize(first.path("image0"))
+    EncoderDiskCache(str(tmp_path), 2 * entry + entry // 2, DIGEST)
+    left = [seed for seed in range(4) if os.path.exists(first.path(f"image{seed}"))]
+    assert left == [2, 3]  # the two most recent
+    assert not os.path.exists(stale) and os.path.exists(fresh)  # a writer may still be renaming it
+
+
+def _stored(folder, name: str) -> str:
+    cache = EncoderDiskCache(str(folder), 1 << 30, DIGEST)
+    cache.store(name, embedding(0))
+    return cache.path(name)
+
+
+def _rewrite_while_read(folder: str, ready, stop_at: float) -> None:
+    """A writer: store every key once, say so, then store them again and again."""
+    cache = EncoderDiskCache(folder, 1 << 30, DIGEST)
+    for seed in range(8):
+        cache.store(f"image{seed}", embedding(seed))
+    ready.set()
+    while time.time() < stop_at:
+        for seed in range(8):
+            cache.store(f"image{seed}", embedding(seed))
+
+
+def test_a_reader_never_sees_an_entry_a_writer_is_rewriting(tmp_path):
+    """Entries are written under a temporary name and renamed into place: a reader beside a process that
+    keeps rewriting them reads each one whole every time (written in place, it read short files)."""
+    context = multiprocessing.get_context("spawn")
+    ready = context.Event()
+    writer = context.Process(target=_rewrite_while_read, args=(str(tmp_path), ready, time.time() + 20))
+    writer.start()
+    try:
+        assert ready.wait(60), "the writer did not start"
+        cache = EncoderDiskCache(str(tmp_path), 1 << 30, DIGEST)
+        expected = [embedding(seed) for seed in range(8)]
+        reads = 0
+        stop_at = time.time() + 3
+        while time.time() < stop_at:
+            for seed in range(8):
+                loaded = cache.load(f"image{seed}")
+                assert loaded is not None and torch.equal(loaded, expected[seed])
+                reads += 1
+    finally:
+        writer.kill()
+        writer.join()
+    assert reads > 100
+
+
+def _share_a_small_folder(folder: str, seed: int, seconds: float, outcomes) -> None:
+    """A process that stores and reads ten keys in a folder with room for four, so that it evicts what
+    the other process is reading; every read must be a miss or the right embedding."""
+    cache = EncoderDiskCache(folder, 4 * ENTRY_BYTES + ENTRY_BYTES // 2, DIGEST)
+    expected = [embedding(key) for key in range(10)]
+    wrong, step, stop_at = [], seed, time.time() + seconds
+    while time.time() < stop_at:
+        key = step % 10
+        loaded = cache.load(f"image{key}")
+        if loaded is None:
+            cache.store(f"image{key}", expected[key])
+        elif not torch.equal(loaded, expected[key]):
+            wrong.append(key)
+        step += 3 + seed
+    outcomes.put((wrong, cache.hits, cache.writes))
+
+
+def test_two_processes_share_a_folder_they_both_evict_from(tmp_path):
+    context = multiprocessing.get_context("spawn")
+    outcomes = context.Queue()
+    processes = [
+        context.Process(target=_share_a_small_folder, args=(str(tmp_path), seed, 4.0, outcomes))
+        for seed in (0, 1)
+    ]
+    for process in processes:
+        process.start()
+    results = [outcomes.get(timeout=120) for _ in processes]
+    for process in processes:
+        process.join()
+    assert all(process.exitcode == 0 for process in processes)
+    assert [wrong for wrong, _, _ in results] == [[], []]
+    assert all(hits > 10 and writes > 10 for _, hits, writes in results)  # both read and evicted
+    entries = [name for _, _, names in os.walk(tmp_path) for name in names if name.endswith(".emb")]
+    # At most twice the bound (four): each process may have written up to the bound since it last counted
+    assert 1 <= len(entries) <= 9
+
+
+def test_a_folder_that_cannot_be_made_is_a_one_line_mistake(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(UserError, match="engine.encoder_cache_dir .* cannot be made"):
+        EncoderDiskCache(str(blocker / "cache"), 1 << 30, DIGEST)
+
+
+def job(**engine) -> dict:
+    return {
+        "model": {"path": "m"},
+        "input": {"paths": ["x.parquet"]},
+        "prompts": [{"name": "caption", "text": "Describe."}],
+        "engine": engine,
+        "output": {"dir": "out"},
+    }
+
+
+def test_the_folder_is_local_resolved_against_the_job_file_and_only_for_the_built_in_engine(tmp_path):
+    cfg = job_config_from_dict(job(encoder_cache_dir="cache"), tmp_path)
+    assert cfg.engine.encoder_cache_dir == str(tmp_path / "cache")
+    with pytest.raises(ConfigError, match="must be a local folder"):
+        job_config_from_dict(job(encoder_cache_dir="s3://bucket/cache"), tmp_path)
+    server = {"backend": "openai", "server": {"url": "http://127.0.0.1:1/v1"}}
+    with pytest.raises(ConfigError, match="applies to engine.backend: batchvl"):
+        job_config_from_dict(job(encoder_cache_dir="cache", **server), tmp_path)
+
+
+def test_a_folder_that_cannot_be_written_never_fails_the_job(tmp_path, caplog):
+    cache = EncoderDiskCache(str(tmp_path), 1 << 30, DIGEST)
+    cache.store("image", embedding(0))
+    blocked = os.path.dirname(cache.path("other-image"))
+    if not os.path.exists(blocked):
+        with open(blocked, "w"):  # a file where the entry's subfolder would be: writing it fails
+            pass
+    with caplog.at_level(logging.WARNING):
+        cache.store("other-image", embedding(1))
+        cache.store("third-image", embedding(2))
+    assert caplog.text.count("cannot write") == 1  # logged once, then not tried again
+    assert cache.writes == 1 and cache.load("third-image") is None
+    assert torch.equal(cache.load("image"), embedding(0))
