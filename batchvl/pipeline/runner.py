@@ -27,6 +27,7 @@ from batchvl.inputs.download import DownloadStats
 from batchvl.inputs.types import ShardEnd, ShardSkipped
 from batchvl.models.loader import LoadedModel
 from batchvl.outputs.claims import Holder, ShardClaims
+from batchvl.outputs.dataset_card import DatasetCard
 from batchvl.outputs.run_stats import write_run_stats
 from batchvl.outputs.writers import ResultRow
 from batchvl.pipeline.backend import RunBackend
@@ -86,6 +87,7 @@ class JobRunner:
         self.trimmer = HeapTrimmer()
         self.stop = StopRequests()
         self.claims = ShardClaims(self.out, Holder.of_process(os.getpid()))
+        self.card = DatasetCard(self.out)
         self.server_gone: ServerGone | None = None  # the openai backend's server went away mid-run
 
     def run(self) -> RunSummary:
@@ -275,6 +277,7 @@ class JobRunner:
         for state in ledger.complete_shards():
             path = self.commit(state.info, state.rows)
             logger.info("committed %s (%d rows)", path, len(state.rows))
+            self.card.shard_committed(state.info.shard, path)
             ledger.mark_committed(state.info.shard)
             self.claims.release(state.info.shard)
 
