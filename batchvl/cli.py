@@ -34,6 +34,9 @@ LogLevel = Annotated[str, typer.Option("--log-level", help="Logging level: debug
 
 
 def _setup_logging(level: str) -> None:
+    from batchvl.versions import check_library_versions
+
+    check_library_versions()  # every command passes here before any work
     logging.basicConfig(
         level=getattr(logging, level.upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -162,6 +165,9 @@ def validate(job_file: JobFile, set_: SetOption = None, log_level: LogLevel = "w
         f"output: {cfg.output.dir} ({plan.resume.num_done} shard(s) committed, "
         f"{len(plan.resume.pending)} to run)"
     )
+    typer.echo("per prompt, what a run would do:")
+    for name, counts in plan.resume.rows_per_prompt(plan.graph.names).items():
+        typer.echo(f"  {name}: {counts.describe()}")
 
 
 @app.command("retry-failed")

@@ -312,12 +312,9 @@ def _build_idefics3(out: Path, spec: TinySize, seed: int, sharpness: float) -> N
     """Idefics3 layout: SigLIP-like tiles, a pixel-shuffle connector (scale 2), a Llama decoder. An image
     is resized to 4 tiles on its longest edge (as the real 1456 / 364), so it becomes up to 4x4 tiles plus
     a global view."""
-    from transformers import (
-        Idefics3Config,
-        Idefics3ForConditionalGeneration,
-        Idefics3ImageProcessorPil,
-        Idefics3Processor,
-    )
+    from transformers import Idefics3Config, Idefics3ForConditionalGeneration, Idefics3Processor
+
+    from batchvl.models.processor import Idefics3ImageProcessorPil
 
     tokenizer = build_idefics3_tokenizer(spec.vocab_size, seed, chat_templates.IDEFICS3)
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in tokenizer.all_special_tokens}

@@ -24,6 +24,9 @@ class Idefics3Adapter(VLMAdapter):
     def encode(self, kind: str, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]:
         frames = pixel_values.to(self.device, self.dtype)[None]  # (batch 1, all frames, 3, T, T)
         out = self.model.model.get_image_features(frames, return_dict=True)
-        features = out.pooler_output[0]  # (frames * image_seq_len, hidden)
+        pooled = out.pooler_output
+        # One (frames * image_seq_len, hidden) tensor per batch entry; some transformers releases (5.17 among
+        # them) give one (frames, image_seq_len, hidden) tensor instead.
+        features = pooled.flatten(0, 1) if isinstance(pooled, torch.Tensor) else pooled[0]
         rows_per_frame = features.shape[0] // pixel_values.shape[0]
         return list(features.split((grid_thw[:, 0] * rows_per_frame).tolist()))

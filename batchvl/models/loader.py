@@ -17,6 +17,7 @@ from batchvl.engine.devices import resolve_device
 from batchvl.errors import UserError
 from batchvl.models.adapter import VLMAdapter
 from batchvl.models.registry import ModelFamily, model_family
+from batchvl.versions import check_library_versions
 
 logger = logging.getLogger(__name__)
 
@@ -90,9 +91,10 @@ def read_model_type(path: str, trust_remote_code: bool = False) -> str:
 
 def load_processor(path: str, model_type: str, trust_remote_code: bool = False):
     """The checkpoint's processor; where torchvision is missing, an image-only one built from its parts."""
-    from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
+    from transformers import AutoProcessor, AutoTokenizer
 
-    from batchvl.models.processor import IMAGE_ONLY_PROCESSORS
+    # AutoImageProcessor from its own module: some releases' top-level one needs torchvision (processor.py)
+    from batchvl.models.processor import IMAGE_ONLY_PROCESSORS, AutoImageProcessor
 
     try:
         return AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
@@ -126,6 +128,7 @@ def load_model(
         register_vision_attention,
     )
 
+    check_library_versions()  # the Python API's way in: before the model's files are read
     family = model_family(read_model_type(path, trust_remote_code))
     torch_device = device if isinstance(device, torch.device) else resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)

@@ -98,8 +98,14 @@ class Qwen3VLAdapter(Qwen2VLAdapter):
     @torch.inference_mode()
     def encode(self, kind: str, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]:
         out = self._vision_features(kind, pixel_values, grid_thw)
-        # deepstack_features: per deepstack layer, a tuple of per-item tensors
-        per_item = list(zip(out.pooler_output, *out.deepstack_features, strict=True))
+        sizes = [len(item) for item in out.pooler_output]
+        # deepstack_features: per deepstack layer, a tuple of per-item tensors; some transformers releases
+        # (5.17 among them) give each layer as one tensor over every item, split here like pooler_output.
+        deepstack = [
+            layer.split(sizes) if isinstance(layer, torch.Tensor) else layer
+            for layer in out.deepstack_features
+        ]
+        per_item = list(zip(out.pooler_output, *deepstack, strict=True))
         return [torch.cat(items, dim=-1) for items in per_item[: len(grid_thw)]]  # not the blank image
 
     def media_kwargs(self, media_mask: torch.Tensor, media_rows: torch.Tensor | None) -> dict:

@@ -1,0 +1,53 @@
+"""Outputs of transformers that differ between the supported releases, met by their shape: each family's
+adapter gives the same per-image rows from either form (the parity tests run both ends in CI)."""
+
+from types import SimpleNamespace
+
+import torch
+
+from batchvl.models.idefics3 import Idefics3Adapter
+from batchvl.models.qwen_vl import Qwen3VLAdapter
+
+HIDDEN = 4
+
+
+def test_qwen3_vl_deepstack_features_as_one_tensor_per_layer_are_split_per_image():
+    """5.23 gives each deepstack layer as per-image tensors; 5.17 as one tensor over every image."""
+    sizes = [3, 2, 1]  # two images and the blank one padding the call
+    pooled = tuple(torch.randn(rows, HIDDEN) for rows in sizes)
+    layers = [torch.randn(sum(sizes), HIDDEN) for _ in range(2)]
+    adapter = Qwen3VLAdapter.__new__(Qwen3VLAdapter)
+    grid = torch.tensor([[1, 2, 6], [1, 2, 4]])
+
+    def encoded(deepstack):
+        adapter._vision_features = lambda kind, pixels, grid_thw: SimpleNamespace(
+            pooler_output=pooled, deepstack_features=deepstack
+        )
+        return adapter.encode("image", torch.zeros(0), grid)
+
+    per_image = encoded([layer.split(sizes) for layer in layers])
+    as_one_tensor = encoded(layers)
+    assert [row.shape for row in per_image] == [(3, 3 * HIDDEN), (2, 3 * HIDDEN)]
+    for ours, theirs in zip(per_image, as_one_tensor, strict=True):
+        assert torch.equal(ours, theirs)
+
+
+def test_idefics3_features_as_one_tensor_of_frames_give_each_image_its_frames_rows():
+    """5.23 gives a list with one (frames * image_seq_len, hidden) tensor; 5.17 a (frames, image_seq_len,
+    hidden) tensor."""
+    frames, seq_len = 5, 3
+    features = torch.randn(frames, seq_len, HIDDEN)
+    adapter = Idefics3Adapter.__new__(Idefics3Adapter)
+    adapter.device, adapter.dtype = torch.device("cpu"), torch.float32
+    grid = torch.tensor([[2, 1, 1], [3, 1, 1]])  # two images: 2 frames and 3 frames
+
+    def encoded(pooled):
+        get_image_features = lambda frames, return_dict: SimpleNamespace(pooler_output=pooled)  # noqa: E731
+        adapter.model = SimpleNamespace(model=SimpleNamespace(get_image_features=get_image_features))
+        return adapter.encode("image", torch.zeros(frames, 3, 8, 8), grid)
+
+    as_list = encoded([features.reshape(-1, HIDDEN)])
+    as_tensor = encoded(features)
+    assert [rows.shape for rows in as_list] == [(2 * seq_len, HIDDEN), (3 * seq_len, HIDDEN)]
+    for ours, theirs in zip(as_list, as_tensor, strict=True):
+        assert torch.equal(ours, theirs)
