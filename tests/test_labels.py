@@ -331,7 +331,7 @@ def test_export_report_and_reads_refuse_rows_of_another_config_as_run_does(tmp_p
     job = tmp_path / "job.yaml"
     job.write_text(job.read_text().replace("type: string", "type: integer"))  # the schema changed since
     status = batchvl_cli("status", "job.yaml", cwd=tmp_path)
-    assert "1 shard(s) were written by a different config" in status.stdout
+    assert "1 shard(s) were written with other prompts; a run keeps" in status.stdout
     refusal = (
         f"error: {tmp_path / 'out'} holds 1 shard(s) written with a different config (changed: prompts); "
         "rerun with --overwrite to recompute them, or set output.dir to a new folder"

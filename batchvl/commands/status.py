@@ -1,7 +1,8 @@
 """`batchvl status`: what a job's output folder holds, task by task, and what to rerun.
 
 Reads only the input listing, the completion markers and the per-run stats files, so it is cheap on
-a job of hundreds of shards and safe to run while tasks are writing.
+a job of hundreds of shards and safe to run while tasks are writing. Per prompt, it says how many rows a
+run would keep as committed and how many it would compute (`resume.py`).
 """
 
 from __future__ import annotations
@@ -12,11 +13,12 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from batchvl.commands.slurm import array_expression, read_array_job
-from batchvl.config import JobConfig, config_fingerprint
+from batchvl.config import JobConfig, output_definition
 from batchvl.inputs.folder import missing_members
 from batchvl.inputs.sources import job_source
-from batchvl.outputs.commit import CommitState, commit_state
 from batchvl.outputs.run_stats import read_run_stats
+from batchvl.pipeline.prompt_graph import PromptGraph
+from batchvl.pipeline.resume import RowCounts, shard_plan
 from batchvl.pipeline.tasks import TaskSlice, parse_task_slice, shards_of_task
 from batchvl.storage.output_dir import OutputDir
 from batchvl.utils.stats import processing_seconds
@@ -27,7 +29,8 @@ class TaskStatus:
     index: int
     shards: int = 0
     done: int = 0
-    stale: int = 0  # committed by another config: a rerun refuses until --overwrite
+    stale: int = 0  # committed by a config that changes every row: a rerun refuses until --overwrite
+    other_prompts: int = 0  # committed with other prompts: a run keeps the unchanged prompts' rows
     samples_per_s: float | None = None  # over every run of the task that did work
     output_tokens_per_s: float | None = None
     last_run: str | None = None  # the latest stats file's name
@@ -48,6 +51,7 @@ class JobStatus:
     errors_by_type: Counter = field(default_factory=Counter)
     script: str | None = None  # the array's sbatch script, when `batchvl slurm` wrote one
     files_gone: int = 0  # `folder` input: files of recorded shards no longer in the folder
+    rows_per_prompt: dict[str, RowCounts] = field(default_factory=dict)  # what a run would reuse, compute
 
     @property
     def shards_total(self) -> int:
@@ -68,26 +72,24 @@ def job_status(cfg: JobConfig, num_tasks: int | None = None) -> JobStatus:
     stats = _runs_per_task(out)
     if num_tasks is None:
         num_tasks = array.num_tasks if array else max((n for n, _ in stats), default=1)
-    fingerprint = config_fingerprint(cfg)
+    defining, fingerprint = output_definition(cfg)
+    graph = PromptGraph.of(cfg.prompts)
     listing = job_source(cfg).list_shards()
     status = JobStatus(out.url, num_tasks, [], script=array.script_path if array else None)
+    status.rows_per_prompt = dict.fromkeys(graph.names, RowCounts())
     if cfg.input.format == "folder":
         status.files_gone = sum(missing_members(shard) for shard in listing)
     for index in range(num_tasks):
-        task = TaskStatus(index)
-        for shard in shards_of_task(listing, TaskSlice(index, num_tasks)):
-            task.shards += 1
-            state, marker = commit_state(out, shard.shard, fingerprint)
-            if state is CommitState.MISSING:
-                continue
-            if state is CommitState.STALE:
-                task.stale += 1
-                continue
-            task.done += 1
+        shards = shards_of_task(listing, TaskSlice(index, num_tasks))
+        plan = shard_plan(out, shards, defining, fingerprint, False, graph)
+        task = TaskStatus(index, len(shards), len(plan.done), len(plan.stale), len(plan.reuse))
+        for marker in plan.done.values():
             status.rows_ok += marker.ok
             status.rows_error += marker.errors
             status.rows_skipped += marker.skipped
             status.errors_by_type.update(marker.errors_by_type)
+        for name, counts in plan.rows_per_prompt(graph.names).items():
+            status.rows_per_prompt[name] += counts
         runs = stats.get((num_tasks, index))
         if runs is not None and runs.processing_s > 0:
             task.samples_per_s = round(runs.samples / runs.processing_s, 3)
@@ -155,6 +157,14 @@ def format_status(status: JobStatus, job_file: str) -> str:
         lines.append(
             f"{stale} shard(s) were written by a different config; rerun with --overwrite to redo them"
         )
+    other_prompts = sum(t.other_prompts for t in status.tasks)
+    if other_prompts:
+        lines.append(
+            f"{other_prompts} shard(s) were written with other prompts; a run keeps the rows of the "
+            "unchanged ones and computes the rest"
+        )
+    lines.append("per prompt, what a run would do:")
+    lines.extend(f"  {name}: {counts.describe()}" for name, counts in status.rows_per_prompt.items())
     lines.append(f"tasks: {status.num_tasks}")
     lines.append(f"  {'task':>5} {'shards':>6} {'done':>5} {'pending':>7} {'samples/s':>9} {'out tok/s':>9}")
     for t in status.tasks:

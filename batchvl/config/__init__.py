@@ -13,6 +13,7 @@ from batchvl.config.fingerprint import (
     config_to_dict,
     output_defining_config,
     output_definition,
+    split_definition,
 )
 from batchvl.config.loading import apply_overrides, job_config_from_dict, load_job_config, resolve_paths
 from batchvl.config.reference import describe_keys, keys_markdown_table
@@ -57,4 +58,5 @@ __all__ = [
     "output_defining_config",
     "output_definition",
     "resolve_paths",
+    "split_definition",
 ]

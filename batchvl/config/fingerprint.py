@@ -1,5 +1,6 @@
 """What defines a job's output: the keys declared `defines_output`, their fingerprint (stored in each shard's
-marker, so a changed config over committed shards is refused), and the keys that changed."""
+marker, so a changed config over committed shards is noticed), its split into what defines every row and
+what defines one prompt's rows, and the keys that changed."""
 
 from __future__ import annotations
 
@@ -79,6 +80,16 @@ def output_definition(cfg: JobConfig) -> tuple[dict, str]:
     the fingerprint is computed: the plan of a run, `status` and the label export all take it from here."""
     defining = output_defining_config(cfg)
     return defining, xxhash.xxh3_64_hexdigest(json.dumps(defining, sort_keys=True).encode())
+
+
+def split_definition(defining: dict) -> tuple[dict, dict[str, dict]]:
+    """An output-defining config (a run's, or the one a marker stored) as what defines every row (all
+    but the prompts: model, backend, input, sampling, preprocessing) and each prompt's own definition, by
+    name. A committed row stays valid while both of its parts are unchanged, and those of the prompts it
+    uses (the prompt graph knows which). Markers written before rows were reused hold the same config, so
+    they split the same way."""
+    every_row = {key: value for key, value in defining.items() if key != "prompts"}
+    return every_row, {prompt["name"]: prompt for prompt in defining["prompts"]}
 
 
 def config_fingerprint(cfg: JobConfig) -> str:

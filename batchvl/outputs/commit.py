@@ -7,12 +7,17 @@
    that wrote the rows (so a rerun with a changed config is detected and the changed keys named) and the
    Parquet file's size and SHA-256.
 
-A shard is committed when its marker exists and the file beside it has the size the marker names. A
-committed shard that is written again (`--overwrite`, `retry-failed`) loses its marker first, so a crash
-before the new marker leaves it uncommitted (redone by the next run), never committed with rows its marker
-does not describe. A crash at any other point leaves either a committed shard or one that the next run
-redoes from scratch, overwriting what it finds. The hash is checked whenever a file's rows are read back
-(results, retry-failed, the report): a file changed after its commit is named, not read.
+A shard is committed when its marker exists and the file beside it has the size the marker names. A crash
+before the marker leaves a new shard uncommitted: the next run redoes it from scratch, overwriting what it
+finds. A committed shard that is written again (a run that keeps its unchanged prompts' rows,
+`--overwrite`, `retry-failed`) keeps its old rows until the new ones are whole: the new marker is written
+first, naming the new file's hash and holding the marker it `replaces`; then the file, the files made from
+it, and the marker again without what it replaced. Until then a reader hashes the file and takes the
+marker whose hash it has (the old shard, or the new one), so a crash at any point leaves one or the other,
+never a mix, never a row twice; a run finishes a new one left so (its batch API file, its marker). A
+committed marker from before hashes were recorded cannot tell the two files apart: it is removed first,
+and the shard is uncommitted until its new marker. The hash is checked whenever a file's rows are read
+back (results, retry-failed, the report): a file changed after its commit is named, not read.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import json
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -51,6 +56,7 @@ class ShardMarker:
     retries: list[dict] = field(default_factory=list)  # one record per `retry-failed` that changed rows
     output_bytes: int | None = None  # the committed Parquet file's size and hash (None: an older marker)
     output_sha256: str | None = None
+    replaces: dict | None = None  # while the shard is written again: the committed marker it replaces
 
     @classmethod
     def for_rows(
@@ -79,12 +85,24 @@ def marker_path(out: OutputDir, shard: str) -> str:
 
 def read_marker(out: OutputDir, shard: str) -> ShardMarker | None:
     """The shard's marker, or None when the shard is not committed (no marker, an unreadable one, or no
-    output file of the size it names)."""
+    output file of the size it names). While the shard is written again, the marker of the file that is
+    there: the new one (its `replaces` still set: the rewrite's last steps are left) or the one replaced."""
     try:
         marker = ShardMarker(**json.loads(out.read_text(marker_path(out, shard))))
     except (OSError, ValueError, TypeError):
         return None  # none, one from a killed write, or another version's: the shard is redone
-    size = out.size(output_path(out, shard))
+    path = output_path(out, shard)
+    if marker.replaces is not None:
+        digest = hashlib.sha256(out.read_bytes(path)).hexdigest() if out.size(path) is not None else None
+        replaced = ShardMarker(**marker.replaces)
+        return (
+            marker
+            if digest == marker.output_sha256
+            else replaced
+            if digest == replaced.output_sha256
+            else None
+        )
+    size = out.size(path)
     if size is None or (marker.output_bytes is not None and size != marker.output_bytes):
         return None
     return marker
@@ -132,13 +150,32 @@ def commit_shard(
     companion: Callable[[str, pa.Table], None] | None = None,
 ) -> str:
     """Write the shard's table, then `companion(shard, table)` (files made from it, such as the batch API
-    output), then its marker, which names the file's size and hash; returns the Parquet path."""
+    output), then its marker, which names the file's size and hash; returns the Parquet path. A committed
+    shard stays committed, with its old rows, until the new file is whole (the module's docstring)."""
     data = parquet_bytes(table)
     marker.output_bytes, marker.output_sha256 = len(data), hashlib.sha256(data).hexdigest()
-    out.remove(marker_path(out, shard))  # a shard written again is uncommitted until its new marker
+    committed = read_marker(out, shard)
+    if committed is not None and committed.output_sha256 is not None:
+        marker.replaces = asdict(replace(committed, replaces=None))
+        _write_marker(out, marker)
+    else:  # new, or an older marker without a hash: uncommitted until its new marker
+        out.remove(marker_path(out, shard))
     path = output_path(out, shard)
     out.write_bytes(path, data)
-    if companion is not None:
-        companion(shard, table)
-    out.write_text(marker_path(out, shard), json.dumps(asdict(marker), indent=2, sort_keys=True))
+    finish_commit(out, marker, table, companion)
     return path
+
+
+def finish_commit(
+    out: OutputDir, marker: ShardMarker, table: pa.Table, companion: Callable[[str, pa.Table], None] | None
+) -> None:
+    """The last steps of a commit whose Parquet file is whole: the files made from it, then its marker
+    (without the one it replaced). A run calls it again for a rewrite that stopped between them."""
+    if companion is not None:
+        companion(marker.shard, table)
+    marker.replaces = None
+    _write_marker(out, marker)
+
+
+def _write_marker(out: OutputDir, marker: ShardMarker) -> None:
+    out.write_text(marker_path(out, marker.shard), json.dumps(asdict(marker), indent=2, sort_keys=True))

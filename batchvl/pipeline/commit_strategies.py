@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from batchvl import __version__
 from batchvl.config import JobConfig, config_to_dict
@@ -59,15 +60,26 @@ def optional_columns(cfg: JobConfig) -> tuple[str, ...]:
 
 
 class WriteShard:
-    """A run's commit: the shard's rows as its output file, and a marker naming the config that wrote it."""
+    """A run's commit: the shard's rows as its output file, and a marker naming the config that wrote it.
+    A shard committed before with other prompts (in `kept`: the names of its prompts whose committed rows
+    stay) is committed again with those rows as they are, byte for byte, beside the new ones; the rows
+    of its other prompts go (a changed prompt's are replaced, a removed prompt's dropped)."""
 
     def __init__(
-        self, cfg: JobConfig, out: OutputDir, task: TaskSlice | None, output_defining: dict, fingerprint: str
+        self,
+        cfg: JobConfig,
+        out: OutputDir,
+        task: TaskSlice | None,
+        output_defining: dict,
+        fingerprint: str,
+        kept: dict[str, frozenset[str]] | None = None,
     ):
         self.out = out
         self.output_defining = output_defining
         self.fingerprint = fingerprint
         self.task = str(task) if task else None
+        self.kept = kept or {}
+        self.prompt_order = {prompt.name: i for i, prompt in enumerate(cfg.prompts)}
         self.optional = optional_columns(cfg)
         self.companion = companion_files(cfg, out)
         self.metadata = {
@@ -87,7 +99,32 @@ class WriteShard:
             batchvl_version=__version__,
         )
         table = rows_to_table(rows, self.metadata, self.optional)
+        if info.shard in self.kept:
+            committed = read_marker(self.out, info.shard)
+            assert committed is not None  # planned from its marker, and claimed: nobody else commits it
+            old = read_committed(self.out, info.shard, committed)
+            keep = pc.is_in(old["prompt"], pa.array(sorted(self.kept[info.shard]), pa.string()))
+            table = in_input_order(old.filter(keep), table, self.prompt_order)
+            table = table.replace_schema_metadata(self.metadata)  # this config's, as the rest of the file
+            count_rows(marker, table)
+            marker.retries = committed.retries  # of rows it may keep
         return commit_shard(self.out, info.shard, table, marker, self.companion)
+
+
+def in_input_order(old: pa.Table, new: pa.Table, prompt_order: dict[str, int]) -> pa.Table:
+    """Committed rows and new ones as one shard's table: by sample, then in the job's prompt order; the
+    committed file's columns first, then any the new rows add (a column one side lacks is null there)."""
+    merged = pa.concat_tables([old, new], promote_options="permissive")
+    samples, prompts = merged["sample_index"].to_pylist(), merged["prompt"].to_pylist()
+    order = sorted(range(merged.num_rows), key=lambda i: (samples[i], prompt_order[prompts[i]]))
+    columns = old.column_names + [c for c in merged.column_names if c not in old.column_names]
+    return merged.take(order).select(columns)
+
+
+def count_rows(marker: ShardMarker, table: pa.Table) -> None:
+    """Set the marker's row counts from a shard's table."""
+    statuses = table.select(["status", "error_type"]).to_pylist()
+    marker.count([(row["status"], row["error_type"]) for row in statuses])
 
 
 class MergeIntoShard:
@@ -110,18 +147,10 @@ class MergeIntoShard:
             (index, prompt) not in replaced
             for index, prompt in zip(old["sample_index"].to_pylist(), old["prompt"].to_pylist(), strict=True)
         ]
-        merged = pa.concat_tables(
-            [old.filter(pa.array(keep)), rows_to_table(rows, {}, self.optional)], promote_options="permissive"
-        )
-        order = sorted(
-            range(merged.num_rows),
-            key=lambda i: (merged["sample_index"][i].as_py(), self.prompt_order[merged["prompt"][i].as_py()]),
-        )
-        columns = old.column_names + [c for c in merged.column_names if c not in old.column_names]
-        merged = merged.take(order).select(columns).replace_schema_metadata(old.schema.metadata)
-        marker.count(
-            [(r["status"], r["error_type"]) for r in merged.select(["status", "error_type"]).to_pylist()]
-        )
+        merged = in_input_order(
+            old.filter(pa.array(keep)), rows_to_table(rows, {}, self.optional), self.prompt_order
+        ).replace_schema_metadata(old.schema.metadata)
+        count_rows(marker, merged)
         marker.retries.append(
             {
                 "at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

@@ -27,7 +27,7 @@ class SelectedRows:
     used: dict[int, ResultRow] = field(default_factory=dict)  # prompt index -> its committed row
 
 
-# shard -> sample index -> its rows to produce
+# shard -> sample index -> its rows to produce (a shard not in it: every (sample, prompt))
 Selection = dict[str, dict[int, SelectedRows]]
 # Writes a complete shard's rows (a new file, or merged into the committed one); returns where.
 CommitStrategy = Callable[[ShardInfo, list[ResultRow]], str]
@@ -56,33 +56,40 @@ class ShardLedger:
     def position(self, shard: str) -> int:
         return self.shards[shard].position
 
+    def _selected(self, shard: str) -> dict[int, SelectedRows] | None:
+        """The shard's selected rows per sample (None: every (sample, prompt))."""
+        return None if self.selection is None else self.selection.get(shard)
+
     def prompts_of(self, shard: str, sample_index: int) -> list[int]:
         """The prompts to run for a sample: all of them, or those selected for it."""
-        if self.selection is None:
+        selected = self._selected(shard)
+        if selected is None:
             return list(range(self.num_prompts))
-        return sorted(self.selection[shard][sample_index].prompts)
+        return sorted(selected[sample_index].prompts)
 
     def used_rows_of(self, shard: str, sample_index: int) -> dict[int, ResultRow]:
         """The committed rows that a sample's selected follow-ups use instead of running those prompts."""
-        return {} if self.selection is None else self.selection[shard][sample_index].used
+        selected = self._selected(shard)
+        return {} if selected is None else selected[sample_index].used
 
     def samples_of(self, info: ShardInfo) -> int | None:
         """How many samples of the shard this run reads (None: known only by reading it)."""
-        return info.num_rows if self.selection is None else len(self.selection[info.shard])
+        selected = self._selected(info.shard)
+        return info.num_rows if selected is None else len(selected)
 
     def wanted(self) -> dict[str, frozenset[int]] | None:
-        """Per shard, the only sample indices to read (None: all)."""
+        """Per shard, the only sample indices to read (None, or a shard not in it: all)."""
         if self.selection is None:
             return None
         return {shard: frozenset(samples) for shard, samples in self.selection.items()}
 
     def end_of_shard(self, shard: str, num_samples: int) -> None:
         """The reader has gone through the whole shard, which holds `num_samples` samples."""
-        if self.selection is None:
+        selected = self._selected(shard)
+        if selected is None:
             expected = num_samples * self.num_prompts
         else:
-            chosen = self.selection[shard].items()
-            expected = sum(len(rows.prompts) for index, rows in chosen if index < num_samples)
+            expected = sum(len(rows.prompts) for index, rows in selected.items() if index < num_samples)
         self.shards[shard].expected_rows = expected
 
     def skip(self, shard: str) -> None:

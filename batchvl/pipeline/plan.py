@@ -12,7 +12,8 @@ cannot drift apart. A plan checks that:
 - every prompt's `json_schema` or `regex` can be compiled to a grammar;
 - every table shard has the columns the job reads (image, key, per-sample token limit) and every
   `{field}` the prompts use (Parquet footers and Arrow schemas are read, not the rows);
-- the shards already committed were written by this config (`resume.plan_shards`).
+- the shards already committed were written by this config, or differ in prompts only, whose unchanged
+  rows the run keeps (`resume.plan_shards`).
 """
 
 from __future__ import annotations
@@ -33,11 +34,13 @@ from batchvl.inputs.sources import Source, job_source
 from batchvl.inputs.types import ShardInfo
 from batchvl.models.loader import read_model_type
 from batchvl.models.registry import model_family
-from batchvl.outputs.commit import is_committed_by
+from batchvl.outputs.commit import finish_commit, is_committed_by, read_committed
 from batchvl.outputs.writers import output_name, output_path
+from batchvl.pipeline.commit_strategies import companion_files
 from batchvl.pipeline.constraints import check_constraints
 from batchvl.pipeline.ledger import Selection
 from batchvl.pipeline.prompt_graph import PromptGraph
+from batchvl.pipeline.prompt_reuse import rows_to_run
 from batchvl.pipeline.resume import ShardPlan, plan_shards
 from batchvl.pipeline.server_setup import check_server
 from batchvl.pipeline.tasks import TaskSlice, shards_of_task
@@ -92,7 +95,9 @@ def plan_job(cfg: JobConfig, task: TaskSlice | None = None, record: bool = False
             listing = source.list_shards()
     shards = shards_of_task(listing, task)
     defining, fingerprint = output_definition(cfg)
-    resume = plan_shards(out, shards, defining, fingerprint, cfg.output.overwrite, clean=record)
+    resume = plan_shards(out, shards, defining, fingerprint, cfg.output.overwrite, record, graph)
+    if record:
+        finish_rewrites(cfg, out, resume)
     return JobPlan(out, source, listing, shards, resume, model_type, graph, defining, fingerprint)
 
 
@@ -103,10 +108,11 @@ class Work:
 
     plan: JobPlan
     shards: list[ShardInfo]
-    selection: Selection | None  # None: every (sample, prompt) of each shard
+    selection: Selection | None  # None: every (sample, prompt) of each shard; a shard not in it: too
     # Whether another run committed a shard while this one waited to read it (None: redo it anyway)
     committed_elsewhere: Callable[[str], bool] | None = None
     notes: dict = field(default_factory=dict)  # counts the run's stats report besides its own
+    kept: dict[str, frozenset[str]] = field(default_factory=dict)  # shard -> prompts whose rows it keeps
 
     @property
     def num_task_shards(self) -> int:
@@ -115,14 +121,29 @@ class Work:
 
 
 def job_work(cfg: JobConfig, task: TaskSlice | None) -> Work:
-    """A run's work: the task's shards that are not committed (all of them with --overwrite)."""
+    """A run's work: the task's shards that are not committed (all of them with --overwrite); of a shard
+    committed with other prompts, only the rows of its changed and added prompts."""
     plan = plan_job(cfg, task, record=True)
     if plan.resume.num_done:
         logger.info("skipping %d committed shard(s) in %s", plan.resume.num_done, cfg.output.dir)
     committed = (
         None if cfg.output.overwrite else functools.partial(is_committed_by, plan.out, plan.fingerprint)
     )
-    return Work(plan, plan.resume.pending, None, committed)
+    reuse = plan.resume.reuse
+    selection = {shard: rows_to_run(plan.out, shard, reuse[shard], plan.graph) for shard in reuse}
+    kept = {shard: frozenset(plan.graph.names[i] for i in reuse[shard].kept) for shard in reuse}
+    if reuse:
+        logger.info("%d shard(s) keep the committed rows of their unchanged prompts", len(reuse))
+    return Work(plan, plan.resume.pending, selection or None, committed, kept=kept)
+
+
+def finish_rewrites(cfg: JobConfig, out: OutputDir, resume: ShardPlan) -> None:
+    """Finish the commits that stopped after a committed shard's new file was whole (its rows are the new
+    ones; the batch API file and the marker are left): the shard is done, and now written as such."""
+    for name, marker in resume.done.items():
+        if marker.replaces is not None:
+            finish_commit(out, marker, read_committed(out, name, marker), companion_files(cfg, out))
+            logger.info("finished the commit of %s, stopped after its file was written", name)
 
 
 def check_download_cache(cache_dir: str | None) -> None:

@@ -1,31 +1,107 @@
-"""Which of a task's shards to run: resume is the default, a changed config is refused.
+"""Which of a task's shards to run: resume is the default, a changed config is refused or reused.
 
 A shard with a marker from the same output-defining config is done and skipped. One without a marker
-(never run, or killed before its commit) is redone from scratch. One whose marker names another config
-would mix outputs of two configs in one folder: refused, with the changed keys and the two ways out,
-unless `--overwrite` asks to recompute everything.
+(never run, or killed before its commit) is redone from scratch. One whose marker names another config:
+- where only prompts differ and the job's prompt graph is given (a run, validate, status), it is run
+  again for its changed and added prompts only and committed again with the committed rows of its
+  unchanged prompts (`prompt_reuse.py`);
+- otherwise (a change that defines every row: model, backend, input, sampling, preprocessing; or a reader
+  of results, which needs rows of exactly this config) it would mix outputs of two configs in one folder:
+  refused, with the changed keys and the two ways out, unless `--overwrite` asks to recompute everything.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from batchvl.config import changed_keys
+from batchvl.config import changed_keys, split_definition
 from batchvl.errors import UserError
 from batchvl.inputs.types import ShardInfo
-from batchvl.outputs.commit import CommitState, commit_state
+from batchvl.outputs.commit import CommitState, ShardMarker, commit_state
 from batchvl.outputs.writers import output_path
+from batchvl.pipeline.prompt_graph import PromptGraph
+from batchvl.pipeline.prompt_reuse import PromptReuse, committed_samples, prompt_reuse
 from batchvl.storage.output_dir import LocalDir, OutputDir
+
+
+@dataclass(frozen=True)
+class RowCounts:
+    """Of one prompt over a task's shards: rows a run keeps as committed, and rows it runs (None: some
+    shard's sample count is known only by reading it)."""
+
+    reuse: int = 0
+    compute: int | None = 0
+
+    def __add__(self, other: RowCounts) -> RowCounts:
+        total = None if self.compute is None or other.compute is None else self.compute + other.compute
+        return RowCounts(self.reuse + other.reuse, total)
+
+    def describe(self) -> str:
+        compute = "unknown until read" if self.compute is None else self.compute
+        return f"{self.reuse} row(s) reused, {compute} to compute"
 
 
 @dataclass(frozen=True)
 class ShardPlan:
     shards: list[ShardInfo]  # the task's shards
     pending: list[ShardInfo]  # to run now
+    reuse: dict[str, PromptReuse] = field(default_factory=dict)  # pending shards that keep committed rows
+    done: dict[str, ShardMarker] = field(default_factory=dict)  # committed shards of this config
+    stale: list[ShardInfo] = field(default_factory=list)  # committed by a config that changes every row
+    changed: tuple[str, ...] = ()  # the keys that differ in the stale shards' configs
 
     @property
     def num_done(self) -> int:
         return len(self.shards) - len(self.pending)
+
+    def rows_per_prompt(self, names: tuple[str, ...]) -> dict[str, RowCounts]:
+        """Per prompt of the job, the rows of its task's shards a run would keep and would run."""
+        reuse, compute = dict.fromkeys(names, 0), dict.fromkeys(names, 0)
+        for shard in self.pending:
+            kept = self.reuse.get(shard.shard)
+            for index, name in enumerate(names):
+                if kept is not None and index in kept.kept:
+                    reuse[name] += kept.samples
+                else:  # a shard run whole has one row per sample and prompt
+                    samples = shard.num_rows if kept is None else kept.samples
+                    total = compute[name]
+                    compute[name] = None if samples is None or total is None else total + samples
+        for marker in self.done.values():
+            for name in names:
+                reuse[name] += committed_samples(marker)
+        return {name: RowCounts(reuse[name], compute[name]) for name in names}
+
+
+def shard_plan(
+    out: OutputDir,
+    shards: list[ShardInfo],
+    output_defining: dict,
+    fingerprint: str,
+    overwrite: bool,
+    graph: PromptGraph | None,
+) -> ShardPlan:
+    """Where each shard stands for the job. `graph`: the job's prompts, to reuse the rows of unchanged
+    prompts; without it (reading results) a shard of any other config is stale."""
+    pending, stale = [], []
+    reuse: dict[str, PromptReuse] = {}
+    done: dict[str, ShardMarker] = {}
+    changed: set[str] = set()
+    for shard in shards:
+        state, marker = commit_state(out, shard.shard, fingerprint)
+        if state is CommitState.MISSING or overwrite:
+            pending.append(shard)
+        elif state is CommitState.DONE:
+            done[shard.shard] = marker
+        elif graph is None:
+            stale.append(shard)
+            changed.update(changed_keys(marker.config, output_defining))
+        elif every_row := _job_wide_changes(marker, output_defining):
+            stale.append(shard)  # named by the keys that refuse it, not the prompts
+            changed.update(every_row)
+        else:
+            pending.append(shard)
+            reuse[shard.shard] = prompt_reuse(graph, output_defining, marker)
+    return ShardPlan(shards, pending, reuse, done, stale, tuple(sorted(changed)))
 
 
 def plan_shards(
@@ -35,24 +111,23 @@ def plan_shards(
     fingerprint: str,
     overwrite: bool,
     clean: bool = True,
+    graph: PromptGraph | None = None,
 ) -> ShardPlan:
-    """`clean`: also remove temp files left by killed runs on this host (a run does; a preflight looks)."""
-    pending, stale = [], []
-    changed: set[str] = set()
-    for shard in shards:
-        state, marker = commit_state(out, shard.shard, fingerprint)
-        if state is CommitState.MISSING or overwrite:
-            pending.append(shard)
-        elif state is CommitState.STALE:
-            stale.append(shard)
-            changed.update(changed_keys(marker.config, output_defining))
-    if stale:
-        keys = ", ".join(sorted(changed)) or "the output-defining config"
+    """The shard plan of a run (or a reader of results, without `graph`), refusing stale shards.
+    `clean`: also remove temp files left by killed runs on this host (a run does; a preflight looks)."""
+    plan = shard_plan(out, shards, output_defining, fingerprint, overwrite, graph)
+    if plan.stale:
+        keys = ", ".join(plan.changed) or "the output-defining config"
         raise UserError(
-            f"{out.url} holds {len(stale)} shard(s) written with a different config (changed: {keys}); "
+            f"{out.url} holds {len(plan.stale)} shard(s) written with a different config (changed: {keys}); "
             "rerun with --overwrite to recompute them, or set output.dir to a new folder"
         )
     if clean and isinstance(out, LocalDir):  # an object store has no temp files
         for shard in shards:
             out.remove_stale_temps(output_path(out, shard.shard))
-    return ShardPlan(shards, pending)
+    return plan
+
+
+def _job_wide_changes(marker: ShardMarker, output_defining: dict) -> list[str]:
+    """The changed keys that define every row (all but the prompts)."""
+    return changed_keys(split_definition(marker.config)[0], split_definition(output_defining)[0])

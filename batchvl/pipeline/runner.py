@@ -142,8 +142,9 @@ class JobRunner:
         engine = backend.engine
         self.flow = SampleFlow(self.cfg, work.plan.graph, backend.prompts)
         if self.commit is None:
+            plan = work.plan
             self.commit = WriteShard(
-                self.cfg, self.out, self.task, work.plan.output_defining, work.plan.fingerprint
+                self.cfg, self.out, self.task, plan.output_defining, plan.fingerprint, work.kept
             )
         pool = PreprocessPool(
             work.plan.source,

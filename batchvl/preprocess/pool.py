@@ -209,7 +209,7 @@ class PreprocessDataset(torch.utils.data.IterableDataset):
                     return (
                         index % num_workers == worker
                         and (name, index) not in self.delivered
-                        and (self.wanted is None or index in self.wanted[name])
+                        and (self.wanted is None or name not in self.wanted or index in self.wanted[name])
                     )
 
                 for item in self.source.iter_shard(shard, keep):
@@ -356,7 +356,8 @@ def _is_dead(pid: int) -> bool:
 class PreprocessPool:
     """Iterate prepared samples (and shard ends) over `shards`; every sample comes out exactly once.
 
-    With `wanted`, only those samples of each shard are read and prepared (a retry of failed rows);
+    With `wanted`, only those samples of the shards it names are read and prepared (a retry of failed
+    rows, the changed prompts of a committed shard);
     shard ends still report the shard's full sample count. With `claims`, each shard is claimed before it
     is read; one another run has (or committed meanwhile, by `is_committed`) comes out as a
     `ShardSkipped` instead of its samples.
@@ -375,7 +376,7 @@ class PreprocessPool:
         is_committed: Callable[[str], bool] | None = None,
     ):
         self.source = source
-        self.wanted = wanted  # per shard, the only sample indices to read (None: all)
+        self.wanted = wanted  # per shard, the only sample indices to read (None, or a shard not in it: all)
         self.shards = shards
         self.processor = processor
         self.workers = workers
@@ -462,7 +463,7 @@ class PreprocessPool:
 
     def _expected(self, shard: str, size: int) -> int:
         """How many samples of a shard of `size` samples come out."""
-        if self.wanted is None:
+        if self.wanted is None or shard not in self.wanted:
             return size
         return sum(1 for index in self.wanted[shard] if index < size)
 

@@ -1,0 +1,76 @@
+"""Which committed rows a job keeps when it runs over shards written with other prompts.
+
+A row is defined by what defines every row (model, backend, input, sampling, preprocessing: a change
+there is refused, `resume.py`) and by its own prompt's definition, with those of the prompts it uses. So
+over a shard committed with other prompts, an unchanged prompt keeps its committed rows as they are
+(not run again); a changed or added prompt runs, and so does every follow-up that uses one (its input
+changes); a prompt no longer in the job loses its rows when the shard is committed again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from batchvl.config import split_definition
+from batchvl.outputs.commit import ShardMarker, read_committed, read_marker
+from batchvl.outputs.writers import RESULT_SCHEMA, ResultRow
+from batchvl.pipeline.ledger import SelectedRows
+from batchvl.pipeline.prompt_graph import PromptGraph
+from batchvl.storage.output_dir import OutputDir
+
+
+@dataclass(frozen=True)
+class PromptReuse:
+    """A committed shard's rows against the job's prompts."""
+
+    kept: frozenset[int]  # the job's prompts whose committed rows stay
+    run: frozenset[int]  # changed and added prompts, and the follow-ups that use them
+    dropped: tuple[str, ...]  # committed prompts the job no longer has: their rows go
+    samples: int  # the shard's committed samples (each has one row per committed prompt)
+
+
+def prompt_reuse(graph: PromptGraph, defining: dict, marker: ShardMarker) -> PromptReuse:
+    """The reuse of a shard committed with `marker` by a job whose output-defining config is `defining`
+    (with the same job-wide part as the marker's)."""
+    _, new = split_definition(defining)
+    old = committed_prompts(marker)
+    run: set[int] = set()
+    for index, name in enumerate(graph.names):  # in order: a prompt uses earlier prompts only
+        if new[name] != old.get(name) or graph.uses[index] & run:
+            run.add(index)
+    kept = frozenset(range(len(graph.names))) - run
+    dropped = tuple(name for name in old if name not in new)
+    return PromptReuse(kept, frozenset(run), dropped, committed_samples(marker))
+
+
+def committed_prompts(marker: ShardMarker) -> dict[str, dict]:
+    """The definitions of the prompts that wrote a committed shard, by name."""
+    return split_definition(marker.config)[1]
+
+
+def committed_samples(marker: ShardMarker) -> int:
+    """A committed shard's samples: each has one row per prompt of the config that wrote it."""
+    return marker.rows // len(committed_prompts(marker))
+
+
+def rows_to_run(
+    out: OutputDir, shard: str, reuse: PromptReuse, graph: PromptGraph
+) -> dict[int, SelectedRows]:
+    """Per committed sample of a shard to commit again: the prompts to run, and the committed rows of the
+    kept prompts they use (a follow-up of an unchanged prompt is rendered with its committed output, as
+    it would be had both run now)."""
+    marker = read_marker(out, shard)
+    assert marker is not None  # planned from it
+    table = read_committed(out, shard, marker)
+    if not reuse.run:
+        return {}  # only rows to drop or reorder: the shard is committed again without running anything
+    used = {graph.names[i]: i for i in graph.with_what_they_use(reuse.run) - reuse.run}
+    rows: dict[int, dict[int, ResultRow]] = {index: {} for index in table["sample_index"].to_pylist()}
+    inputs = table.filter(pc.is_in(table["prompt"], pa.array(list(used), pa.string())))
+    for row in inputs.select(RESULT_SCHEMA.names).to_pylist():
+        prompt = used[row["prompt"]]
+        rows[row["sample_index"]][prompt] = ResultRow(**row, prompt_index=prompt)
+    return {index: SelectedRows(reuse.run, used_rows) for index, used_rows in rows.items()}

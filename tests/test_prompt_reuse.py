@@ -1,0 +1,262 @@
+"""Iterating on prompts over committed shards: the rows of unchanged prompts are kept as committed (byte for
+byte, their latency too, not run again), changed and added prompts run with the follow-ups that use them,
+removed prompts' rows go, and a change that defines every row is still refused. Real jobs on the tiny
+model, on a local folder and on S3 (moto's server)."""
+
+import io
+import json
+import uuid
+
+import pyarrow.parquet as pq
+import pytest
+
+from batchvl.commands.status import format_status, job_status, status_json
+from batchvl.config import load_job_config
+from batchvl.engine.engine import Engine
+from batchvl.errors import UserError
+from batchvl.outputs.commit import read_committed, read_marker
+from batchvl.pipeline.resume import RowCounts
+from batchvl.pipeline.runner import run_job
+from batchvl.pipeline.tasks import TaskSlice
+from batchvl.storage.output_dir import LocalDir, open_output_dir
+from tests import server_jobs
+from tests.conftest import write_image_shards
+from tests.fake_openai_server import FakeOpenAIServer
+from tests.test_cli import batchvl
+
+SHARD_SIZES = [3, 2, 4]
+BAD = (1, 0)  # an undecodable image: an error row per prompt, no engine request
+SAMPLES = sum(SHARD_SIZES)
+CAPTION = "{name: caption, text: Describe this image.}"
+SHORT = "{name: short, text: One word.}"
+REFINE = "{name: refine, text: 'Refine this caption: {caption}'}"  # a follow-up of caption
+
+
+@pytest.fixture(scope="module")
+def job_dir(tmp_path_factory, tiny_model_dir):
+    root = tmp_path_factory.mktemp("reuse")
+    write_image_shards(root / "data", SHARD_SIZES, {BAD: b"not an image"})
+    (root / "job.yaml").write_text(f"""
+model: {{path: {tiny_model_dir}, dtype: float32, device: cpu}}
+input: {{paths: ["data/*.parquet"], key_column: key}}
+prompts: [{CAPTION}, {SHORT}, {REFINE}]
+sampling: {{max_new_tokens: 5}}
+preprocess: {{workers: 0}}
+output: {{dir: out}}
+""")
+    return root
+
+
+def prompts(*items: str) -> str:
+    return f"prompts=[{', '.join(items)}]"
+
+
+def config(job_dir, out: str, *overrides: str):
+    return load_job_config(job_dir / "job.yaml", [f"output.dir={out}", *overrides])
+
+
+@pytest.fixture
+def engine_requests(monkeypatch):
+    """The names of the prompts the engine is asked to run, one per request."""
+    asked: list[int] = []
+    add = Engine.add_request
+
+    def add_and_count(self, item):
+        asked.append(item.tag.prompt_index)
+        add(self, item)
+
+    monkeypatch.setattr(Engine, "add_request", add_and_count)
+    return asked
+
+
+def table_rows(out, shard: str) -> list[dict]:
+    """A committed shard's rows, every column (latency_s too), after checking its hash."""
+    return read_committed(out, shard, read_marker(out, shard)).to_pylist()
+
+
+def job_rows(out) -> list[dict]:
+    return [row for n in range(len(SHARD_SIZES)) for row in table_rows(out, f"part-{n}.parquet")]
+
+
+def of(rows: list[dict], *names: str) -> list[dict]:
+    return [row for row in rows if row["prompt"] in names]
+
+
+def without_latency(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in row.items() if k != "latency_s"} for row in rows]
+
+
+def run(cfg, loaded, task=None):
+    return run_job(cfg, loaded=loaded, show_progress=False, task=task)
+
+
+def fresh_rows(job_dir, loaded, name: str, *overrides: str) -> list[dict]:
+    """The rows of the job with `overrides` run from scratch, into a folder of their own."""
+    run(config(job_dir, f"fresh-{name}", *overrides), loaded)
+    return job_rows(LocalDir(str(job_dir / f"fresh-{name}")))
+
+
+def test_a_changed_prompt_runs_alone_and_the_other_prompts_keep_their_rows_byte_for_byte(
+    job_dir, loaded_fp32, engine_requests
+):
+    out = LocalDir(str(job_dir / "changed-short"))
+    run(config(job_dir, "changed-short"), loaded_fp32)
+    before = job_rows(out)
+    assert len(before) == 3 * SAMPLES
+    engine_requests.clear()
+
+    changed = prompts(CAPTION, "{name: short, text: Two words.}", REFINE)
+    summary = run(config(job_dir, "changed-short", changed), loaded_fp32)
+    assert engine_requests == [1] * (SAMPLES - 1)  # short's, of each decodable image
+    assert summary.stats["shards_committed"] == len(SHARD_SIZES)
+    after = job_rows(out)
+    assert of(after, "caption", "refine") == of(before, "caption", "refine")  # every value, latency_s too
+    assert without_latency(after) == without_latency(fresh_rows(job_dir, loaded_fp32, "short", changed))
+    assert of(after, "short") != of(before, "short")
+
+    # Committed with the new config: a rerun has nothing to do.
+    engine_requests.clear()
+    again = run(config(job_dir, "changed-short", changed), loaded_fp32)
+    assert again.stats["shards_skipped"] == len(SHARD_SIZES) and engine_requests == []
+
+
+def test_a_changed_prompt_runs_with_the_follow_ups_that_use_it(job_dir, loaded_fp32, engine_requests):
+    out = LocalDir(str(job_dir / "changed-caption"))
+    run(config(job_dir, "changed-caption"), loaded_fp32)
+    before = job_rows(out)
+    engine_requests.clear()
+
+    changed = prompts("{name: caption, text: Describe it.}", SHORT, REFINE)
+    run(config(job_dir, "changed-caption", changed), loaded_fp32)
+    assert sorted(engine_requests) == [0] * (SAMPLES - 1) + [2] * (SAMPLES - 1)
+    after = job_rows(out)
+    assert of(after, "short") == of(before, "short")
+    assert without_latency(after) == without_latency(fresh_rows(job_dir, loaded_fp32, "caption", changed))
+
+
+def test_an_added_follow_up_of_an_unchanged_prompt_runs_alone_on_its_committed_output(
+    job_dir, loaded_fp32, engine_requests
+):
+    out = LocalDir(str(job_dir / "added"))
+    run(config(job_dir, "added"), loaded_fp32)
+    before = job_rows(out)
+    engine_requests.clear()
+
+    added = prompts(CAPTION, "{name: shorter, continue: caption, text: Now in two words.}", SHORT, REFINE)
+    run(config(job_dir, "added", added), loaded_fp32)
+    assert engine_requests == [1] * (SAMPLES - 1)  # the new prompt is second: the others keep their rows
+    after = job_rows(out)
+    assert of(after, "caption", "short", "refine") == before  # in the job's prompt order, per sample
+    assert [row["prompt"] for row in after[:4]] == ["caption", "shorter", "short", "refine"]
+    assert without_latency(after) == without_latency(fresh_rows(job_dir, loaded_fp32, "added", added))
+
+
+def test_a_removed_prompts_rows_are_dropped_without_running_anything(job_dir, loaded_fp32, engine_requests):
+    out = LocalDir(str(job_dir / "removed"))
+    run(config(job_dir, "removed"), loaded_fp32)
+    before = job_rows(out)
+    engine_requests.clear()
+
+    summary = run(config(job_dir, "removed", prompts(CAPTION, REFINE)), loaded_fp32)
+    assert engine_requests == [] and summary.stats["shards_committed"] == len(SHARD_SIZES)
+    assert job_rows(out) == of(before, "caption", "refine")
+    marker = read_marker(out, "part-2.parquet")
+    assert (marker.rows, marker.ok, marker.errors) == (8, 8, 0)
+    assert [p["name"] for p in marker.config["prompts"]] == ["caption", "refine"]
+
+
+def test_a_change_that_defines_every_row_is_still_refused_naming_it(job_dir, loaded_fp32):
+    run(config(job_dir, "refused"), loaded_fp32)
+    changed = config(job_dir, "refused", "sampling.max_new_tokens=3", prompts(CAPTION))
+    with pytest.raises(UserError, match=r"\(changed: sampling.max_new_tokens\); rerun with --overwrite"):
+        run(changed, loaded_fp32)
+
+
+def test_split_tasks_on_s3_keep_the_unchanged_rows_of_their_own_shards(
+    job_dir, loaded_fp32, engine_requests, s3
+):
+    endpoint, _ = s3  # its bucket `data`
+    prefix = f"s3://data/reuse-{uuid.uuid4().hex}"
+    options = f"{{endpoint_url: '{endpoint}', key: testing, secret: testing}}"
+    settings = [f"output.storage_options={options}"]
+    out = open_output_dir(prefix, {"endpoint_url": endpoint, "key": "testing", "secret": "testing"})
+    run(config(job_dir, prefix, *settings), loaded_fp32)
+    before = job_rows(out)
+    engine_requests.clear()
+
+    changed = prompts(CAPTION, "{name: short, text: Two words.}", REFINE)
+    for index in range(2):
+        run(config(job_dir, prefix, *settings, changed), loaded_fp32, TaskSlice(index, 2))
+    assert engine_requests == [1] * (SAMPLES - 1)
+    after = job_rows(out)
+    assert of(after, "caption", "refine") == of(before, "caption", "refine")
+    assert without_latency(after) == without_latency(fresh_rows(job_dir, loaded_fp32, "s3", changed))
+    body = out.read_bytes(out.join("part-0.parquet"))
+    assert pq.read_table(io.BytesIO(body)).num_rows == 3 * SHARD_SIZES[0]
+
+
+def test_status_and_validate_say_per_prompt_how_many_rows_a_run_would_reuse_and_compute(job_dir, loaded_fp32):
+    changed = prompts(
+        CAPTION, "{name: short, text: Two words.}", REFINE, "{name: extra, text: Name a colour.}"
+    )
+    fresh = job_status(config(job_dir, "counted", changed))
+    assert fresh.rows_per_prompt == dict.fromkeys(
+        ["caption", "short", "refine", "extra"], RowCounts(0, SAMPLES)
+    )
+    run(config(job_dir, "counted"), loaded_fp32)
+
+    status = job_status(config(job_dir, "counted", changed), num_tasks=2)
+    assert status.rows_per_prompt == {
+        "caption": RowCounts(SAMPLES, 0),
+        "short": RowCounts(0, SAMPLES),
+        "refine": RowCounts(SAMPLES, 0),
+        "extra": RowCounts(0, SAMPLES),
+    }
+    assert sum(task.other_prompts for task in status.tasks) == len(SHARD_SIZES) and status.shards_done == 0
+    text = format_status(status, "job.yaml")
+    assert f"  short: 0 row(s) reused, {SAMPLES} to compute" in text
+    assert "3 shard(s) were written with other prompts; a run keeps the rows of the unchanged" in text
+    assert json.loads(status_json(status))["rows_per_prompt"]["caption"] == {"reuse": SAMPLES, "compute": 0}
+
+    validated = batchvl("validate", "job.yaml", "--set", "output.dir=counted", "--set", changed, cwd=job_dir)
+    assert validated.returncode == 0, validated.stderr
+    assert "counted (0 shard(s) committed, 3 to run)" in validated.stdout
+    assert validated.stdout.endswith(
+        "per prompt, what a run would do:\n"
+        f"  caption: {SAMPLES} row(s) reused, 0 to compute\n"
+        f"  short: 0 row(s) reused, {SAMPLES} to compute\n"
+        f"  refine: {SAMPLES} row(s) reused, 0 to compute\n"
+        f"  extra: 0 row(s) reused, {SAMPLES} to compute\n"
+    )
+
+    run(config(job_dir, "counted", changed), loaded_fp32)
+    done = job_status(config(job_dir, "counted", changed))
+    assert set(done.rows_per_prompt.values()) == {RowCounts(SAMPLES, 0)} and done.shards_done == 3
+
+
+def test_on_the_openai_backend_only_the_changed_prompt_is_sent_to_the_server(tmp_path, tiny_model_dir):
+    with FakeOpenAIServer(str(tiny_model_dir)) as server:
+        job = server_jobs.write_job(tmp_path, tiny_model_dir, server_jobs.at(server.url))
+        server_jobs.run(job)
+        out = LocalDir(str(tmp_path / "out"))
+        before = [row for n in range(2) for row in table_rows(out, f"part-{n}.parquet")]
+        server.requests.clear()
+
+        changed = (
+            "prompts=[{name: caption, text: 'Describe {key}.'}, {name: short, text: 'Two words for {key}.'}]"
+        )
+        summary = server_jobs.run(job, changed)
+    sent = [request.text for request in server.requests if request.path.endswith("/chat/completions")]
+    sent = [text for text in sent if "{key}" not in text and " for s" in text]  # not the server's probe
+    assert not [text for text in server_texts(server) if text.startswith("Describe")]
+    assert sorted(sent) == sorted(
+        f"Two words for s{n}-{i}." for n, size in enumerate([3, 2]) for i in range(size)
+    )
+    assert summary.stats["shards_committed"] == 2
+    after = [row for n in range(2) for row in table_rows(out, f"part-{n}.parquet")]
+    assert of(after, "caption") == of(before, "caption")
+    assert all("Two words for" in row["text"] for row in of(after, "short"))  # the fake server echoes it
+
+
+def server_texts(server) -> list[str]:
+    return [request.text for request in server.requests if request.path.endswith("/chat/completions")]
