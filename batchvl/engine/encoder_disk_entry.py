@@ -21,6 +21,7 @@ import xxhash
 MAGIC = b"BVLEMB01"  # the format's version is its last two bytes: a new layout is a new magic
 _HEAD = struct.Struct("<8sI")
 _CHECKSUM_BYTES = 16
+_ALIGN = 64
 
 
 def encode_entry(key: str, embedding: torch.Tensor) -> bytes:
@@ -30,6 +31,9 @@ def encode_entry(key: str, embedding: torch.Tensor) -> bytes:
     header = json.dumps(
         {"key": key, "dtype": str(tensor.dtype).removeprefix("torch."), "shape": list(tensor.shape)}
     ).encode()
+    # Spaces after the JSON start the payload on a 64-byte boundary: the tensor read back in place is
+    # aligned as kernels expect of a tensor they did not allocate.
+    header += b" " * (-(_HEAD.size + len(header)) % _ALIGN)
     body = _HEAD.pack(MAGIC, len(header)) + header + payload
     return body + xxhash.xxh3_128_digest(body)
 

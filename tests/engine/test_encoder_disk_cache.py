@@ -226,3 +226,13 @@ def test_a_folder_that_cannot_be_written_never_fails_the_job(tmp_path, caplog):
     assert caplog.text.count("cannot write") == 1  # logged once, then not tried again
     assert cache.writes == 1 and cache.load("third-image") is None
     assert torch.equal(cache.load("image"), embedding(0))
+
+
+def test_an_entry_read_back_starts_its_payload_aligned(tmp_path):
+    """Headers differ in length with the shape and dtype; the tensor read back in place is aligned."""
+    cache = EncoderDiskCache(str(tmp_path), 1 << 30, DIGEST)
+    for rows in (1, 7, 64, 1000, 12345):
+        for dtype in (torch.float32, torch.bfloat16):
+            name = f"{rows}-{dtype}"
+            cache.store(name, torch.ones(rows, 3, dtype=dtype))
+            assert cache.load(name).data_ptr() % 16 == 0, name
