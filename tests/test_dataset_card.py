@@ -11,6 +11,8 @@ import pyarrow.parquet as pq
 
 from batchvl import __version__
 from batchvl.config import job_config_from_dict
+from batchvl.outputs import dataset_card
+from batchvl.outputs.card_summary import summarize
 from batchvl.outputs.dataset_card import FIRST_LINE, model_revision
 from batchvl.pipeline.runner import run_job
 from tests.conftest import TEST_DEVICE, write_image_shards
@@ -74,7 +76,7 @@ def check_card(out: Path, num_shards: int) -> str:
 
 
 def test_the_card_names_the_job_and_counts_the_committed_rows_and_a_later_run_updates_it(
-    tmp_path, loaded_fp32
+    tmp_path, loaded_fp32, monkeypatch
 ):
     data = tmp_path / "data"
     write_image_shards(data, [4, 3], replaced={(1, 2): b"not an image"})
@@ -90,8 +92,11 @@ def test_the_card_names_the_job_and_counts_the_committed_rows_and_a_later_run_up
     assert "when kind is photo" in card and "Sampling: greedy, at most 4 new tokens." in card
 
     write_image_shards(data, [4, 3, 2])  # a third shard arrives; the two committed are skipped
+    counted = []
+    monkeypatch.setattr(dataset_card, "summarize", lambda *args: counted.append(args) or summarize(*args))
     run_job(cfg, loaded=loaded_fp32, show_progress=False)
     check_card(out, 3)
+    assert [args[1] for args in counted] == ["part-2.parquet"]  # the other shards' rows are not read again
 
 
 def test_a_readme_the_user_wrote_is_left_alone(tmp_path, loaded_fp32):
