@@ -116,6 +116,11 @@ def plan_shards(
     """The shard plan of a run (or a reader of results, without `graph`), refusing stale shards.
     `clean`: also remove temp files left by killed runs on this host (a run does; a preflight looks)."""
     plan = shard_plan(out, shards, output_defining, fingerprint, overwrite, graph)
+    if plan.stale and plan.changed == ("prompts",):  # a reader of results: a run brings them up to date
+        raise UserError(
+            f"{out.url} holds {len(plan.stale)} shard(s) written with other prompts; run the job to update "
+            "them (the rows of unchanged prompts are kept), or set output.dir to a new folder"
+        )
     if plan.stale:
         keys = ", ".join(plan.changed) or "the output-defining config"
         raise UserError(
