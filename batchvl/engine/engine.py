@@ -78,7 +78,9 @@ class Engine:
         self.disk_cache = None
         if config.encoder_cache_dir is not None:
             self.disk_cache = EncoderDiskCache(
-                config.encoder_cache_dir, int(config.encoder_cache_dir_gb * GB), vision_digest(adapter)
+                config.encoder_cache_dir,
+                int(config.encoder_cache_dir_gb * GB),
+                vision_digest(adapter, config.encoder_cache_dir),
             )
         self._stats = EngineStats()  # the engine's own counters; `stats` adds its components'
         self._rejected: list[EngineResult] = []

@@ -6,11 +6,13 @@ import logging
 import multiprocessing
 import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from batchvl.config import job_config_from_dict
+from batchvl.engine import vision_digest as vision_digest_module
 from batchvl.engine.encoder_disk_cache import EncoderDiskCache
 from batchvl.errors import ConfigError, UserError
 
@@ -236,3 +238,22 @@ def test_an_entry_read_back_starts_its_payload_aligned(tmp_path):
             name = f"{rows}-{dtype}"
             cache.store(name, torch.ones(rows, 3, dtype=dtype))
             assert cache.load(name).data_ptr() % 16 == 0, name
+
+
+def test_the_vision_digest_is_remembered_until_a_weight_file_changes(tmp_path, loaded_fp32, monkeypatch):
+    computed = []
+    weights_digest = vision_digest_module._weights_digest
+    monkeypatch.setattr(
+        vision_digest_module,
+        "_weights_digest",
+        lambda *args: computed.append(1) or weights_digest(*args),
+    )
+    first = vision_digest_module.vision_digest(loaded_fp32.adapter, str(tmp_path))
+    assert vision_digest_module.vision_digest(loaded_fp32.adapter, str(tmp_path)) == first
+    assert len(computed) == 1  # the second time, remembered
+    (weights,) = Path(loaded_fp32.path).glob("*.safetensors")
+    os.utime(weights)  # as any write would: its times change
+    assert vision_digest_module.vision_digest(loaded_fp32.adapter, str(tmp_path)) == first
+    assert len(computed) == 2  # read again: the same weights, so the same digest
+    monkeypatch.setattr(loaded_fp32.adapter, "dtype", torch.bfloat16)
+    assert vision_digest_module.vision_digest(loaded_fp32.adapter, str(tmp_path)) != first
