@@ -14,7 +14,9 @@ from batchvl.commands.status import format_status, job_status, status_json
 from batchvl.config import load_job_config
 from batchvl.engine.engine import Engine
 from batchvl.errors import UserError
-from batchvl.outputs.commit import read_committed, read_marker
+from batchvl.outputs.batch_output import batch_output_path
+from batchvl.outputs.commit import marker_path, read_committed, read_marker
+from batchvl.outputs.writers import output_path
 from batchvl.pipeline.resume import RowCounts
 from batchvl.pipeline.runner import run_job
 from batchvl.pipeline.tasks import TaskSlice
@@ -23,6 +25,7 @@ from tests import server_jobs
 from tests.conftest import write_image_shards
 from tests.fake_openai_server import FakeOpenAIServer
 from tests.test_cli import batchvl
+from tests.test_commit_crash_windows import Crash
 
 SHARD_SIZES = [3, 2, 4]
 BAD = (1, 0)  # an undecodable image: an error row per prompt, no engine request
@@ -260,3 +263,49 @@ def test_on_the_openai_backend_only_the_changed_prompt_is_sent_to_the_server(tmp
 
 def server_texts(server) -> list[str]:
     return [request.text for request in server.requests if request.path.endswith("/chat/completions")]
+
+
+RECOMMIT_WRITES = ["marker naming the old", "output", "companion", "marker"]
+
+
+@pytest.mark.parametrize("crash_at", range(len(RECOMMIT_WRITES)), ids=RECOMMIT_WRITES)
+def test_a_run_that_crashes_committing_a_shard_again_leaves_every_row_once_and_the_rerun_ends_it(
+    job_dir, loaded_fp32, crash_at
+):
+    name = f"crash-{crash_at}"
+    out = LocalDir(str(job_dir / name))
+    batch = "output.format=openai_batch"  # a file made from each shard: the commit has all four writes
+    run(config(job_dir, name, batch), loaded_fp32)
+    before = job_rows(out)
+    changed = prompts(CAPTION, "{name: short, text: Two words.}", REFINE)
+    shard = "part-1.parquet"  # the second shard committed again; the first is done by then
+    targets = {marker_path(out, shard), output_path(out, shard), batch_output_path(out, shard)}
+    writes, write = [], LocalDir.write_bytes
+
+    def write_or_crash(self, location: str, data: bytes) -> None:
+        if location in targets:
+            writes.append(location)
+            if len(writes) == crash_at + 1:
+                raise Crash(RECOMMIT_WRITES[crash_at])
+        write(self, location, data)
+
+    with pytest.MonkeyPatch.context() as patch, pytest.raises(Crash):
+        patch.setattr(LocalDir, "write_bytes", write_or_crash)
+        run(config(job_dir, name, batch, changed), loaded_fp32)
+
+    # Each shard is the old one or the new one, every (sample, prompt) of its marker's config once.
+    for number, size in enumerate(SHARD_SIZES):
+        marker = read_marker(out, f"part-{number}.parquet")
+        names = [prompt["name"] for prompt in marker.config["prompts"]]
+        rows = table_rows(out, f"part-{number}.parquet")
+        assert [(r["sample_index"], r["prompt"]) for r in rows] == [
+            (i, p) for i in range(size) for p in names
+        ]
+    short = read_marker(out, shard).config["prompts"][1]["text"]
+    assert short == ("Two words." if RECOMMIT_WRITES[crash_at] in ("companion", "marker") else "One word.")
+
+    run(config(job_dir, name, batch, changed), loaded_fp32)
+    after = job_rows(out)
+    assert of(after, "caption", "refine") == of(before, "caption", "refine")
+    assert without_latency(after) == without_latency(fresh_rows(job_dir, loaded_fp32, name, changed))
+    assert read_marker(out, shard).replaces is None
