@@ -6,11 +6,11 @@ cache slots and attends each request's queries to that request's cached keys, so
 other. Batch metadata arrives as the `batchvl_attention` keyword argument, passed untouched by
 transformers from the decoder call down to this function.
 
-A step's decodes (one query each) are attended by the native kernel straight from the cache where it
-builds (`native_kernels`); elsewhere they are gathered into a few padded batches for torch's attention.
-Prefill chunks, in bf16 on a CPU with bf16 dot products (`cpu_attention.use_native_attention`), are
-attended by the native bf16 kernel straight from the cache, all in one call per layer; elsewhere each
-takes torch's attention.
+A step's decodes (one query each) are attended straight from the cache by the native kernel on a CPU
+where it builds (`native_kernels`) and by Triton's on CUDA (`triton_attention`); elsewhere they are
+gathered into a few padded batches for torch's attention. Prefill chunks, in bf16 on a CPU with bf16 dot
+products (`cpu_attention.use_native_attention`) and on CUDA, are attended straight from the cache too, all
+in one call per layer; elsewhere each takes torch's attention.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from batchvl.layers import triton_attention
 from batchvl.layers.cpu_attention import use_native_attention
 from batchvl.layers.cpu_features import has_amx
 from batchvl.layers.native_kernels import HEAD_DIMS, native_ops, runs_natively
@@ -55,7 +56,7 @@ class KVCache:
         layers = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         for layer in layers:
             layer[:, :, 0].zero_()
-        return cls(layers, reads_cache_in_place(layers[0]), use_native_attention(layers[0]))
+        return cls(layers, reads_cache_in_place(layers[0]), prefills_read_cache_in_place(layers[0]))
 
     def write(self, layer: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         """Store a step's K and V, each (num_kv_heads, T, head_dim), at `slots` (T,)."""
@@ -163,19 +164,17 @@ class InPlaceDecodes:
     lengths: torch.Tensor  # (B,)
 
     @classmethod
-    def build(cls, sequences: list[SequenceSlice]) -> InPlaceDecodes:
+    def build(cls, sequences: list[SequenceSlice], device: torch.device) -> InPlaceDecodes:
         lengths = [len(seq.key_slots) for seq in sequences]
-        return cls(
-            torch.tensor([seq.query_start for seq in sequences]),
-            torch.cat([seq.key_slots for seq in sequences]),
-            torch.tensor([0, *itertools.accumulate(lengths[:-1])]),
-            torch.tensor(lengths),
-        )
+        rows = torch.tensor([seq.query_start for seq in sequences])
+        starts = torch.tensor([0, *itertools.accumulate(lengths[:-1])])
+        slots = torch.cat([seq.key_slots for seq in sequences])
+        return cls(*uploaded([rows, slots, starts, torch.tensor(lengths)], device))
 
     def attend(self, out: torch.Tensor, query: torch.Tensor, kv: torch.Tensor, scaling: float) -> None:
         """Write into `out` (T, H, D), at each decode's row, its attention over its cached keys; `query` is
         (H, T, D) with contiguous heads, `kv` one layer of the cache."""
-        native_ops().paged_decode_attention(
+        paged_kernels(kv).paged_decode_attention(
             out, query, kv, self.rows, self.slots, self.starts, self.lengths, scaling
         )
 
@@ -189,20 +188,22 @@ class InPlacePrefills:
     counts: torch.Tensor  # (B,) its queries, at the last positions of its keys
     slots: torch.Tensor  # (B, L) cache slots of each chunk's keys (context and chunk), in order
     lengths: torch.Tensor  # (B,)
+    most_queries: int  # the largest count (Triton's grid, known on the host)
 
     @classmethod
-    def build(cls, sequences: list[SequenceSlice]) -> InPlacePrefills:
-        return cls(
-            torch.tensor([seq.query_start for seq in sequences]),
-            torch.tensor([seq.num_queries for seq in sequences]),
-            *key_slot_table(sequences),
-        )
+    def build(cls, sequences: list[SequenceSlice], device: torch.device) -> InPlacePrefills:
+        counts = [seq.num_queries for seq in sequences]
+        starts = torch.tensor([seq.query_start for seq in sequences])
+        tensors = uploaded([starts, torch.tensor(counts), *key_slot_table(sequences)], device)
+        return cls(*tensors, max(counts))
 
     def attend(self, out: torch.Tensor, query: torch.Tensor, kv: torch.Tensor, scaling: float) -> None:
         """Write into `out` (T, H, D) each chunk's causal attention; `query` (H, T, D) with contiguous heads,
         `kv` a cache layer."""
-        native_ops().paged_prefill_attention(
-            out, query, kv, self.starts, self.counts, self.slots, self.lengths, scaling
+        kernels = paged_kernels(kv)
+        grid = (self.most_queries,) if kernels is triton_attention else ()
+        kernels.paged_prefill_attention(
+            out, query, kv, self.starts, self.counts, self.slots, self.lengths, scaling, *grid
         )
 
 
@@ -223,11 +224,12 @@ class PagedAttentionMetadata:
         single = [seq for seq in sequences if seq.is_decode]
         if single and kv_cache.decodes_in_place:
             others = [seq for seq in sequences if not seq.is_decode]
-            meta = cls(kv_cache, slot_mapping, others, in_place_decodes=InPlaceDecodes.build(single))
+            decodes = InPlaceDecodes.build(single, device)
+            meta = cls(kv_cache, slot_mapping, others, in_place_decodes=decodes)
         else:
             meta = cls(kv_cache, slot_mapping, *split_decodes(sequences, kv_cache, device))
         if meta.sequences and kv_cache.prefills_in_place:
-            meta.in_place_prefills = InPlacePrefills.build(meta.sequences)
+            meta.in_place_prefills = InPlacePrefills.build(meta.sequences, device)
             meta.sequences = []
         for seq in meta.sequences:
             if not seq.is_full_causal:
@@ -237,9 +239,33 @@ class PagedAttentionMetadata:
 
 
 def reads_cache_in_place(layer: torch.Tensor) -> bool:
-    """Whether decodes can go to the native kernel: a cache (a layer of it) the kernels take, with a head
-    size the kernel is compiled for."""
-    return layer.shape[-1] in HEAD_DIMS and runs_natively(layer)
+    """Whether decodes can go to a kernel that reads the cache where it is: the native one, for a cache (a
+    layer of it) it takes with a head size it is compiled for, or Triton's on CUDA."""
+    return (layer.shape[-1] in HEAD_DIMS and runs_natively(layer)) or triton_attention.takes(layer)
+
+
+def prefills_read_cache_in_place(layer: torch.Tensor) -> bool:
+    """Whether prefill chunks can go to a kernel that reads the cache where it is: the native bf16 one on a
+    CPU with bf16 dot products, or Triton's on CUDA."""
+    return use_native_attention(layer) or triton_attention.takes(layer)
+
+
+def paged_kernels(layer: torch.Tensor):
+    """The kernels that attend straight from this cache layer: Triton's on CUDA (or under Triton's
+    interpreter, as tests run them), the native ones on the CPU."""
+    return (
+        native_ops() if layer.device.type == "cpu" and not triton_attention.takes(layer) else triton_attention
+    )
+
+
+def uploaded(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """Integer step metadata on `device` in one copy: packed into one host tensor, moved, and split again
+    (a copy per tensor costs a transfer each on a GPU)."""
+    if torch.device(device).type == "cpu":
+        return tensors
+    packed = torch.cat([tensor.reshape(-1).to(torch.long) for tensor in tensors]).to(device)
+    pieces = packed.split([tensor.numel() for tensor in tensors])
+    return [piece.view(tensor.shape) for piece, tensor in zip(pieces, tensors, strict=True)]
 
 
 def split_decodes(

@@ -47,3 +47,14 @@ def test_a_decode_steps_copies_do_not_grow_with_its_sequences(loaded_fp32, monke
     if not in_place:
         monkeypatch.setattr(attention, "reads_cache_in_place", lambda layer: False)
     assert copies_in_a_decode_step(loaded_fp32, 4) == copies_in_a_decode_step(loaded_fp32, 24)
+
+
+def test_integer_metadata_goes_to_a_device_in_one_copy_and_keeps_its_shapes():
+    # "meta" stands for a GPU here: a device of its own, shapes without values
+    tensors = [torch.arange(5), torch.zeros(3, 4, dtype=torch.int32), torch.tensor([7])]
+    counter = DeviceCopies()
+    with counter:
+        moved = attention.uploaded(tensors, torch.device("meta"))
+    assert counter.count == 1
+    assert [(t.device.type, t.shape) for t in moved] == [("meta", t.shape) for t in tensors]
+    assert attention.uploaded(tensors, torch.device("cpu")) == tensors  # the CPU's own, no copy

@@ -66,7 +66,7 @@ def test_equals_each_sequence_alone(kernel, dtype, dim, kv_heads, heads):
     query = torch.randn(1, 8, heads, dim, dtype=dtype).transpose(1, 2)[0]
     out = torch.full((8, heads, dim), 7.0, dtype=dtype)
     scale = dim**-0.5
-    InPlaceDecodes.build(sequences).attend(out, query, cache.layers[0], scale)
+    InPlaceDecodes.build(sequences, torch.device("cpu")).attend(out, query, cache.layers[0], scale)
     expected = expected_output(query, cache, sequences, scale)
     torch.testing.assert_close(out[rows].double(), expected, **tolerance(dtype))
     assert torch.equal(out[[2, 5]], torch.full((2, heads, dim), 7.0, dtype=dtype))  # others' rows untouched
@@ -81,7 +81,7 @@ def test_reads_only_each_sequence_own_slots(kernel):
         SequenceSlice(0, 1, torch.tensor([5, 9, 1])),
         SequenceSlice(1, 1, torch.tensor([30])),
     ]
-    decodes = InPlaceDecodes.build(sequences)
+    decodes = InPlaceDecodes.build(sequences, torch.device("cpu"))
     assert decodes.slots.tolist() == [5, 9, 1, 30] and decodes.starts.tolist() == [0, 3]
     decodes.slots = torch.cat([decodes.slots, torch.tensor([40, 41])])  # slots past the last list: garbage
     query = torch.randn(4, 2, 16)
@@ -122,6 +122,6 @@ def test_a_step_of_decodes_and_a_prefill_chunk_through_paged_attention(kernel):
 
 def test_refuses_a_head_size_it_is_not_built_for(kernel):
     cache = filled_cache(torch.float32, 8, 1, 48)
-    decodes = InPlaceDecodes.build([SequenceSlice(0, 1, torch.tensor([1, 2]))])
+    decodes = InPlaceDecodes.build([SequenceSlice(0, 1, torch.tensor([1, 2]))], torch.device("cpu"))
     with pytest.raises(RuntimeError, match="head size 48"):
         decodes.attend(torch.empty(1, 1, 48), torch.randn(1, 1, 48), cache.layers[0], 1.0)

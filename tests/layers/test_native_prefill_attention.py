@@ -90,7 +90,7 @@ def test_each_chunk_attends_causally_to_its_own_keys_only(ops):
     cache = KVCache.allocate(1, 200, KV_HEADS, dim, torch.bfloat16, "cpu")
     cache.write(0, torch.arange(200), *torch.randn(2, KV_HEADS, 200, dim, generator=generator).bfloat16())
     slots = torch.arange(100, 100 + cached + chunk)
-    prefills = attention.InPlacePrefills.build([SequenceSlice(0, chunk, slots)])
+    prefills = attention.InPlacePrefills.build([SequenceSlice(0, chunk, slots)], torch.device("cpu"))
     query = torch.randn(HEADS, chunk, dim, generator=generator).bfloat16()
 
     def attend() -> torch.Tensor:
