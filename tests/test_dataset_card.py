@@ -141,3 +141,12 @@ def test_the_card_is_written_to_an_object_store_output(tmp_path, loaded_fp32, s3
     assert card.startswith(FIRST_LINE) and "2 shard(s) committed" in card
     ok, errors, skipped = table_row(card, "Rows", "all")
     assert int(ok) + int(skipped) == 12 and errors == "0"  # 3 samples, 4 prompts
+
+
+def test_a_card_that_cannot_be_written_leaves_the_run_and_its_shards_alone(tmp_path, loaded_fp32, caplog):
+    data = tmp_path / "data"
+    write_image_shards(data, [2])
+    cfg = job(tmp_path, loaded_fp32.path, data)
+    (Path(cfg.output.dir) / "README.md").mkdir(parents=True)  # a folder where the card would go
+    summary = run_job(cfg, loaded=loaded_fp32, show_progress=False)
+    assert summary.stats["shards_committed"] == 1 and "dataset card" in caplog.text
