@@ -50,8 +50,9 @@ def _kernels():
         q = tl.load(query + head * stride_qh + row * stride_qt + dims, mask=in_dims, other=0.0).to(tl.float32)
         keys = kv + kv_head * stride_kh
         values = keys + stride_kv
-        best = -float("inf")
-        total = 0.0
+        # one-element vectors, not Python floats: a loop-carried value keeps one type in compiled Triton
+        best = tl.full((1,), float("-inf"), tl.float32)
+        total = tl.zeros((1,), tl.float32)
         acc = tl.zeros((BLOCK_D,), tl.float32)
         for first in range(0, length, BLOCK_N):
             offsets = first + tl.arange(0, BLOCK_N)

@@ -39,3 +39,34 @@ def test_the_kernels_are_for_cuda_caches_or_the_interpreter(monkeypatch):
     assert not triton_attention.takes(torch.zeros(1))  # a CPU cache keeps the native kernels
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert triton_attention.takes(torch.zeros(1))
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_the_kernels_compile_for_a_hopper_gpu(dtype):
+    # The interpreter runs the kernels' Python; compiling them (here, to a Hopper's code, no GPU needed)
+    # checks what only the compiler does: loop-carried types, dot shapes, constexpr use.
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    decode, prefill = triton_attention._kernels()
+    tensors = {name: f"*{dtype}" for name in ("out", "query", "kv")}
+    strides = ("stride_ot", "stride_oh", "stride_qh", "stride_qt", "stride_kv", "stride_kh", "stride_ks")
+    common = {**tensors, "scale": "fp32", **dict.fromkeys(strides, "i32")}
+    sizes = {"GROUP": 6, "HEAD_DIM": 128, "BLOCK_D": 128}
+    decode_args = {**common, **dict.fromkeys(("rows", "slots", "starts", "lengths"), "*i64")}
+    prefill_args = {
+        **common,
+        **dict.fromkeys(("starts", "counts", "slots", "lengths"), "*i64"),
+        "stride_sb": "i32",
+    }
+    precision = "ieee" if dtype == "fp32" else "tf32"
+    builds = [
+        (decode, decode_args, {**sizes, "BLOCK_N": triton_attention.BLOCK_KEYS}),
+        (prefill, prefill_args, {**sizes, "BLOCK_M": 16, "BLOCK_N": 64, "PRECISION": precision}),
+    ]
+    for kernel, arguments, constants in builds:
+        order = list(kernel.arg_names)
+        signature = {name: arguments.get(name, "constexpr") for name in order}
+        compiled = triton.compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32))
+        assert ".entry" in compiled.asm["ptx"]
