@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # On a GPU machine, set TORCH_SPEC to the CUDA build you want (e.g. TORCH_SPEC=torch==2.13.0).
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install demo test lint format clean slurm browser vllm gpu-check gpu-wheels
+.PHONY: install demo test test-oldest lint format clean slurm browser vllm gpu-check gpu-wheels
 
 install: $(VENV)/.installed
 
@@ -61,6 +61,14 @@ lint: install
 
 test: lint
 	HF_HUB_OFFLINE=1 $(VENV)/bin/python -m pytest -q
+
+# The other end of the supported range (batchvl/versions.py): the oldest transformers, and the huggingface_hub
+# it needs, installed into OLDEST_DIR and put first on the import path beside the environment's torch; there
+# the parity tests and one `batchvl run`, whose rows must equal the newest's (scripts/test-oldest.sh).
+OLDEST_DIR ?= .oldest
+OLDEST := transformers==5.17.0 huggingface_hub==1.33.0
+test-oldest: install
+	bash scripts/test-oldest.sh $(PY) $(OLDEST_DIR) $(OLDEST)
 
 format: install
 	$(VENV)/bin/ruff format .
