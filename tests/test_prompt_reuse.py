@@ -11,12 +11,17 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchvl.commands.status import format_status, job_status, status_json
-from batchvl.config import load_job_config
+from batchvl.config import load_job_config, output_definition
 from batchvl.engine.engine import Engine
 from batchvl.errors import UserError
+from batchvl.inputs.types import ShardInfo
 from batchvl.outputs.batch_output import batch_output_path
 from batchvl.outputs.commit import marker_path, read_committed, read_marker
 from batchvl.outputs.writers import output_path
+from batchvl.pipeline import prompt_reuse as prompt_reuse_module
+from batchvl.pipeline.ledger import ShardLedger
+from batchvl.pipeline.prompt_graph import PromptGraph
+from batchvl.pipeline.prompt_reuse import RowsToRun, prompt_reuse
 from batchvl.pipeline.resume import RowCounts
 from batchvl.pipeline.runner import run_job
 from batchvl.pipeline.tasks import TaskSlice
@@ -309,3 +314,28 @@ def test_a_run_that_crashes_committing_a_shard_again_leaves_every_row_once_and_t
     assert of(after, "caption", "refine") == of(before, "caption", "refine")
     assert without_latency(after) == without_latency(fresh_rows(job_dir, loaded_fp32, name, changed))
     assert read_marker(out, shard).replaces is None
+
+
+def test_the_committed_rows_a_follow_up_uses_are_read_once_per_shard_when_its_first_sample_asks(
+    job_dir, loaded_fp32, monkeypatch
+):
+    run(config(job_dir, "lazy"), loaded_fp32)
+    out = LocalDir(str(job_dir / "lazy"))
+    cfg = config(job_dir, "lazy", prompts(CAPTION, "{name: shorter, continue: caption, text: Shorter.}"))
+    graph = PromptGraph.of(cfg.prompts)
+    marker = read_marker(out, "part-2.parquet")
+    reuse = prompt_reuse(graph, output_definition(cfg)[0], marker)
+    reads = []
+    read = prompt_reuse_module.read_committed
+    monkeypatch.setattr(prompt_reuse_module, "read_committed", lambda *a: reads.append(a) or read(*a))
+
+    selected = RowsToRun(out, "part-2.parquet", reuse, graph)
+    assert (list(selected), reads) == ([0, 1, 2, 3], [])  # planning reads no file
+    assert (
+        selected[1].prompts == {1}
+        and selected[1].used[0].text == table_rows(out, "part-2.parquet")[3]["text"]
+    )
+    assert selected[3].used[0].sample_index == 3 and len(reads) == 1
+    ledger = ShardLedger([ShardInfo("part-2.parquet", "", 4)], {"part-2.parquet": selected}, 2)
+    ledger.mark_committed("part-2.parquet")
+    assert ledger.selection == {"part-2.parquet": {}}  # its rows go with the shard

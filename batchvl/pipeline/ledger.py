@@ -6,12 +6,13 @@ skipped (another run has it); the samples still in the engine are the sample flo
 A shard is complete once every row it is to produce has its outcome: the ledger says which shards are
 (`complete_shards`), the runner commits them through its commit strategy after it has handled a step's
 results or an input item, never inside that loop, and tells the ledger (`mark_committed`), which frees
-the rows. The ledger holds only plain data.
+the rows. The ledger holds only plain data; a selection of a shard's rows to run again may read the
+committed rows they use when first asked (`prompt_reuse.RowsToRun`), and is let go at commit.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from batchvl.inputs.types import ShardInfo
@@ -28,7 +29,7 @@ class SelectedRows:
 
 
 # shard -> sample index -> its rows to produce (a shard not in it: every (sample, prompt))
-Selection = dict[str, dict[int, SelectedRows]]
+Selection = dict[str, Mapping[int, SelectedRows]]
 # Writes a complete shard's rows (a new file, or merged into the committed one); returns where.
 CommitStrategy = Callable[[ShardInfo, list[ResultRow]], str]
 
@@ -56,7 +57,7 @@ class ShardLedger:
     def position(self, shard: str) -> int:
         return self.shards[shard].position
 
-    def _selected(self, shard: str) -> dict[int, SelectedRows] | None:
+    def _selected(self, shard: str) -> Mapping[int, SelectedRows] | None:
         """The shard's selected rows per sample (None: every (sample, prompt))."""
         return None if self.selection is None else self.selection.get(shard)
 
@@ -110,6 +111,8 @@ class ShardLedger:
         state = self.shards[shard]
         state.committed = True
         state.rows = []  # written; free the memory
+        if self.selection is not None and shard in self.selection:
+            self.selection[shard] = {}  # and the committed rows its follow-ups used
 
     def open_shards(self) -> Iterator[str]:
         return (name for name, state in self.shards.items() if state.is_open)

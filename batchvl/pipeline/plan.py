@@ -40,7 +40,7 @@ from batchvl.pipeline.commit_strategies import companion_files
 from batchvl.pipeline.constraints import check_constraints
 from batchvl.pipeline.ledger import Selection
 from batchvl.pipeline.prompt_graph import PromptGraph
-from batchvl.pipeline.prompt_reuse import rows_to_run
+from batchvl.pipeline.prompt_reuse import RowsToRun
 from batchvl.pipeline.resume import ShardPlan, plan_shards
 from batchvl.pipeline.server_setup import check_server
 from batchvl.pipeline.tasks import TaskSlice, shards_of_task
@@ -130,7 +130,7 @@ def job_work(cfg: JobConfig, task: TaskSlice | None) -> Work:
         None if cfg.output.overwrite else functools.partial(is_committed_by, plan.out, plan.fingerprint)
     )
     reuse = plan.resume.reuse
-    selection = {shard: rows_to_run(plan.out, shard, reuse[shard], plan.graph) for shard in reuse}
+    selection: Selection = {shard: RowsToRun(plan.out, shard, reuse[shard], plan.graph) for shard in reuse}
     kept = {shard: frozenset(plan.graph.names[i] for i in reuse[shard].kept) for shard in reuse}
     if reuse:
         logger.info("%d shard(s) keep the committed rows of their unchanged prompts", len(reuse))

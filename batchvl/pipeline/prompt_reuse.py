@@ -9,6 +9,7 @@ changes); a prompt no longer in the job loses its rows when the shard is committ
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -56,21 +57,43 @@ def committed_samples(marker: ShardMarker) -> int:
     return marker.rows // len(committed_prompts(marker))
 
 
-def rows_to_run(
-    out: OutputDir, shard: str, reuse: PromptReuse, graph: PromptGraph
-) -> dict[int, SelectedRows]:
-    """Per committed sample of a shard to commit again: the prompts to run, and the committed rows of the
-    kept prompts they use (a follow-up of an unchanged prompt is rendered with its committed output, as
-    it would be had both run now)."""
-    marker = read_marker(out, shard)
-    assert marker is not None  # planned from it
-    table = read_committed(out, shard, marker)
-    if not reuse.run:
-        return {}  # only rows to drop or reorder: the shard is committed again without running anything
-    used = {graph.names[i]: i for i in graph.with_what_they_use(reuse.run) - reuse.run}
-    rows: dict[int, dict[int, ResultRow]] = {index: {} for index in table["sample_index"].to_pylist()}
-    inputs = table.filter(pc.is_in(table["prompt"], pa.array(list(used), pa.string())))
-    for row in inputs.select(RESULT_SCHEMA.names).to_pylist():
-        prompt = used[row["prompt"]]
-        rows[row["sample_index"]][prompt] = ResultRow(**row, prompt_index=prompt)
-    return {index: SelectedRows(reuse.run, used_rows) for index, used_rows in rows.items()}
+class RowsToRun(Mapping[int, SelectedRows]):
+    """Per committed sample of a shard to commit again: the prompts to run (the same for every sample),
+    and the committed rows of the kept prompts they use (a follow-up of an unchanged prompt is rendered
+    with its committed output, as it would be had both run now). Those rows are read from the shard's
+    file when its first sample asks for them, not for every shard at planning, and go with the shard
+    once it is committed (the ledger lets go of its selection)."""
+
+    def __init__(self, out: OutputDir, shard: str, reuse: PromptReuse, graph: PromptGraph):
+        self.out, self.shard, self.reuse = out, shard, reuse
+        self.used = {graph.names[i]: i for i in graph.with_what_they_use(reuse.run) - reuse.run}
+        # Every sample of a committed shard has its rows, so its indices are 0 .. samples - 1; with no
+        # prompt to run (rows only dropped or reordered) no sample is read, and the shard is committed again.
+        self.samples = range(reuse.samples if reuse.run else 0)
+        self._rows: dict[int, dict[int, ResultRow]] | None = None
+
+    def __getitem__(self, index: int) -> SelectedRows:
+        if index not in self.samples:
+            raise KeyError(index)
+        if self._rows is None:
+            self._rows = self._read_used_rows()
+        return SelectedRows(self.reuse.run, self._rows.get(index, {}))
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.samples)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def _read_used_rows(self) -> dict[int, dict[int, ResultRow]]:
+        rows: dict[int, dict[int, ResultRow]] = {}
+        if not self.used:
+            return rows
+        marker = read_marker(self.out, self.shard)
+        assert marker is not None  # planned from it, and claimed: nobody else commits it
+        table = read_committed(self.out, self.shard, marker)
+        inputs = table.filter(pc.is_in(table["prompt"], pa.array(list(self.used), pa.string())))
+        for row in inputs.select(RESULT_SCHEMA.names).to_pylist():
+            prompt = self.used[row["prompt"]]
+            rows.setdefault(row["sample_index"], {})[prompt] = ResultRow(**row, prompt_index=prompt)
+        return rows
