@@ -19,6 +19,8 @@ import torch
 from batchvl.engine.prefix_cache import extend_block_hashes
 from batchvl.engine.request import Request
 
+_NO_SLOTS = torch.empty(0, dtype=torch.long)
+
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
@@ -170,7 +172,8 @@ class BlockManager:
         for the request: read it, never write it)."""
         size = self.block_size
         needed = blocks_needed(end, size)
-        expanded, slots = self._slots.get(request.request_id, (0, torch.empty(0, dtype=torch.long)))
+        kept = self._slots.get(request.request_id)  # (no default tensor made on every call: most calls hit)
+        expanded, slots = kept if kept is not None else (0, _NO_SLOTS)
         if expanded < needed:
             if len(slots) < needed * size:  # room for twice the blocks: a request grows a block at a time
                 grown = torch.empty(2 * needed * size, dtype=torch.long)
