@@ -127,3 +127,9 @@ def test_two_runs_started_together_share_the_folder(tmp_path, tiny_model_dir, im
         stats = json.loads(stats_file.read_text())
         assert stats["encoder_disk_hits"] + stats["images_encoded"] == NUM_IMAGES
     assert len(entries(cache)) == NUM_IMAGES
+
+
+def test_turning_the_folder_on_over_committed_shards_is_no_change_of_config(tmp_path, loaded_fp32, images):
+    run(loaded_fp32, images, tmp_path / "out", None)
+    again = run(loaded_fp32, images, tmp_path / "out", tmp_path / "cache")  # not refused as another config
+    assert again["shards_skipped"] == len(SHARD_SIZES) and again["shards_committed"] == 0
