@@ -26,6 +26,10 @@ def relative_error(got: torch.Tensor, exact: torch.Tensor) -> float:
 
 @pytest.fixture(scope="module")
 def engine_logits(tiny_model_dir):
+    return bf16_engine_logits(tiny_model_dir)
+
+
+def bf16_engine_logits(tiny_model_dir) -> dict:
     """Per image: the prompt's inputs, the engine's generated tokens and its (tokens, vocab) logits."""
     loaded = load_model(str(tiny_model_dir), dtype="bfloat16", device="cpu")
     processor = AutoProcessor.from_pretrained(tiny_model_dir)
@@ -79,6 +83,10 @@ def model_logits(model, inputs, generated: list[int]) -> torch.Tensor:
 
 
 def test_bf16_engine_is_as_close_to_float32_as_transformers_bf16(tiny_model_dir, engine_logits):
+    assert_as_close_as_transformers_bf16(tiny_model_dir, engine_logits)
+
+
+def assert_as_close_as_transformers_bf16(tiny_model_dir, engine_logits: dict) -> None:
     exact = AutoModelForImageTextToText.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     stock_bf16 = AutoModelForImageTextToText.from_pretrained(tiny_model_dir, dtype=torch.bfloat16).eval()
     for tag, (inputs, generated, logits) in engine_logits.items():
