@@ -1,6 +1,10 @@
-"""Outputs of transformers that differ between the supported releases, met by their shape: each family's
-adapter gives the same per-image rows from either form (the parity tests run both ends in CI)."""
+"""What differs between the supported transformers releases, met by behaviour: each family's adapter gives
+the same per-image rows from either form of the vision outputs, and the image-only processors are found by
+name however registrations are kept (the parity tests run both ends in CI: make test-oldest)."""
 
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -9,6 +13,7 @@ from batchvl.models.idefics3 import Idefics3Adapter
 from batchvl.models.qwen_vl import Qwen3VLAdapter
 
 HIDDEN = 4
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_qwen3_vl_deepstack_features_as_one_tensor_per_layer_are_split_per_image():
@@ -51,3 +56,22 @@ def test_idefics3_features_as_one_tensor_of_frames_give_each_image_its_frames_ro
     assert [rows.shape for rows in as_list] == [(2 * seq_len, HIDDEN), (3 * seq_len, HIDDEN)]
     for ours, theirs in zip(as_list, as_tensor, strict=True):
         assert torch.equal(ours, theirs)
+
+
+def test_image_only_processors_are_found_by_name_where_registrations_under_transformers_configs_fail():
+    """As transformers 5.17 does: its mapping's `register` silently skips a key defined by transformers."""
+    code = """
+from transformers.models.auto import auto_factory
+register = auto_factory._LazyAutoMapping.register
+def register_as_5_17(self, key, value, exist_ok=False):
+    if getattr(key, "__module__", "").startswith("transformers."):
+        return
+    register(self, key, value, exist_ok)
+auto_factory._LazyAutoMapping.register = register_as_5_17
+from transformers.models.auto.processing_auto import processor_class_from_name
+from batchvl.models.processor import IMAGE_ONLY_PROCESSORS
+for processor in IMAGE_ONLY_PROCESSORS.values():
+    assert processor_class_from_name(processor.__name__) is processor, processor
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
