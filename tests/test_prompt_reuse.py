@@ -14,6 +14,7 @@ from batchvl.commands.status import format_status, job_status, status_json
 from batchvl.config import load_job_config, output_definition
 from batchvl.engine.engine import Engine
 from batchvl.errors import UserError
+from batchvl.inputs.parquet import ParquetSource
 from batchvl.inputs.types import ShardInfo
 from batchvl.outputs.batch_output import batch_output_path
 from batchvl.outputs.commit import marker_path, read_committed, read_marker
@@ -159,18 +160,27 @@ def test_an_added_follow_up_of_an_unchanged_prompt_runs_alone_on_its_committed_o
     assert without_latency(after) == without_latency(fresh_rows(job_dir, loaded_fp32, "added", added))
 
 
-def test_a_removed_prompts_rows_are_dropped_without_running_anything(job_dir, loaded_fp32, engine_requests):
+def test_a_removed_prompts_rows_are_dropped_without_reading_or_running_anything(
+    job_dir, loaded_fp32, engine_requests, monkeypatch
+):
     out = LocalDir(str(job_dir / "removed"))
     run(config(job_dir, "removed"), loaded_fp32)
     before = job_rows(out)
     engine_requests.clear()
 
+    read, iter_shard = [], ParquetSource.iter_shard
+    monkeypatch.setattr(ParquetSource, "iter_shard", lambda self, *a: read.append(a) or iter_shard(self, *a))
     summary = run(config(job_dir, "removed", prompts(CAPTION, REFINE)), loaded_fp32)
     assert engine_requests == [] and summary.stats["shards_committed"] == len(SHARD_SIZES)
+    assert read == []  # no input shard is read
     assert job_rows(out) == of(before, "caption", "refine")
+    # With worker processes: one of them reports each shard's end.
+    again = run(config(job_dir, "removed", prompts(CAPTION), "preprocess.workers=2"), loaded_fp32)
+    assert engine_requests == [] and again.stats["shards_committed"] == len(SHARD_SIZES)
+    assert job_rows(out) == of(before, "caption")
     marker = read_marker(out, "part-2.parquet")
-    assert (marker.rows, marker.ok, marker.errors) == (8, 8, 0)
-    assert [p["name"] for p in marker.config["prompts"]] == ["caption", "refine"]
+    assert (marker.rows, marker.ok, marker.errors) == (4, 4, 0)
+    assert [p["name"] for p in marker.config["prompts"]] == ["caption"]
 
 
 def test_a_change_that_defines_every_row_is_still_refused_naming_it(job_dir, loaded_fp32):

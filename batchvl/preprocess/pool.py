@@ -205,6 +205,11 @@ class PreprocessDataset(torch.utils.data.IterableDataset):
                     if decision == SKIP:
                         continue
 
+                if self.wanted is not None and name in self.wanted and not self.wanted[name]:
+                    if worker == 0:  # no sample of it is wanted (a committed shard that only drops rows)
+                        yield ShardEnd(name, 0)
+                    continue
+
                 def keep(index: int, name: str = name) -> bool:
                     return (
                         index % num_workers == worker
@@ -357,10 +362,10 @@ class PreprocessPool:
     """Iterate prepared samples (and shard ends) over `shards`; every sample comes out exactly once.
 
     With `wanted`, only those samples of the shards it names are read and prepared (a retry of failed
-    rows, the changed prompts of a committed shard);
-    shard ends still report the shard's full sample count. With `claims`, each shard is claimed before it
-    is read; one another run has (or committed meanwhile, by `is_committed`) comes out as a
-    `ShardSkipped` instead of its samples.
+    rows, the changed prompts of a committed shard); shard ends still report the shard's full sample
+    count, but a shard of which no sample is wanted is not read at all: its end reports 0. With
+    `claims`, each shard is claimed before it is read; one another run has (or committed meanwhile, by
+    `is_committed`) comes out as a `ShardSkipped` instead of its samples.
     """
 
     def __init__(
