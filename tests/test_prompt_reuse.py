@@ -7,6 +7,7 @@ import io
 import json
 import uuid
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -28,7 +29,7 @@ from batchvl.pipeline.runner import run_job
 from batchvl.pipeline.tasks import TaskSlice
 from batchvl.storage.output_dir import LocalDir, open_output_dir
 from tests import server_jobs
-from tests.conftest import write_image_shards
+from tests.conftest import png_bytes, random_image, write_image_shards
 from tests.fake_openai_server import FakeOpenAIServer
 from tests.test_cli import batchvl
 from tests.test_commit_crash_windows import Crash
@@ -161,7 +162,7 @@ def test_an_added_follow_up_of_an_unchanged_prompt_runs_alone_on_its_committed_o
 
 
 def test_a_removed_prompts_rows_are_dropped_without_reading_or_running_anything(
-    job_dir, loaded_fp32, engine_requests, monkeypatch
+    job_dir, loaded_fp32, engine_requests, monkeypatch, caplog
 ):
     out = LocalDir(str(job_dir / "removed"))
     run(config(job_dir, "removed"), loaded_fp32)
@@ -173,6 +174,7 @@ def test_a_removed_prompts_rows_are_dropped_without_reading_or_running_anything(
     summary = run(config(job_dir, "removed", prompts(CAPTION, REFINE)), loaded_fp32)
     assert engine_requests == [] and summary.stats["shards_committed"] == len(SHARD_SIZES)
     assert read == []  # no input shard is read
+    assert "the rows of prompts no longer in the job are dropped: short" in caplog.text
     assert job_rows(out) == of(before, "caption", "refine")
     # With worker processes: one of them reports each shard's end.
     again = run(config(job_dir, "removed", prompts(CAPTION), "preprocess.workers=2"), loaded_fp32)
@@ -367,3 +369,34 @@ def test_shards_committed_before_rows_were_reused_are_reused_the_same_way(
     run(config(job_dir, "older", prompts(CAPTION, "{name: short, text: Two words.}", REFINE)), loaded_fp32)
     assert engine_requests == [1] * (SAMPLES - 1)
     assert of(job_rows(out), "caption", "refine") == of(before, "caption", "refine")
+
+
+def test_a_prompt_that_inserted_a_removed_prompts_output_runs_again_on_the_field_of_that_name(
+    tmp_path, tiny_model_dir, loaded_fp32, engine_requests
+):
+    """`{caption}` inserted prompt caption's output; without that prompt it inserts the sample's caption
+    column, so refine's text is unchanged but its rows are not."""
+    images = [png_bytes(random_image(40 + 8 * i, 50, seed=i)) for i in range(3)]
+    table = pa.table({"key": ["a", "b", "c"], "image": images, "caption": ["a cat", "a dog", "a bird"]})
+    (tmp_path / "data").mkdir()
+    pq.write_table(table, tmp_path / "data" / "part-0.parquet")
+    job_yaml = f"""
+model: {{path: {tiny_model_dir}, dtype: float32, device: cpu}}
+input: {{paths: ["data/*.parquet"], key_column: key}}
+prompts: [{CAPTION}, {REFINE}]
+sampling: {{max_new_tokens: 5}}
+preprocess: {{workers: 0}}
+output: {{dir: out}}
+"""
+    (tmp_path / "job.yaml").write_text(job_yaml)
+    run(load_job_config(tmp_path / "job.yaml"), loaded_fp32)
+    engine_requests.clear()
+    (tmp_path / "job.yaml").write_text(job_yaml.replace(f"[{CAPTION}, {REFINE}]", f"[{REFINE}]"))
+    run(load_job_config(tmp_path / "job.yaml"), loaded_fp32)
+    assert engine_requests == [0, 0, 0]  # refine, now on the caption column
+    rows = table_rows(LocalDir(str(tmp_path / "out")), "part-0.parquet")
+    fresh = load_job_config(tmp_path / "job.yaml", ["output.dir=fresh"])
+    run(fresh, loaded_fp32)
+    assert without_latency(rows) == without_latency(
+        table_rows(LocalDir(str(tmp_path / "fresh")), "part-0.parquet")
+    )

@@ -134,6 +134,9 @@ def job_work(cfg: JobConfig, task: TaskSlice | None) -> Work:
     kept = {shard: frozenset(plan.graph.names[i] for i in reuse[shard].kept) for shard in reuse}
     if reuse:
         logger.info("%d shard(s) keep the committed rows of their unchanged prompts", len(reuse))
+    dropped = sorted({name for shard in reuse.values() for name in shard.dropped})
+    if dropped:
+        logger.warning("the rows of prompts no longer in the job are dropped: %s", ", ".join(dropped))
     return Work(plan, plan.resume.pending, selection or None, committed, kept=kept)
 
 

@@ -20,6 +20,7 @@ from batchvl.outputs.commit import ShardMarker, read_committed, read_marker
 from batchvl.outputs.writers import RESULT_SCHEMA, ResultRow
 from batchvl.pipeline.ledger import SelectedRows
 from batchvl.pipeline.prompt_graph import PromptGraph
+from batchvl.preprocess.prompts import template_fields
 from batchvl.storage.output_dir import OutputDir
 
 
@@ -40,11 +41,21 @@ def prompt_reuse(graph: PromptGraph, defining: dict, marker: ShardMarker) -> Pro
     old = committed_prompts(marker)
     run: set[int] = set()
     for index, name in enumerate(graph.names):  # in order: a prompt uses earlier prompts only
-        if new[name] != old.get(name) or graph.uses[index] & run:
+        if (
+            new[name] != old.get(name)
+            or graph.uses[index] & run
+            or _used_a_removed_prompt(new[name], new, old)
+        ):
             run.add(index)
     kept = frozenset(range(len(graph.names))) - run
     dropped = tuple(name for name in old if name not in new)
     return PromptReuse(kept, frozenset(run), dropped, committed_samples(marker))
+
+
+def _used_a_removed_prompt(prompt: dict, new: dict[str, dict], old: dict[str, dict]) -> bool:
+    """Whether the prompt's text inserted the output of a prompt the job no longer has: the same `{name}`
+    now inserts the sample's field of that name, so its rows change though its own definition did not."""
+    return any(name in old and name not in new for name in template_fields(prompt["text"]))
 
 
 def committed_prompts(marker: ShardMarker) -> dict[str, dict]:
