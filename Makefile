@@ -64,7 +64,8 @@ test: lint
 
 # The other end of the supported range (batchvl/versions.py): the oldest transformers, and the huggingface_hub
 # it needs, installed into OLDEST_DIR and put first on the import path beside the environment's torch; there
-# the parity tests and one `batchvl run`, whose rows must equal the newest's (scripts/test-oldest.sh).
+# the parity tests (engine, families, video) and one `batchvl run`, whose rows must equal the newest's
+# (scripts/test-oldest.sh).
 OLDEST_DIR ?= .oldest
 OLDEST := transformers==5.17.0 huggingface_hub==1.33.0
 test-oldest: install

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The oldest supported transformers (batchvl/versions.py) without a second environment: it, and what it needs
 # that differs from the newest (huggingface_hub < 2), go with --no-deps into a folder put first on PYTHONPATH.
-# There: the engine and family parity tests, then one `batchvl run` whose rows must equal the newest's.
+# There: the engine, family and video parity tests, then one `batchvl run` whose rows must equal the newest's.
 # Usage: scripts/test-oldest.sh PYTHON FOLDER PACKAGE==VERSION...
 set -euo pipefail
 py=$1 site=$(realpath -m "$2")
@@ -21,7 +21,8 @@ import torch
 print("oldest end:", ", ".join(f"{name} {pinned}" for name, pinned in pins.items()), f"(torch {torch.__version__})")
 PY
 
-oldest "$py" -m pytest -q -p no:cacheprovider tests/engine/test_parity.py tests/engine/test_family_parity.py
+oldest "$py" -m pytest -q -p no:cacheprovider tests/engine/test_parity.py tests/engine/test_family_parity.py \
+    tests/engine/test_video_parity.py
 
 # One job end to end, run by the newest and the oldest: the same rows, the greedy texts included.
 work=$(mktemp -d)
