@@ -178,4 +178,7 @@ def finish_commit(
 
 
 def _write_marker(out: OutputDir, marker: ShardMarker) -> None:
-    out.write_text(marker_path(out, marker.shard), json.dumps(asdict(marker), indent=2, sort_keys=True))
+    fields = asdict(marker)
+    if fields["replaces"] is None:  # a settled marker is the one earlier versions wrote, and read
+        del fields["replaces"]
+    out.write_text(marker_path(out, marker.shard), json.dumps(fields, indent=2, sort_keys=True))
