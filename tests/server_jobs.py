@@ -72,7 +72,10 @@ def cli(monkeypatch, capsys, *args) -> tuple[int, str, str]:
 
 
 def files_under(folder: Path) -> set[str]:
-    return {str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()}
+    """The files a run left under an output folder, but the dataset card (README.md and its per-shard
+    summaries), which is rewritten after every commit and is not part of what a commit writes."""
+    files = {str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()}
+    return {name for name in files if name != "README.md" and not name.startswith("_batchvl/card/")}
 
 
 def closed_port_url() -> str:

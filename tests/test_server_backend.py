@@ -595,7 +595,7 @@ def test_the_api_key_is_sent_from_its_variable_and_written_nowhere(
     assert {r.path for r in fake.requests} == {"/v1/models", "/v1/chat/completions"}
     assert all(r.headers["Authorization"] == f"Bearer {KEY}" for r in fake.requests)
     files = [p for p in (tmp_path / "out").rglob("*") if p.is_file()]
-    assert {p.suffix for p in files} == {".parquet", ".json"}
+    assert {p.suffix for p in files} == {".parquet", ".json", ".md"}  # .md: the dataset card
     for path in files:
         assert KEY.encode() not in path.read_bytes(), path
     assert KEY not in out + err + caplog.text
