@@ -69,7 +69,8 @@ class VLMAdapter:
         out = self.language_model(
             inputs_embeds=self.embed(token_ids, media_mask, media_rows)[None],
             position_ids=self.position_ids(positions.to(self.device)),
-            past_key_values=None,
+            # no cache argument at all: its name differs between releases (transformers 5.24 deprecates
+            # past_key_values for cache) and its default, none, is what the engine's own KV cache needs
             use_cache=False,
             **self.media_kwargs(media_mask, media_rows),
             **attn_kwargs,
