@@ -37,11 +37,12 @@ browser:
 
 # The GPU check (scripts/gpu_check.py): the engine on a GPU in at most 8 minutes, one JSON. On a machine
 # without network whose image has torch but not all of batchvl's requirements, `make gpu-wheels` (here,
-# with network) saves the missing ones to .whl for Python 3.12; gpu-check installs them from there.
+# with network) saves the missing ones to .whl for Python 3.12; gpu-check installs them from there. The
+# GPU images lent so far have torch 2.11 and transformers 5.17, both in batchvl's ranges: they are used.
 # DEVICE=cpu runs the same stages on a CPU.
 DEVICE ?= cuda
 GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
-GPU_WHEELS := transformers==5.23.0 regex==2026.11.19 xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2 \
+GPU_WHEELS := xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2 \
 	pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 \
 	jsonschema==4.26.0 referencing==0.37.0 rpds-py==2026.9.1 jsonschema-specifications==2025.9.1 \
 	google-re2==1.1.20251105
@@ -62,7 +63,7 @@ lint: install
 test: lint
 	HF_HUB_OFFLINE=1 $(VENV)/bin/python -m pytest -q
 
-# The other end of the supported range (batchvl/versions.py): the oldest transformers, and the huggingface_hub
+# The other end of the supported range (batchvl/utils/versions.py): the oldest transformers, and the huggingface_hub
 # it needs, installed into OLDEST_DIR and put first on the import path beside the environment's torch; there
 # the parity tests (engine, families, video) and one `batchvl run`, whose rows must equal the newest's
 # (scripts/test-oldest.sh).

@@ -34,7 +34,7 @@ LogLevel = Annotated[str, typer.Option("--log-level", help="Logging level: debug
 
 
 def _setup_logging(level: str) -> None:
-    from batchvl.versions import check_library_versions
+    from batchvl.utils.versions import check_library_versions
 
     check_library_versions()  # every command passes here before any work
     logging.basicConfig(

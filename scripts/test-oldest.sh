@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The oldest supported transformers (batchvl/versions.py) without a second environment: it, and what it needs
+# The oldest supported transformers (batchvl/utils/versions.py) without a second environment: it, and what it needs
 # that differs from the newest (huggingface_hub < 2), go with --no-deps into a folder put first on PYTHONPATH.
 # There: the engine, family and video parity tests, then one `batchvl run` whose rows must equal the newest's.
 # Usage: scripts/test-oldest.sh PYTHON FOLDER PACKAGE==VERSION...

@@ -9,7 +9,7 @@ import pytest
 import tomllib
 from packaging.requirements import Requirement
 
-import batchvl.versions as versions
+import batchvl.utils.versions as versions
 from batchvl.errors import UserError
 from batchvl.models.loader import load_model
 

@@ -17,7 +17,7 @@ from batchvl.engine.devices import resolve_device
 from batchvl.errors import UserError
 from batchvl.models.adapter import VLMAdapter
 from batchvl.models.registry import ModelFamily, model_family
-from batchvl.versions import check_library_versions
+from batchvl.utils.versions import check_library_versions
 
 logger = logging.getLogger(__name__)
 
