@@ -173,15 +173,24 @@ class FakeOpenAIServer:
     def most_in_flight(self) -> int:
         return self._in_flight.most
 
-    def _answered(self) -> None:
-        """Count an answered completion; the K-th of `gone_after` takes the server down behind it."""
+    def _claim_answer(self, counts: bool) -> bool | None:
+        """Whether a completion may be answered, counted if it `counts`: False once the server is gone;
+        None for the K-th of `gone_after`, which is answered and takes the server down behind it. Decided
+        before the answer is sent, so that of two completions in flight at the K-th only one is answered."""
         with self._lock:
+            if self.gone:
+                return False
+            if not counts:
+                return True
             self.completed += 1
-            going = self.gone_after is not None and self.completed >= self.gone_after and not self.gone
-            if going:
-                self.gone = True
-        if going:  # shutdown waits for serve_forever's loop, which runs in another thread
-            threading.Thread(target=self.stop_listening, daemon=True).start()
+            if self.gone_after is None or self.completed < self.gone_after:
+                return True
+            self.gone = True
+            return None
+
+    def _go(self) -> None:
+        # shutdown waits for serve_forever's loop, which runs in another thread
+        threading.Thread(target=self.stop_listening, daemon=True).start()
 
     @property
     def down(self) -> bool:
@@ -278,11 +287,15 @@ def _handler(server: FakeOpenAIServer):
                 status, headers, answer = server.completion(body)
             if server.down:  # went down while this one waited
                 return self._drop()
+            # planning's probes do not count towards gone_after
+            claim = server._claim_answer(status == 200 and PROBE_TEXT not in json.dumps(body))
+            if claim is False:
+                return self._drop()
             trickle = next((s for m, s in server.trickle.items() if m in request_text(body)), None)
             with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # the client gave up
                 self._send(status, answer, headers, trickle)
-            if status == 200 and PROBE_TEXT not in json.dumps(body):  # planning's probes do not count
-                server._answered()
+            if claim is None:
+                server._go()
 
         def _drop(self) -> None:
             """No answer: the connection closes, as a killed server's does."""
