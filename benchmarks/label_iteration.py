@@ -5,7 +5,8 @@ On the `small` model (bf16 where the CPU has native bf16, else fp32) over the th
 images (64 to 800 px, a long tail), three prompts of 16 new tokens each (EOS ignored):
 (a) a job, then the same job with one prompt's text changed: the second run computes that prompt alone
     and keeps the other two prompts' rows; its wall time against the first's (the goal: at most the
-    changed prompt's share of the work plus 10%);
+    changed prompt's share of the work plus 10%), without and with the encoder disk cache (without it,
+    the changed prompt encodes every image again);
 (b) a second job with two new prompts over the same images, without and with `engine.encoder_cache_dir`
     filled by the first job: wall and vision-tower time of each.
 Each run is `run_job` in this process with the model loaded once; times are the runs' own `wall_s` and
@@ -79,18 +80,25 @@ def main() -> None:
     first = run(PROMPTS, "labels")
     second = run({**PROMPTS, **CHANGED}, "labels")
     without = run(NEW_PROMPTS, "new-without-cache")
-    run(PROMPTS, "fill-cache", cache=True)
+    first_cached = run(PROMPTS, "labels-cached", cache=True)  # fills the disk cache
+    second_cached = run({**PROMPTS, **CHANGED}, "labels-cached", cache=True)
     with_cache = run(NEW_PROMPTS, "new-with-cache", cache=True)
     runs = {
         "(a) three prompts": first,
         "(a) one prompt changed": second,
+        "(a) three prompts, filling the disk cache": first_cached,
+        "(a) one prompt changed, disk cache": second_cached,
         "(b) two new prompts": without,
         "(b) the same, disk cache": with_cache,
     }
     rows = [{"run": name, "wall s": r["wall_s"], "vision s": r["encode_s"]} for name, r in runs.items()]
     print(markdown_table(rows))
     ratio = second["wall_s"] / first["wall_s"]
-    print(f"(a) the changed run took {ratio:.2f} of the first (goal: at most 1/3 + 0.10 = 0.43)")
+    cached_ratio = second_cached["wall_s"] / first["wall_s"]
+    print(
+        f"(a) the changed run took {ratio:.2f} of the first, {cached_ratio:.2f} with the disk cache "
+        "(goal: at most 1/3 + 0.10 = 0.43)"
+    )
     print(f"(b) the disk cache served {with_cache.get('encoder_disk_hits', 0)} of {args.images} images")
     if args.json:
         report = {
@@ -100,6 +108,7 @@ def main() -> None:
             "torch_threads": torch.get_num_threads(),
             "runs": rows,
             "changed_over_first": round(ratio, 3),
+            "changed_with_disk_cache_over_first": round(cached_ratio, 3),
             "encoder_disk_hits": with_cache.get("encoder_disk_hits", 0),
         }
         args.json.parent.mkdir(parents=True, exist_ok=True)
