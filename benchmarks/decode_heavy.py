@@ -10,14 +10,15 @@ per step.
 from __future__ import annotations
 
 import argparse
+import io
 import json
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 from PIL import Image
+from workloads import tiny_model
 
 
 def main() -> None:
@@ -29,28 +30,22 @@ def main() -> None:
     args = parser.parse_args()
 
     from batchvl.config import EngineConfig, PreprocessConfig
-    from batchvl.demo.tiny_model import build_tiny_model
     from batchvl.engine.engine import Engine
     from batchvl.engine.request import EngineRequest, SamplingParams
     from batchvl.inputs.types import MediaRef
-    from batchvl.models.loader import load_model
     from batchvl.preprocess.prompts import PromptRenderer
 
-    with tempfile.TemporaryDirectory() as tmp:
-        loaded = load_model(
-            str(build_tiny_model(Path(tmp) / "tiny", size="tiny")), dtype="float32", device=args.device
-        )
+    loaded = tiny_model(args.device)
     prepare = loaded.family.media_preparer(loaded.processor, loaded.adapter.model.config, PreprocessConfig())
     renderer = PromptRenderer(loaded.processor)
     rng = np.random.default_rng(0)
     requests = []
-    for i in range(args.requests):
+    for _ in range(args.requests):
         side = int(rng.integers(64, 161))
         pixels = rng.integers(0, 256, size=(side, side, 3), dtype=np.uint8)
-        path = Path(tempfile.gettempdir()) / f"decode-heavy-{i}.png"
-        Image.fromarray(pixels).save(path)
-        media = [prepare(MediaRef(path.read_bytes(), None))]
-        path.unlink()
+        png = io.BytesIO()
+        Image.fromarray(pixels).save(png, format="PNG")
+        media = [prepare(MediaRef(png.getvalue(), None))]
         rendered = renderer.render("Describe this image.", 1)
         requests.append((renderer.token_ids(rendered, media), media))
     engine = Engine(loaded.adapter, loaded.processor.tokenizer, EngineConfig(), loaded.eos_token_ids())
@@ -58,12 +53,11 @@ def main() -> None:
     started = time.perf_counter()
     for i, (ids, media) in enumerate(requests):
         engine.add_request(EngineRequest(ids, media, sampling, tag=i))
-    steps = 0
     while engine.num_unfinished:
         engine.step()
-        steps += 1
     wall = time.perf_counter() - started
     stats = engine.stats
+    steps = stats.steps
     host = wall - stats.forward_s - stats.encode_s
     result = {
         "requests": args.requests,

@@ -18,11 +18,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
 import torch
+from workloads import tiny_model
 
 
 def main() -> None:
@@ -36,16 +36,11 @@ def main() -> None:
     args = parser.parse_args()
 
     from batchvl.config import EngineConfig
-    from batchvl.demo.tiny_model import build_tiny_model
     from batchvl.engine.engine import Engine
     from batchvl.engine.model_runner import kv_bytes_per_block
     from batchvl.engine.request import EngineRequest, SamplingParams
-    from batchvl.models.loader import load_model
 
-    with tempfile.TemporaryDirectory() as tmp:
-        loaded = load_model(
-            str(build_tiny_model(Path(tmp) / "tiny", size="tiny")), dtype="float32", device=args.device
-        )
+    loaded = tiny_model(args.device)
     # Enough new tokens that no request finishes before the timed steps end (the first prefilled decode
     # while the others prefill, about one step per 4,096 prompt tokens).
     max_new_tokens = args.requests * args.prompt // 4096 + args.steps + 16 + 10 * args.profile

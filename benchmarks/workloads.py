@@ -18,6 +18,20 @@ def mixed_size_images(count: int, seed: int = 0) -> list[Image.Image]:
     return images
 
 
+def tiny_model(device: str):
+    """The `tiny` random-weight model, built in a temporary folder and loaded in fp32 on `device`: the
+    engine benchmarks that measure its host work rather than its matmuls."""
+    import tempfile
+    from pathlib import Path
+
+    from batchvl.demo.tiny_model import build_tiny_model
+    from batchvl.models.loader import load_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = build_tiny_model(Path(tmp) / "tiny", size="tiny")
+        return load_model(str(folder), dtype="float32", device=device)
+
+
 def markdown_table(rows: list[dict]) -> str:
     """Rows of equal keys as a Markdown table, the keys as its header."""
     columns = list(rows[0])
