@@ -14,6 +14,7 @@ from batchvl.commands.status import format_status, job_status
 from batchvl.config import job_config_from_dict
 from batchvl.errors import UserError
 from batchvl.inputs.folder import missing_members
+from batchvl.pipeline import runner
 from batchvl.pipeline.plan import plan_job
 from batchvl.pipeline.runner import run_job
 from batchvl.pipeline.tasks import TaskSlice
@@ -184,6 +185,8 @@ def test_validate_and_run_refuse_the_same_mistakes_before_any_work(tmp_path, tin
         (["--set", "output.dir=a-file/out"], "a-file is not a folder"),
         (["--set", "output.dir=/proc/batchvl-out"], "cannot be written"),
         (["--set", "output.dir=data"], "overlaps the input"),
+        (["--set", "engine.encoder_cache_dir=a-file/cache"], "engine.encoder_cache_dir: "),
+        (["--set", "engine.encoder_cache_dir=/proc/batchvl-cache"], "/proc cannot be written"),
     ]
     for args, fragment in mistakes:
         for command in ("validate", "run"):
@@ -217,6 +220,30 @@ def test_a_download_cache_that_is_a_file_is_refused(tmp_path, tiny_model_dir):
         )
     cfg = config(tmp_path, tiny_model_dir, ["data/*.parquet"], input={"download": {"cache_dir": "new/cache"}})
     plan_job(cfg)  # made on first use
+
+
+def test_an_encoder_cache_dir_that_cannot_be_made_is_refused_before_the_model_loads(
+    tmp_path, tiny_model_dir, loaded_fp32, monkeypatch
+):
+    """A path under a file, and a folder nothing can be made in (/proc: root too is refused there, where
+    permission bits would let it write), are found by the plan; the model is never loaded."""
+    table(tmp_path / "data" / "a.parquet")
+    (tmp_path / "a-file").write_text("")
+    loads = []
+    monkeypatch.setattr(runner, "load_job_model", lambda cfg: (loads.append(cfg), (loaded_fp32, 0.0))[1])
+    refused = {
+        "a-file/cache": f"{tmp_path / 'a-file'} is a file, not a folder; point it at a folder",
+        "/proc/batchvl-cache": "/proc cannot be written; point it at a folder you own",
+    }
+    for folder, message in refused.items():
+        cfg = config(tmp_path, tiny_model_dir, ["data/*.parquet"], engine={"encoder_cache_dir": folder})
+        with pytest.raises(UserError) as info:
+            run_job(cfg, show_progress=False)
+        assert str(info.value) == f"engine.encoder_cache_dir: {message}"
+    assert loads == [] and not (tmp_path / "out").exists()
+    cfg = config(tmp_path, tiny_model_dir, ["data/*.parquet"], engine={"encoder_cache_dir": "new/cache"})
+    plan_job(cfg)  # made on first use; the plan's check leaves nothing behind
+    assert sorted(os.listdir(tmp_path)) == ["a-file", "data"]
 
 
 def test_a_gpu_the_machine_does_not_have_is_refused_before_the_model_loads(

@@ -7,7 +7,7 @@ cannot drift apart. A plan checks that:
 - `output.dir` is a folder that can be written, holds no input and sits in no input folder or
   `input.root`, and no input pattern would read its results back as input;
 - the storage options suit the protocols of the input paths and `output.dir`, and
-  `input.download.cache_dir` is a folder that can be written;
+  `input.download.cache_dir` and `engine.encoder_cache_dir` are folders that can be made and written;
 - every input shard has an output name of its own;
 - every prompt's `json_schema` or `regex` can be compiled to a grammar;
 - every table shard has the columns the job reads (image, key, per-sample token limit) and every
@@ -36,6 +36,7 @@ from batchvl.models.loader import read_model_type
 from batchvl.models.registry import model_family
 from batchvl.outputs.commit import finish_commit, is_committed_by, read_committed
 from batchvl.outputs.writers import output_name, output_path
+from batchvl.pipeline.cache_folders import check_cache_folder
 from batchvl.pipeline.commit_strategies import companion_files
 from batchvl.pipeline.constraints import check_constraints
 from batchvl.pipeline.ledger import Selection
@@ -79,7 +80,8 @@ def plan_job(cfg: JobConfig, task: TaskSlice | None = None, record: bool = False
     graph = PromptGraph.of(cfg.prompts)  # refuses a follow-up that uses itself, a later or an unknown prompt
     check_storage_options("input.storage_options", cfg.input.storage_options, cfg.input.paths)
     check_storage_options("output.storage_options", cfg.output.storage_options, [cfg.output.dir])
-    check_download_cache(cfg.input.download.cache_dir)
+    check_cache_folder("input.download.cache_dir", cfg.input.download.cache_dir)
+    check_cache_folder("engine.encoder_cache_dir", cfg.engine.encoder_cache_dir)
     out = OutputDir.of(cfg.output)
     out.check_writable(create=False)
     pass_urls = cfg.engine.server.pass_urls  # the server fetches them (set with the openai backend only)
@@ -147,21 +149,6 @@ def finish_rewrites(cfg: JobConfig, out: OutputDir, resume: ShardPlan) -> None:
         if marker.replaces is not None:
             finish_commit(out, marker, read_committed(out, name, marker), companion_files(cfg, out))
             logger.info("finished the commit of %s, stopped after its file was written", name)
-
-
-def check_download_cache(cache_dir: str | None) -> None:
-    """`input.download.cache_dir` is a folder, or can be made one, that the workers can write."""
-    if cache_dir is None:
-        return
-    existing = os.path.abspath(cache_dir)
-    while not os.path.exists(existing):  # the folder is made on first use: its nearest existing parent
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        raise UserError(f"input.download.cache_dir: {existing} is a file, not a folder; point it at a folder")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise UserError(
-            f"input.download.cache_dir: {existing} cannot be written; point it at a folder you own"
-        )
 
 
 def _inside(path: str, folder: str) -> bool:

@@ -1,0 +1,34 @@
+"""The local folders that caches make on first use (`input.download.cache_dir`, `engine.encoder_cache_dir`),
+checked when the job is planned: a cache that could never be written is a one-line mistake before the model
+loads or a sample is read, not a failure after minutes of loading (or a cache silently left unused)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+from batchvl.errors import UserError
+
+
+def check_cache_folder(setting: str, folder: str | None) -> None:
+    """`folder` is a folder, or can be made one, that this process can write."""
+    if folder is None:
+        return
+    existing = os.path.abspath(folder)
+    while not os.path.exists(existing):  # the folder is made on first use: its nearest existing parent
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise UserError(f"{setting}: {existing} is a file, not a folder; point it at a folder")
+    if not _can_make_folder_in(existing):
+        raise UserError(f"{setting}: {existing} cannot be written; point it at a folder you own")
+
+
+def _can_make_folder_in(folder: str) -> bool:
+    """Whether a folder can be made in `folder`, by making one and removing it: permission bits do not tell
+    for root (`os.access` says yes on /proc, or a read-only bind mount of some kinds, where nothing can be
+    made), and the caches make folders there."""
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".batchvl-write-check-", dir=folder))
+    except OSError:
+        return False
+    return True
