@@ -331,10 +331,10 @@ def test_export_report_and_reads_refuse_rows_of_another_config_as_run_does(tmp_p
     job = tmp_path / "job.yaml"
     job.write_text(job.read_text().replace("type: string", "type: integer"))  # the schema changed since
     status = batchvl_cli("status", "job.yaml", cwd=tmp_path)
-    assert "1 shard(s) were written with other prompts; a run keeps" in status.stdout
+    assert "1 shard(s) were written with other prompts or sampling; a run keeps" in status.stdout
     refusal = (
-        f"error: {tmp_path / 'out'} holds 1 shard(s) written with other prompts; run the job to update "
-        "them (the rows of unchanged prompts are kept), or set output.dir to a new folder"
+        f"error: {tmp_path / 'out'} holds 1 shard(s) written with other prompts or sampling; run the job to "
+        "update them (the rows of unchanged prompts are kept), or set output.dir to a new folder"
     )
     for command in (["export", "--wide", "labels.parquet", "--rows", "rows.parquet"], ["report"]):
         result = batchvl_cli(*command[:1], "job.yaml", *command[1:], cwd=tmp_path)
@@ -342,7 +342,9 @@ def test_export_report_and_reads_refuse_rows_of_another_config_as_run_does(tmp_p
     assert sorted(path.name for path in tmp_path.iterdir()) == ["data", "job.yaml", "out"]  # nothing written
     assert not (tmp_path / "out" / "report.html").exists()
     for read in (batchvl.read_labels, batchvl.read_results):
-        with pytest.raises(UserError, match=r"written with other prompts; run the job to update them"):
+        with pytest.raises(
+            UserError, match=r"written with other prompts or sampling; run the job to update them"
+        ):
             read(job)
 
 

@@ -201,10 +201,10 @@ def test_validate_and_run_refuse_the_same_mistakes_before_any_work(tmp_path, tin
     assert cli("run", "job.yaml", "--no-progress", cwd=tmp_path).returncode == 0
     done = cli("validate", "job.yaml", cwd=tmp_path)
     assert done.returncode == 0 and "1 shard(s) committed, 0 to run" in done.stdout
-    done = cli("validate", "job.yaml", "--set", "sampling.max_new_tokens=5", cwd=tmp_path)
+    done = cli("validate", "job.yaml", "--set", "preprocess.max_pixels=40000", cwd=tmp_path)
     assert (
         done.returncode == 2
-        and "written with a different config (changed: sampling.max_new_tokens)" in done.stderr
+        and "written with a different config (changed: preprocess.max_pixels)" in done.stderr
     )
 
 

@@ -187,9 +187,62 @@ def test_a_removed_prompts_rows_are_dropped_without_reading_or_running_anything(
 
 def test_a_change_that_defines_every_row_is_still_refused_naming_it(job_dir, loaded_fp32):
     run(config(job_dir, "refused"), loaded_fp32)
-    changed = config(job_dir, "refused", "sampling.max_new_tokens=3", prompts(CAPTION))
-    with pytest.raises(UserError, match=r"\(changed: sampling.max_new_tokens\); rerun with --overwrite"):
+    changed = config(job_dir, "refused", "preprocess.max_pixels=40000", prompts(CAPTION))
+    with pytest.raises(UserError, match=r"\(changed: preprocess.max_pixels\); rerun with --overwrite"):
         run(changed, loaded_fp32)
+
+
+def test_a_prompts_changed_sampling_runs_that_prompt_alone(job_dir, loaded_fp32, engine_requests):
+    out = LocalDir(str(job_dir / "own-sampling"))
+    run(config(job_dir, "own-sampling"), loaded_fp32)
+    before = job_rows(out)
+    engine_requests.clear()
+
+    changed = prompts(CAPTION, "{name: short, text: One word., sampling: {max_new_tokens: 2}}", REFINE)
+    run(config(job_dir, "own-sampling", changed), loaded_fp32)
+    assert engine_requests == [1] * (SAMPLES - 1)  # short's, of each decodable image
+    after = job_rows(out)
+    assert of(after, "caption", "refine") == of(before, "caption", "refine")  # every value, latency_s too
+    assert {row["num_output_tokens"] for row in of(after, "short") if row["status"] == "ok"} <= {1, 2}
+    assert without_latency(after) == without_latency(fresh_rows(job_dir, loaded_fp32, "own", changed))
+
+
+def test_a_job_wide_sampling_change_runs_the_prompts_that_do_not_set_that_key_themselves(
+    job_dir, loaded_fp32, engine_requests
+):
+    name = "job-wide-sampling"
+    out = LocalDir(str(job_dir / name))
+    run(config(job_dir, name), loaded_fp32)
+    before = job_rows(out)
+    engine_requests.clear()
+    # The job's own value set in a prompt defines the same rows: nothing runs.
+    own = prompts(CAPTION, "{name: short, text: One word., sampling: {max_new_tokens: 5}}", REFINE)
+    run(config(job_dir, name, own), loaded_fp32)
+    assert engine_requests == [] and job_rows(out) == before
+
+    changed = [own, "sampling.max_new_tokens=3"]
+    expected = {
+        "caption": RowCounts(0, SAMPLES),
+        "short": RowCounts(SAMPLES, 0),  # keeps its own 5
+        "refine": RowCounts(0, SAMPLES),
+    }
+    assert job_status(config(job_dir, name, *changed)).rows_per_prompt == expected
+    settings = [arg for setting in [f"output.dir={name}", *changed] for arg in ("--set", setting)]
+    validated = batchvl("validate", "job.yaml", *settings, cwd=job_dir)
+    assert validated.returncode == 0, validated.stderr
+    assert validated.stdout.endswith(
+        "per prompt, what a run would do:\n"
+        f"  caption: 0 row(s) reused, {SAMPLES} to compute\n"
+        f"  short: {SAMPLES} row(s) reused, 0 to compute\n"
+        f"  refine: 0 row(s) reused, {SAMPLES} to compute\n"
+    )
+
+    run(config(job_dir, name, *changed), loaded_fp32)
+    assert sorted(engine_requests) == [0] * (SAMPLES - 1) + [2] * (SAMPLES - 1)
+    after = job_rows(out)
+    assert of(after, "short") == of(before, "short")  # every value, latency_s too
+    assert all(row["num_output_tokens"] <= 3 for row in of(after, "caption", "refine"))
+    assert without_latency(after) == without_latency(fresh_rows(job_dir, loaded_fp32, name, *changed))
 
 
 def test_split_tasks_on_s3_keep_the_unchanged_rows_of_their_own_shards(
@@ -235,7 +288,7 @@ def test_status_and_validate_say_per_prompt_how_many_rows_a_run_would_reuse_and_
     assert sum(task.other_prompts for task in status.tasks) == len(SHARD_SIZES) and status.shards_done == 0
     text = format_status(status, "job.yaml")
     assert f"  short: 0 row(s) reused, {SAMPLES} to compute" in text
-    assert "3 shard(s) were written with other prompts; a run keeps the rows of the unchanged" in text
+    assert "3 shard(s) were written with other prompts or sampling; a run keeps the rows of the" in text
     assert json.loads(status_json(status))["rows_per_prompt"]["caption"] == {"reuse": SAMPLES, "compute": 0}
 
     validated = batchvl("validate", "job.yaml", "--set", "output.dir=counted", "--set", changed, cwd=job_dir)

@@ -160,10 +160,10 @@ def test_a_changed_config_is_refused_unless_overwrite(job_dir, loaded_fp32, refe
     with pytest.raises(
         UserError,
         match=r"holds 6 shard\(s\) written with a different config \(changed: "
-        r"sampling.max_new_tokens\); rerun with --overwrite",  # not prompts: their rows are reused
+        r"preprocess.max_pixels\); rerun with --overwrite",  # not prompts: their rows are reused
     ):
         run_job(
-            config(job_dir, out, "sampling.max_new_tokens=2", "prompts=[{name: caption, text: Hi.}]"),
+            config(job_dir, out, "preprocess.max_pixels=40000", "prompts=[{name: caption, text: Hi.}]"),
             loaded=loaded_fp32,
             show_progress=False,
         )

@@ -160,8 +160,8 @@ def format_status(status: JobStatus, job_file: str) -> str:
     other_prompts = sum(t.other_prompts for t in status.tasks)
     if other_prompts:
         lines.append(
-            f"{other_prompts} shard(s) were written with other prompts; a run keeps the rows of the "
-            "unchanged ones and computes the rest"
+            f"{other_prompts} shard(s) were written with other prompts or sampling; a run keeps the rows "
+            "of the unchanged prompts and computes the rest"
         )
     lines.append("per prompt, what a run would do:")
     lines.extend(f"  {name}: {counts.describe()}" for name, counts in status.rows_per_prompt.items())

@@ -11,7 +11,7 @@ from typing import Any
 
 import xxhash
 
-from batchvl.config.schema import JobConfig
+from batchvl.config.schema import JobConfig, SamplingConfig
 
 
 def config_to_dict(cfg: JobConfig) -> dict:
@@ -83,13 +83,40 @@ def output_definition(cfg: JobConfig) -> tuple[dict, str]:
 
 
 def split_definition(defining: dict) -> tuple[dict, dict[str, dict]]:
-    """An output-defining config (a run's, or the one a marker stored) as what defines every row (all
-    but the prompts: model, backend, input, sampling, preprocessing) and each prompt's own definition, by
-    name. A committed row stays valid while both of its parts are unchanged, and those of the prompts it
-    uses (the prompt graph knows which). Markers written before rows were reused hold the same config, so
-    they split the same way."""
-    every_row = {key: value for key, value in defining.items() if key != "prompts"}
-    return every_row, {prompt["name"]: prompt for prompt in defining["prompts"]}
+    """An output-defining config (a run's, or the one a marker stored) as what defines every row (model,
+    backend, input, preprocessing) and each prompt's own definition, by name, with the sampling its
+    requests take (`prompt_definition`). A committed row stays valid while both of its parts are
+    unchanged, and those of the prompts it uses (the prompt graph knows which). Markers written before rows
+    were reused, or before prompts had their own sampling, hold the same config, so they split the same
+    way."""
+    every_row = {key: value for key, value in defining.items() if key not in ("prompts", "sampling")}
+    sampling = defining["sampling"]
+    return every_row, {prompt["name"]: prompt_definition(prompt, sampling) for prompt in defining["prompts"]}
+
+
+def prompt_definition(prompt: dict, sampling: dict) -> dict:
+    """A prompt's definition: its own keys, and as its `sampling` the job-wide section with the prompt's
+    own keys in their place. So a job-wide change is a change of the prompts that do not set that key
+    themselves, and moving a value from the section into a prompt (or back) changes nothing. A key added
+    to the section since (`unset_leaves_fingerprint`) at its default is left out, as the fingerprint leaves
+    it out, so a prompt that sets it to its default keeps its definition."""
+    merged = {**sampling, **(prompt.get("sampling") or {})}
+    if prompt.get("choices") is not None and prompt.get("choice_mode", "score") == "score":
+        # Scored, not sampled: only what adds columns, or makes a sample's limit an error, reaches its rows
+        merged = {key: value for key, value in merged.items() if key in SCORED_SAMPLING_KEYS}
+    return {**prompt, "sampling": {key: value for key, value in merged.items() if not _unset_new(key, value)}}
+
+
+SCORED_SAMPLING_KEYS = ("logprobs", "top_logprobs", "max_new_tokens_field")
+
+
+def _unset_new(key: str, value: Any) -> bool:
+    declared = {f.name: f for f in dataclasses.fields(SamplingConfig)}.get(key)
+    return (
+        declared is not None
+        and bool(declared.metadata["unset_leaves_fingerprint"])
+        and value == declared.default
+    )
 
 
 def config_fingerprint(cfg: JobConfig) -> str:

@@ -4,12 +4,13 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import typing
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from batchvl.config.conversion import convert
+from batchvl.config.conversion import build, convert
 from batchvl.config.keys import check_bounds, file_key, job_key
 from batchvl.errors import ConfigError
 
@@ -158,6 +159,13 @@ class PromptConfig:
         "score",
         "choices prompt: score every choice (teacher-forced, one short prefill each) or generate under "
         "the choices as a constraint (cheaper for hundreds of choices; no choice_probs)",
+        unset_leaves_fingerprint=True,
+    )
+    # Read and checked as the `sampling` section's own keys are (`prompt_sampling`): one declaration each.
+    sampling: dict | None = job_key(
+        None,
+        "This prompt's own sampling: any `sampling` key (same type and bounds) in place of the job-wide "
+        "value, e.g. {temperature: 0.7, max_new_tokens: 64}; the keys it does not give are the job's",
         unset_leaves_fingerprint=True,
     )
 
@@ -394,6 +402,27 @@ class JobConfig:
         _check_keys(self, "")
         _check_values(self)
 
+    @functools.cached_property
+    def prompt_samplings(self) -> tuple[SamplingConfig, ...]:
+        """Each prompt's sampling, in prompt order: the `sampling` section with the prompt's own keys in
+        place of its values. Read once per config, not per request (a frozen dataclass keeps it)."""
+        return tuple(
+            prompt_sampling(self.sampling, prompt, f"prompts[{index}].sampling")
+            for index, prompt in enumerate(self.prompts)
+        )
+
+
+def prompt_sampling(job: SamplingConfig, prompt: PromptConfig, key: str) -> SamplingConfig:
+    """A prompt's sampling: `job` with the keys the prompt gives in place of their values, each read and
+    checked as a key of the section is (an unknown key, a wrong type, a value out of bounds is a one-line
+    `ConfigError` naming `key`)."""
+    if prompt.sampling is None:
+        return job
+    own = build(SamplingConfig, prompt.sampling, key)
+    _check_keys(own, f"{key}.")
+    fields = {file_key(f): f.name for f in dataclasses.fields(SamplingConfig)}
+    return dataclasses.replace(job, **{fields[k]: getattr(own, fields[k]) for k in prompt.sampling})
+
 
 def _check_keys(section: Any, prefix: str) -> None:
     """Every key's type and bounds, section by section: what the loader's conversion checks in a job file,
@@ -442,8 +471,9 @@ def _check_values(cfg: JobConfig) -> None:
     if len(set(names)) != len(names):
         raise ConfigError(f"'prompts' names must be unique, got {names}")
     _check_column_names(names)
-    for prompt in cfg.prompts:
+    for index, prompt in enumerate(cfg.prompts):
         _check_constraint_keys(prompt)
+        prompt_sampling(cfg.sampling, prompt, f"prompts[{index}].sampling")  # its own keys' mistakes
     _check_server(cfg.engine)
     _check_encoder_cache_dir(cfg.engine)
 

@@ -13,6 +13,7 @@ store); a `README.md` that batchvl did not write is left alone.
 
 from __future__ import annotations
 
+import json
 import logging
 import posixpath
 import time
@@ -128,7 +129,16 @@ def _prompts(config: dict) -> list[str]:
             f"temperature {sampling['temperature']}, top_p {sampling.get('top_p')}, "
             f"top_k {sampling.get('top_k')}, seed {sampling.get('seed')}"
         )
-    return lines + ["", f"Sampling: {drawn}, at most {sampling.get('max_new_tokens')} new tokens.", ""]
+    lines += ["", f"Sampling: {drawn}, at most {sampling.get('max_new_tokens')} new tokens."]
+    own = [
+        (prompt["name"], prompt["sampling"]) for prompt in config.get("prompts", []) if prompt.get("sampling")
+    ]
+    if own:  # the keys these prompts set themselves, in place of the job's
+        lines += ["", "Prompts with their own sampling:"]
+        lines += [
+            f"- `{name}`: " + ", ".join(f"{k} {json.dumps(v)}" for k, v in keys.items()) for name, keys in own
+        ]
+    return lines + [""]
 
 
 def _constraint(prompt: dict) -> str:

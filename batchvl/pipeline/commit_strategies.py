@@ -53,9 +53,9 @@ def companion_files(cfg: JobConfig, out: OutputDir) -> Callable[[str, pa.Table],
 
 
 def optional_columns(cfg: JobConfig) -> tuple[str, ...]:
-    """The optional result columns this job's config asks for."""
-    columns = ("mean_logprob", "min_logprob") if cfg.sampling.logprobs else ()
-    columns += ("top_logprobs",) if cfg.sampling.top_logprobs else ()
+    """The optional result columns this job's config asks for (of any prompt: the others' rows hold nulls)."""
+    columns = ("mean_logprob", "min_logprob") if any(s.logprobs for s in cfg.prompt_samplings) else ()
+    columns += ("top_logprobs",) if any(s.top_logprobs for s in cfg.prompt_samplings) else ()
     return columns + (("choice_probs",) if any(scored_choices(p) for p in cfg.prompts) else ())
 
 

@@ -213,11 +213,14 @@ def check_columns(cfg: JobConfig, listing: list[ShardInfo]) -> None:
         for name in template_fields(prompt.text)
         if name != "key" and name not in prompt_names
     }
-    token_field = cfg.sampling.max_new_tokens_field
+    # A per-sample token limit's column, of the job or of a prompt's own sampling
+    token_fields = dict.fromkeys(
+        s.max_new_tokens_field for s in cfg.prompt_samplings if s.max_new_tokens_field
+    )
     for shard in listing:
         if shard.columns is None:
-            if inp.format == "folder" and (used or token_field):
-                name = next(iter(used), token_field)
+            if inp.format == "folder" and (used or token_fields):
+                name = [*used, *token_fields][0]
                 raise UserError(
                     f"'{name}' is used by the job, but folder input has no fields (only {{key}}, the file's "
                     "path); use a table input (parquet) to give samples fields"
@@ -226,7 +229,7 @@ def check_columns(cfg: JobConfig, listing: list[ShardInfo]) -> None:
         wanted = [
             ("input.image_column", inp.image_column),
             ("input.key_column", inp.key_column),
-            ("sampling.max_new_tokens_field", token_field),
+            *(("sampling.max_new_tokens_field", field) for field in token_fields),
         ]
         for option, column in wanted:
             if column is not None and column not in shard.columns:

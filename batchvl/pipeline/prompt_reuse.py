@@ -1,10 +1,11 @@
 """Which committed rows a job keeps when it runs over shards written with other prompts.
 
-A row is defined by what defines every row (model, backend, input, sampling, preprocessing: a change
-there is refused, `resume.py`) and by its own prompt's definition, with those of the prompts it uses. So
-over a shard committed with other prompts, an unchanged prompt keeps its committed rows as they are
-(not run again); a changed or added prompt runs, and so does every follow-up that uses one (its input
-changes); a prompt no longer in the job loses its rows when the shard is committed again.
+A row is defined by what defines every row (model, backend, input, preprocessing: a change there is
+refused, `resume.py`) and by its own prompt's definition (the sampling it takes included), with those of
+the prompts it uses. So over a shard committed with other prompts, an unchanged prompt keeps its
+committed rows as they are (not run again); a changed or added prompt runs, and so does every follow-up
+that uses one (its input changes); a prompt no longer in the job loses its rows when the shard is
+committed again.
 """
 
 from __future__ import annotations

@@ -2,11 +2,12 @@
 
 A shard with a marker from the same output-defining config is done and skipped. One without a marker
 (never run, or killed before its commit) is redone from scratch. One whose marker names another config:
-- where only prompts differ and the job's prompt graph is given (a run, validate, status), it is run
-  again for its changed and added prompts only and committed again with the committed rows of its
-  unchanged prompts (`prompt_reuse.py`);
-- otherwise (a change that defines every row: model, backend, input, sampling, preprocessing; or a reader
-  of results, which needs rows of exactly this config) it would mix outputs of two configs in one folder:
+- where only prompts differ (a prompt's definition holds the sampling it takes, so a changed `sampling`
+  is a change of the prompts it applies to) and the job's prompt graph is given (a run, validate,
+  status), it is run again for its changed and added prompts only and committed again with the committed
+  rows of its unchanged prompts (`prompt_reuse.py`);
+- otherwise (a change that defines every row: model, backend, input, preprocessing; or a reader of
+  results, which needs rows of exactly this config) it would mix outputs of two configs in one folder:
   refused, with the changed keys and the two ways out, unless `--overwrite` asks to recompute everything.
 """
 
@@ -22,6 +23,8 @@ from batchvl.outputs.writers import output_path
 from batchvl.pipeline.prompt_graph import PromptGraph
 from batchvl.pipeline.prompt_reuse import PromptReuse, committed_samples, prompt_reuse
 from batchvl.storage.output_dir import LocalDir, OutputDir
+
+PROMPTS_CHANGED = "prompts"  # a stale shard's change that a run updates (readers of results refuse it)
 
 
 @dataclass(frozen=True)
@@ -92,12 +95,12 @@ def shard_plan(
             pending.append(shard)
         elif state is CommitState.DONE:
             done[shard.shard] = marker
-        elif graph is None:
-            stale.append(shard)
-            changed.update(changed_keys(marker.config, output_defining))
         elif every_row := _job_wide_changes(marker, output_defining):
             stale.append(shard)  # named by the keys that refuse it, not the prompts
             changed.update(every_row)
+        elif graph is None:  # a reader of results: a run brings the prompts' rows up to date
+            stale.append(shard)
+            changed.add(PROMPTS_CHANGED)
         else:
             pending.append(shard)
             reuse[shard.shard] = prompt_reuse(graph, output_defining, marker)
@@ -116,10 +119,10 @@ def plan_shards(
     """The shard plan of a run (or a reader of results, without `graph`), refusing stale shards.
     `clean`: also remove temp files left by killed runs on this host (a run does; a preflight looks)."""
     plan = shard_plan(out, shards, output_defining, fingerprint, overwrite, graph)
-    if plan.stale and plan.changed == ("prompts",):  # a reader of results: a run brings them up to date
+    if plan.stale and plan.changed == (PROMPTS_CHANGED,):
         raise UserError(
-            f"{out.url} holds {len(plan.stale)} shard(s) written with other prompts; run the job to update "
-            "them (the rows of unchanged prompts are kept), or set output.dir to a new folder"
+            f"{out.url} holds {len(plan.stale)} shard(s) written with other prompts or sampling; run the job "
+            "to update them (the rows of unchanged prompts are kept), or set output.dir to a new folder"
         )
     if plan.stale:
         keys = ", ".join(plan.changed) or "the output-defining config"
@@ -134,5 +137,5 @@ def plan_shards(
 
 
 def _job_wide_changes(marker: ShardMarker, output_defining: dict) -> list[str]:
-    """The changed keys that define every row (all but the prompts)."""
+    """The changed keys that define every row (all but the prompts and the sampling they take)."""
     return changed_keys(split_definition(marker.config)[0], split_definition(output_defining)[0])

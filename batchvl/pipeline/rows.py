@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-from batchvl.config import JobConfig, PromptConfig
+from batchvl.config import JobConfig, PromptConfig, SamplingConfig
 from batchvl.engine.request import EngineRequest, EngineResult, SamplingParams
 from batchvl.errors import RowStatus, SampleError
 from batchvl.inputs.types import ChatRequest
@@ -37,14 +37,15 @@ def request_seed(base_seed: int, shard: str, key: str, prompt_name: str) -> int:
     )
 
 
-def max_new_tokens_of(cfg: JobConfig, fields: dict) -> int:
-    """The sample's token limit: `sampling.max_new_tokens`, or its own from `max_new_tokens_field`."""
-    name = cfg.sampling.max_new_tokens_field
+def max_new_tokens_of(sampling: SamplingConfig, fields: dict) -> int:
+    """A prompt's token limit on the sample: its `max_new_tokens`, or the sample's own from its
+    `max_new_tokens_field`."""
+    name = sampling.max_new_tokens_field
     if name is None:
-        return cfg.sampling.max_new_tokens
+        return sampling.max_new_tokens
     value = fields.get(name)
-    if value is None:  # a null cell, or a sample without the field: the job's own limit
-        return cfg.sampling.max_new_tokens
+    if value is None:  # a null cell, or a sample without the field: the prompt's own limit
+        return sampling.max_new_tokens
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise SampleError(
             "missing_field",
@@ -54,15 +55,15 @@ def max_new_tokens_of(cfg: JobConfig, fields: dict) -> int:
 
 
 def sampling_params(
-    cfg: JobConfig,
+    s: SamplingConfig,
     shard: str,
     key: str,
     prompt_name: str,
     max_new_tokens: int,
     chat: ChatRequest | None = None,
 ) -> SamplingParams:
-    """The job's sampling, with what an openai_batch request sets for itself in its place."""
-    s = cfg.sampling
+    """A prompt's sampling (`JobConfig.prompt_samplings`), with what an openai_batch request sets for
+    itself in its place."""
     own = chat or ChatRequest(())
     return SamplingParams(
         max_new_tokens=max_new_tokens,
@@ -107,7 +108,14 @@ def prompt_request(
         prompt_token_ids=[] if is_messages else rendered,
         messages=rendered if is_messages else None,
         images=sample.images,
-        sampling=sampling_params(cfg, sample.shard, sample.key, prompt.name, max_new_tokens, sample.chat),
+        sampling=sampling_params(
+            cfg.prompt_samplings[prompt_index],
+            sample.shard,
+            sample.key,
+            prompt.name,
+            max_new_tokens,
+            sample.chat,
+        ),
         tag=RowTag(sample.shard, sample.index, prompt_index),
         priority=priority,
         constraint=prompt_constraint(prompt),
@@ -193,7 +201,7 @@ def _incomplete_error(result: EngineResult) -> SampleError | None:
     return SampleError(
         "incomplete_output",
         f"the output ended ({limit}) before it matched its constraint; the partial text is kept; "
-        "raise sampling.max_new_tokens (or the sample's token limit)",
+        "raise sampling.max_new_tokens (the job's or the prompt's, or the sample's token limit)",
     )
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from batchvl.config import JobConfig
+from batchvl.config import JobConfig, SamplingConfig
 from batchvl.engine.request import EngineRequest
 from batchvl.errors import SampleError
 from batchvl.outputs.writers import ResultRow
@@ -40,7 +40,7 @@ class Progress:
 class _SampleState:
     sample: PreparedSample
     priority: int
-    max_new_tokens: int
+    max_new_tokens: list[int | SampleError]  # per prompt: its token limit on this sample, or why it has none
     waiting: set[int]  # selected follow-ups not yet rendered
     in_engine: int = 0
     rows: dict[int, ResultRow] = field(default_factory=dict)  # prompt index -> its row
@@ -70,26 +70,23 @@ class SampleFlow:
         try:
             if sample.error is not None:
                 raise sample.error
-            max_new_tokens = max_new_tokens_of(self.cfg, sample.fields)
             if sample.chat is not None:
-                max_new_tokens = sample.chat.max_tokens or max_new_tokens
                 check_request_schema(sample.chat.json_schema)
         except SampleError as error:  # the whole sample failed: each prompt's row says why
             progress.rows = [error_row(sample, i, self.cfg.prompts[i].name, error) for i in prompt_indices]
             progress.sample_done = True
             return progress
         follow_ups = set(prompt_indices) & self.graph.follow_ups
-        state = _SampleState(sample, priority, max_new_tokens, follow_ups, rows=dict(used_rows))
+        limits = [_token_limit(s, sample) for s in self.cfg.prompt_samplings]
+        state = _SampleState(sample, priority, limits, follow_ups, rows=dict(used_rows))
         for index in prompt_indices:
             if index in follow_ups:
                 continue
             prepared = sample.prompts[index]
-            if prepared.error is not None:
+            error = _limit_error(state, index) or prepared.error
+            if error is not None:
                 self._add_row(
-                    state,
-                    index,
-                    error_row(sample, index, self.cfg.prompts[index].name, prepared.error),
-                    progress,
+                    state, index, error_row(sample, index, self.cfg.prompts[index].name, error), progress
                 )
             else:
                 self._submit(state, index, prepared.prompt, progress)
@@ -105,7 +102,9 @@ class SampleFlow:
         return self._advance(state, progress)
 
     def _submit(self, state: _SampleState, index: int, prompt: Prompt, progress: Progress) -> None:
-        request = prompt_request(self.cfg, state.sample, index, prompt, state.max_new_tokens, state.priority)
+        limit = state.max_new_tokens[index]
+        assert isinstance(limit, int)  # a prompt whose limit is an error has its error row instead
+        request = prompt_request(self.cfg, state.sample, index, prompt, limit, state.priority)
         progress.requests.append(request)
         state.in_engine += 1
 
@@ -132,7 +131,9 @@ class SampleFlow:
         sample = state.sample
         used = [state.rows[i] for i in sorted(self.graph.uses[index])]
         failed = next((row for row in used if row.status == "error"), None)
-        if failed is not None:
+        if (limit_error := _limit_error(state, index)) is not None:  # its own, before its inputs'
+            self._add_row(state, index, error_row(sample, index, prompt.name, limit_error), progress)
+        elif failed is not None:
             error = SampleError(
                 "dependency_failed",
                 f"it uses prompt '{failed.prompt}', which failed ({failed.error_type}); "
@@ -179,3 +180,19 @@ class SampleFlow:
         user_texts = [fill_template(self.cfg.prompts[i].text, values) for i in turns]
         answers = [state.rows[i].text for i in turns[:-1]]
         return self.builder.conversation(user_texts, answers, sample.images)
+
+
+def _token_limit(sampling: SamplingConfig, sample: PreparedSample) -> int | SampleError:
+    """A prompt's token limit on the sample (an openai_batch request's own `max_tokens` first), or the
+    error of a sample whose own limit (`max_new_tokens_field`) is not a positive integer: that prompt's
+    error row, while prompts with limits of their own still run."""
+    try:
+        limit = max_new_tokens_of(sampling, sample.fields)
+    except SampleError as error:
+        return error
+    return (sample.chat.max_tokens or limit) if sample.chat is not None else limit
+
+
+def _limit_error(state: _SampleState, index: int) -> SampleError | None:
+    limit = state.max_new_tokens[index]
+    return limit if isinstance(limit, SampleError) else None

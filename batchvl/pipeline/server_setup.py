@@ -88,9 +88,9 @@ def check_prompts_accepted(
     a run of error rows."""
     model = served_model_name(cfg)
     messages = ({"role": "user", "content": [{"type": "text", "text": PROBE_TEXT}]},)
-    sampling = dataclasses.replace(sampling_params(cfg, "", "", "", max_new_tokens=1), seed=0)
     probes: dict[str, dict] = {}
-    for prompt in cfg.prompts:
+    for prompt, own in zip(cfg.prompts, cfg.prompt_samplings, strict=True):
+        sampling = dataclasses.replace(sampling_params(own, "", "", "", max_new_tokens=1), seed=0)
         request = EngineRequest([], [], sampling, constraint=prompt_constraint(prompt), messages=messages)
         choices = scored_choices(prompt)
         if choices is not None:
