@@ -1,10 +1,11 @@
 """Host work per engine step: what a step costs outside the model's forward (scheduling, block tables and
 slot mappings, attention metadata, sampling, bookkeeping), at many long decodes.
 
-256 text requests of 600 prompt tokens on the `tiny` model in fp32 are prefilled, then timed over decode
-steps: per step, the wall time of `Engine.step`, the model's forward (`forward_s`, logits included) and
-their difference, the host work. On a GPU the forward runs while the host prepares nothing else, so the
-host work is what keeps the device waiting; on a CPU it is time the cores do not compute.
+256 text requests of 600 prompt tokens on the `tiny` model in fp32, with a job's default engine settings
+(prefix caching on), are prefilled, then timed over decode steps: per step, the wall time of `Engine.step`,
+the model's forward (`forward_s`, logits included) and their difference, the host work. On a GPU the
+forward runs while the host prepares nothing else, so the host work is what keeps the device waiting; on a
+CPU it is time the cores do not compute.
 
 `--profile` adds the ops and calls that took the most host time over the timed steps (torch's profiler;
 the steps it watches are slower, so their times are not the table's).
@@ -49,7 +50,6 @@ def main() -> None:
         max_num_seqs=args.requests,
         max_num_batched_tokens=4096,
         kv_cache_mb=1 + args.requests * tokens * kv_bytes_per_block(loaded.adapter, 1) / 2**20,
-        prefix_caching=False,
     )
     engine = Engine(loaded.adapter, loaded.processor.tokenizer, config, loaded.eos_token_ids())
     generator = torch.Generator().manual_seed(0)

@@ -49,7 +49,9 @@ def cpu_sized_kv_cache():
     sized_for = engine_module.kv_cache_bytes
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(
-            engine_module, "kv_cache_bytes", lambda config, _device: sized_for(config, torch.device("cpu"))
+            engine_module,
+            "kv_cache_bytes",
+            lambda config, _device, _peak: sized_for(config, torch.device("cpu"), _peak),
         )
         yield
 

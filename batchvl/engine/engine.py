@@ -16,6 +16,7 @@ import time
 import torch
 
 from batchvl.config import EngineConfig
+from batchvl.engine.activation_peak import step_activation_peak
 from batchvl.engine.adapter import ModelAdapter
 from batchvl.engine.admission import check_fits, media_spans
 from batchvl.engine.block_manager import BlockManager
@@ -60,7 +61,7 @@ class Engine:
         self.stopping = StopChecker(tokenizer, eos_token_ids, adapter.geometry.max_model_len)
         self.grammars = GrammarMatchers(tokenizer, adapter.geometry.vocab_size, eos_token_ids)
         self.choice_tokens = ChoiceTokenizer(tokenizer, eos_token_ids)
-        kv_bytes = kv_cache_bytes(config, adapter.device)
+        kv_bytes = kv_cache_bytes(config, adapter.device, lambda: step_activation_peak(adapter, config))
         num_blocks = kv_bytes // kv_bytes_per_block(adapter, config.block_size)
         if num_blocks < 1:
             raise UserError(f"engine.kv_cache_mb={config.kv_cache_mb} holds no KV block; raise it")
@@ -243,16 +244,18 @@ class Engine:
             [request.generator for request in sampling],
             on_host,
         )
+        self._stats.output_tokens += len(tokens)
         finished = []
         for row, (request, token) in enumerate(zip(sampling, tokens, strict=True)):
             if request.logprobs is not None:
                 request.logprobs.add(on_host[row], request.sampling, token)
             request.output_token_ids.append(token)
-            self._stats.output_tokens += 1
-            self.grammars.accept(request.grammar, token)
-            if self.grammars.is_terminated(request.grammar):
-                reason = "stop"  # a grammar that took an end-of-sequence token allows nothing more
-            else:
+            reason = None
+            if request.grammar is not None:  # (most requests have none: no calls for them)
+                self.grammars.accept(request.grammar, token)
+                if self.grammars.is_terminated(request.grammar):
+                    reason = "stop"  # a grammar that took an end-of-sequence token allows nothing more
+            if reason is None:
                 reason = self.stopping.finish_reason(request)
             if reason is not None:
                 finished.append(self._finish(request, reason))

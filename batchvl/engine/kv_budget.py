@@ -2,12 +2,15 @@
 
 `engine.kv_cache_mb` as given, or with `auto` (the default): 1024 MiB on the CPU, where the cache shares
 the machine's memory with everything else; on CUDA, what the GPU has free once the model is loaded (the
-engine is built after it), less a reserve for a step's activations and the encoder cache's embeddings,
-times `engine.gpu_memory_utilization`. A fixed 1024 MiB left most of a large GPU unused (about 18.7k
-tokens of Qwen2-VL-7B in bf16: heavy preemption), where vLLM users expect the cache to fill the GPU.
+engine is built after it), less what the largest step's activations were measured to take
+(`activation_peak`), a bound for a vision call and the encoder cache's embeddings, times
+`engine.gpu_memory_utilization`. A fixed 1024 MiB left most of a large GPU unused (about 18.7k tokens of
+Qwen2-VL-7B in bf16: heavy preemption), where vLLM users expect the cache to fill the GPU.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -16,25 +19,30 @@ from batchvl.errors import UserError
 
 MB = 1 << 20
 CPU_KV_CACHE_MB = 1024
-# A step's activations on the GPU: the packed forward of max_num_batched_tokens rows (a 7B model's gated
-# MLP alone is about 150 MiB at 2,048 rows), the prefill chunks' attention scores, the step's float32
-# logits, a vision call, and the caching allocator's slack. Not measured on a GPU yet: a bound, not a peak.
-ACTIVATION_RESERVE_MB = 2048
+# A vision call's activations, which the measured step leaves out: at the default 4,096 patches a call,
+# Qwen2-VL's 675M-parameter tower holds about 100 MiB of them at once in bf16 (its MLP's 4,096 x 5,120
+# intermediate rows are 40 MiB). A bound, not a measurement.
+VISION_RESERVE_MB = 512
+# The caching allocator's slack around the measured peak (blocks it rounds up and cannot split).
+PEAK_HEADROOM = 1.25
 
 
-def kv_cache_bytes(config: EngineConfig, device: torch.device) -> int:
+def kv_cache_bytes(config: EngineConfig, device: torch.device, activation_peak: Callable[[], int]) -> int:
+    """The cache's size in bytes; `activation_peak` measures the largest step's activations on `device`
+    (called only where the size depends on it: `auto` on CUDA)."""
     if config.kv_cache_mb != "auto":
         return int(config.kv_cache_mb * MB)
     if device.type != "cuda":
         return CPU_KV_CACHE_MB * MB
+    activations = int(activation_peak() * PEAK_HEADROOM)
     torch.cuda.empty_cache()  # memory torch holds but no tensor uses is free for the cache
     free, _total = torch.cuda.mem_get_info(device)
-    reserve = (ACTIVATION_RESERVE_MB + config.encoder_cache_mb) * MB
+    reserve = activations + (VISION_RESERVE_MB + config.encoder_cache_mb) * MB
     budget = int((free - reserve) * config.gpu_memory_utilization)
     if budget < MB:
         raise UserError(
             f"engine.kv_cache_mb is auto, but {device} has {free / MB:.0f} MiB free after the model, not "
             f"more than the {reserve / MB:.0f} MiB kept for activations and the encoder cache; free the "
-            "GPU, set engine.kv_cache_mb, or lower engine.encoder_cache_mb"
+            "GPU, set engine.kv_cache_mb, or lower engine.max_num_batched_tokens or engine.encoder_cache_mb"
         )
     return budget

@@ -142,20 +142,31 @@ class ModelRunner:
                 decode_positions.clear()
                 decode_slots.clear()
 
+        # The rows whose logits the step returns (see StepLogits): each sampling chunk's last, then each
+        # scoring chunk's scored positions, gathered in the same pass as the rest.
+        last_rows: list[int] = []
+        scored_rows: list[int] = []
         query_start = 0
         for chunk in chunks:
             request = chunk.request
-            token_ids.extend(request.token_ids(chunk.start, chunk.end))
+            start, num_tokens = chunk.start, chunk.num_tokens
+            num_prompt = len(request.prompt_token_ids)
             key_slots = block_manager.slots(request, chunk.end)
-            if chunk.num_tokens == 1 and chunk.start >= request.num_prompt_tokens:
-                decode_positions.append(chunk.start + request.positions.delta)  # on every axis
-                decode_slots.append(block_manager.slot(request, chunk.start))
+            if num_tokens == 1 and start >= num_prompt:
+                token_ids.append(request.output_token_ids[start - num_prompt])
+                decode_positions.append(start + request.positions.delta)  # on every axis
+                decode_slots.append(block_manager.slot(request, start))
             else:
+                token_ids.extend(request.token_ids(start, chunk.end))
                 end_decode_run()
-                positions.append(self._chunk_positions(request, chunk.start, chunk.end))
-                slot_mapping.append(key_slots[chunk.start :])
-            sequences.append(SequenceSlice(query_start, chunk.num_tokens, key_slots))
-            query_start += chunk.num_tokens
+                positions.append(self._chunk_positions(request, start, chunk.end))
+                slot_mapping.append(key_slots[start:])
+            sequences.append(SequenceSlice(query_start, num_tokens, key_slots, num_keys=chunk.end))
+            if chunk.samples_next_token:
+                last_rows.append(query_start + num_tokens - 1)
+            elif request.score_from is not None:
+                scored_rows.extend(query_start + position - start for position in chunk.scored_positions)
+            query_start += num_tokens
         end_decode_run()
         # Padding rows up to the step's row bucket: the packed linear layers then take the step as it is
         # (no copy per layer) and oneDNN reuses the kernels it built for that bucket. Padding tokens attend
@@ -177,15 +188,6 @@ class ModelRunner:
             media_rows,
             batchvl_attention=meta,
         )
-        pairs = list(zip(chunks, sequences, strict=True))
-        last_rows = [
-            seq.query_start + seq.num_queries - 1 for chunk, seq in pairs if chunk.samples_next_token
-        ]
-        scored_rows = [
-            seq.query_start + position - chunk.start
-            for chunk, seq in pairs
-            for position in chunk.scored_positions
-        ]
         logits = self.adapter.compute_logits(hidden[last_rows + scored_rows])
         synchronize(device)  # the forward's kernels done, not just launched
         self.forward_s += time.perf_counter() - started
@@ -199,6 +201,8 @@ class ModelRunner:
         mask = torch.zeros(num_tokens, dtype=torch.bool)
         pieces = []
         for chunk, seq in zip(chunks, sequences, strict=True):
+            if chunk.start >= len(chunk.request.prompt_token_ids):
+                continue  # media lie in the prompt: a chunk of generated tokens (a decode) has none
             for span in chunk.request.images_overlapping(chunk.start, chunk.end):
                 lo, hi = max(chunk.start, span.offset), min(chunk.end, span.end)
                 first = seq.query_start + lo - chunk.start

@@ -92,6 +92,9 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     # Chain hashes of its full blocks, for prefix caching (kept: a waiting request is matched every step).
     block_hashes: list[int] = field(default_factory=list)
+    # How many of its leading blocks the prefix cache has been offered: each once, when its tokens are
+    # computed (see BlockManager.register_full_blocks).
+    num_offered_blocks: int = 0
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
     priority: int = 0  # lower is admitted first among the waiting (the job passes its shard's position)
@@ -156,26 +159,27 @@ class Request:
         return [span for span in self.images if span.offset < end and span.end > start]
 
 
-@dataclass(frozen=True)
 class ScheduledChunk:
-    """`num_tokens` tokens of `request`, starting at position `start`, computed this step."""
+    """`num_tokens` tokens of `request`, starting at position `start`, computed this step.
 
-    request: Request
-    start: int
-    num_tokens: int
+    What a step asks of a chunk many times per request (its end, whether it reaches the request's last
+    known token, whether it samples) is computed once when it is scheduled, not in a property per use: at
+    hundreds of decodes a step, those properties' chains of calls cost a millisecond a step. They describe
+    the chunk as scheduled, before the step appends its sampled token to the request."""
 
-    @property
-    def end(self) -> int:
-        return self.start + self.num_tokens
+    __slots__ = ("request", "start", "num_tokens", "end", "reaches_end", "samples_next_token")
 
-    @property
-    def reaches_end(self) -> bool:
-        return self.end == self.request.num_tokens
-
-    @property
-    def samples_next_token(self) -> bool:
+    def __init__(self, request: Request, start: int, num_tokens: int):
+        self.request = request
+        self.start = start
+        self.num_tokens = num_tokens
+        self.end = start + num_tokens
+        self.reaches_end = self.end == request.num_tokens
         # Only a chunk that reaches the last known token yields logits worth sampling from.
-        return self.reaches_end and self.request.score_from is None
+        self.samples_next_token = self.reaches_end and request.score_from is None
+
+    def __repr__(self) -> str:
+        return f"ScheduledChunk({self.request.request_id}, start={self.start}, num_tokens={self.num_tokens})"
 
     @property
     def scored_positions(self) -> range:

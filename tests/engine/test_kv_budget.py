@@ -1,11 +1,13 @@
 """The KV cache's memory: `engine.kv_cache_mb` as given, or with `auto` 1024 MiB on the CPU and, on CUDA,
-a share of what the GPU has free after the model, less a reserve; the GPU's free memory is faked."""
+a share of what the GPU has free after the model, less the largest step's measured activations and a
+reserve; the GPU's memory is faked, the largest step runs on the CPU."""
 
 import pytest
 import torch
 
 from batchvl.config import EngineConfig, job_config_from_dict
-from batchvl.engine.kv_budget import ACTIVATION_RESERVE_MB, MB, kv_cache_bytes
+from batchvl.engine.activation_peak import largest_step, step_activation_peak
+from batchvl.engine.kv_budget import MB, PEAK_HEADROOM, VISION_RESERVE_MB, kv_cache_bytes
 from batchvl.errors import ConfigError, UserError
 
 GPU = torch.device("cuda", 1)
@@ -28,31 +30,89 @@ def free_on_gpu(monkeypatch):
     return have
 
 
-def test_auto_on_cuda_takes_a_share_of_the_memory_free_after_the_model(free_on_gpu):
+def measured(mib: float):
+    """An activation measurement that reports `mib` and counts its calls."""
+
+    def peak() -> int:
+        peak.calls += 1
+        return int(mib * MB)
+
+    peak.calls = 0
+    return peak
+
+
+def test_auto_on_cuda_takes_a_share_of_the_memory_free_after_the_model_and_the_measured_step(free_on_gpu):
     asked = free_on_gpu(60_000)
-    reserve = ACTIVATION_RESERVE_MB + 512  # and the default encoder cache
-    assert kv_cache_bytes(EngineConfig(), GPU) == int((60_000 - reserve) * MB * 0.9)
+    peak = measured(800)
+    reserve = 800 * PEAK_HEADROOM + VISION_RESERVE_MB + 512  # and the default encoder cache
+    assert kv_cache_bytes(EngineConfig(), GPU, peak) == int((60_000 - reserve) * MB * 0.9)
     assert asked == [GPU]  # the model's GPU, not GPU 0
+    assert peak.calls == 1
     config = EngineConfig(gpu_memory_utilization=0.5, encoder_cache_mb=0)
-    assert kv_cache_bytes(config, GPU) == int((60_000 - ACTIVATION_RESERVE_MB) * MB * 0.5)
+    reserve = 3_000 * PEAK_HEADROOM + VISION_RESERVE_MB  # a larger step keeps more free
+    assert kv_cache_bytes(config, GPU, measured(3_000)) == int((60_000 - reserve) * MB * 0.5)
 
 
 def test_auto_on_the_cpu_and_a_given_size_anywhere_are_what_they_were(free_on_gpu):
     asked = free_on_gpu(60_000)
-    assert kv_cache_bytes(EngineConfig(), torch.device("cpu")) == 1024 * MB
-    assert kv_cache_bytes(EngineConfig(kv_cache_mb=300), GPU) == 300 * MB
-    assert kv_cache_bytes(EngineConfig(kv_cache_mb=0.5), torch.device("cpu")) == MB // 2
-    assert asked == []
+    peak = measured(800)
+    assert kv_cache_bytes(EngineConfig(), torch.device("cpu"), peak) == 1024 * MB
+    assert kv_cache_bytes(EngineConfig(kv_cache_mb=300), GPU, peak) == 300 * MB
+    assert kv_cache_bytes(EngineConfig(kv_cache_mb=0.5), torch.device("cpu"), peak) == MB // 2
+    assert asked == [] and peak.calls == 0  # nothing measured where nothing depends on it
 
 
 def test_a_gpu_without_room_for_the_cache_is_a_one_line_mistake(free_on_gpu):
-    free_on_gpu(ACTIVATION_RESERVE_MB + 100)
+    free_on_gpu(2000)  # less than the step's 1,250 MiB, the vision call's 512 and the encoder cache's 512
     with pytest.raises(UserError) as info:
-        kv_cache_bytes(EngineConfig(), GPU)
+        kv_cache_bytes(EngineConfig(), GPU, measured(1000))
     message = str(info.value)
     assert "\n" not in message
-    assert message.startswith("engine.kv_cache_mb is auto, but cuda:1 has 2148 MiB free after the model")
-    assert message.endswith("set engine.kv_cache_mb, or lower engine.encoder_cache_mb")
+    assert message.startswith("engine.kv_cache_mb is auto, but cuda:1 has 2000 MiB free after the model")
+    assert message.endswith("lower engine.max_num_batched_tokens or engine.encoder_cache_mb")
+
+
+def test_the_largest_step_packs_the_token_budget_and_samples_a_row_per_sequence(loaded_fp32, monkeypatch):
+    config = EngineConfig(max_num_batched_tokens=300, max_num_seqs=7, block_size=16)
+    packed_rows = []
+    forward = loaded_fp32.adapter.forward
+    monkeypatch.setattr(
+        loaded_fp32.adapter,
+        "forward",
+        lambda ids, *a, **k: packed_rows.append(len(ids)) or forward(ids, *a, **k),
+    )
+    logits = largest_step(loaded_fp32.adapter, config)()
+    assert logits.shape == (7, loaded_fp32.adapter.geometry.vocab_size)  # the most logits a step has
+    assert packed_rows[0] >= 300  # every token of the budget in one forward (padded to its row bucket)
+    assert torch.isfinite(logits).all()
+    one = largest_step(loaded_fp32.adapter, EngineConfig(max_num_batched_tokens=5, max_num_seqs=64))()
+    assert one.shape[0] == 5  # no more sequences than tokens
+
+
+def test_the_peak_is_what_the_step_allocates_beyond_what_was_allocated_before(loaded_fp32, monkeypatch):
+    """The CUDA allocator's counters, faked: the step must run between the reset and the reading."""
+    events = []
+    allocated = {"now": 1000, "peak": 1000}
+    forward = loaded_fp32.adapter.forward
+
+    def step_forward(*args, **kwargs):
+        events.append("forward")
+        allocated["peak"] = allocated["now"] + 4321
+        return forward(*args, **kwargs)
+
+    def reset(_device):
+        events.append("reset")
+        allocated["peak"] = allocated["now"]
+
+    monkeypatch.setattr(loaded_fp32.adapter, "forward", step_forward)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda _device=None: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: events.append("empty_cache"))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda _device: allocated["now"])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda _device: allocated["peak"])
+    config = EngineConfig(max_num_batched_tokens=64, max_num_seqs=4)
+    assert step_activation_peak(loaded_fp32.adapter, config) == 4321
+    assert events == ["reset", "forward", "empty_cache"]
 
 
 def test_the_job_file_takes_auto_or_a_size_and_a_share_up_to_one(tmp_path):

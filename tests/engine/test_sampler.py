@@ -16,7 +16,14 @@ from transformers.generation.logits_process import (
 )
 
 from batchvl.engine.request import SamplingParams
-from batchvl.engine.sampler import filtered_logits, make_generator, rows_on_host, sample_token, sample_tokens
+from batchvl.engine.sampler import (
+    filtered_logits,
+    greedy_tokens,
+    make_generator,
+    rows_on_host,
+    sample_token,
+    sample_tokens,
+)
 from tests.fake_cuda import on_fake_cuda
 
 
@@ -93,8 +100,19 @@ def test_greedy_rows_pick_what_argmax_picks_at_vocabulary_size():
     assert tokens[3:9] == [100, 5, 0, 7, 0, 32767]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_greedy_rows_of_other_dtypes_pick_what_argmax_picks(dtype):
+    logits = torch.randn(8, 500, generator=torch.Generator().manual_seed(2)).to(dtype)
+    logits[1, 3] = logits[1, 400] = 50.0
+    logits[2, 9] = float("nan")
+    assert greedy_tokens(logits) == torch.argmax(logits.float(), dim=-1).tolist()
+    assert greedy_tokens(logits)[1:3] == [3, 9]
+
+
 def test_an_all_sampled_step_needs_no_argmax(monkeypatch):
-    monkeypatch.setattr(torch, "max", lambda *a, **k: (_ for _ in ()).throw(AssertionError("max")))
+    import batchvl.engine.sampler as sampler
+
+    monkeypatch.setattr(sampler, "greedy_tokens", lambda *a: (_ for _ in ()).throw(AssertionError("argmax")))
     sampled = SamplingParams(temperature=1.0, seed=1)
     logits = torch.randn(2, 10, generator=torch.Generator().manual_seed(8))
     tokens = sample_tokens(logits, [sampled, sampled], [make_generator(1), make_generator(2)])
