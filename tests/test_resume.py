@@ -187,11 +187,13 @@ def test_a_shard_without_its_marker_is_redone_and_stale_temp_files_go(job_dir, l
     os.remove(output_path(LocalDir(str(out)), "part-4.parquet"))  # a marker whose output is gone
     stale = out / f".part-3.parquet.tmp-{os.uname().nodename}-999999999"
     stale.write_bytes(b"half a file")
+    stale_card = out / f".README.md.tmp-{os.uname().nodename}-999999999"  # killed writing the dataset card
+    stale_card.write_text("# half a card")
     summary = run_job(
         config(job_dir, "partial", "output.overwrite=false"), loaded=loaded_fp32, show_progress=False
     )
     assert summary.stats["shards_committed"] == 2 and summary.stats["shards_skipped"] == 4
-    assert not stale.exists()
+    assert not stale.exists() and not stale_card.exists()
     assert rows_of(out) == reference
 
 

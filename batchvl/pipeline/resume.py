@@ -22,6 +22,7 @@ from batchvl.outputs.commit import CommitState, ShardMarker, commit_state
 from batchvl.outputs.writers import output_path
 from batchvl.pipeline.prompt_graph import PromptGraph
 from batchvl.pipeline.prompt_reuse import PromptReuse, committed_samples, prompt_reuse
+from batchvl.storage import layout
 from batchvl.storage.output_dir import LocalDir, OutputDir
 
 PROMPTS_CHANGED = "prompts"  # a stale shard's change that a run updates (readers of results refuse it)
@@ -133,6 +134,7 @@ def plan_shards(
     if clean and isinstance(out, LocalDir):  # an object store has no temp files
         for shard in shards:
             out.remove_stale_temps(output_path(out, shard.shard))
+        out.remove_stale_temps(out.join(layout.CARD_FILE))  # the dataset card is rewritten at each commit
     return plan
 
 
