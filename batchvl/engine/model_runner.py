@@ -160,7 +160,7 @@ class ModelRunner:
                 token_ids.extend(request.token_ids(start, chunk.end))
                 end_decode_run()
                 positions.append(self._chunk_positions(request, start, chunk.end))
-                slot_mapping.append(key_slots[start:])
+                slot_mapping.append(torch.from_numpy(key_slots[start:]))
             sequences.append(SequenceSlice(query_start, num_tokens, key_slots, num_keys=chunk.end))
             if chunk.samples_next_token:
                 last_rows.append(query_start + num_tokens - 1)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -86,8 +87,10 @@ class SequenceSlice:
     query_start: int  # first row of this request's queries in the packed step
     num_queries: int  # its queries are its last num_queries tokens, each attending causally
     # cache slots of all its tokens so far (context + this chunk), in position order; on the CPU, where the
-    # step's metadata is built (a GPU gets what it reads uploaded once per step, not one tensor per sequence)
-    key_slots: torch.Tensor
+    # step's metadata is built (a GPU gets what it reads uploaded once per step, not one tensor per sequence).
+    # int64, a tensor or a numpy array: the engine passes views of its block manager's numpy slots, where
+    # a tensor view per sequence cost 3 us, most of a step's host work per decode
+    key_slots: torch.Tensor | np.ndarray
     key_rows: torch.Tensor | None = None  # KVCache.gather_rows(key_slots), when it reads from the cache
     attention_mask: torch.Tensor | None = None  # causal_mask(...), built once a step for every layer
     # len(key_slots), as an int: read for every sequence of a step, where a tensor's len() costs 2 us
@@ -146,7 +149,7 @@ class DecodeBatch:
         key_slots = torch.zeros((len(sequences), longest), dtype=torch.long)
         lengths = torch.tensor([seq.num_keys for seq in sequences])
         for i, seq in enumerate(sequences):
-            key_slots[i, : seq.num_keys] = seq.key_slots
+            key_slots[i, : seq.num_keys] = torch.as_tensor(seq.key_slots)
         mask = torch.arange(longest)[None, :] < lengths[:, None]
         rows = torch.tensor([seq.query_start for seq in sequences])
         return cls(rows.to(device), kv_cache.gather_rows(key_slots.to(device)), mask.to(device))
@@ -155,7 +158,9 @@ class DecodeBatch:
 def key_slot_table(sequences: list[SequenceSlice]) -> tuple[torch.Tensor, torch.Tensor]:
     """The native kernels' view of where sequences' keys are: (B, L) cache slots, each row in position order
     (past its length: unread), and (B,) lengths."""
-    slots = torch.nn.utils.rnn.pad_sequence([seq.key_slots for seq in sequences], batch_first=True)
+    slots = torch.nn.utils.rnn.pad_sequence(
+        [torch.as_tensor(seq.key_slots) for seq in sequences], batch_first=True
+    )
     return slots, torch.tensor([seq.num_keys for seq in sequences])
 
 
@@ -174,7 +179,7 @@ class InPlaceDecodes:
         lengths = [seq.num_keys for seq in sequences]
         rows = torch.tensor([seq.query_start for seq in sequences])
         starts = torch.tensor([0, *itertools.accumulate(lengths[:-1])])
-        slots = torch.cat([seq.key_slots for seq in sequences])
+        slots = torch.from_numpy(np.concatenate([np.asarray(seq.key_slots) for seq in sequences]))
         return cls(*uploaded([rows, slots, starts, torch.tensor(lengths)], device))
 
     def attend(self, out: torch.Tensor, query: torch.Tensor, kv: torch.Tensor, scaling: float) -> None:
@@ -239,7 +244,7 @@ class PagedAttentionMetadata:
             meta.sequences = []
         for seq in meta.sequences:
             if not seq.is_full_causal:
-                seq.key_rows = kv_cache.gather_rows(seq.key_slots.to(device))
+                seq.key_rows = kv_cache.gather_rows(torch.as_tensor(seq.key_slots).to(device))
                 seq.attention_mask = seq.causal_mask(kv_cache.layers[0].dtype, device)
         return meta
 
