@@ -1,6 +1,7 @@
 """The supported torch and transformers ranges: declared once for pip and once for the check, and a release
 outside them refused in one line (exit 2) before any work."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -8,6 +9,7 @@ from pathlib import Path
 import pytest
 import tomllib
 from packaging.requirements import Requirement
+from packaging.version import Version
 
 import batchvl.utils.versions as versions
 from batchvl.errors import UserError
@@ -21,6 +23,17 @@ def test_pyproject_declares_the_ranges_the_check_holds():
     requirements = {req.name: str(req.specifier) for req in map(Requirement, declared)}
     for name, spec in versions.SUPPORTED.items():
         assert requirements[name] == str(Requirement(f"{name}{spec}").specifier)
+
+
+def test_the_oldest_releases_tested_are_the_floors_of_the_ranges():
+    """make test-oldest and make test-oldest-torch install the releases at the bottom of the ranges: raising
+    a floor without moving them (or the other way round) fails here."""
+    makefile = (ROOT / "Makefile").read_text()
+    lines = re.findall(r"^OLDEST(?:_TORCH)? :=(.*)$", makefile, flags=re.MULTILINE)
+    pins = dict(pin.split("==") for line in lines for pin in line.split())
+    for name, spec in versions.SUPPORTED.items():
+        (floor,) = [s.version for s in Requirement(f"{name}{spec}").specifier if s.operator == ">="]
+        assert Version(pins[name]) == Version(floor), (name, pins[name], spec)
 
 
 @pytest.mark.parametrize(

@@ -33,6 +33,10 @@ def _kernels():
     import triton
     import triton.language as tl
 
+    # Compiling, Triton 3.2 (torch 2.6's) looks a kernel's names up in its module's globals only, not in
+    # this function: there `tl` was undefined, the kernels failed to build and a GPU stayed on torch's path.
+    globals()["tl"] = tl
+
     @triton.jit
     def decode_kernel(
         out, query, kv, rows, slots, starts, lengths, scale,

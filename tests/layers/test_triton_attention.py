@@ -41,6 +41,16 @@ def test_the_kernels_are_for_cuda_caches_or_the_interpreter(monkeypatch):
     assert triton_attention.takes(torch.zeros(1))
 
 
+def test_the_kernels_find_triton_language_among_their_modules_globals():
+    """Triton 3.2, the one torch 2.6 requires, compiles a kernel with only its module's globals in scope, not
+    the names of the function that defined it: without `tl` there, neither kernel built (NameError) and a GPU
+    stayed on torch's path. (test_the_kernels_compile_for_a_hopper_gpu compiles them with Triton 3.2 in
+    make test-oldest-torch.)"""
+    triton = pytest.importorskip("triton")
+    for kernel in triton_attention._kernels():
+        assert kernel.fn.__globals__["tl"] is triton.language
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_the_kernels_compile_for_a_hopper_gpu(dtype):
     # The interpreter runs the kernels' Python; compiling them (here, to a Hopper's code, no GPU needed)
