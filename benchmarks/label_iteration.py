@@ -1,8 +1,9 @@
 """Iterating on labels: what a second run costs when one of three prompts changed, and what a second job
 over the same images costs with the encoder disk cache.
 
-On the `small` model (bf16 where the CPU has native bf16, else fp32) over the throughput benchmark's
-images (64 to 800 px, a long tail), three prompts of 16 new tokens each (EOS ignored):
+On the `small` model, or with `--size wide` one of Qwen2-VL-2B's widths and depths (bf16 where the CPU
+has native bf16, else fp32), over the throughput benchmark's images (64 to 800 px, a long tail), three
+prompts of 16 new tokens each (EOS ignored):
 (a) a job, then the same job with one prompt's text changed: the second run computes that prompt alone
     and keeps the other two prompts' rows; its wall time against the first's (the goal: at most the
     changed prompt's share of the work plus 10%), without and with the encoder disk cache (without it,
@@ -12,7 +13,7 @@ images (64 to 800 px, a long tail), three prompts of 16 new tokens each (EOS ign
 Each run is `run_job` in this process with the model loaded once; times are the runs' own `wall_s` and
 `encode_s`.
 
-    python benchmarks/label_iteration.py [--images 48] [--json PATH]
+    python benchmarks/label_iteration.py [--images 48] [--size small|wide] [--json PATH]
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ CHANGED = {"colors": "Name the three strongest colors in this picture."}
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--images", type=int, default=48)
+    parser.add_argument("--size", choices=["small", "wide"], default="small")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
 
@@ -50,7 +52,7 @@ def main() -> None:
 
     dtype = "bfloat16" if cpu_has_native_bf16() else "float32"
     work = Path(tempfile.mkdtemp(prefix="batchvl-label-iteration-"))
-    model_dir = build_tiny_model(work / "model", size="small", seed=0)
+    model_dir = build_tiny_model(work / "model", size=args.size, seed=0)
     (work / "data").mkdir()
     encoded = []
     for image in mixed_size_images(args.images, seed=1):
@@ -103,6 +105,7 @@ def main() -> None:
     if args.json:
         report = {
             "images": args.images,
+            "size": args.size,
             "dtype": dtype,
             "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "torch_threads": torch.get_num_threads(),

@@ -260,7 +260,8 @@ class EngineConfig:
     kv_cache_mb: float | Literal["auto"] = job_key(
         "auto",
         "Memory for the paged KV cache, in MiB; auto: 1024 on CPU, on CUDA a share (gpu_memory_utilization) "
-        "of the GPU memory free after the model, less a reserve for activations and the encoder cache",
+        "of the GPU memory free after the model, less the largest step's measured activations and a reserve "
+        "for a vision call and the encoder cache",
         above=0,
     )
     gpu_memory_utilization: float = job_key(
