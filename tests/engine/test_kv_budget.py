@@ -89,6 +89,13 @@ def test_the_largest_step_packs_the_token_budget_and_samples_a_row_per_sequence(
     assert one.shape[0] == 5  # no more sequences than tokens
 
 
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "llava", "idefics3"])
+def test_every_family_runs_the_largest_step(family_models, family):
+    _, loaded = family_models(family)
+    logits = largest_step(loaded.adapter, EngineConfig(max_num_batched_tokens=200, max_num_seqs=6))()
+    assert logits.shape == (6, loaded.adapter.geometry.vocab_size) and torch.isfinite(logits).all()
+
+
 def test_the_peak_is_what_the_step_allocates_beyond_what_was_allocated_before(loaded_fp32, monkeypatch):
     """The CUDA allocator's counters, faked: the step must run between the reset and the reading."""
     events = []
