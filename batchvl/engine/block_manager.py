@@ -181,7 +181,7 @@ class BlockManager:
         for the request: read it, never write it). numpy, where a step asks for every sequence's: slicing
         and growing a torch tensor cost 3-5 us a call, 1 ms a step at 256 decodes."""
         size = self.block_size
-        needed = -(-end // size)  # blocks_needed(end, size), without a call: this runs for every sequence
+        needed = blocks_needed(end, size)
         kept = self._slots.get(request.request_id)  # (no default array made on every call: most calls hit)
         expanded, slots = kept if kept is not None else (0, _NO_SLOTS)
         if expanded < needed:
@@ -190,8 +190,6 @@ class BlockManager:
                 grown[: expanded * size] = slots[: expanded * size]
                 slots = grown
             new_blocks = np.array(request.block_ids[expanded:needed], dtype=np.int64)
-            slots[expanded * size : needed * size] = (new_blocks[:, None] * size + np.arange(size)).reshape(
-                -1
-            )
+            slots[expanded * size : needed * size] = (new_blocks[:, None] * size + np.arange(size)).ravel()
             self._slots[request.request_id] = (needed, slots)
         return slots[:end]

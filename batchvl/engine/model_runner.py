@@ -150,10 +150,9 @@ class ModelRunner:
         for chunk in chunks:
             request = chunk.request
             start, num_tokens = chunk.start, chunk.num_tokens
-            num_prompt = len(request.prompt_token_ids)
             key_slots = block_manager.slots(request, chunk.end)
-            if num_tokens == 1 and start >= num_prompt:
-                token_ids.append(request.output_token_ids[start - num_prompt])
+            if num_tokens == 1 and chunk.is_generated:
+                token_ids.append(request.output_token_ids[start - len(request.prompt_token_ids)])
                 decode_positions.append(start + request.positions.delta)  # on every axis
                 decode_slots.append(block_manager.slot(request, start))
             else:
@@ -201,8 +200,8 @@ class ModelRunner:
         mask = torch.zeros(num_tokens, dtype=torch.bool)
         pieces = []
         for chunk, seq in zip(chunks, sequences, strict=True):
-            if chunk.start >= len(chunk.request.prompt_token_ids):
-                continue  # media lie in the prompt: a chunk of generated tokens (a decode) has none
+            if chunk.is_generated:
+                continue  # no media
             for span in chunk.request.images_overlapping(chunk.start, chunk.end):
                 lo, hi = max(chunk.start, span.offset), min(chunk.end, span.end)
                 first = seq.query_start + lo - chunk.start

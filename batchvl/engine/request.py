@@ -163,11 +163,12 @@ class ScheduledChunk:
     """`num_tokens` tokens of `request`, starting at position `start`, computed this step.
 
     What a step asks of a chunk many times per request (its end, whether it reaches the request's last
-    known token, whether it samples) is computed once when it is scheduled, not in a property per use: at
-    hundreds of decodes a step, those properties' chains of calls cost a millisecond a step. They describe
-    the chunk as scheduled, before the step appends its sampled token to the request."""
+    known token, whether it samples, whether it lies past the prompt) is computed once when it is
+    scheduled, not in a property per use: at hundreds of decodes a step, those properties' chains of calls
+    cost a millisecond a step. They describe the chunk as scheduled, before the step appends its sampled
+    token to the request."""
 
-    __slots__ = ("request", "start", "num_tokens", "end", "reaches_end", "samples_next_token")
+    __slots__ = ("request", "start", "num_tokens", "end", "reaches_end", "samples_next_token", "is_generated")
 
     def __init__(self, request: Request, start: int, num_tokens: int):
         self.request = request
@@ -177,6 +178,8 @@ class ScheduledChunk:
         self.reaches_end = self.end == request.num_tokens
         # Only a chunk that reaches the last known token yields logits worth sampling from.
         self.samples_next_token = self.reaches_end and request.score_from is None
+        # Only generated tokens (a decode, mostly): media lie in the prompt, so such a chunk has none
+        self.is_generated = start >= len(request.prompt_token_ids)
 
     def __repr__(self) -> str:
         return f"ScheduledChunk({self.request.request_id}, start={self.start}, num_tokens={self.num_tokens})"

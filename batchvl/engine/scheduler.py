@@ -81,8 +81,8 @@ class Scheduler:
         missing: set[str] = set()
         for chunk in plan.chunks:
             request = chunk.request
-            if chunk.start >= len(request.prompt_token_ids):
-                continue  # media lie in the prompt: a chunk of generated tokens (a decode) has none
+            if chunk.is_generated:
+                continue  # no media
             for span in request.images_overlapping(chunk.start, chunk.end):
                 if self.encoder_cache.holds(request.request_id, span.content_hash):
                     continue
@@ -164,8 +164,8 @@ class Scheduler:
             request = chunk.request
             request.num_computed_tokens = chunk.end
             self.block_manager.register_full_blocks(request)
-            if chunk.start >= len(request.prompt_token_ids):
-                continue  # generated tokens (a decode): its images were let go when its prompt was computed
+            if chunk.is_generated:
+                continue  # its images were let go when its prompt was computed
             held = self.encoder_cache.held_by(request.request_id)
             if not held:
                 continue
