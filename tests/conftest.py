@@ -25,6 +25,16 @@ if TEST_DEVICE.startswith("cuda"):
     torch.backends.cuda.matmul.allow_tf32 = False
 
 
+def reference_processor(path):
+    """The model's own processor as the references use it: transformers' Pillow backend, which batchvl's
+    preprocessing reproduces. Where torchvision is installed, transformers defaults to its torchvision
+    backend, whose pixels differ by a rounding step here and there: references computed from those differ
+    from the engine's by the input, not by the engine."""
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(path, backend="pil")
+
+
 def bf16_packs() -> bool:
     """Whether oneDNN has bf16 kernels on this CPU, asked of torch itself rather than of the code under
     test. On one without AVX-512 (an AVX2-only machine) torch cannot pack bf16 weights, and a bf16 model's

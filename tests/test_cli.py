@@ -9,9 +9,9 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from transformers import AutoModelForImageTextToText, AutoProcessor
+from transformers import AutoModelForImageTextToText
 
-from tests.conftest import random_image, two_prompt_job_yaml
+from tests.conftest import random_image, reference_processor, two_prompt_job_yaml
 
 
 def batchvl(*args, cwd=None, env=None):
@@ -72,7 +72,7 @@ def test_run_writes_one_row_per_sample_and_prompt_equal_to_generate(job, tiny_mo
     assert all(r["lang"] == "en" for r in table)
 
     # The same text as transformers generate on the same model and rendered prompt.
-    processor = AutoProcessor.from_pretrained(tiny_model_dir)
+    processor = reference_processor(tiny_model_dir)
     model = AutoModelForImageTextToText.from_pretrained(tiny_model_dir).eval()
     row = table[0]
     messages = [

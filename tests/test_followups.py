@@ -11,14 +11,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from transformers import AutoModelForImageTextToText, AutoProcessor
+from transformers import AutoModelForImageTextToText
 
 from batchvl.commands.retry import retry_failed
 from batchvl.config import job_config_from_dict, load_job_config
 from batchvl.errors import UserError
 from batchvl.pipeline.prompt_graph import PromptGraph
 from batchvl.pipeline.runner import run_job
-from tests.conftest import png_bytes, random_image
+from tests.conftest import png_bytes, random_image, reference_processor
 from tests.test_cli import batchvl
 
 NUM_SAMPLES = 5
@@ -82,7 +82,7 @@ def test_follow_ups_equal_generate_on_the_same_conversation(job_root, tiny_model
     rows = rows_by(root / "out" / "s.parquet")
     assert len(rows) == NUM_SAMPLES * 7
     model = AutoModelForImageTextToText.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    processor = AutoProcessor.from_pretrained(tiny_model_dir)
+    processor = reference_processor(tiny_model_dir)
     for i in range(NUM_SAMPLES):
         key, image = f"k{i}", random_image(40 + 8 * i, 56, seed=30 + i)
         caption = rows[(key, "caption")]["text"]
@@ -250,7 +250,7 @@ def test_a_follow_up_with_two_inputs_waits_for_both_and_fails_with_either(
     run_job(job_config_from_dict(job), loaded=loaded_fp32, show_progress=False)
     rows = rows_by(tmp_path / "out" / "s.parquet")
     model = AutoModelForImageTextToText.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    processor = AutoProcessor.from_pretrained(tiny_model_dir)
+    processor = reference_processor(tiny_model_dir)
     for i, key in enumerate(["a0", "a1", "a2"]):
         inputs = f"{rows[(key, 'first')]['text']} and {rows[(key, 'second')]['text']}"
         image = random_image(48, 40 + 8 * i, seed=60 + i)

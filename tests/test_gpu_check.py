@@ -64,3 +64,31 @@ def test_every_stage_is_reported_whatever_the_others_do(gpu_check, monkeypatch, 
     assert stages["fine"]["ok"] is True
     assert stages["late"] == {"ok": False, "skipped": "the time budget ran out"}
     assert report["ok"] is False
+
+
+def test_chosen_stages_run_alone_in_the_script_order(gpu_check, monkeypatch):
+    ran = []
+
+    def stage(name):
+        def run(work):
+            ran.append(name)
+            return {"ok": True}
+
+        return run
+
+    monkeypatch.setattr(gpu_check, "STAGES", [(name, stage(name)) for name in ("first", "second", "third")])
+    monkeypatch.setenv("GPU_CHECK_STAGES", "third, first")
+    with pytest.raises(SystemExit) as exit_status:
+        gpu_check.main()
+    assert exit_status.value.code == 0
+    assert ran == ["first", "third"]
+    assert list(json.loads(gpu_check.REPORT.read_text())["stages"]) == ["first", "third"]
+
+
+def test_an_unknown_stage_name_stops_before_any_stage_runs(gpu_check, monkeypatch):
+    monkeypatch.setattr(gpu_check, "STAGES", [("first", lambda work: {"ok": True})])
+    monkeypatch.setenv("GPU_CHECK_STAGES", "frist")
+    with pytest.raises(SystemExit) as exit_status:
+        gpu_check.main()
+    assert "no stage frist; the stages are first" in str(exit_status.value.code)
+    assert not gpu_check.REPORT.exists()

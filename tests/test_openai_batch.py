@@ -9,7 +9,7 @@ import tracemalloc
 import pyarrow.parquet as pq
 import pytest
 import torch
-from transformers import AutoModelForImageTextToText, AutoProcessor
+from transformers import AutoModelForImageTextToText
 
 from batchvl import api
 from batchvl.commands.retry import retry_failed
@@ -19,7 +19,7 @@ from batchvl.inputs.types import Sample, ShardInfo
 from batchvl.pipeline.runner import run_job
 from batchvl.preprocess.prompts import PromptRenderer
 from batchvl.preprocess.sample import SampleProcessor
-from tests.conftest import png_bytes, random_image, write_image_shards
+from tests.conftest import png_bytes, random_image, reference_processor, write_image_shards
 from tests.http_server import LoopbackServer
 from tests.test_cli import batchvl
 
@@ -260,7 +260,7 @@ output: {{dir: out, format: openai_batch}}
     assert [rows[k]["num_output_tokens"] for k in ("single", "multi-turn", "by-url")] == [5, 4, 6]
 
     model = AutoModelForImageTextToText.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    processor = AutoProcessor.from_pretrained(tiny_model_dir)
+    processor = reference_processor(tiny_model_dir)
     expected = {
         "single": generate_text(model, processor, [hf_user("Describe this image.", 1)], [IMAGES[0]], 5),
         "multi-turn": generate_text(
@@ -425,7 +425,7 @@ def test_odd_but_valid_files_give_each_line_one_output_line_with_ids_unique_in_t
     assert len(set(ids)) == len(ids) == 7  # the same error (line-3), the same answer ("second") in two files
 
     model = AutoModelForImageTextToText.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    processor = AutoProcessor.from_pretrained(tiny_model_dir)
+    processor = reference_processor(tiny_model_dir)
     content = [
         o["response"] and o["response"]["body"]["choices"][0]["message"]["content"] for o in out_a + out_b
     ]
@@ -437,7 +437,7 @@ def test_odd_but_valid_files_give_each_line_one_output_line_with_ids_unique_in_t
 def test_a_temperature_too_small_to_divide_by_runs_greedily(tmp_path, tiny_model_dir, loaded_fp32):
     """In a line's body and in the job's sampling: the row is ok and holds greedy generate's text."""
     model = AutoModelForImageTextToText.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    processor = AutoProcessor.from_pretrained(tiny_model_dir)
+    processor = reference_processor(tiny_model_dir)
     greedy = generate_text(model, processor, [hf_user("Describe this image.", 1)], [IMAGES[2]], 4)
     request = [user("Describe this image.", data_uri(IMAGES[2]))]
     for name, body, sampling in [("line", {"temperature": 1e-40}, {}), ("job", {}, {"temperature": 1e-40})]:

@@ -5,7 +5,7 @@ model's logits for the same tokens."""
 
 import pytest
 import torch
-from transformers import AutoModelForImageTextToText, AutoProcessor
+from transformers import AutoModelForImageTextToText
 
 from batchvl.config import EngineConfig
 from batchvl.engine.engine import Engine
@@ -13,7 +13,7 @@ from batchvl.engine.request import EngineRequest, SamplingParams
 from batchvl.models.loader import load_model
 from batchvl.preprocess.prompts import PromptRenderer
 from batchvl.preprocess.qwen_vision import QwenVisionSpec, prepare_image
-from tests.conftest import random_image
+from tests.conftest import random_image, reference_processor
 
 IMAGE_SIZES = [(100, 150), (200, 90), (28, 300), (300, 280)]
 PROMPT = "Describe this image."
@@ -32,7 +32,7 @@ def engine_logits(tiny_model_dir):
 def bf16_engine_logits(tiny_model_dir) -> dict:
     """Per image: the prompt's inputs, the engine's generated tokens and its (tokens, vocab) logits."""
     loaded = load_model(str(tiny_model_dir), dtype="bfloat16", device="cpu")
-    processor = AutoProcessor.from_pretrained(tiny_model_dir)
+    processor = reference_processor(tiny_model_dir)
     renderer = PromptRenderer(loaded.processor)
     spec = QwenVisionSpec.from_image_processor(loaded.processor.image_processor)
     # chunks of 37 tokens: prefill runs over cached context, then steps of several decodes together

@@ -6,7 +6,7 @@ neither the first nor the last, and on hand-made logits the first of equally pro
 
 import pytest
 import torch
-from transformers import AutoModelForImageTextToText, AutoProcessor
+from transformers import AutoModelForImageTextToText
 
 from batchvl.config import EngineConfig
 from batchvl.engine.choice_scoring import ChoiceGroup
@@ -14,7 +14,7 @@ from batchvl.engine.engine import Engine
 from batchvl.engine.request import EngineRequest, SamplingParams
 from batchvl.preprocess.prompts import PromptRenderer
 from batchvl.preprocess.qwen_vision import QwenVisionSpec, prepare_image
-from tests.conftest import random_image
+from tests.conftest import random_image, reference_processor
 from tests.engine.reference import EngineProbe, generate_reference, inputs_for
 
 CHOICES = ("drawing", "photo", "a screenshot of a web page")
@@ -35,7 +35,7 @@ def reference(tiny_model_dir):
 @pytest.fixture(scope="module")
 def samples(tiny_model_dir, loaded_fp32):
     """Two images with a question each: [(prompt ids, media, model inputs)]."""
-    processor = AutoProcessor.from_pretrained(tiny_model_dir)
+    processor = reference_processor(tiny_model_dir)
     renderer = PromptRenderer(loaded_fp32.processor)
     spec = QwenVisionSpec.from_image_processor(loaded_fp32.processor.image_processor)
     out = []

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 import xgrammar as xgr
-from transformers import AutoModelForImageTextToText, AutoProcessor
+from transformers import AutoModelForImageTextToText
 from xgrammar.contrib.hf import LogitsProcessor
 
 from batchvl.config import EngineConfig
@@ -22,7 +22,7 @@ from batchvl.engine.request import EngineRequest, SamplingParams
 from batchvl.engine.structured_output import OutputConstraint
 from batchvl.preprocess.prompts import PromptRenderer
 from batchvl.preprocess.qwen_vision import QwenVisionSpec, prepare_image
-from tests.conftest import random_image
+from tests.conftest import random_image, reference_processor
 from tests.engine.reference import EngineProbe, Expected, generate_reference, logits_tolerance
 
 SCHEMA = {
@@ -74,7 +74,7 @@ def compiler(loaded_fp32, reference):
 @pytest.fixture(scope="module")
 def samples(tiny_model_dir, loaded_fp32):
     """Two images, each with every kind's prompt: (image index, kind) -> (ids, media, model inputs)."""
-    processor = AutoProcessor.from_pretrained(tiny_model_dir)
+    processor = reference_processor(tiny_model_dir)
     renderer = PromptRenderer(loaded_fp32.processor)
     spec = QwenVisionSpec.from_image_processor(loaded_fp32.processor.image_processor)
     out = {}

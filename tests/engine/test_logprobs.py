@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 import xgrammar as xgr
-from transformers import AutoModelForImageTextToText, AutoProcessor
+from transformers import AutoModelForImageTextToText
 from xgrammar.contrib.hf import LogitsProcessor
 
 from batchvl.config import EngineConfig
@@ -17,7 +17,7 @@ from batchvl.engine.request import EngineRequest, SamplingParams
 from batchvl.engine.structured_output import OutputConstraint
 from batchvl.preprocess.prompts import PromptRenderer
 from batchvl.preprocess.qwen_vision import QwenVisionSpec, prepare_image
-from tests.conftest import random_image
+from tests.conftest import random_image, reference_processor
 from tests.engine.reference import EngineProbe
 
 SCHEMA = {
@@ -47,9 +47,7 @@ def prompt(tiny_model_dir, loaded_fp32):
         image, QwenVisionSpec.from_image_processor(loaded_fp32.processor.image_processor)
     )
     rendered = renderer.render("Describe this image.", 1)
-    inputs = AutoProcessor.from_pretrained(tiny_model_dir)(
-        text=[rendered], images=[image], return_tensors="pt"
-    )
+    inputs = reference_processor(tiny_model_dir)(text=[rendered], images=[image], return_tensors="pt")
     return renderer.token_ids(rendered, [prepared]), [prepared], inputs
 
 

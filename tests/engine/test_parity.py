@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from transformers import AutoModelForImageTextToText, AutoProcessor
+from transformers import AutoModelForImageTextToText
 
 import batchvl.layers.attention as attention
 import batchvl.models.qwen_vl as qwen_vl
@@ -18,7 +18,7 @@ from batchvl.layers.row_buckets import bucket_rows
 from batchvl.models.adapter import VLMAdapter
 from batchvl.preprocess.prompts import PromptRenderer
 from batchvl.preprocess.qwen_vision import QwenVisionSpec, prepare_image
-from tests.conftest import random_image
+from tests.conftest import random_image, reference_processor
 from tests.engine.reference import assert_matches_reference, make_case, run_cases
 
 MAX_NEW_TOKENS = 10
@@ -36,7 +36,7 @@ def cases(tiny_model_dir, loaded_fp32, reference):
     """A case per image x prompt (image 0 appears twice), with generate's tokens and logits."""
     images = [random_image(h, w, seed) for seed, (h, w) in enumerate(IMAGE_SIZES)]
     images.append(images[0])
-    processor = AutoProcessor.from_pretrained(tiny_model_dir)
+    processor = reference_processor(tiny_model_dir)
     renderer = PromptRenderer(loaded_fp32.processor)
     spec = QwenVisionSpec.from_image_processor(loaded_fp32.processor.image_processor)
     out = []
@@ -47,6 +47,9 @@ def cases(tiny_model_dir, loaded_fp32, reference):
             ids = renderer.token_ids(rendered, [prepared])
             inputs = processor(text=[rendered], images=[image], return_tensors="pt")
             assert inputs["input_ids"][0].tolist() == ids  # same prompt as the model's own processor
+            # and the same pixels: a reference computed from other pixels differs by its input
+            pixels = torch.as_tensor(prepared.pixel_values)
+            torch.testing.assert_close(pixels, inputs["pixel_values"], rtol=0, atol=1e-5)
             out.append(make_case(reference, (i, j), ids, [prepared], inputs, MAX_NEW_TOKENS))
     return out
 
@@ -248,7 +251,7 @@ def test_request_larger_than_kv_cache_is_an_error_not_a_stall(loaded_fp32, cases
 
 def test_several_images_in_one_prompt(tiny_model_dir, loaded_fp32, reference):
     images = [random_image(80, 120, 7), random_image(140, 60, 8)]
-    processor = AutoProcessor.from_pretrained(tiny_model_dir)
+    processor = reference_processor(tiny_model_dir)
     renderer = PromptRenderer(loaded_fp32.processor)
     spec = QwenVisionSpec.from_image_processor(loaded_fp32.processor.image_processor)
     prepared = [prepare_image(image, spec) for image in images]
@@ -264,7 +267,7 @@ def test_several_images_in_one_prompt(tiny_model_dir, loaded_fp32, reference):
 def test_stop_strings_end_generation_where_generate_stops(tiny_model_dir, loaded_fp32, reference, cases):
     """A stop string ends the request at the token that completes it, as `generate(stop_strings=...)` does,
     and the text is cut before it."""
-    processor = AutoProcessor.from_pretrained(tiny_model_dir)
+    processor = reference_processor(tiny_model_dir)
     tokenizer = loaded_fp32.processor.tokenizer
     checked = 0
     for case in cases[:6]:

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 import xgrammar as xgr
-from transformers import AutoModelForImageTextToText, AutoProcessor
+from transformers import AutoModelForImageTextToText
 from xgrammar.contrib.hf import LogitsProcessor
 
 from batchvl.config import EngineConfig
@@ -17,7 +17,7 @@ from batchvl.engine.request import EngineRequest, SamplingParams
 from batchvl.engine.structured_output import OutputConstraint
 from batchvl.preprocess.prompts import PromptRenderer
 from batchvl.preprocess.qwen_vision import QwenVisionSpec, prepare_image
-from tests.conftest import random_image
+from tests.conftest import random_image, reference_processor
 from tests.engine.reference import EngineProbe, generate_reference
 
 # Properties deliberately out of alphabetical order, at the top level and inside a nested object.
@@ -53,7 +53,7 @@ def test_properties_are_generated_in_the_schema_order(tiny_model_dir, loaded_fp3
     compiled = xgr.GrammarCompiler(info).compile_json_schema(
         json.dumps(SCHEMA), any_whitespace=False, separators=(",", ":")
     )
-    processor = AutoProcessor.from_pretrained(tiny_model_dir)
+    processor = reference_processor(tiny_model_dir)
     renderer = PromptRenderer(loaded_fp32.processor)
     spec = QwenVisionSpec.from_image_processor(loaded_fp32.processor.image_processor)
     engine = Engine(loaded_fp32.adapter, tokenizer, EngineConfig(), loaded_fp32.eos_token_ids())
