@@ -4,6 +4,7 @@ that backend, also where torchvision is installed and transformers would default
 way: the test watches what the loader asks transformers for, on both of its paths."""
 
 import pytest
+import transformers
 from transformers.image_processing_backends import PilBackend
 
 import batchvl.models.processor as processor_module
@@ -11,19 +12,23 @@ from batchvl.demo.tiny_model import build_tiny_model
 from batchvl.models.loader import load_processor
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "llava", "idefics3"])
-def test_the_loaded_processor_is_the_pillow_backend(tmp_path, monkeypatch, family):
-    import transformers
-
-    path = build_tiny_model(tmp_path / family, family=family, seed=0)
+def backends_asked(monkeypatch, loader_class) -> list:
+    """The `backend` of every `loader_class.from_pretrained` call from now on (the calls still load)."""
     asked = []
-    load = transformers.AutoProcessor.from_pretrained
+    load = loader_class.from_pretrained
 
     def asking(*args, **kwargs):
         asked.append(kwargs.get("backend"))
         return load(*args, **kwargs)
 
-    monkeypatch.setattr(transformers.AutoProcessor, "from_pretrained", asking)
+    monkeypatch.setattr(loader_class, "from_pretrained", asking)
+    return asked
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "llava", "idefics3"])
+def test_the_loaded_processor_is_the_pillow_backend(tmp_path, monkeypatch, family):
+    path = build_tiny_model(tmp_path / family, family=family, seed=0)
+    asked = backends_asked(monkeypatch, transformers.AutoProcessor)
     loaded = load_processor(str(path), family)
     assert asked == ["pil"]
     assert isinstance(loaded.image_processor, PilBackend)
@@ -32,22 +37,13 @@ def test_the_loaded_processor_is_the_pillow_backend(tmp_path, monkeypatch, famil
 def test_the_image_only_fallback_asks_for_the_pillow_backend_too(tmp_path, monkeypatch):
     """Where AutoProcessor fails (a Qwen-VL video processor without torchvision), the image processor
     alone is loaded: from the Pillow backend as well."""
-    import transformers
-
     path = build_tiny_model(tmp_path / "qwen2_vl", family="qwen2_vl", seed=0)
 
     def failing(*args, **kwargs):
         raise ImportError("the video processor needs torchvision")
 
-    asked = []
-    load = processor_module.AutoImageProcessor.from_pretrained
-
-    def asking(*args, **kwargs):
-        asked.append(kwargs.get("backend"))
-        return load(*args, **kwargs)
-
     monkeypatch.setattr(transformers.AutoProcessor, "from_pretrained", failing)
-    monkeypatch.setattr(processor_module.AutoImageProcessor, "from_pretrained", asking)
+    asked = backends_asked(monkeypatch, processor_module.AutoImageProcessor)
     loaded = load_processor(str(path), "qwen2_vl")
     assert asked == ["pil"]
     assert isinstance(loaded.image_processor, PilBackend)
