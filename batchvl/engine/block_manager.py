@@ -117,6 +117,10 @@ class BlockManager:
         request.num_offered_blocks = num_full
 
     # --- allocation ---------------------------------------------------------------------------------
+    def has_room(self, request: Request, num_new_tokens: int) -> bool:
+        """Whether the request's blocks hold `num_new_tokens` more (asked for every decode of every step)."""
+        return request.num_computed_tokens + num_new_tokens <= len(request.block_ids) * self.block_size
+
     def num_new_blocks(self, request: Request, num_new_tokens: int) -> int:
         needed = blocks_needed(request.num_computed_tokens + num_new_tokens, self.block_size)
         return max(0, needed - len(request.block_ids))
@@ -171,10 +175,6 @@ class BlockManager:
         assert {b: h for h, b in self._block_of_hash.items()} == self._hash_of_block, "hash maps disagree"
         assert all(block in self._hash_of_block for block in free_cached), "a cached free block lost its hash"
         assert not set(free) & set(self._hash_of_block), "a plain free block still has a hash"
-
-    def slot(self, request: Request, position: int) -> int:
-        """The cache slot of one of the request's token positions."""
-        return request.block_ids[position // self.block_size] * self.block_size + position % self.block_size
 
     def slots(self, request: Request, end: int) -> np.ndarray:
         """Cache slots of the request's token positions [0, end), as int64 (a numpy view of the slots kept

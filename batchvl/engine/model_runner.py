@@ -10,7 +10,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from batchvl.engine.adapter import ModelAdapter
@@ -21,6 +20,7 @@ from batchvl.engine.vit_dp import DataParallelEncoder
 from batchvl.layers.attention import KVCache, PagedAttentionMetadata, SequenceSlice
 from batchvl.layers.row_buckets import bucket_rows
 from batchvl.preprocess.media import PreparedMedia
+from batchvl.utils.int_tensors import int64_tensor
 
 
 @dataclass
@@ -63,7 +63,8 @@ def encode_images(adapter: ModelAdapter, images: list[PreparedMedia], max_patche
     position = {id(img): i for i, img in enumerate(images)}
     out: list[torch.Tensor | None] = [None] * len(images)
     for batch in encode_batches(images, max_patches):
-        pixel_values = torch.from_numpy(np.concatenate([img.pixel_values for img in batch]))
+        # numpy arrays, or tensors already on the device (a serving rank's share under ViT-DP over NCCL)
+        pixel_values = torch.cat([torch.as_tensor(img.pixel_values) for img in batch])
         grid = torch.tensor([img.grid_thw for img in batch], dtype=torch.long)
         for img, embedding in zip(batch, adapter.encode(batch[0].kind, pixel_values, grid), strict=True):
             out[position[id(img)]] = embedding
@@ -137,8 +138,8 @@ class ModelRunner:
         def end_decode_run() -> None:
             if decode_positions:
                 axes = chunks[0].request.positions.prompt.shape[0]
-                positions.append(torch.tensor(decode_positions).expand(axes, -1))
-                slot_mapping.append(torch.tensor(decode_slots))
+                positions.append(int64_tensor(decode_positions).expand(axes, -1))
+                slot_mapping.append(int64_tensor(decode_slots))
                 decode_positions.clear()
                 decode_slots.clear()
 
@@ -154,7 +155,7 @@ class ModelRunner:
             if num_tokens == 1 and chunk.is_generated:
                 token_ids.append(request.output_token_ids[start - len(request.prompt_token_ids)])
                 decode_positions.append(start + request.positions.delta)  # on every axis
-                decode_slots.append(block_manager.slot(request, start))
+                decode_slots.append(key_slots[start])
             else:
                 token_ids.extend(request.token_ids(start, chunk.end))
                 end_decode_run()
@@ -181,7 +182,7 @@ class ModelRunner:
         )
         started = time.perf_counter()
         hidden = self.adapter.forward(
-            torch.tensor(token_ids, dtype=torch.long),
+            int64_tensor(token_ids),
             torch.cat(positions, dim=1),
             media_mask,
             media_rows,

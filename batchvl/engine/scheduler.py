@@ -109,13 +109,15 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = self._chunk_size(request, budget)
+            # A decode (one token left to compute: most of a step) cuts no image, so its size needs no look
+            is_decode = request.num_tokens - request.num_computed_tokens == 1
+            num_new = 1 if is_decode else self._chunk_size(request, budget)
             if num_new == 0:  # its next image does not fit in what is left of the budget
                 index += 1
                 continue
             # Most decodes have room in their last block: nothing to allocate, nobody to preempt (checked
             # once, where a step of hundreds of decodes spent microseconds each asking twice).
-            if self.block_manager.num_new_blocks(request, num_new):
+            if not self.block_manager.has_room(request, num_new):
                 while not self.block_manager.can_allocate(request, num_new):
                     victim = self.running[-1]
                     self._preempt(victim)

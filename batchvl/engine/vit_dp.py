@@ -11,10 +11,13 @@ GPU (NCCL refuses two ranks of a group on one GPU; gloo copies CUDA tensors thro
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from batchvl.errors import UserError
@@ -72,10 +75,13 @@ class DataParallelEncoder:
         shares = lpt_assignment([img.num_patches for img in images], self.context.world_size)
         for rank, share in enumerate(shares):
             self.patches_per_rank[rank] += sum(images[i].num_patches for i in share)
-        messages = [("encode", [images[i] for i in share]) for share in shares]
-        received: list = [None]
-        dist.scatter_object_list(received, messages, src=0)
-        gathered = _encode_and_gather(self.local_encode, received[0][1], self.device)
+        # the serving ranks' pixels (rank 0's own share never leaves it), as bytes of the longest share's
+        pixels = [[images[i].pixel_values for i in share] for share in shares[1:]]
+        longest = max(1, *(sum(array.nbytes for array in share) for share in pixels))
+        messages = [("encode", longest, [_described(images[i]) for i in share]) for share in shares]
+        dist.scatter_object_list([None], messages, src=0)
+        _scatter_pixels(pixels, longest, self.device)
+        gathered = _encode_and_gather(self.local_encode, [images[i] for i in shares[0]], self.device)
         out: list[torch.Tensor | None] = [None] * len(images)
         for share, embeddings in zip(shares, gathered, strict=True):
             for index, embedding in zip(share, embeddings, strict=True):
@@ -87,7 +93,7 @@ def release_serving_ranks(world_size: int) -> None:
     """Rank 0, once, when the job is over or has failed: tell the serving ranks to stop."""
     import torch.distributed as dist
 
-    dist.scatter_object_list([None], [("stop", None)] * world_size, src=0)
+    dist.scatter_object_list([None], [("stop", 0, None)] * world_size, src=0)
 
 
 def leave_process_group() -> None:
@@ -110,11 +116,68 @@ def serve_encode_rounds(local_encode: LocalEncode, device: torch.device) -> int:
     while True:
         received: list = [None]
         dist.scatter_object_list(received, None, src=0)
-        op, message = received[0]
+        op, longest, described = received[0]
         if op == "stop":
             return rounds
-        _encode_and_gather(local_encode, message, device)
+        _encode_and_gather(local_encode, _receive_pixels(described, longest, device), device)
         rounds += 1
+
+
+# An image's pixels leave rank 0 as bytes of one tensor per rank (`_scatter_pixels`), not in the pickled
+# message: pickling copies them twice more, and NCCL moves a tensor GPU to GPU. The message says how to
+# cut them up again: the image without its pixels, their shape and dtype.
+_NO_PIXELS = np.empty(0, dtype=np.uint8)
+
+
+def _described(image: PreparedMedia) -> tuple[PreparedMedia, tuple[int, ...], str]:
+    pixels = image.pixel_values
+    return dataclasses.replace(image, pixel_values=_NO_PIXELS), pixels.shape, pixels.dtype.str
+
+
+def _transport_device(device: torch.device) -> torch.device:
+    """NCCL moves only GPU tensors; gloo here moves host ones."""
+    import torch.distributed as dist
+
+    return device if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def _scatter_pixels(pixels: list[list[np.ndarray]], longest: int, device: torch.device) -> None:
+    """Rank 0: each serving rank's pixels (ranks 1, 2, ...), as one byte tensor padded to `longest`, in one
+    scatter; rank 0's own slot is an unread buffer of that size."""
+    import torch.distributed as dist
+
+    transport = _transport_device(device)
+    own = torch.empty(longest, dtype=torch.uint8, device=transport)
+    padded = [own]
+    for share in pixels:
+        buffer = np.zeros(longest, dtype=np.uint8)
+        if share:
+            flat = np.concatenate([np.ascontiguousarray(array).reshape(-1).view(np.uint8) for array in share])
+            buffer[: flat.size] = flat
+        padded.append(torch.from_numpy(buffer).to(transport))
+    dist.scatter(own, padded, src=0)
+
+
+def _receive_pixels(
+    described: list[tuple[PreparedMedia, tuple[int, ...], str]], longest: int, device: torch.device
+) -> list[PreparedMedia]:
+    """A serving rank: its share's pixels from `_scatter_pixels`, put back into its images (numpy arrays
+    from gloo; over NCCL, tensors already on this rank's GPU, which the vision tower takes as they are)."""
+    import torch.distributed as dist
+
+    received = torch.empty(longest, dtype=torch.uint8, device=_transport_device(device))
+    dist.scatter(received, None, src=0)
+    images, offset = [], 0
+    for image, shape, dtype in described:
+        size = math.prod(shape) * np.dtype(dtype).itemsize
+        piece = received[offset : offset + size]
+        offset += size
+        if piece.is_cuda:
+            pixels = piece.view(torch.from_numpy(np.empty(0, dtype=dtype)).dtype).view(shape)
+        else:
+            pixels = piece.numpy().view(dtype).reshape(shape)
+        images.append(dataclasses.replace(image, pixel_values=pixels))
+    return images
 
 
 def _encode_and_gather(

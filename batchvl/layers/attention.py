@@ -15,7 +15,6 @@ in one call per layer; elsewhere each takes torch's attention.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -26,6 +25,7 @@ from batchvl.layers import triton_attention
 from batchvl.layers.cpu_attention import use_native_attention
 from batchvl.layers.cpu_features import has_amx
 from batchvl.layers.native_kernels import HEAD_DIMS, native_ops, runs_natively
+from batchvl.utils.int_tensors import int64_tensor
 
 PAGED_ATTENTION_NAME = "batchvl_paged"
 
@@ -161,7 +161,7 @@ def key_slot_table(sequences: list[SequenceSlice]) -> tuple[torch.Tensor, torch.
     slots = torch.nn.utils.rnn.pad_sequence(
         [torch.as_tensor(seq.key_slots) for seq in sequences], batch_first=True
     )
-    return slots, torch.tensor([seq.num_keys for seq in sequences])
+    return slots, int64_tensor([seq.num_keys for seq in sequences])
 
 
 @dataclass
@@ -176,11 +176,12 @@ class InPlaceDecodes:
 
     @classmethod
     def build(cls, sequences: list[SequenceSlice], device: torch.device) -> InPlaceDecodes:
-        lengths = [seq.num_keys for seq in sequences]
-        rows = torch.tensor([seq.query_start for seq in sequences])
-        starts = torch.tensor([0, *itertools.accumulate(lengths[:-1])])
+        lengths = np.array([seq.num_keys for seq in sequences], dtype=np.int64)
+        starts = np.zeros_like(lengths)
+        np.cumsum(lengths[:-1], out=starts[1:])
+        rows = int64_tensor([seq.query_start for seq in sequences])
         slots = torch.from_numpy(np.concatenate([np.asarray(seq.key_slots) for seq in sequences]))
-        return cls(*uploaded([rows, slots, starts, torch.tensor(lengths)], device))
+        return cls(*uploaded([rows, slots, torch.from_numpy(starts), torch.from_numpy(lengths)], device))
 
     def attend(self, out: torch.Tensor, query: torch.Tensor, kv: torch.Tensor, scaling: float) -> None:
         """Write into `out` (T, H, D), at each decode's row, its attention over its cached keys; `query` is
@@ -204,8 +205,8 @@ class InPlacePrefills:
     @classmethod
     def build(cls, sequences: list[SequenceSlice], device: torch.device) -> InPlacePrefills:
         counts = [seq.num_queries for seq in sequences]
-        starts = torch.tensor([seq.query_start for seq in sequences])
-        tensors = uploaded([starts, torch.tensor(counts), *key_slot_table(sequences)], device)
+        starts = int64_tensor([seq.query_start for seq in sequences])
+        tensors = uploaded([starts, int64_tensor(counts), *key_slot_table(sequences)], device)
         return cls(*tensors, max(counts))
 
     def attend(self, out: torch.Tensor, query: torch.Tensor, kv: torch.Tensor, scaling: float) -> None:

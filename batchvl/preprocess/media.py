@@ -22,6 +22,7 @@ class PreparedMedia:
     `num_tokens` embedding rows fill in order.
     """
 
+    # (a serving rank of ViT data parallelism over NCCL receives them as a tensor on its GPU: vit_dp.py)
     pixel_values: np.ndarray
     grid_thw: tuple[int, int, int]  # patch grid: (frames / tiles, rows, columns); its product is the cost
     content_hash: str
