@@ -17,7 +17,7 @@ from batchvl.engine.block_manager import BlockManager
 from batchvl.engine.device_sync import synchronize
 from batchvl.engine.request import Request, RequestPositions, ScheduledChunk
 from batchvl.engine.vit_dp import DataParallelEncoder
-from batchvl.layers.attention import KVCache, PagedAttentionMetadata, SequenceSlice
+from batchvl.layers.attention import KVCache, PagedAttentionMetadata, SequenceSlice, uploaded
 from batchvl.layers.row_buckets import bucket_rows
 from batchvl.preprocess.media import PreparedMedia
 from batchvl.utils.int_tensors import int64_tensor
@@ -177,18 +177,26 @@ class ModelRunner:
 
         media_mask, media_rows = self._media_rows(len(token_ids), chunks, sequences)
         device = self.adapter.device
-        meta = PagedAttentionMetadata.build(
-            self.kv_cache, torch.cat(slot_mapping).to(device), sequences, device
+        # the step's tokens, positions, cache slots and logits rows go to the device together, in one copy
+        token_ids_on, positions_on, slots_on, logits_rows = uploaded(
+            [
+                int64_tensor(token_ids),
+                torch.cat(positions, dim=1),
+                torch.cat(slot_mapping),
+                int64_tensor(last_rows + scored_rows),
+            ],
+            device,
         )
+        meta = PagedAttentionMetadata.build(self.kv_cache, slots_on, sequences, device)
         started = time.perf_counter()
         hidden = self.adapter.forward(
-            int64_tensor(token_ids),
-            torch.cat(positions, dim=1),
+            token_ids_on,
+            positions_on,
             media_mask,
             media_rows,
             batchvl_attention=meta,
         )
-        logits = self.adapter.compute_logits(hidden[last_rows + scored_rows])
+        logits = self.adapter.compute_logits(hidden[logits_rows])
         synchronize(device)  # the forward's kernels done, not just launched
         self.forward_s += time.perf_counter() - started
         return StepLogits(logits[: len(last_rows)], logits[len(last_rows) :])
