@@ -78,8 +78,8 @@ class DataParallelEncoder:
         # the serving ranks' pixels (rank 0's own share never leaves it), as bytes of the longest share's
         pixels = [[images[i].pixel_values for i in share] for share in shares[1:]]
         longest = max(1, *(sum(array.nbytes for array in share) for share in pixels))
-        messages = [("encode", longest, [_described(images[i]) for i in share]) for share in shares]
-        dist.scatter_object_list([None], messages, src=0)
+        serving = [("encode", longest, [_described(images[i]) for i in share]) for share in shares[1:]]
+        dist.scatter_object_list([None], [("encode", longest, [])] + serving, src=0)  # rank 0's: unread
         _scatter_pixels(pixels, longest, self.device)
         gathered = _encode_and_gather(self.local_encode, [images[i] for i in shares[0]], self.device)
         out: list[torch.Tensor | None] = [None] * len(images)
