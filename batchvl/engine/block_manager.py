@@ -19,7 +19,7 @@ import numpy as np
 from batchvl.engine.prefix_cache import extend_block_hashes
 from batchvl.engine.request import Request
 
-_NO_SLOTS = np.empty(0, dtype=np.int64)
+_NOTHING = np.empty(0, dtype=np.int64)
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
@@ -42,11 +42,11 @@ class BlockManager:
         self._refs = [0] * num_blocks
         self._block_of_hash: dict[int, int] = {}
         self._hash_of_block: dict[int, int] = {}
-        # Per request id: how many of its blocks are expanded into slots, and those slots (with room to grow).
-        # A block table only grows until `free` empties it, so a step adds the slots of new blocks alone,
-        # where recomputing every context token's slot of every request cost 18 ms per step at 256 decodes
-        # of 600 tokens.
-        self._slots: dict[int, tuple[int, np.ndarray]] = {}
+        # Per request id: how many of its blocks are kept as arrays, its block table and their slots as int64
+        # (each with room to grow). A block table only grows until `free` empties it, so a step adds the
+        # slots of new blocks alone, where recomputing every context token's slot of every request cost
+        # 18 ms per step at 256 decodes of 600 tokens.
+        self._tables: dict[int, tuple[int, np.ndarray, np.ndarray]] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -94,7 +94,7 @@ class BlockManager:
             self._refs[block] += 1
         request.block_ids = list(cached)
         request.num_offered_blocks = len(cached)  # they come from the prefix cache: published already
-        self._slots.pop(request.request_id, None)
+        self._tables.pop(request.request_id, None)
         request.num_computed_tokens = len(cached) * self.block_size
         self.allocate(request, num_new_tokens)
 
@@ -157,7 +157,7 @@ class BlockManager:
                 self._free.append(block)
         request.block_ids = []
         request.num_offered_blocks = 0
-        self._slots.pop(request.request_id, None)
+        self._tables.pop(request.request_id, None)
 
     def check_integrity(self, requests: list[Request]) -> None:
         """Assert the bookkeeping is whole, given every request that holds blocks: each block is free,
@@ -176,20 +176,28 @@ class BlockManager:
         assert all(block in self._hash_of_block for block in free_cached), "a cached free block lost its hash"
         assert not set(free) & set(self._hash_of_block), "a plain free block still has a hash"
 
-    def slots(self, request: Request, end: int) -> np.ndarray:
-        """Cache slots of the request's token positions [0, end), as int64 (a numpy view of the slots kept
-        for the request: read it, never write it). numpy, where a step asks for every sequence's: slicing
-        and growing a torch tensor cost 3-5 us a call, 1 ms a step at 256 decodes."""
+    def key_layout(self, request: Request, end: int) -> tuple[np.ndarray, np.ndarray]:
+        """Where the request's token positions [0, end) lie in the cache: their slots, and the blocks that
+        hold them (its block table's first blocks), both int64 numpy views of arrays kept for the request:
+        read them, never write them. numpy, where a step asks for every sequence's: slicing and growing a
+        torch tensor cost 3-5 us a call, 1 ms a step at 256 decodes."""
         size = self.block_size
         needed = blocks_needed(end, size)
-        kept = self._slots.get(request.request_id)  # (no default array made on every call: most calls hit)
-        expanded, slots = kept if kept is not None else (0, _NO_SLOTS)
+        kept = self._tables.get(request.request_id)  # (no default arrays made on every call: most calls hit)
+        expanded, blocks, slots = kept if kept is not None else (0, _NOTHING, _NOTHING)
         if expanded < needed:
-            if len(slots) < needed * size:  # room for twice the blocks: a request grows a block at a time
-                grown = np.empty(2 * needed * size, dtype=np.int64)
-                grown[: expanded * size] = slots[: expanded * size]
-                slots = grown
+            if len(blocks) < needed:  # room for twice the blocks: a request grows a block at a time
+                blocks = grown(blocks, 2 * needed, expanded)
+                slots = grown(slots, 2 * needed * size, expanded * size)
             new_blocks = np.array(request.block_ids[expanded:needed], dtype=np.int64)
+            blocks[expanded:needed] = new_blocks
             slots[expanded * size : needed * size] = (new_blocks[:, None] * size + np.arange(size)).ravel()
-            self._slots[request.request_id] = (needed, slots)
-        return slots[:end]
+            self._tables[request.request_id] = (needed, blocks, slots)
+        return slots[:end], blocks[:needed]
+
+
+def grown(values: np.ndarray, size: int, kept: int) -> np.ndarray:
+    """An int64 array of `size` whose first `kept` values are `values'`."""
+    larger = np.empty(size, dtype=np.int64)
+    larger[:kept] = values[:kept]
+    return larger

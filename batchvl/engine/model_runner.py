@@ -148,10 +148,11 @@ class ModelRunner:
         last_rows: list[int] = []
         scored_rows: list[int] = []
         query_start = 0
+        block_size = block_manager.block_size
         for chunk in chunks:
             request = chunk.request
             start, num_tokens = chunk.start, chunk.num_tokens
-            key_slots = block_manager.slots(request, chunk.end)
+            key_slots, key_blocks = block_manager.key_layout(request, chunk.end)
             if num_tokens == 1 and chunk.is_generated:
                 token_ids.append(request.output_token_ids[start - len(request.prompt_token_ids)])
                 decode_positions.append(start + request.positions.delta)  # on every axis
@@ -161,7 +162,16 @@ class ModelRunner:
                 end_decode_run()
                 positions.append(self._chunk_positions(request, start, chunk.end))
                 slot_mapping.append(torch.from_numpy(key_slots[start:]))
-            sequences.append(SequenceSlice(query_start, num_tokens, key_slots, num_keys=chunk.end))
+            sequences.append(
+                SequenceSlice(
+                    query_start,
+                    num_tokens,
+                    key_slots,
+                    num_keys=chunk.end,
+                    key_blocks=key_blocks,
+                    block_size=block_size,
+                )
+            )
             if chunk.samples_next_token:
                 last_rows.append(query_start + num_tokens - 1)
             elif request.score_from is not None:

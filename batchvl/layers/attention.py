@@ -95,6 +95,10 @@ class SequenceSlice:
     attention_mask: torch.Tensor | None = None  # causal_mask(...), built once a step for every layer
     # len(key_slots), as an int: read for every sequence of a step, where a tensor's len() costs 2 us
     num_keys: int | None = None
+    # The cache blocks holding those slots, in order, `block_size` slots each (the engine's block table): a
+    # decode kernel reads a few dozen block ids where the slots are one per key. None: the slots alone.
+    key_blocks: np.ndarray | None = None
+    block_size: int = 1
 
     def __post_init__(self):
         if self.num_keys is None:
@@ -170,24 +174,34 @@ class InPlaceDecodes:
     (`native_kernels`): no gather, no padding to a common length, one call per layer."""
 
     rows: torch.Tensor  # (B,) packed row of each query
-    slots: torch.Tensor  # the sequences' cache slots one after the other, each in position order
-    starts: torch.Tensor  # (B,) where each sequence's slots begin in `slots`
-    lengths: torch.Tensor  # (B,)
+    pages: torch.Tensor  # the sequences' cache pages one after the other, each sequence's in position order
+    starts: torch.Tensor  # (B,) where each sequence's pages begin in `pages`
+    lengths: torch.Tensor  # (B,) keys
+    page_size: int  # slots per page: the block size, or 1 where the pages are the slots themselves
 
     @classmethod
     def build(cls, sequences: list[SequenceSlice], device: torch.device) -> InPlaceDecodes:
-        lengths = np.array([seq.num_keys for seq in sequences], dtype=np.int64)
-        starts = np.zeros_like(lengths)
-        np.cumsum(lengths[:-1], out=starts[1:])
+        """The sequences' blocks where each has its block table (the engine's, one block size), else their
+        slots: at 256 decodes of 600 keys the slots were 150k ints to join and upload every step, the
+        blocks 10k."""
+        page_size = sequences[0].block_size
+        by_block = all(seq.key_blocks is not None and seq.block_size == page_size for seq in sequences)
+        if not by_block:
+            page_size = 1
+        pages = [seq.key_blocks if by_block else np.asarray(seq.key_slots) for seq in sequences]
+        counts = np.array([len(own) for own in pages], dtype=np.int64)
+        starts = np.zeros_like(counts)
+        np.cumsum(counts[:-1], out=starts[1:])
         rows = int64_tensor([seq.query_start for seq in sequences])
-        slots = torch.from_numpy(np.concatenate([np.asarray(seq.key_slots) for seq in sequences]))
-        return cls(*uploaded([rows, slots, torch.from_numpy(starts), torch.from_numpy(lengths)], device))
+        lengths = int64_tensor([seq.num_keys for seq in sequences])
+        joined = torch.from_numpy(np.concatenate(pages))
+        return cls(*uploaded([rows, joined, torch.from_numpy(starts), lengths], device), page_size)
 
     def attend(self, out: torch.Tensor, query: torch.Tensor, kv: torch.Tensor, scaling: float) -> None:
         """Write into `out` (T, H, D), at each decode's row, its attention over its cached keys; `query` is
         (H, T, D) with contiguous heads, `kv` one layer of the cache."""
         paged_kernels(kv).paged_decode_attention(
-            out, query, kv, self.rows, self.slots, self.starts, self.lengths, scaling
+            out, query, kv, self.rows, self.pages, self.starts, self.lengths, scaling, self.page_size
         )
 
 

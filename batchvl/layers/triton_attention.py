@@ -2,7 +2,7 @@
 padding and no dense mask.
 
 The same two calls as the native CPU kernels (`native_kernels`), over the same metadata: a step's decodes
-(one query each, over the cache slots of their keys listed one sequence after the other) and its prefill
+(one query each, over the cache pages of their keys listed one sequence after the other) and its prefill
 chunks (each chunk's queries at the last positions of its keys, causal, over a (chunks, keys) table of cache
 slots). On CUDA the torch path gathered every decode's keys into padded groups and attended each prefill
 chunk with a masked SDPA call, in every layer of every step; PyTorch 2.11 images with Triton but no
@@ -39,7 +39,7 @@ def _kernels():
 
     @triton.jit
     def decode_kernel(
-        out, query, kv, rows, slots, starts, lengths, scale,
+        out, query, kv, rows, pages, starts, lengths, scale, page_size,
         stride_ot, stride_oh, stride_qh, stride_qt, stride_kv, stride_kh, stride_ks,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     ):  # fmt: skip
@@ -61,7 +61,8 @@ def _kernels():
         for first in range(0, length, BLOCK_N):
             offsets = first + tl.arange(0, BLOCK_N)
             present = offsets < length
-            slot = tl.load(slots + start + offsets, mask=present, other=0).to(tl.int64)
+            page = tl.load(pages + start + offsets // page_size, mask=present, other=0).to(tl.int64)
+            slot = page * page_size + offsets % page_size
             where = slot[:, None] * stride_ks + dims[None, :]
             both = present[:, None] & in_dims[None, :]
             k = tl.load(keys + where, mask=both, other=0.0).to(tl.float32)
@@ -151,14 +152,15 @@ def _works_on(device: torch.device, dtype: torch.dtype) -> bool:
         kv = torch.randn(2, 1, 8, 16, device=device, generator=generator).to(dtype)
         query = torch.randn(2, 3, 16, device=device, generator=generator).to(dtype)
         out = torch.zeros(3, 2, 16, device=device, dtype=dtype)
-        slots = torch.tensor([[5, 2, 7]], device=device)
+        slots = torch.tensor([[4, 5, 2]], device=device)
 
         def ints(*values):
             return torch.tensor(values, device=device)
 
         chunk = (ints(0), ints(2), slots, ints(3))  # first row, queries, key slots, keys
         paged_prefill_attention(out, query, kv, *chunk, 0.25, 2)
-        paged_decode_attention(out, query, kv, ints(2), slots[0], ints(0), ints(3), 0.25)
+        pages = ints(2, 1)  # pages of two slots: the same slots
+        paged_decode_attention(out, query, kv, ints(2), pages, ints(0), ints(3), 0.25, 2)
         # rows 0 and 1: the chunk's queries, at positions 1 and 2 after one key of context; row 2: the decode
         keys, values = (kv[i][:, slots[0]].float() for i in (0, 1))
         seen = torch.arange(3, device=device)[None, :] <= torch.tensor([1, 2, 2], device=device)[:, None]
@@ -181,14 +183,17 @@ def _block_dims(head_dim: int) -> int:
     return max(16, 1 << (head_dim - 1).bit_length())
 
 
-def paged_decode_attention(out, query, kv, rows, slots, starts, lengths, scale: float) -> None:
+def paged_decode_attention(
+    out, query, kv, rows, pages, starts, lengths, scale: float, page_size: int
+) -> None:
     """`out` (T, H, D) at each decode's row: its query's attention over its cached keys. `query` (H, T, D)
     with contiguous heads; `kv` one cache layer (2, Hkv, slots, D); `rows`, `starts`, `lengths` (B,) and
-    `slots` the sequences' key slots one after the other (see `attention.InPlaceDecodes`)."""
+    `pages` the sequences' cache pages of `page_size` slots one after the other (see
+    `attention.InPlaceDecodes`)."""
     decode_kernel, _ = _kernels()
     heads, _, head_dim = query.shape
     decode_kernel[(len(rows), heads)](
-        out, query, kv, rows, slots, starts, lengths, scale,
+        out, query, kv, rows, pages, starts, lengths, scale, page_size,
         out.stride(0), out.stride(1), query.stride(0), query.stride(1), kv.stride(0), kv.stride(1),
         kv.stride(2),
         GROUP=heads // kv.shape[1], HEAD_DIM=head_dim, BLOCK_D=_block_dims(head_dim), BLOCK_N=BLOCK_KEYS,

@@ -45,31 +45,37 @@ def test_block_manager_slots_follow_block_table():
     manager.allocate(request, 6)
     blocks = request.block_ids
     expected = [blocks[p // 4] * 4 + p % 4 for p in range(6)]
-    assert manager.slots(request, 6).tolist() == expected
+    slots, table = manager.key_layout(request, 6)
+    assert slots.tolist() == expected and table.tolist() == blocks
     assert blocks == [1, 2]
 
 
 def test_slots_grow_with_the_block_table_and_start_over_when_it_is_freed():
-    """A request's slots are kept from step to step and only its new blocks' are added; a freed (finished or
-    preempted) request's blocks are gone, and its next table is someone else's blocks."""
+    """A request's slots and blocks are kept from step to step and only its new blocks' are added; a freed
+    (finished or preempted) request's blocks are gone, and its next table is someone else's blocks."""
     manager = BlockManager(num_blocks=16, block_size=4)
     request = make_request(0, 6)
 
     def expected(end):
-        return [request.block_ids[p // 4] * 4 + p % 4 for p in range(end)]
+        return [request.block_ids[p // 4] * 4 + p % 4 for p in range(end)], request.block_ids[: -(-end // 4)]
 
     manager.allocate(request, 6)
-    assert manager.slots(request, 6).tolist() == expected(6)
+    assert layout(manager, request, 6) == expected(6)
     for end in range(7, 40):  # one token a step, a new block every fourth
         request.num_computed_tokens = end - 1
         manager.allocate(request, 1)
-        assert manager.slots(request, end).tolist() == expected(end)
+        assert layout(manager, request, end) == expected(end)
     manager.free(request)
     other = make_request(1, 8)
     manager.allocate(other, 8)  # takes the blocks the request just let go of
     manager.allocate(request, 12)
-    assert manager.slots(request, 12).tolist() == expected(12)
-    assert manager.slots(request, 5).tolist() == expected(5)  # a shorter span of the same table
+    assert layout(manager, request, 12) == expected(12)
+    assert layout(manager, request, 5) == expected(5)  # a shorter span of the same table
+
+
+def layout(manager, request, end) -> tuple[list[int], list[int]]:
+    slots, blocks = manager.key_layout(request, end)
+    return slots.tolist(), blocks.tolist()
 
 
 def test_chunked_prefill_splits_prompt_by_budget():

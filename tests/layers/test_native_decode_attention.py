@@ -82,14 +82,43 @@ def test_reads_only_each_sequence_own_slots(kernel):
         SequenceSlice(1, 1, torch.tensor([30])),
     ]
     decodes = InPlaceDecodes.build(sequences, torch.device("cpu"))
-    assert decodes.slots.tolist() == [5, 9, 1, 30] and decodes.starts.tolist() == [0, 3]
-    decodes.slots = torch.cat([decodes.slots, torch.tensor([40, 41])])  # slots past the last list: garbage
+    assert decodes.pages.tolist() == [5, 9, 1, 30] and decodes.starts.tolist() == [0, 3]
+    assert decodes.page_size == 1  # no block tables: the slots are the pages
+    decodes.pages = torch.cat([decodes.pages, torch.tensor([40, 41])])  # pages past the last list: garbage
     query = torch.randn(4, 2, 16)
     out = torch.empty(2, 4, 16)
     decodes.attend(out, query, cache.layers[0], 0.25)
     assert torch.isfinite(out).all()
     expected = expected_output(query, cache, sequences, 0.25)
     torch.testing.assert_close(out.double(), expected, **tolerance(torch.float32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [16, 5])
+def test_reads_the_keys_through_the_sequences_block_tables(kernel, dtype, block_size):
+    """With block tables (the engine's), the kernel gets a sequence's blocks, not a slot per key, and reads
+    key k at block k // size, offset k % size; the last block part-filled, the rest of the cache NaN."""
+    generator = torch.Generator().manual_seed(block_size)
+    torch.manual_seed(block_size)
+    num_blocks, heads, kv_heads, dim = 64, 8, 2, 64
+    cache = filled_cache(dtype, num_blocks * block_size, kv_heads, dim)
+    lengths = [1, block_size, block_size + 1, 97, 150]
+    counts = [-(-n // block_size) for n in lengths]
+    tables = torch.randperm(num_blocks, generator=generator)[: sum(counts)].split(counts)
+    used = torch.zeros(num_blocks * block_size, dtype=torch.bool)
+    sequences = []
+    for row, (table, length) in enumerate(zip(tables, lengths, strict=True)):
+        slots = (table[:, None] * block_size + torch.arange(block_size)).reshape(-1)[:length]
+        used[slots] = True
+        sequences.append(SequenceSlice(row, 1, slots, key_blocks=table.numpy(), block_size=block_size))
+    cache.layers[0][:, :, ~used] = float("nan")
+    decodes = InPlaceDecodes.build(sequences, torch.device("cpu"))
+    assert decodes.page_size == block_size and decodes.pages.tolist() == torch.cat(tables).tolist()
+    query = torch.randn(heads, len(lengths), dim, dtype=dtype)
+    out = torch.empty(len(lengths), heads, dim, dtype=dtype)
+    decodes.attend(out, query, cache.layers[0], dim**-0.5)
+    expected = expected_output(query, cache, sequences, dim**-0.5)
+    torch.testing.assert_close(out.double(), expected, **tolerance(dtype))
 
 
 def test_a_step_of_decodes_and_a_prefill_chunk_through_paged_attention(kernel):

@@ -33,6 +33,20 @@ def cache_with(lengths: list[int], head_dim: int, dtype, seed: int):
     return kv, list(order.split(lengths))
 
 
+def paged_cache_with(lengths: list[int], head_dim: int, dtype, seed: int, page_size: int):
+    """A cache layer of random K/V in pages of `page_size` slots, each sequence's pages in random order:
+    the layer, each sequence's pages, and the slots of its keys."""
+    generator = torch.Generator().manual_seed(seed)
+    counts = [-(-length // page_size) for length in lengths]
+    kv = torch.randn(2, KV_HEADS, (sum(counts) + 3) * page_size, head_dim, generator=generator).to(dtype)
+    pages = list(torch.randperm(sum(counts) + 3, generator=generator)[: sum(counts)].split(counts))
+    slots = [
+        (own[:, None] * page_size + torch.arange(page_size)).reshape(-1)[:length]
+        for own, length in zip(pages, lengths, strict=True)
+    ]
+    return kv, pages, slots
+
+
 def gathered_attention(
     query: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, scale: float
 ) -> torch.Tensor:
@@ -50,17 +64,18 @@ TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("head_dim", [16, 80])
-def test_decodes_attend_their_scattered_slots_as_torch_attends_them_gathered(dtype, head_dim):
+@pytest.mark.parametrize("head_dim,page_size", [(16, 1), (80, 1), (16, 16), (80, 3)])
+def test_decodes_attend_their_paged_keys_as_torch_attends_them_gathered(dtype, head_dim, page_size):
+    """Pages of one slot (scattered slots) and of several, the last of a sequence part-filled."""
     lengths = [1, 5, 64, 65, 200]  # one key, part of a block, a block, a block and one, several
-    kv, slots = cache_with(lengths, head_dim, dtype, seed=head_dim)
+    kv, pages, slots = paged_cache_with(lengths, head_dim, dtype, seed=head_dim, page_size=page_size)
     rows = torch.tensor([3, 0, 6, 1, 4])  # each decode's row of the packed step
     query = torch.randn(HEADS, 8, head_dim, generator=torch.Generator().manual_seed(1)).to(dtype)
     out = torch.full((8, HEADS, head_dim), float("nan"), dtype=dtype)
-    starts = torch.tensor([0, *torch.tensor(lengths).cumsum(0)[:-1].tolist()])
+    starts = torch.tensor([0, *torch.tensor([len(own) for own in pages]).cumsum(0)[:-1].tolist()])
     scale = head_dim**-0.5
     triton_attention.paged_decode_attention(
-        out, query, kv, rows, torch.cat(slots), starts, torch.tensor(lengths), scale
+        out, query, kv, rows, torch.cat(pages), starts, torch.tensor(lengths), scale, page_size
     )
     for row, own in zip(rows.tolist(), slots, strict=True):
         want = gathered_attention(query[:, row : row + 1], kv, own, scale)[:, 0]
@@ -111,8 +126,8 @@ def test_the_check_before_use_passes_the_kernels_and_refuses_broken_ones(dtype, 
     monkeypatch.setattr(
         triton_attention,
         "paged_decode_attention",
-        lambda out, query, kv, rows, slots, starts, lengths, scale: decode(
-            out, query, kv, rows, slots, starts, lengths - 1, scale
+        lambda out, query, kv, rows, pages, starts, lengths, scale, page_size: decode(
+            out, query, kv, rows, pages, starts, lengths - 1, scale, page_size
         ),
     )
     assert not triton_attention._works_on.__wrapped__(torch.device("cpu"), dtype)

@@ -4,8 +4,8 @@
 #include <torch/extension.h>
 
 namespace batchvl_native {
-void paged_decode_attention(at::Tensor out, at::Tensor query, at::Tensor kv, at::Tensor rows, at::Tensor slots,
-                            at::Tensor starts, at::Tensor lengths, double scale);
+void paged_decode_attention(at::Tensor out, at::Tensor query, at::Tensor kv, at::Tensor rows, at::Tensor pages,
+                            at::Tensor starts, at::Tensor lengths, double scale, int64_t page_size);
 void rms_norm(at::Tensor out, at::Tensor input, at::Tensor weight, double eps);
 void silu_and_mul(at::Tensor out, at::Tensor gate_up);
 void rotary(at::Tensor out, at::Tensor x, at::Tensor cos, at::Tensor sin);

@@ -1,7 +1,10 @@
 // Decode attention read straight from the paged KV cache: one query per sequence, over that sequence's
-// cached keys and values, found through its slot list. Each (sequence, KV head) is one task: the query
-// heads sharing that KV head are scored against each key as it is read, so every cached row is read once,
-// where gathering the keys into a padded batch first read them, wrote a copy and read the copy again.
+// cached keys and values, found through its list of cache pages (the block manager's blocks: key k lies at
+// slot pages[k / page_size] * page_size + k % page_size; a step hands over a few dozen block ids per
+// sequence where a slot per key made the host copy every context's slots every step). Each (sequence, KV
+// head) is one task: the query heads sharing that KV head are scored against each key as it is read, so
+// every cached row is read once, where gathering the keys into a padded batch first read them, wrote a
+// copy and read the copy again.
 // Scores, softmax and the weighted sum are in float32, as torch's CPU attention computes them.
 //
 // Built at run time for the machine's vector ISA (torch.utils.cpp_extension, see native_kernels.py), with
@@ -89,11 +92,21 @@ struct Task {
   const void* query;  // the group's first query head; the others follow at query_head_stride
   const void* keys;   // this KV head's keys in the layer, (slots, DIM); values likewise
   const void* values;
-  const int64_t* slots;  // the sequence's cache slots, in order
+  const int64_t* pages;  // the sequence's cache pages, in order
+  int64_t page_size;     // slots per page
   int64_t num_keys;
   void* out;  // the group's first output head; the others follow at out_head_stride
   int group;  // query heads attended together, at most kMaxGroup
 };
+
+// visit(k, slot) for each of a task's keys in order: a page at a time, with no division per key.
+template <typename Visit>
+void for_each_key(const Task& task, Visit visit) {
+  for (int64_t first = 0, page = 0; first < task.num_keys; first += task.page_size, ++page) {
+    const int64_t base = task.pages[page] * task.page_size, count = std::min(task.page_size, task.num_keys - first);
+    for (int64_t j = 0; j < count; ++j) visit(first + j, base + j);
+  }
+}
 
 // Attention of one sequence's query heads that share one KV head. The group's queries are scored against
 // each key as it is read; scores are laid out per query head so that the softmax runs over contiguous keys.
@@ -111,8 +124,8 @@ void attend_group(const Task& task, int64_t query_head_stride, int64_t out_head_
     for (auto& part : queries[g].part) part = part * fVec(scaling);
   }
   scores.resize(group * num_keys);
-  for (int64_t k = 0; k < num_keys; ++k) {
-    row.load(keys + task.slots[k] * DIM);
+  for_each_key(task, [&](int64_t k, int64_t slot) {
+    row.load(keys + slot * DIM);
     int g = 0;
 #ifdef BATCHVL_LANE_SUMS_OF_FOUR
     for (; g + 4 <= group; g += 4) {
@@ -123,20 +136,20 @@ void attend_group(const Task& task, int64_t query_head_stride, int64_t out_head_
     }
 #endif
     for (; g < group; ++g) scores[g * num_keys + k] = lane_sum(queries[g].products(row));
-  }
+  });
   float inverse[kMaxGroup];
   for (int g = 0; g < group; ++g) inverse[g] = exponentials(scores.data() + g * num_keys, num_keys);
 
   Row<DIM> sums[kMaxGroup];
   for (int g = 0; g < group; ++g)
     for (auto& part : sums[g].part) part = fVec(0.f);
-  for (int64_t k = 0; k < num_keys; ++k) {
-    row.load(values + task.slots[k] * DIM);
+  for_each_key(task, [&](int64_t k, int64_t slot) {
+    row.load(values + slot * DIM);
     for (int g = 0; g < group; ++g) {
       const fVec weight(scores[g * num_keys + k]);
       for (int v = 0; v < Row<DIM>::kVectors; ++v) sums[g].part[v] = at::vec::fmadd(weight, row.part[v], sums[g].part[v]);
     }
-  }
+  });
   T* out = static_cast<T*>(task.out);
   for (int g = 0; g < group; ++g) {
     float result[DIM];
@@ -147,7 +160,8 @@ void attend_group(const Task& task, int64_t query_head_stride, int64_t out_head_
 
 template <typename T, int DIM>
 void attend(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv, const at::Tensor& rows,
-            const at::Tensor& slots, const at::Tensor& starts, const at::Tensor& lengths, float scaling) {
+            const at::Tensor& pages, const at::Tensor& starts, const at::Tensor& lengths, int64_t page_size,
+            float scaling) {
   const int64_t kv_heads = kv.size(1), num_slots = kv.size(2), group = query.size(0) / kv_heads;
   const int64_t batch = rows.size(0);
   // A group larger than kMaxGroup query heads is attended in parts, each a task of its own.
@@ -156,7 +170,7 @@ void attend(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv, cons
   const T* kv_data = kv.data_ptr<T>();
   T* out_data = out.data_ptr<T>();
   const int64_t* row_of = rows.data_ptr<int64_t>();
-  const int64_t* slot_data = slots.data_ptr<int64_t>();
+  const int64_t* page_data = pages.data_ptr<int64_t>();
   const int64_t* start_of = starts.data_ptr<int64_t>();
   const int64_t* length_of = lengths.data_ptr<int64_t>();
   auto task_at = [&](int64_t index) {
@@ -165,7 +179,8 @@ void attend(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv, cons
     return Task{query_data + head * query.stride(0) + row * query.stride(1),
                 kv_data + kv_head * num_slots * DIM,
                 kv_data + (kv_heads + kv_head) * num_slots * DIM,
-                slot_data + start_of[seq],
+                page_data + start_of[seq],
+                page_size,
                 length_of[seq],
                 out_data + row * out.stride(0) + head * out.stride(1),
                 static_cast<int>(std::min(part_size, group - part * part_size))};
@@ -183,13 +198,14 @@ void attend(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv, cons
 
 template <typename T>
 void attend_dim(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv, const at::Tensor& rows,
-                const at::Tensor& slots, const at::Tensor& starts, const at::Tensor& lengths, float scaling) {
+                const at::Tensor& pages, const at::Tensor& starts, const at::Tensor& lengths, int64_t page_size,
+            float scaling) {
   switch (query.size(2)) {
-    case 16: return attend<T, 16>(out, query, kv, rows, slots, starts, lengths, scaling);
-    case 32: return attend<T, 32>(out, query, kv, rows, slots, starts, lengths, scaling);
-    case 64: return attend<T, 64>(out, query, kv, rows, slots, starts, lengths, scaling);
-    case 128: return attend<T, 128>(out, query, kv, rows, slots, starts, lengths, scaling);
-    case 256: return attend<T, 256>(out, query, kv, rows, slots, starts, lengths, scaling);
+    case 16: return attend<T, 16>(out, query, kv, rows, pages, starts, lengths, page_size, scaling);
+    case 32: return attend<T, 32>(out, query, kv, rows, pages, starts, lengths, page_size, scaling);
+    case 64: return attend<T, 64>(out, query, kv, rows, pages, starts, lengths, page_size, scaling);
+    case 128: return attend<T, 128>(out, query, kv, rows, pages, starts, lengths, page_size, scaling);
+    case 256: return attend<T, 256>(out, query, kv, rows, pages, starts, lengths, page_size, scaling);
     default: TORCH_CHECK(false, "head size ", query.size(2), " is not one of 16, 32, 64, 128, 256");
   }
 }
@@ -200,25 +216,26 @@ namespace batchvl_native {
 
 // out (T, H, D): rows[b] of it receives sequence b's attention output, every head.
 // query (H, T, D), last dim contiguous; kv (2, H_kv, slots, D) contiguous, one layer of the cache;
-// rows (B,); slots, every sequence's cache slots one after the other, sequence b's lengths[b] >= 1 of them
-// from starts[b] on (the lists as they are, concatenated: no padding to the longest, whose copy cost
-// milliseconds a step at hundreds of decodes); all int64.
-void paged_decode_attention(at::Tensor out, at::Tensor query, at::Tensor kv, at::Tensor rows, at::Tensor slots,
-                            at::Tensor starts, at::Tensor lengths, double scale) {
+// rows (B,); pages, every sequence's cache pages one after the other, sequence b's from starts[b] on,
+// holding its lengths[b] >= 1 keys page_size to a page (page_size 1: the pages are the keys' slots); all
+// int64. No table padded to the longest: its copy cost milliseconds a step at hundreds of decodes.
+void paged_decode_attention(at::Tensor out, at::Tensor query, at::Tensor kv, at::Tensor rows, at::Tensor pages,
+                            at::Tensor starts, at::Tensor lengths, double scale, int64_t page_size) {
   TORCH_CHECK(query.dim() == 3 && out.dim() == 3 && kv.dim() == 4, "query (H, T, D), out (T, H, D), kv (2, Hkv, S, D)");
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1 && kv.is_contiguous(), "head dims must be contiguous");
   TORCH_CHECK(query.scalar_type() == kv.scalar_type() && out.scalar_type() == kv.scalar_type(), "one dtype");
   TORCH_CHECK(query.size(2) == kv.size(3) && out.size(2) == kv.size(3), "one head size");
   TORCH_CHECK(query.size(0) % kv.size(1) == 0, "query heads must be a multiple of KV heads");
-  TORCH_CHECK(rows.scalar_type() == at::kLong && slots.scalar_type() == at::kLong &&
-                  starts.scalar_type() == at::kLong && lengths.scalar_type() == at::kLong && slots.dim() == 1 &&
-                  slots.is_contiguous() && starts.size(0) == rows.size(0) && lengths.size(0) == rows.size(0),
-              "rows, starts and lengths are int64 with one entry per sequence, slots a contiguous int64 list");
+  TORCH_CHECK(page_size >= 1, "a page holds at least one slot");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && pages.scalar_type() == at::kLong &&
+                  starts.scalar_type() == at::kLong && lengths.scalar_type() == at::kLong && pages.dim() == 1 &&
+                  pages.is_contiguous() && starts.size(0) == rows.size(0) && lengths.size(0) == rows.size(0),
+              "rows, starts and lengths are int64 with one entry per sequence, pages a contiguous int64 list");
   const float scaling = static_cast<float>(scale);
   if (kv.scalar_type() == at::kFloat) {
-    attend_dim<float>(out, query, kv, rows, slots, starts, lengths, scaling);
+    attend_dim<float>(out, query, kv, rows, pages, starts, lengths, page_size, scaling);
   } else if (kv.scalar_type() == at::kBFloat16) {
-    attend_dim<at::BFloat16>(out, query, kv, rows, slots, starts, lengths, scaling);
+    attend_dim<at::BFloat16>(out, query, kv, rows, pages, starts, lengths, page_size, scaling);
   } else {
     TORCH_CHECK(false, "float32 or bfloat16 only, got ", kv.scalar_type());
   }
