@@ -199,7 +199,7 @@ void attend(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv, cons
 template <typename T>
 void attend_dim(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv, const at::Tensor& rows,
                 const at::Tensor& pages, const at::Tensor& starts, const at::Tensor& lengths, int64_t page_size,
-            float scaling) {
+                float scaling) {
   switch (query.size(2)) {
     case 16: return attend<T, 16>(out, query, kv, rows, pages, starts, lengths, page_size, scaling);
     case 32: return attend<T, 32>(out, query, kv, rows, pages, starts, lengths, page_size, scaling);
