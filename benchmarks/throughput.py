@@ -20,6 +20,9 @@ baselines do) and what batchvl executed (each distinct image once, prefix-cache 
 For batchvl, "engine idle" is the share of wall time outside vision-tower and language-model forwards,
 and the ceiling against each peer is the peer's wall time over the time batchvl's executed FLOPs would take
 at the matmul peak: the most any engine doing that work could reach on this machine in this run.
+On the CPU, before and after the methods of each dtype, a one-thread matmul runs pinned to each CPU,
+alone and then on all CPUs at once (`cpu_matmul_gflops`): a virtual machine's CPUs can differ from each
+other and from minute to minute, and these say what the machine was while the methods ran.
 
 Every method's rows are counted (ok, error, expected = samples x their prompts; batchvl's from its output
 Parquet, the baselines' from their own loop, where an exception while preparing or generating a request
@@ -339,6 +342,51 @@ def matmul_peak(dtype: torch.dtype, device: str = "cpu", size: int = 2048, repea
     return 2 * size**3 / best
 
 
+def matmul_rate(dtype: torch.dtype, seconds: float, size: int = 2048) -> float:
+    """FLOP/s of back-to-back square matmuls at this dtype and thread count over about `seconds`: a rate
+    over a window (where `matmul_peak` takes the best call), so that probes running at once overlap."""
+    a, b = (torch.randn(size, size, dtype=dtype) for _ in range(2))
+    torch.matmul(a, b)  # warm-up
+    calls, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < seconds:
+        torch.matmul(a, b)
+        calls += 1
+    return 2 * size**3 * calls / elapsed
+
+
+def cpu_matmul_rates(dtype_name: str, seconds: float = 2.0, size: int = 2048) -> dict:
+    """GFLOP/s of a one-thread matmul on each CPU this process may use, in a child pinned to it: each CPU
+    alone, then all at once (a child per CPU). The CPUs of a virtual machine need not be equal cores: two
+    may share one core's matrix unit, or share their cores with another tenant's work, and a method's
+    threads split each matmul evenly, so a slow CPU paces all of them. These figures say what the
+    machine was when the methods ran (both are in the report)."""
+    cpus = sorted(os.sched_getaffinity(0))
+
+    def probe(cpu: int) -> subprocess.Popen:
+        command = [sys.executable, __file__, "--matmul-probe", str(cpu), "--dtype", dtype_name]
+        command += ["--probe-seconds", str(seconds), "--probe-size", str(size)]
+        return subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=PEER_ENV)
+
+    def result(process: subprocess.Popen) -> dict:
+        out, _ = process.communicate()
+        if process.returncode:
+            raise SystemExit(f"the matmul probe failed (exit {process.returncode})")
+        return json.loads(out)
+
+    alone = [result(probe(cpu)) for cpu in cpus]
+    together = [result(process) for process in [probe(cpu) for cpu in cpus]]
+    return {"dtype": dtype_name, "alone": alone, "together": together}
+
+
+def matmul_probe(args) -> None:
+    """A child of `cpu_matmul_rates`: pinned to one CPU, one thread; prints where it ran and its rate."""
+    os.sched_setaffinity(0, {args.matmul_probe})
+    torch.set_num_threads(1)
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
+    rate = matmul_rate(dtype, args.probe_seconds, args.probe_size)
+    print(json.dumps({"cpus": sorted(os.sched_getaffinity(0)), "gflops": round(rate / 1e9, 1)}))
+
+
 def child(args) -> None:
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
     root = Path(args.root)
@@ -567,9 +615,15 @@ def main() -> None:
     parser.add_argument("--dtype", help=argparse.SUPPRESS)
     parser.add_argument("--root", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--matmul-probe", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--probe-seconds", type=float, default=2.0, help=argparse.SUPPRESS)
+    parser.add_argument("--probe-size", type=int, default=2048, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child(args)
+        return
+    if args.matmul_probe is not None:
+        matmul_probe(args)
         return
     problem = device_problem(args.device, args.methods.split(","))
     if problem:
@@ -642,6 +696,7 @@ def measure(args, work: Path, dtypes: list[str]) -> dict:
     methods = args.methods.split(",")
     for dtype in dtypes:
         runs = {}
+        cpu_rates = {"before": cpu_matmul_rates(dtype)} if args.device == "cpu" else None
         for method in methods:
             print(f"running {METHODS[method]} in {dtype} ...", file=sys.stderr, flush=True)
             run = run_child(__file__, method, dtype, work, model_dir, args.device)
@@ -718,7 +773,26 @@ def measure(args, work: Path, dtypes: list[str]) -> dict:
                         c[f"ceiling_vs_{base}"] = round(runs[base]["wall_s"] / c["executed_at_peak_s"], 2)
         report["runs"][dtype] = runs
         print_table(dtype, runs)
+        if cpu_rates is not None:
+            cpu_rates["after"] = cpu_matmul_rates(dtype)
+            report.setdefault("cpu_matmul_gflops", {})[dtype] = cpu_rates
+            print_cpu_rates(cpu_rates)
     return report
+
+
+def print_cpu_rates(rates: dict) -> None:
+    """One line per probe: each CPU's one-thread matmul rate alone, then with every CPU busy."""
+    for when in ("before", "after"):
+        probe = rates[when]
+
+        def listed(results: list[dict]) -> str:
+            return ", ".join(f"CPU {r['cpus'][0]} {r['gflops']:.0f}" for r in results)
+
+        together = sum(r["gflops"] for r in probe["together"])
+        print(
+            f"one-thread {probe['dtype']} matmul GFLOP/s {when} the runs: alone {listed(probe['alone'])}; "
+            f"all at once {listed(probe['together'])} (sum {together:.0f})"
+        )
 
 
 def print_table(dtype: str, runs: dict) -> None:

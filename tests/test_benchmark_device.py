@@ -2,6 +2,7 @@
 where the check needs a GPU), and passed to batchvl's job."""
 
 import importlib
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -69,3 +70,14 @@ def test_the_vllm_peer_is_given_only_the_arguments_it_takes(throughput, monkeypa
     arguments = vllm_peer.argument_parser().parse_args(vllm[2:])  # after the python and the script
     assert (arguments.root, arguments.dtype) == (tmp_path, "bfloat16")
     assert batchvl[batchvl.index("--device") + 1] == "cpu"
+
+
+def test_the_cpu_probe_measures_each_cpu_pinned_alone_and_all_at_once(throughput):
+    """The per-CPU matmul figures the report keeps: a child per CPU, pinned there, one after another and
+    then together, each with a rate."""
+    cpus = sorted(os.sched_getaffinity(0))
+    rates = throughput.cpu_matmul_rates("float32", seconds=0.05, size=64)
+    assert rates["dtype"] == "float32"
+    for when in ("alone", "together"):
+        assert [probe["cpus"] for probe in rates[when]] == [[cpu] for cpu in cpus]
+        assert all(probe["gflops"] > 0 for probe in rates[when])
