@@ -85,6 +85,7 @@ VLLM_SETTINGS = {
     "e": {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}"},
 }
 BATCH = 8
+TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}  # by the names --dtypes takes
 SUMMED_STATS = (
     "output_tokens",
     "images_encoded",
@@ -382,13 +383,13 @@ def matmul_probe(args) -> None:
     """A child of `cpu_matmul_rates`: pinned to one CPU, one thread; prints where it ran and its rate."""
     os.sched_setaffinity(0, {args.matmul_probe})
     torch.set_num_threads(1)
-    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
+    dtype = TORCH_DTYPES[args.dtype]
     rate = matmul_rate(dtype, args.probe_seconds, args.probe_size)
     print(json.dumps({"cpus": sorted(os.sched_getaffinity(0)), "gflops": round(rate / 1e9, 1)}))
 
 
 def child(args) -> None:
-    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
+    dtype = TORCH_DTYPES[args.dtype]
     root = Path(args.root)
     if args.method == "c":
         result = run_batchvl(root, args.model, args.dtype, device=args.device)
@@ -782,12 +783,12 @@ def measure(args, work: Path, dtypes: list[str]) -> dict:
 
 def print_cpu_rates(rates: dict) -> None:
     """One line per probe: each CPU's one-thread matmul rate alone, then with every CPU busy."""
+
+    def listed(results: list[dict]) -> str:
+        return ", ".join(f"CPU {r['cpus'][0]} {r['gflops']:.0f}" for r in results)
+
     for when in ("before", "after"):
         probe = rates[when]
-
-        def listed(results: list[dict]) -> str:
-            return ", ".join(f"CPU {r['cpus'][0]} {r['gflops']:.0f}" for r in results)
-
         together = sum(r["gflops"] for r in probe["together"])
         print(
             f"one-thread {probe['dtype']} matmul GFLOP/s {when} the runs: alone {listed(probe['alone'])}; "

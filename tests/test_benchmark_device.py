@@ -1,5 +1,5 @@
 """The throughput benchmark's `--device`: checked before any work, in one line with its fix (CUDA faked
-where the check needs a GPU), and passed to batchvl's job."""
+where the check needs a GPU), and passed to batchvl's job; and its per-CPU probe of the machine."""
 
 import importlib
 import os
