@@ -306,6 +306,7 @@ def run_batchvl(
         wall += stats["wall_s"]
         for key in SUMMED_STATS:
             totals[key] = totals.get(key, 0) + stats[key]
+        totals["engine_replicas"] = stats["engine_replicas"]
     if loaded is not None:
         # The same jobs again in this process (new engines, so no cache carries over): the rate once every
         # oneDNN kernel the workload needs is built, which a long job reaches and a fresh one does not.
@@ -739,7 +740,8 @@ def measure(args, work: Path, dtypes: list[str]) -> dict:
                 row["samples_per_s_warm"] = round(run["samples_completed"] / run["warm_wall_s"], 3)
             if method == "c":
                 row["peak_rss_workers_mb"] = run["peak_rss_workers_mb"]
-                busy = run["encode_s"] + run["forward_s"]
+                # the replicas' seconds are summed: each replica is idle outside its own
+                busy = (run["encode_s"] + run["forward_s"]) / run["engine_replicas"]
                 row["engine_idle_share"] = round(1 - busy / wall, 4)
                 row["input_wait_share"] = round(run["input_wait_s"] / wall, 4)
                 # from each job's first input read to its last commit: without the jobs' set-up (planning,

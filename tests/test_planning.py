@@ -268,3 +268,25 @@ def test_a_gpu_the_machine_does_not_have_is_refused_before_the_model_loads(
         model={"path": str(tiny_model_dir), "device": "cuda:1"},
     )
     assert "this machine has 1 CUDA device(s), cuda:0 to cuda:0" in refusal(cfg)
+
+
+def test_engine_replicas_on_a_gpu_or_with_vit_data_parallelism_are_refused(
+    tmp_path, tiny_model_dir, monkeypatch
+):
+    data = tmp_path / "d"
+    table(data / "x.parquet")
+    paths = [str(data / "*.parquet")]
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 1)
+    on_gpu = {"path": str(tiny_model_dir), "device": "cuda"}
+    cfg = config(tmp_path, tiny_model_dir, paths, model=on_gpu, engine={"replicas": 2})
+    assert refusal(cfg) == (
+        "engine.replicas=2 runs engines side by side on the CPU, but model.device is cuda; leave "
+        "engine.replicas at auto (one engine on a GPU)"
+    )
+    cfg = config(tmp_path, tiny_model_dir, paths, engine={"replicas": 2, "vit_parallel": "data"})
+    assert refusal(cfg) == (
+        "engine.replicas=2 cannot be combined with engine.vit_parallel: data; set one of them"
+    )
+    plan_job(config(tmp_path, tiny_model_dir, paths, model=on_gpu, engine={"replicas": "auto"}))
+    plan_job(config(tmp_path, tiny_model_dir, paths, engine={"replicas": 2}))

@@ -30,8 +30,10 @@ def test_a_stop_halfway_has_committed_about_half_of_the_shards(tmp_path, tiny_mo
             "input": {"paths": ["data/*.parquet"]},
             "prompts": PROMPTS,
             "sampling": {"max_new_tokens": 4, "ignore_eos": True},
-            # Default look-ahead and sequence limit; a small step budget spreads admission over steps.
-            "engine": {"max_num_batched_tokens": 96},
+            # Default look-ahead and sequence limit; a small step budget spreads admission over steps. One
+            # engine: replicas each admit in shard order too, but hold a window each, so more shards are
+            # in flight at a stop (those the bound below counts).
+            "engine": {"max_num_batched_tokens": 96, "replicas": 1},
             "preprocess": {"workers": 0},
             "output": {"dir": "out"},
         },

@@ -301,6 +301,13 @@ class EngineConfig:
         "none", "'data': split each encode step's images across torchrun ranks (ViT data parallelism)"
     )
     threads: int = job_key(0, "torch intra-op threads (0: torch's default)", at_least=0)
+    replicas: int | Literal["auto"] = job_key(
+        "auto",
+        "On the CPU, engines over the one loaded model, each stepping in a thread of its own with an equal "
+        "share of the threads and of kv_cache_mb and encoder_cache_mb (auto: one per core, at most "
+        "8; 1 on CUDA and under ViT data parallelism)",
+        above=0,
+    )
     backend: Literal["batchvl", "openai"] = job_key(
         "batchvl",
         "batchvl: the built-in engine, in this process; openai: an OpenAI-compatible server (vLLM, SGLang), "

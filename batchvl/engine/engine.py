@@ -115,10 +115,15 @@ class Engine:
         return self.scheduler.num_unfinished + len(self._rejected)
 
     @property
+    def num_waiting(self) -> int:
+        """Requests added and not yet admitted (rejected ones until the next step hands them back)."""
+        return len(self.scheduler.waiting) + len(self._rejected)
+
+    @property
     def wants_requests(self) -> bool:
         """Whether the look-ahead window the scheduler admits from (`engine.lookahead` requests not yet
         admitted) has room: the caller adds requests while it has, and steps once it is full."""
-        return len(self.scheduler.waiting) + len(self._rejected) < self.config.lookahead
+        return self.num_waiting < self.config.lookahead
 
     def add_request(self, item: EngineRequest) -> None:
         """Queue a request, or a scored-choices prompt as one scoring request per choice; a request that

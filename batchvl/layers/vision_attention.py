@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -120,18 +121,25 @@ def _attention_per_run(query, key, value, lengths: list[int], scaling):
 # The packed sequences' lengths of the last vision calls, by their cu_seqlens tensor: every layer of a
 # call gets the same tensor (Qwen2.5-VL's towers alternate two, windows and whole images), and reading it
 # from a GPU waits for all the work queued before it, a sync in every layer. The tensors are held, so an
-# identity match is never a new tensor at a freed one's address.
-_lengths_read: list[tuple[torch.Tensor, list[int]]] = []
+# identity match is never a new tensor at a freed one's address. One list per thread: engine replicas
+# encode side by side, each its own call.
+class _LengthsRead(threading.local):
+    def __init__(self):
+        self.entries: list[tuple[torch.Tensor, list[int]]] = []
+
+
+_lengths_read = _LengthsRead()
 LENGTHS_KEPT = 2
 
 
 def sequence_lengths(cu_seq_lens: torch.Tensor) -> list[int]:
-    for tensor, lengths in _lengths_read:
+    entries = _lengths_read.entries
+    for tensor, lengths in entries:
         if tensor is cu_seq_lens:
             return lengths
     lengths = (cu_seq_lens[1:] - cu_seq_lens[:-1]).tolist()
-    _lengths_read.insert(0, (cu_seq_lens, lengths))
-    del _lengths_read[LENGTHS_KEPT:]
+    entries.insert(0, (cu_seq_lens, lengths))
+    del entries[LENGTHS_KEPT:]
     return lengths
 
 

@@ -21,3 +21,4 @@ class RunBackend:
     prompts: PromptBuilder
     samples: SampleProcessor
     close: Callable[[], None] = lambda: None
+    replicas: int = 1  # engines stepping side by side (`engine.replicas`); their stats' seconds add up

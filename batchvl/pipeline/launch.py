@@ -20,6 +20,7 @@ from batchvl.config import JobConfig
 from batchvl.engine.devices import launched_world_size, process_device, shares_its_gpu
 from batchvl.engine.engine import Engine
 from batchvl.engine.model_runner import encode_images
+from batchvl.engine.replicas import EngineReplicas, replica_config, replica_count
 from batchvl.engine.vit_dp import (
     DataParallelEncoder,
     DistributedContext,
@@ -77,13 +78,26 @@ def _local_encode(cfg: JobConfig, loaded: LoadedModel):
     return functools.partial(encode_images, loaded.adapter, max_patches=cfg.engine.max_patches_per_encode)
 
 
-def job_engine(cfg: JobConfig, loaded: LoadedModel, context: DistributedContext | None) -> Engine:
-    """The driver's engine; under torchrun its encode rounds are shared with the serving ranks."""
+def job_engine(
+    cfg: JobConfig, loaded: LoadedModel, context: DistributedContext | None
+) -> Engine | EngineReplicas:
+    """The driver's engine; under torchrun its encode rounds are shared with the serving ranks; on the CPU,
+    `engine.replicas` engines, each with its share of the threads and caches."""
     parallel_encoder = None
     if context is not None:
         parallel_encoder = DataParallelEncoder(context, _local_encode(cfg, loaded), loaded.adapter.device)
     tokenizer, eos = loaded.processor.tokenizer, loaded.eos_token_ids()
-    return Engine(loaded.adapter, tokenizer, cfg.engine, eos, parallel_encoder)
+    adapter = loaded.adapter
+    count = replica_count(cfg.engine, adapter.device, context is not None, adapter.model.config)
+    if count == 1:
+        return Engine(adapter, tokenizer, cfg.engine, eos, parallel_encoder)
+    # A fast tokenizer's first `encode` may switch its truncation off (a write the replicas' threads
+    # could race on); after it, their encodes and decodes only read.
+    tokenizer.encode("x")
+    config = replica_config(cfg.engine, count)
+    threads_each = max(1, torch.get_num_threads() // count)
+    logger.info("%d engine replicas of %d thread(s) each", count, threads_each)
+    return EngineReplicas(lambda: Engine(adapter, tokenizer, config, eos), count, threads_each)
 
 
 def builtin_backend(
@@ -95,7 +109,10 @@ def builtin_backend(
     media = loaded.family.media_preparer(loaded.processor, loaded.adapter.model.config, cfg.preprocess)
     cache = DownloadCache.of(cfg.input.download)
     samples = SampleProcessor(renderer, media, cfg.prompts, graph.follow_ups, cache)
-    return RunBackend(job_engine(cfg, loaded, context), renderer, samples)
+    engine = job_engine(cfg, loaded, context)
+    if isinstance(engine, EngineReplicas):
+        return RunBackend(engine, renderer, samples, engine.close, engine.count)
+    return RunBackend(engine, renderer, samples)
 
 
 def serve_rank(cfg: JobConfig, loaded: LoadedModel, context: DistributedContext) -> int:

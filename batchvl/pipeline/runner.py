@@ -116,13 +116,13 @@ class JobRunner:
         work = self.plan_work()  # every check runs even when every shard is done
         self.stats.shards_total = work.num_task_shards
         self.stats.shards_skipped = work.num_task_shards - len(work.shards)
-        engine, pool_stats = None, PoolStats()
+        engine, pool_stats, replicas = None, PoolStats(), 1
         if work.shards and not self.stop.requested:
             if self.cfg.engine.backend == "openai":
                 backend = server_run_backend(self.cfg, self.out, self.task, work.plan.graph)
             else:
                 backend = builtin_backend(self.cfg, self._load(), context, work.plan.graph)
-            engine = backend.engine
+            engine, replicas = backend.engine, backend.replicas
             try:
                 pool_stats = self._process(work, backend)
             finally:
@@ -130,6 +130,7 @@ class JobRunner:
         self.stats.wall_s = round(time.perf_counter() - start, 3)
         stats = self.stats.to_dict(engine.stats if engine else EngineStats(), pool_stats, self.downloads)
         stats["vit_parallel_ranks"] = context.world_size if context else 1
+        stats["engine_replicas"] = replicas  # encode_s and forward_s are summed over them
         stats["stopped_by"] = self.stop.signal_name or ("server_gone" if self.server_gone else None)
         stats.update(work.notes)
         return RunSummary(self.out.url, write_run_stats(self.out, stats), stats)

@@ -1,0 +1,217 @@
+"""Engine replicas on the CPU: several engines over one loaded model, each stepping in a thread of its own
+with its share of torch's threads, behind the one engine interface the job loop drives.
+
+Why: on a CPU every op of one engine is split evenly over all its threads, so each op waits for the
+slowest core and for the threads to meet, and small ops (a decode step's, a small image's) split badly.
+Engines of one thread each instead run whole steps side by side, a vision-tower call on one core while
+another engine's decode runs on the next, each at its own core's pace (measured in docs/benchmarks.md).
+
+The weights are shared (read only); each replica has its own scheduler, KV cache and encoder cache, with
+its share of the job's memory for them. A request goes to the replica that holds its image, if one does
+(its embedding and prompt prefix are cached there), unless that replica is far busier than the least
+busy one; otherwise to the least busy one. Each replica's thread owns its engine: requests reach it
+through its inbox, results come back through one outbox, and an exception in a replica (a bug, like one
+in the single engine) stops the job from the next `step`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import queue
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from batchvl.config import EngineConfig
+from batchvl.engine.engine import Engine
+from batchvl.engine.kv_budget import CPU_KV_CACHE_MB
+from batchvl.engine.request import EngineRequest, EngineResult
+from batchvl.engine.stats import EngineStats
+
+STEP_WAIT_S = 0.05  # how long `step` waits for a finished request when none is ready
+IDLE_WAIT_S = 0.05  # how long an idle replica waits for a request before looking at its stop flag
+HOMES_KEPT = 16384  # images whose replica is remembered (a bounded map: the job's recent images)
+MOST_AUTO_REPLICAS = 8  # `auto` on a larger machine: more would split the caches too thin
+
+
+def replica_count(config: EngineConfig, device: torch.device, under_torchrun: bool, model_config=None) -> int:
+    """How many engines the job runs: `engine.replicas`, with `auto` one per core the engine's threads use
+    (at most MOST_AUTO_REPLICAS); one on a GPU, whose kernels one engine's steps already keep busy, under
+    ViT data parallelism, whose encode rounds one engine drives, and for a model whose rotary embedding
+    rewrites itself in its forward (`updates_itself_in_forward`)."""
+    if device.type != "cpu" or under_torchrun:
+        return 1
+    if model_config is not None and updates_itself_in_forward(model_config):
+        return 1
+    if config.replicas != "auto":
+        return config.replicas
+    threads = config.threads or torch.get_num_threads()
+    return max(1, min(threads, os.cpu_count() or 1, MOST_AUTO_REPLICAS))
+
+
+def updates_itself_in_forward(model_config) -> bool:
+    """Whether the model's rotary embedding is transformers' dynamic kind (`dynamic`, `longrope`), which
+    rewrites its frequencies on the shared module as a forward's length changes: engines sharing it
+    would read each other's. (The families batchvl runs today use static frequencies.)"""
+    configs = [
+        model_config,
+        *(getattr(model_config, name, None) for name in ("text_config", "vision_config")),
+    ]
+    for config in filter(None, configs):
+        for name in ("rope_parameters", "rope_scaling"):
+            rope = getattr(config, name, None)
+            if isinstance(rope, dict):
+                kind = str(rope.get("rope_type", rope.get("type", "")))
+                if "dynamic" in kind or kind == "longrope":
+                    return True
+    return False
+
+
+def replica_config(config: EngineConfig, count: int) -> EngineConfig:
+    """One replica's settings: its share of the KV cache and encoder cache the job is given."""
+    kv_cache_mb = CPU_KV_CACHE_MB if config.kv_cache_mb == "auto" else config.kv_cache_mb
+    return dataclasses.replace(
+        config, kv_cache_mb=kv_cache_mb / count, encoder_cache_mb=config.encoder_cache_mb / count
+    )
+
+
+@dataclass
+class _Replica:
+    engine: Engine
+    inbox: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    assigned: int = 0  # requests sent to it and not yet handed back (the main thread's count)
+    thread: threading.Thread | None = None
+
+    @property
+    def num_waiting(self) -> int:
+        # Read from the main thread while the replica steps: lengths under the GIL, at worst a step
+        # stale, which only shifts when the next request is sent.
+        return self.inbox.qsize() + self.engine.num_waiting
+
+    @property
+    def wants_requests(self) -> bool:
+        return self.num_waiting < self.engine.config.lookahead
+
+
+class EngineReplicas:
+    def __init__(self, make_engine: Callable[[], Engine], count: int, threads_each: int):
+        self.threads_each = threads_each
+        self._replicas = [_Replica(make_engine()) for _ in range(count)]
+        # how much busier an image's replica may be and still get its requests: one look-ahead window
+        self.lookahead = self._replicas[0].engine.config.lookahead
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._homes: OrderedDict[str, int] = OrderedDict()  # image content hash -> replica index
+        self._stop = threading.Event()
+        self._failure: BaseException | None = None
+        for index, replica in enumerate(self._replicas):
+            replica.thread = threading.Thread(
+                target=self._serve, args=(replica,), name=f"batchvl-engine-{index}", daemon=True
+            )
+            replica.thread.start()
+
+    @property
+    def count(self) -> int:
+        return len(self._replicas)
+
+    @property
+    def stats(self) -> EngineStats:
+        """The replicas' counters summed: their seconds (encode_s, forward_s) are thread time, so with
+        replicas running side by side they add up to more than the wall time."""
+        total = EngineStats()
+        for replica in self._replicas:
+            total = total + replica.engine.stats
+        return total
+
+    @property
+    def num_unfinished(self) -> int:
+        return sum(replica.assigned for replica in self._replicas)
+
+    @property
+    def wants_requests(self) -> bool:
+        return any(replica.wants_requests for replica in self._replicas)
+
+    def add_request(self, item: EngineRequest) -> None:
+        index = self._replica_for(item)
+        replica = self._replicas[index]
+        for image in item.images:
+            self._homes[image.content_hash] = index
+            self._homes.move_to_end(image.content_hash)
+        while len(self._homes) > HOMES_KEPT:
+            self._homes.popitem(last=False)
+        replica.assigned += 1
+        replica.inbox.put(item)
+
+    def _replica_for(self, item: EngineRequest) -> int:
+        """The replica that holds the request's first image, unless it is more than `lookahead` requests
+        busier than the least busy one; else the least busy one wanting requests."""
+        least = min(
+            range(len(self._replicas)),
+            key=lambda i: (not self._replicas[i].wants_requests, self._replicas[i].assigned),
+        )
+        home = self._homes.get(item.images[0].content_hash) if item.images else None
+        if (
+            home is not None
+            and self._replicas[home].assigned - self._replicas[least].assigned <= self.lookahead
+        ):
+            return home
+        return least
+
+    def step(self) -> list[EngineResult]:
+        """The requests finished since the last step (waiting up to STEP_WAIT_S for one when none is)."""
+        batches = []
+        if self.num_unfinished:
+            with contextlib.suppress(queue.Empty):
+                batches.append(self._outbox.get(timeout=STEP_WAIT_S))
+        while not self._outbox.empty():
+            batches.append(self._outbox.get_nowait())
+        if self._failure is not None:
+            raise self._failure
+        results = []
+        for index, finished in batches:
+            self._replicas[index].assigned -= len(finished)
+            results.extend(finished)
+        return results
+
+    def close(self) -> None:
+        """Stop the replicas' threads (after their current step)."""
+        self._stop.set()
+        for replica in self._replicas:
+            if replica.thread is not None:
+                replica.thread.join()
+
+    # On a replica's thread from here on.
+
+    def _serve(self, replica: _Replica) -> None:
+        torch.set_num_threads(self.threads_each)  # this thread's own count (OpenMP's is per thread)
+        index = self._replicas.index(replica)
+        engine = replica.engine
+        try:
+            while not self._stop.is_set():
+                if not self._take_requests(replica):
+                    continue
+                finished = engine.step()
+                if finished:
+                    self._outbox.put((index, finished))
+        except BaseException as error:  # noqa: BLE001 - handed to the main thread, which raises it
+            self._failure = error
+            self._outbox.put((index, []))  # wakes a waiting `step`
+
+    def _take_requests(self, replica: _Replica) -> bool:
+        """Add what the inbox holds to the engine; an idle engine waits a while for one. Whether the engine
+        has work."""
+        engine = replica.engine
+        if not engine.num_unfinished:
+            try:
+                engine.add_request(replica.inbox.get(timeout=IDLE_WAIT_S))
+            except queue.Empty:
+                return False
+        while True:
+            try:
+                engine.add_request(replica.inbox.get_nowait())
+            except queue.Empty:
+                return True

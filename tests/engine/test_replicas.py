@@ -1,0 +1,210 @@
+"""Engine replicas on the CPU (`engine.replicas`): engines over one loaded model stepping side by side in
+threads of their own write what one engine writes, which is what `generate` writes; a request goes to the
+replica that holds its image; each replica's thread runs with its share of torch's threads; and a
+replica's exception reaches the job instead of hanging it."""
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForImageTextToText
+
+from batchvl.config import EngineConfig
+from batchvl.engine.engine import Engine
+from batchvl.engine.replicas import EngineReplicas, replica_config, replica_count
+from batchvl.engine.request import EngineRequest, EngineResult, SamplingParams
+from batchvl.preprocess.prompts import PromptRenderer
+from batchvl.preprocess.qwen_vision import QwenVisionSpec, prepare_image
+from tests.conftest import random_image, reference_processor
+from tests.engine.reference import make_case
+
+MAX_NEW_TOKENS = 8
+IMAGE_SIZES = [(100, 150), (60, 60), (200, 90), (28, 300), (90, 90), (140, 56)]
+PROMPT = "Describe this image."
+
+
+def run_to_the_end(engine, requests: list[EngineRequest], timeout_s: float = 120) -> dict:
+    """tag -> result, each request answered once."""
+    for request in requests:
+        engine.add_request(request)
+    results: dict = {}
+    deadline = time.monotonic() + timeout_s
+    while engine.num_unfinished:
+        assert time.monotonic() < deadline, "the replicas stopped answering"
+        for result in engine.step():
+            assert result.tag not in results, f"{result.tag} answered twice"
+            results[result.tag] = result
+    return results
+
+
+@pytest.fixture(scope="module")
+def cases(tiny_model_dir, loaded_fp32):
+    """A case per image (images 0 and 2 appear twice), with generate's tokens."""
+    reference = AutoModelForImageTextToText.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    images = [random_image(h, w, seed) for seed, (h, w) in enumerate(IMAGE_SIZES)]
+    images += [images[0], images[2]]
+    processor = reference_processor(tiny_model_dir)
+    renderer = PromptRenderer(loaded_fp32.processor)
+    spec = QwenVisionSpec.from_image_processor(loaded_fp32.processor.image_processor)
+    rendered = renderer.render(PROMPT, 1)
+    out = []
+    for i, image in enumerate(images):
+        prepared = prepare_image(image, spec)
+        ids = renderer.token_ids(rendered, [prepared])
+        inputs = processor(text=[rendered], images=[image], return_tensors="pt")
+        out.append(make_case(reference, i, ids, [prepared], inputs, MAX_NEW_TOKENS))
+    return out
+
+
+def test_two_replicas_write_what_generate_writes(loaded_fp32, cases):
+    config = EngineConfig(max_num_batched_tokens=48, block_size=4, max_num_seqs=3)
+
+    def make_engine():
+        return Engine(
+            loaded_fp32.adapter, loaded_fp32.processor.tokenizer, config, loaded_fp32.eos_token_ids()
+        )
+
+    replicas = EngineReplicas(make_engine, count=2, threads_each=1)
+    try:
+        requests = [
+            EngineRequest(case.ids, case.media, SamplingParams(MAX_NEW_TOKENS), case.tag) for case in cases
+        ]
+        results = run_to_the_end(replicas, requests)
+    finally:
+        replicas.close()
+    for case in cases:
+        result = results[case.tag]
+        assert result.error is None, (case.tag, result.error)
+        assert result.output_token_ids == case.expected.tokens, case.tag
+    per_replica = [replica.engine.stats for replica in replicas._replicas]
+    assert all(stats.output_tokens for stats in per_replica), "one replica did all the work"
+    # The repeated images went where their embeddings were: each distinct image encoded once in all.
+    assert sum(stats.images_encoded for stats in per_replica) == len(IMAGE_SIZES)
+    assert replicas.stats.output_tokens == MAX_NEW_TOKENS * len(cases)
+
+
+class FakeEngine:
+    """An engine whose step answers one request at a time, recording the thread's torch thread count."""
+
+    config = EngineConfig(lookahead=4)
+
+    def __init__(self, fail_on: str | None = None):
+        self.waiting: list[EngineRequest] = []
+        self.answered: list[str] = []
+        self.thread_counts: set[int] = set()
+        self.fail_on = fail_on
+
+    @property
+    def stats(self):
+        from batchvl.engine.stats import EngineStats
+
+        return EngineStats(output_tokens=len(self.answered))
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def add_request(self, item: EngineRequest) -> None:
+        self.waiting.append(item)
+
+    def step(self) -> list[EngineResult]:
+        self.thread_counts.add(torch.get_num_threads())
+        time.sleep(0.002)
+        item = self.waiting.pop(0)
+        if item.tag == self.fail_on:
+            raise RuntimeError(f"a bug while stepping {item.tag}")
+        self.answered.append(item.tag)
+        return [EngineResult(item.tag, output_token_ids=[1])]
+
+
+class FakeImage:
+    def __init__(self, content_hash: str):
+        self.content_hash = content_hash
+
+
+def request(tag: str, image: str | None = None) -> EngineRequest:
+    return EngineRequest([1, 2], [FakeImage(image)] if image else [], SamplingParams(1), tag)
+
+
+def test_each_replica_thread_runs_with_its_share_of_threads_and_the_main_thread_keeps_its_own():
+    engines = [FakeEngine(), FakeEngine()]
+    before = torch.get_num_threads()
+    replicas = EngineReplicas(iter(engines).__next__, count=2, threads_each=1)
+    try:
+        run_to_the_end(replicas, [request(f"r{i}") for i in range(12)])
+    finally:
+        replicas.close()
+    assert [engine.thread_counts for engine in engines] == [{1}, {1}]
+    assert all(engine.answered for engine in engines)
+    assert torch.get_num_threads() == before
+
+
+def test_a_request_goes_to_the_replica_that_holds_its_image():
+    engines = [FakeEngine(), FakeEngine()]
+    replicas = EngineReplicas(iter(engines).__next__, count=2, threads_each=1)
+    try:
+        # in image order: sent by load alone, consecutive requests would alternate between the replicas
+        requests = [request(f"{image}{i}", image) for image in "abcd" for i in range(3)]
+        results = run_to_the_end(replicas, requests)
+    finally:
+        replicas.close()
+    assert len(results) == len(requests)
+    for image in "abcd":
+        holders = [engine for engine in engines if any(tag.startswith(image) for tag in engine.answered)]
+        assert len(holders) == 1, f"image {image}'s requests went to {len(holders)} replicas"
+    assert all(engine.answered for engine in engines)
+
+
+def test_a_replica_busier_than_a_lookahead_window_gives_up_its_images_requests():
+    engines = [FakeEngine(), FakeEngine()]
+    replicas = EngineReplicas(iter(engines).__next__, count=2, threads_each=1)
+    try:
+        # One image's requests all at once, more than a window: the other replica takes some.
+        results = run_to_the_end(replicas, [request(f"a{i}", "a") for i in range(20)])
+    finally:
+        replicas.close()
+    assert len(results) == 20
+    assert all(engine.answered for engine in engines)
+
+
+def test_an_exception_in_a_replica_reaches_the_caller():
+    engines = [FakeEngine(fail_on="r3"), FakeEngine(fail_on="r3")]
+    replicas = EngineReplicas(iter(engines).__next__, count=2, threads_each=1)
+    try:
+        with pytest.raises(RuntimeError, match="a bug while stepping r3"):
+            run_to_the_end(replicas, [request(f"r{i}") for i in range(8)], timeout_s=10)
+    finally:
+        replicas.close()
+    assert not any(
+        thread.is_alive() for thread in threading.enumerate() if thread.name.startswith("batchvl-engine")
+    )
+
+
+def test_replica_count_and_shares():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert replica_count(EngineConfig(replicas=3), cpu, under_torchrun=False) == 3
+    assert replica_count(EngineConfig(threads=2), cpu, under_torchrun=False) == min(2, os.cpu_count())
+    assert replica_count(EngineConfig(threads=1), cpu, under_torchrun=False) == 1
+    assert replica_count(EngineConfig(threads=64), cpu, under_torchrun=False) <= 8
+    assert replica_count(EngineConfig(replicas=3), cuda, under_torchrun=False) == 1
+    assert replica_count(EngineConfig(replicas=3), cpu, under_torchrun=True) == 1
+    share = replica_config(EngineConfig(encoder_cache_mb=512), 2)
+    assert (share.kv_cache_mb, share.encoder_cache_mb) == (512, 256)  # auto's 1024 MiB on the CPU, halved
+    assert replica_config(EngineConfig(kv_cache_mb=300), 3).kv_cache_mb == 100
+
+
+def test_a_model_whose_rotary_embedding_rewrites_itself_gets_one_engine(tiny_model_dir):
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(tiny_model_dir)
+    cpu = torch.device("cpu")
+    assert replica_count(EngineConfig(replicas=2), cpu, False, config) == 2  # mrope: static frequencies
+    for kind in ("dynamic", "longrope"):
+        config.text_config.rope_parameters = {**config.text_config.rope_parameters, "rope_type": kind}
+        assert replica_count(EngineConfig(replicas=2), cpu, False, config) == 1, kind
