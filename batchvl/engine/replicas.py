@@ -16,7 +16,6 @@ in the single engine) stops the job from the next `step`.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import queue
@@ -32,6 +31,7 @@ from batchvl.engine.engine import Engine
 from batchvl.engine.kv_budget import CPU_KV_CACHE_MB
 from batchvl.engine.request import EngineRequest, EngineResult
 from batchvl.engine.stats import EngineStats
+from batchvl.utils.queues import take_ready
 
 STEP_WAIT_S = 0.05  # how long `step` waits for a finished request when none is ready
 IDLE_WAIT_S = 0.05  # how long an idle replica waits for a request before looking at its stop flag
@@ -110,7 +110,7 @@ class EngineReplicas:
         self._failure: BaseException | None = None
         for index, replica in enumerate(self._replicas):
             replica.thread = threading.Thread(
-                target=self._serve, args=(replica,), name=f"batchvl-engine-{index}", daemon=True
+                target=self._serve, args=(index, replica), name=f"batchvl-engine-{index}", daemon=True
             )
             replica.thread.start()
 
@@ -163,12 +163,7 @@ class EngineReplicas:
 
     def step(self) -> list[EngineResult]:
         """The requests finished since the last step (waiting up to STEP_WAIT_S for one when none is)."""
-        batches = []
-        if self.num_unfinished:
-            with contextlib.suppress(queue.Empty):
-                batches.append(self._outbox.get(timeout=STEP_WAIT_S))
-        while not self._outbox.empty():
-            batches.append(self._outbox.get_nowait())
+        batches = take_ready(self._outbox, STEP_WAIT_S if self.num_unfinished else 0)
         if self._failure is not None:
             raise self._failure
         results = []
@@ -186,9 +181,8 @@ class EngineReplicas:
 
     # On a replica's thread from here on.
 
-    def _serve(self, replica: _Replica) -> None:
+    def _serve(self, index: int, replica: _Replica) -> None:
         torch.set_num_threads(self.threads_each)  # this thread's own count (OpenMP's is per thread)
-        index = self._replicas.index(replica)
         engine = replica.engine
         try:
             while not self._stop.is_set():

@@ -39,6 +39,7 @@ from batchvl.errors import SampleError, ServerGone
 from batchvl.server import answers, payloads
 from batchvl.server.client import Rejected, Transient, Unreachable, connection, described, post_json
 from batchvl.server.process import ManagedServer
+from batchvl.utils.queues import take_ready
 
 logger = logging.getLogger(__name__)
 
@@ -106,12 +107,7 @@ class ServerBackend:
 
     def step(self) -> list[EngineResult]:
         """The requests finished since the last step (waiting up to STEP_WAIT_S for one when none is)."""
-        futures = []
-        if self._unfinished:
-            with contextlib.suppress(queue.Empty):
-                futures.append(self._finished.get(timeout=STEP_WAIT_S))
-        while not self._finished.empty():
-            futures.append(self._finished.get_nowait())
+        futures = take_ready(self._finished, STEP_WAIT_S if self._unfinished else 0)
         results, gone = [], []
         for future in futures:
             error = future.exception()
