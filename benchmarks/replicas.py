@@ -57,7 +57,7 @@ def main() -> None:
 
 def measure(args, work: Path) -> dict:
     import torch
-    from throughput import PARTS, batchvl_job, write_workload
+    from throughput import PARTS, batchvl_job, round_orders, write_workload
 
     from batchvl.config import EngineConfig
     from batchvl.demo.tiny_model import build_tiny_model
@@ -82,10 +82,11 @@ def measure(args, work: Path) -> dict:
             )
         return stats["wall_s"]
 
-    seconds(1, "warm-one"), seconds("auto", "warm-replicas")
+    seconds(1, "warm-one")
+    seconds("auto", "warm-replicas")
     one, replicas = [], []
-    for pair in range(args.pairs):
-        for setting in (1, "auto") if pair % 2 == 0 else ("auto", 1):
+    for pair, order in enumerate(round_orders([1, "auto"], args.pairs)):
+        for setting in order:
             (one if setting == 1 else replicas).append(seconds(setting, f"pair{pair}-{setting}"))
     speedups = [round(a / b, 2) for a, b in zip(one, replicas, strict=True)]
     count = replica_count(EngineConfig(), torch.device("cpu"), under_torchrun=False)
