@@ -15,7 +15,7 @@ os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "2048")
 if "OMP_WAIT_POLICY" not in os.environ:
     os.environ.setdefault("GOMP_SPINCOUNT", "5000")
 
-__version__ = "0.1.0"
+from batchvl.version import __version__  # noqa: E402  (the environment above is set before any import)
 
 _API = ("Results", "caption", "load_model", "read_labels", "read_results", "run")
 __all__ = ["__version__", *_API]

@@ -61,7 +61,7 @@ def measure(args, work: Path) -> dict:
 
     from batchvl.config import EngineConfig
     from batchvl.demo.tiny_model import build_tiny_model
-    from batchvl.engine.replicas import replica_count
+    from batchvl.engine.parallel.replicas import replica_count
     from batchvl.layers.cpu_features import has_amx
     from batchvl.models.loader import load_model
     from batchvl.pipeline.runner import run_job

@@ -196,7 +196,7 @@ def run_transformers(root: Path, model_dir: str, dtype: torch.dtype, batch: int,
     not decode fails its own requests; a failing processor or generate call fails its whole batch). On a GPU
     the workload runs a second time in the process: its warm rate, as batchvl's (a GPU's first calls load
     and pick kernels for seconds)."""
-    from batchvl.engine.device_sync import synchronize  # imported late: see PEER_ENV
+    from batchvl.engine.device.sync import synchronize  # imported late: see PEER_ENV
 
     processor, model = hf_model(model_dir, dtype, device)
     texts = {name: rendered_prompt(processor, text) for name, text in PROMPTS.items()}

@@ -30,7 +30,7 @@ from batchvl.config import (
 from batchvl.engine.request import EngineRequest, SamplingParams
 from batchvl.errors import ConfigError, ServerGone, UserError
 from batchvl.pipeline.server_setup import PROBE_TEXT
-from batchvl.server.backend import ServerBackend
+from batchvl.server.server_engine import ServerEngine
 from tests.conftest import random_image
 from tests.fake_openai_server import Failure, FakeOpenAIServer, echo, last_user_text
 from tests.server_jobs import (
@@ -204,7 +204,7 @@ def test_a_retry_after_beyond_max_retry_wait_s_is_cut_to_it_and_one_that_is_not_
 
 
 def test_a_long_wait_before_a_retry_is_logged(tmp_path, tiny_model_dir, fake, monkeypatch, caplog):
-    monkeypatch.setattr("batchvl.server.backend.LOGGED_WAIT_S", 0.2)
+    monkeypatch.setattr("batchvl.server.server_engine.LOGGED_WAIT_S", 0.2)
     fake.fail["Describe s0-1."] = Failure(503, times=1, retry_after="0.3")
     run(write_job(tmp_path, tiny_model_dir, at(fake.url), sizes=[2]))
     (line,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
@@ -359,7 +359,7 @@ def request(tag, text: str) -> EngineRequest:
     return EngineRequest([], [], SamplingParams(max_new_tokens=4), tag=tag, messages=messages)
 
 
-def finished(backend: ServerBackend, tags: int, timeout_s: float = 10) -> list:
+def finished(backend: ServerEngine, tags: int, timeout_s: float = 10) -> list:
     results, deadline = [], time.monotonic() + timeout_s
     while len(results) < tags:
         assert time.monotonic() < deadline, "the requests did not finish"
@@ -369,7 +369,7 @@ def finished(backend: ServerBackend, tags: int, timeout_s: float = 10) -> list:
 
 def test_the_results_finished_before_the_server_went_away_are_handed_back_first(fake):
     fake.gone_after = 1
-    backend = ServerBackend(
+    backend = ServerEngine(
         fake.url, fake.models[0], ServerConfig(retries=1, backoff_s=0.01, max_concurrency=1)
     )
     try:
@@ -631,7 +631,7 @@ def test_a_launched_server_with_an_unset_api_key_variable_is_refused_when_planni
 
 
 def test_the_backend_wants_no_requests_while_max_concurrency_are_unfinished(fake):
-    backend = ServerBackend(fake.url, fake.models[0], ServerConfig(url=fake.url, max_concurrency=2))
+    backend = ServerEngine(fake.url, fake.models[0], ServerConfig(url=fake.url, max_concurrency=2))
     try:
         backend.add_request(request(0, "a"))
         assert backend.wants_requests
@@ -648,7 +648,7 @@ def test_requests_beyond_max_concurrency_wait_for_a_slot_not_against_their_timeo
     starts when they are sent (0.7 s each, where waiting for a slot takes 0.8 s)."""
     fake.hold_s = 0.4
     config = ServerConfig(url=fake.url, max_concurrency=2, timeout_s=0.7, retries=0)
-    backend = ServerBackend(fake.url, fake.models[0], config)
+    backend = ServerEngine(fake.url, fake.models[0], config)
     try:
         for i in range(6):
             backend.add_request(request(i, f"r{i}"))

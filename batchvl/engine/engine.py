@@ -16,17 +16,10 @@ import time
 import torch
 
 from batchvl.config import EngineConfig
-from batchvl.engine.activation_peak import step_activation_peak
 from batchvl.engine.adapter import ModelAdapter
-from batchvl.engine.admission import check_fits, media_spans
-from batchvl.engine.block_manager import BlockManager
-from batchvl.engine.choice_scoring import ChoiceGroup, ChoiceTokenizer
-from batchvl.engine.device_sync import synchronize
-from batchvl.engine.encoder_cache import EncoderCacheManager
-from batchvl.engine.encoder_disk_cache import GB, EncoderDiskCache
-from batchvl.engine.kv_budget import MB, kv_cache_bytes
-from batchvl.engine.logprobs import TokenLogprobs, logprob_fields
+from batchvl.engine.encoder_cache.cache import build_encoder_cache
 from batchvl.engine.model_runner import ModelRunner, StepLogits, kv_bytes_per_block
+from batchvl.engine.parallel.vit_dp import DataParallelEncoder
 from batchvl.engine.request import (
     EngineRequest,
     EngineResult,
@@ -34,20 +27,26 @@ from batchvl.engine.request import (
     Request,
     ScheduledChunk,
 )
-from batchvl.engine.sampler import make_generator, rows_on_host, sample_tokens
-from batchvl.engine.scheduler import Scheduler, StepPlan
+from batchvl.engine.sampling.choice_scoring import ChoiceGroup, ChoiceTokenizer
+from batchvl.engine.sampling.logprobs import TokenLogprobs, logprob_fields
+from batchvl.engine.sampling.sampler import make_generator, rows_on_host, sample_tokens
+from batchvl.engine.sampling.stopping import StopChecker
+from batchvl.engine.sampling.structured_output import GrammarMatchers
+from batchvl.engine.scheduling.activation_peak import step_activation_peak
+from batchvl.engine.scheduling.admission import check_fits, media_spans
+from batchvl.engine.scheduling.block_manager import BlockManager
+from batchvl.engine.scheduling.kv_budget import kv_cache_bytes
+from batchvl.engine.scheduling.scheduler import Scheduler, StepPlan
 from batchvl.engine.stats import EngineStats
-from batchvl.engine.stopping import StopChecker
-from batchvl.engine.structured_output import GrammarMatchers
-from batchvl.engine.vision_digest import vision_digest
-from batchvl.engine.vit_dp import DataParallelEncoder
 from batchvl.errors import SampleError, UserError
-from batchvl.preprocess.media import PreparedMedia
+from batchvl.utils.memory import MB
 
 logger = logging.getLogger(__name__)
 
 
 class Engine:
+    num_engines = 1
+
     def __init__(
         self,
         adapter: ModelAdapter,
@@ -66,23 +65,20 @@ class Engine:
         if num_blocks < 1:
             raise UserError(f"engine.kv_cache_mb={config.kv_cache_mb} holds no KV block; raise it")
         self.block_manager = BlockManager(num_blocks, config.block_size, config.prefix_caching)
-        self.encoder_cache = EncoderCacheManager(int(config.encoder_cache_mb * MB))
+        self.runner = ModelRunner(adapter, num_blocks, config.block_size, parallel_encoder)
+        self.encoder_cache = build_encoder_cache(
+            config,
+            adapter,
+            lambda images: self.runner.encode(images, config.max_patches_per_encode),
+        )
         self.scheduler = Scheduler(
             config.max_num_seqs,
             config.max_num_batched_tokens,
             self.block_manager,
             config.lookahead,
             config.disable_chunked_mm_input,
-            self.encoder_cache,
+            self.encoder_cache.entries,
         )
-        self.runner = ModelRunner(adapter, num_blocks, config.block_size, parallel_encoder)
-        self.disk_cache = None
-        if config.encoder_cache_dir is not None:
-            self.disk_cache = EncoderDiskCache(
-                config.encoder_cache_dir,
-                int(config.encoder_cache_dir_gb * GB),
-                vision_digest(adapter, config.encoder_cache_dir),
-            )
         self._stats = EngineStats()  # the engine's own counters; `stats` adds its components'
         self._rejected: list[EngineResult] = []
         self._ids = itertools.count()  # request ids, in arrival order
@@ -97,8 +93,11 @@ class Engine:
     @property
     def stats(self) -> EngineStats:
         """The engine's counters, with those its components own read from them (not copied each step)."""
-        encoder, disk = self.runner.parallel_encoder, self.disk_cache
+        encoder, cache, disk = self.runner.parallel_encoder, self.encoder_cache, self.encoder_cache.disk
         return self._stats + EngineStats(
+            images_encoded=cache.images_encoded,
+            patches_encoded=cache.patches_encoded,
+            encode_s=cache.encode_s,
             encoder_disk_hits=disk.hits if disk else 0,
             encoder_disk_writes=disk.writes if disk else 0,
             encoder_disk_s=disk.seconds if disk else 0.0,
@@ -106,7 +105,7 @@ class Engine:
             grammar_s=self.grammars.seconds,
             preemptions=self.scheduler.num_preemptions,
             prefix_cache_hit_tokens=self.scheduler.num_prefix_cached_tokens,
-            encoder_cache_evictions=self.encoder_cache.num_evictions,
+            encoder_cache_evictions=cache.entries.num_evictions,
             patches_encoded_per_rank=list(encoder.patches_per_rank) if encoder is not None else [],
         )
 
@@ -124,6 +123,9 @@ class Engine:
         """Whether the look-ahead window the scheduler admits from (`engine.lookahead` requests not yet
         admitted) has room: the caller adds requests while it has, and steps once it is full."""
         return self.num_waiting < self.config.lookahead
+
+    def close(self) -> None:
+        """Nothing runs beside the caller: each step runs in its `step` call."""
 
     def add_request(self, item: EngineRequest) -> None:
         """Queue a request, or a scored-choices prompt as one scoring request per choice; a request that
@@ -178,54 +180,27 @@ class Engine:
         it after every step; it walks every block, so the engine itself does not)."""
         requests = self.scheduler.requests
         self.block_manager.check_integrity(requests)
-        self.encoder_cache.check_integrity({request.request_id for request in requests})
-        kept = self.encoder_cache.cached_hashes | set(self.scheduler.pending_freed)
-        assert set(self.runner.embeddings) == kept, "the runner's embeddings differ from the cache's entries"
+        live = {request.request_id for request in requests}
+        self.encoder_cache.check_integrity(live, self.scheduler.pending_freed)
 
     def step(self) -> list[EngineResult]:
         """Run one step (schedule, run, postprocess); returns the requests that finished or were rejected."""
         results, self._rejected = self._rejected, []
         plan = self.scheduler.schedule()
-        self.runner.drop_embeddings(plan.freed)
+        self.encoder_cache.drop(plan.freed)
         if not plan.chunks:
             return results
         self._encode(plan)
-        logits = self.runner.execute(plan.chunks, self.block_manager)
+        logits = self.runner.execute(plan.chunks, self.block_manager, self.encoder_cache.embeddings)
         self.scheduler.commit(plan.chunks)
         return results + self._postprocess(plan.chunks, logits)
 
     def _encode(self, plan: StepPlan) -> None:
-        """Encode the plan's images that are not cached (in memory or on disk), in batches grouped by
-        patch count."""
+        """Bring the plan's images that are not in memory from the disk cache or the vision tower."""
         self._stats.encoder_cache_hits += plan.num_cache_hits
-        if not plan.to_encode:
-            return
-        images = [request.media[content_hash] for request, content_hash in plan.to_encode]
-        sizes = self._load_from_disk(images)
-        images = [image for image in images if image.content_hash not in sizes]
-        if images:
-            started = time.perf_counter()
-            sizes |= self.runner.encode(images, self.config.max_patches_per_encode)
-            synchronize(self.adapter.device)  # the vision tower's kernels done, not just launched
-            self._stats.encode_s += time.perf_counter() - started
-            self._stats.images_encoded += len(images)
-            self._stats.patches_encoded += sum(image.num_patches for image in images)
-            if self.disk_cache is not None:
-                for image in images:
-                    self.disk_cache.store(image.content_hash, self.runner.embeddings[image.content_hash])
-        self.scheduler.encoded(sizes)
-
-    def _load_from_disk(self, images: list[PreparedMedia]) -> dict[str, int]:
-        """The embeddings the disk cache holds, put where the runner keeps embeddings; bytes per hash."""
-        sizes = {}
-        if self.disk_cache is None:
-            return sizes
-        for image in images:
-            embedding = self.disk_cache.load(image.content_hash)
-            if embedding is not None:
-                self.runner.embeddings[image.content_hash] = embedding.to(self.adapter.device)
-                sizes[image.content_hash] = embedding.numel() * embedding.element_size()
-        return sizes
+        if plan.to_encode:
+            images = [request.media[content_hash] for request, content_hash in plan.to_encode]
+            self.scheduler.encoded(self.encoder_cache.fetch(images))
 
     def _postprocess(self, chunks: list[ScheduledChunk], step_logits: StepLogits) -> list[EngineResult]:
         """Count the step, sample the next token of each request whose chunk reached its end, score the

@@ -1,6 +1,6 @@
-"""The interface the job loop drives, whatever runs the requests: batchvl's engine (`engine.py`) or a
-server (`batchvl/server/backend.py`). The loop adds requests while `wants_requests`, steps, and turns each
-result into its row."""
+"""The interface the job loop drives, whatever runs the requests: batchvl's engine (`engine.py`, or its
+replicas, `parallel/replicas.py`) or a server (`batchvl/server/server_engine.py`). The loop adds requests
+while `wants_requests`, steps, turns each result into its row, and closes it on every way out."""
 
 from __future__ import annotations
 
@@ -26,6 +26,15 @@ class EngineInterface(Protocol):
 
     def add_request(self, item: EngineRequest) -> None: ...
 
+    @property
+    def num_engines(self) -> int:
+        """Engines stepping side by side (`engine.replicas`): their stats' seconds are summed over them."""
+        ...
+
     def step(self) -> list[EngineResult]:
         """Some work, and the requests that finished since the last step."""
+        ...
+
+    def close(self) -> None:
+        """Stop what runs beside the caller (threads, a launched server)."""
         ...

@@ -8,15 +8,16 @@ chunks that end at a request's last known token.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
 from batchvl.engine.adapter import ModelAdapter
-from batchvl.engine.block_manager import BlockManager
-from batchvl.engine.device_sync import synchronize
+from batchvl.engine.device.sync import synchronize
+from batchvl.engine.parallel.vit_dp import DataParallelEncoder
 from batchvl.engine.request import Request, RequestPositions, ScheduledChunk
-from batchvl.engine.vit_dp import DataParallelEncoder
+from batchvl.engine.scheduling.block_manager import BlockManager
 from batchvl.layers.attention import KVCache, PagedAttentionMetadata, SequenceSlice, uploaded
 from batchvl.layers.row_buckets import bucket_rows
 from batchvl.preprocess.media import PreparedMedia
@@ -90,29 +91,18 @@ class ModelRunner:
             adapter.dtype,
             adapter.device,
         )
-        self.embeddings: dict[str, torch.Tensor] = {}
         self.forward_s = 0.0  # summed time of the language model's forwards
 
     def prompt_positions(self, prompt_token_ids: list[int], images: list[PreparedMedia]) -> RequestPositions:
         """A request's positions, computed once when it is added (the request holds them)."""
         return RequestPositions(*self.adapter.prompt_positions(prompt_token_ids, images))
 
-    def encode(self, images: list[PreparedMedia], max_patches_per_call: int) -> dict[str, int]:
-        """Encode images (here, or split across ranks under ViT data parallelism); returns embedding
-        bytes per content hash. See `encode_batches` for the grouping."""
+    def encode(self, images: list[PreparedMedia], max_patches_per_call: int) -> list[torch.Tensor]:
+        """The embeddings of `images`, in their order, encoded here or split across ranks under ViT data
+        parallelism. See `encode_batches` for the grouping."""
         if self.parallel_encoder is not None:
-            embeddings = self.parallel_encoder.encode(images)
-        else:
-            embeddings = encode_images(self.adapter, images, max_patches_per_call)
-        sizes = {}
-        for img, embedding in zip(images, embeddings, strict=True):
-            self.embeddings[img.content_hash] = embedding
-            sizes[img.content_hash] = embedding.numel() * embedding.element_size()
-        return sizes
-
-    def drop_embeddings(self, hashes: list[str]) -> None:
-        for content_hash in hashes:
-            del self.embeddings[content_hash]
+            return self.parallel_encoder.encode(images)
+        return encode_images(self.adapter, images, max_patches_per_call)
 
     def _chunk_positions(self, request: Request, start: int, end: int) -> torch.Tensor:
         pos = request.positions
@@ -126,8 +116,14 @@ class ModelRunner:
         return torch.cat([pos.prompt[:, start:], generated], dim=1)
 
     @torch.inference_mode()
-    def execute(self, chunks: list[ScheduledChunk], block_manager: BlockManager) -> StepLogits:
-        """Run one packed forward; returns the logits the chunks need (see `StepLogits`)."""
+    def execute(
+        self,
+        chunks: list[ScheduledChunk],
+        block_manager: BlockManager,
+        embeddings: Mapping[str, torch.Tensor],
+    ) -> StepLogits:
+        """Run one packed forward, with the images' rows taken from `embeddings` (by content hash); returns
+        the logits the chunks need (see `StepLogits`)."""
         token_ids: list[int] = []
         positions, slot_mapping, sequences = [], [], []
         # A run of decodes (one generated token each, most of a step) as plain ints, made into one tensor
@@ -185,7 +181,7 @@ class ModelRunner:
         token_ids.extend([0] * padding)
         positions.append(torch.zeros((positions[0].shape[0], padding), dtype=torch.long))
 
-        media_mask, media_rows = self._media_rows(len(token_ids), chunks, sequences)
+        media_mask, media_rows = self._media_rows(len(token_ids), chunks, sequences, embeddings)
         device = self.adapter.device
         # the step's tokens, positions, cache slots and logits rows go to the device together, in one copy
         token_ids_on, positions_on, slots_on, logits_rows = uploaded(
@@ -211,8 +207,12 @@ class ModelRunner:
         self.forward_s += time.perf_counter() - started
         return StepLogits(logits[: len(last_rows)], logits[len(last_rows) :])
 
+    @staticmethod
     def _media_rows(
-        self, num_tokens: int, chunks: list[ScheduledChunk], sequences: list[SequenceSlice]
+        num_tokens: int,
+        chunks: list[ScheduledChunk],
+        sequences: list[SequenceSlice],
+        embeddings: Mapping[str, torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Which packed rows are media placeholders, and the embedding rows that fill them, in order: for a
         chunk that cuts through an image, just the slice of its embedding that falls inside the chunk."""
@@ -226,7 +226,7 @@ class ModelRunner:
                 first = seq.query_start + lo - chunk.start
                 mask[first : first + hi - lo] = True
                 rows = span.row_offset + lo - span.offset
-                pieces.append((first, self.embeddings[span.content_hash][rows : rows + hi - lo]))
+                pieces.append((first, embeddings[span.content_hash][rows : rows + hi - lo]))
         if not pieces:
             return mask, None
         # Chunks are packed in order and a request's runs are sorted by offset: pieces follow the mask.

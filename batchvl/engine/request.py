@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
-from batchvl.engine.structured_output import OutputConstraint
+from batchvl.engine.sampling.structured_output import OutputConstraint
 from batchvl.errors import SampleError
 from batchvl.preprocess.media import PreparedMedia
 

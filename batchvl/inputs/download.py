@@ -37,11 +37,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import SplitResult, urljoin, urlsplit
 
-from batchvl import __version__
 from batchvl.config import DownloadConfig
 from batchvl.errors import SampleError
 from batchvl.storage.remote import options_mismatch
 from batchvl.utils.stats import Counters
+from batchvl.version import __version__
 
 if TYPE_CHECKING:
     from batchvl.inputs.http_deadline import Deadline

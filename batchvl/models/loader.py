@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from batchvl.engine.devices import resolve_device
+from batchvl.engine.device.placement import resolve_device
 from batchvl.errors import UserError
 from batchvl.models.adapter import VLMAdapter
 from batchvl.models.registry import ModelFamily, model_family

@@ -12,7 +12,6 @@ from collections.abc import Callable
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from batchvl import __version__
 from batchvl.config import JobConfig, config_to_dict
 from batchvl.inputs.types import ShardInfo
 from batchvl.outputs.batch_output import model_name, write_batch_output
@@ -22,6 +21,7 @@ from batchvl.pipeline.constraints import scored_choices
 from batchvl.pipeline.tasks import TaskSlice
 from batchvl.storage.output_dir import OutputDir
 from batchvl.utils.secrets import MASK, masked_args, url_without_userinfo
+from batchvl.version import __version__
 
 
 def stored_config(cfg: JobConfig) -> dict:

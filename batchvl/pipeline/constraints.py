@@ -2,9 +2,9 @@
 (or, for choices, the strings it scores), checked when the job is planned and verified again on every
 finished output.
 
-The engine generates under the constraint (`engine/structured_output.py`), so an output that ends normally
-matches it. The check here is the promise on the row: an `ok` row of a JSON-schema prompt parses and
-validates against the schema (with jsonschema, which also checks what a grammar cannot express, such as
+The engine generates under the constraint (`engine/sampling/structured_output.py`), so an output that ends
+normally matches it. The check here is the promise on the row: an `ok` row of a JSON-schema prompt parses
+and validates against the schema (with jsonschema, which also checks what a grammar cannot express, such as
 `minimum` or `format`; its patterns matched by RE2, see `json_schemas.py`), an `ok` row of a regex prompt
 matches the whole regex and one of a choices prompt is one of the choices, all as the text is written (after
 a stop string cut it); otherwise the row is an `invalid_output` error with the text kept.
@@ -17,7 +17,7 @@ import json
 import logging
 
 from batchvl.config import JobConfig, PromptConfig
-from batchvl.engine.structured_output import OutputConstraint
+from batchvl.engine.sampling.structured_output import OutputConstraint
 from batchvl.errors import SampleError, UserError
 from batchvl.pipeline.json_schemas import bounded_regex, bounded_validator, check_schema
 

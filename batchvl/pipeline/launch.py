@@ -3,12 +3,11 @@ ranks.
 
 A plain run is one process that drives the job. Launched by torchrun with `engine.vit_parallel: data`,
 rank 0 drives the job and every other rank only encodes its share of each encode round
-(`engine/vit_dp.py`) until rank 0 lets it go.
+(`engine/parallel/vit_dp.py`) until rank 0 lets it go.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from collections.abc import Callable
@@ -17,12 +16,9 @@ from typing import TypeVar
 import torch
 
 from batchvl.config import JobConfig
-from batchvl.engine.devices import launched_world_size, process_device, shares_its_gpu
-from batchvl.engine.engine import Engine
-from batchvl.engine.model_runner import encode_images
-from batchvl.engine.replicas import EngineReplicas, replica_config, replica_count
-from batchvl.engine.vit_dp import (
-    DataParallelEncoder,
+from batchvl.engine.builder import build_engine, local_encoder
+from batchvl.engine.device.placement import launched_world_size, process_device, shares_its_gpu
+from batchvl.engine.parallel.vit_dp import (
     DistributedContext,
     init_distributed,
     leave_process_group,
@@ -32,7 +28,7 @@ from batchvl.engine.vit_dp import (
 from batchvl.errors import UserError
 from batchvl.inputs.download import DownloadCache
 from batchvl.models.loader import LoadedModel, load_model
-from batchvl.pipeline.backend import RunBackend
+from batchvl.pipeline.engine_setup import EngineSetup
 from batchvl.pipeline.prompt_graph import PromptGraph
 from batchvl.preprocess.prompts import PromptRenderer
 from batchvl.preprocess.sample import SampleProcessor
@@ -74,50 +70,23 @@ def load_job_model(cfg: JobConfig) -> tuple[LoadedModel, float]:
     return load_model(m.path, m.dtype, device, m.trust_remote_code), time.perf_counter() - started
 
 
-def _local_encode(cfg: JobConfig, loaded: LoadedModel):
-    return functools.partial(encode_images, loaded.adapter, max_patches=cfg.engine.max_patches_per_encode)
-
-
-def job_engine(
-    cfg: JobConfig, loaded: LoadedModel, context: DistributedContext | None
-) -> Engine | EngineReplicas:
-    """The driver's engine; under torchrun its encode rounds are shared with the serving ranks; on the CPU,
-    `engine.replicas` engines, each with its share of the threads and caches."""
-    parallel_encoder = None
-    if context is not None:
-        parallel_encoder = DataParallelEncoder(context, _local_encode(cfg, loaded), loaded.adapter.device)
-    tokenizer, eos = loaded.processor.tokenizer, loaded.eos_token_ids()
-    adapter = loaded.adapter
-    count = replica_count(cfg.engine, adapter.device, context is not None, adapter.model.config)
-    if count == 1:
-        return Engine(adapter, tokenizer, cfg.engine, eos, parallel_encoder)
-    # A fast tokenizer's first `encode` may switch its truncation off (a write the replicas' threads
-    # could race on); after it, their encodes and decodes only read.
-    tokenizer.encode("x")
-    config = replica_config(cfg.engine, count)
-    threads_each = max(1, torch.get_num_threads() // count)
-    logger.info("%d engine replicas of %d thread(s) each", count, threads_each)
-    return EngineReplicas(lambda: Engine(adapter, tokenizer, config, eos), count, threads_each)
-
-
-def builtin_backend(
+def builtin_engine_setup(
     cfg: JobConfig, loaded: LoadedModel, context: DistributedContext | None, graph: PromptGraph
-) -> RunBackend:
+) -> EngineSetup:
     """The built-in engine over the loaded model: prompts as token ids, images as the family's pixels (what
     the preprocessing workers run per sample: the family's media preparation and the prompts)."""
     renderer = PromptRenderer(loaded.processor)
     media = loaded.family.media_preparer(loaded.processor, loaded.adapter.model.config, cfg.preprocess)
     cache = DownloadCache.of(cfg.input.download)
     samples = SampleProcessor(renderer, media, cfg.prompts, graph.follow_ups, cache)
-    engine = job_engine(cfg, loaded, context)
-    if isinstance(engine, EngineReplicas):
-        return RunBackend(engine, renderer, samples, engine.close, engine.count)
-    return RunBackend(engine, renderer, samples)
+    tokenizer, eos = loaded.processor.tokenizer, loaded.eos_token_ids()
+    engine = build_engine(loaded.adapter, tokenizer, eos, cfg.engine, context)
+    return EngineSetup(engine, renderer, samples)
 
 
 def serve_rank(cfg: JobConfig, loaded: LoadedModel, context: DistributedContext) -> int:
     """A rank other than 0: encode its share of every round rank 0 sends, until it says stop; returns how
     many rounds it served."""
-    rounds = serve_encode_rounds(_local_encode(cfg, loaded), loaded.adapter.device)
+    rounds = serve_encode_rounds(local_encoder(loaded.adapter, cfg.engine), loaded.adapter.device)
     logger.info("rank %d served %d encode rounds", context.rank, rounds)
     return rounds

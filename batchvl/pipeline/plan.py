@@ -27,7 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from batchvl.config import JobConfig, is_remote, output_definition
-from batchvl.engine.devices import process_device
+from batchvl.engine.device.placement import process_device
+from batchvl.engine.parallel.replicas import check_replicas
 from batchvl.errors import UserError
 from batchvl.inputs.paths import glob_matches
 from batchvl.inputs.sources import Source, job_source
@@ -75,7 +76,9 @@ def plan_job(cfg: JobConfig, task: TaskSlice | None = None, record: bool = False
     else:
         model_type = read_model_type(cfg.model.path, cfg.model.trust_remote_code)
         model_family(model_type)
-        check_replicas(cfg, process_device(cfg.model.device))  # refuses a GPU the machine does not have
+        check_replicas(
+            cfg.engine, process_device(cfg.model.device)
+        )  # refuses a GPU the machine does not have
     check_constraints(cfg)
     graph = PromptGraph.of(cfg.prompts)  # refuses a follow-up that uses itself, a later or an unknown prompt
     check_storage_options("input.storage_options", cfg.input.storage_options, cfg.input.paths)
@@ -159,23 +162,6 @@ def _location(path: str) -> str:
     """Where a path points, comparable with another's: a URL as written, a local path with its links
     followed."""
     return path.rstrip("/") if is_remote(path) else os.path.realpath(path)
-
-
-def check_replicas(cfg: JobConfig, device) -> None:
-    """Several engine replicas are a CPU setting: one engine keeps a GPU busy, and under ViT data
-    parallelism one engine drives the ranks' encode rounds."""
-    replicas = cfg.engine.replicas
-    if replicas == "auto" or replicas == 1:
-        return
-    if device.type != "cpu":
-        raise UserError(
-            f"engine.replicas={replicas} runs engines side by side on the CPU, but model.device is "
-            f"{cfg.model.device}; leave engine.replicas at auto (one engine on a GPU)"
-        )
-    if cfg.engine.vit_parallel == "data":
-        raise UserError(
-            f"engine.replicas={replicas} cannot be combined with engine.vit_parallel: data; set one of them"
-        )
 
 
 def check_output_location(cfg: JobConfig, out: OutputDir, listing: list[ShardInfo]) -> None:

@@ -20,8 +20,8 @@ from tqdm.auto import tqdm
 
 from batchvl.config import JobConfig
 from batchvl.engine.interface import EngineInterface
+from batchvl.engine.parallel.vit_dp import DistributedContext
 from batchvl.engine.stats import EngineStats
-from batchvl.engine.vit_dp import DistributedContext
 from batchvl.errors import ServerGone
 from batchvl.inputs.download import DownloadStats
 from batchvl.inputs.types import ShardEnd, ShardSkipped
@@ -30,11 +30,11 @@ from batchvl.outputs.claims import Holder, ShardClaims
 from batchvl.outputs.dataset_card import DatasetCard
 from batchvl.outputs.run_stats import write_run_stats
 from batchvl.outputs.writers import ResultRow
-from batchvl.pipeline.backend import RunBackend
 from batchvl.pipeline.commit_strategies import WriteShard
 from batchvl.pipeline.ending import RunSummary, raise_if_ended_early
+from batchvl.pipeline.engine_setup import EngineSetup
 from batchvl.pipeline.launch import (
-    builtin_backend,
+    builtin_engine_setup,
     in_launched_processes,
     load_job_model,
     serve_rank,
@@ -43,7 +43,7 @@ from batchvl.pipeline.ledger import CommitStrategy, ShardLedger
 from batchvl.pipeline.plan import Work, job_work
 from batchvl.pipeline.rows import prompt_of, result_row
 from batchvl.pipeline.sample_flow import Progress, SampleFlow
-from batchvl.pipeline.server_setup import server_run_backend
+from batchvl.pipeline.server_setup import server_engine_setup
 from batchvl.pipeline.tasks import TaskSlice
 from batchvl.preprocess.pool import PoolStats, PreprocessPool, default_workers
 from batchvl.preprocess.sample import PreparedSample
@@ -116,32 +116,32 @@ class JobRunner:
         work = self.plan_work()  # every check runs even when every shard is done
         self.stats.shards_total = work.num_task_shards
         self.stats.shards_skipped = work.num_task_shards - len(work.shards)
-        engine, pool_stats, replicas = None, PoolStats(), 1
+        engine, pool_stats = None, PoolStats()
         if work.shards and not self.stop.requested:
             if self.cfg.engine.backend == "openai":
-                backend = server_run_backend(self.cfg, self.out, self.task, work.plan.graph)
+                setup = server_engine_setup(self.cfg, self.out, self.task, work.plan.graph)
             else:
-                backend = builtin_backend(self.cfg, self._load(), context, work.plan.graph)
-            engine, replicas = backend.engine, backend.replicas
+                setup = builtin_engine_setup(self.cfg, self._load(), context, work.plan.graph)
+            engine = setup.engine
             try:
-                pool_stats = self._process(work, backend)
+                pool_stats = self._process(work, setup)
             finally:
-                backend.close()  # a launched server is stopped on every way out
+                engine.close()  # a launched server is stopped on every way out
         self.stats.wall_s = round(time.perf_counter() - start, 3)
         stats = self.stats.to_dict(engine.stats if engine else EngineStats(), pool_stats, self.downloads)
         stats["vit_parallel_ranks"] = context.world_size if context else 1
-        stats["engine_replicas"] = replicas  # encode_s and forward_s are summed over them
+        stats["engine_replicas"] = engine.num_engines if engine else 1  # encode_s, forward_s summed over them
         stats["stopped_by"] = self.stop.signal_name or ("server_gone" if self.server_gone else None)
         stats.update(work.notes)
         return RunSummary(self.out.url, write_run_stats(self.out, stats), stats)
 
-    def _process(self, work: Work, backend: RunBackend) -> PoolStats:
+    def _process(self, work: Work, setup: EngineSetup) -> PoolStats:
         pre = self.cfg.preprocess
         workers = default_workers() if pre.workers is None else pre.workers
         self.stats.preprocess_workers = workers
         ledger = ShardLedger(work.shards, work.selection, len(self.cfg.prompts))
-        engine = backend.engine
-        self.flow = SampleFlow(self.cfg, work.plan.graph, backend.prompts)
+        engine = setup.engine
+        self.flow = SampleFlow(self.cfg, work.plan.graph, setup.prompts)
         if self.commit is None:
             plan = work.plan
             self.commit = WriteShard(
@@ -150,7 +150,7 @@ class JobRunner:
         pool = PreprocessPool(
             work.plan.source,
             work.shards,
-            backend.samples,
+            setup.samples,
             workers,
             pre.prefetch,
             pre.timeout_s,

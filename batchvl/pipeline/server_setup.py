@@ -18,12 +18,12 @@ import tempfile
 from pathlib import Path
 
 from batchvl.config import JobConfig, is_remote
-from batchvl.engine.choice_scoring import ChoiceTokenizer
 from batchvl.engine.request import EngineRequest
+from batchvl.engine.sampling.choice_scoring import ChoiceTokenizer
 from batchvl.errors import UserError
 from batchvl.inputs.download import DownloadCache
-from batchvl.pipeline.backend import RunBackend
 from batchvl.pipeline.constraints import prompt_constraint, scored_choices
+from batchvl.pipeline.engine_setup import EngineSetup
 from batchvl.pipeline.prompt_graph import PromptGraph
 from batchvl.pipeline.rows import sampling_params
 from batchvl.pipeline.tasks import TaskSlice
@@ -31,9 +31,9 @@ from batchvl.preprocess.chat_messages import ChatMessages
 from batchvl.preprocess.media_urls import DataURLPreparer
 from batchvl.preprocess.sample import SampleProcessor
 from batchvl.server import payloads
-from batchvl.server.backend import ServerBackend
 from batchvl.server.client import check_accepted, served_models
 from batchvl.server.process import ManagedServer
+from batchvl.server.server_engine import ServerEngine
 from batchvl.storage import layout
 from batchvl.storage.output_dir import OutputDir
 from batchvl.utils.secrets import url_without_userinfo
@@ -151,20 +151,20 @@ def server_log_path(out: OutputDir, task: TaskSlice | None) -> Path:
     return Path(out.url) / layout.LOGS / name
 
 
-def server_run_backend(
+def server_engine_setup(
     cfg: JobConfig, out: OutputDir, task: TaskSlice | None, graph: PromptGraph
-) -> RunBackend:
-    """The openai backend of a run: prompts as chat messages, images as PNG data URLs."""
-    engine = server_backend(cfg, out, task)
+) -> EngineSetup:
+    """What a run with the openai backend drives: prompts as chat messages, images as PNG data URLs."""
+    engine = server_engine(cfg, out, task)
     media = DataURLPreparer(cfg.preprocess.max_image_pixels)
     cache = DownloadCache.of(cfg.input.download)
     messages = ChatMessages()
     samples = SampleProcessor(messages, media, cfg.prompts, graph.follow_ups, cache)
-    return RunBackend(engine, messages, samples, engine.close)
+    return EngineSetup(engine, messages, samples)
 
 
-def server_backend(cfg: JobConfig, out: OutputDir, task: TaskSlice | None) -> ServerBackend:
-    """The backend of a run: a launched server is started here (and stopped by the backend's `close`)."""
+def server_engine(cfg: JobConfig, out: OutputDir, task: TaskSlice | None) -> ServerEngine:
+    """The engine of a run over a server: a launched server is started here (and stopped by `close`)."""
     server_cfg = cfg.engine.server
     model = served_model_name(cfg)
     key = api_key(cfg)
@@ -180,7 +180,7 @@ def server_backend(cfg: JobConfig, out: OutputDir, task: TaskSlice | None) -> Se
         choice_tokens = choice_tokenizer(tokenizer)
         if managed is not None:  # planning could not ask a server that was not started yet
             check_prompts_accepted(cfg, url, key, tokenizer, choice_tokens)
-        return ServerBackend(url, model, server_cfg, key, tokenizer, choice_tokens, managed)
+        return ServerEngine(url, model, server_cfg, key, tokenizer, choice_tokens, managed)
     except BaseException:
         if managed is not None:
             managed.stop()

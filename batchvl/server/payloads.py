@@ -15,9 +15,9 @@ import functools
 import json
 from dataclasses import dataclass
 
-from batchvl.engine.choice_scoring import ChoiceTokenizer
 from batchvl.engine.request import EngineRequest, SamplingParams
-from batchvl.engine.structured_output import OutputConstraint
+from batchvl.engine.sampling.choice_scoring import ChoiceTokenizer
+from batchvl.engine.sampling.structured_output import OutputConstraint
 from batchvl.errors import SampleError
 
 TOKEN_ID_PREFIX = "token_id:"  # how vLLM writes a token with `return_tokens_as_token_ids`

@@ -20,6 +20,9 @@ import ctypes
 import ctypes.util
 import time
 
+MB = 1 << 20  # a MiB: memory settings (`*_mb`, `*_gb`) count in binary units
+GB = 1 << 30
+
 _libc = None
 _checked = False
 

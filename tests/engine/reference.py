@@ -138,7 +138,7 @@ class EngineProbe:
         runner = engine.runner
         execute, adapter = runner.execute, runner.adapter
 
-        def recording_execute(chunks, block_manager):
+        def recording_execute(chunks, block_manager, embeddings):
             fed = []  # the positions the model was given, (axes, rows) in the step's packed order
 
             def recording_forward(token_ids, positions, *args, **kwargs):
@@ -148,7 +148,7 @@ class EngineProbe:
             forward, own = adapter.forward, vars(adapter).get("forward")  # another probe's, if any
             adapter.forward = recording_forward
             try:
-                out = execute(chunks, block_manager)
+                out = execute(chunks, block_manager, embeddings)
             finally:
                 if own is None:
                     del adapter.forward  # the class's method again

@@ -2,10 +2,10 @@
 
 import pytest
 
-from batchvl.engine.block_manager import BlockManager
-from batchvl.engine.encoder_cache import EncoderCacheManager
+from batchvl.engine.encoder_cache.bookkeeping import EncoderCacheManager
 from batchvl.engine.request import MediaSpan, Request, RequestStatus, SamplingParams
-from batchvl.engine.scheduler import Scheduler
+from batchvl.engine.scheduling.block_manager import BlockManager
+from batchvl.engine.scheduling.scheduler import Scheduler
 
 
 def make_request(request_id: int, num_prompt: int, images=()) -> Request:

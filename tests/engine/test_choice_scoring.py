@@ -9,9 +9,9 @@ import torch
 from transformers import AutoModelForImageTextToText
 
 from batchvl.config import EngineConfig
-from batchvl.engine.choice_scoring import ChoiceGroup
 from batchvl.engine.engine import Engine
 from batchvl.engine.request import EngineRequest, SamplingParams
+from batchvl.engine.sampling.choice_scoring import ChoiceGroup
 from batchvl.preprocess.prompts import PromptRenderer
 from batchvl.preprocess.qwen_vision import QwenVisionSpec, prepare_image
 from tests.conftest import random_image, reference_processor

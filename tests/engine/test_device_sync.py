@@ -7,7 +7,9 @@ import time
 import torch
 
 from batchvl.config import EngineConfig
-from batchvl.engine import device_sync, engine, model_runner
+from batchvl.engine import model_runner
+from batchvl.engine.device import sync as device_sync
+from batchvl.engine.encoder_cache import cache as encoder_cache
 from batchvl.engine.engine import Engine
 from batchvl.engine.request import EngineRequest, SamplingParams
 from batchvl.preprocess.prompts import PromptRenderer
@@ -35,7 +37,7 @@ def test_forward_and_encode_times_include_the_work_the_device_still_had_queued(l
 
     # The engine's CPU model, whose device work is faked to finish only when it is waited for.
     monkeypatch.setattr(model_runner, "synchronize", finish_queued_kernels)
-    monkeypatch.setattr(engine, "synchronize", finish_queued_kernels)
+    monkeypatch.setattr(encoder_cache, "synchronize", finish_queued_kernels)
     renderer = PromptRenderer(loaded_fp32.processor)
     prepared = prepare_image(
         random_image(28, 28, 0), QwenVisionSpec.from_image_processor(loaded_fp32.processor.image_processor)

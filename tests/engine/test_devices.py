@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from batchvl.config import job_config_from_dict
-from batchvl.engine.devices import resolve_device
+from batchvl.engine.device.placement import resolve_device
 from batchvl.errors import ConfigError, UserError
 from batchvl.pipeline.launch import in_launched_processes
 

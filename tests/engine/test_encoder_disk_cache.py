@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from batchvl.config import job_config_from_dict
-from batchvl.engine import vision_digest as vision_digest_module
-from batchvl.engine.encoder_disk_cache import EncoderDiskCache
+from batchvl.engine.encoder_cache import vision_digest as vision_digest_module
+from batchvl.engine.encoder_cache.disk import EncoderDiskCache
 from batchvl.errors import ConfigError, UserError
 
 DIGEST = "model-digest"

@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from batchvl.config import EngineConfig, job_config_from_dict
-from batchvl.engine.activation_peak import largest_step, step_activation_peak
-from batchvl.engine.kv_budget import MB, PEAK_HEADROOM, VISION_RESERVE_MB, kv_cache_bytes
+from batchvl.engine.scheduling.activation_peak import largest_step, step_activation_peak
+from batchvl.engine.scheduling.kv_budget import PEAK_HEADROOM, VISION_RESERVE_MB, kv_cache_bytes
 from batchvl.errors import ConfigError, UserError
+from batchvl.utils.memory import MB
 
 GPU = torch.device("cuda", 1)
 

@@ -1,9 +1,9 @@
 """Prefix caching, admission order and whole-image chunks in the bookkeeping, without tensors."""
 
-from batchvl.engine.block_manager import BlockManager
-from batchvl.engine.prefix_cache import extend_block_hashes
 from batchvl.engine.request import MediaSpan, Request, SamplingParams
-from batchvl.engine.scheduler import Scheduler
+from batchvl.engine.scheduling.block_manager import BlockManager
+from batchvl.engine.scheduling.prefix_cache import extend_block_hashes
+from batchvl.engine.scheduling.scheduler import Scheduler
 
 PAD = 99  # a placeholder token id: equal for every image
 

@@ -13,8 +13,9 @@ from transformers import AutoModelForImageTextToText
 
 from batchvl.config import EngineConfig
 from batchvl.engine.engine import Engine
-from batchvl.engine.replicas import EngineReplicas, replica_config, replica_count
+from batchvl.engine.parallel.replicas import EngineReplicas, replica_config, replica_count
 from batchvl.engine.request import EngineRequest, EngineResult, SamplingParams
+from batchvl.errors import UserError
 from batchvl.preprocess.prompts import PromptRenderer
 from batchvl.preprocess.qwen_vision import QwenVisionSpec, prepare_image
 from tests.conftest import random_image, reference_processor
@@ -173,6 +174,18 @@ def test_a_replica_busier_than_a_lookahead_window_gives_up_its_images_requests()
     assert all(engine.answered for engine in engines)
 
 
+def test_an_images_replica_keeps_its_requests_up_to_exactly_one_lookahead_window_busier():
+    replicas = EngineReplicas(FakeEngine, count=2, threads_each=1)
+    replicas.close()  # the choice alone, with no thread taking requests
+    window = replicas.lookahead
+    replicas._homes["a"] = 0
+    home, other = replicas._replicas
+    home.assigned, other.assigned = window, 0
+    assert replicas._replica_for(request("x", "a")) == 0  # a window busier: still its image's replica
+    home.assigned = window + 1
+    assert replicas._replica_for(request("x", "a")) == 1
+
+
 def test_an_exception_in_a_replica_reaches_the_caller():
     engines = [FakeEngine(fail_on="r3"), FakeEngine(fail_on="r3")]
     replicas = EngineReplicas(iter(engines).__next__, count=2, threads_each=1)
@@ -186,17 +199,26 @@ def test_an_exception_in_a_replica_reaches_the_caller():
     )
 
 
-def test_replica_count_and_shares():
+def test_replica_count_and_shares(monkeypatch):
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     assert replica_count(EngineConfig(replicas=3), cpu, under_torchrun=False) == 3
     assert replica_count(EngineConfig(threads=2), cpu, under_torchrun=False) == min(2, os.cpu_count())
     assert replica_count(EngineConfig(threads=1), cpu, under_torchrun=False) == 1
-    assert replica_count(EngineConfig(threads=64), cpu, under_torchrun=False) <= 8
-    assert replica_count(EngineConfig(replicas=3), cuda, under_torchrun=False) == 1
+    assert replica_count(EngineConfig(), cuda, under_torchrun=False) == 1
     assert replica_count(EngineConfig(replicas=3), cpu, under_torchrun=True) == 1
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)  # a large machine: auto stops at 8
+    assert replica_count(EngineConfig(threads=64), cpu, under_torchrun=False) == 8
+    assert replica_count(EngineConfig(threads=5), cpu, under_torchrun=False) == 5
     share = replica_config(EngineConfig(encoder_cache_mb=512), 2)
     assert (share.kv_cache_mb, share.encoder_cache_mb) == (512, 256)  # auto's 1024 MiB on the CPU, halved
     assert replica_config(EngineConfig(kv_cache_mb=300), 3).kv_cache_mb == 100
+
+
+def test_several_replicas_are_refused_where_one_engine_must_run():
+    with pytest.raises(UserError, match="model.device is cuda; leave engine.replicas at auto"):
+        replica_count(EngineConfig(replicas=3), torch.device("cuda", 0), under_torchrun=False)
+    with pytest.raises(UserError, match="cannot be combined with engine.vit_parallel: data"):
+        replica_count(EngineConfig(replicas=2, vit_parallel="data"), torch.device("cpu"), False)
 
 
 def test_a_model_whose_rotary_embedding_rewrites_itself_gets_one_engine(tiny_model_dir):

@@ -16,7 +16,7 @@ from transformers.generation.logits_process import (
 )
 
 from batchvl.engine.request import SamplingParams
-from batchvl.engine.sampler import (
+from batchvl.engine.sampling.sampler import (
     filtered_logits,
     greedy_tokens,
     make_generator,
@@ -110,7 +110,7 @@ def test_greedy_rows_of_other_dtypes_pick_what_argmax_picks(dtype):
 
 
 def test_an_all_sampled_step_needs_no_argmax(monkeypatch):
-    import batchvl.engine.sampler as sampler
+    import batchvl.engine.sampling.sampler as sampler
 
     monkeypatch.setattr(sampler, "greedy_tokens", lambda *a: (_ for _ in ()).throw(AssertionError("argmax")))
     sampled = SamplingParams(temperature=1.0, seed=1)

@@ -14,7 +14,7 @@ from xgrammar.contrib.hf import LogitsProcessor
 from batchvl.config import EngineConfig
 from batchvl.engine.engine import Engine
 from batchvl.engine.request import EngineRequest, SamplingParams
-from batchvl.engine.structured_output import OutputConstraint
+from batchvl.engine.sampling.structured_output import OutputConstraint
 from batchvl.preprocess.prompts import PromptRenderer
 from batchvl.preprocess.qwen_vision import QwenVisionSpec, prepare_image
 from tests.conftest import random_image, reference_processor

@@ -2,7 +2,7 @@
 (a job's default), every step walked every full block of every running request to offer it to the prefix
 cache again, 2 ms a step at 256 decodes of 600 tokens."""
 
-import batchvl.engine.block_manager as block_manager_module
+import batchvl.engine.scheduling.block_manager as block_manager_module
 from batchvl.config import EngineConfig
 from batchvl.engine.engine import Engine
 from batchvl.engine.request import EngineRequest, SamplingParams

@@ -4,7 +4,7 @@ after its last character), a proper prefix of one is not. The expected answers a
 
 import pytest
 
-from batchvl.engine.structured_output import GrammarMatchers, OutputConstraint
+from batchvl.engine.sampling.structured_output import GrammarMatchers, OutputConstraint
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from batchvl.engine import vit_dp
+from batchvl.engine.parallel import vit_dp
 from batchvl.preprocess.media import PreparedMedia
 
 

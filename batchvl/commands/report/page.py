@@ -17,7 +17,6 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from batchvl import __version__
 from batchvl.commands.labels import current_outputs, ran_output_dir
 from batchvl.commands.report.gallery import GALLERY_CSS, gallery_html, gallery_items
 from batchvl.commands.report.labels_section import labels_section
@@ -29,6 +28,7 @@ from batchvl.outputs.results import results_table
 from batchvl.outputs.run_stats import read_run_stats
 from batchvl.storage.output_dir import OutputDir, write_file
 from batchvl.utils.stats import processing_seconds
+from batchvl.version import __version__
 
 REPORT_NAME = "report.html"
 CSP = "default-src 'none'; img-src data:; style-src 'unsafe-inline'"

@@ -16,8 +16,8 @@ import torch
 
 from batchvl.config import EngineConfig
 from batchvl.errors import UserError
+from batchvl.utils.memory import MB
 
-MB = 1 << 20
 CPU_KV_CACHE_MB = 1024
 # A vision call's activations, which the measured step leaves out: at the default 4,096 patches a call,
 # Qwen2-VL's 675M-parameter tower holds about 100 MiB of them at once in bf16 (its MLP's 4,096 x 5,120
@@ -27,13 +27,17 @@ VISION_RESERVE_MB = 512
 PEAK_HEADROOM = 1.25
 
 
+def fixed_kv_cache_mb(config: EngineConfig) -> float:
+    """`engine.kv_cache_mb` where the GPU's free memory does not decide it: as given, or CPU_KV_CACHE_MB with
+    `auto` (also what engine replicas on the CPU share)."""
+    return CPU_KV_CACHE_MB if config.kv_cache_mb == "auto" else config.kv_cache_mb
+
+
 def kv_cache_bytes(config: EngineConfig, device: torch.device, activation_peak: Callable[[], int]) -> int:
     """The cache's size in bytes; `activation_peak` measures the largest step's activations on `device`
     (called only where the size depends on it: `auto` on CUDA)."""
-    if config.kv_cache_mb != "auto":
-        return int(config.kv_cache_mb * MB)
-    if device.type != "cuda":
-        return CPU_KV_CACHE_MB * MB
+    if config.kv_cache_mb != "auto" or device.type != "cuda":
+        return int(fixed_kv_cache_mb(config) * MB)
     activations = int(activation_peak() * PEAK_HEADROOM)
     torch.cuda.empty_cache()  # memory torch holds but no tensor uses is free for the cache
     free, _total = torch.cuda.mem_get_info(device)

@@ -18,10 +18,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from batchvl.engine.block_manager import BlockManager
-from batchvl.engine.encoder_cache import EncoderCacheManager
-from batchvl.engine.prefix_cache import extend_block_hashes
+from batchvl.engine.encoder_cache.bookkeeping import EncoderCacheManager
 from batchvl.engine.request import Request, RequestStatus, ScheduledChunk
+from batchvl.engine.scheduling.block_manager import BlockManager
+from batchvl.engine.scheduling.prefix_cache import extend_block_hashes
 
 
 @dataclass

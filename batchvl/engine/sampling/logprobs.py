@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from batchvl.engine.request import SamplingParams
-from batchvl.engine.sampler import filtered_logits
+from batchvl.engine.sampling.sampler import filtered_logits
 
 
 @dataclass

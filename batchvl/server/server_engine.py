@@ -32,8 +32,8 @@ from concurrent.futures import Future
 import httpx
 
 from batchvl.config import ServerConfig
-from batchvl.engine.choice_scoring import ChoiceTokenizer
 from batchvl.engine.request import EngineRequest, EngineResult
+from batchvl.engine.sampling.choice_scoring import ChoiceTokenizer
 from batchvl.engine.stats import EngineStats
 from batchvl.errors import SampleError, ServerGone
 from batchvl.server import answers, payloads
@@ -50,7 +50,9 @@ HEALTH_TIMEOUT_S = (2.0, 10.0)
 LOGGED_WAIT_S = 5.0  # a wait before a retry this long or longer is logged: the job is not hung
 
 
-class ServerBackend:
+class ServerEngine:
+    num_engines = 1
+
     def __init__(
         self,
         url: str,

@@ -3,7 +3,7 @@ later runs and by other jobs over the same images, bounded by `engine.encoder_ca
 
 An entry is one file, `<folder>/<key[:2]>/<key>.emb`, where the key digests the image's content hash and
 the model's vision digest (`vision_digest.py`), and the file is the checked format of
-`encoder_disk_entry.py`. Several processes (concurrent runs, the tasks of a Slurm array on one node) share
+`disk_entry.py`. Several processes (concurrent runs, the tasks of a Slurm array on one node) share
 the folder without locks:
 
 - A writer writes a temporary file beside the entry and renames it into place, so a reader opens either
@@ -30,12 +30,12 @@ import uuid
 import torch
 import xxhash
 
-from batchvl.engine.encoder_disk_entry import decode_entry, encode_entry
+from batchvl.engine.encoder_cache.disk_entry import decode_entry, encode_entry
 from batchvl.errors import UserError
 
 logger = logging.getLogger(__name__)
 
-GB = 1 << 30
+
 SUFFIX = ".emb"
 TEMPORARY = ".tmp"
 TRIM_TO = 0.9  # share of the bound left after trimming, so that a full folder is not counted every write

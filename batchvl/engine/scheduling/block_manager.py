@@ -16,8 +16,8 @@ from collections import OrderedDict
 
 import numpy as np
 
-from batchvl.engine.prefix_cache import extend_block_hashes
 from batchvl.engine.request import Request
+from batchvl.engine.scheduling.prefix_cache import extend_block_hashes
 
 _NOTHING = np.empty(0, dtype=np.int64)
 

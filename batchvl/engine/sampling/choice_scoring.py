@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from batchvl.engine.logprobs import TokenLogprobs, logprob_fields
 from batchvl.engine.request import EngineRequest, EngineResult, MediaSpan, Request, ScheduledChunk
+from batchvl.engine.sampling.logprobs import TokenLogprobs, logprob_fields
 
 
 class ChoiceTokenizer:

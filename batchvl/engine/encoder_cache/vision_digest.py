@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 import xxhash
 
-from batchvl import __version__
 from batchvl.layers.native_kernels import native_ops
+from batchvl.version import __version__
 
 DIGESTS = "digests"  # the cache folder's subfolder of remembered digests
 

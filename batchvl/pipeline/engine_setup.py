@@ -1,5 +1,5 @@
-"""What a run drives, chosen by `engine.backend`: the engine, how prompts are rendered for it, how the
-preprocessing workers prepare a sample for it, and what closes it.
+"""What a run drives, chosen by `engine.backend`: the engine, how prompts are rendered for it, and how the
+preprocessing workers prepare a sample for it.
 
 - `batchvl`: the model is loaded here; prompts are token ids, images pixel arrays (`launch.py`).
 - `openai`: no model; prompts are chat messages, images PNG data URLs, and the engine is a server's
@@ -8,7 +8,6 @@ preprocessing workers prepare a sample for it, and what closes it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from batchvl.engine.interface import EngineInterface
@@ -16,9 +15,7 @@ from batchvl.preprocess.sample import PromptBuilder, SampleProcessor
 
 
 @dataclass
-class RunBackend:
+class EngineSetup:
     engine: EngineInterface
     prompts: PromptBuilder
     samples: SampleProcessor
-    close: Callable[[], None] = lambda: None
-    replicas: int = 1  # engines stepping side by side (`engine.replicas`); their stats' seconds add up

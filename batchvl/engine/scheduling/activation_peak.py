@@ -18,9 +18,9 @@ import torch
 
 from batchvl.config import EngineConfig
 from batchvl.engine.adapter import ModelAdapter
-from batchvl.engine.block_manager import BlockManager, blocks_needed
 from batchvl.engine.model_runner import ModelRunner
 from batchvl.engine.request import Request, SamplingParams, ScheduledChunk
+from batchvl.engine.scheduling.block_manager import BlockManager, blocks_needed
 
 
 def largest_step(adapter: ModelAdapter, config: EngineConfig) -> Callable[[], torch.Tensor]:
@@ -39,7 +39,7 @@ def largest_step(adapter: ModelAdapter, config: EngineConfig) -> Callable[[], to
         request.positions = runner.prompt_positions(token_ids, [])
         block_manager.admit(request, [], length)
         chunks.append(ScheduledChunk(request, 0, length))
-    return lambda: runner.execute(chunks, block_manager).sampled
+    return lambda: runner.execute(chunks, block_manager, {}).sampled
 
 
 def step_activation_peak(adapter: ModelAdapter, config: EngineConfig) -> int:

@@ -17,6 +17,7 @@ in the single engine) stops the job from the next `step`.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import queue
 import threading
@@ -28,10 +29,13 @@ import torch
 
 from batchvl.config import EngineConfig
 from batchvl.engine.engine import Engine
-from batchvl.engine.kv_budget import CPU_KV_CACHE_MB
 from batchvl.engine.request import EngineRequest, EngineResult
+from batchvl.engine.scheduling.kv_budget import fixed_kv_cache_mb
 from batchvl.engine.stats import EngineStats
+from batchvl.errors import UserError
 from batchvl.utils.queues import take_ready
+
+logger = logging.getLogger(__name__)
 
 STEP_WAIT_S = 0.05  # how long `step` waits for a finished request when none is ready
 IDLE_WAIT_S = 0.05  # how long an idle replica waits for a request before looking at its stop flag
@@ -39,14 +43,38 @@ HOMES_KEPT = 16384  # images whose replica is remembered (a bounded map: the job
 MOST_AUTO_REPLICAS = 8  # `auto` on a larger machine: more would split the caches too thin
 
 
+def check_replicas(config: EngineConfig, device: torch.device) -> None:
+    """Refuse several replicas where one engine must run: on a GPU, whose kernels one engine's steps keep
+    busy, and under ViT data parallelism, whose encode rounds one engine drives."""
+    if config.replicas == "auto" or config.replicas == 1:
+        return
+    if device.type != "cpu":
+        raise UserError(
+            f"engine.replicas={config.replicas} runs engines side by side on the CPU, but model.device is "
+            f"{device.type}; leave engine.replicas at auto (one engine on a GPU)"
+        )
+    if config.vit_parallel == "data":
+        raise UserError(
+            f"engine.replicas={config.replicas} cannot be combined with engine.vit_parallel: data; "
+            "set one of them"
+        )
+
+
 def replica_count(config: EngineConfig, device: torch.device, under_torchrun: bool, model_config=None) -> int:
     """How many engines the job runs: `engine.replicas`, with `auto` one per core the engine's threads use
-    (at most MOST_AUTO_REPLICAS); one on a GPU, whose kernels one engine's steps already keep busy, under
-    ViT data parallelism, whose encode rounds one engine drives, and for a model whose rotary embedding
-    rewrites itself in its forward (`updates_itself_in_forward`)."""
+    (at most MOST_AUTO_REPLICAS); one where `check_replicas` allows no more (a GPU, ViT data parallelism,
+    torchrun's ranks), and for a model whose rotary embedding rewrites itself in its forward
+    (`updates_itself_in_forward`)."""
+    check_replicas(config, device)
     if device.type != "cpu" or under_torchrun:
         return 1
     if model_config is not None and updates_itself_in_forward(model_config):
+        if config.replicas != "auto" and config.replicas > 1:
+            logger.warning(
+                "engine.replicas=%s: one engine instead, the model's rotary embedding rewrites itself "
+                "in its forward",
+                config.replicas,
+            )
         return 1
     if config.replicas != "auto":
         return config.replicas
@@ -74,9 +102,10 @@ def updates_itself_in_forward(model_config) -> bool:
 
 def replica_config(config: EngineConfig, count: int) -> EngineConfig:
     """One replica's settings: its share of the KV cache and encoder cache the job is given."""
-    kv_cache_mb = CPU_KV_CACHE_MB if config.kv_cache_mb == "auto" else config.kv_cache_mb
     return dataclasses.replace(
-        config, kv_cache_mb=kv_cache_mb / count, encoder_cache_mb=config.encoder_cache_mb / count
+        config,
+        kv_cache_mb=fixed_kv_cache_mb(config) / count,
+        encoder_cache_mb=config.encoder_cache_mb / count,
     )
 
 
@@ -115,7 +144,7 @@ class EngineReplicas:
             replica.thread.start()
 
     @property
-    def count(self) -> int:
+    def num_engines(self) -> int:
         return len(self._replicas)
 
     @property

@@ -1,0 +1,50 @@
+"""The one place an engine is assembled: the pipeline hands it the loaded model's parts and gets back what
+it drives (`EngineInterface`), one engine or, on the CPU, `engine.replicas` of them; under ViT data
+parallelism the engine's encode rounds are shared with the serving ranks."""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+from batchvl.config import EngineConfig
+from batchvl.engine.adapter import ModelAdapter
+from batchvl.engine.encoder_cache.cache import EncodeImages
+from batchvl.engine.engine import Engine
+from batchvl.engine.interface import EngineInterface
+from batchvl.engine.model_runner import encode_images
+from batchvl.engine.parallel.replicas import EngineReplicas, replica_config, replica_count
+from batchvl.engine.parallel.vit_dp import DataParallelEncoder, DistributedContext
+
+logger = logging.getLogger(__name__)
+
+
+def local_encoder(adapter: ModelAdapter, config: EngineConfig) -> EncodeImages:
+    """This process's vision calls (a serving rank's share of each round under ViT data parallelism)."""
+    return functools.partial(encode_images, adapter, max_patches=config.max_patches_per_encode)
+
+
+def build_engine(
+    adapter: ModelAdapter,
+    tokenizer,
+    eos_token_ids: list[int],
+    config: EngineConfig,
+    context: DistributedContext | None = None,
+) -> EngineInterface:
+    """The engine a job drives: one `Engine`, or `replica_count` of them side by side on the CPU, each with
+    its share of the threads and caches (`replica_config`)."""
+    count = replica_count(config, adapter.device, context is not None, adapter.model.config)
+    if count == 1:
+        parallel_encoder = None
+        if context is not None:
+            parallel_encoder = DataParallelEncoder(context, local_encoder(adapter, config), adapter.device)
+        return Engine(adapter, tokenizer, config, eos_token_ids, parallel_encoder)
+    # A fast tokenizer's first `encode` may switch its truncation off (a write the replicas' threads
+    # could race on); after it, their encodes and decodes only read.
+    tokenizer.encode("x")
+    share = replica_config(config, count)
+    threads_each = max(1, torch.get_num_threads() // count)
+    logger.info("%d engine replicas of %d thread(s) each", count, threads_each)
+    return EngineReplicas(lambda: Engine(adapter, tokenizer, share, eos_token_ids), count, threads_each)
