@@ -93,6 +93,7 @@ def test_split_tasks_together_write_exactly_the_rows_of_one_run(job_dir, loaded_
     assert sorted(tasks) == sorted(["0/3", "1/3", "2/3"] * 2)  # 6 shards, 3 tasks
 
 
+@pytest.mark.timeout(900)  # a run killed, then a rerun limited to 300 s
 def test_kill_9_in_the_middle_then_rerun_gives_the_rows_of_an_uninterrupted_run(job_dir, reference):
     out = job_dir / "killed"
     process = cli(job_dir, "--set", "output.dir=killed")
@@ -124,6 +125,7 @@ def test_kill_9_in_the_middle_then_rerun_gives_the_rows_of_an_uninterrupted_run(
     ("signum", "from_a_terminal"),
     [(signal.SIGTERM, False), (signal.SIGINT, True)],  # Slurm's stop; Ctrl-C, to the whole group
 )
+@pytest.mark.timeout(900)  # a stopped run limited to 120 s, then a rerun to 300 s
 def test_a_signal_stops_after_the_current_step_with_the_summary_and_a_rerun_finishes(
     job_dir, reference, signum, from_a_terminal
 ):

@@ -20,6 +20,9 @@ from batchvl.storage.output_dir import LocalDir
 from tests.conftest import output_rows, png_bytes, random_image, two_prompt_job_yaml
 from tests.slurm_cluster import missing_reason, start_cluster
 
+# Starting the cluster and the reference run land on the first test, and a job is waited for up to 300 s
+pytestmark = pytest.mark.timeout(1200)
+
 # Shards of task 0 must take long enough that a stop sent after its first commit lands before its last:
 # with one sequence at a time, ten samples of two prompts each per shard
 NUM_SHARDS, SHARD_SIZE = 5, 10

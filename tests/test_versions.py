@@ -98,3 +98,12 @@ def test_the_command_refuses_an_old_transformers_with_exit_2_before_any_work(tmp
         "(install one with `pip install 'transformers>=5.17,<5.25'`)"
     ]
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("release", ["not-a-version", "5.x", ""])
+def test_a_version_that_cannot_be_read_is_refused(monkeypatch, release):
+    """A distribution whose metadata holds no valid version (a broken or hand-made install): refused, since
+    nothing says it is inside the range."""
+    monkeypatch.setattr(versions, "version", {"torch": "2.13.0", "transformers": release}.__getitem__)
+    with pytest.raises(UserError, match=f"^transformers {release} is not supported: batchvl needs"):
+        versions.check_library_versions()

@@ -60,6 +60,7 @@ def dp_job(tmp_path_factory, tiny_model_dir):
     return root
 
 
+@pytest.mark.timeout(1500)  # two runs, each limited to 600 s
 def test_two_rank_vit_data_parallel_job_equals_one_process(dp_job):
     single = run(
         [sys.executable, "-m", "batchvl", "run", "job.yaml", "--no-progress", "--set", "output.dir=one"],
@@ -86,6 +87,7 @@ def test_two_rank_vit_data_parallel_job_equals_one_process(dp_job):
     assert sum(per_rank) == stats["patches_encoded"] and min(per_rank) > 0
 
 
+@pytest.mark.timeout(900)  # a torchrun job, limited to 600 s
 def test_torchrun_without_vit_parallel_is_a_one_line_mistake(dp_job):
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     result = run([*launch, "-m", "batchvl", "run", "job.yaml", "--set", "engine.vit_parallel=none"], dp_job)

@@ -15,6 +15,7 @@ from batchvl.layers import triton_attention
 CHECKS = Path(__file__).with_name("triton_kernel_checks.py")
 
 
+@pytest.mark.timeout(900)  # its process of checks is itself limited to 600 s
 def test_the_kernels_equal_torchs_attention_and_the_engine_with_them_equals_generate():
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}

@@ -87,8 +87,10 @@ def test_decodes_attend_their_paged_keys_as_torch_attends_them_gathered(dtype, h
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prefill_chunks_attend_causally_over_their_context_and_themselves(dtype):
     head_dim = 32
-    counts = [37, 1, 16, 20]  # queries per chunk: several blocks of queries, one, exactly a block
-    contexts = [0, 70, 5, 130]  # keys before each chunk
+    # queries per chunk: several blocks of queries, one, exactly a block; and two whose last key is one past
+    # a block of 64 keys (65 and 129 in all), which a key loop ending one block early would miss
+    counts = [37, 1, 16, 20, 1, 9]
+    contexts = [0, 70, 5, 130, 64, 120]  # keys before each chunk
     lengths = [c + n for c, n in zip(contexts, counts, strict=True)]
     kv, slots = cache_with(lengths, head_dim, dtype, seed=3)
     starts = torch.tensor([0, *torch.tensor(counts).cumsum(0)[:-1].tolist()])

@@ -6,11 +6,14 @@ import json
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from tests.server.conftest import VLLM_VENV, needs_vllm
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.timeout(900)  # pip's resolution, limited to 300 s, after listing vLLM's venv
 def test_installing_batchvl_into_vllms_venv_replaces_none_of_its_packages(tmp_path):
     needs_vllm()
     pip = [str(VLLM_VENV / "bin" / "python"), "-m", "pip"]

@@ -20,6 +20,9 @@ import batchvl
 from tests.conftest import write_image_shards
 from tests.server.conftest import LAUNCH, SERVER_ARGS, needs_vllm
 
+# Each run starts its own vLLM server; the Slurm array's job is waited for up to 900 s
+pytestmark = pytest.mark.timeout(1800)
+
 NUM_SHARDS, SAMPLES_PER_SHARD = 8, 3
 
 

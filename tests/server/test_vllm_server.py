@@ -23,6 +23,9 @@ import batchvl
 from tests.conftest import png_bytes, random_image, write_image_shards
 from tests.server.conftest import server_job
 
+# The first test also builds the model's checkpoint and starts the server (up to 600 s on two cores)
+pytestmark = pytest.mark.timeout(1500)
+
 PROMPTS = """\
   - {name: caption, text: Describe this image.}
   - {name: more, text: Tell me more., continue: caption}
