@@ -8,7 +8,8 @@ holder is gone: on the same host, its process no longer exists (or the pid now b
 process); from another host, the holder has not refreshed the file's time for `STALE_S` (holders refresh
 every `HEARTBEAT_S`). A stale claim is taken over by removing it and claiming again. Claims are removed
 when their shard is committed and when the run ends, so a crash costs at most `STALE_S` of waiting on other
-hosts.
+hosts. A killed run's claim on a shard that is committed (it was killed after the commit, or a later run
+finished its rewrite) is never claimed again: a run removes every stale claim when it ends.
 
 Taking a claim over, releasing ours and refreshing it act only on the claim that was read
 (`OutputDir.remove_if_holds`, `touch_if_holds`). Locally this holds whatever the interleaving, so of two
@@ -99,6 +100,17 @@ class ShardClaims:
         self._refreshed = now
         for shard in shards:
             self.out.touch_if_holds(self.path(shard), self._claim.encode())
+
+    def remove_stale(self) -> None:
+        """Remove the claims whose holders are gone, ours kept (each only if it is still the one read)."""
+        for path in self.out.find(self.out.join(layout.CLAIMS), "*.lock"):
+            try:
+                claim = self.out.read_bytes(path)
+            except FileNotFoundError:
+                continue  # released since the listing
+            holder = _holder_in(claim)
+            if holder != self.holder and self._is_stale(path, holder):
+                self.out.remove_if_holds(path, claim)
 
     def _is_stale(self, path: str, holder: Holder) -> bool:
         if holder.host == self.holder.host:

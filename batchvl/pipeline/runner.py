@@ -47,13 +47,18 @@ from batchvl.pipeline.server_setup import server_engine_setup
 from batchvl.pipeline.tasks import TaskSlice
 from batchvl.preprocess.pool import PoolStats, PreprocessPool, default_workers
 from batchvl.preprocess.sample import PreparedSample
-from batchvl.storage.output_dir import OutputDir
+from batchvl.storage import layout
+from batchvl.storage.output_dir import LocalDir, OutputDir
 from batchvl.utils.background import END, BackgroundIterator
 from batchvl.utils.memory import HeapTrimmer, keep_freed_memory
 from batchvl.utils.stats import RunStats
 from batchvl.utils.stop import StopRequests
 
 logger = logging.getLogger(__name__)
+
+# What a killed run leaves in these folders is not in the way of any later run, so only a run's end
+# removes it (a run's start removes the temp files of the results and the card, which it rewrites)
+LEFT_BEHIND = (layout.MARKERS, layout.CARD, layout.CLAIMS, layout.STATS)
 
 IDLE_POLL_S = 0.5  # how long an idle run waits for input before looking at stop requests again
 NOTHING = object()  # no prepared input was ready
@@ -127,6 +132,7 @@ class JobRunner:
                 pool_stats = self._process(work, setup)
             finally:
                 engine.close()  # a launched server is stopped on every way out
+        self._remove_left_behind()
         self.stats.wall_s = round(time.perf_counter() - start, 3)
         stats = self.stats.to_dict(engine.stats if engine else EngineStats(), pool_stats, self.downloads)
         stats["vit_parallel_ranks"] = context.world_size if context else 1
@@ -134,6 +140,17 @@ class JobRunner:
         stats["stopped_by"] = self.stop.signal_name or ("server_gone" if self.server_gone else None)
         stats.update(work.notes)
         return RunSummary(self.out.url, write_run_stats(self.out, stats), stats)
+
+    def _remove_left_behind(self) -> None:
+        """Remove what killed runs left under `_batchvl/`: stale claims, and temp files of writers that
+        are gone. The shards are committed by now: a failure here is a warning, never a failed run."""
+        try:
+            self.claims.remove_stale()
+            if isinstance(self.out, LocalDir):  # an object store has no temp files
+                for folder in LEFT_BEHIND:
+                    self.out.remove_dead_temps(self.out.join(folder))
+        except Exception as error:  # an object store's own errors too
+            logger.warning("what killed runs left in %s was not removed: %s", self.out.url, error)
 
     def _process(self, work: Work, setup: EngineSetup) -> PoolStats:
         pre = self.cfg.preprocess

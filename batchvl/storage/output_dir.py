@@ -18,8 +18,10 @@ import contextlib
 import fnmatch
 import os
 import posixpath
+import re
 import socket
 import tempfile
+import time
 import uuid
 from pathlib import Path
 from typing import BinaryIO
@@ -29,6 +31,13 @@ from batchvl.errors import UserError
 from batchvl.storage import layout
 
 TEMP_INFIX = ".tmp-"  # local temp files: .<name>.tmp-<host>-<pid>, hidden, never matching *.parquet
+# The temp files of local writes: a whole file's (`write_bytes`: its writer's host and pid), and a claim's
+# (`create_exclusive`, `remove_if_holds`: a random name, and a suffix while a claim is checked)
+OWNED_TEMP = re.compile(rf"\..+{re.escape(TEMP_INFIX)}(?P<host>.+)-(?P<pid>[0-9]+)")
+UNNAMED_TEMP = re.compile(rf".+{re.escape(TEMP_INFIX)}[0-9a-f]{{32}}(-probe|-taken)?")
+# A temp file lives as long as one write (or one check of a claim); one this old is a killed writer's,
+# whichever host wrote it
+TEMP_MAX_AGE_S = 3600.0
 
 
 class OutputDir:
@@ -80,6 +89,10 @@ class OutputDir:
 
     def list(self, folder: str, pattern: str) -> list[str]:
         """The files directly in `folder` whose names match the glob `pattern`, oldest first."""
+        raise NotImplementedError
+
+    def find(self, folder: str, pattern: str) -> list[str]:
+        """The files at any depth under `folder` whose names match the glob `pattern`."""
         raise NotImplementedError
 
     def create_exclusive(self, location: str, text: str) -> bool:
@@ -164,6 +177,9 @@ class LocalDir(OutputDir):
         paths = [p for p in Path(folder).glob(pattern) if p.is_file()] if os.path.isdir(folder) else []
         return [str(p) for p in sorted(paths, key=lambda p: (p.stat().st_mtime, p.name))]
 
+    def find(self, folder: str, pattern: str) -> list[str]:
+        return [str(p) for p in Path(folder).rglob(pattern) if p.is_file()]
+
     def create_exclusive(self, location: str, text: str) -> bool:
         # written to a temp name, then hard-linked, which fails if `location` exists: never half written
         os.makedirs(os.path.dirname(location), exist_ok=True)
@@ -245,6 +261,26 @@ class LocalDir(OutputDir):
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(os.path.join(folder, entry))
 
+    def remove_dead_temps(self, folder: str) -> None:
+        """Remove the temp files at any depth under `folder` that killed writers left: those of this host
+        whose process is gone, and any older than `TEMP_MAX_AGE_S` (another host's process cannot be
+        asked, and a claim's temp names none). A live writer's temp file, younger, is kept."""
+        for root, _, names in os.walk(folder):
+            for name in names:
+                path = os.path.join(root, name)
+                if _is_dead_temp(name, self.modified(path)):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.remove(path)
+
+
+def _is_dead_temp(name: str, modified: float | None) -> bool:
+    owned = OWNED_TEMP.fullmatch(name)
+    if owned is None and UNNAMED_TEMP.fullmatch(name) is None:
+        return False  # not a temp file
+    if owned and owned["host"] == socket.gethostname() and not _pid_alive(int(owned["pid"])):
+        return True
+    return modified is not None and time.time() - modified > TEMP_MAX_AGE_S
+
 
 def _pid_alive(pid: int) -> bool:
     try:
@@ -322,6 +358,15 @@ class RemoteDir(OutputDir):
             if entry.get("type") == "file" and fnmatch.fnmatchcase(posixpath.basename(entry["name"]), pattern)
         ]
         return [posixpath.join(folder, name) for _, name in sorted(files)]
+
+    def find(self, folder: str, pattern: str) -> list[str]:
+        try:
+            paths = self.fs.find(self._path(folder))
+        except FileNotFoundError:
+            return []
+        root = self._path(folder).rstrip("/")
+        found = [p for p in paths if fnmatch.fnmatchcase(posixpath.basename(p), pattern)]
+        return [folder + p[len(root) :] for p in found]
 
     def create_exclusive(self, location: str, text: str) -> bool:
         path = self._path(location)
