@@ -31,7 +31,8 @@ def main() -> None:
 
     from batchvl.config import EngineConfig, PreprocessConfig
     from batchvl.engine.engine import Engine
-    from batchvl.engine.request import EngineRequest, SamplingParams
+    from batchvl.engine.request import EngineRequest
+    from batchvl.engine.sampling.params import SamplingParams
     from batchvl.inputs.types import MediaRef
     from batchvl.preprocess.prompts import PromptRenderer
 

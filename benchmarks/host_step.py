@@ -39,7 +39,8 @@ def main() -> None:
     from batchvl.config import EngineConfig
     from batchvl.engine.engine import Engine
     from batchvl.engine.model_runner import kv_bytes_per_block
-    from batchvl.engine.request import EngineRequest, SamplingParams
+    from batchvl.engine.request import EngineRequest
+    from batchvl.engine.sampling.params import SamplingParams
 
     loaded = tiny_model(args.device)
     # Enough new tokens that no request finishes before the timed steps end (the first prefilled decode

@@ -62,7 +62,8 @@ def prepare(loaded, count: int, duplicate_share: float, seed: int = 0):
 
 def run(loaded, samples, limits, max_new_tokens: int):
     from batchvl.engine.engine import Engine
-    from batchvl.engine.request import EngineRequest, SamplingParams
+    from batchvl.engine.request import EngineRequest
+    from batchvl.engine.sampling.params import SamplingParams
 
     engine = Engine(loaded.adapter, loaded.processor.tokenizer, limits, loaded.eos_token_ids())
     sampling = SamplingParams(max_new_tokens, ignore_eos=True)

@@ -27,7 +27,8 @@ from batchvl.config import (
     config_fingerprint,
     load_job_config,
 )
-from batchvl.engine.request import EngineRequest, SamplingParams
+from batchvl.engine.request import EngineRequest
+from batchvl.engine.sampling.params import SamplingParams
 from batchvl.errors import ConfigError, ServerGone, UserError
 from batchvl.pipeline.server_setup import PROBE_TEXT
 from batchvl.server.server_engine import ServerEngine

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
+from batchvl.engine.sampling.params import SamplingParams
 from batchvl.engine.sampling.structured_output import OutputConstraint
 from batchvl.errors import SampleError
 from batchvl.preprocess.media import PreparedMedia
@@ -19,37 +20,11 @@ from batchvl.preprocess.media import PreparedMedia
 if TYPE_CHECKING:
     import torch
 
-# A temperature below this samples greedily, as vLLM does (its _SAMPLING_EPS): logits divided by a tiny
-# temperature overflow float32 to inf, and their softmax is NaN; greedy is the limit they tend to.
-SAMPLING_EPS = 1e-5
-
 
 class RequestStatus(Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_new_tokens: int = 128
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int = 0
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    logprobs: bool = False  # record each generated token's log-probability
-    top_logprobs: int = 0  # and this many most likely tokens at each position
-
-    @property
-    def wants_logprobs(self) -> bool:
-        return self.logprobs or self.top_logprobs > 0
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature < SAMPLING_EPS
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import xxhash
 
 from batchvl.config import JobConfig, PromptConfig, SamplingConfig
-from batchvl.engine.request import EngineRequest, EngineResult, SamplingParams
+from batchvl.engine.request import EngineRequest, EngineResult
+from batchvl.engine.sampling.params import SamplingParams
 from batchvl.errors import RowStatus, SampleError
 from batchvl.inputs.types import ChatRequest
 from batchvl.outputs.writers import ResultRow

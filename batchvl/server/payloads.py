@@ -15,8 +15,9 @@ import functools
 import json
 from dataclasses import dataclass
 
-from batchvl.engine.request import EngineRequest, SamplingParams
+from batchvl.engine.request import EngineRequest
 from batchvl.engine.sampling.choice_scoring import ChoiceTokenizer
+from batchvl.engine.sampling.params import SamplingParams
 from batchvl.engine.sampling.structured_output import OutputConstraint
 from batchvl.errors import SampleError
 

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from batchvl.engine.engine import Engine
-from batchvl.engine.request import EngineRequest, EngineResult, SamplingParams
+from batchvl.engine.request import EngineRequest, EngineResult
+from batchvl.engine.sampling.params import SamplingParams
 from batchvl.preprocess.media import PreparedMedia
 from tests.conftest import TEST_DEVICE
 

@@ -5,7 +5,7 @@ or one request too few, a peak below the one it reaches."""
 import pytest
 
 from batchvl.config import EngineConfig
-from batchvl.engine import activation_peak
+from batchvl.engine.scheduling import activation_peak
 
 
 @pytest.mark.parametrize(
@@ -18,11 +18,11 @@ def test_the_largest_step_packs_exactly_the_token_budget(loaded_fp32, monkeypatc
     steps = []
     execute = activation_peak.ModelRunner.execute
 
-    def recording(runner, chunks, block_manager):
+    def recording(runner, chunks, block_manager, embeddings):
         steps.append(
             [(chunk.start, chunk.num_tokens, len(chunk.request.prompt_token_ids)) for chunk in chunks]
         )
-        return execute(runner, chunks, block_manager)
+        return execute(runner, chunks, block_manager, embeddings)
 
     monkeypatch.setattr(activation_peak.ModelRunner, "execute", recording)
     activation_peak.largest_step(loaded_fp32.adapter, config)()

@@ -9,7 +9,8 @@ from transformers import AutoModelForImageTextToText
 
 from batchvl.config import EngineConfig
 from batchvl.engine.engine import Engine
-from batchvl.engine.request import EngineRequest, SamplingParams
+from batchvl.engine.request import EngineRequest
+from batchvl.engine.sampling.params import SamplingParams
 from batchvl.models.loader import load_model
 from batchvl.preprocess.prompts import PromptRenderer
 from batchvl.preprocess.qwen_vision import QwenVisionSpec, prepare_image

@@ -3,7 +3,8 @@
 import pytest
 
 from batchvl.engine.encoder_cache.bookkeeping import EncoderCacheManager
-from batchvl.engine.request import MediaSpan, Request, RequestStatus, SamplingParams
+from batchvl.engine.request import MediaSpan, Request, RequestStatus
+from batchvl.engine.sampling.params import SamplingParams
 from batchvl.engine.scheduling.block_manager import BlockManager
 from batchvl.engine.scheduling.scheduler import Scheduler
 

@@ -11,7 +11,8 @@ from batchvl.engine import model_runner
 from batchvl.engine.device import sync as device_sync
 from batchvl.engine.encoder_cache import cache as encoder_cache
 from batchvl.engine.engine import Engine
-from batchvl.engine.request import EngineRequest, SamplingParams
+from batchvl.engine.request import EngineRequest
+from batchvl.engine.sampling.params import SamplingParams
 from batchvl.preprocess.prompts import PromptRenderer
 from batchvl.preprocess.qwen_vision import QwenVisionSpec, prepare_image
 from tests.conftest import random_image

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForImageTextToText
 
 from batchvl.config import EngineConfig, PreprocessConfig
-from batchvl.engine.request import SamplingParams
+from batchvl.engine.sampling.params import SamplingParams
 from batchvl.inputs.types import MediaRef
 from batchvl.preprocess.prompts import PromptRenderer
 from tests.conftest import NEW_FAMILIES, png_bytes, random_image

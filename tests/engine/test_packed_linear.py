@@ -15,7 +15,8 @@ import torch.nn.functional as F
 
 from batchvl.config import EngineConfig
 from batchvl.engine.engine import Engine
-from batchvl.engine.request import EngineRequest, SamplingParams
+from batchvl.engine.request import EngineRequest
+from batchvl.engine.sampling.params import SamplingParams
 from batchvl.layers import packed_linear
 from batchvl.layers.packed_linear import PackedLinear, pack_linear_weights, release_checkpoint_mapping
 from batchvl.models import loader

@@ -11,7 +11,7 @@ from transformers import AutoModelForImageTextToText
 import batchvl.layers.attention as attention
 import batchvl.models.qwen_vl as qwen_vl
 from batchvl.config import EngineConfig
-from batchvl.engine.request import SamplingParams
+from batchvl.engine.sampling.params import SamplingParams
 from batchvl.layers.attention import InPlaceDecodes, KVCache
 from batchvl.layers.native_kernels import native_ops
 from batchvl.layers.row_buckets import bucket_rows

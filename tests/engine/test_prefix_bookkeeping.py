@@ -1,6 +1,7 @@
 """Prefix caching, admission order and whole-image chunks in the bookkeeping, without tensors."""
 
-from batchvl.engine.request import MediaSpan, Request, SamplingParams
+from batchvl.engine.request import MediaSpan, Request
+from batchvl.engine.sampling.params import SamplingParams
 from batchvl.engine.scheduling.block_manager import BlockManager
 from batchvl.engine.scheduling.prefix_cache import extend_block_hashes
 from batchvl.engine.scheduling.scheduler import Scheduler

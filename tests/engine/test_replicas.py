@@ -14,7 +14,8 @@ from transformers import AutoModelForImageTextToText
 from batchvl.config import EngineConfig
 from batchvl.engine.engine import Engine
 from batchvl.engine.parallel.replicas import EngineReplicas, replica_config, replica_count
-from batchvl.engine.request import EngineRequest, EngineResult, SamplingParams
+from batchvl.engine.request import EngineRequest, EngineResult
+from batchvl.engine.sampling.params import SamplingParams
 from batchvl.errors import UserError
 from batchvl.preprocess.prompts import PromptRenderer
 from batchvl.preprocess.qwen_vision import QwenVisionSpec, prepare_image

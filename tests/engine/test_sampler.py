@@ -15,7 +15,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from batchvl.engine.request import SamplingParams
+from batchvl.engine.sampling.params import SamplingParams
 from batchvl.engine.sampling.sampler import (
     filtered_logits,
     greedy_tokens,

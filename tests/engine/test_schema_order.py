@@ -13,7 +13,8 @@ from xgrammar.contrib.hf import LogitsProcessor
 
 from batchvl.config import EngineConfig
 from batchvl.engine.engine import Engine
-from batchvl.engine.request import EngineRequest, SamplingParams
+from batchvl.engine.request import EngineRequest
+from batchvl.engine.sampling.params import SamplingParams
 from batchvl.engine.sampling.structured_output import OutputConstraint
 from batchvl.preprocess.prompts import PromptRenderer
 from batchvl.preprocess.qwen_vision import QwenVisionSpec, prepare_image

@@ -5,7 +5,8 @@ cache again, 2 ms a step at 256 decodes of 600 tokens."""
 import batchvl.engine.scheduling.block_manager as block_manager_module
 from batchvl.config import EngineConfig
 from batchvl.engine.engine import Engine
-from batchvl.engine.request import EngineRequest, SamplingParams
+from batchvl.engine.request import EngineRequest
+from batchvl.engine.sampling.params import SamplingParams
 
 
 def test_a_decode_step_offers_the_prefix_cache_only_the_blocks_it_filled(loaded_fp32, monkeypatch):

@@ -9,7 +9,8 @@ from torch.overrides import TorchFunctionMode
 import batchvl.layers.attention as attention
 from batchvl.config import EngineConfig
 from batchvl.engine.engine import Engine
-from batchvl.engine.request import EngineRequest, SamplingParams
+from batchvl.engine.request import EngineRequest
+from batchvl.engine.sampling.params import SamplingParams
 
 
 class DeviceCopies(TorchFunctionMode):

@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForImageTextToText
 
 from batchvl.config import EngineConfig, PreprocessConfig
-from batchvl.engine.request import SamplingParams
+from batchvl.engine.sampling.params import SamplingParams
 from batchvl.preprocess.prompts import PromptRenderer
 from batchvl.preprocess.qwen_vision import QwenVisionSpec, prepare_image, prepare_video
 from batchvl.preprocess.video import FrameSampling, decode_video

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from batchvl.engine.request import SamplingParams
+from batchvl.engine.sampling.params import SamplingParams
 from batchvl.engine.sampling.sampler import filtered_logits
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from batchvl.engine.request import SamplingParams
+from batchvl.engine.sampling.params import SamplingParams
 
 
 def sample_tokens(

@@ -19,7 +19,8 @@ import torch
 from batchvl.config import EngineConfig
 from batchvl.engine.adapter import ModelAdapter
 from batchvl.engine.model_runner import ModelRunner
-from batchvl.engine.request import Request, SamplingParams, ScheduledChunk
+from batchvl.engine.request import Request, ScheduledChunk
+from batchvl.engine.sampling.params import SamplingParams
 from batchvl.engine.scheduling.block_manager import BlockManager, blocks_needed
 
 
