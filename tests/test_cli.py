@@ -141,6 +141,30 @@ def test_debug_shows_the_traceback_and_keeps_exit_2(job):
     assert result.stderr.strip().splitlines()[-1].startswith("error: unknown key 'engine.max_num_seq'")
 
 
+@pytest.mark.parametrize(
+    ("args", "usage", "fragment"),
+    [
+        (["run", "job.yaml", "--bogus"], "Usage: ", "No such option: --bogus"),
+        (["rnu"], "Usage: ", "No such command 'rnu'"),
+        (["run"], "Usage: ", "Missing argument"),
+        (["run", "job.yaml", "--set"], "", "Option '--set' requires an argument"),
+    ],
+)
+def test_usage_errors_print_the_usage_and_exit_2(tmp_path, args, usage, fragment):
+    result = batchvl(*args, cwd=tmp_path)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr and usage in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("Error: ") and fragment in last
+
+
+def test_version_prints_the_package_version():
+    import batchvl as package
+
+    result = batchvl("--version")
+    assert result.returncode == 0 and result.stdout == f"batchvl {package.__version__}\n"
+
+
 def test_unknown_model_type_is_a_user_error(job, tmp_path):
     root, _ = job
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
