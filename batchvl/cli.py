@@ -1,6 +1,7 @@
 """The `batchvl` command: each subcommand parses its arguments and calls one library function.
 
-Known mistakes (`UserError`) print one line and exit 2; set BATCHVL_DEBUG=1 to see the traceback.
+Known mistakes (`UserError`) print one line and exit 2; set BATCHVL_DEBUG=1 to see the traceback. An
+output file the OS would not write (`OutputWriteFailed`: a full disk) is one line too, exit 1.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Annotated
 import typer
 
 from batchvl import __version__
-from batchvl.errors import JobEnded, StopOverdue, UserError
+from batchvl.errors import JobEnded, OutputWriteFailed, StopOverdue, UserError
 
 app = typer.Typer(
     add_completion=False,
@@ -446,6 +447,9 @@ def main() -> None:
     except JobEnded as ended:
         typer.echo(f"batchvl: {ended}", err=True)
         sys.exit(ended.exit_code)
+    except OutputWriteFailed as failed:  # the environment, not a bug: no traceback
+        typer.echo(f"batchvl: {failed}", err=True)
+        sys.exit(failed.EXIT_CODE)
     except StopOverdue as overdue:
         typer.echo(f"batchvl: {overdue}", err=True)
         sys.exit(128 + overdue.signum)
