@@ -1,6 +1,7 @@
 """The `batchvl` command: each subcommand parses its arguments and calls one library function.
 
-Known mistakes (`UserError`) print one line and exit 2; set BATCHVL_DEBUG=1 to see the traceback.
+Known mistakes (`UserError`) print one line and exit 2; set BATCHVL_DEBUG=1 to see the traceback. An
+output file the OS would not write (`OutputWriteFailed`: a full disk) is one line too, exit 1.
 """
 
 from __future__ import annotations
@@ -13,10 +14,10 @@ import traceback
 from pathlib import Path
 from typing import Annotated
 
-import click
 import typer
 
-from batchvl.errors import JobEnded, StopOverdue, UserError
+from batchvl import __version__
+from batchvl.errors import JobEnded, OutputWriteFailed, StopOverdue, UserError
 
 app = typer.Typer(
     add_completion=False,
@@ -31,6 +32,26 @@ SetOption = Annotated[
     typer.Option("--set", help="Override a job key: section.key=value (repeatable).", show_default=False),
 ]
 LogLevel = Annotated[str, typer.Option("--log-level", help="Logging level: debug, info, warning, error.")]
+
+# Recent Typer releases raise usage errors from their own copy of click, older ones from click itself:
+# the base class to catch is the one Typer's own BadParameter derives from, whichever copy that is.
+UsageErrors = next(base for base in typer.BadParameter.__mro__ if base.__name__ == "ClickException")
+
+
+def _print_version(requested: bool) -> None:
+    if requested:
+        typer.echo(f"batchvl {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_print_version, is_eager=True, help="Print the version and exit."),
+    ] = False,
+) -> None:
+    pass  # Typer takes the options before a command here; --version acts in its own callback
 
 
 def _setup_logging(level: str) -> None:
@@ -426,14 +447,17 @@ def main() -> None:
     except JobEnded as ended:
         typer.echo(f"batchvl: {ended}", err=True)
         sys.exit(ended.exit_code)
+    except OutputWriteFailed as failed:  # the environment, not a bug: no traceback
+        typer.echo(f"batchvl: {failed}", err=True)
+        sys.exit(failed.EXIT_CODE)
     except StopOverdue as overdue:
         typer.echo(f"batchvl: {overdue}", err=True)
         sys.exit(128 + overdue.signum)
-    except click.ClickException as exc:  # usage errors: wrong option, missing argument
+    except UsageErrors as exc:  # an unknown command or option, a missing argument or value: exit 2
         exc.show()
         sys.exit(exc.exit_code)
-    except click.exceptions.Exit as exc:
+    except typer.Exit as exc:
         sys.exit(exc.exit_code)
-    except click.exceptions.Abort:
+    except typer.Abort:
         typer.echo("aborted", err=True)
         sys.exit(INTERRUPTED)

@@ -4,7 +4,7 @@
 prints its message on one line and exits with code 2. `SampleError` is bad input for one sample: it
 becomes an error row (`status="error"`) and the job goes on. `JobEnded` is a run that committed what
 it could and stopped early on purpose (a signal, the error budget): the CLI prints its message and
-exits with its code.
+exits with its code. `OutputWriteFailed` is an output file the OS would not write: one line, exit 1.
 """
 
 from __future__ import annotations
@@ -137,6 +137,18 @@ class ServerUnavailable(JobEnded):
     code 1; the same command resumes against a live server."""
 
     EXIT_CODE = 1
+
+
+class OutputWriteFailed(OSError):
+    """The OS refused to write a file of the output (a full disk, a file-size limit, a lost mount). It names
+    the file: a failed write names none. A run ends there with what it committed before intact (a commit
+    writes its marker last), and the same command goes on from it once the file can be written. The CLI
+    prints the message on one line and exits 1, as for a server that went away."""
+
+    EXIT_CODE = 1
+
+    def __str__(self) -> str:
+        return f"cannot write {self.filename}: {self.strerror} (errno {self.errno})"
 
 
 class StopOverdue(BaseException):

@@ -2,6 +2,8 @@
 
 import json
 import os
+import resource
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -11,13 +13,18 @@ import pyarrow.parquet as pq
 import pytest
 from transformers import AutoModelForImageTextToText
 
-from tests.conftest import random_image, reference_processor, two_prompt_job_yaml
+from tests.conftest import random_image, reference_processor, two_prompt_job_yaml, write_image_shards
 
 
-def batchvl(*args, cwd=None, env=None):
+def batchvl(*args, cwd=None, env=None, preexec_fn=None):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
     return subprocess.run(
-        [sys.executable, "-m", "batchvl", *map(str, args)], capture_output=True, text=True, cwd=cwd, env=env
+        [sys.executable, "-m", "batchvl", *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=env,
+        preexec_fn=preexec_fn,
     )
 
 
@@ -141,6 +148,30 @@ def test_debug_shows_the_traceback_and_keeps_exit_2(job):
     assert result.stderr.strip().splitlines()[-1].startswith("error: unknown key 'engine.max_num_seq'")
 
 
+@pytest.mark.parametrize(
+    ("args", "usage", "fragment"),
+    [
+        (["run", "job.yaml", "--bogus"], "Usage: ", "No such option: --bogus"),
+        (["rnu"], "Usage: ", "No such command 'rnu'"),
+        (["run"], "Usage: ", "Missing argument"),
+        (["run", "job.yaml", "--set"], "", "Option '--set' requires an argument"),
+    ],
+)
+def test_usage_errors_print_the_usage_and_exit_2(tmp_path, args, usage, fragment):
+    result = batchvl(*args, cwd=tmp_path)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr and usage in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("Error: ") and fragment in last
+
+
+def test_version_prints_the_package_version():
+    import batchvl as package
+
+    result = batchvl("--version")
+    assert result.returncode == 0 and result.stdout == f"batchvl {package.__version__}\n"
+
+
 def test_unknown_model_type_is_a_user_error(job, tmp_path):
     root, _ = job
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
@@ -179,3 +210,26 @@ def test_ctrl_c_in_any_command_exits_130_without_a_traceback(job, monkeypatch, c
     assert ended.value.code == 130
     err = capsys.readouterr().err
     assert "Traceback" not in err and err.strip().splitlines()[-1] == "interrupted"
+
+
+def test_a_full_disk_during_a_commit_is_one_line_naming_the_file_and_keeps_the_committed_rows(
+    tmp_path, tiny_model_dir
+):
+    write_image_shards(tmp_path / "data", [2])
+    (tmp_path / "job.yaml").write_text(two_prompt_job_yaml(tiny_model_dir, "{}"))
+    assert batchvl("run", "job.yaml", "--no-progress", cwd=tmp_path).returncode == 0
+    shard = tmp_path / "out" / "part-0.parquet"
+    committed = shard.read_bytes()
+
+    def small_files_only():  # the rewrite's marker fits, its Parquet file does not
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write over the limit fails (EFBIG) instead
+        resource.setrlimit(resource.RLIMIT_FSIZE, (len(committed) // 2, len(committed) // 2))
+
+    # No preprocessing workers: the limit would hit the shared-memory files they pass tensors in.
+    again = ("run", "job.yaml", "--overwrite", "--set", "preprocess.workers=0", "--no-progress")
+    result = batchvl(*again, cwd=tmp_path, preexec_fn=small_files_only)
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.strip().splitlines() == [f"batchvl: cannot write {shard}: File too large (errno 27)"]
+    assert shard.read_bytes() == committed
+    validate = batchvl("validate", "job.yaml", cwd=tmp_path)
+    assert validate.returncode == 0 and "1 shard(s) committed, 0 to run" in validate.stdout

@@ -290,3 +290,34 @@ def test_engine_replicas_on_a_gpu_or_with_vit_data_parallelism_are_refused(
     )
     plan_job(config(tmp_path, tiny_model_dir, paths, model=on_gpu, engine={"replicas": "auto"}))
     plan_job(config(tmp_path, tiny_model_dir, paths, engine={"replicas": 2}))
+
+
+def test_inputs_that_hold_no_sample_are_refused_naming_what_they_hold(tmp_path, tiny_model_dir):
+    for name in ("p0.parquet", "p1.parquet", "p2.parquet"):
+        table(tmp_path / "tables" / name, key=["a"])
+    message = refusal(config(tmp_path, tiny_model_dir, ["tables"], format="folder"))
+    assert message == (
+        f"input.paths: the folder reader found no image or video under {tmp_path / 'tables'} (it holds 3 "
+        ".parquet files); set input.format: parquet"
+    )
+    (tmp_path / "empty").mkdir()
+    message = refusal(config(tmp_path, tiny_model_dir, ["empty"], format="folder"))
+    assert "(it holds no file); point input.paths at folders of images or videos" in message
+    pq.write_table(pa.table({"image": pa.array([], pa.binary())}), tmp_path / "none.parquet")
+    message = refusal(config(tmp_path, tiny_model_dir, ["none.parquet"]))
+    assert message.startswith("input.paths: the 1 input shard(s) hold no rows (")
+
+
+def test_a_run_over_a_folder_without_media_is_one_line_exit_2_before_any_work(tmp_path, tiny_model_dir):
+    table(tmp_path / "data" / "p0.parquet", key=["a"])
+    (tmp_path / "job.yaml").write_text(
+        f"model: {{path: {tiny_model_dir}, dtype: float32}}\n"
+        "input: {paths: [data], format: folder}\n"
+        "output: {dir: out}\n"
+    )
+    done = cli("run", "job.yaml", "--no-progress", cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("error: input.paths: the folder reader found no image or video under")
+    assert line.endswith("(it holds 1 .parquet file); set input.format: parquet")
+    assert not (tmp_path / "out").exists()

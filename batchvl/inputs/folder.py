@@ -17,6 +17,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+from collections import Counter
 from collections.abc import Callable, Iterator
 
 from batchvl.config import InputConfig
@@ -40,6 +41,17 @@ def media_files(folder: str) -> list[str]:
             if name.lower().endswith(MEDIA_SUFFIXES) and not name.startswith(".")
         )
     return sorted(found)
+
+
+def file_suffixes(folder: str) -> Counter[str]:
+    """How many files of each suffix (lower case, '' for none) a folder holds, recursively: what it
+    holds when it holds no media."""
+    return Counter(
+        os.path.splitext(name.lower())[1]
+        for _, _, filenames in os.walk(folder)
+        for name in filenames
+        if not name.startswith(".")
+    )
 
 
 class ShardRecords:
@@ -79,6 +91,10 @@ class FolderSource:
 
     def list_shards(self) -> list[ShardInfo]:
         return [shard for folder, name in self._folders() for shard in self._folder_shards(folder, name)]
+
+    def folders(self) -> list[str]:
+        """The absolute folders the patterns match."""
+        return [folder for folder, _ in self._folders()]
 
     def _folders(self) -> list[tuple[str, str]]:
         """(absolute folder, name) per matched folder; the name is relative to its pattern's base."""

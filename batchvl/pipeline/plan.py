@@ -8,6 +8,7 @@ cannot drift apart. A plan checks that:
   `input.root`, and no input pattern would read its results back as input;
 - the storage options suit the protocols of the input paths and `output.dir`, and
   `input.download.cache_dir` and `engine.encoder_cache_dir` are folders that can be made and written;
+- the inputs hold a sample at all (a folder of Parquet files read as a folder of images holds none);
 - every input shard has an output name of its own;
 - every prompt's `json_schema` or `regex` can be compiled to a grammar;
 - every table shard has the columns the job reads (image, key, per-sample token limit) and every
@@ -31,7 +32,7 @@ from batchvl.engine.device.placement import process_device
 from batchvl.engine.parallel.replicas import check_replicas
 from batchvl.errors import UserError
 from batchvl.inputs.paths import glob_matches
-from batchvl.inputs.sources import Source, job_source
+from batchvl.inputs.sources import Source, check_has_samples, job_source
 from batchvl.inputs.types import ShardInfo
 from batchvl.models.loader import read_model_type
 from batchvl.models.registry import model_family
@@ -90,6 +91,7 @@ def plan_job(cfg: JobConfig, task: TaskSlice | None = None, record: bool = False
     pass_urls = cfg.engine.server.pass_urls  # the server fetches them (set with the openai backend only)
     source = job_source(cfg, pass_http_urls=pass_urls)
     listing = source.list_shards()
+    check_has_samples(source, listing)
     check_output_location(cfg, out, listing)
     check_output_names(listing)
     check_columns(cfg, listing)

@@ -23,11 +23,12 @@ import socket
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
 from batchvl.config import OutputConfig, is_remote
-from batchvl.errors import UserError
+from batchvl.errors import OutputWriteFailed, UserError
 from batchvl.storage import layout
 
 TEMP_INFIX = ".tmp-"  # local temp files: .<name>.tmp-<host>-<pid>, hidden, never matching *.parquet
@@ -135,6 +136,16 @@ def write_file(path: str, data: bytes, storage_options: dict | None = None) -> N
         raise UserError(f"cannot write {path} ({exc}); check the path and its permissions") from None
 
 
+@contextlib.contextmanager
+def _naming(location: str) -> Iterator[None]:
+    """An OS error while writing the file `location` (through its temp file) as `OutputWriteFailed`
+    naming it: the error of a failed write() names no file, and the temp file's name means nothing."""
+    try:
+        yield
+    except OSError as exc:
+        raise OutputWriteFailed(exc.errno, exc.strerror or str(exc), location) from exc
+
+
 class LocalDir(OutputDir):
     def write_bytes(self, location: str, data: bytes) -> None:
         folder = os.path.dirname(location)
@@ -142,11 +153,12 @@ class LocalDir(OutputDir):
         name = f".{os.path.basename(location)}{TEMP_INFIX}{socket.gethostname()}-{os.getpid()}"
         temp = os.path.join(folder, name)
         try:
-            with open(temp, "wb") as handle:
-                handle.write(data)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(temp, location)
+            with _naming(location):
+                with open(temp, "wb") as handle:
+                    handle.write(data)
+                    handle.flush()
+                    os.fsync(handle.fileno())
+                os.replace(temp, location)
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(temp)
@@ -184,7 +196,7 @@ class LocalDir(OutputDir):
         # written to a temp name, then hard-linked, which fails if `location` exists: never half written
         os.makedirs(os.path.dirname(location), exist_ok=True)
         temp = f"{location}{TEMP_INFIX}{uuid.uuid4().hex}"
-        with open(temp, "w", encoding="utf-8") as handle:
+        with _naming(location), open(temp, "w", encoding="utf-8") as handle:
             handle.write(text)
             handle.flush()
             os.fsync(handle.fileno())
