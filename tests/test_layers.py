@@ -229,3 +229,13 @@ def test_every_family_resolves_its_parts():
 
     for family in FAMILIES.values():
         assert isinstance(family.adapter, type) and callable(family.media_preparer)
+
+
+def test_the_tests_are_laid_out_like_the_package():
+    """A test of one package lives in tests/<package>/; the root holds the application's and the whole
+    tree's tests (the CLI, the API, these layers) and the shared fixtures."""
+    tests = Path(__file__).parent
+    packages = {path.name for path in PACKAGE.iterdir() if (path / "__init__.py").exists()}
+    folders = {path.name for path in tests.iterdir() if (path / "__init__.py").exists()}
+    assert folders <= packages
+    assert {"engine", "pipeline", "server", "inputs", "outputs"} <= folders

@@ -2,7 +2,7 @@
 
 Within these ranges the differences between releases are met where they matter by asking for the behaviour
 (batchvl/models/); this is the only place that compares version numbers. pyproject.toml declares the same
-ranges (tests/test_versions.py keeps them equal).
+ranges (tests/utils/test_versions.py keeps them equal).
 """
 
 from __future__ import annotations

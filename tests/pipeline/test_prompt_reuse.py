@@ -31,8 +31,8 @@ from batchvl.storage.output_dir import LocalDir, open_output_dir
 from tests import server_jobs
 from tests.conftest import png_bytes, random_image, write_image_shards
 from tests.fake_openai_server import FakeOpenAIServer
+from tests.outputs.test_commit_crash_windows import Crash
 from tests.test_cli import batchvl
-from tests.test_commit_crash_windows import Crash
 
 SHARD_SIZES = [3, 2, 4]
 BAD = (1, 0)  # an undecodable image: an error row per prompt, no engine request

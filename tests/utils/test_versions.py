@@ -15,7 +15,7 @@ import batchvl.utils.versions as versions
 from batchvl.errors import UserError
 from batchvl.models.loader import load_model
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_pyproject_declares_the_ranges_the_check_holds():

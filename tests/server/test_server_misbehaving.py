@@ -27,7 +27,7 @@ from tests.server_jobs import (
     write_job,
 )
 
-FAKE_SERVER_PROGRAM = Path(__file__).parent / "fake_server_process.py"
+FAKE_SERVER_PROGRAM = Path(__file__).parents[1] / "fake_server_process.py"
 
 
 def launched(*launch_args: str, **keys) -> dict:

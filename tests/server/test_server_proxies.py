@@ -15,7 +15,7 @@ from batchvl.server.client import served_models
 from tests.fake_openai_server import FakeOpenAIServer
 from tests.server_jobs import all_requests, at, rows_by_request, run, write_job
 
-FAKE_SERVER_PROGRAM = Path(__file__).parent / "fake_server_process.py"
+FAKE_SERVER_PROGRAM = Path(__file__).parents[1] / "fake_server_process.py"
 
 
 class Proxy:

@@ -13,7 +13,7 @@ from batchvl.models.idefics3 import Idefics3Adapter
 from batchvl.models.qwen_vl import Qwen3VLAdapter
 
 HIDDEN = 4
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_qwen3_vl_deepstack_features_as_one_tensor_per_layer_are_split_per_image():

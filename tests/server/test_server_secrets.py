@@ -16,7 +16,7 @@ from tests.fake_openai_server import FakeOpenAIServer
 from tests.server_jobs import all_requests, at, cli, closed_port_url, rows_by_request, run, write_job
 
 PASSWORD = "pw-5e1f0a7c93"
-FAKE_SERVER_PROGRAM = Path(__file__).parent / "fake_server_process.py"
+FAKE_SERVER_PROGRAM = Path(__file__).parents[1] / "fake_server_process.py"
 
 
 @pytest.fixture

@@ -154,7 +154,7 @@ def test_every_leaf_key_is_described_and_in_the_configuration_docs():
     described = [row[0] for row in describe_keys()]
     assert described == leaves(JobConfig)
     assert all(row[3] for row in describe_keys()), "every key needs help text"
-    docs = (Path(__file__).parents[1] / "docs" / "configuration.md").read_text()
+    docs = (Path(__file__).parents[2] / "docs" / "configuration.md").read_text()
     table = re.search(r"<!-- keys-table:start -->\n(.*)\n<!-- keys-table:end -->", docs, re.S).group(1)
     assert table == keys_markdown_table(), (
         "the key table in docs/configuration.md is stale: regenerate it from keys_markdown_table()"
@@ -329,7 +329,7 @@ def test_a_config_built_in_python_gets_its_paths_and_schema_read_by_the_api(tmp_
 
 
 def test_the_readmes_table_of_common_keys_gives_their_declared_defaults():
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
     section = readme[readme.index("The keys most jobs set:") :]
     rows = re.findall(r"^\| (`[^|]+`) \| ([^|]+) \|", section.split("\n\n")[1], re.M)[1:]  # past the header
     declared = {key: default for key, _, default, _ in describe_keys()}

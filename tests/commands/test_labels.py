@@ -18,8 +18,8 @@ from batchvl.inputs.sources import job_source
 from batchvl.outputs.writers import ResultRow
 from batchvl.pipeline.commit_strategies import WriteShard
 from batchvl.storage.output_dir import OutputDir
+from tests.pipeline.test_constrained_job import write_job
 from tests.test_cli import batchvl as batchvl_cli
-from tests.test_constrained_job import write_job
 
 ATTRS = pa.struct(
     [

@@ -17,7 +17,7 @@ from batchvl.pipeline.commit_strategies import WriteShard
 from batchvl.pipeline.plan import finish_rewrites
 from batchvl.pipeline.prompt_graph import PromptGraph
 from batchvl.pipeline.resume import plan_shards
-from tests.test_commit_crash_windows import Crash, out, result_row  # noqa: F401 (out: the fixture)
+from tests.outputs.test_commit_crash_windows import Crash, out, result_row  # noqa: F401 (out: the fixture)
 
 SHARD = ShardInfo("part-0.parquet", "/input/part-0.parquet", 2)
 # The writes of a commit over a committed shard, in order: the new marker holding the one it replaces,
