@@ -1,7 +1,8 @@
 """What a run drives, chosen by `engine.backend`: the engine, how prompts are rendered for it, and how the
 preprocessing workers prepare a sample for it.
 
-- `batchvl`: the model is loaded here; prompts are token ids, images pixel arrays (`launch.py`).
+- `batchvl`: the model is loaded and the engine built over it (`launch.py`); prompts are token ids, images
+  pixel arrays.
 - `openai`: no model; prompts are chat messages, images PNG data URLs, and the engine is a server's
   (`server_setup.py`), which `close` stops where batchvl launched it.
 """

@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 
 from batchvl.config import JobConfig
 from batchvl.engine.interface import EngineInterface
+from batchvl.engine.parallel.ranks import in_launched_processes, serve_rank
 from batchvl.engine.parallel.vit_dp import DistributedContext
 from batchvl.engine.stats import EngineStats
 from batchvl.errors import ServerGone
@@ -33,12 +34,7 @@ from batchvl.outputs.writers import ResultRow
 from batchvl.pipeline.commit_strategies import WriteShard
 from batchvl.pipeline.ending import RunSummary, raise_if_ended_early
 from batchvl.pipeline.engine_setup import EngineSetup
-from batchvl.pipeline.launch import (
-    builtin_engine_setup,
-    in_launched_processes,
-    load_job_model,
-    serve_rank,
-)
+from batchvl.pipeline.launch import builtin_engine_setup, load_job_model
 from batchvl.pipeline.ledger import CommitStrategy, ShardLedger
 from batchvl.pipeline.plan import Work, job_work
 from batchvl.pipeline.rows import prompt_of, result_row
@@ -97,7 +93,7 @@ class JobRunner:
 
     def run(self) -> RunSummary:
         keep_freed_memory()  # process-wide; the engine's steps reuse their activations' memory
-        return in_launched_processes(self.cfg, self._drive, self._serve)
+        return in_launched_processes(self.cfg.engine, self.cfg.model.device, self._drive, self._serve)
 
     def _load(self) -> LoadedModel:
         if self.loaded is None:
@@ -106,7 +102,7 @@ class JobRunner:
         return self.loaded
 
     def _serve(self, context: DistributedContext) -> RunSummary:
-        rounds = serve_rank(self.cfg, self._load(), context)
+        rounds = serve_rank(self._load().adapter, self.cfg.engine, context)
         return RunSummary(self.out.url, "", {"rank": context.rank, "encode_rounds": rounds}, is_driver=False)
 
     def _drive(self, context: DistributedContext | None) -> RunSummary:

@@ -11,8 +11,8 @@ import torch.distributed as dist
 
 from batchvl.config import job_config_from_dict
 from batchvl.engine.device.placement import resolve_device
+from batchvl.engine.parallel.ranks import in_launched_processes
 from batchvl.errors import ConfigError, UserError
-from batchvl.pipeline.launch import in_launched_processes
 
 
 @pytest.fixture
@@ -53,8 +53,8 @@ def torchrun(monkeypatch):
 
 def join(device: str) -> str:
     """A serving rank's start of a `vit_parallel: data` job; returns the rank's role."""
-    cfg = SimpleNamespace(model=SimpleNamespace(device=device), engine=SimpleNamespace(vit_parallel="data"))
-    return in_launched_processes(cfg, lambda context: "driver", lambda context: "server")
+    config = SimpleNamespace(vit_parallel="data")
+    return in_launched_processes(config, device, lambda context: "driver", lambda context: "server")
 
 
 def test_auto_on_a_machine_with_gpus_puts_each_rank_on_its_own_gpu_over_nccl(gpus, torchrun):

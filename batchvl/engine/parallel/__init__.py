@@ -1,2 +1,2 @@
-"""Parallelism beyond one engine in one process: ViT data parallelism across torchrun ranks (`vit_dp.py`)
-and engine replicas side by side on the CPU (`replicas.py`)."""
+"""Parallelism beyond one engine in one process: the roles of the ranks torchrun starts (`ranks.py`), ViT
+data parallelism across them (`vit_dp.py`), and engine replicas side by side on the CPU (`replicas.py`)."""
