@@ -12,6 +12,9 @@ contain it:
 - `stall[marker] = seconds`: wait that long before answering (a client with a shorter timeout gives up);
 - `trickle[marker] = seconds`: the answer's body one byte every `seconds` (each read is quick, the whole
   answer is not);
+- `chunked` (a set of markers): the answer's body in chunks without a Content-Length (a server writing its
+  answer as it makes it);
+- `slow_models_s`: `GET /v1/models` waits this long before answering (a busy server);
 - `hold_s`: every completion waits this long (requests pile up, to count how many are in flight);
 - `crash[marker] = seconds`: the server goes down for that long (a crash, then a supervisor's restart):
   this request and every one in flight or arriving meanwhile lose their connection without an answer;
@@ -110,6 +113,8 @@ class FakeOpenAIServer:
         self.garble: set[str] = set()
         self.stall: dict[str, float] = {}
         self.trickle: dict[str, float] = {}
+        self.chunked: set[str] = set()
+        self.slow_models_s = 0.0
         self.crash: dict[str, float] = {}
         self.hang_on: set[str] = set()
         self.hung = False
@@ -268,6 +273,7 @@ def _handler(server: FakeOpenAIServer):
             if server.down:
                 return self._drop()
             if self.path == "/v1/models":
+                time.sleep(server.slow_models_s)
                 data = [{"id": name, "object": "model", "owned_by": "fake"} for name in server.models]
                 return self._send(200, {"object": "list", "data": data})
             if self.path == "/health":
@@ -293,13 +299,28 @@ def _handler(server: FakeOpenAIServer):
                 return self._drop()
             trickle = next((s for m, s in server.trickle.items() if m in request_text(body)), None)
             with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # the client gave up
-                self._send(status, answer, headers, trickle)
+                if any(marker in request_text(body) for marker in server.chunked):
+                    self._send_chunked(status, answer)
+                else:
+                    self._send(status, answer, headers, trickle)
             if claim is None:
                 server._go()
 
         def _drop(self) -> None:
             """No answer: the connection closes, as a killed server's does."""
             self.close_connection = True
+
+        def _send_chunked(self, code: int, payload: dict | bytes, size: int = 16 * 1024) -> None:
+            data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            for start in range(0, len(data), size):
+                chunk = data[start : start + size]
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                self.wfile.flush()
+            self.wfile.write(b"0\r\n\r\n")
 
         def _send(
             self, code: int, payload: dict | bytes, headers: dict | None = None, trickle: float | None = None

@@ -3,7 +3,8 @@ it takes the arguments batchvl gives vLLM's server (`--model`, `--dtype`, `--ser
 `--port`) and serves until it is stopped; a flag `--bogus...` is refused as a server refuses a flag it does
 not know. `--exit-on MARKER`: a request holding MARKER makes the process
 exit at once, unanswered (a request that crashes the server); `--hold-s S`: every completion waits S
-seconds; `--reject-probes`: planning's probes are refused (HTTP 400)."""
+seconds; `--reject-probes`: planning's probes are refused (HTTP 400); `--slow-models-s S`: `GET /v1/models`
+waits S seconds before answering."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ def main() -> None:
     parser.add_argument("--exit-on", action="append", default=[])
     parser.add_argument("--hold-s", type=float, default=0.0)
     parser.add_argument("--reject-probes", action="store_true")
+    parser.add_argument("--slow-models-s", type=float, default=0.0)
     args, others = parser.parse_known_args()  # what a real server takes besides (--max-model-len, --api-key)
     bogus = [arg for arg in others if arg.startswith("--bogus")]
     if bogus:  # as vLLM's server: its long usage text, then the error, on a flag it does not know
@@ -47,6 +49,7 @@ def main() -> None:
 
     server.completion = completion
     server.hold_s = args.hold_s
+    server.slow_models_s = args.slow_models_s
     if args.reject_probes:
         server.reject[PROBE_TEXT] = "this server takes no structured_outputs"
     print(f"serving {server.models} at {server.url} (pid {os.getpid()})", flush=True)

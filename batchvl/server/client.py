@@ -17,6 +17,7 @@ no more of an answer is read than `max_bytes`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import json
 import math
@@ -114,13 +115,15 @@ async def _read_at_most(response: httpx.Response, limit: int) -> bytes:
     if response.status_code == 200 and declared.isdigit() and int(declared) > limit:
         raise _too_large(int(declared), limit)
     chunks, size = [], 0
-    async for chunk in response.aiter_bytes():
-        chunks.append(chunk)
-        size += len(chunk)
-        if size > limit:
-            if response.status_code != 200:
-                break
-            raise _too_large(size, limit)
+    # closed here when left early, rather than by the event loop once it may be stopped
+    async with contextlib.aclosing(response.aiter_bytes()) as body:
+        async for chunk in body:
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > limit:
+                if response.status_code != 200:
+                    break
+                raise _too_large(size, limit)
     return b"".join(chunks)[:limit]
 
 

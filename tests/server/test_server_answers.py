@@ -10,7 +10,7 @@ import pytest
 
 from batchvl.server.client import described
 from tests.fake_openai_server import FakeOpenAIServer
-from tests.server_jobs import all_requests, at, rows_by_request, run, write_job
+from tests.server_jobs import PROMPTS, all_requests, at, rows_by_request, run, write_job
 
 ODD = "Describe s0-1."  # the request whose answer is changed
 
@@ -108,3 +108,25 @@ def test_a_failure_without_a_message_is_named_by_its_type_alone():
     assert described(httpx.ConnectError("[Errno 111] Connection refused")) == (
         "ConnectError: [Errno 111] Connection refused"
     )
+
+
+def test_a_constrained_answer_cut_by_the_token_limit_is_an_incomplete_output_row_keeping_its_text(
+    tmp_path, tiny_model_dir, fake
+):
+    # Every answer ends at the token limit: a regex prompt's is not a whole match of its pattern, a caption's
+    # is just a short caption.
+    prompts = [{"name": "digits", "text": "Digits {key}", "regex": "[0-9]{3}"}, PROMPTS[0]]
+    fake.reply = lambda body: "12" if "structured_outputs" in body else "a cat on"
+    fake.edit = lambda answer, body: set_finish("length")(answer)
+    run(write_job(tmp_path, tiny_model_dir, at(fake.url), sizes=[1], prompts=prompts))
+
+    rows = rows_by_request(tmp_path, 1)
+    cut = rows["s0-0", "digits"]
+    assert cut["status"] == "error" and cut["error_type"] == "incomplete_output"
+    assert cut["error_message"].startswith(
+        "the output ended (max_new_tokens) before it matched its constraint"
+    )
+    assert cut["text"] == "12" and cut["finish_reason"] == "length"
+    caption = rows["s0-0", "caption"]
+    assert caption["status"] == "ok" and caption["finish_reason"] == "length"
+    assert caption["text"] == "a cat on"

@@ -388,6 +388,65 @@ def test_the_results_finished_before_the_server_went_away_are_handed_back_first(
         backend.close()
 
 
+class RestartedServer:
+    """The fake as a server batchvl launched, to the backend (what it asks of a `ManagedServer`): dead while
+    the fake is down, and back once restarted, no longer crashing on what it crashed on before."""
+
+    def __init__(self, fake: FakeOpenAIServer):
+        self.fake = fake
+        self.restarts = 0
+
+    @property
+    def url(self) -> str:
+        return self.fake.url
+
+    def is_alive(self) -> bool:
+        return not self.fake.down
+
+    def restart(self) -> None:
+        self.restarts += 1
+        self.fake.crash.clear()
+        self.fake.down_until = 0.0
+
+    def stop(self) -> None:
+        pass
+
+
+def test_a_launched_server_restarted_between_answered_requests_is_not_restarted_in_a_row(fake):
+    # retries=1: one restart in a row without an answer between. Each request brings the server down (until
+    # it is restarted), and is answered once sent again: a restart, an answer, a restart, an answer, ...
+    launched = RestartedServer(fake)
+    config = ServerConfig(retries=1, backoff_s=0.01, max_concurrency=1)
+    backend = ServerBackend(fake.url, fake.models[0], config, server=launched)
+    try:
+        for tag in ("first", "second", "third"):
+            fake.crash[tag] = 3600
+            backend.add_request(request(tag, tag))
+            (result,) = finished(backend, 1)
+            assert result.tag == tag and result.error is None and result.text == f"echo: {tag}"
+    finally:
+        backend.close()
+    assert launched.restarts == 3 and backend.restarts == 3
+    assert [len(fake.completions(tag)) for tag in ("first", "second", "third")] == [2, 2, 2]
+
+
+def test_a_server_slow_to_list_its_models_still_answers_when_a_request_times_out(fake):
+    # The request times out after 0.3 s; GET /v1/models then takes 1.5 s. The health check waits as long as
+    # a request, but at least 2 s (a busy server, a loaded machine): the server answers, and the request
+    # is a timeout like any other, not the server gone.
+    fake.stall["slow"] = 3
+    fake.slow_models_s = 1.5
+    backend = ServerBackend(fake.url, fake.models[0], ServerConfig(retries=0, timeout_s=0.3))
+    try:
+        backend.add_request(request("slow", "slow"))
+        (result,) = finished(backend, 1)
+    finally:
+        backend.close()
+    assert result.error is not None and result.error.error_type == "server_error"
+    assert "no whole answer within engine.server.timeout_s=0.3 s" in result.error.message
+    assert [r.path for r in fake.requests] == ["/v1/chat/completions", "/v1/models"]
+
+
 # Planning: the server must answer and serve the model, before any work
 
 
@@ -424,10 +483,12 @@ def test_a_server_that_refuses_a_prompts_kind_of_request_is_exit_2_before_any_wo
     assert probe["structured_outputs"] == {"regex": "[0-9]{3}"} and probe["max_tokens"] == 1
 
 
-def test_a_probe_that_meets_a_5xx_decides_nothing_and_the_job_runs(
-    tmp_path, tiny_model_dir, fake, monkeypatch, capsys
+@pytest.mark.parametrize("status", [503, 429, 408])
+def test_a_probe_that_meets_a_5xx_429_or_408_decides_nothing_and_the_job_runs(
+    tmp_path, tiny_model_dir, fake, monkeypatch, capsys, status
 ):
-    fake.fail[PROBE_TEXT] = Failure(503)  # a busy server: the run's retries meet that, not planning
+    # a busy server (a 429 or 408 is no refusal of the request either): the run's retries meet that
+    fake.fail[PROBE_TEXT] = Failure(status)
     prompts = [{"name": "digits", "text": "Digits {key}", "regex": "[0-9]{3}"}]
     fake.reply = lambda body: "123"
     job = write_job(tmp_path, tiny_model_dir, at(fake.url), sizes=[1], prompts=prompts)

@@ -9,9 +9,15 @@ import logging
 import sys
 from pathlib import Path
 
+import httpx
 import pyarrow.parquet as pq
 import pytest
 
+from batchvl.config import EngineConfig, InputConfig, JobConfig, ModelConfig, OutputConfig, ServerConfig
+from batchvl.errors import UserError
+from batchvl.pipeline.commit_strategies import stored_config
+from batchvl.server.client import connection, served_models
+from batchvl.utils.secrets import masked_args, url_without_userinfo
 from tests.fake_openai_server import FakeOpenAIServer
 from tests.server_jobs import all_requests, at, cli, closed_port_url, rows_by_request, run, write_job
 
@@ -87,3 +93,43 @@ def test_secret_arguments_of_a_launched_server_are_masked_where_stored_and_logge
     assert "starting the server:" in caplog.text and "--api-key '<not recorded>'" in caplog.text
     assert PASSWORD.encode() not in written(tmp_path / "out")
     assert PASSWORD not in caplog.text
+
+
+def test_password_arguments_of_a_launch_command_are_masked():
+    args = ["--password", "pw-1", "--passwd=pw-2", "--db-password", "pw-3", "--max-model-len", "4096"]
+    assert masked_args(args) == [
+        "--password",
+        "<not recorded>",
+        "--passwd=<not recorded>",
+        "--db-password",
+        "<not recorded>",
+        "--max-model-len",
+        "4096",
+    ]
+    server = ServerConfig(launch="/opt/vllm/bin/vllm serve --passwd pw-4", launch_args=["--password=pw-5"])
+    cfg = JobConfig(
+        model=ModelConfig(path="/models/m"),
+        input=InputConfig(paths=["/d/*.parquet"]),
+        output=OutputConfig(dir="/o"),
+        engine=EngineConfig(backend="openai", server=server),
+    )
+    stored = stored_config(cfg)["engine"]["server"]
+    assert stored["launch"] == "/opt/vllm/bin/vllm serve --passwd '<not recorded>'"
+    assert stored["launch_args"] == ["--password=<not recorded>"]
+
+
+def test_a_password_with_an_at_sign_in_the_server_url_is_sent_whole_and_shown_nowhere():
+    password = "p@ss-9c2e"  # the user info ends at the URL's last "@"
+    assert url_without_userinfo(f"http://labeler:{password}@127.0.0.1:8000/v1") == "http://127.0.0.1:8000/v1"
+    assert url_without_userinfo(f"https://labeler:{password}@host.example/v1") == "https://host.example/v1"
+    base, options = connection(f"http://labeler:{password}@127.0.0.1:8000/v1/", None)
+    assert base == "http://127.0.0.1:8000/v1"
+    expected = "Basic " + base64.b64encode(f"labeler:{password}".encode()).decode()
+    sent = next(options["auth"].auth_flow(httpx.Request("GET", f"{base}/models")))
+    assert sent.headers["Authorization"] == expected
+    # the line of a server that does not answer names it without the password, or any of it
+    url = closed_port_url()
+    with pytest.raises(UserError) as no_answer:
+        served_models(url.replace("http://", f"http://labeler:{password}@"), None, timeout_s=2)
+    assert str(no_answer.value).startswith(f"engine.server.url {url} does not answer")
+    assert "ss-9c2e" not in str(no_answer.value)
