@@ -57,7 +57,9 @@ def main() -> None:
 
 def measure(args, work: Path) -> dict:
     import torch
-    from throughput import PARTS, batchvl_job, round_orders, write_workload
+    from batchvl_method import batchvl_job
+    from throughput import round_orders
+    from throughput_workload import PARTS, write_workload
 
     from batchvl.config import EngineConfig
     from batchvl.demo.tiny_model import build_tiny_model

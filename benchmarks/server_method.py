@@ -1,9 +1,9 @@
-"""The throughput benchmark's method f: `batchvl run` with `engine.backend: openai` against a vLLM server
-(its CPU build, started here as a user starts one), on the same rows, prompts and model as vLLM's own
-offline `LLM.generate` (method d, whose settings the server takes: its default threads, a 2 GiB KV cache,
-compiled). Method g sends the same requests with a minimal asyncio client: g against d is what the
-server itself costs (HTTP, its API process), f against g what batchvl's pipeline around it costs
-(decoding and checking images, rows, commits).
+"""The throughput benchmark's server methods. Method f: `batchvl run` with `engine.backend: openai`
+against a vLLM server (its CPU build, started here as a user starts one), on the same rows, prompts and
+model as vLLM's own offline `LLM.generate` (method d, whose settings the server takes: its default
+threads, a 2 GiB KV cache, compiled). Method g sends the same requests with a minimal asyncio client: g
+against d is what the server itself costs (HTTP, its API process), f against g what batchvl's pipeline
+around it costs (decoding and checking images, rows, commits).
 
 Start-up runs from process start to the first result: the server's start and a one-sample job. Peak RSS
 is reported for batchvl's process and, apart, for the server's processes.
@@ -16,7 +16,10 @@ import os
 import time
 from pathlib import Path
 
-from throughput import PROMPTS, VLLM_VENV, peak_rss_kb, requests_of, run_batchvl, since_process_start
+from batchvl_method import run_batchvl
+from processes import peak_rss_kb, since_process_start
+from throughput_workload import PROMPTS, requests_of
+from vllm_cpu import VLLM_VENV
 
 KV_CACHE_BYTES = 2 << 30  # as method d's LLM(kv_cache_memory_bytes=...)
 

@@ -42,10 +42,7 @@ stay on the CPU, and are refused there); the default is the CPU.
 from __future__ import annotations
 
 import argparse
-import collections
 import contextlib
-import functools
-import io
 import json
 import os
 import re
@@ -54,21 +51,19 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
-from workloads import mixed_size_images
+from batchvl_method import run_batchvl
+from flops import FlopCounter, workload_flops
+from matmul_probe import TORCH_DTYPES, cpu_matmul_rates, matmul_peak
+from processes import PEER_ENV
+from server_method import run_bare_client, run_batchvl_on_server
+from throughput_workload import check_rows, expected_rows, write_workload
+from transformers_method import run_transformers
+from vllm_cpu import VLLM_SETTINGS, VLLM_VENV
 
-PROMPTS = {
-    "caption": "Describe this image in one sentence.",
-    "objects": "List the main colors and objects you can see in this picture.",
-}
-# Two parts: the first with one prompt per sample, the second with two.
-PARTS = {"one_prompt": ["caption"], "two_prompts": ["caption", "objects"]}
 METHODS = {
     "a": "transformers loop, batch 1",
     "b": "transformers generate, batches of 8",
@@ -80,327 +75,21 @@ METHODS = {
 }
 PEERS = ("a", "b", "d", "e")  # the methods batchvl (c) is compared with
 LOCAL_METHODS = ("a", "b", "c")  # the methods that run the model in this benchmark's child: on --device
-# vLLM's CPU build runs in its own virtualenv (`vllm_env.sh`); its defaults keep one of the machine's
-# cores for its scheduler process, its "all cores" setting binds the model's threads to every core.
-VLLM_VENV = Path(os.environ.get("VLLM_VENV", Path.home() / ".cache" / "batchvl" / "vllm-venv"))
-VLLM_SETTINGS = {
-    "d": {},
-    "e": {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}"},
-}
 BATCH = 8
-TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}  # by the names --dtypes takes
-SUMMED_STATS = (
-    "output_tokens",
-    "images_encoded",
-    "patches_encoded",
-    "prefill_tokens_computed",
-    "encode_s",
-    "forward_s",
-    "input_wait_s",
-    "processing_s",
-    "ok",
-    "errors",
-)
-SHOWN_ERRORS = 3  # error messages quoted when a method fails its row check
-# The environment the benchmark was given, before importing batchvl sets its OpenMP wait policy: the
-# peers run in it; batchvl's child gets batchvl's settings from the parent (its torch loads first).
-PEER_ENV = dict(os.environ)
 
 
-# ---- the workload ----------------------------------------------------------------------------------
-
-
-def write_workload(
-    root: Path,
-    samples: int,
-    duplicate_share: float,
-    min_tokens: int,
-    max_tokens: int,
-    two_prompt_share: float,
-) -> None:
-    rng = np.random.default_rng(0)
-    unique = mixed_size_images(samples, seed=0)
-    images = [
-        unique[int(rng.integers(0, i))] if i and rng.random() < duplicate_share else unique[i]
-        for i in range(samples)
-    ]
-    encoded = []
-    for i, image in enumerate(images):
-        buffer = io.BytesIO()
-        image.save(buffer, format="JPEG" if i % 2 else "PNG", quality=90)
-        encoded.append(buffer.getvalue())
-    budgets = rng.integers(min_tokens, max_tokens + 1, size=samples).tolist()
-    one = samples - round(samples * two_prompt_share)
-    for number, (part, slice_) in enumerate(zip(PARTS, (slice(0, one), slice(one, samples)), strict=True)):
-        folder = root / "data" / part
-        folder.mkdir(parents=True)
-        keys = [f"s{i}" for i in range(samples)][slice_]
-        table = pa.table({"key": keys, "image": encoded[slice_], "budget": budgets[slice_]})
-        pq.write_table(table, folder / f"part-{number}.parquet")
-
-
-def read_part(root: Path, part: str) -> list[dict]:
-    (path,) = (root / "data" / part).glob("*.parquet")
-    return pq.read_table(path).to_pylist()
-
-
-# ---- the three methods (run in a child process) ------------------------------------------------------
-
-
-def hf_model(model_dir: str, dtype: torch.dtype, device: str):
-    from transformers import AutoModelForImageTextToText, AutoProcessor
-
-    import batchvl.models.processor  # noqa: F401  registers the tiny model's image-only processor class
-
-    processor = AutoProcessor.from_pretrained(model_dir)
-    processor.tokenizer.padding_side = "left"
-    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=dtype).to(device).eval()
-    return processor, model
-
-
-def rendered_prompt(processor, text: str) -> str:
-    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
-    return processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-
-
-def requests_of(root: Path) -> list[tuple[str, bytes, str, int]]:
-    """(key, image bytes, prompt name, tokens to generate) per request, in dataset order."""
-    return [
-        (row["key"], row["image"], name, row["budget"]) for part, names in PARTS.items()
-        for row in read_part(root, part) for name in names
-    ]  # fmt: skip
-
-
-def since_process_start() -> float:
-    """Seconds since this process started: a method's start-up ends at its first result."""
-    import psutil
-
-    return time.time() - psutil.Process().create_time()
-
-
-def peak_rss_kb(pid: int) -> int:
-    """A live process's peak resident set (VmHWM), in KiB: of a server or engine process the method did not
-    wait for, which getrusage does not count."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1])
-    return 0
-
-
-def error_text(error: BaseException) -> str:
-    return f"{type(error).__name__}: {error}"
-
-
-def run_transformers(root: Path, model_dir: str, dtype: torch.dtype, batch: int, device: str) -> dict:
-    """Every request ends as one row: ok, or error with the exception that stopped it (an image that does
-    not decode fails its own requests; a failing processor or generate call fails its whole batch). On a GPU
-    the workload runs a second time in the process: its warm rate, as batchvl's (a GPU's first calls load
-    and pick kernels for seconds)."""
-    from batchvl.engine.device.sync import synchronize  # imported late: see PEER_ENV
-
-    processor, model = hf_model(model_dir, dtype, device)
-    texts = {name: rendered_prompt(processor, text) for name, text in PROMPTS.items()}
-    requests = requests_of(root)
-    start = time.perf_counter()
-    result = transformers_pass(processor, model, texts, requests, dtype, batch, device)
-    synchronize(torch.device(device))
-    result["wall_s"] = time.perf_counter() - start
-    if device != "cpu":
-        start = time.perf_counter()
-        warm = transformers_pass(processor, model, texts, requests, dtype, batch, device)
-        synchronize(torch.device(device))
-        if warm["rows"] != result["rows"]:
-            raise SystemExit(f"the transformers method's warm pass wrote other rows: {warm['rows'][:3]}")
-        result["warm_wall_s"] = time.perf_counter() - start
-    return result
-
-
-def transformers_pass(processor, model, texts, requests, dtype, batch: int, device: str) -> dict:
-    """One pass of `generate` over the requests, `batch` at a time."""
-    from PIL import Image
-
-    rows = []  # [key, prompt, status, error message]
-    output_tokens = 0
-    startup = None
-    with torch.inference_mode():
-        for first in range(0, len(requests), batch):
-            group, images = [], []
-            for key, data, name, tokens in requests[first : first + batch]:
-                try:
-                    images.append(Image.open(io.BytesIO(data)).convert("RGB"))
-                    group.append((key, name, tokens))
-                except Exception as error:
-                    rows.append([key, name, "error", error_text(error)])
-            if not group:
-                continue
-            longest = max(tokens for _, _, tokens in group)
-            try:
-                inputs = processor(
-                    text=[texts[name] for _, name, _ in group],
-                    images=images,
-                    return_tensors="pt",
-                    padding=True,
-                )
-                inputs["pixel_values"] = inputs["pixel_values"].to(dtype)
-                inputs = inputs.to(device)
-                # EOS ignored: every sequence runs to the batch's longest budget; each keeps its own budget.
-                out = model.generate(
-                    **inputs, max_new_tokens=longest, min_new_tokens=longest, do_sample=False
-                )
-                generated = out.shape[1] - inputs["input_ids"].shape[1]
-                if generated != longest:
-                    raise RuntimeError(f"generate returned {generated} new tokens, asked for {longest}")
-            except Exception as error:
-                rows.extend([key, name, "error", error_text(error)] for key, name, _ in group)
-                continue
-            rows.extend([key, name, "ok", None] for key, name, _ in group)
-            output_tokens += sum(tokens for _, _, tokens in group)
-            startup = startup or since_process_start()
-    return {"startup_s": startup, "output_tokens": output_tokens, "rows": rows}
-
-
-def batchvl_job(data: Path, names: list[str], out: Path, model: dict, engine: dict | None = None):
-    """The job of one part of the workload; `model`: its model section (path, dtype, device)."""
-    from batchvl.config import job_config_from_dict
-
-    return job_config_from_dict(
-        {
-            "model": model,
-            "input": {"paths": [str(data / "*.parquet")], "key_column": "key"},
-            "prompts": [{"name": name, "text": PROMPTS[name]} for name in names],
-            "sampling": {"max_new_tokens_field": "budget", "ignore_eos": True},
-            "output": {"dir": str(out), "overwrite": True},
-            **({"engine": engine} if engine else {}),
-        }
-    )
-
-
-def run_batchvl(
-    root: Path, model_dir: str, dtype_name: str, engine: dict | None = None, device: str = "cpu"
-) -> dict:
-    """batchvl's own engine, or with `engine` (the openai backend's settings) a server's."""
-    from batchvl.models.loader import load_model
-    from batchvl.pipeline.runner import run_job
-
-    model = {"path": model_dir, "dtype": dtype_name, "device": device}
-
-    def job(data: Path, names: list[str], out: Path):
-        return batchvl_job(data, names, out, model, engine)
-
-    # Start-up: loading the model and a job of the workload's first sample, as a user's first result.
-    first = root / "startup" / dtype_name
-    first.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.Table.from_pylist(read_part(root, "one_prompt")[:1]), first / "part-0.parquet")
-    loaded = None if engine else load_model(model_dir, dtype=dtype_name, device=device)
-    run_job(job(first, PARTS["one_prompt"], first / "out"), loaded=loaded, show_progress=False)
-    startup = since_process_start()
-
-    def run_parts(out: Path) -> list[tuple[str, list[str], dict]]:
-        """The workload's jobs, one per part, writing under `out`: (part, its prompts, the job's stats)."""
-        return [
-            (part, names, run_job(job(root / "data" / part, names, out / part), loaded=loaded,
-                                  show_progress=False).stats)
-            for part, names in PARTS.items()
-        ]  # fmt: skip
-
-    totals: dict = {"startup_s": startup}
-    wall = 0.0
-    for _, _, stats in run_parts(root / "out" / dtype_name):
-        wall += stats["wall_s"]
-        for key in SUMMED_STATS:
-            totals[key] = totals.get(key, 0) + stats[key]
-        totals["engine_replicas"] = stats["engine_replicas"]
-    if loaded is not None:
-        # The same jobs again in this process (new engines, so no cache carries over): the rate once every
-        # oneDNN kernel the workload needs is built, which a long job reaches and a fresh one does not.
-        warm = run_parts(root / "warm" / dtype_name)
-        for part, names, stats in warm:
-            if stats["errors"] or stats["ok"] != len(names) * len(read_part(root, part)):
-                raise SystemExit(
-                    f"batchvl's warm run of {part} wrote {stats['ok']} ok, {stats['errors']} error rows"
-                )
-        totals["warm_wall_s"] = sum(stats["wall_s"] for _, _, stats in warm)
-    # The rows as written (after the clock): what the row check counts.
-    rows = [
-        [row["key"], row["prompt"], row["status"], row["error_message"]]
-        for part in PARTS for path in sorted((root / "out" / dtype_name / part).glob("*.parquet"))
-        for row in pq.read_table(path, columns=["key", "prompt", "status", "error_message"]).to_pylist()
-    ]  # fmt: skip
-    return {"wall_s": wall, **totals, "rows": rows}
-
-
-def matmul_peak(dtype: torch.dtype, device: str = "cpu", size: int = 2048, repeats: int = 10) -> float:
-    """Best FLOP/s of a square matmul at this dtype and thread count, on the device. (Without batchvl:
-    vLLM's peer calls it in vLLM's environment.)"""
-    on = torch.device(device)
-    # A CUDA matmul returns when it is queued: the clock is read once it is done.
-    done = functools.partial(torch.cuda.synchronize, on) if on.type == "cuda" else lambda: None
-    a, b = (torch.randn(size, size, dtype=dtype, device=on) for _ in range(2))
-    torch.matmul(a, b)  # warm-up
-    done()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        torch.matmul(a, b)
-        done()
-        best = min(best, time.perf_counter() - start)
-    return 2 * size**3 / best
-
-
-def matmul_rate(dtype: torch.dtype, seconds: float, size: int = 2048) -> float:
-    """FLOP/s of back-to-back square matmuls at this dtype and thread count over about `seconds`: a rate
-    over a window (where `matmul_peak` takes the best call), so that probes running at once overlap."""
-    a, b = (torch.randn(size, size, dtype=dtype) for _ in range(2))
-    torch.matmul(a, b)  # warm-up
-    calls, start = 0, time.perf_counter()
-    while (elapsed := time.perf_counter() - start) < seconds:
-        torch.matmul(a, b)
-        calls += 1
-    return 2 * size**3 * calls / elapsed
-
-
-def cpu_matmul_rates(dtype_name: str, seconds: float = 2.0, size: int = 2048) -> dict:
-    """GFLOP/s of a one-thread matmul on each CPU this process may use, in a child pinned to it: each CPU
-    alone, then all at once (a child per CPU). The CPUs of a virtual machine need not be equal cores: two
-    may share one core's matrix unit, or share their cores with another tenant's work, and a method's
-    threads split each matmul evenly, so a slow CPU paces all of them. These figures say what the
-    machine was when the methods ran (both are in the report)."""
-    cpus = sorted(os.sched_getaffinity(0))
-
-    def probe(cpu: int) -> subprocess.Popen:
-        command = [sys.executable, __file__, "--matmul-probe", str(cpu), "--dtype", dtype_name]
-        command += ["--probe-seconds", str(seconds), "--probe-size", str(size)]
-        return subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=PEER_ENV)
-
-    def result(process: subprocess.Popen) -> dict:
-        out, _ = process.communicate()
-        if process.returncode:
-            raise SystemExit(f"the matmul probe failed (exit {process.returncode})")
-        return json.loads(out)
-
-    alone = [result(probe(cpu)) for cpu in cpus]
-    together = [result(process) for process in [probe(cpu) for cpu in cpus]]
-    return {"dtype": dtype_name, "alone": alone, "together": together}
-
-
-def matmul_probe(args) -> None:
-    """A child of `cpu_matmul_rates`: pinned to one CPU, one thread; prints where it ran and its rate."""
-    os.sched_setaffinity(0, {args.matmul_probe})
-    torch.set_num_threads(1)
-    dtype = TORCH_DTYPES[args.dtype]
-    rate = matmul_rate(dtype, args.probe_seconds, args.probe_size)
-    print(json.dumps({"cpus": sorted(os.sched_getaffinity(0)), "gflops": round(rate / 1e9, 1)}))
+# ---- a method, in its child process -----------------------------------------------------------------
 
 
 def child(args) -> None:
+    """Runs one method on the workload and prints its result as one JSON line, with the matmul peak and
+    peak RSS measured in the same process."""
     dtype = TORCH_DTYPES[args.dtype]
     root = Path(args.root)
     if args.method == "c":
         result = run_batchvl(root, args.model, args.dtype, device=args.device)
     elif args.method in ("f", "g"):
-        import server_method
-
-        run = server_method.run_batchvl_on_server if args.method == "f" else server_method.run_bare_client
+        run = run_batchvl_on_server if args.method == "f" else run_bare_client
         result = run(root, Path(args.model), args.dtype)
     else:
         result = run_transformers(root, args.model, dtype, 1 if args.method == "a" else BATCH, args.device)
@@ -410,134 +99,6 @@ def child(args) -> None:
     result["peak_rss_mb"] = round(own, 1)
     result["peak_rss_workers_mb"] = round(workers, 1)
     print(json.dumps(result))
-
-
-# ---- checking the rows --------------------------------------------------------------------------------
-
-
-def expected_rows(root: Path) -> list[tuple[str, str]]:
-    """(key, prompt name) of every row the workload asks for: samples x their prompts."""
-    return [
-        (row["key"], name) for part, names in PARTS.items() for row in read_part(root, part) for name in names
-    ]
-
-
-def check_rows(method: str, dtype: str, run: dict, expected: list[tuple[str, str]]) -> dict:
-    """The method's row counts, or SystemExit (no rate) unless every expected row is there once and ok."""
-    rows = run["rows"]
-    seen = collections.Counter((key, prompt) for key, prompt, _, _ in rows)
-    wanted = set(expected)
-    ok = [(key, prompt) for key, prompt, status, _ in rows if status == "ok"]
-    errors = [row for row in rows if row[2] != "ok"]
-    missing = [pair for pair in expected if pair not in seen]
-    extra = sorted(pair for pair, count in seen.items() if pair not in wanted or count > 1)
-    problems = []
-    if method in ("c", "f") and (run["ok"], run["errors"]) != (len(ok), len(errors)):
-        problems.append(
-            f"  its stats count {run['ok']} ok and {run['errors']} error rows, its output Parquet "
-            f"{len(ok)} and {len(errors)}"
-        )
-    if errors or missing or extra or problems:
-        lines = [
-            f"method {method} ({METHODS[method]}, {dtype}) failed its row check, so no rate is reported: "
-            f"rows: {len(ok)} ok, {len(errors)} error, {len(expected)} expected ({len(missing)} missing, "
-            f"{len(extra)} duplicate or unexpected)",
-            *problems,
-            *(f"  error {key} / {prompt}: {message}" for key, prompt, _, message in errors[:SHOWN_ERRORS]),
-        ]
-        if len(errors) > SHOWN_ERRORS:
-            lines.append(f"  ... and {len(errors) - SHOWN_ERRORS} more error rows")
-        if missing:
-            lines.append(
-                f"  missing (key / prompt): {', '.join(f'{k} / {p}' for k, p in missing[:SHOWN_ERRORS])}"
-            )
-        if extra:
-            lines.append(
-                f"  duplicate or unexpected: {', '.join(f'{k} / {p}' for k, p in extra[:SHOWN_ERRORS])}"
-            )
-        raise SystemExit("\n".join(lines))
-    prompts_of = collections.Counter(key for key, _ in expected)
-    ok_of = collections.Counter(key for key, _ in ok)
-    return {
-        "rows_expected": len(expected),
-        "rows_ok": len(ok),
-        "rows_error": len(errors),
-        "samples_completed": sum(ok_of[key] == count for key, count in prompts_of.items()),
-    }
-
-
-# ---- counting the work ------------------------------------------------------------------------------
-
-
-def linear_params(module) -> int:
-    return sum(m.weight.numel() for m in module.modules() if isinstance(m, torch.nn.Linear | torch.nn.Conv3d))
-
-
-class FlopCounter:
-    """FLOPs of the Qwen2-VL parts from their layers: 2 per multiply-add of each weight, plus attention."""
-
-    def __init__(self, model_dir: str):
-        from transformers import AutoConfig, AutoModelForImageTextToText
-
-        with torch.device("meta"):  # shapes only: no weights read or allocated (the wide model is 6 GB)
-            model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(model_dir))
-        vision, text = model.config.vision_config, model.config.text_config
-        inner = model.model
-        self.vit_per_patch = 2 * (
-            linear_params(inner.visual.patch_embed) + linear_params(inner.visual.blocks)
-        )
-        self.merge = vision.spatial_merge_size**2
-        self.merger_per_token = 2 * linear_params(inner.visual.merger)
-        self.vit_attention = 4 * vision.embed_dim * vision.depth  # per patch per patch of its image
-        self.lm_per_token = 2 * linear_params(inner.language_model)
-        self.head_per_token = 2 * model.lm_head.weight.numel()
-        head_dim = text.hidden_size // text.num_attention_heads
-        self.lm_attention = (
-            4 * text.num_attention_heads * head_dim * text.num_hidden_layers
-        )  # per (query, key)
-
-    def image(self, patches: int) -> float:
-        return patches * (self.vit_per_patch + self.vit_attention * patches) + patches / self.merge * (
-            self.merger_per_token
-        )
-
-    def prefill(self, start: int, end: int) -> float:
-        """Prompt positions start..end-1 (keys: all positions up to each query)."""
-        tokens = end - start
-        keys = (end * (end + 1) - start * (start + 1)) / 2
-        return tokens * self.lm_per_token + keys * self.lm_attention
-
-    def decode(self, prompt: int, generated: int) -> float:
-        fed = max(generated - 1, 0)  # the last token is sampled, never fed back
-        keys = sum(prompt + k + 1 for k in range(fed))
-        return fed * self.lm_per_token + keys * self.lm_attention + generated * self.head_per_token
-
-
-def workload_flops(counter: FlopCounter, root: Path, dtype_name: str, model_dir: Path) -> dict:
-    """From batchvl's own rows (prompt lengths) and the images' patch counts."""
-    from PIL import Image
-
-    from batchvl.models.loader import load_processor, read_model_type
-    from batchvl.preprocess.qwen_vision import QwenVisionSpec, prepare_image
-
-    processor = load_processor(str(model_dir), read_model_type(str(model_dir)))
-    spec = QwenVisionSpec.from_image_processor(processor.image_processor)
-    totals = {"vit": 0.0, "prefill": 0.0, "decode": 0.0, "patches": 0, "prompt_tokens": 0, "requests": 0}
-    for part in PARTS:
-        patches = {}
-        for row in read_part(root, part):
-            image = prepare_image(Image.open(io.BytesIO(row["image"])).convert("RGB"), spec)
-            patches[row["key"]] = image.num_patches
-        (out,) = (root / "out" / dtype_name / part).glob("*.parquet")
-        for row in pq.read_table(out).to_pylist():
-            prompt, generated = row["num_prompt_tokens"], row["num_output_tokens"]
-            totals["vit"] += counter.image(patches[row["key"]])
-            totals["prefill"] += counter.prefill(0, prompt)
-            totals["decode"] += counter.decode(prompt, generated)
-            totals["patches"] += patches[row["key"]]
-            totals["prompt_tokens"] += prompt
-            totals["requests"] += 1
-    return totals
 
 
 # ---- the parent: build, run each method, report ----------------------------------------------------
@@ -627,15 +188,9 @@ def main() -> None:
     parser.add_argument("--dtype", help=argparse.SUPPRESS)
     parser.add_argument("--root", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
-    parser.add_argument("--matmul-probe", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--probe-seconds", type=float, default=2.0, help=argparse.SUPPRESS)
-    parser.add_argument("--probe-size", type=int, default=2048, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child(args)
-        return
-    if args.matmul_probe is not None:
-        matmul_probe(args)
         return
     problem = device_problem(args.device, args.methods.split(","))
     if args.rounds < 1:
@@ -657,7 +212,7 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
     report["device"] = args.device if args.device == "cpu" else torch.cuda.get_device_name(args.device)
     report["cpu_capability"] = capability
-    from batchvl.layers.cpu_features import has_amx  # imported late: see PEER_ENV
+    from batchvl.layers.cpu_features import has_amx  # imported late: see processes.PEER_ENV
 
     report["cpu_amx"] = has_amx()  # the capability string says AVX512 on AMX CPUs too
     if args.json:
@@ -808,12 +363,13 @@ def run_method(args, method: str, dtype: str, work: Path, model_dir: Path, expec
     busy process as well."""
     print(f"running {METHODS[method]} in {dtype} ...", file=sys.stderr, flush=True)
     run = run_child(__file__, method, dtype, work, model_dir, args.device)
-    run = {**run, **check_rows(method, dtype, run, expected)}
+    described = f"{method} ({METHODS[method]}, {dtype})"
+    run = {**run, **check_rows(run, expected, described)}
     if args.contention:
         print(f"running {METHODS[method]} in {dtype} beside a busy process ...", file=sys.stderr)
         with busy_process():
             contended = run_child(__file__, method, dtype, work, model_dir, args.device)
-        check_rows(method, dtype, contended, expected)
+        check_rows(contended, expected, described)
         run["contended_wall_s"] = contended["wall_s"]
     return run
 

@@ -24,8 +24,10 @@ import time
 from pathlib import Path
 
 import torch
+from matmul_probe import matmul_peak
 from PIL import Image
-from throughput import PROMPTS, error_text, matmul_peak, peak_rss_kb, requests_of, since_process_start
+from processes import peak_rss_kb, since_process_start
+from throughput_workload import PROMPTS, error_text, requests_of
 
 KV_CACHE_BYTES = 2 << 30
 

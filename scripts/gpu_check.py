@@ -18,9 +18,12 @@ reported and the next still runs:
                    share is the time in vision-tower and language-model forwards (synchronized) over wall time
 
 DEVICE=cpu runs the same stages on the CPU with smaller workloads, so the script is tried on any machine.
-The JSON is printed and written to GPU_CHECK_JSON (default: gpu-check.json); GPU_CHECK_BUDGET_S (480)
-bounds the whole run, and a stage that no longer fits is reported as skipped; GPU_CHECK_STAGES (names,
-comma-separated) runs only those stages.
+The JSON is printed and written to GPU_CHECK_JSON, by default into benchmarks/results/, where the project
+keeps these reports: gpu-check-<GPU>-<UTC time>.json (e.g. gpu-check-nvidia-h200-20250101T120000Z.json;
+`cpu` for a DEVICE=cpu trial, which git ignores), and the benchmarks' own full reports beside it, named
+after it (...-host_step.json, ...-throughput-small.json). GPU_CHECK_BUDGET_S (480) bounds the whole run,
+and a stage that no longer fits is reported as skipped; GPU_CHECK_STAGES (names, comma-separated) runs
+only those stages.
 
     DEVICE=cuda python scripts/gpu_check.py
 """
@@ -30,6 +33,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -41,7 +45,6 @@ ROOT = Path(__file__).resolve().parent.parent
 DEVICE = os.environ.get("DEVICE", "cuda")
 ON_CPU = DEVICE == "cpu"
 BUDGET_S = float(os.environ.get("GPU_CHECK_BUDGET_S", 480))
-REPORT = Path(os.environ.get("GPU_CHECK_JSON", "gpu-check.json"))
 SHOWN = 2000  # characters of a failed stage's output kept in the report
 PARITY_TESTS = [
     "tests/engine/test_parity.py",
@@ -60,6 +63,28 @@ SCHEMA = {
     "required": ["color", "count"],
 }
 STARTED = time.monotonic()
+
+
+def machine_name() -> str:
+    """The device a report is named after: the GPU's model in lower case (`nvidia-h200`), else DEVICE."""
+    if not ON_CPU:
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                return re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(DEVICE).lower()).strip("-")
+        except Exception:  # a broken torch or driver is the environment stage's to report, not the name's
+            pass
+    return re.sub(r"[^a-z0-9]+", "-", DEVICE)
+
+
+def default_report() -> Path:
+    """benchmarks/results/gpu-check-<machine>-<UTC time>.json: one report per run, none overwritten."""
+    started = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    return ROOT / "benchmarks" / "results" / f"gpu-check-{machine_name()}-{started}.json"
+
+
+REPORT = Path(os.environ["GPU_CHECK_JSON"]) if os.environ.get("GPU_CHECK_JSON") else default_report()
 
 
 def left_s() -> float:
@@ -330,15 +355,21 @@ def main() -> None:
             print(f"{name}: {'ok' if outcome['ok'] else 'FAILED'} ({outcome['seconds']} s)", file=sys.stderr)
             write(report)  # after every stage: a run cut short still leaves what it found
             for benchmark in work.glob("*.json"):  # the benchmarks' own full reports, beside this one
-                (REPORT.parent / f"gpu-check-{benchmark.name}").write_text(benchmark.read_text())
+                benchmark_copy(benchmark.name).write_text(benchmark.read_text())
     report["ok"] = all(stage["ok"] for stage in report["stages"].values())
     print(write(report))
     sys.exit(0 if report["ok"] else 1)
 
 
+def benchmark_copy(name: str) -> Path:
+    """Where a benchmark's full report `name` is copied: beside the report, named after it."""
+    return REPORT.with_name(f"{REPORT.stem}-{name}")
+
+
 def write(report: dict) -> str:
     report["seconds"] = round(time.monotonic() - STARTED, 1)
     text = json.dumps(report, indent=2, default=str)
+    REPORT.parent.mkdir(parents=True, exist_ok=True)
     REPORT.write_text(text)
     return text
 

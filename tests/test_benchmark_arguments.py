@@ -16,9 +16,15 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
 @pytest.fixture
-def throughput(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCHMARKS))  # it imports its sibling `workloads`
-    return importlib.import_module("throughput")
+def benchmark(monkeypatch):
+    """A benchmark module by its name: the scripts import their siblings by plain names."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    return importlib.import_module
+
+
+@pytest.fixture
+def throughput(benchmark):
+    return benchmark("throughput")
 
 
 def test_a_device_is_checked_against_the_machine_and_the_methods(throughput, monkeypatch):
@@ -36,9 +42,9 @@ def test_a_device_is_checked_against_the_machine_and_the_methods(throughput, mon
     )
 
 
-def test_batchvls_job_runs_on_the_benchmarks_device(throughput, tmp_path):
+def test_batchvls_job_runs_on_the_benchmarks_device(benchmark, tmp_path):
     model = {"path": str(tmp_path), "dtype": "bfloat16", "device": "cuda:1"}
-    cfg = throughput.batchvl_job(tmp_path, ["caption"], tmp_path / "out", model)
+    cfg = benchmark("batchvl_method").batchvl_job(tmp_path, ["caption"], tmp_path / "out", model)
     assert (cfg.model.device, cfg.model.dtype) == ("cuda:1", "bfloat16")
 
 
@@ -60,7 +66,7 @@ def test_asking_for_a_gpu_the_machine_lacks_is_one_line_and_exit_2_before_any_wo
     )
 
 
-def test_the_vllm_peer_is_given_only_the_arguments_it_takes(throughput, monkeypatch, tmp_path):
+def test_the_vllm_peer_is_given_only_the_arguments_it_takes(throughput, benchmark, monkeypatch, tmp_path):
     """vLLM's CPU build takes no device: its command line is the one its own parser accepts, and batchvl's
     child still gets the device."""
     commands = []
@@ -74,17 +80,17 @@ def test_the_vllm_peer_is_given_only_the_arguments_it_takes(throughput, monkeypa
     for method in ("e", "c"):
         throughput.run_child(str(BENCHMARKS / "throughput.py"), method, "bfloat16", tmp_path, tmp_path, "cpu")
     vllm, batchvl = commands
-    vllm_peer = importlib.import_module("vllm_peer")
+    vllm_peer = benchmark("vllm_peer")
     arguments = vllm_peer.argument_parser().parse_args(vllm[2:])  # after the python and the script
     assert (arguments.root, arguments.dtype) == (tmp_path, "bfloat16")
     assert batchvl[batchvl.index("--device") + 1] == "cpu"
 
 
-def test_the_cpu_probe_measures_each_cpu_pinned_alone_and_all_at_once(throughput):
+def test_the_cpu_probe_measures_each_cpu_pinned_alone_and_all_at_once(benchmark):
     """The per-CPU matmul figures the report keeps: a child per CPU, pinned there, one after another and
     then together, each with a rate."""
     cpus = sorted(os.sched_getaffinity(0))
-    rates = throughput.cpu_matmul_rates("float32", seconds=0.05, size=64)
+    rates = benchmark("matmul_probe").cpu_matmul_rates("float32", seconds=0.05, size=64)
     assert rates["dtype"] == "float32"
     for when in ("alone", "together"):
         assert [probe["cpus"] for probe in rates[when]] == [[cpu] for cpu in cpus]

@@ -1,9 +1,12 @@
 """`make gpu-check`'s runner (scripts/gpu_check.py): a stage that fails, raises, hangs or no longer fits
 the time budget is reported and the next one still runs; test outcomes are read from pytest's report, or
-from what it printed when it was stopped. (`DEVICE=cpu make gpu-check` runs the real stages.)"""
+from what it printed when it was stopped. Its report goes to benchmarks/results/, named after the device
+and the time, with the benchmarks' own reports beside it. (`DEVICE=cpu make gpu-check` runs the real
+stages.)"""
 
 import importlib
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -92,3 +95,27 @@ def test_an_unknown_stage_name_stops_before_any_stage_runs(gpu_check, monkeypatc
         gpu_check.main()
     assert "no stage frist; the stages are first" in str(exit_status.value.code)
     assert not gpu_check.REPORT.exists()
+
+
+def test_the_report_is_kept_in_the_results_named_after_the_device_and_the_time(gpu_check, monkeypatch):
+    monkeypatch.setattr(gpu_check, "DEVICE", "cpu")
+    monkeypatch.setattr(gpu_check, "ON_CPU", True)
+    report = gpu_check.default_report()
+    assert report.parent == gpu_check.ROOT / "benchmarks" / "results"
+    assert re.fullmatch(r"gpu-check-cpu-\d{8}T\d{6}Z\.json", report.name), report.name
+
+
+def test_the_benchmarks_reports_are_copied_beside_the_report_named_after_it(gpu_check, monkeypatch):
+    def benchmark(work):
+        (work / "host_step.json").write_text('{"step_ms": 4.0}')
+        return {"ok": True}
+
+    monkeypatch.setattr(gpu_check, "STAGES", [("host_step", benchmark)])
+    with pytest.raises(SystemExit):
+        gpu_check.main()
+    copy = gpu_check.REPORT.with_name("report-host_step.json")
+    assert json.loads(copy.read_text()) == {"step_ms": 4.0}
+    assert sorted(path.name for path in gpu_check.REPORT.parent.glob("*.json")) == [
+        "report-host_step.json",
+        "report.json",
+    ]

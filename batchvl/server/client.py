@@ -1,6 +1,6 @@
 """One HTTP exchange with an OpenAI-compatible server, and what its failure means.
 
-A failure is one of three kinds, which decide what happens to the request (`backend.py`):
+A failure is one of three kinds, which decide what happens to the request (`server_engine.py`):
 - `Rejected`: the server answered 4xx (other than 408 and 429): this request is wrong for it (an image its
   processor refuses, a prompt over its context). Retrying cannot help; the row says why.
 - `Transient`: a timeout, 408, 429 or 5xx: worth retrying after a wait (Retry-After, when the server

@@ -417,7 +417,7 @@ def test_a_launched_server_restarted_between_answered_requests_is_not_restarted_
     # it is restarted), and is answered once sent again: a restart, an answer, a restart, an answer, ...
     launched = RestartedServer(fake)
     config = ServerConfig(retries=1, backoff_s=0.01, max_concurrency=1)
-    backend = ServerBackend(fake.url, fake.models[0], config, server=launched)
+    backend = ServerEngine(fake.url, fake.models[0], config, server=launched)
     try:
         for tag in ("first", "second", "third"):
             fake.crash[tag] = 3600
@@ -436,7 +436,7 @@ def test_a_server_slow_to_list_its_models_still_answers_when_a_request_times_out
     # is a timeout like any other, not the server gone.
     fake.stall["slow"] = 3
     fake.slow_models_s = 1.5
-    backend = ServerBackend(fake.url, fake.models[0], ServerConfig(retries=0, timeout_s=0.3))
+    backend = ServerEngine(fake.url, fake.models[0], ServerConfig(retries=0, timeout_s=0.3))
     try:
         backend.add_request(request("slow", "slow"))
         (result,) = finished(backend, 1)

@@ -19,8 +19,8 @@ import psutil
 from batchvl.server.client import served_models
 from batchvl.server.process import ManagedServer
 
-FAKE_SERVER_PROGRAM = Path(__file__).parent / "fake_server_process.py"
-GROUP_WATCH = Path(__file__).parents[1] / "batchvl" / "server" / "group_watch.py"
+FAKE_SERVER_PROGRAM = Path(__file__).parents[1] / "fake_server_process.py"
+GROUP_WATCH = Path(__file__).parents[2] / "batchvl" / "server" / "group_watch.py"
 
 
 def gone(pid: int, within_s: float = 0.0) -> bool:

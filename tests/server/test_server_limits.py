@@ -10,8 +10,9 @@ import time
 import pytest
 
 from batchvl.config import ServerConfig
-from batchvl.engine.request import EngineRequest, SamplingParams
-from batchvl.server.backend import ServerBackend
+from batchvl.engine.request import EngineRequest
+from batchvl.engine.sampling.params import SamplingParams
+from batchvl.server.server_engine import ServerEngine
 from tests.fake_openai_server import FakeOpenAIServer, echo, last_user_text
 
 
@@ -29,7 +30,7 @@ def request(tag, text: str, **sampling) -> EngineRequest:
 
 def results(fake: FakeOpenAIServer, *requests: EngineRequest) -> dict:
     """Each request's result, by tag, from a backend of the fake with no retries."""
-    backend = ServerBackend(fake.url, fake.models[0], ServerConfig(url=fake.url, retries=0, timeout_s=10))
+    backend = ServerEngine(fake.url, fake.models[0], ServerConfig(url=fake.url, retries=0, timeout_s=10))
     try:
         for item in requests:
             backend.add_request(item)
