@@ -4,7 +4,8 @@
    renamed into place locally; one upload on an object store, which shows the object only once complete);
 2. files made from it (the batch API output) are written beside it;
 3. the completion marker `_batchvl/done/<shard>.json` is written last. It names the output-defining config
-   that wrote the rows (so a rerun with a changed config is detected and the changed keys named) and the
+   that wrote the rows (so a rerun with a changed config is detected and the changed keys named), the
+   input shard's stamp as it was listed (`inputs/stamps.py`: a replaced input file is noticed) and the
    Parquet file's size and SHA-256.
 
 A shard is committed when its marker exists and the file beside it has the size the marker names. A crash
@@ -57,6 +58,7 @@ class ShardMarker:
     output_bytes: int | None = None  # the committed Parquet file's size and hash (None: an older marker)
     output_sha256: str | None = None
     replaces: dict | None = None  # while the shard is written again: the committed marker it replaces
+    input: dict | None = None  # the input shard's stamp the rows were made from (None: an older marker)
 
     @classmethod
     def for_rows(
@@ -115,19 +117,26 @@ class CommitState(enum.Enum):
     MISSING = "missing"  # no marker: never run, or stopped before its commit; the next run does it
     DONE = "done"  # committed with rows of this config
     STALE = "stale"  # committed with rows of another config: refused unless overwritten
+    INPUT_CHANGED = "input changed"  # committed from an input that changed since: the next run redoes it
 
 
-def commit_state(out: OutputDir, shard: str, fingerprint: str) -> tuple[CommitState, ShardMarker | None]:
-    """The shard's state for the config with this fingerprint, and its marker where it has one."""
+def commit_state(
+    out: OutputDir, shard: str, fingerprint: str, stamp: dict | None = None
+) -> tuple[CommitState, ShardMarker | None]:
+    """The shard's state for the config with this fingerprint and the input with this stamp (None: not
+    known, as a marker written before stamps were recorded), and its marker where it has one."""
     marker = read_marker(out, shard)
     if marker is None:
         return CommitState.MISSING, None
+    if stamp is not None and marker.input is not None and marker.input != stamp:
+        return CommitState.INPUT_CHANGED, marker
     return (CommitState.DONE if marker.fingerprint == fingerprint else CommitState.STALE), marker
 
 
-def is_committed_by(out: OutputDir, fingerprint: str, shard: str) -> bool:
-    """Whether the shard is committed with rows of the config that has this fingerprint."""
-    return commit_state(out, shard, fingerprint)[0] is CommitState.DONE
+def is_committed_by(out: OutputDir, fingerprint: str, shard: str, stamp: dict | None = None) -> bool:
+    """Whether the shard is committed with rows of the config that has this fingerprint, from the input
+    with this stamp."""
+    return commit_state(out, shard, fingerprint, stamp)[0] is CommitState.DONE
 
 
 def read_committed(out: OutputDir, shard: str, marker: ShardMarker) -> pa.Table:
@@ -174,6 +183,13 @@ def finish_commit(
     if companion is not None:
         companion(marker.shard, table)
     marker.replaces = None
+    _write_marker(out, marker)
+
+
+def record_marker(out: OutputDir, marker: ShardMarker) -> None:
+    """Write a settled marker again with what it records now (a field markers record since it was written);
+    its shard's file is untouched."""
+    assert marker.replaces is None  # a rewrite's marker is settled by `finish_commit`
     _write_marker(out, marker)
 
 

@@ -97,6 +97,7 @@ class WriteShard:
             self.fingerprint,
             task=self.task,
             batchvl_version=__version__,
+            input=info.stamp,
         )
         table = rows_to_table(rows, self.metadata, self.optional)
         if info.shard in self.kept:
