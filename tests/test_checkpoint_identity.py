@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from batchvl.config import checkpoint as checkpoint_module
 from batchvl.config import definition_fingerprint, load_job_config
 from batchvl.config.checkpoint import checkpoint_identity
-from batchvl.outputs.commit import marker_path
+from batchvl.outputs.commit import input_stamp_path, marker_path, read_input_stamp
 from batchvl.pipeline.runner import run_job
 from batchvl.storage.output_dir import LocalDir
 from tests.conftest import output_rows, write_image_shards
@@ -101,13 +101,16 @@ def test_a_marker_from_before_the_identity_is_accepted_and_gets_it(job_dir):
     path = Path(marker_path(out, "part-0.parquet"))
     recorded = json.loads(path.read_text())
     older = json.loads(json.dumps(recorded))  # as an older version wrote it: no identity, no input stamp
-    del older["config"]["model"]["checkpoint"], older["input"]
+    del older["config"]["model"]["checkpoint"]
     older["fingerprint"] = definition_fingerprint(older["config"])
     path.write_text(json.dumps(older))
+    stamp = read_input_stamp(out, "part-0.parquet")
+    os.remove(input_stamp_path(out, "part-0.parquet"))
     assert batchvl("validate", job_dir / "job.yaml", cwd=job_dir).returncode == 0
     again = run_job(config(job_dir, "out"), show_progress=False)
     assert again.stats["shards_skipped"] == 1 and again.stats["shards_committed"] == 0
     assert json.loads(path.read_text()) == recorded
+    assert read_input_stamp(out, "part-0.parquet") == stamp
     new_weights(job_dir / "model")  # recorded now: a change from here on is refused
     refused = batchvl("validate", job_dir / "job.yaml", cwd=job_dir)
     assert refused.returncode == 2 and "model.checkpoint.weights" in refused.stderr

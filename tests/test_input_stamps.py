@@ -10,7 +10,7 @@ from batchvl.commands.status import format_status, job_status
 from batchvl.config import load_job_config
 from batchvl.errors import UserError
 from batchvl.inputs.stamps import input_stamp
-from batchvl.outputs.commit import read_marker
+from batchvl.outputs.commit import read_input_stamp
 from batchvl.pipeline.runner import run_job
 from batchvl.storage.output_dir import LocalDir
 from tests.conftest import output_rows, png_bytes, random_image, write_image_shards
@@ -65,8 +65,8 @@ def test_a_replaced_input_file_is_run_again_whole_with_an_added_prompt(job_dir, 
     rows = output_rows(job_dir / "out", 2)
     assert len(rows) == 2 * (4 + 3)
     assert rows == output_rows(job_dir / "fresh", 2)
-    marker = read_marker(LocalDir(str(job_dir / "out")), "part-0.parquet")
-    assert marker.input == input_stamp(str(job_dir / "data" / "part-0.parquet"), {})
+    stamp = read_input_stamp(LocalDir(str(job_dir / "out")), "part-0.parquet")
+    assert stamp == input_stamp(str(job_dir / "data" / "part-0.parquet"), {})
     again = run_job(config(job_dir, "out", added), loaded=loaded_fp32, show_progress=False)
     assert again.stats["shards_skipped"] == 2  # the new file's stamp recorded: done
 

@@ -77,10 +77,10 @@ def test_a_file_of_another_size_than_its_marker_names_is_not_committed(tmp_path)
     assert commit_state(out, SHARD, "fp")[0] is CommitState.MISSING
 
 
-def test_a_marker_of_another_input_stamp_is_input_changed(tmp_path):
+def test_a_shard_made_from_an_input_of_another_stamp_is_input_changed(tmp_path):
     out = LocalDir(str(tmp_path / "out"))
-    marker = ShardMarker.for_rows(SHARD, [], {"a": 1}, "fp", task=None, input={"size": 1, "mtime_ns": 2})
-    commit_shard(out, SHARD, pa.table({"x": [1]}), marker)
+    marker = ShardMarker.for_rows(SHARD, [], {"a": 1}, "fp", task=None)
+    commit_shard(out, SHARD, pa.table({"x": [1]}), marker, stamp={"size": 1, "mtime_ns": 2})
     assert commit_state(out, SHARD, "fp", {"size": 1, "mtime_ns": 2})[0] is CommitState.DONE
     assert commit_state(out, SHARD, "fp", {"size": 1, "mtime_ns": 3})[0] is CommitState.INPUT_CHANGED
     assert commit_state(out, SHARD, "fp")[0] is CommitState.DONE  # a stamp not known: not compared

@@ -4,9 +4,13 @@
    renamed into place locally; one upload on an object store, which shows the object only once complete);
 2. files made from it (the batch API output) are written beside it;
 3. the completion marker `_batchvl/done/<shard>.json` is written last. It names the output-defining config
-   that wrote the rows (so a rerun with a changed config is detected and the changed keys named), the
-   input shard's stamp as it was listed (`inputs/stamps.py`: a replaced input file is noticed) and the
+   that wrote the rows (so a rerun with a changed config is detected and the changed keys named) and the
    Parquet file's size and SHA-256.
+
+Beside the marker, `_batchvl/inputs/<shard>.json` holds the stamp of the input file the rows were made
+from (`inputs/stamps.py`), written once the Parquet file is whole: a shard whose stamp is another is
+redone whole; one stopped before its new stamp is written has the old one, so it too is redone, never
+taken as made from a file it was not.
 
 A shard is committed when its marker exists and the file beside it has the size the marker names. A crash
 before the marker leaves a new shard uncommitted: the next run redoes it from scratch, overwriting what it
@@ -58,7 +62,6 @@ class ShardMarker:
     output_bytes: int | None = None  # the committed Parquet file's size and hash (None: an older marker)
     output_sha256: str | None = None
     replaces: dict | None = None  # while the shard is written again: the committed marker it replaces
-    input: dict | None = None  # the input shard's stamp the rows were made from (None: an older marker)
 
     @classmethod
     def for_rows(
@@ -128,7 +131,7 @@ def commit_state(
     marker = read_marker(out, shard)
     if marker is None:
         return CommitState.MISSING, None
-    if stamp is not None and marker.input is not None and marker.input != stamp:
+    if stamp is not None and read_input_stamp(out, shard) not in (None, stamp):
         return CommitState.INPUT_CHANGED, marker
     return (CommitState.DONE if marker.fingerprint == fingerprint else CommitState.STALE), marker
 
@@ -157,9 +160,11 @@ def commit_shard(
     table: pa.Table,
     marker: ShardMarker,
     companion: Callable[[str, pa.Table], None] | None = None,
+    stamp: dict | None = None,
 ) -> str:
-    """Write the shard's table, then `companion(shard, table)` (files made from it, such as the batch API
-    output), then its marker, which names the file's size and hash; returns the Parquet path. A committed
+    """Write the shard's table, the stamp of the input it was made from (None: leave the one recorded),
+    then `companion(shard, table)` (files made from it, such as the batch API output), then its marker,
+    which names the file's size and hash; returns the Parquet path. A committed
     shard stays committed, with its old rows, until the new file is whole (the module's docstring)."""
     data = parquet_bytes(table)
     marker.output_bytes, marker.output_sha256 = len(data), hashlib.sha256(data).hexdigest()
@@ -171,6 +176,8 @@ def commit_shard(
         out.remove(marker_path(out, shard))
     path = output_path(out, shard)
     out.write_bytes(path, data)
+    if stamp is not None:
+        record_input_stamp(out, shard, stamp)
     finish_commit(out, marker, table, companion)
     return path
 
@@ -184,6 +191,24 @@ def finish_commit(
         companion(marker.shard, table)
     marker.replaces = None
     _write_marker(out, marker)
+
+
+def input_stamp_path(out: OutputDir, shard: str) -> str:
+    return out.join(layout.INPUT_STAMPS, output_name(shard).removesuffix(".parquet") + ".json")
+
+
+def read_input_stamp(out: OutputDir, shard: str) -> dict | None:
+    """The stamp of the input a committed shard was made from; None where none was recorded (a commit
+    from before stamps were, or a format without them): not compared."""
+    try:
+        stamp = json.loads(out.read_text(input_stamp_path(out, shard)))
+    except (OSError, ValueError):
+        return None
+    return stamp if isinstance(stamp, dict) else None
+
+
+def record_input_stamp(out: OutputDir, shard: str, stamp: dict) -> None:
+    out.write_text(input_stamp_path(out, shard), json.dumps(stamp, sort_keys=True))
 
 
 def record_marker(out: OutputDir, marker: ShardMarker) -> None:

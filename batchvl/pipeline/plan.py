@@ -34,7 +34,14 @@ from batchvl.inputs.sources import Source, job_source
 from batchvl.inputs.types import ShardInfo
 from batchvl.models.loader import read_model_type
 from batchvl.models.registry import model_family
-from batchvl.outputs.commit import finish_commit, is_committed_by, read_committed, record_marker
+from batchvl.outputs.commit import (
+    finish_commit,
+    is_committed_by,
+    read_committed,
+    read_input_stamp,
+    record_input_stamp,
+    record_marker,
+)
 from batchvl.outputs.writers import output_name, output_path
 from batchvl.pipeline.cache_folders import check_cache_folder
 from batchvl.pipeline.commit_strategies import companion_files
@@ -153,16 +160,17 @@ def committed_by_plan(plan: JobPlan) -> Callable[[str], bool]:
 
 
 def record_in_markers(out: OutputDir, resume: ShardPlan, defining: dict, fingerprint: str) -> None:
-    """Record what markers written before it lack (the checkpoint's identity, the input's stamp) in the
-    committed shards a run accepted: from now on a change of either is noticed. Those of rewrites left
-    unfinished are written by `finish_rewrites`."""
+    """Record what shards committed before they were recorded lack (the checkpoint's identity in the
+    marker, the input's stamp beside it) in those a run accepted: from now on a change of either is
+    noticed. The markers of rewrites left unfinished are written by `finish_rewrites`."""
     stamps = {shard.shard: shard.stamp for shard in resume.shards}
     for name, marker in resume.done.items():
-        if marker.fingerprint == fingerprint and marker.input == stamps[name]:
-            continue
-        marker.config, marker.fingerprint, marker.input = defining, fingerprint, stamps[name]
-        if marker.replaces is None:
-            record_marker(out, marker)
+        if stamps[name] is not None and read_input_stamp(out, name) is None:
+            record_input_stamp(out, name, stamps[name])
+        if marker.fingerprint != fingerprint:
+            marker.config, marker.fingerprint = defining, fingerprint
+            if marker.replaces is None:
+                record_marker(out, marker)
 
 
 def finish_rewrites(cfg: JobConfig, out: OutputDir, resume: ShardPlan) -> None:
