@@ -52,7 +52,7 @@ def retry_work(job: JobConfig, task: TaskSlice | None) -> Work:
     selection = {}
     not_committed = 0
     for shard in plan.shards:
-        state, marker = commit_state(plan.out, shard.shard, plan.fingerprint)
+        state, marker = commit_state(plan.out, shard.shard, plan.fingerprint, shard.stamp)
         if state is not CommitState.DONE:  # or committed with other prompts: `run` updates it first
             not_committed += 1
         elif marker.errors:

@@ -31,6 +31,7 @@ class TaskStatus:
     done: int = 0
     stale: int = 0  # committed by a config that changes every row: a rerun refuses until --overwrite
     other_prompts: int = 0  # committed with other prompts: a run keeps the unchanged prompts' rows
+    input_changed: int = 0  # committed from an input file that changed since: a run redoes them whole
     samples_per_s: float | None = None  # over every run of the task that did work
     output_tokens_per_s: float | None = None
     last_run: str | None = None  # the latest stats file's name
@@ -82,7 +83,9 @@ def job_status(cfg: JobConfig, num_tasks: int | None = None) -> JobStatus:
     for index in range(num_tasks):
         shards = shards_of_task(listing, TaskSlice(index, num_tasks))
         plan = shard_plan(out, shards, defining, fingerprint, False, graph)
-        task = TaskStatus(index, len(shards), len(plan.done), len(plan.stale), len(plan.reuse))
+        task = TaskStatus(
+            index, len(shards), len(plan.done), len(plan.stale), len(plan.reuse), len(plan.input_changed)
+        )
         for marker in plan.done.values():
             status.rows_ok += marker.ok
             status.rows_error += marker.errors
@@ -156,6 +159,12 @@ def format_status(status: JobStatus, job_file: str) -> str:
     if stale:
         lines.append(
             f"{stale} shard(s) were written by a different config; rerun with --overwrite to redo them"
+        )
+    input_changed = sum(t.input_changed for t in status.tasks)
+    if input_changed:
+        lines.append(
+            f"{input_changed} shard(s) were committed from input files that changed since; a run redoes "
+            "them whole"
         )
     other_prompts = sum(t.other_prompts for t in status.tasks)
     if other_prompts:

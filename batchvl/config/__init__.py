@@ -8,9 +8,12 @@ file is; mistakes are one-line `ConfigError`s that name the dotted key. `loading
 """
 
 from batchvl.config.fingerprint import (
+    as_recorded_by,
     changed_keys,
     config_fingerprint,
     config_to_dict,
+    definition_fingerprint,
+    describe_change,
     output_defining_config,
     output_definition,
     split_definition,
@@ -47,9 +50,12 @@ __all__ = [
     "ServerConfig",
     "WhenConfig",
     "apply_overrides",
+    "as_recorded_by",
     "changed_keys",
     "config_fingerprint",
     "config_to_dict",
+    "definition_fingerprint",
+    "describe_change",
     "describe_keys",
     "is_remote",
     "job_config_from_dict",

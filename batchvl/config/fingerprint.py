@@ -1,6 +1,7 @@
-"""What defines a job's output: the keys declared `defines_output`, their fingerprint (stored in each shard's
-marker, so a changed config over committed shards is noticed), its split into what defines every row and
-what defines one prompt's rows, and the keys that changed."""
+"""What defines a job's output: the keys declared `defines_output` and the identity of the checkpoint at
+`model.path` (`checkpoint.py`), their fingerprint (stored in each shard's marker, so a changed config or
+checkpoint over committed shards is noticed), its split into what defines every row and what defines one
+prompt's rows, and the keys that changed."""
 
 from __future__ import annotations
 
@@ -11,7 +12,10 @@ from typing import Any
 
 import xxhash
 
+from batchvl.config.checkpoint import PART_NAMES, checkpoint_identity
 from batchvl.config.schema import JobConfig, SamplingConfig
+
+CHECKPOINT = "checkpoint"  # the key of the checkpoint's identity in the definition's `model` section
 
 
 def config_to_dict(cfg: JobConfig) -> dict:
@@ -21,7 +25,8 @@ def config_to_dict(cfg: JobConfig) -> dict:
 def output_defining_config(cfg: JobConfig) -> dict:
     """The part of the job config that a shard's rows depend on, as plain JSON values: the keys declared
     with `defines_output` (a whole section where the section itself is). Engine limits, worker counts and
-    the input file list are left out: they change speed or which shards exist, not a shard's rows."""
+    the input file list are left out: they change speed or which shards exist, not a shard's rows. The
+    checkpoint's identity is in (`model.checkpoint`): the same `model.path` may hold other files."""
     d = _without_unset_new_keys(cfg)
     out: dict = {}
     hints = typing.get_type_hints(JobConfig)
@@ -35,6 +40,8 @@ def output_defining_config(cfg: JobConfig) -> dict:
             out[section.name] = present
     if cfg.engine.backend == "openai":  # the served model's name (model.path when unset) defines it too
         out["engine"]["served_model"] = cfg.engine.server.model or cfg.model.path
+    elif (identity := checkpoint_identity(cfg.model.path)) is not None:
+        out["model"][CHECKPOINT] = identity
     for prompt in out["prompts"]:
         orders = _unsorted_property_orders(prompt.get("json_schema"))
         if orders:
@@ -79,7 +86,27 @@ def output_definition(cfg: JobConfig) -> tuple[dict, str]:
     """The output-defining config (as stored in each shard's marker) and its fingerprint, the one place
     the fingerprint is computed: the plan of a run, `status` and the label export all take it from here."""
     defining = output_defining_config(cfg)
-    return defining, xxhash.xxh3_64_hexdigest(json.dumps(defining, sort_keys=True).encode())
+    return defining, definition_fingerprint(defining)
+
+
+def definition_fingerprint(defining: dict) -> str:
+    return xxhash.xxh3_64_hexdigest(json.dumps(defining, sort_keys=True).encode())
+
+
+def as_recorded_by(defining: dict, recorded: dict) -> dict:
+    """A run's output-defining config as a marker holding `recorded` would store it. Markers written
+    before the checkpoint's identity was recorded hold none: against those the identity is left out, so
+    their shards stay committed (their rows taken as the checkpoint's at `model.path` now, the only one
+    known), and a run records it in them."""
+    if CHECKPOINT in recorded.get("model", {}) or CHECKPOINT not in defining.get("model", {}):
+        return defining
+    return {**defining, "model": {k: v for k, v in defining["model"].items() if k != CHECKPOINT}}
+
+
+def describe_change(key: str) -> str:
+    """A changed key as a refusal names it: a part of the checkpoint, which no job-file key sets, in words."""
+    part = key.removeprefix(f"model.{CHECKPOINT}.")
+    return f"the {PART_NAMES[part]} at model.path ({key})" if part in PART_NAMES else key
 
 
 def split_definition(defining: dict) -> tuple[dict, dict[str, dict]]:

@@ -15,6 +15,7 @@ from pathlib import Path
 from batchvl.config import InputConfig
 from batchvl.errors import UserError
 from batchvl.inputs.paths import glob_base, has_glob, relative_id
+from batchvl.inputs.stamps import input_stamp
 from batchvl.inputs.table_rows import RowSampler
 from batchvl.inputs.types import Sample, ShardEnd, ShardInfo
 
@@ -58,7 +59,8 @@ class HFDatasetSource:
         shards = []
         for path, shard_id in sorted(found.items(), key=lambda item: item[1]):
             table = datasets.Dataset.from_file(path)  # memory-mapped: row count and columns without reading
-            shards.append(ShardInfo(shard_id, path, table.num_rows, columns=tuple(table.column_names)))
+            columns, stamp = tuple(table.column_names), input_stamp(path, {})  # a local folder
+            shards.append(ShardInfo(shard_id, path, table.num_rows, columns=columns, stamp=stamp))
         return shards
 
     def iter_shard(self, shard: ShardInfo, keep: Callable[[int], bool]) -> Iterator[Sample | ShardEnd]:

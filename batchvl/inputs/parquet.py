@@ -11,6 +11,7 @@ import pyarrow.parquet as pq
 from batchvl.config import InputConfig
 from batchvl.errors import UserError
 from batchvl.inputs.paths import match_files
+from batchvl.inputs.stamps import input_stamp
 from batchvl.inputs.table_rows import RowSampler
 from batchvl.inputs.types import Sample, ShardEnd, ShardInfo
 from batchvl.storage.remote import is_remote, open_remote
@@ -36,7 +37,8 @@ class ParquetSource:
             except (pa.ArrowInvalid, OSError) as exc:
                 raise UserError(f"input file '{path}' is not a readable Parquet file: {exc}") from None
             columns = tuple(footer.schema_arrow.names)
-            shards.append(ShardInfo(shard_id, path, footer.metadata.num_rows, columns=columns))
+            stamp = input_stamp(path, self.storage_options)
+            shards.append(ShardInfo(shard_id, path, footer.metadata.num_rows, columns=columns, stamp=stamp))
         return shards
 
     def iter_shard(self, shard: ShardInfo, keep: Callable[[int], bool]) -> Iterator[Sample | ShardEnd]:

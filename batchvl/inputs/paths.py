@@ -8,6 +8,7 @@ import os
 import stat
 
 from batchvl.errors import SampleError, UserError
+from batchvl.inputs.stamps import input_stamp
 from batchvl.inputs.types import ShardInfo
 from batchvl.storage.remote import glob_remote, is_remote
 
@@ -119,7 +120,8 @@ def stream_shards(
 ) -> list[ShardInfo]:
     """The shards of a format whose files are shards with no sample count known before reading them."""
     return [
-        ShardInfo(sid, path, None) for path, sid in match_files(patterns, suffixes, what, storage_options)
+        ShardInfo(sid, path, None, stamp=input_stamp(path, storage_options))
+        for path, sid in match_files(patterns, suffixes, what, storage_options)
     ]
 
 

@@ -7,6 +7,11 @@
    that wrote the rows (so a rerun with a changed config is detected and the changed keys named) and the
    Parquet file's size and SHA-256.
 
+Beside the marker, `_batchvl/inputs/<shard>.json` holds the stamp of the input file the rows were made
+from (`inputs/stamps.py`), written once the Parquet file is whole: a shard whose stamp is another is
+redone whole; one stopped before its new stamp is written has the old one, so it too is redone, never
+taken as made from a file it was not.
+
 A shard is committed when its marker exists and the file beside it has the size the marker names. A crash
 before the marker leaves a new shard uncommitted: the next run redoes it from scratch, overwriting what it
 finds. A committed shard that is written again (a run that keeps its unchanged prompts' rows,
@@ -115,19 +120,26 @@ class CommitState(enum.Enum):
     MISSING = "missing"  # no marker: never run, or stopped before its commit; the next run does it
     DONE = "done"  # committed with rows of this config
     STALE = "stale"  # committed with rows of another config: refused unless overwritten
+    INPUT_CHANGED = "input changed"  # committed from an input that changed since: the next run redoes it
 
 
-def commit_state(out: OutputDir, shard: str, fingerprint: str) -> tuple[CommitState, ShardMarker | None]:
-    """The shard's state for the config with this fingerprint, and its marker where it has one."""
+def commit_state(
+    out: OutputDir, shard: str, fingerprint: str, stamp: dict | None = None
+) -> tuple[CommitState, ShardMarker | None]:
+    """The shard's state for the config with this fingerprint and the input with this stamp (None: not
+    known, as a marker written before stamps were recorded), and its marker where it has one."""
     marker = read_marker(out, shard)
     if marker is None:
         return CommitState.MISSING, None
+    if stamp is not None and read_input_stamp(out, shard) not in (None, stamp):
+        return CommitState.INPUT_CHANGED, marker
     return (CommitState.DONE if marker.fingerprint == fingerprint else CommitState.STALE), marker
 
 
-def is_committed_by(out: OutputDir, fingerprint: str, shard: str) -> bool:
-    """Whether the shard is committed with rows of the config that has this fingerprint."""
-    return commit_state(out, shard, fingerprint)[0] is CommitState.DONE
+def is_committed_by(out: OutputDir, fingerprint: str, shard: str, stamp: dict | None = None) -> bool:
+    """Whether the shard is committed with rows of the config that has this fingerprint, from the input
+    with this stamp."""
+    return commit_state(out, shard, fingerprint, stamp)[0] is CommitState.DONE
 
 
 def read_committed(out: OutputDir, shard: str, marker: ShardMarker) -> pa.Table:
@@ -148,9 +160,11 @@ def commit_shard(
     table: pa.Table,
     marker: ShardMarker,
     companion: Callable[[str, pa.Table], None] | None = None,
+    stamp: dict | None = None,
 ) -> str:
-    """Write the shard's table, then `companion(shard, table)` (files made from it, such as the batch API
-    output), then its marker, which names the file's size and hash; returns the Parquet path. A committed
+    """Write the shard's table, the stamp of the input it was made from (None: leave the one recorded),
+    then `companion(shard, table)` (files made from it, such as the batch API output), then its marker,
+    which names the file's size and hash; returns the Parquet path. A committed
     shard stays committed, with its old rows, until the new file is whole (the module's docstring)."""
     data = parquet_bytes(table)
     marker.output_bytes, marker.output_sha256 = len(data), hashlib.sha256(data).hexdigest()
@@ -162,6 +176,8 @@ def commit_shard(
         out.remove(marker_path(out, shard))
     path = output_path(out, shard)
     out.write_bytes(path, data)
+    if stamp is not None:
+        record_input_stamp(out, shard, stamp)
     finish_commit(out, marker, table, companion)
     return path
 
@@ -174,6 +190,31 @@ def finish_commit(
     if companion is not None:
         companion(marker.shard, table)
     marker.replaces = None
+    _write_marker(out, marker)
+
+
+def input_stamp_path(out: OutputDir, shard: str) -> str:
+    return out.join(layout.INPUT_STAMPS, output_name(shard).removesuffix(".parquet") + ".json")
+
+
+def read_input_stamp(out: OutputDir, shard: str) -> dict | None:
+    """The stamp of the input a committed shard was made from; None where none was recorded (a commit
+    from before stamps were, or a format without them): not compared."""
+    try:
+        stamp = json.loads(out.read_text(input_stamp_path(out, shard)))
+    except (OSError, ValueError):
+        return None
+    return stamp if isinstance(stamp, dict) else None
+
+
+def record_input_stamp(out: OutputDir, shard: str, stamp: dict) -> None:
+    out.write_text(input_stamp_path(out, shard), json.dumps(stamp, sort_keys=True))
+
+
+def record_marker(out: OutputDir, marker: ShardMarker) -> None:
+    """Write a settled marker again with what it records now (a field markers record since it was written);
+    its shard's file is untouched."""
+    assert marker.replaces is None  # a rewrite's marker is settled by `finish_commit`
     _write_marker(out, marker)
 
 

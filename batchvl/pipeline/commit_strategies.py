@@ -108,7 +108,7 @@ class WriteShard:
             table = table.replace_schema_metadata(self.metadata)  # this config's, as the rest of the file
             count_rows(marker, table)
             marker.retries = committed.retries  # of rows it may keep
-        return commit_shard(self.out, info.shard, table, marker, self.companion)
+        return commit_shard(self.out, info.shard, table, marker, self.companion, info.stamp)
 
 
 def in_input_order(old: pa.Table, new: pa.Table, prompt_order: dict[str, int]) -> pa.Table:

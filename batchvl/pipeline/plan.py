@@ -13,14 +13,14 @@ cannot drift apart. A plan checks that:
 - every prompt's `json_schema` or `regex` can be compiled to a grammar;
 - every table shard has the columns the job reads (image, key, per-sample token limit) and every
   `{field}` the prompts use (Parquet footers and Arrow schemas are read, not the rows);
-- the shards already committed were written by this config, or differ in prompts only, whose unchanged
-  rows the run keeps (`resume.plan_shards`).
+- the shards already committed were written by this config and checkpoint, or differ in prompts only,
+  whose unchanged rows the run keeps (`resume.plan_shards`); a shard whose input file changed since its
+  commit is run again whole.
 """
 
 from __future__ import annotations
 
 import difflib
-import functools
 import logging
 import os
 import posixpath
@@ -36,7 +36,14 @@ from batchvl.inputs.sources import Source, check_has_samples, job_source
 from batchvl.inputs.types import ShardInfo
 from batchvl.models.loader import read_model_type
 from batchvl.models.registry import model_family
-from batchvl.outputs.commit import finish_commit, is_committed_by, read_committed
+from batchvl.outputs.commit import (
+    finish_commit,
+    is_committed_by,
+    read_committed,
+    read_input_stamp,
+    record_input_stamp,
+    record_marker,
+)
 from batchvl.outputs.writers import output_name, output_path
 from batchvl.pipeline.cache_folders import check_cache_folder
 from batchvl.pipeline.commit_strategies import companion_files
@@ -104,6 +111,7 @@ def plan_job(cfg: JobConfig, task: TaskSlice | None = None, record: bool = False
     defining, fingerprint = output_definition(cfg)
     resume = plan_shards(out, shards, defining, fingerprint, cfg.output.overwrite, record, graph)
     if record:
+        record_in_markers(out, resume, defining, fingerprint)
         finish_rewrites(cfg, out, resume)
     return JobPlan(out, source, listing, shards, resume, model_type, graph, defining, fingerprint)
 
@@ -133,9 +141,12 @@ def job_work(cfg: JobConfig, task: TaskSlice | None) -> Work:
     plan = plan_job(cfg, task, record=True)
     if plan.resume.num_done:
         logger.info("skipping %d committed shard(s) in %s", plan.resume.num_done, cfg.output.dir)
-    committed = (
-        None if cfg.output.overwrite else functools.partial(is_committed_by, plan.out, plan.fingerprint)
-    )
+    if plan.resume.input_changed:
+        logger.warning(
+            "%d shard(s) were committed from input files that changed since; they are run again whole",
+            len(plan.resume.input_changed),
+        )
+    committed = None if cfg.output.overwrite else committed_by_plan(plan)
     reuse = plan.resume.reuse
     selection: Selection = {shard: RowsToRun(plan.out, shard, reuse[shard], plan.graph) for shard in reuse}
     kept = {shard: frozenset(plan.graph.names[i] for i in reuse[shard].kept) for shard in reuse}
@@ -145,6 +156,26 @@ def job_work(cfg: JobConfig, task: TaskSlice | None) -> Work:
     if dropped:
         logger.warning("the rows of prompts no longer in the job are dropped: %s", ", ".join(dropped))
     return Work(plan, plan.resume.pending, selection or None, committed, kept=kept)
+
+
+def committed_by_plan(plan: JobPlan) -> Callable[[str], bool]:
+    """Whether a shard is committed by the planned config, from the input file as it was listed."""
+    stamps = {shard.shard: shard.stamp for shard in plan.shards}
+    return lambda shard: is_committed_by(plan.out, plan.fingerprint, shard, stamps[shard])
+
+
+def record_in_markers(out: OutputDir, resume: ShardPlan, defining: dict, fingerprint: str) -> None:
+    """Record what shards committed before they were recorded lack (the checkpoint's identity in the
+    marker, the input's stamp beside it) in those a run accepted: from now on a change of either is
+    noticed. The markers of rewrites left unfinished are written by `finish_rewrites`."""
+    stamps = {shard.shard: shard.stamp for shard in resume.shards}
+    for name, marker in resume.done.items():
+        if stamps[name] is not None and read_input_stamp(out, name) is None:
+            record_input_stamp(out, name, stamps[name])
+        if marker.fingerprint != fingerprint:
+            marker.config, marker.fingerprint = defining, fingerprint
+            if marker.replaces is None:
+                record_marker(out, marker)
 
 
 def finish_rewrites(cfg: JobConfig, out: OutputDir, resume: ShardPlan) -> None:

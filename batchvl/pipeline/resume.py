@@ -6,16 +6,25 @@ A shard with a marker from the same output-defining config is done and skipped. 
   is a change of the prompts it applies to) and the job's prompt graph is given (a run, validate,
   status), it is run again for its changed and added prompts only and committed again with the committed
   rows of its unchanged prompts (`prompt_reuse.py`);
-- otherwise (a change that defines every row: model, backend, input, preprocessing; or a reader of
-  results, which needs rows of exactly this config) it would mix outputs of two configs in one folder:
-  refused, with the changed keys and the two ways out, unless `--overwrite` asks to recompute everything.
+- otherwise (a change that defines every row: model, the checkpoint's files, backend, input,
+  preprocessing; or a reader of results, which needs rows of exactly this config) it would mix outputs of
+  two configs in one folder: refused, with the changed keys and the two ways out, unless `--overwrite`
+  asks to recompute everything.
+A shard committed from an input file that has changed since (another stamp, `inputs/stamps.py`) is run
+again whole, none of its rows kept: they describe another file's samples under the same keys.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from batchvl.config import changed_keys, split_definition
+from batchvl.config import (
+    as_recorded_by,
+    changed_keys,
+    definition_fingerprint,
+    describe_change,
+    split_definition,
+)
 from batchvl.errors import UserError
 from batchvl.inputs.types import ShardInfo
 from batchvl.outputs.commit import CommitState, ShardMarker, commit_state
@@ -53,6 +62,7 @@ class ShardPlan:
     done: dict[str, ShardMarker] = field(default_factory=dict)  # committed shards of this config
     stale: list[ShardInfo] = field(default_factory=list)  # committed by a config that changes every row
     changed: tuple[str, ...] = ()  # the keys that differ in the stale shards' configs
+    input_changed: list[ShardInfo] = field(default_factory=list)  # pending: their input changed since
 
     @property
     def num_done(self) -> int:
@@ -90,9 +100,15 @@ def shard_plan(
     reuse: dict[str, PromptReuse] = {}
     done: dict[str, ShardMarker] = {}
     changed: set[str] = set()
+    input_changed = []
     for shard in shards:
-        state, marker = commit_state(out, shard.shard, fingerprint)
-        if state is CommitState.MISSING or overwrite:
+        state, marker = commit_state(out, shard.shard, fingerprint, shard.stamp)
+        if state is CommitState.STALE and _recorded_before_identity(marker, output_defining):
+            state = CommitState.DONE
+        if state is CommitState.INPUT_CHANGED:
+            pending.append(shard)
+            input_changed.append(shard)
+        elif state is CommitState.MISSING or overwrite:
             pending.append(shard)
         elif state is CommitState.DONE:
             done[shard.shard] = marker
@@ -105,7 +121,7 @@ def shard_plan(
         else:
             pending.append(shard)
             reuse[shard.shard] = prompt_reuse(graph, output_defining, marker)
-    return ShardPlan(shards, pending, reuse, done, stale, tuple(sorted(changed)))
+    return ShardPlan(shards, pending, reuse, done, stale, tuple(sorted(changed)), input_changed)
 
 
 def plan_shards(
@@ -125,8 +141,13 @@ def plan_shards(
             f"{out.url} holds {len(plan.stale)} shard(s) written with other prompts or sampling; run the job "
             "to update them (the rows of unchanged prompts are kept), or set output.dir to a new folder"
         )
+    if plan.input_changed and graph is None:  # a reader of results: the rows are of the files replaced
+        raise UserError(
+            f"{out.url} holds {len(plan.input_changed)} shard(s) committed from input files that changed "
+            "since; run the job to redo them, or set output.dir to a new folder"
+        )
     if plan.stale:
-        keys = ", ".join(plan.changed) or "the output-defining config"
+        keys = ", ".join(map(describe_change, plan.changed)) or "the output-defining config"
         raise UserError(
             f"{out.url} holds {len(plan.stale)} shard(s) written with a different config (changed: {keys}); "
             "rerun with --overwrite to recompute them, or set output.dir to a new folder"
@@ -140,4 +161,12 @@ def plan_shards(
 
 def _job_wide_changes(marker: ShardMarker, output_defining: dict) -> list[str]:
     """The changed keys that define every row (all but the prompts and the sampling they take)."""
-    return changed_keys(split_definition(marker.config)[0], split_definition(output_defining)[0])
+    recorded = as_recorded_by(output_defining, marker.config)
+    return changed_keys(split_definition(marker.config)[0], split_definition(recorded)[0])
+
+
+def _recorded_before_identity(marker: ShardMarker, output_defining: dict) -> bool:
+    """Whether a marker of another fingerprint holds this config as written before the checkpoint's
+    identity was recorded: the shard is committed by it (`as_recorded_by`)."""
+    recorded = as_recorded_by(output_defining, marker.config)
+    return recorded is not output_defining and marker.fingerprint == definition_fingerprint(recorded)

@@ -4,6 +4,9 @@ and the dataset card, `README.md`."""
 
 OWN_FILES = "_batchvl"
 MARKERS = f"{OWN_FILES}/done"  # a shard's completion marker: <shard>.json, written last in its commit
+# <shard>.json: the stamp of the input file a committed shard was made from (beside its marker, which
+# earlier versions read and would refuse with a field they do not know)
+INPUT_STAMPS = f"{OWN_FILES}/inputs"
 CLAIMS = f"{OWN_FILES}/claims"  # <shard>.lock: which run is writing a shard now
 STATS = f"{OWN_FILES}/stats"  # run-*.json: one per run, what it did
 FOLDER_SHARDS = f"{OWN_FILES}/folder_shards"  # the recorded shards of `folder` input
