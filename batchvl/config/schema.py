@@ -278,7 +278,8 @@ class EngineConfig:
     encoder_cache_dir: str | None = job_key(
         None,
         "A local folder where image embeddings are kept across runs and jobs (a node-local disk; shared "
-        "safely by concurrent runs), keyed by the image's pixels and the vision weights",
+        "safely by concurrent runs), keyed by the image's pixels and the vision weights; a new or empty "
+        "folder, or an earlier cache's, never one holding other files",
     )
     encoder_cache_dir_gb: float = job_key(
         20.0, "Largest size of encoder_cache_dir, in GiB; the least recently used entries go first", above=0

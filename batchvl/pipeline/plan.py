@@ -7,7 +7,8 @@ cannot drift apart. A plan checks that:
 - `output.dir` is a folder that can be written, holds no input and sits in no input folder or
   `input.root`, and no input pattern would read its results back as input;
 - the storage options suit the protocols of the input paths and `output.dir`, and
-  `input.download.cache_dir` and `engine.encoder_cache_dir` are folders that can be made and written;
+  `input.download.cache_dir` and `engine.encoder_cache_dir` are folders that can be made and written,
+  and the encoder cache's holds nothing but its own files and is outside `output.dir`;
 - the inputs hold a sample at all (a folder of Parquet files read as a folder of images holds none);
 - every input shard has an output name of its own;
 - every prompt's `json_schema` or `regex` can be compiled to a grammar;
@@ -45,7 +46,7 @@ from batchvl.outputs.commit import (
     record_marker,
 )
 from batchvl.outputs.writers import output_name, output_path
-from batchvl.pipeline.cache_folders import check_cache_folder
+from batchvl.pipeline.cache_folders import check_cache_folder, check_encoder_cache_folder
 from batchvl.pipeline.commit_strategies import companion_files
 from batchvl.pipeline.constraints import check_constraints
 from batchvl.pipeline.ledger import Selection
@@ -92,7 +93,7 @@ def plan_job(cfg: JobConfig, task: TaskSlice | None = None, record: bool = False
     check_storage_options("input.storage_options", cfg.input.storage_options, cfg.input.paths)
     check_storage_options("output.storage_options", cfg.output.storage_options, [cfg.output.dir])
     check_cache_folder("input.download.cache_dir", cfg.input.download.cache_dir)
-    check_cache_folder("engine.encoder_cache_dir", cfg.engine.encoder_cache_dir)
+    check_encoder_cache_folder(cfg.engine.encoder_cache_dir, cfg.output.dir)
     out = OutputDir.of(cfg.output)
     out.check_writable(create=False)
     pass_urls = cfg.engine.server.pass_urls  # the server fetches them (set with the openai backend only)

@@ -1,7 +1,9 @@
 """The encoder disk cache's folder on its own: entries read back whole or not at all (corrupt, truncated,
-misplaced), the least recently used entries evicted at the size bound, and processes sharing the folder
-while they write, read and evict."""
+misplaced), the least recently used entries evicted at the size bound, processes sharing the folder
+while they write, read and evict, a folder holding other files left alone, and the vision digest that
+keys the entries."""
 
+import json
 import logging
 import multiprocessing
 import os
@@ -10,10 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
+import xxhash
 
 from batchvl.config import job_config_from_dict
 from batchvl.engine.encoder_cache import vision_digest as vision_digest_module
 from batchvl.engine.encoder_cache.disk import EncoderDiskCache
+from batchvl.engine.encoder_cache.disk_entry import decode_entry, encode_entry
+from batchvl.engine.encoder_cache.disk_layout import MARKER, MARKER_TEXT
 from batchvl.errors import ConfigError, UserError
 
 DIGEST = "model-digest"
@@ -97,8 +102,8 @@ def test_a_new_process_counts_the_folder_and_trims_it_and_stale_temporary_files(
     for seed in range(4):
         first.store(f"image{seed}", embedding(seed))
         set_age(first.path(f"image{seed}"), 100 - seed)
-    stale = first.path("image0") + ".123.abc.tmp"
-    fresh = first.path("image1") + ".456.def.tmp"
+    stale = first.path("image0") + f".123.{'a' * 32}.tmp"  # named as the cache names them
+    fresh = first.path("image1") + f".456.{'b' * 32}.tmp"
     for path, age in ((stale, 7200), (fresh, 10)):
         with open(path, "wb") as file:
             file.write(b"partial")
@@ -257,3 +262,196 @@ def test_the_vision_digest_is_remembered_until_a_weight_file_changes(tmp_path, l
     assert len(computed) == 2  # read again: the same weights, so the same digest
     monkeypatch.setattr(loaded_fp32.adapter, "dtype", torch.bfloat16)
     assert vision_digest_module.vision_digest(loaded_fp32.adapter, str(tmp_path)) != first
+
+
+def test_a_trim_goes_below_the_bound_so_that_the_next_write_does_not_trim_again(tmp_path):
+    cache = EncoderDiskCache(str(tmp_path), 3 * ENTRY_BYTES + ENTRY_BYTES // 4, DIGEST)
+    for seed in range(4):
+        cache.store(f"image{seed}", embedding(seed))
+        set_age(cache.path(f"image{seed}"), 100 - seed)
+    # Four entries (each its payload and a small header) over a bound of 3.25: trimmed to 90% of it
+    # (2.9), so two go, not just the one that the bound itself would have wanted gone.
+    assert [seed for seed in range(4) if os.path.exists(cache.path(f"image{seed}"))] == [2, 3]
+
+
+def user_files(folder: Path, key: str) -> dict[Path, bytes]:
+    """Files a user keeps in a folder, named and placed like the cache's but not exactly: each one a
+    looser check of names or places would count, trim or remove."""
+    files = {
+        folder / "notes.tmp": b"an old draft",
+        folder / "photo.emb": b"my own embedding",
+        folder / "project" / key[:2] / (key + ".emb"): b"an entry's name, one folder too deep",
+        folder / key[:2] / "mine.emb": b"not a key",
+        folder / key[:2] / (key.upper() + ".emb"): b"not the cache's spelling of a key",
+        folder / key[:2] / (key + ".emb.bak"): b"a backup",
+        folder / key[:2] / (key + ".emb.123.abc.tmp"): b"not the cache's temporary name",
+        folder / ("00" if key[:2] != "00" else "01") / (key + ".emb"): b"a key in another's subfolder",
+        folder / "digests" / "readme.tmp": b"not a digest",
+    }
+    for path, data in files.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data * 1000)
+        set_age(str(path), 7200)  # old and large: what a trim deletes first, were it the cache's
+    return files
+
+
+def test_the_cache_counts_trims_and_removes_only_its_own_files(tmp_path):
+    cache = EncoderDiskCache(str(tmp_path), 1 << 30, DIGEST)
+    cache.store("image", embedding(0))
+    key = cache.key("image")
+    mine = user_files(tmp_path, key[:2] + "a" * 30)  # placed later into the cache's folder
+    again = EncoderDiskCache(str(tmp_path), 2 * ENTRY_BYTES, DIGEST)
+    assert again._size == os.path.getsize(cache.path("image"))  # the user's bytes are not counted
+    for seed in range(3):  # over the bound: trimmed
+        again.store(f"other{seed}", embedding(seed))
+    assert not os.path.exists(cache.path("image"))  # the cache's oldest entry went
+    assert {path: path.read_bytes() for path in mine} == {path: data * 1000 for path, data in mine.items()}
+
+
+def test_a_folder_holding_other_files_is_refused_and_left_as_it_was(tmp_path):
+    mine = user_files(tmp_path, "ab" * 16)
+    before = sorted(str(path) for path in tmp_path.rglob("*"))
+    with pytest.raises(UserError) as info:
+        EncoderDiskCache(str(tmp_path), 1, DIGEST)
+    message = str(info.value)
+    assert "\n" not in message and str(tmp_path) in message
+    assert "holds files the encoder cache did not write" in message and "empty or new folder" in message
+    assert sorted(str(path) for path in tmp_path.rglob("*")) == before  # no marker, nothing removed
+    assert all(path.read_bytes() == data * 1000 for path, data in mine.items())
+
+
+def test_an_empty_folder_is_marked_and_another_layouts_marker_is_refused(tmp_path):
+    (tmp_path / "empty" / "nothing-in-here").mkdir(parents=True)  # folders without files hold nothing
+    EncoderDiskCache(str(tmp_path / "empty"), 1 << 30, DIGEST)
+    assert (tmp_path / "empty" / MARKER).read_text() == MARKER_TEXT
+    (tmp_path / "newer").mkdir()
+    (tmp_path / "newer" / MARKER).write_text("batchvl encoder cache, layout 2\n")
+    with pytest.raises(UserError, match="holds a BATCHVL_ENCODER_CACHE file of another layout"):
+        EncoderDiskCache(str(tmp_path / "newer"), 1 << 30, DIGEST)
+
+
+def test_a_folder_an_earlier_version_wrote_is_adopted(tmp_path):
+    """Before the marker, a cache folder held only entries, remembered digests and temporary files:
+    such a folder is marked and its entries read; one file besides them and it is refused."""
+    earlier = EncoderDiskCache(str(tmp_path), 1 << 30, DIGEST)
+    earlier.store("image", embedding(0))
+    with open(earlier.path("image") + f".77.{'c' * 32}.tmp", "wb") as file:  # a killed writer's
+        file.write(b"partial")
+    (tmp_path / "digests").mkdir()
+    (tmp_path / "digests" / ("d" * 32)).write_text("e" * 32)  # remembered without a check, as then
+    os.remove(tmp_path / MARKER)
+    adopted = EncoderDiskCache(str(tmp_path), 1 << 30, DIGEST)
+    assert torch.equal(adopted.load("image"), embedding(0))
+    assert (tmp_path / MARKER).read_text() == MARKER_TEXT
+    os.remove(tmp_path / MARKER)
+    (tmp_path / "digests" / "notes.txt").write_text("mine")
+    with pytest.raises(UserError, match="did not write .digests/notes.txt."):
+        EncoderDiskCache(str(tmp_path), 1 << 30, DIGEST)
+
+
+def test_a_folder_where_one_entry_goes_skips_that_entry_only(tmp_path, caplog):
+    cache = EncoderDiskCache(str(tmp_path), 1 << 30, DIGEST)
+    os.makedirs(cache.path("image-a"))  # a folder where the entry's file goes: it can never be written
+    with caplog.at_level(logging.WARNING):
+        cache.store("image-a", embedding(0))
+    assert "is a folder, not an entry" in caplog.text
+    cache.store("image-b", embedding(1))  # the others still are
+    assert cache.writes == 1 and torch.equal(cache.load("image-b"), embedding(1))
+    assert cache.load("image-a") is None and os.listdir(cache.path("image-a")) == []
+
+
+def test_a_bound_smaller_than_an_entry_stores_nothing_and_says_so_once(tmp_path, caplog):
+    cache = EncoderDiskCache(str(tmp_path), ENTRY_BYTES // 2, DIGEST)
+    with caplog.at_level(logging.WARNING):
+        for seed in range(3):
+            cache.store(f"image{seed}", embedding(seed))
+    assert caplog.text.count("is not stored; raise engine.encoder_cache_dir_gb") == 1
+    assert cache.writes == 0 and list(tmp_path.rglob("*.emb*")) == []
+    cache.store("small", torch.ones(2, 3))  # an embedding that fits is stored
+    assert torch.equal(cache.load("small"), torch.ones(2, 3))
+
+
+def forged(tensor: torch.Tensor, shape: list[int]) -> bytearray:
+    """The entry of `tensor` with `shape` in its header instead, its checksum made right again (as a
+    writer with a bug, not the disk, would leave it)."""
+    data = encode_entry("key", tensor)[:-16]
+    written = json.dumps(list(tensor.shape)).encode()
+    body = data.replace(written, json.dumps(shape).encode().ljust(len(written)), 1)
+    return bytearray(body + xxhash.xxh3_128_digest(body))
+
+
+def test_a_payload_longer_or_shorter_than_its_shape_is_refused():
+    tensor = torch.arange(12, dtype=torch.float32).reshape(4, 3)
+    assert torch.equal(decode_entry("key", bytearray(encode_entry("key", tensor))), tensor)
+    assert torch.equal(decode_entry("key", forged(tensor, [4, 3])), tensor)  # the forgery's own check
+    assert decode_entry("key", forged(tensor, [3, 3])) is None  # a longer payload than 3 x 3
+    assert decode_entry("key", forged(tensor, [5, 3])) is None  # a shorter one than 5 x 3
+
+
+class Model(torch.nn.Module):
+    """A model as a family's adapter holds it: a vision tower, a language model and token embeddings."""
+
+    def __init__(self, path: Path):
+        super().__init__()
+        self.name_or_path = str(path)
+        self.visual = torch.nn.Linear(4, 4)
+        self.visual.register_buffer("scale", torch.ones(4))
+        self.language_model = torch.nn.Linear(4, 4)
+        self.embed_tokens = torch.nn.Embedding(8, 4)
+
+    def get_input_embeddings(self):
+        return self.embed_tokens
+
+    def get_output_embeddings(self):
+        return None
+
+
+class Adapter:
+    def __init__(self, path: Path):
+        self.model = Model(path)
+        self.language_model = self.model.language_model
+        self.device = torch.device("cpu")
+        self.dtype = torch.float32
+
+
+def test_the_vision_digest_covers_buffers_and_not_the_language_model(tmp_path):
+    adapter = Adapter(tmp_path / "no-weight-files")  # not remembered: computed every time
+    first = vision_digest_module.vision_digest(adapter, str(tmp_path))
+    with torch.no_grad():
+        adapter.language_model.weight.add_(1)
+        adapter.model.embed_tokens.weight.add_(1)
+    assert vision_digest_module.vision_digest(adapter, str(tmp_path)) == first
+    with torch.no_grad():
+        adapter.model.visual.scale.mul_(2)  # a buffer, not a parameter
+    assert vision_digest_module.vision_digest(adapter, str(tmp_path)) != first
+
+
+def test_the_vision_digest_says_whether_native_kernels_run(tmp_path, monkeypatch):
+    adapter = Adapter(tmp_path / "no-weight-files")
+    digests = set()
+    for ops in (None, object()):
+        monkeypatch.setattr(vision_digest_module, "native_ops", lambda ops=ops: ops)
+        digests.add(vision_digest_module.vision_digest(adapter, str(tmp_path)))
+    assert len(digests) == 2
+
+
+def test_a_remembered_digest_that_fails_its_check_is_computed_again(tmp_path):
+    weights = tmp_path / "model"
+    weights.mkdir()
+    (weights / "model.safetensors").write_bytes(b"weights")  # only its stat is read
+    adapter = Adapter(weights)
+    folder = str(tmp_path / "cache")
+    digest = vision_digest_module.vision_digest(adapter, folder)
+    (remembered,) = (tmp_path / "cache" / "digests").iterdir()
+    whole = remembered.read_text()
+    damaged = {
+        "a bare digest": "0" * 32,
+        "another digest": "0" * 32 + whole[32:],
+        "another check": whole[:33] + "0" * 32,
+        "cut short": whole[:40],
+        "not text": "\xff" * 65,
+    }
+    for name, text in damaged.items():
+        remembered.write_text(text, encoding="latin-1")
+        assert vision_digest_module.vision_digest(adapter, folder) == digest, name  # not the file's
+        assert remembered.read_text() != text, name  # written again, whole

@@ -1,6 +1,6 @@
 """The encoder disk cache through whole jobs: a second run over the same images runs the vision tower on
-none of them and writes the same rows, a damaged entry is encoded again, and two runs started together
-share the folder."""
+none of them and writes the same rows, a damaged entry is encoded again, two runs started together
+share the folder, and a folder an earlier version filled is read."""
 
 import json
 import os
@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from batchvl.config import job_config_from_dict
+from batchvl.engine.encoder_cache.disk_layout import MARKER, MARKER_TEXT
 from batchvl.pipeline.runner import run_job
 from tests.conftest import TEST_DEVICE, output_rows, two_prompt_job_yaml, write_image_shards
 
@@ -101,6 +102,21 @@ def test_a_corrupt_and_a_truncated_entry_are_encoded_again(tmp_path, loaded_fp32
         tmp_path / "first", len(SHARD_SIZES)
     )
     assert corrupt.read_bytes() == data  # written whole again
+
+
+def test_a_folder_an_earlier_version_filled_is_adopted_and_read(tmp_path, loaded_fp32, images, vision_calls):
+    """Before the marker, the folder held entries and digests remembered without a check: a run marks it,
+    computes the digest again (the same) and reads every entry."""
+    cache = tmp_path / "cache"
+    run(loaded_fp32, images, tmp_path / "first", cache)
+    os.remove(cache / MARKER)
+    for remembered in (cache / "digests").iterdir():
+        remembered.write_text(remembered.read_text()[:32])
+
+    vision_calls.clear()
+    again = run(loaded_fp32, images, tmp_path / "again", cache)
+    assert vision_calls == [] and again["encoder_disk_hits"] == NUM_IMAGES
+    assert (cache / MARKER).read_text() == MARKER_TEXT
 
 
 def test_two_runs_started_together_share_the_folder(tmp_path, tiny_model_dir, images):

@@ -9,9 +9,12 @@ import sys
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 from batchvl.commands.status import format_status, job_status
 from batchvl.config import job_config_from_dict
+from batchvl.engine.encoder_cache.disk import EncoderDiskCache
+from batchvl.engine.encoder_cache.disk_layout import MARKER
 from batchvl.errors import UserError
 from batchvl.inputs.folder import missing_members
 from batchvl.pipeline import runner
@@ -244,6 +247,38 @@ def test_an_encoder_cache_dir_that_cannot_be_made_is_refused_before_the_model_lo
     cfg = config(tmp_path, tiny_model_dir, ["data/*.parquet"], engine={"encoder_cache_dir": "new/cache"})
     plan_job(cfg)  # made on first use; the plan's check leaves nothing behind
     assert sorted(os.listdir(tmp_path)) == ["a-file", "data"]
+
+
+def test_an_encoder_cache_dir_of_other_files_or_in_output_dir_is_refused_in_one_line(
+    tmp_path, tiny_model_dir
+):
+    """The cache deletes files in its folder: a folder holding files it did not write is refused (and left
+    as it was), and so is a folder inside output.dir or around it; a new, empty or marked one is not."""
+    table(tmp_path / "data" / "a.parquet")
+
+    def cache_at(folder, out="out"):
+        return config(
+            tmp_path, tiny_model_dir, ["data/*.parquet"], out=out, engine={"encoder_cache_dir": folder}
+        )
+
+    (tmp_path / "photos").mkdir()
+    (tmp_path / "photos" / "draft.tmp").write_text("mine")
+    assert refusal(cache_at("photos")) == (
+        f"engine.encoder_cache_dir: {tmp_path / 'photos'} holds files the encoder cache did not write "
+        f"(draft.tmp) and no {MARKER} marker; point it at an empty or new folder, or at the folder of an "
+        "earlier encoder cache"
+    )
+    assert os.listdir(tmp_path / "photos") == ["draft.tmp"]
+    for folder, out in (("out/cache", "out"), ("cache", "cache/out"), ("same", "same")):
+        assert refusal(cache_at(folder, out)) == (
+            f"engine.encoder_cache_dir: {tmp_path / folder} overlaps output.dir {tmp_path / out}: the "
+            "cache's files would be among the results; put the cache in a folder outside output.dir"
+        )
+    (tmp_path / "empty").mkdir()
+    EncoderDiskCache(str(tmp_path / "marked"), 1 << 30, "digest").store("image", torch.ones(2, 3))
+    for folder in ("new", "empty", "marked"):
+        plan_job(cache_at(folder))
+    assert not os.path.exists(tmp_path / "empty" / MARKER)  # planning writes nothing
 
 
 def test_a_gpu_the_machine_does_not_have_is_refused_before_the_model_loads(

@@ -16,6 +16,7 @@ import torch
 from batchvl.config import EngineConfig
 from batchvl.engine.adapter import ModelAdapter
 from batchvl.engine.device.sync import synchronize
+from batchvl.engine.encoder_cache import disk_layout
 from batchvl.engine.encoder_cache.bookkeeping import EncoderCacheManager
 from batchvl.engine.encoder_cache.disk import EncoderDiskCache
 from batchvl.engine.encoder_cache.vision_digest import vision_digest
@@ -91,10 +92,8 @@ def build_encoder_cache(config: EngineConfig, adapter: ModelAdapter, encode: Enc
     """The cache of `engine.encoder_cache_mb` in memory, over the disk cache in `engine.encoder_cache_dir`
     (entries of this model's vision tower only) where one is set."""
     disk = None
-    if config.encoder_cache_dir is not None:
-        disk = EncoderDiskCache(
-            config.encoder_cache_dir,
-            int(config.encoder_cache_dir_gb * GB),
-            vision_digest(adapter, config.encoder_cache_dir),
-        )
+    folder = config.encoder_cache_dir
+    if folder is not None:
+        disk_layout.adopt(folder)  # before the digest is remembered in it: refused if not the cache's
+        disk = EncoderDiskCache(folder, int(config.encoder_cache_dir_gb * GB), vision_digest(adapter, folder))
     return EncoderCache(int(config.encoder_cache_mb * MB), encode, adapter.device, disk)

@@ -3,15 +3,17 @@ later runs and by other jobs over the same images, bounded by `engine.encoder_ca
 
 An entry is one file, `<folder>/<key[:2]>/<key>.emb`, where the key digests the image's content hash and
 the model's vision digest (`vision_digest.py`), and the file is the checked format of
-`disk_entry.py`. Several processes (concurrent runs, the tasks of a Slurm array on one node) share
-the folder without locks:
+`disk_entry.py`. The folder is marked as the cache's, and the cache counts and deletes nothing but its
+own files (`disk_layout.py`). Several processes (concurrent runs, the tasks of a Slurm array on one node)
+share the folder without locks:
 
 - A writer writes a temporary file beside the entry and renames it into place, so a reader opens either
   no file or a whole one; two writers of one key write the same embedding, and the last rename wins.
   Nothing is fsynced: a file that a crash left short or zeroed fails its checksum and is encoded again.
 - An entry that cannot be read whole (corrupt, truncated, of another key or format) is a miss: the image
   is encoded and the entry written again. The cache never fails a job: a folder that cannot be written
-  is logged once and the job goes on without storing.
+  is logged once and the job goes on without storing; a folder where one entry goes is logged and that
+  entry skipped; an embedding over what a trim leaves of the bound is not stored (logged once).
 - Recency is the file's modification time, set when it is written and touched on every hit. A process
   that sees the folder over its bound deletes the least recently used entries down to 90% of it (and
   temporary files an hour old, left by a killed writer). Each process counts the folder's size at its
@@ -25,19 +27,17 @@ import contextlib
 import logging
 import os
 import time
-import uuid
 
 import torch
 import xxhash
 
+from batchvl.engine.encoder_cache import disk_layout
 from batchvl.engine.encoder_cache.disk_entry import decode_entry, encode_entry
-from batchvl.errors import UserError
+from batchvl.utils.memory import GB, MB
 
 logger = logging.getLogger(__name__)
 
 
-SUFFIX = ".emb"
-TEMPORARY = ".tmp"
 TRIM_TO = 0.9  # share of the bound left after trimming, so that a full folder is not counted every write
 STALE_TEMPORARY_S = 3600.0  # a temporary file this old belongs to a writer that is gone
 
@@ -51,21 +51,15 @@ class EncoderDiskCache:
         self.writes = 0
         self.seconds = 0.0  # reading and writing entries
         self._can_write = True
-        try:
-            os.makedirs(folder, exist_ok=True)
-        except OSError as error:
-            raise UserError(
-                f"engine.encoder_cache_dir {folder} cannot be made ({error.strerror or error}); "
-                "give a local folder this job can write to"
-            ) from None
+        self._warned_too_large = False
+        disk_layout.adopt(folder)  # refuses a folder holding files the cache did not write
         self._size = self._trim()  # the folder's size as this process counts it
 
     def key(self, content_hash: str) -> str:
         return xxhash.xxh3_128_hexdigest(f"{self.model_digest}:{content_hash}".encode())
 
     def path(self, content_hash: str) -> str:
-        key = self.key(content_hash)
-        return os.path.join(self.folder, key[:2], key + SUFFIX)
+        return disk_layout.entry_path(self.folder, self.key(content_hash))
 
     def load(self, content_hash: str) -> torch.Tensor | None:
         """The cached embedding of an image (on the CPU), or None when there is no whole entry of it."""
@@ -90,12 +84,18 @@ class EncoderDiskCache:
         started = time.perf_counter()
         path = self.path(content_hash)
         data = encode_entry(self.key(content_hash), embedding)
-        temporary = f"{path}.{os.getpid()}.{uuid.uuid4().hex}{TEMPORARY}"
+        if not self._fits(len(data)):
+            return
+        temporary = disk_layout.temporary_path(path)
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             with open(temporary, "wb") as file:
                 file.write(data)
             os.replace(temporary, path)
+        except IsADirectoryError:  # a folder where this one entry goes: the others can still be written
+            logger.warning("encoder disk cache: %s is a folder, not an entry; not storing that image", path)
+            _remove(temporary)
+            return
         except OSError as error:
             logger.warning(
                 "encoder disk cache: cannot write to %s (%s); not storing more", self.folder, error
@@ -110,38 +110,41 @@ class EncoderDiskCache:
         if self._size > self.capacity_bytes:
             self._size = self._trim()
 
+    def _fits(self, entry_bytes: int) -> bool:
+        """Whether an entry this large can stay in the folder: one over what a trim leaves would be
+        deleted by the trim its own write starts (and every other entry with it)."""
+        if entry_bytes <= self.capacity_bytes * TRIM_TO:
+            return True
+        if not self._warned_too_large:  # once: every later embedding is about as large
+            logger.warning(
+                "encoder disk cache: an embedding of %.1f MiB is over %d%% of engine.encoder_cache_dir_gb "
+                "(%.3g GiB), so it is not stored; raise engine.encoder_cache_dir_gb to keep embeddings",
+                entry_bytes / MB,
+                round(TRIM_TO * 100),
+                self.capacity_bytes / GB,
+            )
+            self._warned_too_large = True
+        return False
+
     def _trim(self) -> int:
-        """Count the folder, delete least recently used entries while it is over its bound, and return the
-        size left."""
+        """Count the entries, delete the least recently used while they are over the bound, and return the
+        size left. Only the cache's own files are counted or deleted (`disk_layout.py`)."""
         now = time.time()
-        entries = []
-        for path, stat in _files(self.folder):
-            if path.endswith(TEMPORARY):
-                if now - stat.st_mtime > STALE_TEMPORARY_S:
-                    _remove(path)
-            elif path.endswith(SUFFIX):
-                entries.append((stat.st_mtime_ns, stat.st_size, path))
+        for path, stat in disk_layout.temporaries(self.folder):
+            if now - stat.st_mtime > STALE_TEMPORARY_S:
+                _remove(path)
+        entries = sorted(
+            (stat.st_mtime_ns, stat.st_size, path) for path, stat in disk_layout.entries(self.folder)
+        )
         size = sum(entry_size for _, entry_size, _ in entries)
         if size <= self.capacity_bytes:
             return size
-        for _, entry_size, path in sorted(entries):
+        for _, entry_size, path in entries:
             if size <= self.capacity_bytes * TRIM_TO:
                 break
             _remove(path)
             size -= entry_size
         return size
-
-
-def _files(folder: str) -> list[tuple[str, os.stat_result]]:
-    """The files under the folder, with their stats (a folder that cannot be listed, or a file removed
-    while listed, is left out)."""
-    found = []
-    for directory, _, names in os.walk(folder):
-        for name in names:
-            path = os.path.join(directory, name)
-            with contextlib.suppress(OSError):
-                found.append((path, os.stat(path, follow_symlinks=False)))
-    return found
 
 
 def _read(path: str) -> bytearray | None:

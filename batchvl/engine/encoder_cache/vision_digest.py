@@ -14,6 +14,10 @@ digest is remembered in the cache folder under the checkpoint's weight files as 
 size, inode, modification and change times: any write to a file changes its change time, which no tool
 sets back) and the numerics above, and computed again only when one of them changed. A model whose
 weights were changed in memory after loading (which batchvl's packed layers do not support) is not seen.
+A remembered digest is stored with a checksum of it and of what it was computed for, and one that fails
+it (damaged, cut short, copied under another name, or written by an earlier version) is computed again
+and rewritten: a wrong digest would read another tower's entries. Like the entries' checksums, this
+guards against damage, not against someone who can write the folder (who could write entries as well).
 """
 
 from __future__ import annotations
@@ -27,10 +31,9 @@ from pathlib import Path
 import torch
 import xxhash
 
+from batchvl.engine.encoder_cache.disk_layout import DIGESTS, temporary_path
 from batchvl.layers.native_kernels import native_ops
 from batchvl.version import __version__
-
-DIGESTS = "digests"  # the cache folder's subfolder of remembered digests
 
 
 def vision_digest(adapter, folder: str) -> str:
@@ -38,24 +41,45 @@ def vision_digest(adapter, folder: str) -> str:
     and `language_model`, as every Hugging Face family's has), remembered under `folder`."""
     numerics = _numerics(adapter)
     stamp = _checkpoint_stamp(adapter.model)
-    remembered = None
-    if stamp is not None:
-        remembered = os.path.join(
-            folder, DIGESTS, xxhash.xxh3_128_hexdigest("\0".join(numerics + stamp).encode())
-        )
-        with contextlib.suppress(OSError):
-            digest = Path(remembered).read_text()
-            if re.fullmatch("[0-9a-f]{32}", digest):
-                return digest
-    digest = _weights_digest(adapter, numerics)
-    if remembered is not None:
-        with contextlib.suppress(OSError):  # not remembered: computed again next time
-            os.makedirs(os.path.dirname(remembered), exist_ok=True)
-            temporary = f"{remembered}.{os.getpid()}.tmp"
-            with open(temporary, "w") as file:
-                file.write(digest)
-            os.replace(temporary, remembered)
+    if stamp is None:
+        return _weights_digest(adapter, numerics)
+    what = "\0".join(numerics + stamp)  # what the digest is remembered under, and checked against
+    remembered = os.path.join(folder, DIGESTS, xxhash.xxh3_128_hexdigest(what.encode()))
+    digest = _recall(remembered, what)
+    if digest is None:
+        digest = _weights_digest(adapter, numerics)
+        _remember(remembered, what, digest)
     return digest
+
+
+def _recall(remembered: str, what: str) -> str | None:
+    """The digest remembered for `what`, or None where there is none or it fails its check (a file cut
+    short, damaged, or written for something else): a wrong digest would read another tower's entries."""
+    try:
+        text = Path(remembered).read_text(encoding="ascii")
+    except (OSError, UnicodeDecodeError):
+        return None
+    match = re.fullmatch("([0-9a-f]{32}) ([0-9a-f]{32})", text)
+    if match is None or match[2] != _check(what, match[1]):
+        return None
+    return match[1]
+
+
+def _remember(remembered: str, what: str, digest: str) -> None:
+    temporary = temporary_path(remembered)
+    try:
+        os.makedirs(os.path.dirname(remembered), exist_ok=True)
+        with open(temporary, "w", encoding="ascii") as file:
+            file.write(f"{digest} {_check(what, digest)}")
+        os.replace(temporary, remembered)
+    except OSError:  # not remembered: computed again next time
+        with contextlib.suppress(OSError):
+            os.remove(temporary)
+
+
+def _check(what: str, digest: str) -> str:
+    """A checksum of the digest with what it was computed for: the file holds both halves or neither."""
+    return xxhash.xxh3_128_hexdigest(f"{what}\0{digest}".encode())
 
 
 def _weights_digest(adapter, numerics: list[str]) -> str:
