@@ -155,12 +155,23 @@ def _echo_summary(summary) -> None:
             f"skipped: {s['shards_claimed_elsewhere']} shard(s) another run had; "
             "`batchvl status` shows when they are done"
         )
+    if s.get("rows_kept") or s.get("rows_dropped"):
+        typer.echo(_kept_and_dropped(s["rows_kept"], s["rows_dropped"], "kept"))
     if s.get("rows_not_committed"):
         typer.echo(
             f"not committed: {s['rows_not_committed']} row(s) of unfinished shards, redone by the next run"
         )
     typer.echo(f"output: {summary.output_dir}")
     typer.echo(f"stats: {summary.stats_path}")
+
+
+def _kept_and_dropped(kept: int, dropped: dict[str, int], verb: str) -> str:
+    """The committed rows a run keeps (prompts unchanged) and drops (prompts no longer in the job)."""
+    line = f"{verb}: {kept} committed row(s) of unchanged prompts"
+    if dropped:
+        gone = ", ".join(f"{name} ({rows} row(s))" for name, rows in sorted(dropped.items()))
+        line += f"; dropped: the rows of prompts no longer in the job: {gone}"
+    return line
 
 
 @app.command()
@@ -182,10 +193,14 @@ def validate(job_file: JobFile, set_: SetOption = None, log_level: LogLevel = "w
     for shard in plan.listing:
         rows = "?" if shard.num_rows is None else shard.num_rows
         typer.echo(f"  {shard.shard}  {rows} samples")
+    resume = plan.resume
+    whole = len(resume.pending) - len(resume.reuse)
     typer.echo(
-        f"output: {cfg.output.dir} ({plan.resume.num_done} shard(s) committed, "
-        f"{len(plan.resume.pending)} to run)"
+        f"output: {cfg.output.dir} ({resume.num_done} shard(s) committed as the job defines them, "
+        f"{len(resume.reuse)} committed with other prompts, {whole} to run whole)"
     )
+    if resume.reuse:
+        typer.echo(_kept_and_dropped(resume.rows_kept(), resume.rows_dropped(), "a run keeps"))
     typer.echo("per prompt, what a run would do:")
     for name, counts in plan.resume.rows_per_prompt(plan.graph.names).items():
         typer.echo(f"  {name}: {counts.describe()}")

@@ -232,4 +232,8 @@ def test_a_full_disk_during_a_commit_is_one_line_naming_the_file_and_keeps_the_c
     assert result.stderr.strip().splitlines() == [f"batchvl: cannot write {shard}: File too large (errno 27)"]
     assert shard.read_bytes() == committed
     validate = batchvl("validate", "job.yaml", cwd=tmp_path)
-    assert validate.returncode == 0 and "1 shard(s) committed, 0 to run" in validate.stdout
+    assert (
+        validate.returncode == 0
+        and "(1 shard(s) committed as the job defines them, 0 committed with other prompts, 0 to run whole)"
+        in validate.stdout
+    )

@@ -16,11 +16,12 @@ from batchvl.config import JobConfig, config_to_dict
 from batchvl.inputs.types import ShardInfo
 from batchvl.outputs.batch_output import model_name, write_batch_output
 from batchvl.outputs.commit import ShardMarker, commit_shard, read_committed, read_marker
-from batchvl.outputs.writers import ResultRow, rows_to_table
+from batchvl.outputs.writers import OPTIONAL_COLUMNS, ResultRow, rows_to_table
 from batchvl.pipeline.constraints import scored_choices
 from batchvl.pipeline.tasks import TaskSlice
 from batchvl.storage.output_dir import OutputDir
 from batchvl.utils.secrets import MASK, masked_args, url_without_userinfo
+from batchvl.utils.stats import RunStats
 from batchvl.version import __version__
 
 
@@ -63,7 +64,9 @@ class WriteShard:
     """A run's commit: the shard's rows as its output file, and a marker naming the config that wrote it.
     A shard committed before with other prompts (in `kept`: the names of its prompts whose committed rows
     stay) is committed again with those rows as they are, byte for byte, beside the new ones; the rows
-    of its other prompts go (a changed prompt's are replaced, a removed prompt's dropped)."""
+    of its other prompts go (a changed prompt's are replaced, a removed prompt's dropped), and so do the
+    optional columns the job no longer writes (no kept row has a value there: a kept prompt's definition,
+    which says what those columns hold, is unchanged). `stats` counts the rows kept and dropped."""
 
     def __init__(
         self,
@@ -73,8 +76,10 @@ class WriteShard:
         output_defining: dict,
         fingerprint: str,
         kept: dict[str, frozenset[str]] | None = None,
+        stats: RunStats | None = None,
     ):
         self.out = out
+        self.stats = stats if stats is not None else RunStats()
         self.output_defining = output_defining
         self.fingerprint = fingerprint
         self.task = str(task) if task else None
@@ -104,11 +109,20 @@ class WriteShard:
             assert committed is not None  # planned from its marker, and claimed: nobody else commits it
             old = read_committed(self.out, info.shard, committed)
             keep = pc.is_in(old["prompt"], pa.array(sorted(self.kept[info.shard]), pa.string()))
-            table = in_input_order(old.filter(keep), table, self.prompt_order)
+            self._count_kept_and_dropped(old, keep)
+            unwritten = [c for c in OPTIONAL_COLUMNS if c in old.column_names and c not in self.optional]
+            table = in_input_order(old.filter(keep).drop_columns(unwritten), table, self.prompt_order)
             table = table.replace_schema_metadata(self.metadata)  # this config's, as the rest of the file
             count_rows(marker, table)
             marker.retries = committed.retries  # of rows it may keep
         return commit_shard(self.out, info.shard, table, marker, self.companion, info.stamp)
+
+    def _count_kept_and_dropped(self, old: pa.Table, keep: pa.ChunkedArray) -> None:
+        """Count the committed rows kept, and those of prompts the job no longer has (by prompt)."""
+        self.stats.rows_kept += pc.sum(keep).as_py() or 0
+        for prompt in old["prompt"].to_pylist():
+            if prompt not in self.prompt_order:
+                self.stats.rows_dropped[prompt] += 1
 
 
 def in_input_order(old: pa.Table, new: pa.Table, prompt_order: dict[str, int]) -> pa.Table:

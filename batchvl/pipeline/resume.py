@@ -68,6 +68,18 @@ class ShardPlan:
     def num_done(self) -> int:
         return len(self.shards) - len(self.pending)
 
+    def rows_kept(self) -> int:
+        """The committed rows of unchanged prompts that the shards written again keep."""
+        return sum(len(reuse.kept) * reuse.samples for reuse in self.reuse.values())
+
+    def rows_dropped(self) -> dict[str, int]:
+        """Per prompt no longer in the job, its committed rows that the shards written again drop."""
+        dropped: dict[str, int] = {}
+        for reuse in self.reuse.values():
+            for name in reuse.dropped:
+                dropped[name] = dropped.get(name, 0) + reuse.samples
+        return dropped
+
     def rows_per_prompt(self, names: tuple[str, ...]) -> dict[str, RowCounts]:
         """Per prompt of the job, the rows of its task's shards a run would keep and would run."""
         reuse, compute = dict.fromkeys(names, 0), dict.fromkeys(names, 0)

@@ -158,7 +158,7 @@ class JobRunner:
         if self.commit is None:
             plan = work.plan
             self.commit = WriteShard(
-                self.cfg, self.out, self.task, plan.output_defining, plan.fingerprint, work.kept
+                self.cfg, self.out, self.task, plan.output_defining, plan.fingerprint, work.kept, self.stats
             )
         pool = PreprocessPool(
             work.plan.source,

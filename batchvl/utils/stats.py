@@ -52,6 +52,8 @@ class RunStats:  # not Counters: its mode and task name the run
     model_load_s: float = 0.0
     processing_s: float = 0.0  # from the first input read to the last commit: what the rates divide by
     rows_not_committed: int = 0  # rows of shards a stop left unfinished; the next run redoes them
+    rows_kept: int = 0  # committed rows of unchanged prompts, kept in the shards written again
+    rows_dropped: Counter = field(default_factory=Counter)  # prompt no longer in the job -> its rows gone
     input_wait_s: float = 0.0  # the engine had nothing to do and waited for prepared samples
     engine_s: float = 0.0  # inside engine steps
     preprocess_s: float = 0.0  # summed over samples, in the workers (runs in parallel with the engine)
@@ -72,6 +74,7 @@ class RunStats:  # not Counters: its mode and task name the run
         rates, as one flat dict."""
         out = asdict(self)
         out["errors_by_type"] = dict(self.errors_by_type)
+        out["rows_dropped"] = dict(self.rows_dropped)
         for counters in components:
             # not asdict: it rebuilds a Counter from its (key, count) pairs, counting the pairs
             for f in fields(counters):

@@ -203,7 +203,11 @@ def test_validate_and_run_refuse_the_same_mistakes_before_any_work(tmp_path, tin
     os.remove(tmp_path / "data" / "p1.parquet")
     assert cli("run", "job.yaml", "--no-progress", cwd=tmp_path).returncode == 0
     done = cli("validate", "job.yaml", cwd=tmp_path)
-    assert done.returncode == 0 and "1 shard(s) committed, 0 to run" in done.stdout
+    assert (
+        done.returncode == 0
+        and "(1 shard(s) committed as the job defines them, 0 committed with other prompts, 0 to run whole)"
+        in done.stdout
+    )
     done = cli("validate", "job.yaml", "--set", "preprocess.max_pixels=40000", cwd=tmp_path)
     assert (
         done.returncode == 2

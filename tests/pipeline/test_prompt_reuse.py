@@ -293,7 +293,8 @@ def test_status_and_validate_say_per_prompt_how_many_rows_a_run_would_reuse_and_
 
     validated = batchvl("validate", "job.yaml", "--set", "output.dir=counted", "--set", changed, cwd=job_dir)
     assert validated.returncode == 0, validated.stderr
-    assert "counted (0 shard(s) committed, 3 to run)" in validated.stdout
+    counted = "0 shard(s) committed as the job defines them, 3 committed with other prompts, 0 to run whole"
+    assert f"counted ({counted})" in validated.stdout
     assert validated.stdout.endswith(
         "per prompt, what a run would do:\n"
         f"  caption: {SAMPLES} row(s) reused, 0 to compute\n"
@@ -470,3 +471,36 @@ output: {{dir: out}}
     assert without_latency(rows) == without_latency(
         table_rows(LocalDir(str(tmp_path / "fresh")), "part-0.parquet")
     )
+
+
+def test_a_run_and_validate_say_how_many_rows_are_kept_and_whose_are_dropped(job_dir, loaded_fp32):
+    run(config(job_dir, "announced"), loaded_fp32)
+    removed = ["--set", "output.dir=announced", "--set", prompts(CAPTION, REFINE)]
+    validated = batchvl("validate", "job.yaml", *removed, cwd=job_dir)
+    assert validated.returncode == 0, validated.stderr
+    shards = len(SHARD_SIZES)
+    counted = f"0 shard(s) committed as the job defines them, {shards} committed with other prompts"
+    assert f"({counted}, 0 to run whole)" in validated.stdout
+    kept = f"{2 * SAMPLES} committed row(s) of unchanged prompts"
+    gone = f"dropped: the rows of prompts no longer in the job: short ({SAMPLES} row(s))"
+    assert f"a run keeps: {kept}; {gone}\n" in validated.stdout
+
+    ran = batchvl("run", "job.yaml", *removed, cwd=job_dir)
+    assert ran.returncode == 0, ran.stderr
+    assert f"kept: {kept}; {gone}\n" in ran.stdout
+    newest = sorted((job_dir / "announced" / "_batchvl" / "stats").glob("run-*.json"))[-1]
+    stats = json.loads(newest.read_text())
+    assert (stats["rows_kept"], stats["rows_dropped"]) == (2 * SAMPLES, {"short": SAMPLES})
+
+
+def test_a_column_no_prompt_writes_any_more_goes_when_its_prompt_stops_being_scored(job_dir, loaded_fp32):
+    scored = "{name: short, text: One word., choices: [red, blue], choice_mode: score}"
+    run(config(job_dir, "unscored", prompts(CAPTION, scored)), loaded_fp32)
+    out = LocalDir(str(job_dir / "unscored"))
+    assert "choice_probs" in table_rows(out, "part-0.parquet")[0]
+
+    run(config(job_dir, "unscored", prompts(CAPTION, SHORT)), loaded_fp32)
+    rows = job_rows(out)
+    assert all("choice_probs" not in row for row in rows)
+    fresh = fresh_rows(job_dir, loaded_fp32, "unscored", prompts(CAPTION, SHORT))
+    assert without_latency(of(rows, "short")) == without_latency(of(fresh, "short"))
