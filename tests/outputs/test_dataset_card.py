@@ -96,7 +96,8 @@ def test_the_card_names_the_job_and_counts_the_committed_rows_and_a_later_run_up
     assert "choices (score): photo, drawing" in card and "regex `(19\\|20)[0-9]{2}`" in card
     assert "when `kind` is photo" in card and "Sampling: greedy, at most 4 new tokens." in card
 
-    write_image_shards(data, [4, 3, 2])  # a third shard arrives; the two committed are skipped
+    write_image_shards(tmp_path / "more", [4, 3, 2])  # a third shard arrives; the two committed are skipped
+    (tmp_path / "more" / "part-2.parquet").rename(data / "part-2.parquet")
     counted = []
     monkeypatch.setattr(dataset_card, "summarize", lambda *args: counted.append(args) or summarize(*args))
     run_job(cfg, loaded=loaded_fp32, show_progress=False)
