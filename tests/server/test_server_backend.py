@@ -333,6 +333,8 @@ def test_a_server_gone_mid_run_stops_it_after_the_finished_shards_and_the_rerun_
         "part-1.parquet",
         "_batchvl/done/part-0.json",
         "_batchvl/done/part-1.json",
+        "_batchvl/inputs/part-0.json",  # the input each committed shard was made from
+        "_batchvl/inputs/part-1.json",
     }
     assert len(stats) == 1 and json.loads((tmp_path / "out" / stats[0]).read_text())["stopped_by"] == (
         "server_gone"

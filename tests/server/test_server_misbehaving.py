@@ -63,6 +63,8 @@ def test_a_server_that_hangs_mid_run_stops_it_as_a_gone_one_after_the_finished_s
         "part-1.parquet",
         "_batchvl/done/part-0.json",
         "_batchvl/done/part-1.json",
+        "_batchvl/inputs/part-0.json",  # the input each committed shard was made from
+        "_batchvl/inputs/part-1.json",
     }
     done = rows_by_request(tmp_path, 2)
     assert set(done) == all_requests(GONE_SIZES[:2]) and all(r["status"] == "ok" for r in done.values())
