@@ -11,6 +11,9 @@ and the last bit of exp and rsqrt; float32 ones differ by about one float32 roun
 They are not used by the engine yet: they are tested on CPU tensors by Triton's interpreter
 (TRITON_INTERPRET=1, tests/layers/triton_elementwise_checks.py) and timed against the eager ops by
 benchmarks/fused_elementwise.py on a GPU, which decides whether they pay.
+
+They are compiled without contracting a product and a sum into one fused multiply-add
+(`enable_fp_fusion=False`): eager, the product and the sum are two kernels, each rounded.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch
 
 QUICK_GELU_SCALE = 1.702
 BLOCK_COLUMNS = 1024  # columns per program of the purely elementwise kernels
+EAGER_ROUNDING = {"enable_fp_fusion": False}  # a launch's compile option (ignored by the interpreter)
 
 
 @functools.cache
@@ -180,7 +184,7 @@ def rms_norm(
     _kernels().rms_norm[(rows.shape[0],)](
         out, summed, rows, other, weight, eps, rows.shape[1],
         out.stride(0), summed.stride(0), rows.stride(0), other.stride(0),
-        HAS_RESIDUAL=residual is not None, BLOCK=_covering(rows.shape[1]),
+        HAS_RESIDUAL=residual is not None, BLOCK=_covering(rows.shape[1]), **EAGER_ROUNDING,
     )  # fmt: skip
     return out.view(x.shape), summed.view(x.shape)
 
@@ -191,7 +195,9 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     width = rows.shape[1] // 2
     out = rows.new_empty((rows.shape[0], width))
     grid = (rows.shape[0], -(-width // BLOCK_COLUMNS))
-    _kernels().silu_and_mul[grid](out, rows, width, out.stride(0), rows.stride(0), BLOCK=BLOCK_COLUMNS)
+    _kernels().silu_and_mul[grid](
+        out, rows, width, out.stride(0), rows.stride(0), BLOCK=BLOCK_COLUMNS, **EAGER_ROUNDING
+    )
     return out.view(*gate_up.shape[:-1], width)
 
 
@@ -204,7 +210,7 @@ def quick_gelu(x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tenso
     grid = (rows.shape[0], -(-rows.shape[1] // BLOCK_COLUMNS))
     _kernels().quick_gelu[grid](
         out, rows, bias if bias is not None else rows, rows.shape[1], out.stride(0), rows.stride(0),
-        HAS_BIAS=bias is not None, BLOCK=BLOCK_COLUMNS,
+        HAS_BIAS=bias is not None, BLOCK=BLOCK_COLUMNS, **EAGER_ROUNDING,
     )  # fmt: skip
     return out.view(x.shape)
 
@@ -215,7 +221,7 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
     out = torch.empty_like(rows)
     _kernels().layer_norm[(rows.shape[0],)](
         out, rows, weight, bias, eps, rows.shape[1], out.stride(0), rows.stride(0),
-        BLOCK=_covering(rows.shape[1]),
+        BLOCK=_covering(rows.shape[1]), **EAGER_ROUNDING,
     )  # fmt: skip
     return out.view(x.shape)
 
@@ -233,6 +239,6 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, vision: bool 
     _kernels().rotary[(rows,)](
         x, cos, sin, heads, x.stride(0), x.stride(1), cos.stride(0), sin.stride(0),
         HALF=half, BLOCK_H=_covering(heads), BLOCK_D=_covering(half),
-        ROUND_STEPS=not vision,
+        ROUND_STEPS=not vision, **EAGER_ROUNDING,
     )  # fmt: skip
     return x

@@ -55,10 +55,14 @@ def test_the_kernels_compile_for_a_hopper_gpu(dtype):
         (kernels.layer_norm, {"BLOCK": 2048}),
         (kernels.rotary, {"HALF": 64, "BLOCK_H": 16, "BLOCK_D": 64, "ROUND_STEPS": dtype == "bf16"}),
     ]
+    target = GPUTarget("cuda", 90, 32)
     for kernel, constants in builds:
         signature = {
             name: arguments.get(name, "constexpr" if name in constants else "i32")
             for name in kernel.arg_names
         }
-        compiled = triton.compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32))
+        source = ASTSource(kernel, signature, constants)
+        compiled = triton.compile(source, target=target, options=triton_elementwise.EAGER_ROUNDING)
         assert ".entry" in compiled.asm["ptx"]
+        # no product and sum contracted into one rounding, as the eager ops round twice
+        assert "fma.rn.f32" not in compiled.asm["ptx"], kernel.fn.__name__
