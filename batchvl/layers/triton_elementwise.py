@@ -23,7 +23,6 @@ from types import SimpleNamespace
 
 import torch
 
-QUICK_GELU_SCALE = 1.702
 BLOCK_COLUMNS = 1024  # columns per program of the purely elementwise kernels
 EAGER_ROUNDING = {"enable_fp_fusion": False}  # a launch's compile option (ignored by the interpreter)
 
