@@ -13,6 +13,9 @@ reported and the next still runs:
                    rows and texts equal
   host_step        benchmarks/host_step.py on the device: host work per step at 256 long decodes, and
                    where it goes (the torch ops and Python functions with the most host time)
+  fused_elementwise benchmarks/fused_elementwise.py: the elementwise Triton kernels (not yet used by the
+                   engine) against the eager transformers ops, per call and their outputs' differences, at
+                   Qwen2-VL-2B's widths; refused on the CPU (reported as skipped)
   throughput_*     benchmarks/throughput.py: transformers `generate` on padded batches of 8 against batchvl
                    in bf16, on the `small` model and at Qwen2-VL-2B's widths (`wide`); batchvl's busy
                    share is the time in vision-tower and language-model forwards (synchronized) over wall time
@@ -282,6 +285,17 @@ def host_step(work: Path) -> dict:
     return {"ok": result["rc"] == 0, **result, **(json.loads(out.read_text()) if out.exists() else {})}
 
 
+def fused_elementwise(work: Path) -> dict:
+    out = work / "fused_elementwise.json"
+    result = run([sys.executable, "benchmarks/fused_elementwise.py", "--json", str(out)], 45)
+    stdout = result.pop("stdout", "")
+    if ON_CPU and result["rc"] == 2:  # the benchmark needs CUDA: it says so and exits 2
+        return {"ok": True, "skipped": result.pop("output_tail", "").strip(), **result}
+    if not out.exists():
+        return {"ok": False, **result}
+    return {"ok": result["rc"] == 0, **result, "table": stdout.splitlines()}
+
+
 def throughput(work: Path, size: str) -> dict:
     out = work / f"throughput-{size}.json"
     dtype = "float32" if ON_CPU else "bfloat16"
@@ -317,6 +331,7 @@ STAGES = [
     ("constrained_job", constrained_job),
     ("vit_dp", vit_dp),
     ("host_step", host_step),
+    ("fused_elementwise", fused_elementwise),  # some 10-30 s: compiling the kernels, 36 timed ops
     ("throughput_small", lambda work: throughput(work, "small")),
     ("throughput_wide", lambda work: throughput(work, "wide")),
 ]

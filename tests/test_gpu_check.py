@@ -119,3 +119,17 @@ def test_the_benchmarks_reports_are_copied_beside_the_report_named_after_it(gpu_
         "report-host_step.json",
         "report.json",
     ]
+
+
+def test_the_fused_kernels_benchmark_is_skipped_on_the_cpu_in_one_line(gpu_check, monkeypatch, tmp_path):
+    """benchmarks/fused_elementwise.py needs CUDA: on the CPU it says so and exits 2, which a DEVICE=cpu
+    trial reports as skipped, not failed."""
+    monkeypatch.setattr(gpu_check, "ON_CPU", True)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    outcome = gpu_check.fused_elementwise(tmp_path)
+    assert outcome["ok"] is True and outcome["rc"] == 2
+    assert (
+        outcome["skipped"]
+        == "fused_elementwise.py times Triton kernels on a CUDA device: no CUDA device here"
+    )
+    assert "fused_elementwise" in [name for name, _ in gpu_check.STAGES]

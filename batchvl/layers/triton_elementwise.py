@@ -1,0 +1,243 @@
+"""The elementwise passes of a decoder layer and a vision block on CUDA, each one Triton kernel: RMSNorm
+with the residual add before it, SiLU(gate) * up, rotary embedding of queries and keys, QuickGELU with
+its bias, and LayerNorm.
+
+Eager, transformers' RMSNorm is seven or eight kernels, rotary five to seven per tensor, QuickGELU three:
+each reads and writes the whole activation again. These kernels read their inputs once and write their
+outputs once. Each rounds where transformers' module rounds in the input's dtype (an intermediate
+rounded to bf16 is rounded here too), so bf16 outputs are the module's but for the order of a row's sums
+and the last bit of exp and rsqrt; float32 ones differ by about one float32 rounding step.
+
+They are not used by the engine yet: they are tested on CPU tensors by Triton's interpreter
+(TRITON_INTERPRET=1, tests/layers/triton_elementwise_checks.py) and timed against the eager ops by
+benchmarks/fused_elementwise.py on a GPU, which decides whether they pay.
+
+They are compiled without contracting a product and a sum into one fused multiply-add
+(`enable_fp_fusion=False`): eager, the product and the sum are two kernels, each rounded.
+"""
+
+from __future__ import annotations
+
+import functools
+from types import SimpleNamespace
+
+import torch
+
+BLOCK_COLUMNS = 1024  # columns per program of the purely elementwise kernels
+EAGER_ROUNDING = {"enable_fp_fusion": False}  # a launch's compile option (ignored by the interpreter)
+
+
+@functools.cache
+def _kernels() -> SimpleNamespace:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def rounded(x, dtype: tl.constexpr):
+        """float32 x rounded to `dtype` (to nearest, ties to even) and held in float32. bf16 by its bits:
+        Triton's interpreter truncates a cast to bf16 where a GPU rounds it; both run this the same."""
+        if dtype == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            return bits.to(tl.float32, bitcast=True)
+        else:
+            return x.to(dtype).to(tl.float32)
+
+    # Triton 3.2 compiles a kernel with only its module's globals in scope (see triton_attention): the
+    # kernels find `tl` and `rounded` there.
+    globals().update(tl=tl, rounded=rounded)
+
+    @triton.jit
+    def rms_norm_kernel(
+        out, new_residual, x, residual, weight, eps, width,
+        stride_o, stride_n, stride_x, stride_r,
+        HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        inside = cols < width
+        h = tl.load(x + row * stride_x + cols, mask=inside, other=0.0)
+        if HAS_RESIDUAL:
+            # the decoder's `residual + hidden_states`, rounded to their dtype before the norm reads it
+            r = tl.load(residual + row * stride_r + cols, mask=inside, other=0.0)
+            h = rounded(h.to(tl.float32) + r.to(tl.float32), x.dtype.element_ty)
+            tl.store(new_residual + row * stride_n + cols, h.to(x.dtype.element_ty), mask=inside)
+        h = h.to(tl.float32)
+        variance = tl.sum(h * h, axis=0) / width
+        # transformers rounds the normalized row to the input's dtype, then multiplies by the weight
+        normed = rounded(h * tl.rsqrt(variance + eps), x.dtype.element_ty)
+        w = tl.load(weight + cols, mask=inside, other=0.0).to(tl.float32)
+        product = rounded(w * normed, out.dtype.element_ty)
+        tl.store(out + row * stride_o + cols, product.to(out.dtype.element_ty), mask=inside)
+
+    @triton.jit
+    def silu_and_mul_kernel(out, gate_up, width, stride_o, stride_g, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        inside = cols < width
+        gate = tl.load(gate_up + row * stride_g + cols, mask=inside, other=0.0).to(tl.float32)
+        up = tl.load(gate_up + row * stride_g + width + cols, mask=inside, other=0.0).to(tl.float32)
+        # torch's SiLU, x / (1 + exp(-x)) in float32, rounded before the product as `act_fn(gate) * up`
+        dtype = out.dtype.element_ty
+        activated = rounded(gate / (1.0 + tl.exp(-gate)), dtype)
+        tl.store(out + row * stride_o + cols, rounded(activated * up, dtype).to(dtype), mask=inside)
+
+    @triton.jit
+    def quick_gelu_kernel(
+        out, x, bias, width, stride_o, stride_x, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        inside = cols < width
+        dtype = out.dtype.element_ty
+        h = tl.load(x + row * stride_x + cols, mask=inside, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            h = rounded(h + tl.load(bias + cols, mask=inside, other=0.0).to(tl.float32), dtype)
+        # `h * sigmoid(1.702 * h)`: three eager ops, each rounded to the dtype
+        scaled = rounded(h * 1.702, dtype)
+        gate = rounded(1.0 / (1.0 + tl.exp(-scaled)), dtype)
+        tl.store(out + row * stride_o + cols, rounded(h * gate, dtype).to(dtype), mask=inside)
+
+    @triton.jit
+    def layer_norm_kernel(out, x, weight, bias, eps, width, stride_o, stride_x, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        inside = cols < width
+        h = tl.load(x + row * stride_x + cols, mask=inside, other=0.0).to(tl.float32)
+        mean = tl.sum(h, axis=0) / width
+        centered = tl.where(inside, h - mean, 0.0)
+        variance = tl.sum(centered * centered, axis=0) / width  # two passes: no cancellation
+        w = tl.load(weight + cols, mask=inside, other=0.0).to(tl.float32)
+        b = tl.load(bias + cols, mask=inside, other=0.0).to(tl.float32)
+        # torch's LayerNorm computes in float32 and rounds once, the output
+        y = centered * tl.rsqrt(variance + eps) * w + b
+        tl.store(
+            out + row * stride_o + cols,
+            rounded(y, out.dtype.element_ty).to(out.dtype.element_ty),
+            mask=inside,
+        )
+
+    @triton.jit
+    def rotary_kernel(
+        x, cos, sin, heads, stride_xr, stride_xh, stride_cr, stride_sr,
+        HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, ROUND_STEPS: tl.constexpr,
+    ):  # fmt: skip
+        row = tl.program_id(0).to(tl.int64)
+        dims = tl.arange(0, BLOCK_D)
+        in_dims = dims < HALF
+        dtype = x.dtype.element_ty
+        c1 = tl.load(cos + row * stride_cr + dims, mask=in_dims, other=0.0)
+        c2 = tl.load(cos + row * stride_cr + HALF + dims, mask=in_dims, other=0.0)
+        s1 = tl.load(sin + row * stride_sr + dims, mask=in_dims, other=0.0)
+        s2 = tl.load(sin + row * stride_sr + HALF + dims, mask=in_dims, other=0.0)
+        c1, c2 = c1.to(tl.float32)[None, :], c2.to(tl.float32)[None, :]
+        s1, s2 = s1.to(tl.float32)[None, :], s2.to(tl.float32)[None, :]
+        if ROUND_STEPS:  # the text model's cos and sin are in the activations' dtype
+            c1, c2, s1, s2 = rounded(c1, dtype), rounded(c2, dtype), rounded(s1, dtype), rounded(s2, dtype)
+        heads_at = tl.arange(0, BLOCK_H)
+        first = x + row * stride_xr + heads_at[:, None] * stride_xh + dims[None, :]
+        both = (heads_at < heads)[:, None] & in_dims[None, :]
+        x1 = tl.load(first, mask=both, other=0.0).to(tl.float32)
+        x2 = tl.load(first + HALF, mask=both, other=0.0).to(tl.float32)
+        # x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1): per half, x1 * c1 - x2 * s1 and
+        # x2 * c2 + x1 * s2 (a negation is exact)
+        if ROUND_STEPS:  # apply_rotary_pos_emb: each product and the sum rounded to the dtype
+            o1 = rounded(rounded(x1 * c1, dtype) - rounded(x2 * s1, dtype), dtype)
+            o2 = rounded(rounded(x2 * c2, dtype) + rounded(x1 * s2, dtype), dtype)
+        else:  # apply_rotary_pos_emb_vision: float32 throughout
+            o1 = rounded(x1 * c1 - x2 * s1, dtype)
+            o2 = rounded(x2 * c2 + x1 * s2, dtype)
+        tl.store(first, o1.to(dtype), mask=both)
+        tl.store(first + HALF, o2.to(dtype), mask=both)
+
+    return SimpleNamespace(
+        rms_norm=rms_norm_kernel,
+        silu_and_mul=silu_and_mul_kernel,
+        quick_gelu=quick_gelu_kernel,
+        layer_norm=layer_norm_kernel,
+        rotary=rotary_kernel,
+    )
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as (rows, last dim) with unit column stride, a view where it can be."""
+    rows = x.reshape(-1, x.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def _covering(n: int) -> int:
+    """The least power of two of at least n: a block's size (Triton's blocks are powers of two)."""
+    return 1 << (n - 1).bit_length()
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' RMSNorm (Qwen2RMSNorm and its copies) of `x + residual`, or of x where there is no
+    residual: (the normalized rows, x + residual for the next residual add, or x). The output's dtype is
+    the module's, x's and the weight's promoted."""
+    rows = _rows(x)
+    out = torch.empty(rows.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    summed = torch.empty_like(rows) if residual is not None else rows
+    other = _rows(residual) if residual is not None else rows
+    _kernels().rms_norm[(rows.shape[0],)](
+        out, summed, rows, other, weight, eps, rows.shape[1],
+        out.stride(0), summed.stride(0), rows.stride(0), other.stride(0),
+        HAS_RESIDUAL=residual is not None, BLOCK=_covering(rows.shape[1]), **EAGER_ROUNDING,
+    )  # fmt: skip
+    return out.view(x.shape), summed.view(x.shape)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """`silu(gate) * up` of a fused gate/up projection's output (..., 2 * I), gate first: (..., I)."""
+    rows = _rows(gate_up)
+    width = rows.shape[1] // 2
+    out = rows.new_empty((rows.shape[0], width))
+    grid = (rows.shape[0], -(-width // BLOCK_COLUMNS))
+    _kernels().silu_and_mul[grid](
+        out, rows, width, out.stride(0), rows.stride(0), BLOCK=BLOCK_COLUMNS, **EAGER_ROUNDING
+    )
+    return out.view(*gate_up.shape[:-1], width)
+
+
+def quick_gelu(x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """transformers' QuickGELUActivation of `x + bias` (or of x): the activation of a linear layer run
+    without its bias. In bf16 that rounds the matmul's output before the bias is added, where a linear
+    layer with its bias rounds once: keep the bias in the layer (and none here) for its exact outputs."""
+    rows = _rows(x)
+    out = torch.empty_like(rows)
+    grid = (rows.shape[0], -(-rows.shape[1] // BLOCK_COLUMNS))
+    _kernels().quick_gelu[grid](
+        out, rows, bias if bias is not None else rows, rows.shape[1], out.stride(0), rows.stride(0),
+        HAS_BIAS=bias is not None, BLOCK=BLOCK_COLUMNS, **EAGER_ROUNDING,
+    )  # fmt: skip
+    return out.view(x.shape)
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    """torch.nn.LayerNorm over the last dimension, with its weight and bias, in x's dtype."""
+    rows = _rows(x)
+    out = torch.empty_like(rows)
+    _kernels().layer_norm[(rows.shape[0],)](
+        out, rows, weight, bias, eps, rows.shape[1], out.stride(0), rows.stride(0),
+        BLOCK=_covering(rows.shape[1]), **EAGER_ROUNDING,
+    )  # fmt: skip
+    return out.view(x.shape)
+
+
+def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, vision: bool = False) -> torch.Tensor:
+    """Rotates x (rows, heads, head dim) in place by one cos/sin row (rows, head dim) per row, shared by
+    its heads, and returns it. Queries and keys next to each other in a fused q/k/v output (the engine's
+    layout) are one x, rotated in one call. As `apply_rotary_pos_emb` (cos and sin rounded to x's dtype,
+    each product and the sum rounded), or with `vision` as `apply_rotary_pos_emb_vision` (float32
+    throughout, rounded once)."""
+    rows, heads, head_dim = x.shape
+    if x.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1:
+        raise ValueError("rotary_ needs unit strides along the head dimension")
+    half = head_dim // 2
+    _kernels().rotary[(rows,)](
+        x, cos, sin, heads, x.stride(0), x.stride(1), cos.stride(0), sin.stride(0),
+        HALF=half, BLOCK_H=_covering(heads), BLOCK_D=_covering(half),
+        ROUND_STEPS=not vision, **EAGER_ROUNDING,
+    )  # fmt: skip
+    return x

@@ -1,0 +1,168 @@
+"""The elementwise Triton kernels (`batchvl/layers/triton_elementwise.py`) against the eager transformers
+ops they would replace, per call on a CUDA device, at Qwen2-VL-2B's widths: the decoder (hidden 1,536,
+intermediate 8,960, 12 query and 2 KV heads of 128) and the vision tower (embed 1,280, MLP 5,120, 16
+heads of 80), at 1, 256 and 4,096 rows. Each op's outputs are compared too (the largest difference and
+the share of equal elements), since a kernel only goes into the engine where it pays and keeps parity.
+
+    python benchmarks/fused_elementwise.py [--json out.json] [--rows 1,256,4096] [--dtype bfloat16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+from transformers.activations import ACT2FN, QuickGELUActivation
+from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+from transformers.models.qwen2_vl.modeling_qwen2_vl import apply_rotary_pos_emb, apply_rotary_pos_emb_vision
+
+HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM = 1536, 8960, 12, 2, 128
+VISION_EMBED, VISION_MLP, VISION_HEADS, VISION_HEAD_DIM = 1280, 5120, 16, 80
+CALLS = 50
+
+
+def per_call_us(fn) -> float:
+    """The mean of CALLS calls between two CUDA events, after a warm-up (which compiles the kernels)."""
+    for _ in range(5):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(CALLS):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / CALLS
+
+
+def cases(rows: int, dtype: torch.dtype):
+    """(name, eager, fused): each a function of no arguments returning its outputs."""
+    from batchvl.layers import triton_elementwise as fused
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, device="cuda") * scale).to(dtype)
+
+    norm = Qwen2RMSNorm(HIDDEN).to("cuda", dtype)
+    norm.weight.data = randn(HIDDEN)
+    hidden, residual = randn(rows, HIDDEN), randn(rows, HIDDEN)
+
+    def eager_norm():
+        summed = residual + hidden
+        return norm(summed), summed
+
+    gate_up = randn(rows, 2 * INTERMEDIATE, scale=4)
+    silu = ACT2FN["silu"]
+
+    def eager_silu():
+        gate, up = gate_up.split(INTERMEDIATE, dim=-1)
+        return silu(gate) * up
+
+    qkv = randn(rows, HEADS + 2 * KV_HEADS, HEAD_DIM)
+    angles = torch.rand(rows, HEAD_DIM // 2, device="cuda") * 1000
+    cos, sin = (torch.cat([f, f], dim=-1).to(dtype) for f in (angles.cos(), angles.sin()))
+    rotated = qkv.clone()
+
+    def eager_rotary():
+        query, key = (t.transpose(0, 1)[None] for t in qkv[:, : HEADS + KV_HEADS].split([HEADS, KV_HEADS], 1))
+        return apply_rotary_pos_emb(query, key, cos[None], sin[None])
+
+    def fused_rotary():  # in place: the timed calls rotate a copy again and again, as a layer would once
+        rotated.copy_(qkv)
+        fused.rotary_(rotated[:, : HEADS + KV_HEADS], cos, sin)
+        return rotated[:, :HEADS].transpose(0, 1)[None], rotated[:, HEADS : HEADS + KV_HEADS].transpose(0, 1)[
+            None
+        ]
+
+    patches = randn(rows, 3 * VISION_HEADS, VISION_HEAD_DIM)
+    vision_angles = torch.rand(rows, VISION_HEAD_DIM // 2, device="cuda") * 100
+    vision_cos, vision_sin = (torch.cat([f, f], dim=-1) for f in (vision_angles.cos(), vision_angles.sin()))
+    vision_rotated = patches.clone()
+
+    def eager_vision_rotary():
+        query, key = patches[:, :VISION_HEADS], patches[:, VISION_HEADS : 2 * VISION_HEADS]
+        return apply_rotary_pos_emb_vision(query, key, vision_cos, vision_sin)
+
+    def fused_vision_rotary():
+        vision_rotated.copy_(patches)
+        fused.rotary_(vision_rotated[:, : 2 * VISION_HEADS], vision_cos, vision_sin, vision=True)
+        return vision_rotated[:, :VISION_HEADS], vision_rotated[:, VISION_HEADS : 2 * VISION_HEADS]
+
+    fc1_out, fc1_bias = randn(rows, VISION_MLP, scale=4), randn(VISION_MLP)
+    quick_gelu = QuickGELUActivation()
+    layer_norm = torch.nn.LayerNorm(VISION_EMBED, eps=1e-6).to("cuda", dtype)
+    layer_norm.weight.data, layer_norm.bias.data = randn(VISION_EMBED), randn(VISION_EMBED)
+    patch_rows = randn(rows, VISION_EMBED, scale=3)
+
+    return [
+        (
+            "rms_norm_residual",
+            eager_norm,
+            lambda: fused.rms_norm(hidden, norm.weight, norm.variance_epsilon, residual),
+        ),
+        ("silu_and_mul", eager_silu, lambda: fused.silu_and_mul(gate_up)),
+        ("rotary_q_k", eager_rotary, fused_rotary),
+        ("vision_rotary_q_k", eager_vision_rotary, fused_vision_rotary),
+        (
+            "quick_gelu_bias",
+            lambda: quick_gelu(fc1_out + fc1_bias),
+            lambda: fused.quick_gelu(fc1_out, fc1_bias),
+        ),
+        (
+            "layer_norm",
+            lambda: layer_norm(patch_rows),
+            lambda: fused.layer_norm(patch_rows, layer_norm.weight, layer_norm.bias, layer_norm.eps),
+        ),
+    ]
+
+
+def compared(eager, fused) -> dict:
+    """The largest absolute difference between the outputs and the share of equal elements."""
+    pairs = list(zip(*(out if isinstance(out, tuple) else (out,) for out in (eager(), fused())), strict=True))
+    differences = [(a.float() - b.float()).abs() for a, b in pairs]
+    equal = sum(int((d == 0).sum()) for d in differences) / sum(d.numel() for d in differences)
+    return {"max_abs_diff": max(float(d.max()) for d in differences), "equal_share": round(equal, 6)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default="1,256,4096")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print(
+            "fused_elementwise.py times Triton kernels on a CUDA device: no CUDA device here", file=sys.stderr
+        )
+        sys.exit(2)
+    import triton
+
+    torch.set_grad_enabled(False)  # as the engine runs the model: no autograd records on the eager ops
+    dtype = getattr(torch, args.dtype)
+    results = []
+    for rows in (int(r) for r in args.rows.split(",")):
+        for name, eager, fused in cases(rows, dtype):
+            parity = compared(eager, fused)
+            eager_us, fused_us = per_call_us(eager), per_call_us(fused)
+            speedup = round(eager_us / fused_us, 2)
+            results.append(
+                {"op": name, "rows": rows, "eager_us": round(eager_us, 1), "fused_us": round(fused_us, 1)}
+                | {"speedup": speedup, **parity}
+            )
+            print(f"{name:18} {rows:5} rows  eager {eager_us:8.1f} us  fused {fused_us:8.1f} us  x{speedup}")
+    report = {
+        "device": torch.cuda.get_device_name(),
+        "dtype": args.dtype,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "calls": CALLS,
+        "results": results,
+    }
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
