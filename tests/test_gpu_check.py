@@ -119,3 +119,10 @@ def test_the_benchmarks_reports_are_copied_beside_the_report_named_after_it(gpu_
         "report-host_step.json",
         "report.json",
     ]
+
+
+def test_optional_stages_run_only_when_named(gpu_check, monkeypatch):
+    names = [name for name, _ in gpu_check.chosen_stages()]
+    assert "gpu_throughput_2b" in names and not set(names) & gpu_check.OPTIONAL
+    monkeypatch.setenv("GPU_CHECK_STAGES", "gpu_throughput_7b")
+    assert [name for name, _ in gpu_check.chosen_stages()] == ["gpu_throughput_7b"]
