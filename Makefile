@@ -42,7 +42,9 @@ browser:
 # 3.12; gpu-check installs them from there. The GPU images lent so far have torch 2.11 and transformers
 # 5.17, both in batchvl's ranges: they are used. DEVICE=cpu runs the same stages on a CPU (a trial: its
 # reports, gpu-check-cpu-*.json, are git-ignored); GPU_CHECK_STAGES=parity,host_step (names,
-# comma-separated) runs only those stages.
+# comma-separated) runs only those stages. Correctness runs first: where the 8 minutes run short the
+# throughput stages are skipped, so a GPU window's second call is GPU_CHECK_STAGES=gpu_throughput_2b
+# (the real-size baseline, about 3 minutes).
 DEVICE ?= cuda
 GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
 GPU_WHEELS := xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2 \

@@ -37,6 +37,8 @@ class FlopCounter:
         self.lm_attention = (
             4 * text.num_attention_heads * head_dim * text.num_hidden_layers
         )  # per (query, key)
+        # K and V of every layer, per token: what a decode reads for each key and a computed token writes
+        self.kv_values_per_token = 2 * text.num_hidden_layers * text.num_key_value_heads * head_dim
 
     def image(self, patches: int) -> float:
         return patches * (self.vit_per_patch + self.vit_attention * patches) + patches / self.merge * (

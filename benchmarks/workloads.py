@@ -32,6 +32,19 @@ def tiny_model(device: str):
         return load_model(str(folder), dtype="float32", device=device)
 
 
+def sized_model(size: str, device: str):
+    """`tiny_model`, or at `2b` or `7b` Qwen2-VL-2B or -7B made on `device` in bf16 (no checkpoint)."""
+    if size == "tiny":
+        return tiny_model(device)
+    import tempfile
+    from pathlib import Path
+
+    from batchvl.demo.device_model import build_on_device
+
+    with tempfile.TemporaryDirectory() as tmp:  # the processor is read from it before it goes
+        return build_on_device(Path(tmp) / size, size, device)
+
+
 def markdown_table(rows: list[dict]) -> str:
     """Rows of equal keys as a Markdown table, the keys as its header."""
     columns = list(rows[0])

@@ -11,14 +11,19 @@ reported and the next still runs:
                    share of rows whose text is the same (each request's seeded draws run on the CPU)
   constrained_job  a JSON-schema, regex, choices and free-text job in fp32 on the device and on the CPU:
                    rows and texts equal
-  host_step        benchmarks/host_step.py on the device: host work per step at 256 long decodes, and
-                   where it goes (the torch ops and Python functions with the most host time)
+  host_step        benchmarks/host_step.py on the device at Qwen2-VL-2B's full size (`--size 2b`): host work
+                   per step at 256 long decodes, and where it goes (the torch ops and Python functions with
+                   the most host time)
   fused_elementwise benchmarks/fused_elementwise.py: the elementwise Triton kernels (not yet used by the
                    engine) against the eager transformers ops, per call and their outputs' differences, at
                    Qwen2-VL-2B's widths; refused on the CPU (reported as skipped)
-  throughput_*     benchmarks/throughput.py: transformers `generate` on padded batches of 8 against batchvl
-                   in bf16, on the `small` model and at Qwen2-VL-2B's widths (`wide`); batchvl's busy
-                   share is the time in vision-tower and language-model forwards (synchronized) over wall time
+  gpu_throughput_2b  benchmarks/gpu_throughput.py: 1,000 captions by Qwen2-VL-2B (made on the GPU in bf16):
+                   samples/s, the share of the workload's limit, the GPU's kernel-time share and the split
+                   between vision, prefill and decode; the baseline later optimisations are measured against
+  throughput_small benchmarks/throughput.py: transformers `generate` on padded batches of 8 against batchvl
+                   in bf16 on the `small` model
+  optional, run only when GPU_CHECK_STAGES names them: throughput_wide (the same at Qwen2-VL-2B's widths,
+                   superseded by gpu_throughput_2b) and gpu_throughput_7b (Qwen2-VL-7B)
 
 DEVICE=cpu runs the same stages on the CPU with smaller workloads, so the script is tried on any machine.
 The JSON is printed and written to GPU_CHECK_JSON, by default into benchmarks/results/, where the project
@@ -26,7 +31,7 @@ keeps these reports: gpu-check-<GPU>-<UTC time>.json (e.g. gpu-check-nvidia-h200
 `cpu` for a DEVICE=cpu trial, which git ignores), and the benchmarks' own full reports beside it, named
 after it (...-host_step.json, ...-throughput-small.json). GPU_CHECK_BUDGET_S (480) bounds the whole run,
 and a stage that no longer fits is reported as skipped; GPU_CHECK_STAGES (names, comma-separated) runs
-only those stages.
+only those stages, the optional ones included.
 
     DEVICE=cuda python scripts/gpu_check.py
 """
@@ -277,10 +282,10 @@ def constrained_job(work: Path) -> dict:
 
 def host_step(work: Path) -> dict:
     out = work / "host_step.json"
-    steps = ["--steps", "10", "--requests", "64"] if ON_CPU else []
+    steps = ["--steps", "10", "--requests", "64"] if ON_CPU else ["--size", "2b"]
     command = [sys.executable, "benchmarks/host_step.py", "--device", DEVICE, "--profile", "--json", str(out)]
     command += steps
-    result = run(command, 90)
+    result = run(command, 120)
     result.pop("stdout", None)
     return {"ok": result["rc"] == 0, **result, **(json.loads(out.read_text()) if out.exists() else {})}
 
@@ -322,6 +327,19 @@ def throughput(work: Path, size: str) -> dict:
     return {"ok": result["rc"] == 0, "seconds": result["seconds"], "size": size, "runs": summary}
 
 
+def gpu_throughput(work: Path, size: str) -> dict:
+    """The captioning benchmark at a real size; its whole row is the stage's report. 1,000 samples: at the
+    13 samples/s batchvl's eager engine reached at Qwen2-VL-2B's widths on an H200, about 75 s of the
+    stage's 240 (the model is made in seconds; the rest is the warm-up job and the FLOP count)."""
+    out = work / f"gpu_throughput-{size}.json"
+    workload = ["--size", "tiny", "--samples", "8"] if ON_CPU else ["--size", size, "--samples", "1000"]
+    command = [sys.executable, "benchmarks/gpu_throughput.py", "--device", DEVICE, "--json", str(out)]
+    result = run([*command, *workload], 240 if size == "2b" else 300)
+    result.pop("stdout", None)
+    row = json.loads(out.read_text()) if out.exists() else {}
+    return {"ok": result["rc"] == 0 and bool(row), **result, **row}
+
+
 # Correctness first, then speed: where the budget runs short, the throughput runs (the longest stages) are
 # what is left out, not the jobs that say whether the engine's outputs are right on this device.
 STAGES = [
@@ -332,18 +350,22 @@ STAGES = [
     ("vit_dp", vit_dp),
     ("host_step", host_step),
     ("fused_elementwise", fused_elementwise),  # some 10-30 s: compiling the kernels, 36 timed ops
+    ("gpu_throughput_2b", lambda work: gpu_throughput(work, "2b")),
     ("throughput_small", lambda work: throughput(work, "small")),
     ("throughput_wide", lambda work: throughput(work, "wide")),
+    ("gpu_throughput_7b", lambda work: gpu_throughput(work, "7b")),
 ]
+# Run only when GPU_CHECK_STAGES names them: the whole check's minutes go to the 2B baseline first
+OPTIONAL = {"throughput_wide", "gpu_throughput_7b"}
 MIN_STAGE_S = 20  # a stage started with less time left could not finish
 
 
 def chosen_stages() -> list:
-    """STAGES, or those GPU_CHECK_STAGES names (comma-separated, in STAGES' order): a rerun of what failed
-    fits a device's remaining minutes."""
+    """STAGES but the OPTIONAL ones, or those GPU_CHECK_STAGES names (comma-separated, in STAGES' order):
+    a rerun of what failed fits a device's remaining minutes."""
     names = os.environ.get("GPU_CHECK_STAGES", "")
     if not names:
-        return STAGES
+        return [(name, stage) for name, stage in STAGES if name not in OPTIONAL]
     wanted = {name.strip() for name in names.split(",") if name.strip()}
     unknown = wanted - {name for name, _ in STAGES}
     if unknown:

@@ -4,6 +4,7 @@ faked where the check needs a GPU), and passed to batchvl's job; and its per-CPU
 round's ratios are taken within the round, and a count that runs nothing is refused the same way."""
 
 import importlib
+import json
 import os
 import subprocess
 import sys
@@ -118,3 +119,67 @@ def test_rounds_that_run_nothing_are_refused_in_one_line_before_any_work(tmp_pat
     assert refusal(tmp_path, "--rounds", "0") == (
         "error: --rounds 0 runs nothing; give 1 or more (an odd count, for a median round)\n"
     )
+
+
+# ---- the GPU throughput benchmark (benchmarks/gpu_throughput.py) ----------------------------------------
+
+
+def gpu_throughput_run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    command = [
+        sys.executable,
+        str(BENCHMARKS / "gpu_throughput.py"),
+        *args,
+        "--json",
+        str(tmp_path / "r.json"),
+    ]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    return subprocess.run(command, capture_output=True, text=True, env=env)
+
+
+def test_the_gpu_benchmarks_arguments_are_checked_in_one_line_before_any_work(tmp_path):
+    refused = gpu_throughput_run(tmp_path, "--device", "gpu")
+    assert refused.returncode == 2 and not (tmp_path / "r.json").exists()
+    assert refused.stderr == "error: --device gpu is not a device; use cpu, cuda or cuda:N\n"
+    refused = gpu_throughput_run(tmp_path, "--device", "cpu", "--samples", "0")
+    assert refused.stderr == "error: --samples 0 runs nothing; give 1 or more\n"
+    assert gpu_throughput_run(tmp_path, "--size", "9b").returncode == 2  # argparse's choices
+
+
+def test_the_gpu_benchmark_runs_on_the_cpu_with_the_gpus_figures_null(tmp_path):
+    done = gpu_throughput_run(tmp_path, "--device", "cpu", "--size", "tiny", "--samples", "6")
+    assert done.returncode == 0, done.stderr[-2000:]
+    row = json.loads((tmp_path / "r.json").read_text())
+    assert (row["device"], row["size"], row["samples"]) == ("cpu", "tiny", 6)
+    assert row["samples_per_s"] > 0 and row["workload_tflop_per_sample"] > 0
+    for gpu_only in ("kernel_time_share", "measured_matmul_peak_tflops", "datasheet_bf16_tflops"):
+        assert row[gpu_only] is None
+    assert row["limit_samples_per_s"] == {"datasheet": None, "measured_matmul_peak": None}
+    assert row["share_of_limit"] == {"datasheet": None, "measured_matmul_peak": None}
+    assert set(row["split_s"]) == {"vision", "prefill_steps", "decode_steps"}
+    assert sum(row["split_flops_share"].values()) == pytest.approx(1, abs=1e-3)
+    assert row["split_steps"]["prefill"] >= 1 and row["split_steps"]["decode"] >= 63  # 64 new tokens each
+    assert (row["engine"]["cuda_graphs"], row["engine"]["overlap"]) == (False, False)
+
+
+def test_a_gpus_datasheet_is_found_by_its_name(benchmark):
+    datasheet = benchmark("gpu_throughput").datasheet
+    assert datasheet("NVIDIA H100 80GB HBM3") == (989e12, 3.35e12)
+    assert datasheet("NVIDIA H100 PCIe") == (756e12, 2.0e12)
+    assert datasheet("NVIDIA H200") == (989e12, 4.8e12)
+    assert datasheet("NVIDIA A10") is None
+
+
+def test_kernel_time_is_the_union_of_the_traces_kernels(benchmark):
+    timing = benchmark("step_timing")
+    trace = {
+        "traceEvents": [
+            {"cat": "kernel", "ph": "X", "ts": 0, "dur": 10},
+            {"cat": "kernel", "ph": "X", "ts": 5, "dur": 10},  # overlaps the first: counted once
+            {"cat": "kernel", "ph": "X", "ts": 30, "dur": 5},
+            {"cat": "gpu_memcpy", "ph": "X", "ts": 40, "dur": 100},  # a copy, not a kernel
+            {"cat": "cpu_op", "ph": "X", "ts": 0, "dur": 1000},
+        ]
+    }
+    intervals = timing.kernel_intervals(trace)
+    assert len(intervals) == 3
+    assert timing.busy_seconds(intervals) == pytest.approx(20e-6)

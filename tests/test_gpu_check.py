@@ -133,3 +133,10 @@ def test_the_fused_kernels_benchmark_is_skipped_on_the_cpu_in_one_line(gpu_check
         == "fused_elementwise.py times Triton kernels on a CUDA device: no CUDA device here"
     )
     assert "fused_elementwise" in [name for name, _ in gpu_check.STAGES]
+
+
+def test_optional_stages_run_only_when_named(gpu_check, monkeypatch):
+    names = [name for name, _ in gpu_check.chosen_stages()]
+    assert "gpu_throughput_2b" in names and not set(names) & gpu_check.OPTIONAL
+    monkeypatch.setenv("GPU_CHECK_STAGES", "gpu_throughput_7b")
+    assert [name for name, _ in gpu_check.chosen_stages()] == ["gpu_throughput_7b"]

@@ -35,6 +35,11 @@ class TinySize:
     merged_patches: tuple[int, int]  # Qwen: fewest and most merged patches per image (pixel limits)
     clip_image_size: int  # LLaVA: the square crop side
     tile_size: int  # Idefics3: the tile side (an even number of 14-pixel patches, for the pixel shuffle)
+    # Qwen2-VL-2B shares its input embedding with its output head
+    tied_embeddings: bool = False
+    # The locally trained tokenizer's vocabulary; the model's may be larger (ids no text reaches), since
+    # training a BPE to a real model's 151,936 tokens would take minutes on the small text it learns from
+    tokenizer_vocab: int | None = None
 
     @property
     def head_dim(self) -> int:
@@ -97,6 +102,42 @@ SIZES = {
         merged_patches=(4, 1024),
         clip_image_size=336,
         tile_size=364,
+    ),
+    # The real Qwen2-VL-2B and -7B (Qwen/Qwen2-VL-2B-Instruct's and -7B-Instruct's config.json: 1,536 and
+    # 3,584 wide, 28 layers, 12 heads over 2 KV heads and 28 over 4; the same vision tower, 32 blocks of
+    # 1,280 with 16 heads; vocabularies of 151,936 and 152,064, the 2B's tied), random weights, for GPU
+    # benchmarks at the real sizes; the image processor's pixel limits are the real ones (3,136 to
+    # 12,845,056 pixels). About 2.2B and 8.3B parameters.
+    "2b": TinySize(
+        vocab_size=151936,
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_layers=28,
+        num_heads=12,
+        num_kv_heads=2,
+        vit_depth=32,
+        vit_dim=1280,
+        vit_heads=16,
+        merged_patches=(4, 16384),
+        clip_image_size=336,
+        tile_size=364,
+        tied_embeddings=True,
+        tokenizer_vocab=32768,
+    ),
+    "7b": TinySize(
+        vocab_size=152064,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_layers=28,
+        num_heads=28,
+        num_kv_heads=4,
+        vit_depth=32,
+        vit_dim=1280,
+        vit_heads=16,
+        merged_patches=(4, 16384),
+        clip_image_size=336,
+        tile_size=364,
+        tokenizer_vocab=32768,
     ),
 }
 
@@ -191,7 +232,20 @@ def _save_model(
     model.save_pretrained(out)
 
 
-def _build_qwen(out: Path, family: str, spec: TinySize, seed: int, sharpness: float) -> None:
+@dataclass
+class QwenParts:
+    """What a Qwen-VL checkpoint is made of besides its weights."""
+
+    config: object
+    model_class: type
+    processor: object
+    eos: list[int]
+    endoftext: int
+
+
+def qwen_parts(family: str, spec: TinySize, seed: int) -> QwenParts:
+    """The config, model class, and processor (tokenizer, image processor, chat template) of a checkpoint of
+    `family` at `spec`'s sizes."""
     from transformers import (
         Qwen2_5_VLConfig,
         Qwen2_5_VLForConditionalGeneration,
@@ -211,7 +265,7 @@ def _build_qwen(out: Path, family: str, spec: TinySize, seed: int, sharpness: fl
     }[family]
     is_qwen3 = family == "qwen3_vl"
     template = chat_templates.QWEN3_VL if is_qwen3 else chat_templates.QWEN2_VL
-    tokenizer = build_qwen_tokenizer(spec.vocab_size, seed, template)
+    tokenizer = build_qwen_tokenizer(spec.tokenizer_vocab or spec.vocab_size, seed, template)
     ids = {tok: tokenizer.convert_tokens_to_ids(tok) for tok in QWEN_SPECIAL_TOKENS}
     vocab_size = max(spec.vocab_size, len(tokenizer))
     config = config_class(
@@ -221,11 +275,8 @@ def _build_qwen(out: Path, family: str, spec: TinySize, seed: int, sharpness: fl
         video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"],
-        **({"tie_word_embeddings": False} if is_qwen3 else {}),
+        tie_word_embeddings=spec.tied_embeddings,
     )
-    eos = [ids["<|im_end|>"], ids["<|endoftext|>"]]
-    endoftext = ids["<|endoftext|>"]
-    _save_model(model_class, config, seed, out, eos, endoftext, endoftext, sharpness)
     merged = (32 if is_qwen3 else 28) ** 2  # pixels of one merged patch
     normalization = {"image_mean": [0.5] * 3, "image_std": [0.5] * 3} if is_qwen3 else {}
     image_processor = Qwen2VLImageProcessorPil(
@@ -241,7 +292,15 @@ def _build_qwen(out: Path, family: str, spec: TinySize, seed: int, sharpness: fl
     processor = IMAGE_ONLY_PROCESSORS[family](
         image_processor=image_processor, tokenizer=tokenizer, chat_template=template
     )
-    processor.save_pretrained(out)
+    eos = [ids["<|im_end|>"], ids["<|endoftext|>"]]
+    return QwenParts(config, model_class, processor, eos, ids["<|endoftext|>"])
+
+
+def _build_qwen(out: Path, family: str, spec: TinySize, seed: int, sharpness: float) -> None:
+    parts = qwen_parts(family, spec, seed)
+    endoftext = parts.endoftext
+    _save_model(parts.model_class, parts.config, seed, out, parts.eos, endoftext, endoftext, sharpness)
+    parts.processor.save_pretrained(out)
 
 
 def _build_llava(out: Path, spec: TinySize, seed: int, sharpness: float) -> None:

@@ -121,6 +121,31 @@ def load_model(
 ) -> LoadedModel:
     from transformers import AutoModelForImageTextToText
 
+    check_library_versions()  # the Python API's way in: before the model's files are read
+    family = model_family(read_model_type(path, trust_remote_code))
+    torch_device = device if isinstance(device, torch.device) else resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device)
+    if not any(Path(path).glob("*.safetensors")):
+        raise UserError(
+            f"model.path '{path}' has no .safetensors weights; convert the checkpoint to safetensors"
+        )
+    model = AutoModelForImageTextToText.from_pretrained(
+        path, dtype=torch_dtype, trust_remote_code=trust_remote_code, use_safetensors=True
+    )
+    return prepared_model(model.to(torch_device), path, family, torch_dtype, torch_device, trust_remote_code)
+
+
+def prepared_model(
+    model,
+    path: str,
+    family: ModelFamily,
+    torch_dtype: torch.dtype,
+    torch_device: torch.device,
+    trust_remote_code: bool = False,
+) -> LoadedModel:
+    """A model already in `torch_dtype` on `torch_device`, with batchvl's layer swaps and attention, and the
+    processor at `path`. Apart from `load_model` so that a model made on its device (the GPU benchmarks'
+    random weights) is handed over without a copy through the CPU."""
     from batchvl.layers.attention import PAGED_ATTENTION_NAME, register_paged_attention
     from batchvl.layers.fused_activation import fuse_mlp_activations
     from batchvl.layers.fused_projections import fuse_projections
@@ -134,18 +159,7 @@ def load_model(
         register_vision_attention,
     )
 
-    check_library_versions()  # the Python API's way in: before the model's files are read
-    family = model_family(read_model_type(path, trust_remote_code))
-    torch_device = device if isinstance(device, torch.device) else resolve_device(device)
-    torch_dtype = resolve_dtype(dtype, torch_device)
-    if not any(Path(path).glob("*.safetensors")):
-        raise UserError(
-            f"model.path '{path}' has no .safetensors weights; convert the checkpoint to safetensors"
-        )
-    model = AutoModelForImageTextToText.from_pretrained(
-        path, dtype=torch_dtype, trust_remote_code=trust_remote_code, use_safetensors=True
-    )
-    model.to(torch_device).eval()
+    model.eval()
     patch_convs_as_linear(model)
     fuse_mlp_activations(model)
     fuse_projections(model)

@@ -1,0 +1,61 @@
+"""A random-weight Qwen2-VL made where it runs: its weights allocated and initialised on the device, in the
+dtype it runs in, and handed to the engine as they are.
+
+`build_tiny_model` saves a checkpoint, which at the real sizes (`2b`, `7b`) means initialising billions of
+fp32 weights on the CPU and writing and reading gigabytes; a GPU benchmark at those sizes would spend its
+minutes there. Only the small files (config, tokenizer, processor) are written, so the folder is a model
+folder the job's planning reads like any other; the weights exist on the device alone.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from batchvl.demo.tiny_model import SIZES, qwen_parts
+from batchvl.errors import UserError
+
+FAMILY = "qwen2_vl"
+
+
+def build_on_device(
+    out_dir: str | Path, size: str, device: str, dtype: torch.dtype = torch.bfloat16, seed: int = 0
+):
+    """A `LoadedModel` of Qwen2-VL at `size` with seeded random weights made on `device` in `dtype`, and
+    its small files in out_dir."""
+    from batchvl.models.loader import prepared_model
+    from batchvl.models.registry import model_family
+
+    if size not in SIZES:
+        raise UserError(f"unknown size '{size}'; supported: {', '.join(SIZES)}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    parts = qwen_parts(FAMILY, SIZES[size], seed)
+    torch.manual_seed(seed)  # seeds the CUDA generators too: the device's initialisation is repeatable
+    torch_device = torch.device(device)
+    model = _constructed(parts, torch_device, dtype)
+    generation = model.generation_config
+    generation.eos_token_id, generation.pad_token_id, generation.bos_token_id = (
+        parts.eos,
+        parts.endoftext,
+        parts.endoftext,
+    )
+    parts.config.save_pretrained(out)
+    generation.save_pretrained(out)
+    parts.processor.save_pretrained(out)
+    return prepared_model(model, str(out), model_family(FAMILY), dtype, torch_device)
+
+
+def _constructed(parts, device: torch.device, dtype: torch.dtype):
+    """The model with every parameter and buffer created on `device` in `dtype` (the default device and
+    dtype while its layers are made, so nothing is allocated elsewhere first) and initialised there."""
+    with torch.device(device):
+        return parts.model_class._from_config(parts.config, dtype=dtype).eval()
+
+
+def parameter_count(size: str) -> int:
+    """Parameters of Qwen2-VL at `size`, counted on the meta device: shapes only, nothing allocated."""
+    parts = qwen_parts(FAMILY, SIZES[size], seed=0)
+    model = _constructed(parts, torch.device("meta"), torch.bfloat16)
+    return sum(p.numel() for p in model.parameters())

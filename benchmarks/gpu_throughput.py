@@ -1,0 +1,249 @@
+"""Captioning throughput at the real sizes on a GPU, against the workload's own limit.
+
+The model: Qwen2-VL at `--size 2b` or `7b` (the real configurations, vocabularies of 151,936 and 152,064),
+random weights made on the device in bf16 (`batchvl.demo.device_model`: no checkpoint written or read).
+The workload: `--samples` images (1,000 by default), each unique, 448x448 with every fifth one 896x672,
+one short prompt, 64 new tokens with EOS ignored, through a `batchvl run` job on the engine's default
+settings; a job of a few samples runs first, so that the kernels' first-use costs are outside the clock.
+
+One JSON row: samples/s (over the job's wall time); the workload's limit, its FLOPs (vision tower, prefill
+and decode, counted from the model's layers) and its memory traffic (each decode's KV reads and every
+token's KV write, and the decode weights read once a step for `max_num_seqs` sequences) against the
+datasheet's bf16 peak and bandwidth, and against the matmul peak measured here; the share of that limit
+reached; the GPU's kernel time over wall time on a window of steps (`step_timing.py` says how); and the split
+between vision (the vision calls' synchronized time), steps with prompt chunks, and steps of decodes only,
+in seconds and in FLOPs. The engine's settings and which fast paths were on are recorded with it.
+
+On a CPU (`--device cpu`, e.g. `--size tiny --samples 8`) the same runs, with the GPU's figures null.
+
+    python benchmarks/gpu_throughput.py --device cuda --size 2b [--samples 1000] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from batchvl_method import batchvl_job
+from flops import FlopCounter
+from matmul_probe import matmul_peak
+from PIL import Image
+from step_timing import StepTimer
+
+SIZES = ("tiny", "small", "2b", "7b")
+NEW_TOKENS = 64
+BASE_SIDE, LARGE = 448, (896, 672)  # 1,024 patches (256 image tokens); every fifth image 3,072
+LARGE_EVERY = 5
+WARMUP_SAMPLES = 16
+# bf16 dense FLOP/s and memory bytes/s from NVIDIA's datasheets, by a part of the name torch gives the
+# device, the more specific first
+DATASHEETS = [
+    ("H100 PCIe", 756e12, 2.0e12),
+    ("H100", 989e12, 3.35e12),  # SXM, "NVIDIA H100 80GB HBM3"
+    ("H200", 989e12, 4.8e12),
+]
+# The engine's fast paths: none is built yet; later runs record theirs, so that rows compare
+FAST_PATHS = {"cuda_graphs": False, "overlap": False}
+
+
+def datasheet(device_name: str) -> tuple[float, float] | None:
+    """(bf16 FLOP/s, bytes/s) of the GPU named, or None for one not in DATASHEETS (or a CPU)."""
+    for part, flops, bandwidth in DATASHEETS:
+        if part in device_name:
+            return flops, bandwidth
+    return None
+
+
+def write_images(folder: Path, samples: int, first: int = 0) -> list[tuple[int, int]]:
+    """One Parquet of `samples` unique images (keys from `first`) with their output budget; their sizes."""
+    rng = np.random.default_rng(first)
+    keys, images, sizes = [], [], []
+    for i in range(first, first + samples):
+        width, height = LARGE if i % LARGE_EVERY == LARGE_EVERY - 1 else (BASE_SIDE, BASE_SIDE)
+        # smooth random colours: unique (no encoder or prefix cache hits) and small as JPEG
+        coarse = Image.fromarray(rng.integers(0, 256, size=(16, 16, 3), dtype=np.uint8))
+        buffer = io.BytesIO()
+        coarse.resize((width, height), Image.BILINEAR).save(buffer, format="JPEG", quality=90)
+        keys.append(f"s{i}")
+        images.append(buffer.getvalue())
+        sizes.append((height, width))
+    folder.mkdir(parents=True)
+    budgets = [NEW_TOKENS] * samples
+    pq.write_table(pa.table({"key": keys, "image": images, "budget": budgets}), folder / "part-0.parquet")
+    return sizes
+
+
+def caption_job(root: Path, name: str, loaded, device: str, timer: StepTimer | None = None) -> dict:
+    """The job over `root/name`; its stats and its rows."""
+    from batchvl.pipeline.runner import run_job
+
+    model = {"path": loaded.path, "dtype": "bfloat16", "device": device}
+    job = batchvl_job(root / name, ["caption"], root / "out" / name, model)
+    with timer.installed() if timer else contextlib.nullcontext():
+        stats = run_job(job, loaded=loaded, show_progress=False).stats
+    paths = sorted((root / "out" / name).glob("*.parquet"))
+    rows = [row for path in paths for row in pq.read_table(path).to_pylist()]
+    return {"stats": stats, "rows": rows, "engine": job.engine}
+
+
+def workload_limits(counter: FlopCounter, rows: list[dict], patches: dict, max_num_seqs: int) -> dict:
+    """The workload's FLOPs by phase, and the bytes its decodes must move at the least (bf16)."""
+    flops = {"vision": 0.0, "prefill": 0.0, "decode": 0.0}
+    kv_bytes = 2 * counter.kv_values_per_token
+    weight_bytes = counter.lm_per_token + counter.head_per_token  # 2 FLOPs a token and 2 bytes per weight
+    moved = 0.0
+    for row in rows:
+        prompt, generated = row["num_prompt_tokens"], row["num_output_tokens"]
+        flops["vision"] += counter.image(patches[row["key"]])
+        flops["prefill"] += counter.prefill(0, prompt)
+        flops["decode"] += counter.decode(prompt, generated)
+        fed = max(generated - 1, 0)
+        keys_read = fed * prompt + fed * (fed + 1) / 2
+        moved += kv_bytes * (keys_read + prompt + fed) + weight_bytes * fed / max_num_seqs
+    return {"flops": flops, "bytes": moved}
+
+
+def measure(args, work: Path) -> dict:
+    from batchvl.demo.device_model import build_on_device
+    from batchvl.preprocess.qwen_vision import QwenVisionSpec, smart_resize
+
+    on_gpu = args.device != "cpu"
+    started = _clock(args.device)
+    loaded = build_on_device(work / "model", args.size, args.device)
+    build_s = _clock(args.device) - started
+    write_images(work / "warmup", min(WARMUP_SAMPLES, args.samples), first=args.samples)
+    sizes = write_images(work / "data", args.samples)
+    caption_job(work, "warmup", loaded, args.device)
+    timer = StepTimer(args.profile_after, args.profile_steps if on_gpu else 0)
+    run = caption_job(work, "data", loaded, args.device, timer)
+    stats, rows, engine = run["stats"], run["rows"], run["engine"]
+    ok = sum(row["status"] == "ok" for row in rows)
+    if ok != args.samples or len(rows) != args.samples:
+        errors = [row["error_message"] for row in rows if row["status"] != "ok"][:3]
+        raise SystemExit(f"{ok} of {args.samples} rows ok ({len(rows)} written), no rate: {errors}")
+
+    spec = QwenVisionSpec.from_image_processor(loaded.processor.image_processor)
+    patches = {}
+    for i, (height, width) in enumerate(sizes):
+        resized = smart_resize(height, width, spec.factor, spec.min_pixels, spec.max_pixels)
+        patches[f"s{i}"] = resized[0] * resized[1] // spec.patch_size**2
+    counter = FlopCounter(loaded.path)
+    work_done = workload_limits(counter, rows, patches, engine.max_num_seqs)
+    flops = work_done["flops"]
+    total_flops = sum(flops.values())
+    wall = stats["wall_s"]
+    samples_per_s = args.samples / wall
+    name = torch.cuda.get_device_name(args.device) if on_gpu else "cpu"
+    measured_peak = matmul_peak(torch.bfloat16, args.device, size=8192) if on_gpu else None
+    sheet = datasheet(name) if on_gpu else None
+
+    def limit(peak: float | None) -> float | None:
+        """Samples/s were the workload's FLOPs at `peak` and its bytes at the datasheet's bandwidth."""
+        if peak is None or sheet is None:
+            return None
+        return round(args.samples / max(total_flops / peak, work_done["bytes"] / sheet[1]), 1)
+
+    limits = {"datasheet": limit(sheet[0] if sheet else None), "measured_matmul_peak": limit(measured_peak)}
+    window = timer.window
+    return {
+        "device": name,
+        "size": args.size,
+        "dtype": "bfloat16",
+        "samples": args.samples,
+        "image_sizes": {
+            f"{BASE_SIDE}x{BASE_SIDE}": args.samples - args.samples // LARGE_EVERY,
+            f"{LARGE[0]}x{LARGE[1]}": args.samples // LARGE_EVERY,
+        },  # fmt: skip
+        "new_tokens": NEW_TOKENS,
+        "model_build_s": round(build_s, 2),
+        "wall_s": round(wall, 2),
+        "samples_per_s": round(samples_per_s, 3),
+        "samples_per_s_processing": round(args.samples / stats["processing_s"], 3),
+        "output_tokens_per_s": round(stats["output_tokens"] / wall, 1),
+        "workload_tflop_per_sample": round(total_flops / args.samples / 1e12, 4),
+        "workload_gb_moved_per_sample": round(work_done["bytes"] / args.samples / 1e9, 4),
+        "datasheet_bf16_tflops": sheet[0] / 1e12 if sheet else None,
+        "datasheet_bandwidth_tb_s": sheet[1] / 1e12 if sheet else None,
+        "measured_matmul_peak_tflops": round(measured_peak / 1e12, 1) if measured_peak else None,
+        "limit_samples_per_s": limits,
+        "share_of_limit": {
+            key: round(samples_per_s / value, 4) if value else None for key, value in limits.items()
+        },
+        "kernel_time_share": round(window["kernel_s"] / window["wall_s"], 4) if window else None,
+        "kernel_window": window,
+        "split_s": {
+            "vision": round(stats["encode_s"], 2),
+            "prefill_steps": round(timer.seconds["prefill"], 2),
+            "decode_steps": round(timer.seconds["decode"], 2),
+        },
+        "split_steps": timer.steps,
+        "engine_replicas": stats["engine_replicas"],  # the CPU's replicas' seconds are summed
+        "split_flops_share": {key: round(value / total_flops, 4) for key, value in flops.items()},
+        "input_wait_s": round(stats["input_wait_s"], 2),
+        "engine": {
+            "max_num_seqs": engine.max_num_seqs,
+            "max_num_batched_tokens": engine.max_num_batched_tokens,
+            "prefix_caching": engine.prefix_caching,
+            "kv_cache_mb": engine.kv_cache_mb,
+            **FAST_PATHS,
+        },
+    }
+
+
+def _clock(device: str) -> float:
+    """perf_counter once the device's queued work is done."""
+    import time
+
+    if device != "cpu":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def argument_problem(args) -> str | None:
+    """What is wrong with the arguments, in one line with its fix; None when nothing is."""
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
+        return f"--device {args.device} is not a device; use cpu, cuda or cuda:N"
+    if args.device != "cpu" and not torch.cuda.is_available():
+        return f"--device {args.device} but no CUDA device is available; use --device cpu"
+    if args.samples < 1:
+        return f"--samples {args.samples} runs nothing; give 1 or more"
+    return None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--device", default="cuda", help="cuda, cuda:N, or cpu (a trial: GPU figures null)")
+    parser.add_argument("--size", choices=SIZES, default="2b")
+    parser.add_argument("--samples", type=int, default=1000)
+    parser.add_argument(
+        "--profile-after", type=int, default=100, help="Engine steps before the kernel window"
+    )
+    parser.add_argument("--profile-steps", type=int, default=50, help="Engine steps in the kernel window")
+    parser.add_argument("--json", type=Path, help="Write the row here.")
+    args = parser.parse_args()
+    problem = argument_problem(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        raise SystemExit(2)
+    with tempfile.TemporaryDirectory(prefix="batchvl-gpu-throughput-") as folder:
+        row = measure(args, Path(folder))
+    print(json.dumps(row, indent=2))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(row, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""Where a job's engine time goes, for the GPU throughput benchmark: each language-model step's time by what
+it ran (a step with prompt chunks, or decodes only), and the GPU's kernel time over a window of steps.
+
+Kernel time is the sum of the CUDA kernels' own durations from torch's profiler (its CUDA activity, read by
+CUPTI on the GPU's clock), merged where kernels overlap, over a window of consecutive engine steps; its share
+is that over the window's wall time, the gaps between steps included (the GPU is idle there too). Neither
+the forwards' Python time nor CUDA events are used: a forward's wall time includes its launches, and events
+bracketing a step count the GPU's idle gaps inside it as busy. The profiler's own cost per launch makes the
+window's host work a little slower, so the share is if anything low.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import tempfile
+import time
+from pathlib import Path
+
+KERNEL = "kernel"  # a CUDA kernel's category in the profiler's trace (copies: gpu_memcpy, gpu_memset)
+
+
+class StepTimer:
+    """Installed around one job: times `ModelRunner.execute` per step by its chunks, and profiles steps
+    `profile_after` to `profile_after + profile_steps` of `Engine.step` (none where `profile_steps` is 0)."""
+
+    def __init__(self, profile_after: int = 0, profile_steps: int = 0):
+        self.profile_after, self.profile_steps = profile_after, profile_steps
+        self.seconds = {"prefill": 0.0, "decode": 0.0}  # steps with prompt chunks, steps of decodes only
+        self.steps = {"prefill": 0, "decode": 0}
+        self.engine_steps = 0
+        self.window: dict | None = None  # the profiled window's figures, once it is over
+        self._profiler = None
+        self._window_started = 0.0
+
+    @contextlib.contextmanager
+    def installed(self):
+        from batchvl.engine.engine import Engine
+        from batchvl.engine.model_runner import ModelRunner
+
+        step, execute = Engine.step, ModelRunner.execute
+        timer = self
+
+        def timed_step(engine):
+            timer._before_step()
+            try:
+                return step(engine)
+            finally:
+                timer._after_step()
+
+        def timed_execute(runner, chunks, *args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return execute(runner, chunks, *args, **kwargs)
+            finally:
+                # the runner's own test for a decode: one generated token
+                decodes_only = all(chunk.num_tokens == 1 and chunk.is_generated for chunk in chunks)
+                kind = "decode" if decodes_only else "prefill"
+                timer.seconds[kind] += time.perf_counter() - started  # the forward synchronizes
+                timer.steps[kind] += 1
+
+        Engine.step, ModelRunner.execute = timed_step, timed_execute
+        try:
+            yield self
+        finally:
+            Engine.step, ModelRunner.execute = step, execute
+            self._stop_profile()  # a run shorter than the window: what it covered
+
+    def _before_step(self) -> None:
+        if self.profile_steps and self.engine_steps == self.profile_after and self.window is None:
+            from torch.profiler import ProfilerActivity, profile
+
+            self._profiler = profile(activities=[ProfilerActivity.CUDA])
+            self._profiler.start()
+            self._window_started = time.perf_counter()
+
+    def _after_step(self) -> None:
+        self.engine_steps += 1
+        if self._profiler is not None and self.engine_steps == self.profile_after + self.profile_steps:
+            self._stop_profile()
+
+    def _stop_profile(self) -> None:
+        if self._profiler is None:
+            return
+        import torch
+
+        torch.cuda.synchronize()  # the window's last kernels are in it
+        self._profiler.stop()
+        wall = time.perf_counter() - self._window_started
+        steps = self.engine_steps - self.profile_after
+        with tempfile.TemporaryDirectory() as folder:
+            trace = Path(folder) / "trace.json"
+            self._profiler.export_chrome_trace(str(trace))
+            kernels = kernel_intervals(json.loads(trace.read_text()))
+        self._profiler = None
+        self.window = {
+            "steps": steps,
+            "wall_s": round(wall, 4),
+            "kernel_s": round(busy_seconds(kernels), 4),
+            "kernels": len(kernels),
+            "kernels_per_step": round(len(kernels) / max(steps, 1), 1),
+        }
+
+
+def kernel_intervals(trace: dict) -> list[tuple[float, float]]:
+    """(start, end) in microseconds of every CUDA kernel in a profiler's Chrome trace."""
+    return [
+        (event["ts"], event["ts"] + event["dur"])
+        for event in trace.get("traceEvents", [])
+        if event.get("cat") == KERNEL and event.get("ph") == "X"
+    ]
+
+
+def busy_seconds(intervals: list[tuple[float, float]]) -> float:
+    """Seconds covered by at least one interval (microseconds): kernels on two streams at once count once."""
+    busy, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            busy += end - max(start, reach)
+            reach = end
+    return busy / 1e6
