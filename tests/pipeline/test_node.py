@@ -83,6 +83,7 @@ def test_two_processes_write_every_row_once_equal_to_one_process(tmp_path, tiny_
     assert node.returncode == 0, node.stderr
     assert "done: 8 samples, 16 ok, 0 errors, 4 shard(s) written" in node.stdout
     assert "process 0 (cpu): " in node.stdout and "process 1 (cpu): " in node.stdout
+    assert "another run has it" not in node.stderr  # a sibling's shard is no notice: the node ran it
 
     assert output_rows(tmp_path / "two" / "out", 4) == output_rows(tmp_path / "one" / "out", 4)
     (stats,) = stats_files(tmp_path / "two")  # one file for the node, none of the processes' own
@@ -154,6 +155,8 @@ def test_a_process_killed_mid_run_is_named_and_a_rerun_gives_every_row_once(tmp_
     assert alive[0]["shards_committed"] >= 1  # the other one went on and committed its shards
     for shard in committed(tmp_path):  # what is committed is whole
         assert pq.read_table(tmp_path / "out" / f"{shard}.parquet").num_rows == SAMPLES * PROMPTS
+    # the dead one's claims were stale as soon as it died, and the one that finished removed them
+    assert list((tmp_path / "out" / "_batchvl" / "claims").iterdir()) == []
 
     again = batchvl(tmp_path, "--processes", "2")
     assert again.returncode == 0, again.stderr

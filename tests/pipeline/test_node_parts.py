@@ -2,13 +2,15 @@
 (`--gpus` on a machine that says it has GPUs), and how the processes' stats add up."""
 
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from batchvl.config import job_config_from_dict
-from batchvl.errors import UserError
+from batchvl.errors import ErrorBudgetExceeded, ProcessDied, UserError
 from batchvl.pipeline import node
+from batchvl.pipeline.ending import RunSummary
 from batchvl.pipeline.node_places import Place, node_places, process_config
 from batchvl.pipeline.node_stats import node_stats
 
@@ -142,3 +144,34 @@ def test_the_processes_counts_add_their_times_are_the_longest_and_each_keeps_its
         },
         {"device": "cuda:2", "exit_code": -9},  # died before it could say
     ]
+
+
+def ended(failures=None, reported=(True, True), errors=0):
+    outcome = node._Node(2)
+    outcome.ended = list(reported)
+    outcome.failures = failures or {}
+    stats = {"shards_committed": 3, "shards_total": 4, "shards_skipped": 0, "rows_not_committed": 0}
+    summary = RunSummary("out", "stats.json", {**stats, "ok": 10 - errors, "errors": errors, "skipped": 0})
+    cfg = SimpleNamespace(output=SimpleNamespace(max_error_rate=0.25))
+    return lambda: node._raise_unless_finished(
+        cfg, summary, outcome, ["cpu", "cpu"], [0, 1], node.NodeStop([])
+    )
+
+
+def test_a_mistake_found_while_reading_is_the_commands_one_line_exit_2():
+    with pytest.raises(UserError, match="^column 'key' is missing$"):
+        ended({1: ("column 'key' is missing", node.MISTAKE)}, (True, False))()
+
+
+def test_a_process_that_failed_is_named_with_its_error():
+    with pytest.raises(
+        ProcessDied, match=r"^process 1 \(cpu\) failed: RuntimeError: boom; the other"
+    ) as died:
+        ended({1: ("RuntimeError: boom", 1)}, (True, False))()
+    assert died.value.exit_code == 1 and died.value.summary.stats["shards_committed"] == 3
+
+
+def test_the_error_budget_is_held_over_the_nodes_rows():
+    ended(errors=2)()  # 2 of 10: within 0.25
+    with pytest.raises(ErrorBudgetExceeded):
+        ended(errors=3)()
