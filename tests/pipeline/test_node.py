@@ -16,6 +16,8 @@ import psutil
 import pyarrow.parquet as pq
 import pytest
 
+from batchvl.api import run as run_api
+from batchvl.errors import UserError
 from tests.conftest import output_rows, write_image_shards
 
 PROMPTS = 2
@@ -213,3 +215,13 @@ def test_a_job_the_launch_cannot_run_is_refused_before_any_process_starts(tmp_pa
     (line,) = result.stderr.strip().splitlines()
     assert "start their own processes: run them outside torchrun" in line
     assert not Path(tmp_path / "out" / "_batchvl" / "stats").exists()
+
+
+def test_the_api_runs_a_job_in_processes_too(tmp_path, tiny_model_dir, loaded_fp32, monkeypatch):
+    write_image_shards(tmp_path / "data", [2, 2])
+    (tmp_path / "job.yaml").write_text(job_yaml(tiny_model_dir))
+    with pytest.raises(UserError, match="with processes= or gpus= each loads its own"):
+        run_api(tmp_path / "job.yaml", processes=2, model=loaded_fp32)
+    results = run_api(tmp_path / "job.yaml", processes=2, progress=False)
+    assert results.dataset.num_rows == 8 and results.stats["samples"] == 4
+    assert [p["exit_code"] for p in results.stats["processes"]] == [0, 0]
