@@ -3,7 +3,8 @@ concurrent run of it, splitting the shards with its siblings through the claims.
 (`node.py`) through its pipe: ("samples", index, n) as samples finish, then ("ended", index, stats, why)
 once, with why None for a finished run, or (message, exit code) for a stop or the error budget; a run
 that failed says ("failed", index, message, exit code) and ends (with its traceback on stderr where the
-failure is not a mistake of the job's)."""
+failure is not a mistake of the job's). A process whose launcher is gone (killed) fails at its next
+message, its pipe broken, leaving its unfinished shards to the rerun as a killed run does."""
 
 from __future__ import annotations
 
@@ -59,6 +60,10 @@ def run_child(
     )
     for handler in logging.getLogger().handlers:
         handler.addFilter(SiblingClaims())
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()  # as the command sets it: transformers' notices are noise, N times over
+    hf_logging.disable_progress_bar()  # the launcher's bar is the node's one
     from batchvl.pipeline.runner import JobRunner
 
     counter = SampleCounter(messages, index)

@@ -190,6 +190,18 @@ def test_sigint_to_the_launcher_stops_every_process_and_keeps_the_finished_shard
         assert pq.read_table(tmp_path / "out" / f"{shard}.parquet").num_rows == SAMPLES * PROMPTS
 
 
+def test_the_processes_of_a_killed_launcher_end_instead_of_running_on_unwatched(tmp_path, tiny_model_dir):
+    long_job(tmp_path, tiny_model_dir, 8)
+    launcher = start(tmp_path, "--processes", "2")
+    wait_for(lambda: committed(tmp_path))
+    processes = psutil.Process(launcher.pid).children(recursive=True)
+    launcher.kill()
+    launcher.communicate()
+    _, alive = psutil.wait_procs(processes, timeout=5)  # each at its next message, its pipe broken
+    assert not alive
+    assert len(committed(tmp_path)) < 8
+
+
 @pytest.mark.parametrize(
     ("flags", "fragment"),
     [
