@@ -215,8 +215,9 @@ def _raise_unless_finished(cfg, summary: RunSummary, node: _Node, devices, codes
         dead = [_death(i, devices[i], codes[i], node) for i in range(len(devices)) if not node.ended[i]]
         if dead:
             committed = summary.stats["shards_committed"]
+            others = "no process finished" if len(dead) == len(devices) else "the other processes finished"
             raise ProcessDied(
-                f"{'; '.join(dead)}; the other processes finished ({committed} shard(s) committed); "
+                f"{'; '.join(dead)}; {others} ({committed} shard(s) committed); "
                 "rerun the same command to finish the job",
                 ProcessDied.EXIT_CODE,
                 summary,

@@ -175,3 +175,8 @@ def test_the_error_budget_is_held_over_the_nodes_rows():
     ended(errors=2)()  # 2 of 10: within 0.25
     with pytest.raises(ErrorBudgetExceeded):
         ended(errors=3)()
+
+
+def test_when_every_process_died_none_is_said_to_have_finished():
+    with pytest.raises(ProcessDied, match=r"\(cpu\) died with exit code 1; no process finished \(3 shard"):
+        ended({}, (False, False))()
