@@ -81,6 +81,13 @@ def check_node(cfg: JobConfig) -> None:
             "--gpus / --processes start one built-in engine per process; with engine.backend: openai the "
             "server spreads the work: run one batchvl against it"
         )
+    if cfg.output.overwrite:
+        # a process that comes to a shard its sibling has just written again cannot tell that rewrite from
+        # the old commit it is told to overwrite, and would write the shard again
+        raise UserError(
+            "--overwrite with --gpus / --processes would write again what the processes write: run "
+            "--overwrite once alone, or set output.dir to a new folder"
+        )
     if cfg.engine.vit_parallel != "none" or launched_world_size() > 1:
         raise UserError(
             "--gpus / --processes start their own processes: run them outside torchrun, without "

@@ -220,12 +220,21 @@ def test_wrong_node_flags_are_one_line_exit_2_before_any_work(tmp_path, tiny_mod
     assert not (tmp_path / "out").exists()
 
 
-def test_a_job_the_launch_cannot_run_is_refused_before_any_process_starts(tmp_path, tiny_model_dir):
+@pytest.mark.parametrize(
+    ("flags", "fragment"),
+    [
+        (["--set", "engine.vit_parallel=data"], "start their own processes: run them outside torchrun"),
+        (["--overwrite"], "--overwrite with --gpus / --processes would write again what the processes write"),
+    ],
+)
+def test_a_job_the_launch_cannot_run_is_refused_before_any_process_starts(
+    tmp_path, tiny_model_dir, flags, fragment
+):
     long_job(tmp_path, tiny_model_dir, 1)
-    result = batchvl(tmp_path, "--processes", "2", "--set", "engine.vit_parallel=data")
+    result = batchvl(tmp_path, "--processes", "2", *flags)
     assert result.returncode == 2
     (line,) = result.stderr.strip().splitlines()
-    assert "start their own processes: run them outside torchrun" in line
+    assert fragment in line, line
     assert not Path(tmp_path / "out" / "_batchvl" / "stats").exists()
 
 
