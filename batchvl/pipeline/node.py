@@ -134,6 +134,7 @@ class _Node:
 
     def __init__(self, size: int):
         self.runs: list[dict | None] = [None] * size
+        self.ended_at: list[float | None] = [None] * size
         self.ended: list[bool] = [False] * size
         self.failures: dict[int, tuple[str, int]] = {}
 
@@ -164,6 +165,7 @@ class _Node:
             bar.update(message[2])
         elif kind == "ended":
             self.runs[index], self.ended[index] = message[2], True
+            self.ended_at[index] = time.monotonic()
         else:
             self.failures[index] = (message[2], message[3])
         return True
@@ -200,7 +202,7 @@ def _bar(cfg: JobConfig, work: Work, show_progress: bool):
 
 def _summary(cfg, task, work: Work, node: _Node, devices, codes, stop: NodeStop, wall_s: float) -> RunSummary:
     zero = RunStats(task=str(task) if task else None).to_dict(EngineStats(), PoolStats(), DownloadStats())
-    stats = node_stats(zero, node.runs, devices, codes)
+    stats = node_stats(zero, node.runs, devices, codes, node.ended_at)
     stats["wall_s"] = round(wall_s, 3)
     stats["shards_total"] = work.num_task_shards
     stats["shards_skipped"] = work.num_task_shards - len(work.shards)

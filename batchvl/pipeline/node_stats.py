@@ -2,8 +2,9 @@
 own entry under "processes" (its device, how it ended, and how long it waited for input).
 
 Counts add (samples, rows, tokens, seconds spent in the engine or waiting, per-type and per-rank counts).
-The processes ran side by side, so the node's wall, model-load and processing times are the longest of
-theirs, and its rates are the summed counts over that processing time. What the launcher planned (the
+The processes ran side by side, so the node's wall and model-load times are the longest of theirs, its
+processing time runs from the first process's start of processing to the last one's end, and its rates
+are the summed counts over that time. What the launcher planned (the
 task's shards, those done before) is the node's, not a sum of the processes' views of it.
 """
 
@@ -16,9 +17,16 @@ THE_SAME = ("vit_parallel_ranks",)  # each process's own: 1, since a node's laun
 EACH_PROCESS = ("samples", "shards_committed", "input_wait_s", "input_wait_share", "preprocess_workers")
 
 
-def node_stats(zero: dict, runs: list[dict | None], devices: list[str], exit_codes: list[int | None]) -> dict:
-    """`runs[i]`: process i's stats (None: it died before it could say); `zero`: a run's stats that
-    counted nothing, so that every key is there when no process reported."""
+def node_stats(
+    zero: dict,
+    runs: list[dict | None],
+    devices: list[str],
+    exit_codes: list[int | None],
+    ended_at: list[float | None],
+) -> dict:
+    """`runs[i]`: process i's stats (None: it died before it could say), which reached the launcher at
+    `ended_at[i]` (its monotonic clock); `zero`: a run's stats that counted nothing, so that every key is
+    there when no process reported."""
     stats: dict = {}
     for run in [zero, *(run for run in runs if run is not None)]:
         for key, value in run.items():
@@ -31,6 +39,11 @@ def node_stats(zero: dict, runs: list[dict | None], devices: list[str], exit_cod
             elif isinstance(value, int | float | list) and not isinstance(value, bool):
                 stats[key] = add_counts(stats[key], value)
             # else: a name (mode, task, stopped_by), the same for every process
+    # the processes started processing at different times (each loads its model): the node processed from
+    # the first one's start to the last one's end
+    spans = [(end - run["processing_s"], end) for run, end in zip(runs, ended_at, strict=True) if run and end]
+    if spans:
+        stats["processing_s"] = round(max(end for _, end in spans) - min(start for start, _ in spans), 3)
     processing = max(stats.get("processing_s", 0.0), 1e-9)
     stats["samples_per_s"] = round(stats.get("samples", 0) / processing, 3)
     stats["output_tokens_per_s"] = round(stats.get("output_tokens", 0) / processing, 3)

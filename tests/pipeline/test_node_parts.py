@@ -116,13 +116,14 @@ def test_the_processes_counts_add_their_times_are_the_longest_and_each_keeps_its
         ],
         ["cuda:0", "cuda:1", "cuda:2"],
         [0, 0, -9],
+        [10.0, 12.0, None],  # the first processed from 6 to 10, the second from 10 to 12
     )
     assert (stats["samples"], stats["shards_committed"], stats["output_tokens"]) == (8, 4, 80)
     assert stats["errors_by_type"] == {"image_decode_error": 3, "x": 1}
     assert stats["encode_tokens_per_rank"] == [2, 4]
-    assert (stats["processing_s"], stats["wall_s"], stats["vit_parallel_ranks"]) == (4.0, 7.0, 1)
-    assert stats["samples_per_s"] == 2.0 and stats["output_tokens_per_s"] == 20.0
-    assert stats["input_wait_s"] == 4.0 and stats["input_wait_share"] == round(4.0 / (4.0 * 3), 4)
+    assert (stats["processing_s"], stats["wall_s"], stats["vit_parallel_ranks"]) == (6.0, 7.0, 1)
+    assert stats["samples_per_s"] == round(8 / 6, 3) and stats["output_tokens_per_s"] == round(80 / 6, 3)
+    assert stats["input_wait_s"] == 4.0 and stats["input_wait_share"] == round(4.0 / (6.0 * 3), 4)
     assert stats["processes"] == [
         {
             "device": "cuda:0",
