@@ -113,19 +113,34 @@ def run(
     overrides: Sequence[str] = (),
     model: LoadedModel | None = None,
     progress: bool = True,
+    processes: int | None = None,
+    gpus: int | str | None = None,
 ) -> Results:
     """Run a job (a `JobConfig`, a dict shaped like the job file, or a job file's path) and read its rows.
 
-    Relative paths in a dict resolve against the current folder. `overrides` are `--set` strings."""
+    Relative paths in a dict resolve against the current folder. `overrides` are `--set` strings.
+    `processes=N` or `gpus=N` ("all": every GPU) run N engine processes, as `batchvl run --processes N`
+    and `--gpus N` do; each loads the model itself."""
+    from batchvl.pipeline.node_places import node_places
+
+    places = node_places(processes, None if gpus is None else str(gpus))
     cfg = _job_config(job, overrides)
     if model is not None and os.path.realpath(model.path) != os.path.realpath(cfg.model.path):
         raise UserError(
             f"model= was loaded from '{model.path}' but the job's model.path is '{cfg.model.path}'; "
             "pass the same checkpoint, or leave model= out"
         )
+    if model is not None and places is not None:
+        raise UserError(
+            "model= is loaded in this process; with processes= or gpus= each loads its own: leave it out"
+        )
+    from batchvl.pipeline.node import run_node
     from batchvl.pipeline.runner import run_job
 
-    summary = run_job(cfg, loaded=model, show_progress=progress)
+    if places is None:
+        summary = run_job(cfg, loaded=model, show_progress=progress)
+    else:
+        summary = run_node(cfg, places, show_progress=progress)
     return Results(read_results(cfg), summary.stats, cfg.output.dir, cfg)
 
 

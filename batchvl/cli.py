@@ -95,6 +95,23 @@ def run(
             help="Under Slurm: after a clean stop on SIGUSR1 (time limit near), requeue this task.",
         ),
     ] = False,
+    gpus: Annotated[
+        str | None,
+        typer.Option(
+            "--gpus",
+            help="One engine process per GPU, N GPUs or all, splitting the job's shards.",
+            metavar="N|all",
+            show_default=False,
+        ),
+    ] = None,
+    processes: Annotated[
+        int | None,
+        typer.Option(
+            "--processes",
+            help="N engine processes on the job's model.device (on the CPU: N engines over its cores).",
+            show_default=False,
+        ),
+    ] = None,
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
     log_level: LogLevel = "warning",
 ) -> None:
@@ -102,14 +119,20 @@ def run(
     _setup_logging(log_level)
     from batchvl.commands.slurm import requeue_this_task
     from batchvl.config import load_job_config
+    from batchvl.pipeline.node import run_node
+    from batchvl.pipeline.node_places import node_places
     from batchvl.pipeline.runner import run_job
     from batchvl.pipeline.tasks import parse_task_slice, slurm_task_slice
 
+    places = node_places(processes, gpus)  # before the job is even read: a wrong flag is refused first
     overrides = [*(set_ or []), *(["output.overwrite=true"] if overwrite else [])]
     cfg = load_job_config(job_file, overrides)
     task = parse_task_slice(shard) if shard is not None else slurm_task_slice()
     try:
-        summary = run_job(cfg, show_progress=progress, task=task)
+        if places is None:
+            summary = run_job(cfg, show_progress=progress, task=task)
+        else:
+            summary = run_node(cfg, places, show_progress=progress, task=task)
     except JobEnded as ended:  # a stop or the error budget: the same report, then the reason and its code
         if ended.summary is not None:
             _echo_summary(ended.summary)
@@ -157,6 +180,16 @@ def _echo_summary(summary) -> None:
         )
     if s.get("rows_kept") or s.get("rows_dropped"):
         typer.echo(_kept_and_dropped(s["rows_kept"], s["rows_dropped"], "kept"))
+    for number, process in enumerate(s.get("processes", ())):
+        typer.echo(
+            f"process {number} ({process['device']}): "
+            + (
+                f"{process['samples']} samples, {process['shards_committed']} shard(s) written, "
+                f"waited {process['input_wait_s']} s for input"
+                if "samples" in process
+                else f"ended without its stats (exit code {process['exit_code']})"
+            )
+        )
     if s.get("rows_not_committed"):
         typer.echo(
             f"not committed: {s['rows_not_committed']} row(s) of unfinished shards, redone by the next run"

@@ -127,6 +127,13 @@ class ErrorBudgetExceeded(JobEnded):
     EXIT_CODE = 3
 
 
+class ProcessDied(JobEnded):
+    """One of a node's engine processes (`--gpus`, `--processes`) died (killed, out of memory) or failed:
+    the others finished, its unfinished shards are left for the rerun of the same command. Exit code 1."""
+
+    EXIT_CODE = 1
+
+
 class ServerGone(Exception):
     """The server backend's server stopped answering every request (after the retries, and restarts of a
     server batchvl launched): the run stops, and the requests it failed on are never written as rows."""

@@ -63,7 +63,9 @@ NOTHING = object()  # no prepared input was ready
 class JobRunner:
     """Runs a job's work: `work` plans it (by default, the task's uncommitted shards) and `commit` writes
     each complete shard (by default, as a new file); `mode` names the run in its stats, and only a
-    plain run ("run") is held to `output.max_error_rate`."""
+    plain run ("run") is held to `output.max_error_rate`. One process of a node's launch
+    (`pipeline/node.py`) counts its samples through `count_sample` and leaves the stats file to the
+    launcher (`write_stats=False`), which writes one for the node."""
 
     def __init__(
         self,
@@ -75,6 +77,8 @@ class JobRunner:
         work: Callable[[], Work] | None = None,
         commit: CommitStrategy | None = None,
         mode: str = "run",
+        count_sample: Callable[[], None] | None = None,
+        write_stats: bool = True,
     ):
         self.cfg = cfg
         self.loaded = loaded
@@ -84,6 +88,8 @@ class JobRunner:
         self.out = OutputDir.of(cfg.output)
         self.commit = commit  # None: write each shard as a new file, with the plan's fingerprint
         self.stats = RunStats(mode=mode, task=str(task) if task else None)
+        self.count_sample = count_sample
+        self.write_stats = write_stats
         self.downloads = DownloadStats()
         self.trimmer = HeapTrimmer()
         self.stop = StopRequests()
@@ -135,7 +141,8 @@ class JobRunner:
         stats["engine_replicas"] = engine.num_engines if engine else 1  # encode_s, forward_s summed over them
         stats["stopped_by"] = self.stop.signal_name or ("server_gone" if self.server_gone else None)
         stats.update(work.notes)
-        return RunSummary(self.out.url, write_run_stats(self.out, stats), stats)
+        path = write_run_stats(self.out, stats) if self.write_stats else ""
+        return RunSummary(self.out.url, path, stats)
 
     def _remove_left_behind(self) -> None:
         """Remove what killed runs left under `_batchvl/`: stale claims, and temp files of writers that
@@ -276,6 +283,8 @@ class JobRunner:
         bar and the stats alike."""
         self.stats.samples += 1
         bar.update(1)
+        if self.count_sample is not None:
+            self.count_sample()
 
     def _add_row(self, ledger: ShardLedger, shard: str, row: ResultRow) -> None:
         self.stats.record_row(row.status, row.error_type)

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from batchvl.errors import RowStatus
 
 
-def _add(a, b):
+def add_counts(a, b):
     if isinstance(a, list):  # per-rank counts: added rank by rank, the shorter padded with zeros
         longer, shorter = (a, b) if len(a) >= len(b) else (b, a)
         return [x + (shorter[i] if i < len(shorter) else 0) for i, x in enumerate(longer)]
@@ -25,7 +25,7 @@ class Counters:
     def __add__(self, other: Counters) -> Counters:
         if type(other) is not type(self):
             return NotImplemented
-        sums = {f.name: _add(getattr(self, f.name), getattr(other, f.name)) for f in fields(self)}
+        sums = {f.name: add_counts(getattr(self, f.name), getattr(other, f.name)) for f in fields(self)}
         return replace(self, **sums)
 
 
