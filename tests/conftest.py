@@ -186,6 +186,19 @@ output: {{dir: out}}
 """
 
 
+def caption_job_yaml(model_dir) -> str:
+    """A job file over `data/*.parquet` (key column `key`) with one caption prompt, in-process preprocessing,
+    written to `out`."""
+    return f"""
+model: {{path: {model_dir}, dtype: float32, device: cpu}}
+input: {{paths: ["data/*.parquet"], key_column: key}}
+prompts: [{{name: caption, text: Describe this image.}}]
+sampling: {{max_new_tokens: 4}}
+preprocess: {{workers: 0}}
+output: {{dir: out}}
+"""
+
+
 def video_bytes(num_frames: int, fps: int, height: int = 64, width: int = 96, seed: int = 0) -> bytes:
     """An mp4 clip whose frame i has mean brightness about 8 * i (so decoded frames can be identified)."""
     import io

@@ -18,7 +18,7 @@ from batchvl.config.checkpoint import checkpoint_identity
 from batchvl.outputs.commit import input_stamp_path, marker_path, read_input_stamp
 from batchvl.pipeline.runner import run_job
 from batchvl.storage.output_dir import LocalDir
-from tests.conftest import output_rows, write_image_shards
+from tests.conftest import caption_job_yaml, output_rows, write_image_shards
 from tests.test_cli import batchvl
 
 SHARD_SIZES = [2]
@@ -31,14 +31,7 @@ def job_dir(tmp_path, tiny_model_dir):
     """A job over a copy of the tiny model, which its tests change in place."""
     shutil.copytree(tiny_model_dir, tmp_path / "model")
     write_image_shards(tmp_path / "data", SHARD_SIZES)
-    (tmp_path / "job.yaml").write_text(f"""
-model: {{path: {tmp_path / "model"}, dtype: float32, device: cpu}}
-input: {{paths: ["data/*.parquet"], key_column: key}}
-prompts: [{CAPTION}]
-sampling: {{max_new_tokens: 4}}
-preprocess: {{workers: 0}}
-output: {{dir: out}}
-""")
+    (tmp_path / "job.yaml").write_text(caption_job_yaml(tmp_path / "model"))
     return tmp_path
 
 

@@ -13,7 +13,7 @@ from batchvl.inputs.stamps import input_stamp
 from batchvl.outputs.commit import read_input_stamp
 from batchvl.pipeline.runner import run_job
 from batchvl.storage.output_dir import LocalDir
-from tests.conftest import output_rows, png_bytes, random_image, write_image_shards
+from tests.conftest import caption_job_yaml, output_rows, png_bytes, random_image, write_image_shards
 
 CAPTION = "{name: caption, text: Describe this image.}"
 SHORT = "{name: short, text: One word.}"
@@ -22,14 +22,7 @@ SHORT = "{name: short, text: One word.}"
 @pytest.fixture
 def job_dir(tmp_path, tiny_model_dir):
     write_image_shards(tmp_path / "data", [2, 3])
-    (tmp_path / "job.yaml").write_text(f"""
-model: {{path: {tiny_model_dir}, dtype: float32, device: cpu}}
-input: {{paths: ["data/*.parquet"], key_column: key}}
-prompts: [{CAPTION}]
-sampling: {{max_new_tokens: 4}}
-preprocess: {{workers: 0}}
-output: {{dir: out}}
-""")
+    (tmp_path / "job.yaml").write_text(caption_job_yaml(tiny_model_dir))
     return tmp_path
 
 

@@ -2,37 +2,20 @@
 its own (tests/layers/triton_kernel_checks.py: the interpreter must be on before Triton is first imported,
 and on for this whole session it would give every CPU cache these kernels)."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from batchvl.layers import triton_attention
+from tests.layers.interpreter import run_interpreter_checks
 
 CHECKS = Path(__file__).with_name("triton_kernel_checks.py")
 
 
 @pytest.mark.timeout(900)  # its process of checks is itself limited to 600 s
 def test_the_kernels_equal_torchs_attention_and_the_engine_with_them_equals_generate():
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    command = [
-        sys.executable,
-        "-m",
-        "pytest",
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        "-p",
-        "no:randomly",
-        str(CHECKS),
-    ]
-    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
-    assert "13 passed" in done.stdout and "skipped" not in done.stdout, done.stdout[-2000:]
+    run_interpreter_checks(CHECKS, 13, timeout_s=600)
 
 
 def test_the_kernels_are_for_cuda_caches_or_the_interpreter(monkeypatch):

@@ -2,36 +2,19 @@
 (tests/layers/triton_elementwise_checks.py; the interpreter must be on before Triton is first imported),
 and compiled for a Hopper GPU, which checks what only the compiler does."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from batchvl.layers import triton_elementwise
+from tests.layers.interpreter import run_interpreter_checks
 
 CHECKS = Path(__file__).with_name("triton_elementwise_checks.py")
 
 
 @pytest.mark.timeout(600)
 def test_the_kernels_equal_transformers_modules_under_the_interpreter():
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    command = [
-        sys.executable,
-        "-m",
-        "pytest",
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        "-p",
-        "no:randomly",
-        str(CHECKS),
-    ]
-    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=500)
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
-    assert "33 passed" in done.stdout and "skipped" not in done.stdout, done.stdout[-2000:]
+    run_interpreter_checks(CHECKS, 33, timeout_s=500)
 
 
 def test_the_module_imports_without_triton():
