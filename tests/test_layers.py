@@ -190,9 +190,33 @@ def benchmarks_graph() -> dict[str, set[str]]:
     return graph
 
 
-def test_no_import_cycle_in_the_package_or_the_benchmarks():
+def tests_graph() -> dict[str, set[str]]:
+    """The test modules and their helpers, which import each other as `tests.x`."""
+    tests = Path(__file__).parent
+    modules = {
+        ".".join(path.relative_to(tests.parent).with_suffix("").parts): path for path in tests.rglob("*.py")
+    }
+    graph = {}
+    for name, path in modules.items():
+        uses = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.ImportFrom)
+                and not node.level
+                and (node.module or "").startswith("tests")
+            ):
+                submodules = {f"{node.module}.{alias.name}" for alias in node.names} & set(modules)
+                uses |= submodules or {node.module}
+            elif isinstance(node, ast.Import):
+                uses |= {alias.name for alias in node.names if alias.name in modules}
+        graph[name.removesuffix(".__init__")] = uses
+    return graph
+
+
+def test_no_import_cycle_in_the_package_the_benchmarks_or_the_tests():
     assert import_cycle(package_graph()) == []
     assert import_cycle(benchmarks_graph()) == []
+    assert import_cycle(tests_graph()) == []
 
 
 def test_a_cycle_of_any_length_is_found():
