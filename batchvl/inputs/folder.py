@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator
 from batchvl.config import InputConfig
 from batchvl.errors import SampleError, UserError
 from batchvl.inputs.paths import glob_base, relative_id, resolve_under_root
+from batchvl.inputs.stamps import folder_stamp
 from batchvl.inputs.types import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, MediaRef, Sample, ShardEnd, ShardInfo
 from batchvl.storage import layout
 from batchvl.storage.output_dir import OutputDir
@@ -125,7 +126,13 @@ class FolderSource:
             raise RuntimeError(f"could not record the shards of {folder}: they kept changing while listed")
         shards = {**recorded, **proposed}
         return [
-            ShardInfo(f"{name}/part-{number:05d}", folder, len(members), members)
+            ShardInfo(
+                f"{name}/part-{number:05d}",
+                folder,
+                len(members),
+                members,
+                stamp=folder_stamp(folder, members),
+            )
             for number, members in sorted(shards.items())
         ]
 

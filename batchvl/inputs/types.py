@@ -35,7 +35,7 @@ class ShardInfo:
     num_rows: int | None  # None where only reading the shard tells (tar files)
     members: tuple[str, ...] = ()  # `folder` input: the files of this shard, relative to `path`
     columns: tuple[str, ...] | None = None  # table inputs: the column names (None: known only by reading)
-    # The input file's version as listed (`stamps.py`; None: `folder` input, whose shards are file lists)
+    # The input's version as listed (`stamps.py`: a file's, or a `folder` shard's files'; None: not known)
     stamp: dict | None = field(default=None, hash=False)
 
 

@@ -39,6 +39,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchvl.errors import UserError
+from batchvl.inputs.stamps import stamps_match
 from batchvl.outputs.writers import ResultRow, output_name, output_path, parquet_bytes
 from batchvl.storage import layout
 from batchvl.storage.output_dir import OutputDir
@@ -131,7 +132,8 @@ def commit_state(
     marker = read_marker(out, shard)
     if marker is None:
         return CommitState.MISSING, None
-    if stamp is not None and read_input_stamp(out, shard) not in (None, stamp):
+    recorded = read_input_stamp(out, shard) if stamp is not None else None
+    if recorded is not None and not stamps_match(recorded, stamp):
         return CommitState.INPUT_CHANGED, marker
     return (CommitState.DONE if marker.fingerprint == fingerprint else CommitState.STALE), marker
 

@@ -3,6 +3,7 @@ an output folder over the input or not writable, a shard without the job's colum
 shard has. Folder shards stay put when files are added. `validate` and `run` refuse the same things."""
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -100,6 +101,34 @@ def test_adding_files_to_a_folder_job_captions_each_new_file_once(tmp_path, tiny
     os.remove(photos / "b.png")  # a file of a committed shard: its rows stay, and status says so
     text = format_status(job_status(cfg), "job.yaml")
     assert "1 input file(s) of recorded shards are gone" in text and "shards: 4 of 4 done" in text
+
+
+def test_an_image_replaced_under_its_name_in_a_folder_job_reruns_its_shard_whole(
+    tmp_path, tiny_model_dir, loaded_fp32
+):
+    photos = tmp_path / "photos"
+    write_images(photos, [f"{c}.png" for c in "bcde"])
+    cfg = config(tmp_path, tiny_model_dir, ["photos"], format="folder", input={"files_per_shard": 2})
+    run_job(cfg, loaded=loaded_fp32, show_progress=False)
+    (photos / "d.png").write_bytes(png_bytes(random_image(30, 40, seed=99)))  # another image, same name
+    os.utime(photos / "d.png", ns=(10**18, 10**18))  # a time of its own, whatever the clock's resolution
+    os.remove(photos / "b.png")  # a file gone from a committed shard: its rows stay, its shard is done
+
+    summary = run_job(cfg, loaded=loaded_fp32, show_progress=False)
+    assert (summary.stats["shards_skipped"], summary.stats["shards_committed"]) == (1, 1)
+    # the shard run again equals a fresh run over its files as they are now
+    fresh_photos = tmp_path / "fresh" / "photos"
+    fresh_photos.mkdir(parents=True)
+    for name in ("d.png", "e.png"):
+        shutil.copy(photos / name, fresh_photos / name)
+    fresh = config(
+        tmp_path / "fresh", tiny_model_dir, ["photos"], format="folder", input={"files_per_shard": 2}
+    )
+    run_job(fresh, loaded=loaded_fp32, show_progress=False)
+    rows = pq.read_table(tmp_path / "out" / "photos" / "part-00001.parquet").drop_columns(["latency_s"])
+    expected = pq.read_table(fresh_photos.parent / "out" / "photos" / "part-00000.parquet")
+    assert rows.to_pylist() == expected.drop_columns(["latency_s"]).to_pylist()
+    assert run_job(cfg, loaded=loaded_fp32, show_progress=False).stats["shards_skipped"] == 2
 
 
 def test_output_dir_over_among_or_inside_the_input_is_refused(tmp_path, tiny_model_dir):
