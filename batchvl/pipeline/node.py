@@ -23,8 +23,6 @@ import signal
 import time
 from multiprocessing.connection import Connection, wait
 
-from tqdm.auto import tqdm
-
 from batchvl.config import JobConfig
 from batchvl.engine.device.placement import launched_world_size
 from batchvl.engine.stats import EngineStats
@@ -37,6 +35,7 @@ from batchvl.pipeline.node_child import run_child
 from batchvl.pipeline.node_places import Place, process_config
 from batchvl.pipeline.node_stats import node_stats
 from batchvl.pipeline.plan import Work, job_work
+from batchvl.pipeline.runner import samples_bar
 from batchvl.pipeline.tasks import TaskSlice
 from batchvl.preprocess.pool import PoolStats
 from batchvl.storage.output_dir import OutputDir
@@ -111,7 +110,8 @@ def run_node(
         processes.append(context.Process(target=run_child, args=(place.index, child, task, level, writer)))
         readers.append((reader, writer))
     node = _Node(len(places))
-    with NodeStop(processes) as stop, _bar(cfg, work, show_progress) as bar:
+    ledger = ShardLedger(work.shards, work.selection, len(cfg.prompts))
+    with NodeStop(processes) as stop, samples_bar(ledger, work.shards, show_progress) as bar:
         for place, process, (_, writer) in zip(places, processes, readers, strict=True):
             if stop.requested:
                 break  # the rest are not started
@@ -186,18 +186,6 @@ def _sees_only(gpu: str | None):
             del os.environ["CUDA_VISIBLE_DEVICES"]
         else:
             os.environ["CUDA_VISIBLE_DEVICES"] = before
-
-
-def _bar(cfg: JobConfig, work: Work, show_progress: bool):
-    ledger = ShardLedger(work.shards, work.selection, len(cfg.prompts))
-    known = [ledger.samples_of(info) for info in work.shards]
-    return tqdm(
-        total=sum(known) if None not in known else None,
-        unit="sample",
-        disable=not show_progress,
-        dynamic_ncols=True,
-        smoothing=0,
-    )
 
 
 def _summary(cfg, task, work: Work, node: _Node, devices, codes, stop: NodeStop, wall_s: float) -> RunSummary:

@@ -18,8 +18,7 @@ from dataclasses import dataclass
 
 from batchvl.config import JobConfig
 from batchvl.errors import UserError
-
-MOST_WORKERS = 8  # as a single run's default (`preprocess/pool.default_workers`)
+from batchvl.preprocess.pool import default_workers
 
 
 @dataclass(frozen=True)
@@ -73,7 +72,7 @@ def process_config(cfg: JobConfig, place: Place, num_processes: int) -> JobConfi
     share = max(1, len(os.sched_getaffinity(0)) // num_processes)
     workers = cfg.preprocess.workers
     if workers is None:
-        workers = max(1, min(MOST_WORKERS, share // 2))
+        workers = default_workers(share)
     threads = cfg.engine.threads or max(1, share - workers)
     model = cfg.model if place.gpu is None else dataclasses.replace(cfg.model, device="cuda")
     return dataclasses.replace(

@@ -10,7 +10,7 @@ task's shards, those done before) is the node's, not a sum of the processes' vie
 
 from __future__ import annotations
 
-from batchvl.utils.stats import add_counts
+from batchvl.utils.stats import add_counts, add_rates
 
 SIDE_BY_SIDE = ("wall_s", "model_load_s", "processing_s")
 THE_SAME = ("vit_parallel_ranks",)  # each process's own: 1, since a node's launch refuses ViT-DP
@@ -44,10 +44,7 @@ def node_stats(
     spans = [(end - run["processing_s"], end) for run, end in zip(runs, ended_at, strict=True) if run and end]
     if spans:
         stats["processing_s"] = round(max(end for _, end in spans) - min(start for start, _ in spans), 3)
-    processing = max(stats.get("processing_s", 0.0), 1e-9)
-    stats["samples_per_s"] = round(stats.get("samples", 0) / processing, 3)
-    stats["output_tokens_per_s"] = round(stats.get("output_tokens", 0) / processing, 3)
-    stats["input_wait_share"] = round(stats.get("input_wait_s", 0.0) / (processing * len(runs)), 4)
+    add_rates(stats, len(runs))
     stats["processes"] = [
         {
             "device": device,

@@ -25,7 +25,7 @@ from batchvl.engine.parallel.vit_dp import DistributedContext
 from batchvl.engine.stats import EngineStats
 from batchvl.errors import ServerGone
 from batchvl.inputs.download import DownloadStats
-from batchvl.inputs.types import ShardEnd, ShardSkipped
+from batchvl.inputs.types import ShardEnd, ShardInfo, ShardSkipped
 from batchvl.models.loader import LoadedModel
 from batchvl.outputs.claims import Holder, ShardClaims
 from batchvl.outputs.dataset_card import DatasetCard
@@ -178,14 +178,7 @@ class JobRunner:
             self.claims,
             work.committed_elsewhere,
         )
-        known = [ledger.samples_of(info) for info in work.shards]
-        bar = tqdm(
-            total=sum(known) if None not in known else None,
-            unit="sample",
-            disable=not self.show_progress,
-            dynamic_ncols=True,
-            smoothing=0,  # the average since the start, as `samples_per_s` in the summary and stats
-        )
+        bar = samples_bar(ledger, work.shards, self.show_progress)
         feed = BackgroundIterator(pool, maxsize=max(4, workers * 2))
         started = time.perf_counter()
         try:
@@ -304,6 +297,18 @@ class JobRunner:
             self.card.shard_committed(state.info.shard, path)
             ledger.mark_committed(state.info.shard)
             self.claims.release(state.info.shard)
+
+
+def samples_bar(ledger: ShardLedger, shards: list[ShardInfo], show: bool) -> tqdm:
+    """The run's progress bar over the samples of `shards` (no total where a shard's count is unknown)."""
+    known = [ledger.samples_of(info) for info in shards]
+    return tqdm(
+        total=sum(known) if None not in known else None,
+        unit="sample",
+        disable=not show,
+        dynamic_ncols=True,
+        smoothing=0,  # the average since the start, as `samples_per_s` in the summary and stats
+    )
 
 
 def run_job(

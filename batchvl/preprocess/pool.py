@@ -59,8 +59,12 @@ def _init_worker(parent_pid: int, _worker_id: int) -> None:
         os._exit(1)
 
 
-def default_workers() -> int:
-    return max(1, min(8, (os.cpu_count() or 2) // 2))
+MOST_WORKERS = 8
+
+
+def default_workers(cores: int | None = None) -> int:
+    """Preprocessing workers for `cores` CPU cores (the machine's by default): half of them, at most 8."""
+    return max(1, min(MOST_WORKERS, (cores or os.cpu_count() or 2) // 2))
 
 
 @dataclass

@@ -264,12 +264,11 @@ class LocalDir(OutputDir):
     def remove_stale_temps(self, location: str) -> None:
         """Remove temp files of `location` left by killed runs on this host (their pid is gone)."""
         folder, name = os.path.split(location)
-        prefix = f".{name}{TEMP_INFIX}{socket.gethostname()}-"
         if not os.path.isdir(folder):
             return
         for entry in os.listdir(folder):
-            pid = entry.removeprefix(prefix)
-            if entry.startswith(prefix) and pid.isdigit() and not _pid_alive(int(pid)):
+            owned = OWNED_TEMP.fullmatch(entry)
+            if entry.startswith(f".{name}{TEMP_INFIX}") and _writer_is_gone(owned):
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(os.path.join(folder, entry))
 
@@ -289,9 +288,14 @@ def _is_dead_temp(name: str, modified: float | None) -> bool:
     owned = OWNED_TEMP.fullmatch(name)
     if owned is None and UNNAMED_TEMP.fullmatch(name) is None:
         return False  # not a temp file
-    if owned and owned["host"] == socket.gethostname() and not _pid_alive(int(owned["pid"])):
+    if _writer_is_gone(owned):
         return True
     return modified is not None and time.time() - modified > TEMP_MAX_AGE_S
+
+
+def _writer_is_gone(owned: re.Match | None) -> bool:
+    """Whether the temp file's writer (its `OWNED_TEMP` match) was a process of this host that is gone."""
+    return owned is not None and owned["host"] == socket.gethostname() and not _pid_alive(int(owned["pid"]))
 
 
 def _pid_alive(pid: int) -> bool:

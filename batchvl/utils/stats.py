@@ -34,6 +34,16 @@ def processing_seconds(run: dict) -> float:
     return run.get("processing_s", run.get("wall_s", 0) - run.get("model_load_s", 0))
 
 
+def add_rates(stats: dict, engines: int = 1) -> None:
+    """A run's rates from its counts, over its processing time: samples and output tokens a second, and
+    the share of the processing time its `engines` (each their own) waited for input, the part the input
+    pipeline can starve."""
+    processing = max(stats["processing_s"], 1e-9)
+    stats["samples_per_s"] = round(stats["samples"] / processing, 3)
+    stats["output_tokens_per_s"] = round(stats["output_tokens"] / processing, 3)
+    stats["input_wait_share"] = round(stats["input_wait_s"] / (processing * engines), 4)
+
+
 @dataclass
 class RunStats:  # not Counters: its mode and task name the run
     mode: str = "run"  # or "retry-failed"
@@ -80,11 +90,7 @@ class RunStats:  # not Counters: its mode and task name the run
             for f in fields(counters):
                 value = getattr(counters, f.name)
                 out[f.name] = dict(value) if isinstance(value, Counter) else copy.copy(value)
-        processing = max(self.processing_s, 1e-9)
-        out["samples_per_s"] = round(self.samples / processing, 3)
-        out["output_tokens_per_s"] = round(out["output_tokens"] / processing, 3)
-        # share of the processing time, the part the input pipeline can starve
-        out["input_wait_share"] = round(self.input_wait_s / processing, 4)
+        add_rates(out)
         for key in ("input_wait_s", "engine_s", "preprocess_s", "processing_s"):
             out[key] = round(out[key], 3)
         return out

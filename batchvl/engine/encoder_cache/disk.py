@@ -86,22 +86,16 @@ class EncoderDiskCache:
         data = encode_entry(self.key(content_hash), embedding)
         if not self._fits(len(data)):
             return
-        temporary = disk_layout.temporary_path(path)
         try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(temporary, "wb") as file:
-                file.write(data)
-            os.replace(temporary, path)
+            disk_layout.write_file(path, data)
         except IsADirectoryError:  # a folder where this one entry goes: the others can still be written
             logger.warning("encoder disk cache: %s is a folder, not an entry; not storing that image", path)
-            _remove(temporary)
             return
         except OSError as error:
             logger.warning(
                 "encoder disk cache: cannot write to %s (%s); not storing more", self.folder, error
             )
             self._can_write = False
-            _remove(temporary)
             return
         finally:
             self.seconds += time.perf_counter() - started

@@ -48,6 +48,21 @@ def temporary_path(path: str) -> str:
     return f"{path}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
 
 
+def write_file(path: str, data: bytes) -> None:
+    """Write `path` whole or not at all: under `temporary_path`, renamed into place (a reader opens no
+    file or a whole one). An OSError is raised with the temporary file removed."""
+    temporary = temporary_path(path)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(temporary, "wb") as file:
+            file.write(data)
+        os.replace(temporary, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.remove(temporary)
+        raise
+
+
 def refusal(folder: str) -> str | None:
     """Why the cache may not use `folder` (one line, with the fix), or None where it may: the folder is
     not there yet, or is marked as this cache's, or holds no file but the cache's own."""
@@ -168,15 +183,9 @@ def _read_marker(folder: str) -> str | None:
 
 
 def _write_marker(folder: str) -> None:
-    # Under a temporary name, renamed into place: a process starting beside this one reads the whole
-    # marker or none (and then this folder holds only the cache's files, which it adopts as well).
-    path = os.path.join(folder, MARKER)
-    temporary = temporary_path(path)
+    # Whole or not at all: a process starting beside this one reads the whole marker or none (and then
+    # this folder holds only the cache's files, which it adopts as well).
     try:
-        with open(temporary, "w", encoding="utf-8") as file:
-            file.write(MARKER_TEXT)
-        os.replace(temporary, path)
+        write_file(os.path.join(folder, MARKER), MARKER_TEXT.encode())
     except OSError as error:  # the cache never fails a job: its writes fail likewise and are logged
         logger.warning("encoder disk cache: cannot mark %s as its folder (%s)", folder, error)
-        with contextlib.suppress(OSError):
-            os.remove(temporary)

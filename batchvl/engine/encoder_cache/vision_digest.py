@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 import xxhash
 
-from batchvl.engine.encoder_cache.disk_layout import DIGESTS, temporary_path
+from batchvl.engine.encoder_cache.disk_layout import DIGESTS, write_file
 from batchvl.layers.native_kernels import native_ops
 from batchvl.version import __version__
 
@@ -66,15 +66,8 @@ def _recall(remembered: str, what: str) -> str | None:
 
 
 def _remember(remembered: str, what: str, digest: str) -> None:
-    temporary = temporary_path(remembered)
-    try:
-        os.makedirs(os.path.dirname(remembered), exist_ok=True)
-        with open(temporary, "w", encoding="ascii") as file:
-            file.write(f"{digest} {_check(what, digest)}")
-        os.replace(temporary, remembered)
-    except OSError:  # not remembered: computed again next time
-        with contextlib.suppress(OSError):
-            os.remove(temporary)
+    with contextlib.suppress(OSError):  # not remembered: computed again next time
+        write_file(remembered, f"{digest} {_check(what, digest)}".encode("ascii"))
 
 
 def _check(what: str, digest: str) -> str:
