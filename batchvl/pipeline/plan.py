@@ -85,9 +85,8 @@ def plan_job(cfg: JobConfig, task: TaskSlice | None = None, record: bool = False
     else:
         model_type = read_model_type(cfg.model.path, cfg.model.trust_remote_code)
         model_family(model_type)
-        check_replicas(
-            cfg.engine, process_device(cfg.model.device)
-        )  # refuses a GPU the machine does not have
+        # process_device refuses a GPU the machine does not have
+        check_replicas(cfg.engine, process_device(cfg.model.device))
     check_constraints(cfg)
     graph = PromptGraph.of(cfg.prompts)  # refuses a follow-up that uses itself, a later or an unknown prompt
     check_storage_options("input.storage_options", cfg.input.storage_options, cfg.input.paths)
