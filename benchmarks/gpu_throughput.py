@@ -4,7 +4,8 @@ The model: Qwen2-VL at `--size 2b` or `7b` (the real configurations, vocabularie
 random weights made on the device in bf16 (`batchvl.demo.device_model`: no checkpoint written or read).
 The workload: `--samples` images (1,000 by default), each unique, 448x448 with every fifth one 896x672,
 one short prompt, 64 new tokens with EOS ignored, through a `batchvl run` job on the engine's default
-settings; a job of a few samples runs first, so that the kernels' first-use costs are outside the clock.
+settings (the fused elementwise kernels with `--fused-kernels`); a job of a few samples runs first, so
+that the kernels' first-use costs are outside the clock.
 
 One JSON row: samples/s (over the job's wall time); the workload's limit, its FLOPs (vision tower, prefill
 and decode, counted from the model's layers) and its memory traffic (each decode's KV reads and every
@@ -16,7 +17,8 @@ in seconds and in FLOPs. The engine's settings and which fast paths were on are 
 
 On a CPU (`--device cpu`, e.g. `--size tiny --samples 8`) the same runs, with the GPU's figures null.
 
-    python benchmarks/gpu_throughput.py --device cuda --size 2b [--samples 1000] [--json PATH]
+    python benchmarks/gpu_throughput.py --device cuda --size 2b [--samples 1000] [--fused-kernels]
+        [--json PATH]
 """
 
 from __future__ import annotations
@@ -52,7 +54,8 @@ DATASHEETS = [
     ("H100", 989e12, 3.35e12),  # SXM, "NVIDIA H100 80GB HBM3"
     ("H200", 989e12, 4.8e12),
 ]
-# The engine's fast paths: none is built yet; later runs record theirs, so that rows compare
+# The engine's fast paths not built yet; later runs record theirs, so that rows compare. The fused kernels
+# are recorded as the model has them (`engine.fused_kernels`, ignored off CUDA).
 FAST_PATHS = {"cuda_graphs": False, "overlap": False}
 
 
@@ -119,7 +122,7 @@ def measure(args, work: Path) -> dict:
 
     on_gpu = args.device != "cpu"
     started = _clock(args.device)
-    loaded = build_on_device(work / "model", args.size, args.device)
+    loaded = build_on_device(work / "model", args.size, args.device, fused_kernels=args.fused_kernels)
     build_s = _clock(args.device) - started
     write_images(work / "warmup", min(WARMUP_SAMPLES, args.samples), first=args.samples)
     sizes = write_images(work / "data", args.samples)
@@ -196,8 +199,16 @@ def measure(args, work: Path) -> dict:
             "prefix_caching": engine.prefix_caching,
             "kv_cache_mb": engine.kv_cache_mb,
             **FAST_PATHS,
+            "fused_kernels": has_fused_kernels(loaded.adapter.model),
         },
     }
+
+
+def has_fused_kernels(model: torch.nn.Module) -> bool:
+    """Whether the model runs the fused elementwise kernels (its norms are the Triton ones)."""
+    from batchvl.layers.triton_modules import TritonRMSNorm
+
+    return any(isinstance(module, TritonRMSNorm) for module in model.modules())
 
 
 def _clock(device: str) -> float:
@@ -231,6 +242,12 @@ def main() -> None:
         "--profile-after", type=int, default=100, help="Engine steps before the kernel window"
     )
     parser.add_argument("--profile-steps", type=int, default=50, help="Engine steps in the kernel window")
+    parser.add_argument(
+        "--fused-kernels",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="RMSNorm, LayerNorm, SiLU*mul, QuickGELU and rotary as Triton kernels (engine.fused_kernels)",
+    )
     parser.add_argument("--json", type=Path, help="Write the row here.")
     args = parser.parse_args()
     problem = argument_problem(args)

@@ -146,7 +146,9 @@ def test_the_gpu_benchmarks_arguments_are_checked_in_one_line_before_any_work(tm
 
 
 def test_the_gpu_benchmark_runs_on_the_cpu_with_the_gpus_figures_null(tmp_path):
-    done = gpu_throughput_run(tmp_path, "--device", "cpu", "--size", "tiny", "--samples", "6")
+    done = gpu_throughput_run(
+        tmp_path, "--device", "cpu", "--size", "tiny", "--samples", "6", "--fused-kernels"
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     row = json.loads((tmp_path / "r.json").read_text())
     assert (row["device"], row["size"], row["samples"]) == ("cpu", "tiny", 6)
@@ -159,6 +161,18 @@ def test_the_gpu_benchmark_runs_on_the_cpu_with_the_gpus_figures_null(tmp_path):
     assert sum(row["split_flops_share"].values()) == pytest.approx(1, abs=1e-3)
     assert row["split_steps"]["prefill"] >= 1 and row["split_steps"]["decode"] >= 63  # 64 new tokens each
     assert (row["engine"]["cuda_graphs"], row["engine"]["overlap"]) == (False, False)
+    assert row["engine"]["fused_kernels"] is False  # asked for, but ignored off CUDA: recorded as run
+
+
+def test_the_gpu_benchmark_records_the_fused_kernels_as_the_model_has_them(benchmark):
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+
+    from batchvl.layers.triton_modules import TritonRMSNorm
+
+    has_fused_kernels = benchmark("gpu_throughput").has_fused_kernels
+    stock = torch.nn.Sequential(torch.nn.Linear(4, 4), Qwen2RMSNorm(4))
+    assert not has_fused_kernels(stock)
+    assert has_fused_kernels(torch.nn.Sequential(torch.nn.Linear(4, 4), TritonRMSNorm(stock[1])))
 
 
 def test_a_gpus_datasheet_is_found_by_its_name(benchmark):

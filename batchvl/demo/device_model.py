@@ -20,10 +20,15 @@ FAMILY = "qwen2_vl"
 
 
 def build_on_device(
-    out_dir: str | Path, size: str, device: str, dtype: torch.dtype = torch.bfloat16, seed: int = 0
+    out_dir: str | Path,
+    size: str,
+    device: str,
+    dtype: torch.dtype = torch.bfloat16,
+    seed: int = 0,
+    fused_kernels: bool = False,
 ):
-    """A `LoadedModel` of Qwen2-VL at `size` with seeded random weights made on `device` in `dtype`, and
-    its small files in out_dir."""
+    """A `LoadedModel` of Qwen2-VL at `size` with seeded random weights made on `device` in `dtype` (with
+    `fused_kernels`, on CUDA, its elementwise passes as Triton kernels), and its small files in out_dir."""
     from batchvl.models.loader import prepared_model
     from batchvl.models.registry import model_family
 
@@ -44,7 +49,8 @@ def build_on_device(
     parts.config.save_pretrained(out)
     generation.save_pretrained(out)
     parts.processor.save_pretrained(out)
-    return prepared_model(model, str(out), model_family(FAMILY), dtype, torch_device)
+    family = model_family(FAMILY)
+    return prepared_model(model, str(out), family, dtype, torch_device, fused_kernels=fused_kernels)
 
 
 def _constructed(parts, device: torch.device, dtype: torch.dtype):

@@ -43,9 +43,9 @@ def fused_linear(*linears: torch.nn.Linear) -> torch.nn.Linear:
 
 
 class GatedMLP(torch.nn.Module):
-    """`down_proj(act_fn(gate) * up)`, with gate and up from one fused layer. A SiLU MLP on the CPU takes
-    the activation and the product in one native pass (`native_kernels.silu_and_mul`, torch's SiLU
-    arithmetic and roundings), where the native kernels build."""
+    """`down_proj(act_fn(gate) * up)`, with gate and up from one fused layer. A SiLU MLP takes the activation
+    and the product in one pass where a kernel of torch's SiLU arithmetic and roundings runs: the native
+    one on the CPU, where it builds, or a GPU's Triton one (`fused_kernels` sets it)."""
 
     def __init__(self, stock: torch.nn.Module):
         super().__init__()
@@ -53,19 +53,26 @@ class GatedMLP(torch.nn.Module):
         self.gate_up_proj = fused_linear(stock.gate_proj, stock.up_proj)
         self.act_fn = stock.act_fn
         self.down_proj = stock.down_proj
-        self.native_silu = is_silu(stock.act_fn) and runs_natively(stock.gate_proj.weight)
+        native = is_silu(stock.act_fn) and runs_natively(stock.gate_proj.weight)
+        # (..., 2 * intermediate) -> (..., intermediate), or None: the eager ops
+        self.silu_and_mul = native_silu_and_mul if native else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if self.native_silu:
-            rows = gate_up.reshape(-1, 2 * self.intermediate_size)
-            activated = rows.new_empty((rows.shape[0], self.intermediate_size))
-            native_ops().silu_and_mul(activated, rows)
-            return self.down_proj(activated.view(*x.shape[:-1], self.intermediate_size))
+        if self.silu_and_mul is not None:
+            return self.down_proj(self.silu_and_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         # The product written over the activation's output: the same op on the same operands, one
         # (tokens x intermediate) tensor fewer per layer.
         return self.down_proj(self.act_fn(gate).mul_(up))
+
+
+def native_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """`silu(gate) * up` of a CPU gate/up output (..., 2 * I), gate first, by the native kernel: (..., I)."""
+    rows = gate_up.reshape(-1, gate_up.shape[-1])
+    activated = rows.new_empty((rows.shape[0], rows.shape[1] // 2))
+    native_ops().silu_and_mul(activated, rows)
+    return activated.view(*gate_up.shape[:-1], activated.shape[1])
 
 
 def is_silu(activation: torch.nn.Module) -> bool:
@@ -87,6 +94,9 @@ class FusedQKVAttention(torch.nn.Module):
         self.scaling = stock.scaling
         self.qkv_proj = fused_linear(stock.q_proj, stock.k_proj, stock.v_proj)
         self.o_proj = stock.o_proj
+        # queries and keys (T, heads + kv heads, D) and cos/sin (T, D) -> rotated; a GPU's in-place Triton
+        # kernel where `fused_kernels` sets it
+        self.rotate = apply_rotary_rows
 
     def forward(
         self,
@@ -99,7 +109,7 @@ class FusedQKVAttention(torch.nn.Module):
         heads, kv_heads = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(hidden_states).view(rows, heads + 2 * kv_heads, self.head_dim)
         cos, sin = (t[0] for t in position_embeddings)  # (1, T, D) -> (T, D)
-        rotated = apply_rotary_rows(qkv[:, : heads + kv_heads], cos, sin)
+        rotated = self.rotate(qkv[:, : heads + kv_heads], cos, sin)
         # (T, heads, D) -> (1, heads, T, D): the layout the attention function takes
         query = rotated[:, :heads].transpose(0, 1)[None]
         key = rotated[:, heads:].transpose(0, 1)[None]

@@ -43,6 +43,9 @@ class QwenVisionAttention(torch.nn.Module):
         self.proj = stock.proj
         self.num_heads = stock.num_heads
         self.scaling = stock.scaling
+        # queries and keys (S, 2, heads, D) and float32 cos/sin (S, D) -> rotated; a GPU's in-place Triton
+        # kernel where `fused_kernels` sets it
+        self.rotate = rotate_queries_and_keys
 
     def forward(
         self,
@@ -53,7 +56,7 @@ class QwenVisionAttention(torch.nn.Module):
     ) -> torch.Tensor:
         rows = hidden_states.shape[0]
         qkv = self.qkv(hidden_states).view(rows, 3, self.num_heads, -1)
-        rotated = rotate_queries_and_keys(qkv[:, :2], *position_embeddings)
+        rotated = self.rotate(qkv[:, :2], *position_embeddings)
         # (rows, heads, D) -> (1, heads, rows, D): the layout the attention function takes
         query, key, value = (t.transpose(0, 1)[None] for t in (rotated[:, 0], rotated[:, 1], qkv[:, 2]))
         out, _ = vision_attention.varlen_vision_attention(

@@ -8,9 +8,10 @@ outputs once. Each rounds where transformers' module rounds in the input's dtype
 rounded to bf16 is rounded here too), so bf16 outputs are the module's but for the order of a row's sums
 and the last bit of exp and rsqrt; float32 ones differ by about one float32 rounding step.
 
-They are not used by the engine yet: they are tested on CPU tensors by Triton's interpreter
-(TRITON_INTERPRET=1, tests/layers/triton_elementwise_checks.py) and timed against the eager ops by
-benchmarks/fused_elementwise.py on a GPU, which decides whether they pay.
+The engine runs them on CUDA with `engine.fused_kernels` (`fused_kernels` swaps them in). They are tested
+on CPU tensors by Triton's interpreter (TRITON_INTERPRET=1, tests/layers/triton_elementwise_checks.py)
+and timed against the eager ops by benchmarks/fused_elementwise.py on a GPU, which decides whether they
+pay.
 
 They are compiled without contracting a product and a sum into one fused multiply-add
 (`enable_fp_fusion=False`): eager, the product and the sum are two kernels, each rounded.

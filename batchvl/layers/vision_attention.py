@@ -2,8 +2,9 @@
 
 transformers hands a vision attention function the packed patches of all images plus `cu_seqlens` only
 when the implementation's name contains "flash"; under that name this function runs:
-- flash-attn's varlen kernel on CUDA when the package is installed, in fp16 or bf16 on Ampere or newer
-  (elsewhere, or once it has failed, the SDPA path below);
+- flash-attn's varlen kernel on CUDA when the package is installed, else torch's own flash varlen kernel
+  (`torch_flash_varlen`), in fp16 or bf16 on Ampere or newer (elsewhere, or once it has failed, the SDPA
+  path below);
 - in bf16 on a CPU with bf16 dot products, batchvl's native kernel, all sequences in one call
   (`cpu_attention.native_attention`);
 - otherwise attention on slices of the packed rows: consecutive sequences of equal length (images of one
@@ -32,6 +33,7 @@ from batchvl.layers.cpu_attention import (
     use_blocked_attention,
     use_native_attention,
 )
+from batchvl.layers.torch_flash_varlen import torch_varlen_function
 
 VISION_ATTENTION_NAME = "batchvl_flash_varlen"  # "flash" in the name makes transformers pass cu_seqlens
 BATCHED_VISION_ATTENTION_NAME = "batchvl_vision"  # towers that attend (B, H, N, D) batches of one size
@@ -54,18 +56,28 @@ def _flash_varlen_func():
     return flash_attn_varlen_func
 
 
+def _varlen_kernel() -> tuple[str, object] | None:
+    """(name, function) of the varlen kernel for CUDA: flash-attn's where installed, else torch's own."""
+    flash = _flash_varlen_func()
+    if flash is not None:
+        return "flash-attn", flash
+    own = torch_varlen_function()
+    return ("torch's flash varlen attention", own) if own is not None else None
+
+
 @functools.cache
 def _ampere_or_newer(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 8
 
 
 def _flash_takes(query: torch.Tensor) -> bool:
-    """Whether flash-attn runs this CUDA query. Its known refusals (fp32, GPUs before Ampere) are checked
-    before the call instead of raised in every layer; fp32 vision towers then run SDPA as without it."""
+    """Whether the varlen kernel runs this CUDA query. Its known refusals (fp32, GPUs before Ampere) are
+    checked before the call instead of raised in every layer; fp32 vision towers then run SDPA as without
+    it."""
     return (
         not _flash_refusals
         and query.dtype in FLASH_DTYPES
-        and _flash_varlen_func() is not None
+        and _varlen_kernel() is not None
         and _ampere_or_newer(query.device)
     )
 
@@ -74,7 +86,8 @@ def _flash_varlen(query, key, value, cu_seqlens, max_length, scaling):
     # (1, H, T, D) -> (T, H, D)
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
     cu = cu_seqlens.to(torch.int32)
-    out = _flash_varlen_func()(q, k, v, cu, cu, max_length, max_length, softmax_scale=scaling)
+    _, kernel = _varlen_kernel()
+    out = kernel(q, k, v, cu, cu, max_length, max_length, softmax_scale=scaling)
     return out[None]
 
 
@@ -167,7 +180,8 @@ def varlen_vision_attention(
             # A refusal not checked above (a head size, a build for other GPUs): said once, and SDPA
             # below from now on instead of the same failure in every layer.
             _flash_refusals.append(str(exc))
-            logger.warning("flash-attn failed on the vision tower (%s); using torch's SDPA instead", exc)
+            name, _ = _varlen_kernel()
+            logger.warning("%s failed on the vision tower (%s); using torch's SDPA instead", name, exc)
     if use_native_attention(query):
         # (1, H, T, D) views of (T, H, D) rows: the kernel reads and writes the rows' own layout
         q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))

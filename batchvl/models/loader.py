@@ -117,7 +117,11 @@ def load_processor(path: str, model_type: str, trust_remote_code: bool = False):
 
 
 def load_model(
-    path: str, dtype: str = "auto", device: str | torch.device = "auto", trust_remote_code: bool = False
+    path: str,
+    dtype: str = "auto",
+    device: str | torch.device = "auto",
+    trust_remote_code: bool = False,
+    fused_kernels: bool = False,
 ) -> LoadedModel:
     from transformers import AutoModelForImageTextToText
 
@@ -132,7 +136,9 @@ def load_model(
     model = AutoModelForImageTextToText.from_pretrained(
         path, dtype=torch_dtype, trust_remote_code=trust_remote_code, use_safetensors=True
     )
-    return prepared_model(model.to(torch_device), path, family, torch_dtype, torch_device, trust_remote_code)
+    return prepared_model(
+        model.to(torch_device), path, family, torch_dtype, torch_device, trust_remote_code, fused_kernels
+    )
 
 
 def prepared_model(
@@ -142,12 +148,15 @@ def prepared_model(
     torch_dtype: torch.dtype,
     torch_device: torch.device,
     trust_remote_code: bool = False,
+    fused_kernels: bool = False,
 ) -> LoadedModel:
-    """A model already in `torch_dtype` on `torch_device`, with batchvl's layer swaps and attention, and the
-    processor at `path`. Apart from `load_model` so that a model made on its device (the GPU benchmarks'
-    random weights) is handed over without a copy through the CPU."""
+    """A model already in `torch_dtype` on `torch_device`, with batchvl's layer swaps and attention (with
+    `fused_kernels`, on CUDA, its elementwise passes as Triton kernels), and the processor at `path`. Apart
+    from `load_model` so that a model made on its device (the GPU benchmarks' random weights) is handed
+    over without a copy through the CPU."""
     from batchvl.layers.attention import PAGED_ATTENTION_NAME, register_paged_attention
     from batchvl.layers.fused_activation import fuse_mlp_activations
+    from batchvl.layers.fused_kernels import use_fused_kernels
     from batchvl.layers.fused_projections import fuse_projections
     from batchvl.layers.packed_linear import pack_linear_weights
     from batchvl.layers.patch_embed import patch_convs_as_linear
@@ -167,6 +176,9 @@ def prepared_model(
     pack_linear_weights(model)
     if family.varlen_vision:
         use_own_vision_attention(model)
+    if fused_kernels and torch_device.type == "cuda":
+        # after the swaps above: the kernels go into the modules they made
+        logger.info("fused kernels: %s", use_fused_kernels(model))
     register_paged_attention()
     register_vision_attention()
     # Text attention goes through the engine's paged KV cache; a varlen vision tower attends over all

@@ -27,7 +27,8 @@ def load_job_model(cfg: JobConfig) -> tuple[LoadedModel, float]:
     started = time.perf_counter()
     m = cfg.model
     device = process_device(m.device)  # under torchrun, this rank's GPU
-    return load_model(m.path, m.dtype, device, m.trust_remote_code), time.perf_counter() - started
+    loaded = load_model(m.path, m.dtype, device, m.trust_remote_code, cfg.engine.fused_kernels)
+    return loaded, time.perf_counter() - started
 
 
 def builtin_engine_setup(

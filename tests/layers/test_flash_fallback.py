@@ -114,6 +114,7 @@ def test_a_missing_flash_attn_is_looked_for_once(monkeypatch):
 
     monkeypatch.delitem(sys.modules, "flash_attn", raising=False)
     monkeypatch.setattr(sys, "meta_path", [Finder, *sys.meta_path])
+    monkeypatch.setattr(vision_attention, "torch_varlen_function", lambda: None)  # a torch without its own
     tensors = packed(torch.bfloat16)
     outputs = [on_gpu(*tensors) for _ in range(3)]  # three layers
     assert looked == ["flash_attn"]

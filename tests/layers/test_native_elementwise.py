@@ -9,7 +9,7 @@ import torch
 from transformers.models.llama.modeling_llama import LlamaConfig, LlamaMLP
 from transformers.models.qwen2_vl.modeling_qwen2_vl import apply_rotary_pos_emb
 
-from batchvl.layers.fused_projections import GatedMLP
+from batchvl.layers.fused_projections import GatedMLP, native_silu_and_mul
 from batchvl.layers.native_kernels import native_ops
 from batchvl.layers.rms_norm import STOCK_RMS_NORMS, NativeRMSNorm, use_native_rms_norms
 from batchvl.layers.rotary import apply_rotary_rows
@@ -86,23 +86,25 @@ def test_a_silu_gated_mlp_on_the_native_kernel_equals_the_stock_one(dtype):
             dtype
         )
         fused = GatedMLP(stock)
-        assert fused.native_silu
+        assert fused.silu_and_mul is native_silu_and_mul
         x = (torch.randn(3, 7, 32) * 2).to(dtype)
         torch.testing.assert_close(fused(x), stock(x), **tolerance(dtype))
 
 
 def test_other_activations_and_devices_keep_torch_ops():
     gelu = LlamaMLP(LlamaConfig(hidden_size=32, intermediate_size=64, hidden_act="gelu_pytorch_tanh"))
-    assert not GatedMLP(gelu).native_silu
+    assert GatedMLP(gelu).silu_and_mul is None
     half = LlamaMLP(LlamaConfig(hidden_size=32, intermediate_size=64, hidden_act="silu")).half()
-    assert not GatedMLP(half).native_silu
+    assert GatedMLP(half).silu_and_mul is None
 
 
 def test_the_loader_uses_the_native_norms_and_silu(loaded_fp32):
     model = loaded_fp32.adapter.model
     names = {type(m).__name__ for m in model.modules()}
     assert "NativeRMSNorm" in names and not names & set(STOCK_RMS_NORMS)
-    assert all(layer.mlp.native_silu for layer in loaded_fp32.adapter.language_model.layers)
+    assert all(
+        layer.mlp.silu_and_mul is native_silu_and_mul for layer in loaded_fp32.adapter.language_model.layers
+    )
 
 
 def test_only_cpu_float_norms_are_replaced():

@@ -1,0 +1,70 @@
+"""`engine.fused_kernels`: on CUDA, a model's elementwise passes as one Triton kernel each
+(`triton_elementwise`), where eager PyTorch runs several kernels, each reading and writing the whole
+activation again: RMSNorm (seven or eight kernels eager), the MLP's SiLU(gate) * up, the vision towers'
+LayerNorm and QuickGELU, and the rotary embedding of queries and keys in batchvl's own attention modules
+(five to seven kernels per tensor eager). Each kernel rounds where the module it replaces rounds.
+
+Left eager: the residual add before each RMSNorm (transformers' decoder layer adds outside the norm, so
+fusing the two needs the layer rewritten), the rotary of Qwen3-VL's text attention (transformers' own
+module, which normalizes queries and keys between the projection and the rotation), GELU-tanh (SigLIP's
+and Qwen3-VL's vision MLPs, LLaVA's projector) and the bias before QuickGELU (see `TritonQuickGELU`).
+
+Applied by the loader on CUDA only; the tests apply it to CPU models under Triton's interpreter.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.activations import QuickGELUActivation
+
+from batchvl.layers import triton_elementwise
+from batchvl.layers.fused_projections import FusedQKVAttention, GatedMLP, is_silu
+from batchvl.layers.module_swap import replace_children
+from batchvl.layers.qwen_vision_attention import QwenVisionAttention
+from batchvl.layers.rms_norm import STOCK_RMS_NORMS
+from batchvl.layers.triton_modules import (
+    TritonLayerNorm,
+    TritonQuickGELU,
+    TritonRMSNorm,
+    replaces_layer_norm,
+)
+
+
+def rotate_text_rows(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`FusedQKVAttention.rotate` by the kernel, in place: queries and keys (T, heads, D) of the fused q/k/v
+    output, which nothing else reads."""
+    return triton_elementwise.rotary_(qk, cos.contiguous(), sin.contiguous())
+
+
+def rotate_vision_rows(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`QwenVisionAttention.rotate` by the kernel, in place, in float32 as transformers' vision towers
+    rotate (S, 2, heads, D) queries and keys."""
+    rows, pair, heads, dim = qk.shape
+    triton_elementwise.rotary_(qk.view(rows, pair * heads, dim), cos, sin, vision=True)
+    return qk
+
+
+def use_fused_kernels(model: torch.nn.Module) -> dict[str, int]:
+    """Swap in the kernels wherever the model has what they replace; how many of each were swapped."""
+    counts = {
+        "rms_norm": replace_children(
+            model, lambda child: type(child).__name__ in STOCK_RMS_NORMS, TritonRMSNorm
+        ),
+        "layer_norm": replace_children(model, replaces_layer_norm, TritonLayerNorm),
+        "quick_gelu": replace_children(
+            model, lambda child: type(child) is QuickGELUActivation, lambda _: TritonQuickGELU()
+        ),
+        "silu_and_mul": 0,
+        "rotary": 0,
+    }
+    for module in model.modules():
+        if isinstance(module, GatedMLP) and is_silu(module.act_fn):
+            module.silu_and_mul = triton_elementwise.silu_and_mul
+            counts["silu_and_mul"] += 1
+        elif isinstance(module, FusedQKVAttention):
+            module.rotate = rotate_text_rows
+            counts["rotary"] += 1
+        elif isinstance(module, QwenVisionAttention):
+            module.rotate = rotate_vision_rows
+            counts["rotary"] += 1
+    return counts

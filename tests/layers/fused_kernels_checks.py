@@ -1,0 +1,244 @@
+"""`engine.fused_kernels` run by Triton's interpreter on CPU tensors: each swapped module equals the
+transformers module it replaces on random inputs (the kernels' allowance: float32 within 1e-6 relative,
+bf16 within one rounding step), and a tiny model of each family with the swaps equals `generate` in
+float32 (tokens and logits, as the parity tests); in bf16 Qwen2-VL's, which has every kernel, is as close
+to the float32 model as transformers' own bf16 model is (as tests/engine/test_bf16_accuracy.py).
+
+The models are prepared as on CUDA: without the CPU's native kernels and oneDNN packing, whose swaps would
+take the modules first. Run in a process of their own with TRITON_INTERPRET=1 by
+tests/layers/test_fused_kernels.py."""
+
+import os
+
+import pytest
+import torch
+from transformers import AutoModelForImageTextToText
+from transformers.activations import ACT2FN, QuickGELUActivation
+from transformers.models.llama.modeling_llama import LlamaConfig, LlamaMLP
+from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+from transformers.models.qwen2_vl.modeling_qwen2_vl import apply_rotary_pos_emb, apply_rotary_pos_emb_vision
+
+from batchvl.config import EngineConfig
+from batchvl.demo.tiny_model import build_tiny_model
+from batchvl.engine.engine import Engine
+from batchvl.engine.request import EngineRequest
+from batchvl.engine.sampling.params import SamplingParams
+from batchvl.layers import fused_activation, packed_linear, triton_attention, triton_elementwise
+from batchvl.layers.fused_kernels import rotate_text_rows, rotate_vision_rows, use_fused_kernels
+from batchvl.layers.fused_projections import GatedMLP
+from batchvl.layers.native_kernels import DISABLE_VARIABLE, native_ops
+from batchvl.layers.rms_norm import STOCK_RMS_NORMS
+from batchvl.layers.triton_modules import TritonLayerNorm, TritonQuickGELU, TritonRMSNorm
+from batchvl.models.loader import load_model
+from batchvl.preprocess.prompts import PromptRenderer
+from tests.conftest import SHARPNESS, random_image
+from tests.engine.reference import EngineProbe, assert_matches_reference, make_case, run_cases
+from tests.engine.test_family_parity import prepare
+from tests.layers.triton_elementwise_checks import assert_close, random
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("run by test_fused_kernels.py, under Triton's interpreter", allow_module_level=True)
+
+DTYPES = [torch.float32, torch.bfloat16]
+ROWS = 13
+NEW_TOKENS = 4
+PROMPT = "Describe this image."
+# what each family has for the kernels to take: (RMSNorms, LayerNorms, QuickGELUs, SiLU MLPs, rotaries)
+SWAPPED = {
+    "qwen2_vl": (5, 5, 2, 2, 4),  # 2 text layers, 2 vision blocks, the merger's LayerNorm
+    "qwen2_5_vl": (10, 0, 0, 4, 4),  # its vision blocks' norms are RMSNorms, its vision MLPs SiLU-gated
+    "qwen3_vl": (9, 7, 0, 2, 2),  # q/k norms in its text attention, which keeps transformers' rotary
+    "llava": (5, 8, 3, 2, 2),  # CLIP with one layer more than it uses
+    "idefics3": (5, 5, 0, 2, 2),  # SigLIP's MLP is GELU-tanh
+}
+
+
+# --- each module against the one it replaces -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_rms_norm_equals_transformers(dtype):
+    stock = Qwen2RMSNorm(48, eps=1e-6)
+    stock.weight.data = random(48, dtype=dtype, seed=1)
+    x = random(ROWS, 48, dtype=dtype, seed=2)
+    assert_close(TritonRMSNorm(stock)(x), stock(x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_layer_norm_equals_torchs(dtype):
+    stock = torch.nn.LayerNorm(48, eps=1e-6).to(dtype)
+    stock.weight.data, stock.bias.data = random(48, dtype=dtype, seed=3), random(48, dtype=dtype, seed=4)
+    x = random(2, ROWS, 48, dtype=dtype, seed=5) * 3 + 1
+    expected = stock(x)
+    assert_close(TritonLayerNorm(stock)(x), expected, scale=expected.abs().amax(-1, keepdim=True))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_quick_gelu_equals_transformers(dtype):
+    x = random(ROWS, 40, dtype=dtype, seed=6) * 4
+    assert_close(TritonQuickGELU()(x), QuickGELUActivation()(x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_gated_mlp_with_the_silu_kernel_equals_transformers(dtype):
+    torch.manual_seed(0)
+    stock = LlamaMLP(LlamaConfig(hidden_size=32, intermediate_size=40, hidden_act="silu")).to(dtype)
+    fused = GatedMLP(stock)
+    fused.silu_and_mul = triton_elementwise.silu_and_mul
+    x = random(1, ROWS, 32, dtype=dtype, seed=7) * 2
+    gate, up = fused.gate_up_proj(x).split(40, dim=-1)
+    # the kernel's product against the MLP's, on the same projections (the fused linear's own rounding
+    # is another matter, checked by the fused projections' tests)
+    assert_close(fused.silu_and_mul(fused.gate_up_proj(x)), ACT2FN["silu"](gate) * up)
+    # and the whole MLP against transformers' (bf16: a value across a rounding boundary moves one step)
+    allowed = {"rtol": 2**-7, "atol": 1e-6} if dtype == torch.bfloat16 else {"rtol": 1e-6, "atol": 1e-6}
+    torch.testing.assert_close(fused(x), stock(x), **allowed)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_text_rotary_equals_transformers(dtype):
+    heads, kv_heads, dim = 4, 2, 16
+    qkv = random(ROWS, heads + 2 * kv_heads, dim, dtype=dtype, seed=8)
+    angles = random(ROWS, dim // 2, dtype=torch.float32, seed=9) * 20
+    cos, sin = (torch.cat([f, f], -1).to(dtype) for f in (angles.cos(), angles.sin()))
+    query, key = (p.transpose(0, 1)[None] for p in qkv[:, : heads + kv_heads].split([heads, kv_heads], 1))
+    expected_query, expected_key = apply_rotary_pos_emb(query, key, cos[None], sin[None])
+    rotated = qkv.clone()
+    rotate_text_rows(rotated[:, : heads + kv_heads], cos, sin)
+    assert_close(rotated[:, :heads].transpose(0, 1)[None], expected_query)
+    assert_close(rotated[:, heads : heads + kv_heads].transpose(0, 1)[None], expected_key)
+    assert torch.equal(rotated[:, heads + kv_heads :], qkv[:, heads + kv_heads :])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_vision_rotary_equals_transformers(dtype):
+    heads, dim = 3, 16
+    qkv = random(ROWS, 3, heads, dim, dtype=dtype, seed=10)
+    angles = random(ROWS, dim // 2, dtype=torch.float32, seed=11) * 20
+    cos, sin = (torch.cat([f, f], -1) for f in (angles.cos(), angles.sin()))
+    expected_query, expected_key = apply_rotary_pos_emb_vision(qkv[:, 0], qkv[:, 1], cos, sin)
+    rotated = qkv.clone()
+    rotate_vision_rows(rotated[:, :2], cos, sin)
+    assert_close(rotated[:, 0], expected_query)
+    assert_close(rotated[:, 1], expected_key)
+    assert torch.equal(rotated[:, 2], qkv[:, 2])
+
+
+# --- whole models ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def as_on_cuda():
+    """Models load with the swaps a CUDA device gets: no native kernels, no oneDNN packing. Attention
+    takes torch's path instead of its Triton kernels, checked elsewhere: the interpreter runs a kernel's
+    programs one by one, tens of milliseconds each, and these checks are about the other kernels."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(DISABLE_VARIABLE, "0")
+        patch.setattr(triton_attention, "takes", lambda layer: False)
+        patch.setattr(fused_activation, "fuse_mlp_activations", lambda model: 0)
+        patch.setattr(packed_linear, "pack_linear_weights", lambda model: 0)
+        native_ops.cache_clear()
+        yield
+    native_ops.cache_clear()
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    built = {}
+
+    def get(family: str):
+        if family not in built:
+            folder = tmp_path_factory.mktemp("models") / family
+            built[family] = build_tiny_model(folder, family=family, seed=0, sharpness=SHARPNESS)
+        return built[family]
+
+    return get
+
+
+def kernels_in(model: torch.nn.Module) -> tuple[int, ...]:
+    """What the model runs the kernels in, counted as SWAPPED counts them, from its modules."""
+    modules = list(model.modules())
+    return (
+        sum(isinstance(m, TritonRMSNorm) for m in modules),
+        sum(isinstance(m, TritonLayerNorm) for m in modules),
+        sum(isinstance(m, TritonQuickGELU) for m in modules),
+        sum(getattr(m, "silu_and_mul", None) is triton_elementwise.silu_and_mul for m in modules),
+        sum(getattr(m, "rotate", None) in (rotate_text_rows, rotate_vision_rows) for m in modules),
+    )
+
+
+def fused_model(family: str, path, dtype: str):
+    """The family's tiny model as loaded on CUDA, with the kernels swapped in where it has what they
+    replace, and none of the replaced modules left."""
+    loaded = load_model(str(path), dtype=dtype, device="cpu")
+    model = loaded.adapter.model
+    assert tuple(use_fused_kernels(model).values()) == kernels_in(model) == SWAPPED[family]
+    left = {type(m).__name__ for m in model.modules()} & {
+        *STOCK_RMS_NORMS,
+        "LayerNorm",
+        "QuickGELUActivation",
+    }
+    assert not left
+    return loaded
+
+
+def request_of(loaded) -> tuple[list[int], list, dict]:
+    """(prompt ids, prepared media, processor inputs) of one prompt on one image: the interpreter's time
+    grows with the rows, so one short request."""
+    renderer = PromptRenderer(loaded.processor)
+    image = random_image(60, 90, 0)
+    prepared = prepare(loaded, [image])
+    rendered = renderer.render(PROMPT, 1)
+    inputs = loaded.processor(text=[rendered], images=[image], return_tensors="pt")
+    return renderer.token_ids(rendered, prepared), prepared, inputs
+
+
+# chunks of 16 tokens: prefill runs over cached context (positions and their rotation from an offset)
+LIMITS = EngineConfig(max_num_batched_tokens=16, block_size=4)
+
+
+@pytest.mark.parametrize("family", SWAPPED)
+def test_a_model_with_the_kernels_equals_generate_in_float32(family, as_on_cuda, model_dirs):
+    path = model_dirs(family)
+    loaded = fused_model(family, path, "float32")
+    reference = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    case = make_case(reference, "fp32", *request_of(loaded), NEW_TOKENS)
+    _, observed = run_cases(loaded, [case], LIMITS, SamplingParams(NEW_TOKENS))
+    assert_matches_reference(observed[case.tag], case)
+
+
+def teacher_forced_logits(model, inputs: dict, generated: list[int]) -> torch.Tensor:
+    """The model's logits predicting each generated token, given the prompt and the tokens before it."""
+    fed = torch.tensor([generated[:-1]])
+    prompt_length = inputs["input_ids"].shape[1]
+    forced = {**inputs, "input_ids": torch.cat([inputs["input_ids"], fed], dim=1)}
+    forced["attention_mask"] = torch.ones_like(forced["input_ids"])
+    if "mm_token_type_ids" in inputs:
+        forced["mm_token_type_ids"] = torch.cat([inputs["mm_token_type_ids"], torch.zeros_like(fed)], dim=1)
+    forced["pixel_values"] = inputs["pixel_values"].to(model.dtype)
+    with torch.inference_mode():
+        return model(**forced).logits[0, prompt_length - 1 :].float()
+
+
+def relative_error(got: torch.Tensor, exact: torch.Tensor) -> float:
+    return float((got.double() - exact.double()).norm() / exact.double().norm())
+
+
+def test_a_bf16_model_with_the_kernels_is_as_close_to_float32_as_transformers_bf16(as_on_cuda, model_dirs):
+    # Qwen2-VL has every kernel (the other families' modules are checked in bf16 one by one above: a
+    # whole model under the interpreter takes half a minute)
+    path = model_dirs("qwen2_vl")
+    loaded = fused_model("qwen2_vl", path, "bfloat16")
+    ids, media, inputs = request_of(loaded)
+    engine = Engine(loaded.adapter, loaded.processor.tokenizer, LIMITS, loaded.eos_token_ids())
+    probe = EngineProbe(engine)
+    engine.add_request(EngineRequest(ids, media, SamplingParams(NEW_TOKENS, ignore_eos=True), "bf16"))
+    observed = probe.run()["bf16"]
+    generated = observed.result.output_token_ids
+    assert observed.logits.shape[0] == len(generated) == NEW_TOKENS
+    exact = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    stock_bf16 = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.bfloat16).eval()
+    reference = teacher_forced_logits(exact, inputs, generated)
+    engine_error = relative_error(observed.logits, reference)
+    stock_error = relative_error(teacher_forced_logits(stock_bf16, inputs, generated), reference)
+    assert engine_error < 1.25 * stock_error, (engine_error, stock_error)
