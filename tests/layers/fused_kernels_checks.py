@@ -8,6 +8,7 @@ The models are prepared as on CUDA: without the CPU's native kernels and oneDNN 
 take the modules first. Run in a process of their own with TRITON_INTERPRET=1 by
 tests/layers/test_fused_kernels.py."""
 
+import collections
 import os
 
 import pytest
@@ -43,7 +44,9 @@ DTYPES = [torch.float32, torch.bfloat16]
 ROWS = 13
 NEW_TOKENS = 4
 PROMPT = "Describe this image."
-# what each family has for the kernels to take: (RMSNorms, LayerNorms, QuickGELUs, SiLU MLPs, rotaries)
+KERNELS = ("rms_norm", "layer_norm", "quick_gelu", "silu_and_mul", "rotary_")
+# what each family has for the kernels to take, by kernel: (RMSNorms, LayerNorms, QuickGELUs, SiLU MLPs,
+# attention modules rotating queries and keys)
 SWAPPED = {
     "qwen2_vl": (5, 5, 2, 2, 4),  # 2 text layers, 2 vision blocks, the merger's LayerNorm
     "qwen2_5_vl": (10, 0, 0, 4, 4),  # its vision blocks' norms are RMSNorms, its vision MLPs SiLU-gated
@@ -197,14 +200,33 @@ def request_of(loaded) -> tuple[list[int], list, dict]:
 LIMITS = EngineConfig(max_num_batched_tokens=16, block_size=4)
 
 
+@pytest.fixture
+def kernel_calls(monkeypatch) -> collections.Counter:
+    """Calls of each kernel from here on (the swaps take the counting functions)."""
+    calls = collections.Counter()
+    for name in KERNELS:
+        kernel = getattr(triton_elementwise, name)
+
+        def counted(*args, _kernel=kernel, _name=name, **kwargs):
+            calls[_name] += 1
+            return _kernel(*args, **kwargs)
+
+        monkeypatch.setattr(triton_elementwise, name, counted)
+    return calls
+
+
 @pytest.mark.parametrize("family", SWAPPED)
-def test_a_model_with_the_kernels_equals_generate_in_float32(family, as_on_cuda, model_dirs):
+def test_a_model_with_the_kernels_equals_generate_in_float32(family, as_on_cuda, model_dirs, kernel_calls):
     path = model_dirs(family)
     loaded = fused_model(family, path, "float32")
     reference = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
     case = make_case(reference, "fp32", *request_of(loaded), NEW_TOKENS)
     _, observed = run_cases(loaded, [case], LIMITS, SamplingParams(NEW_TOKENS))
     assert_matches_reference(observed[case.tag], case)
+    # every kernel the family has ran (its modules call them, not the eager ops)
+    assert {name for name in KERNELS if kernel_calls[name]} == {
+        name for name, count in zip(KERNELS, SWAPPED[family], strict=True) if count
+    }
 
 
 def teacher_forced_logits(model, inputs: dict, generated: list[int]) -> torch.Tensor:
