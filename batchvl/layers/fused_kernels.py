@@ -55,7 +55,8 @@ def use_fused_kernels(model: torch.nn.Module) -> dict[str, int]:
             model, lambda child: type(child) is QuickGELUActivation, lambda _: TritonQuickGELU()
         ),
         "silu_and_mul": 0,
-        "rotary": 0,
+        "text_rotary": 0,
+        "vision_rotary": 0,
     }
     for module in model.modules():
         if isinstance(module, GatedMLP) and is_silu(module.act_fn):
@@ -63,8 +64,8 @@ def use_fused_kernels(model: torch.nn.Module) -> dict[str, int]:
             counts["silu_and_mul"] += 1
         elif isinstance(module, FusedQKVAttention):
             module.rotate = rotate_text_rows
-            counts["rotary"] += 1
+            counts["text_rotary"] += 1
         elif isinstance(module, QwenVisionAttention):
             module.rotate = rotate_vision_rows
-            counts["rotary"] += 1
+            counts["vision_rotary"] += 1
     return counts

@@ -44,15 +44,16 @@ DTYPES = [torch.float32, torch.bfloat16]
 ROWS = 13
 NEW_TOKENS = 4
 PROMPT = "Describe this image."
-KERNELS = ("rms_norm", "layer_norm", "quick_gelu", "silu_and_mul", "rotary_")
-# what each family has for the kernels to take, by kernel: (RMSNorms, LayerNorms, QuickGELUs, SiLU MLPs,
-# attention modules rotating queries and keys)
+# each kernel as it is counted: the rotary of the text model and of the vision tower apart
+KERNELS = ("rms_norm", "layer_norm", "quick_gelu", "silu_and_mul", "text_rotary", "vision_rotary")
+# what each family has for each kernel to take: RMSNorms, LayerNorms, QuickGELUs, SiLU MLPs, text and
+# vision attention modules rotating queries and keys
 SWAPPED = {
-    "qwen2_vl": (5, 5, 2, 2, 4),  # 2 text layers, 2 vision blocks, the merger's LayerNorm
-    "qwen2_5_vl": (10, 0, 0, 4, 4),  # its vision blocks' norms are RMSNorms, its vision MLPs SiLU-gated
-    "qwen3_vl": (9, 7, 0, 2, 2),  # q/k norms in its text attention, which keeps transformers' rotary
-    "llava": (5, 8, 3, 2, 2),  # CLIP with one layer more than it uses
-    "idefics3": (5, 5, 0, 2, 2),  # SigLIP's MLP is GELU-tanh
+    "qwen2_vl": (5, 5, 2, 2, 2, 2),  # 2 text layers, 2 vision blocks, the merger's LayerNorm
+    "qwen2_5_vl": (10, 0, 0, 4, 2, 2),  # its vision blocks' norms are RMSNorms, its vision MLPs SiLU-gated
+    "qwen3_vl": (9, 7, 0, 2, 0, 2),  # q/k norms in its text attention, which keeps transformers' rotary
+    "llava": (5, 8, 3, 2, 2, 0),  # CLIP with one layer more than it uses
+    "idefics3": (5, 5, 0, 2, 2, 0),  # SigLIP's MLP is GELU-tanh
 }
 
 
@@ -166,7 +167,8 @@ def kernels_in(model: torch.nn.Module) -> tuple[int, ...]:
         sum(isinstance(m, TritonLayerNorm) for m in modules),
         sum(isinstance(m, TritonQuickGELU) for m in modules),
         sum(getattr(m, "silu_and_mul", None) is triton_elementwise.silu_and_mul for m in modules),
-        sum(getattr(m, "rotate", None) in (rotate_text_rows, rotate_vision_rows) for m in modules),
+        sum(getattr(m, "rotate", None) is rotate_text_rows for m in modules),
+        sum(getattr(m, "rotate", None) is rotate_vision_rows for m in modules),
     )
 
 
@@ -204,11 +206,14 @@ LIMITS = EngineConfig(max_num_batched_tokens=16, block_size=4)
 def kernel_calls(monkeypatch) -> collections.Counter:
     """Calls of each kernel from here on (the swaps take the counting functions)."""
     calls = collections.Counter()
-    for name in KERNELS:
+    for name in ("rms_norm", "layer_norm", "quick_gelu", "silu_and_mul", "rotary_"):
         kernel = getattr(triton_elementwise, name)
 
         def counted(*args, _kernel=kernel, _name=name, **kwargs):
-            calls[_name] += 1
+            if _name == "rotary_":
+                calls["vision_rotary" if kwargs.get("vision") else "text_rotary"] += 1
+            else:
+                calls[_name] += 1
             return _kernel(*args, **kwargs)
 
         monkeypatch.setattr(triton_elementwise, name, counted)
