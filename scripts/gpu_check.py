@@ -20,6 +20,8 @@ reported and the next still runs:
   gpu_throughput_2b  benchmarks/gpu_throughput.py: 1,000 captions by Qwen2-VL-2B (made on the GPU in bf16):
                    samples/s, the share of the workload's limit, the GPU's kernel-time share and the split
                    between vision, prefill and decode; the baseline later optimisations are measured against
+  two_processes    benchmarks/node_scaling.py: one engine process, then two sharing the GPU (`--processes 2`):
+                   rows equal, samples/s and each process's input-wait share
   throughput_small benchmarks/throughput.py: transformers `generate` on padded batches of 8 against batchvl
                    in bf16 on the `small` model
   optional, run only when GPU_CHECK_STAGES names them: throughput_wide (the same at Qwen2-VL-2B's widths,
@@ -340,6 +342,20 @@ def gpu_throughput(work: Path, size: str) -> dict:
     return {"ok": result["rc"] == 0 and bool(row), **result, **row}
 
 
+def two_processes(work: Path) -> dict:
+    """benchmarks/node_scaling.py: the same job by one engine process and by two sharing the device
+    (`--processes 2`), rows equal (the benchmark fails otherwise), samples/s and each process's input wait."""
+    out = work / "node_scaling.json"
+    workload = ["--samples", "8", "--shards", "4", "--new-tokens", "4"]
+    if not ON_CPU:
+        workload = ["--samples", "64", "--shards", "8", "--new-tokens", "32", "--dtype", "bfloat16"]
+    command = [sys.executable, "benchmarks/node_scaling.py", "--device", DEVICE, "--rounds", "1"]
+    result = run([*command, *workload, "--json", str(out)], 150)
+    stdout = result.pop("stdout", "")
+    report = json.loads(out.read_text()) if out.exists() else {}
+    return {"ok": result["rc"] == 0 and bool(report), **result, "table": stdout.splitlines()[-4:], **report}
+
+
 # Correctness first, then speed: where the budget runs short, the throughput runs (the longest stages) are
 # what is left out, not the jobs that say whether the engine's outputs are right on this device.
 STAGES = [
@@ -351,6 +367,7 @@ STAGES = [
     ("host_step", host_step),
     ("fused_elementwise", fused_elementwise),  # some 10-30 s: compiling the kernels, 36 timed ops
     ("gpu_throughput_2b", lambda work: gpu_throughput(work, "2b")),
+    ("two_processes", two_processes),  # about a minute: two processes start CUDA and load the model
     ("throughput_small", lambda work: throughput(work, "small")),
     ("throughput_wide", lambda work: throughput(work, "wide")),
     ("gpu_throughput_7b", lambda work: gpu_throughput(work, "7b")),

@@ -183,3 +183,29 @@ def test_kernel_time_is_the_union_of_the_traces_kernels(benchmark):
     intervals = timing.kernel_intervals(trace)
     assert len(intervals) == 3
     assert timing.busy_seconds(intervals) == pytest.approx(20e-6)
+
+
+def test_the_node_benchmark_fails_when_more_processes_write_other_rows(benchmark, monkeypatch, tmp_path):
+    """A process count's figure stands only beside rows equal to the first run's: one row changed, or one
+    error row, and the benchmark stops naming the count."""
+    node_scaling = benchmark("node_scaling")
+    import batchvl.demo.tiny_model as tiny_model
+
+    monkeypatch.setattr(tiny_model, "build_tiny_model", lambda folder, **kwargs: folder)
+    monkeypatch.setattr(node_scaling, "write_shards", lambda *args: None)
+    run = {"samples_per_s": 1.0, "wall_s": 1.0, "processing_s": 1.0, "per_process": []}
+    ok, other, failed = [("s0", "ok", "a cat")], [("s0", "ok", "other")], [("s0", "error", "a cat")]
+    for answers, named in (({1: ok, 2: other}, "2 process"), ({1: failed, 2: failed}, "1 process")):
+        monkeypatch.setattr(
+            node_scaling,
+            "run_once",
+            lambda count, *args, answers=answers: ({**run, "processes": count}, answers[count]),
+        )
+        monkeypatch.setattr(sys, "argv", ["node_scaling.py", "--counts", "1,2", "--rounds", "1"])
+        with pytest.raises(SystemExit, match=named):
+            node_scaling.main()
+    monkeypatch.setattr(node_scaling, "run_once", lambda count, *args: ({**run, "processes": count}, ok))
+    monkeypatch.setattr(sys, "argv", ["node_scaling.py", "--rounds", "2", "--json", str(tmp_path / "r.json")])
+    node_scaling.main()
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert [run["processes"] for run in report["runs"]] == [1, 2, 2, 1]  # the order alternates by round
