@@ -14,7 +14,7 @@ from torch.overrides import TorchFunctionMode
 
 import batchvl.engine.model_runner as model_runner
 from batchvl.config import EngineConfig
-from batchvl.engine.device.decode_graphs import DecodeGraphs, is_graphable
+from batchvl.engine.device.decode_graphs import DecodeGraphs
 from batchvl.engine.device.graph_capture import graph_capture
 from batchvl.engine.engine import Engine
 from batchvl.engine.model_runner import ModelRunner
@@ -224,7 +224,13 @@ def test_steps_with_prompts_scores_or_more_rows_than_the_graphs_run_eagerly(load
     execute = ModelRunner.execute
 
     def classifying_execute(self, chunks, *args):
-        kinds.append((len(chunks), is_graphable(chunks)))
+        decodes_only = all(
+            chunk.num_tokens == 1
+            and chunk.start >= chunk.request.num_prompt_tokens
+            and chunk.request.score_from is None
+            for chunk in chunks
+        )
+        kinds.append((len(chunks), decodes_only))
         return execute(self, chunks, *args)
 
     monkeypatch.setattr(ModelRunner, "execute", classifying_execute)

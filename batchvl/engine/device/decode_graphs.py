@@ -8,7 +8,8 @@ recorded once per bucket and replayed over static buffers that each step fills i
 - token ids (B,), positions (axes, B) and cache slots (B,) of the step's rows;
 - the decode attention's metadata in `InPlaceDecodes`' layout (what Triton's kernel reads on CUDA and the
   native one on the CPU): rows 0..B-1, and per row where its cache pages start in `pages` and how many
-  keys it has; `pages` holds the step's block tables one after another;
+  keys it has; `pages` holds the step's block tables one after another (a step copies in its own blocks,
+  as the eager path uploads them, not a table of `max_model_len / block_size` entries a row);
 - the logits (B, vocab) float32 of every row, the real rows first.
 
 Padding rows (the bucket's rows past the step's) are token 0 at position 0, writing their K/V to a scratch
@@ -112,9 +113,9 @@ class DecodeGraphs:
         )
 
     def run(self, chunks: list[ScheduledChunk], block_manager: BlockManager) -> torch.Tensor | None:
-        """The float32 logits (one row per chunk, in order) of a step `takes` took, from its bucket's graph;
-        None where the graph could not be captured (said once; the caller runs the step eagerly, and every
-        later step too)."""
+        """The float32 logits (one row per chunk, in order) of a step `takes` took, from its bucket's graph,
+        valid until the next step; None where the graph could not be captured (said once; the caller runs
+        the step eagerly, and every later step too)."""
         rows = bucket_rows(len(chunks))
         axes = chunks[0].request.positions.prompt.shape[0]
         self._load(chunks, block_manager, rows, axes)
@@ -128,8 +129,7 @@ class DecodeGraphs:
                 return None
             self._replays[rows, axes] = replay
         replay()
-        # a copy: the next replay rewrites the buffer while the caller may still hold these rows
-        return self.logits[: len(chunks)].clone()
+        return self.logits[: len(chunks)]  # read before the next step's replay rewrites them
 
     def _load(self, chunks: list[ScheduledChunk], block_manager: BlockManager, rows: int, axes: int) -> None:
         """Fill the static buffers with the step's inputs, the padding rows' after them."""
