@@ -19,7 +19,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 aten = torch.ops.aten
 
 # Ops whose result the host must wait for: a value read on the host, or an output sized by values
-VALUE_READS = {aten._local_scalar_dense, aten.equal, aten.is_nonzero}
+# (`item` itself under inference mode, which the engine's steps run in; its decomposition outside it)
+VALUE_READS = {aten.item, aten._local_scalar_dense, aten.equal, aten.is_nonzero}
 VALUE_SIZED = {
     aten.nonzero,
     aten.masked_select,

@@ -163,7 +163,13 @@ def test_a_static_input_left_stale_changes_the_tokens(loaded_fp32, eager_outputs
     assert outputs != eager_outputs
 
 
-def test_the_guard_fails_on_every_kind_of_host_synchronisation():
+@pytest.mark.parametrize("inference", [True, False], ids=["inference-mode", "grad-mode"])
+def test_the_guard_fails_on_every_kind_of_host_synchronisation(inference):
+    with torch.inference_mode(inference):
+        guard_catches_host_synchronisation()
+
+
+def guard_catches_host_synchronisation():
     values = torch.arange(6)
     syncs = [
         lambda: values[2].item(),
@@ -209,18 +215,14 @@ def test_padding_rows_write_only_a_scratch_slot_beyond_the_block_managers(loaded
     assert torch.isfinite(engine.runner.kv_cache.layers[0][:, :, scratch]).all()
 
 
-def test_steps_with_prompts_scores_or_more_rows_than_the_graphs_run_eagerly(loaded_fp32, monkeypatch):
-    """Prefill chunks (with or without media), scoring requests' chunks and decode steps of more rows than
-    the largest bucket go the eager way; every other step replays a graph, and the tokens are the same."""
-    requests = workload(loaded_fp32)[:24]
-    requests.append(
-        EngineRequest(list(range(50, 60)), [], SamplingParams(4), "scored", scored_choices=("a", "b"))
-    )
-    config = EngineConfig(max_num_seqs=40, max_num_batched_tokens=96, block_size=3, kv_cache_mb=4)
-    eager = run_job(loaded_fp32, config, requests)
+def run_classifying_steps(loaded, monkeypatch, config, requests, graph_rows):
+    """The job with graphs of at most `graph_rows` rows, against the eager job: the tokens are the same,
+    and a step replays a graph exactly where it is decodes only and no more rows than that. Returns each
+    step's (rows, decodes only)."""
+    eager = run_job(loaded, config, requests)
     monkeypatch.setattr(model_runner, "graph_capture", lambda device: FakeGraphCapture())
     steps = spy_on_steps(monkeypatch)
-    kinds = []  # per step: (rows, decodes only)
+    kinds = []
     execute = ModelRunner.execute
 
     def classifying_execute(self, chunks, *args):
@@ -235,19 +237,39 @@ def test_steps_with_prompts_scores_or_more_rows_than_the_graphs_run_eagerly(load
 
     monkeypatch.setattr(ModelRunner, "execute", classifying_execute)
 
-    def with_graphs_up_to_16_rows(engine):
-        # the engine's runner, rebuilt to replay graphs of at most 16 rows (buckets up to 16)
-        runner = ModelRunner(
-            engine.adapter, engine.block_manager.num_blocks, config.block_size, decode_graph_rows=16
+    def with_fewer_graph_rows(engine):
+        engine.runner = ModelRunner(
+            engine.adapter, engine.block_manager.num_blocks, config.block_size, decode_graph_rows=graph_rows
         )
-        engine.runner = runner
 
-    graphed = run_job(loaded_fp32, config, requests, with_graphs_up_to_16_rows)
-    assert graphed == eager
-    expected = [decodes_only and rows <= 16 for rows, decodes_only in kinds]
+    assert run_job(loaded, config, requests, with_fewer_graph_rows) == eager
+    expected = [decodes_only and rows <= graph_rows for rows, decodes_only in kinds]
     assert [graphed for _, graphed in steps] == expected
+    assert any(expected) and not all(expected)
+    return kinds
+
+
+def test_steps_with_prompts_scores_or_more_rows_than_the_graphs_run_eagerly(loaded_fp32, monkeypatch):
+    """Prefill chunks (with or without media), scoring requests' chunks and decode steps of more rows than
+    the largest bucket go the eager way; every other step replays a graph, and the tokens are the same."""
+    requests = workload(loaded_fp32)[:24]
+    requests.append(
+        EngineRequest(list(range(50, 60)), [], SamplingParams(4), "scored", scored_choices=("a", "b"))
+    )
+    config = EngineConfig(max_num_seqs=40, max_num_batched_tokens=96, block_size=3, kv_cache_mb=4)
+    kinds = run_classifying_steps(loaded_fp32, monkeypatch, config, requests, graph_rows=16)
     assert any(decodes_only and rows > 16 for rows, decodes_only in kinds)  # too many rows: eager
-    assert any(expected) and not all(decodes_only for _, decodes_only in kinds)
+
+
+def test_a_prompts_last_token_alone_among_decodes_runs_eagerly(loaded_fp32, monkeypatch):
+    """With a budget of one token more than the decodes, a waiting prompt is fed a token a step: its last
+    chunk is one token that samples, like a decode, but it is the prompt's (a graph would feed an output
+    token that does not exist yet)."""
+    sampling = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    requests = [EngineRequest(list(range(100 + i, 104 + 2 * i)), [], sampling, tag=i) for i in range(4)]
+    config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=4, block_size=3, kv_cache_mb=1)
+    kinds = run_classifying_steps(loaded_fp32, monkeypatch, config, requests, graph_rows=4)
+    assert any(rows == 4 and not decodes_only for rows, decodes_only in kinds)  # a prompt token, 3 decodes
 
 
 class FailingCapture:
