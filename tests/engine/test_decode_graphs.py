@@ -303,3 +303,45 @@ def test_the_option_is_ignored_off_cuda(loaded_fp32):
     assert engine.runner.decode_graphs is None
     slots = engine.runner.kv_cache.layers[0].shape[2]
     assert slots == engine.block_manager.capacity_tokens  # no scratch block either
+
+
+def text_requests(count: int) -> list[EngineRequest]:
+    sampling = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    return [EngineRequest(list(range(40 + i, 47 + 3 * i)), [], sampling, tag=i) for i in range(count)]
+
+
+def graphed_against_eager(loaded, monkeypatch) -> tuple[dict, dict, FakeGraphCapture]:
+    config = EngineConfig(max_num_seqs=8, block_size=4, kv_cache_mb=1)
+    eager = run_job(loaded, config, text_requests(5))
+    fake = FakeGraphCapture()
+    monkeypatch.setattr(model_runner, "graph_capture", lambda device: fake)
+    return run_job(loaded, replace(config, cuda_graphs=True), text_requests(5)), eager, fake
+
+
+@pytest.mark.skipif(TEST_DEVICE != "cpu", reason="the CPU's swapped modules, turned off")
+def test_the_decoders_own_modules_synchronise_nothing_either(tiny_model_dir, monkeypatch):
+    """On CUDA the CPU's module swaps (packed linears, native RMSNorm, fused activations) do not apply: the
+    decoder's own transformers modules run, and they too are captured without a host synchronisation."""
+    import batchvl.layers.fused_activation as fused_activation
+    import batchvl.layers.packed_linear as packed_linear
+    import batchvl.layers.rms_norm as rms_norm
+    from batchvl.models.loader import load_model
+
+    with monkeypatch.context() as unswapped:
+        unswapped.setattr(fused_activation, "fuse_mlp_activations", lambda model: 0)
+        unswapped.setattr(rms_norm, "use_native_rms_norms", lambda model: 0)
+        unswapped.setattr(packed_linear, "pack_linear_weights", lambda model: 0)
+        loaded = load_model(str(tiny_model_dir), dtype="float32", device="cpu")
+    swapped = {module.__name__ for module in (fused_activation, packed_linear, rms_norm)}
+    assert not any(type(module).__module__ in swapped for module in loaded.adapter.model.modules())
+    graphed, eager, fake = graphed_against_eager(loaded, monkeypatch)
+    assert graphed == eager and fake.replays >= 4
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "llava", "idefics3"])
+def test_every_family_replays_decode_steps_as_graphs(family_models, family, monkeypatch):
+    _, loaded = family_models(family)
+    graphed, eager, fake = graphed_against_eager(loaded, monkeypatch)
+    if TEST_DEVICE == "cpu":
+        assert fake.replays >= 4
+    assert graphed == eager
