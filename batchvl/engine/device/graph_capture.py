@@ -33,7 +33,9 @@ class CudaGraphCapture:
                 forward()
         current.wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: only this thread's calls are checked while it captures; under the default (global)
+        # a CUDA call that is not allowed during a capture would fail in whatever other thread makes it
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             forward()
         return graph.replay
 
