@@ -302,6 +302,11 @@ class EngineConfig:
         "none", "'data': split each encode step's images across torchrun ranks (ViT data parallelism)"
     )
     threads: int = job_key(0, "torch intra-op threads (0: torch's default)", at_least=0)
+    cuda_graphs: bool = job_key(
+        False,
+        "On CUDA, replay steps of decodes only as CUDA graphs, one per row bucket captured on its first step "
+        "(far fewer kernel launches a step); ignored off CUDA",
+    )
     replicas: int | Literal["auto"] = job_key(
         "auto",
         "On the CPU, engines over the one loaded model, each stepping in a thread of its own with an equal "

@@ -65,7 +65,13 @@ class Engine:
         if num_blocks < 1:
             raise UserError(f"engine.kv_cache_mb={config.kv_cache_mb} holds no KV block; raise it")
         self.block_manager = BlockManager(num_blocks, config.block_size, config.prefix_caching)
-        self.runner = ModelRunner(adapter, num_blocks, config.block_size, parallel_encoder)
+        self.runner = ModelRunner(
+            adapter,
+            num_blocks,
+            config.block_size,
+            parallel_encoder,
+            decode_graph_rows=config.max_num_seqs if config.cuda_graphs else 0,
+        )
         self.encoder_cache = build_encoder_cache(
             config,
             adapter,

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from batchvl.engine.adapter import ModelAdapter
+from batchvl.engine.device.graph_capture import graph_capture
 from batchvl.engine.device.sync import synchronize
 from batchvl.engine.parallel.vit_dp import DataParallelEncoder
 from batchvl.engine.request import Request, RequestPositions, ScheduledChunk
@@ -79,18 +80,30 @@ class ModelRunner:
         num_blocks: int,
         block_size: int,
         parallel_encoder: DataParallelEncoder | None = None,
+        decode_graph_rows: int = 0,
     ):
+        """`decode_graph_rows`: the most rows of a decode step replayed as a graph, on a device that
+        captures them (CUDA); 0: none."""
         self.adapter = adapter
         self.parallel_encoder = parallel_encoder
         geo = adapter.geometry
+        capture = graph_capture(adapter.device) if decode_graph_rows else None
         self.kv_cache = KVCache.allocate(
             geo.num_layers,
-            num_blocks * block_size,
+            # with graphs, one block more: the padding rows' scratch block, which no request is given
+            (num_blocks + (capture is not None)) * block_size,
             geo.num_kv_heads,
             geo.head_dim,
             adapter.dtype,
             adapter.device,
         )
+        self.decode_graphs = None
+        if capture is not None and self.kv_cache.decodes_in_place:
+            from batchvl.engine.device.decode_graphs import DecodeGraphs
+
+            self.decode_graphs = DecodeGraphs(
+                adapter, self.kv_cache, block_size, decode_graph_rows, num_blocks, capture
+            )
         self.forward_s = 0.0  # summed time of the language model's forwards
 
     def prompt_positions(self, prompt_token_ids: list[int], images: list[PreparedMedia]) -> RequestPositions:
@@ -124,6 +137,13 @@ class ModelRunner:
     ) -> StepLogits:
         """Run one packed forward, with the images' rows taken from `embeddings` (by content hash); returns
         the logits the chunks need (see `StepLogits`)."""
+        if self.decode_graphs is not None and self.decode_graphs.takes(chunks):
+            started = time.perf_counter()
+            sampled = self.decode_graphs.run(chunks, block_manager)
+            if sampled is not None:
+                synchronize(self.adapter.device)
+                self.forward_s += time.perf_counter() - started
+                return StepLogits(sampled, sampled[:0])
         token_ids: list[int] = []
         positions, slot_mapping, sequences = [], [], []
         # A run of decodes (one generated token each, most of a step) as plain ints, made into one tensor
