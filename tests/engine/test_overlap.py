@@ -121,21 +121,20 @@ def results_of(observed: dict) -> dict:
     }
 
 
-def greedy_arrivals(cases, join_at=()) -> dict[int, list[EngineRequest]]:
-    """The cases as requests with their budgets; case i joins before step join_at[i] (0 without)."""
+def greedy_arrivals(cases, join_at: list[int]) -> dict[int, list[EngineRequest]]:
+    """The cases as requests with their budgets; case i joins before step join_at[i]."""
     arrivals: dict[int, list[EngineRequest]] = {}
-    for i, case in enumerate(cases):
-        step = join_at[i] if i < len(join_at) else 0
-        item = EngineRequest(case.ids, case.media, SamplingParams(BUDGETS[i]), case.tag)
-        arrivals.setdefault(step, []).append(item)
+    for case, budget, step in zip(cases, BUDGETS, join_at, strict=True):
+        arrivals.setdefault(step, []).append(
+            EngineRequest(case.ids, case.media, SamplingParams(budget), case.tag)
+        )
     return arrivals
 
 
-KV_MB = 0.08  # two preemptions with overlap, one without
 LIMITS = {
     "one-step": EngineConfig(max_num_batched_tokens=4096, max_num_seqs=64),
     "budget37-seqs3": EngineConfig(max_num_batched_tokens=37, max_num_seqs=3),
-    "preempt": EngineConfig(max_num_batched_tokens=64, max_num_seqs=64, kv_cache_mb=KV_MB),
+    "preempt": EngineConfig(max_num_batched_tokens=64, max_num_seqs=64, kv_cache_mb=0.08),  # preempts
     "prefix-cache": EngineConfig(max_num_batched_tokens=37, block_size=4),
 }
 
