@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForImageTextToText
 
 from batchvl.config import EngineConfig
-from batchvl.engine import overlap
+from batchvl.engine import model_runner, overlap
 from batchvl.engine.engine import Engine
 from batchvl.engine.request import EngineRequest, Request
 from batchvl.engine.sampling.params import SamplingParams
@@ -159,6 +159,7 @@ def test_overlapped_steps_equal_generate_and_the_serial_engine(loaded_fp32, case
     for case in expected:
         assert_matches_reference(observed[case.tag], case)
     assert results_of(observed) == results_of(serial_observed)
+    assert overlapped.engine.stats.output_tokens == serial.engine.stats.output_tokens  # no pick past an end
     assert not any(serial.launched) and "read" not in serial.order
     assert sum(overlapped.launched) >= len(overlapped.launched) // 2  # most steps fed the picks in flight
     if limits_name == "preempt":
@@ -167,10 +168,12 @@ def test_overlapped_steps_equal_generate_and_the_serial_engine(loaded_fp32, case
         assert overlapped.engine.stats.prefix_cache_hit_tokens > 0
 
 
-def test_each_step_is_launched_before_the_previous_picks_are_read(loaded_fp32, cases):
-    """The order of work: launch step 1, then every step launches before it reads the step before's picks;
-    the last step's picks (each of them past its request's end) are never read."""
+def test_each_step_is_launched_before_the_previous_picks_are_read(loaded_fp32, cases, monkeypatch):
+    """The order of work: launch step 1, then every step launches before it reads the step before's picks,
+    and no step waits for the device's whole queue; the last step's picks (each of them past its request's
+    end) are never read."""
     run = Run(loaded_fp32, replace(LIMITS["one-step"], overlap=True))
+    monkeypatch.setattr(model_runner, "synchronize", lambda device: run.order.append("wait"))
     arrivals = {0: [EngineRequest(c.ids, c.media, SamplingParams(MAX_NEW_TOKENS), c.tag) for c in cases]}
     observed = run(arrivals)
     launches = run.order.count("launch")
