@@ -71,7 +71,8 @@ def cut(case, max_new_tokens: int, eos: set[int]):
 
 class Run:
     """An engine with a probe; `launched` tells per forward whether it was fed picks still on the device,
-    `order` the forwards' launches and the reads of in-flight picks, in the order they happened."""
+    `order` the forwards' launches and the reads of in-flight picks (and the device waits, where a test
+    records them), in the order they happened."""
 
     def __init__(self, loaded, config: EngineConfig, extra_eos: tuple[int, ...] = ()):
         self.engine = Engine(
