@@ -16,6 +16,7 @@ import torch
 from batchvl.engine.adapter import ModelAdapter
 from batchvl.engine.device.graph_capture import graph_capture
 from batchvl.engine.device.sync import synchronize
+from batchvl.engine.overlap import with_picks
 from batchvl.engine.parallel.vit_dp import DataParallelEncoder
 from batchvl.engine.request import Request, RequestPositions, ScheduledChunk
 from batchvl.engine.scheduling.block_manager import BlockManager
@@ -134,14 +135,19 @@ class ModelRunner:
         chunks: list[ScheduledChunk],
         block_manager: BlockManager,
         embeddings: Mapping[str, torch.Tensor],
+        picks_in_flight: torch.Tensor | None = None,
+        wait: bool = True,
     ) -> StepLogits:
         """Run one packed forward, with the images' rows taken from `embeddings` (by content hash); returns
-        the logits the chunks need (see `StepLogits`)."""
+        the logits the chunks need (see `StepLogits`). An overlapped step passes the previous step's picks,
+        still on the device, for the placeholders among the tokens (see `overlap.py`), and does not wait
+        for the forward's kernels (its `forward_s` is then their launch)."""
         if self.decode_graphs is not None and self.decode_graphs.takes(chunks):
             started = time.perf_counter()
-            sampled = self.decode_graphs.run(chunks, block_manager)
+            sampled = self.decode_graphs.run(chunks, block_manager, picks_in_flight)
             if sampled is not None:
-                synchronize(self.adapter.device)
+                if wait:
+                    synchronize(self.adapter.device)
                 self.forward_s += time.perf_counter() - started
                 return StepLogits(sampled, sampled[:0])
         token_ids: list[int] = []
@@ -213,6 +219,8 @@ class ModelRunner:
             ],
             device,
         )
+        if picks_in_flight is not None:
+            token_ids_on = with_picks(token_ids_on, picks_in_flight)
         meta = PagedAttentionMetadata.build(self.kv_cache, slots_on, sequences, device)
         started = time.perf_counter()
         hidden = self.adapter.forward(
@@ -223,7 +231,8 @@ class ModelRunner:
             batchvl_attention=meta,
         )
         logits = self.adapter.compute_logits(hidden[logits_rows])
-        synchronize(device)  # the forward's kernels done, not just launched
+        if wait:
+            synchronize(device)  # the forward's kernels done, not just launched
         self.forward_s += time.perf_counter() - started
         return StepLogits(logits[: len(last_rows)], logits[len(last_rows) :])
 

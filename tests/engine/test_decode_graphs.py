@@ -80,14 +80,15 @@ def eager_outputs(loaded_fp32):
     return run_job(loaded_fp32, eager, workload(loaded_fp32))
 
 
-def spy_on_steps(monkeypatch) -> list[tuple[int, bool]]:
-    """Each step's (rows, whether a graph ran it), appended as the engine runs."""
+def spy_on_steps(monkeypatch) -> list[list]:
+    """Each step's [rows, whether a graph ran it, whether it took the previous step's picks on the device],
+    appended as the engine runs."""
     steps = []
     execute, run = ModelRunner.execute, DecodeGraphs.run
 
-    def recording_execute(self, chunks, *args):
-        steps.append([len(chunks), False])
-        return execute(self, chunks, *args)
+    def recording_execute(self, chunks, *args, **kwargs):
+        steps.append([len(chunks), False, kwargs.get("picks_in_flight") is not None])
+        return execute(self, chunks, *args, **kwargs)
 
     def recording_run(self, chunks, *args):
         logits = run(self, chunks, *args)
@@ -109,10 +110,21 @@ def test_decode_steps_replayed_as_graphs_give_the_eager_tokens(
     )
     assert outputs == eager_outputs
     assert sorted(rows for rows, _ in graphs[0].captured) == [16, 32, 48]
-    graphed_rows = {rows for rows, graphed in steps if graphed}
+    graphed_rows = {rows for rows, graphed, _ in steps if graphed}
     assert graphed_rows - {16, 32, 48}  # steps whose rows fall short of their bucket
-    assert sum(graphed for _, graphed in steps) > 15  # most steps replay a graph captured before
-    assert any(not graphed for _, graphed in steps)  # and the prefill steps ran eagerly
+    assert sum(graphed for _, graphed, _ in steps) > 15  # most steps replay a graph captured before
+    assert any(not graphed for _, graphed, _ in steps)  # and the prefill steps ran eagerly
+
+
+def test_overlapped_decode_steps_replay_graphs_with_the_picks_swapped_in_on_the_device(
+    loaded_fp32, eager_outputs, capture, monkeypatch
+):
+    """engine.overlap with graphs: a graphed step's placeholders become the previous step's picks in the
+    static token buffer before the replay; the tokens are the serial eager engine's."""
+    steps = spy_on_steps(monkeypatch)
+    outputs = run_job(loaded_fp32, replace(GRAPHED, overlap=True), workload(loaded_fp32))
+    assert outputs == eager_outputs
+    assert sum(graphed and overlapped for _, graphed, overlapped in steps) > 15
 
 
 STATIC_INPUTS = ["token_ids", "positions", "slots", "pages", "starts", "lengths"]
@@ -244,7 +256,7 @@ def run_classifying_steps(loaded, monkeypatch, config, requests, graph_rows):
 
     assert run_job(loaded, config, requests, with_fewer_graph_rows) == eager
     expected = [decodes_only and rows <= graph_rows for rows, decodes_only in kinds]
-    assert [graphed for _, graphed in steps] == expected
+    assert [graphed for _, graphed, _ in steps] == expected
     assert any(expected) and not all(expected)
     return kinds
 
@@ -285,7 +297,7 @@ def test_a_step_that_cannot_be_captured_runs_eagerly_from_then_on(
     with caplog.at_level(logging.WARNING):
         outputs = run_job(loaded_fp32, GRAPHED, workload(loaded_fp32))
     assert outputs == eager_outputs
-    assert not any(graphed for _, graphed in steps)
+    assert not any(graphed for _, graphed, _ in steps)
     assert [record.message for record in caplog.records if "eagerly" in record.message] == [
         "decode steps run eagerly: capturing one as a graph failed "
         "(operation not permitted when stream is capturing)"

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from batchvl.engine.adapter import ModelAdapter
+from batchvl.engine.overlap import with_picks
 from batchvl.engine.request import ScheduledChunk
 from batchvl.engine.scheduling.block_manager import BlockManager, blocks_needed
 from batchvl.layers.attention import InPlaceDecodes, KVCache, PagedAttentionMetadata, uploaded
@@ -112,13 +113,23 @@ class DecodeGraphs:
             and is_graphable(chunks)
         )
 
-    def run(self, chunks: list[ScheduledChunk], block_manager: BlockManager) -> torch.Tensor | None:
+    def run(
+        self,
+        chunks: list[ScheduledChunk],
+        block_manager: BlockManager,
+        picks_in_flight: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
         """The float32 logits (one row per chunk, in order) of a step `takes` took, from its bucket's graph,
         valid until the next step; None where the graph could not be captured (said once; the caller runs
-        the step eagerly, and every later step too)."""
+        the step eagerly, and every later step too). An overlapped step's placeholders are swapped for the
+        previous step's picks in the token buffer, on the device, before the replay (outside the graph: the
+        picks are a new tensor each step)."""
         rows = bucket_rows(len(chunks))
         axes = chunks[0].request.positions.prompt.shape[0]
         self._load(chunks, block_manager, rows, axes)
+        if picks_in_flight is not None:
+            token_ids = self.buffers["token_ids"][:rows]
+            token_ids.copy_(with_picks(token_ids, picks_in_flight))
         replay = self._replays.get((rows, axes))
         if replay is None:
             try:
