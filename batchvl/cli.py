@@ -304,16 +304,35 @@ def slurm(
             show_default=False,
         ),
     ] = None,
+    gpus: Annotated[
+        int | None,
+        typer.Option(
+            "--gpus",
+            help="GPUs per task (--gres=gpu:N): one engine process per GPU, or a launched server's GPUs.",
+            show_default=False,
+        ),
+    ] = None,
+    processes: Annotated[
+        int | None,
+        typer.Option(
+            "--processes", help="Engine processes per task, on the job's device.", show_default=False
+        ),
+    ] = None,
     set_: SetOption = None,
 ) -> None:
     """Write an sbatch script for a Slurm array job running `batchvl run` (and submit it with --submit)."""
     _setup_logging("warning")
-    from batchvl.commands.slurm import ArrayJob, write_array_job
+    from batchvl.commands.slurm import ArrayJob, check_node_options, write_array_job
     from batchvl.commands.slurm import submit as sbatch_submit
     from batchvl.config import is_remote, load_job_config
+    from batchvl.pipeline.node import check_node
     from batchvl.pipeline.plan import plan_job
 
+    check_node_options(gpus, processes)
     cfg = load_job_config(job_file, set_ or [])
+    server_takes_gpus = cfg.engine.backend == "openai" and cfg.engine.server.launch is not None
+    if processes is not None or (gpus is not None and not server_takes_gpus):
+        check_node(cfg)  # what a node's processes cannot run, refused before the script is written
     plan = plan_job(cfg)  # the tasks' own preflight, before anything is submitted
     num_shards = len(plan.listing)
     if script_dir is None and is_remote(cfg.output.dir):
@@ -326,6 +345,9 @@ def slurm(
         overrides=list(set_ or []),
         sbatch_args=list(sbatch_arg or []),
         signal_lead_s=signal_lead_s,
+        gpus=gpus,
+        processes=processes,
+        server_takes_gpus=server_takes_gpus and gpus is not None,
     )
     script = write_array_job(job, plan.out)
     typer.echo(f"wrote {script} ({array} task(s) over {num_shards} input shard(s); logs in {job.log_dir})")

@@ -17,8 +17,8 @@ in seconds and in FLOPs. The engine's settings and which fast paths were on are 
 
 On a CPU (`--device cpu`, e.g. `--size tiny --samples 8`) the same runs, with the GPU's figures null.
 
-    python benchmarks/gpu_throughput.py --device cuda --size 2b [--samples 1000] [--fused-kernels]
-        [--json PATH]
+    python benchmarks/gpu_throughput.py --device cuda --size 2b [--samples 1000] [--cuda-graphs] [--overlap]
+        [--fused-kernels] [--json PATH]
 """
 
 from __future__ import annotations
@@ -54,9 +54,6 @@ DATASHEETS = [
     ("H100", 989e12, 3.35e12),  # SXM, "NVIDIA H100 80GB HBM3"
     ("H200", 989e12, 4.8e12),
 ]
-# The engine's fast paths not built yet; later runs record theirs, so that rows compare. The fused kernels
-# are recorded as the model has them (`engine.fused_kernels`, ignored off CUDA).
-FAST_PATHS = {"cuda_graphs": False, "overlap": False}
 
 
 def datasheet(device_name: str) -> tuple[float, float] | None:
@@ -86,12 +83,14 @@ def write_images(folder: Path, samples: int, first: int = 0) -> list[tuple[int, 
     return sizes
 
 
-def caption_job(root: Path, name: str, loaded, device: str, timer: StepTimer | None = None) -> dict:
-    """The job over `root/name`; its stats and its rows."""
+def caption_job(
+    root: Path, name: str, loaded, device: str, fast_paths: dict, timer: StepTimer | None = None
+) -> dict:
+    """The job over `root/name` with the engine's `fast_paths` settings (engine keys); its stats and rows."""
     from batchvl.pipeline.runner import run_job
 
     model = {"path": loaded.path, "dtype": "bfloat16", "device": device}
-    job = batchvl_job(root / name, ["caption"], root / "out" / name, model)
+    job = batchvl_job(root / name, ["caption"], root / "out" / name, model, fast_paths)
     with timer.installed() if timer else contextlib.nullcontext():
         stats = run_job(job, loaded=loaded, show_progress=False).stats
     paths = sorted((root / "out" / name).glob("*.parquet"))
@@ -126,9 +125,10 @@ def measure(args, work: Path) -> dict:
     build_s = _clock(args.device) - started
     write_images(work / "warmup", min(WARMUP_SAMPLES, args.samples), first=args.samples)
     sizes = write_images(work / "data", args.samples)
-    caption_job(work, "warmup", loaded, args.device)
+    fast_paths = {"cuda_graphs": args.cuda_graphs, "overlap": args.overlap}
+    caption_job(work, "warmup", loaded, args.device, fast_paths)
     timer = StepTimer(args.profile_after, args.profile_steps if on_gpu else 0)
-    run = caption_job(work, "data", loaded, args.device, timer)
+    run = caption_job(work, "data", loaded, args.device, fast_paths, timer)
     stats, rows, engine = run["stats"], run["rows"], run["engine"]
     ok = sum(row["status"] == "ok" for row in rows)
     if ok != args.samples or len(rows) != args.samples:
@@ -198,7 +198,8 @@ def measure(args, work: Path) -> dict:
             "max_num_batched_tokens": engine.max_num_batched_tokens,
             "prefix_caching": engine.prefix_caching,
             "kv_cache_mb": engine.kv_cache_mb,
-            **FAST_PATHS,
+            "cuda_graphs": engine.cuda_graphs,
+            "overlap": engine.overlap,
             "fused_kernels": has_fused_kernels(loaded.adapter.model),
         },
     }
@@ -242,6 +243,18 @@ def main() -> None:
         "--profile-after", type=int, default=100, help="Engine steps before the kernel window"
     )
     parser.add_argument("--profile-steps", type=int, default=50, help="Engine steps in the kernel window")
+    parser.add_argument(
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="Replay decode-only steps as CUDA graphs (engine.cuda_graphs; ignored on the CPU)",
+    )
+    parser.add_argument(
+        "--overlap",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="engine.overlap: each engine step launched before the previous step's picks are read",
+    )
     parser.add_argument(
         "--fused-kernels",
         action=argparse.BooleanOptionalAction,

@@ -20,10 +20,13 @@ reported and the next still runs:
   gpu_throughput_2b  benchmarks/gpu_throughput.py: 1,000 captions by Qwen2-VL-2B (made on the GPU in bf16):
                    samples/s, the share of the workload's limit, the GPU's kernel-time share and the split
                    between vision, prefill and decode; the baseline later optimisations are measured against
+  two_processes    benchmarks/node_scaling.py: one engine process, then two sharing the GPU (`--processes 2`):
+                   rows equal, samples/s and each process's input-wait share
   throughput_small benchmarks/throughput.py: transformers `generate` on padded batches of 8 against batchvl
                    in bf16 on the `small` model
   optional, run only when GPU_CHECK_STAGES names them: throughput_wide (the same at Qwen2-VL-2B's widths,
-                   superseded by gpu_throughput_2b) and gpu_throughput_7b (Qwen2-VL-7B)
+                   superseded by gpu_throughput_2b), gpu_throughput_7b (Qwen2-VL-7B) and
+                   gpu_throughput_2b_graphs (gpu_throughput_2b with engine.cuda_graphs on, to set against it)
 
 DEVICE=cpu runs the same stages on the CPU with smaller workloads, so the script is tried on any machine.
 The JSON is printed and written to GPU_CHECK_JSON, by default into benchmarks/results/, where the project
@@ -61,6 +64,7 @@ PARITY_TESTS = [
     "tests/engine/test_logprobs.py",
     "tests/engine/test_choice_scoring.py",
     "tests/engine/test_constrained_parity.py",
+    "tests/engine/test_decode_graphs.py",
 ]
 SCHEMA = {
     "type": "object",
@@ -327,17 +331,33 @@ def throughput(work: Path, size: str) -> dict:
     return {"ok": result["rc"] == 0, "seconds": result["seconds"], "size": size, "runs": summary}
 
 
-def gpu_throughput(work: Path, size: str) -> dict:
+def gpu_throughput(work: Path, size: str, cuda_graphs: bool = False) -> dict:
     """The captioning benchmark at a real size; its whole row is the stage's report. 1,000 samples: at the
     13 samples/s batchvl's eager engine reached at Qwen2-VL-2B's widths on an H200, about 75 s of the
     stage's 240 (the model is made in seconds; the rest is the warm-up job and the FLOP count)."""
-    out = work / f"gpu_throughput-{size}.json"
+    out = work / f"gpu_throughput-{size}{'-graphs' if cuda_graphs else ''}.json"
     workload = ["--size", "tiny", "--samples", "8"] if ON_CPU else ["--size", size, "--samples", "1000"]
     command = [sys.executable, "benchmarks/gpu_throughput.py", "--device", DEVICE, "--json", str(out)]
+    if cuda_graphs:
+        command.append("--cuda-graphs")
     result = run([*command, *workload], 240 if size == "2b" else 300)
     result.pop("stdout", None)
     row = json.loads(out.read_text()) if out.exists() else {}
     return {"ok": result["rc"] == 0 and bool(row), **result, **row}
+
+
+def two_processes(work: Path) -> dict:
+    """benchmarks/node_scaling.py: the same job by one engine process and by two sharing the device
+    (`--processes 2`), rows equal (the benchmark fails otherwise), samples/s and each process's input wait."""
+    out = work / "node_scaling.json"
+    workload = ["--samples", "8", "--shards", "4", "--new-tokens", "4"]
+    if not ON_CPU:
+        workload = ["--samples", "64", "--shards", "8", "--new-tokens", "32", "--dtype", "bfloat16"]
+    command = [sys.executable, "benchmarks/node_scaling.py", "--device", DEVICE, "--rounds", "1"]
+    result = run([*command, *workload, "--json", str(out)], 150)
+    stdout = result.pop("stdout", "")
+    report = json.loads(out.read_text()) if out.exists() else {}
+    return {"ok": result["rc"] == 0 and bool(report), **result, "table": stdout.splitlines()[-4:], **report}
 
 
 # Correctness first, then speed: where the budget runs short, the throughput runs (the longest stages) are
@@ -351,12 +371,14 @@ STAGES = [
     ("host_step", host_step),
     ("fused_elementwise", fused_elementwise),  # some 10-30 s: compiling the kernels, 36 timed ops
     ("gpu_throughput_2b", lambda work: gpu_throughput(work, "2b")),
+    ("two_processes", two_processes),  # about a minute: two processes start CUDA and load the model
+    ("gpu_throughput_2b_graphs", lambda work: gpu_throughput(work, "2b", cuda_graphs=True)),
     ("throughput_small", lambda work: throughput(work, "small")),
     ("throughput_wide", lambda work: throughput(work, "wide")),
     ("gpu_throughput_7b", lambda work: gpu_throughput(work, "7b")),
 ]
 # Run only when GPU_CHECK_STAGES names them: the whole check's minutes go to the 2B baseline first
-OPTIONAL = {"throughput_wide", "gpu_throughput_7b"}
+OPTIONAL = {"throughput_wide", "gpu_throughput_7b", "gpu_throughput_2b_graphs"}
 MIN_STAGE_S = 20  # a stage started with less time left could not finish
 
 

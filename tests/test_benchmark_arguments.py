@@ -147,7 +147,16 @@ def test_the_gpu_benchmarks_arguments_are_checked_in_one_line_before_any_work(tm
 
 def test_the_gpu_benchmark_runs_on_the_cpu_with_the_gpus_figures_null(tmp_path):
     done = gpu_throughput_run(
-        tmp_path, "--device", "cpu", "--size", "tiny", "--samples", "6", "--fused-kernels"
+        tmp_path,
+        "--device",
+        "cpu",
+        "--size",
+        "tiny",
+        "--samples",
+        "6",
+        "--cuda-graphs",
+        "--overlap",
+        "--fused-kernels",
     )
     assert done.returncode == 0, done.stderr[-2000:]
     row = json.loads((tmp_path / "r.json").read_text())
@@ -160,7 +169,8 @@ def test_the_gpu_benchmark_runs_on_the_cpu_with_the_gpus_figures_null(tmp_path):
     assert set(row["split_s"]) == {"vision", "prefill_steps", "decode_steps"}
     assert sum(row["split_flops_share"].values()) == pytest.approx(1, abs=1e-3)
     assert row["split_steps"]["prefill"] >= 1 and row["split_steps"]["decode"] >= 63  # 64 new tokens each
-    assert (row["engine"]["cuda_graphs"], row["engine"]["overlap"]) == (False, False)
+    # the job's own settings, recorded as given (on the CPU the engine ignores cuda_graphs; overlap runs)
+    assert (row["engine"]["cuda_graphs"], row["engine"]["overlap"]) == (True, True)
     assert row["engine"]["fused_kernels"] is False  # asked for, but ignored off CUDA: recorded as run
 
 
@@ -197,3 +207,29 @@ def test_kernel_time_is_the_union_of_the_traces_kernels(benchmark):
     intervals = timing.kernel_intervals(trace)
     assert len(intervals) == 3
     assert timing.busy_seconds(intervals) == pytest.approx(20e-6)
+
+
+def test_the_node_benchmark_fails_when_more_processes_write_other_rows(benchmark, monkeypatch, tmp_path):
+    """A process count's figure stands only beside rows equal to the first run's: one row changed, or one
+    error row, and the benchmark stops naming the count."""
+    node_scaling = benchmark("node_scaling")
+    import batchvl.demo.tiny_model as tiny_model
+
+    monkeypatch.setattr(tiny_model, "build_tiny_model", lambda folder, **kwargs: folder)
+    monkeypatch.setattr(node_scaling, "write_shards", lambda *args: None)
+    run = {"samples_per_s": 1.0, "wall_s": 1.0, "processing_s": 1.0, "per_process": []}
+    ok, other, failed = [("s0", "ok", "a cat")], [("s0", "ok", "other")], [("s0", "error", "a cat")]
+    for answers, named in (({1: ok, 2: other}, "2 process"), ({1: failed, 2: failed}, "1 process")):
+        monkeypatch.setattr(
+            node_scaling,
+            "run_once",
+            lambda count, *args, answers=answers: ({**run, "processes": count}, answers[count]),
+        )
+        monkeypatch.setattr(sys, "argv", ["node_scaling.py", "--counts", "1,2", "--rounds", "1"])
+        with pytest.raises(SystemExit, match=named):
+            node_scaling.main()
+    monkeypatch.setattr(node_scaling, "run_once", lambda count, *args: ({**run, "processes": count}, ok))
+    monkeypatch.setattr(sys, "argv", ["node_scaling.py", "--rounds", "2", "--json", str(tmp_path / "r.json")])
+    node_scaling.main()
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert [run["processes"] for run in report["runs"]] == [1, 2, 2, 1]  # the order alternates by round

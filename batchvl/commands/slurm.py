@@ -7,6 +7,12 @@ or a local folder when output.dir is on an object store (Slurm writes the logs a
 a filesystem). A record of the array, read by `batchvl status`, is kept in output.dir. `--signal=B:USR1@lead`
 warns the task before its time limit; it stops after the current step and requeues itself, and the
 requeued run resumes from the shards already committed.
+
+A task can be a node's worth of engines: `--gpus N` asks Slurm for N GPUs per task (`--gres=gpu:N`) and
+runs `batchvl run --gpus all` in it, one engine process per GPU Slurm gave the task (its
+CUDA_VISIBLE_DEVICES); `--processes N` runs N engine processes on the job's device (the CPU). With the
+openai backend and a launched server, the task's GPUs are the server's, which shards the model itself
+(its tensor-parallel size set in `engine.server.launch_args`): the task runs one batchvl against it.
 """
 
 from __future__ import annotations
@@ -39,6 +45,9 @@ class ArrayJob:
     overrides: list[str] = field(default_factory=list)  # --set values passed to every task
     sbatch_args: list[str] = field(default_factory=list)  # extra #SBATCH lines, e.g. --time=04:00:00
     signal_lead_s: int = 300  # SIGUSR1 this long before the time limit
+    gpus: int | None = None  # GPUs per task: --gres=gpu:N, and one engine process per GPU
+    processes: int | None = None  # engine processes per task on the job's device
+    server_takes_gpus: bool = False  # the task's GPUs go to a launched server, not to engine processes
     python: str = sys.executable
     workdir: str = field(default_factory=os.getcwd)
 
@@ -61,6 +70,7 @@ def sbatch_script(job: ArrayJob) -> str:
         "#SBATCH --open-mode=append",
         "#SBATCH --requeue",
         f"#SBATCH --signal=B:USR1@{job.signal_lead_s}",
+        *([f"#SBATCH --gres=gpu:{job.gpus}"] if job.gpus else []),
         *(f"#SBATCH {arg}" for arg in job.sbatch_args),
         "",
         "# Written by `batchvl slurm`. Task I runs its slice of the input shards (--shard I/N). Rerunning a",
@@ -73,11 +83,33 @@ def sbatch_script(job: ArrayJob) -> str:
         # exec: the batch shell becomes batchvl, so the B:USR1 signal reaches it directly.
         "exec "
         + shlex.join([job.python, "-m", "batchvl", "run", job.job_file])
-        + f' --shard "${{SLURM_ARRAY_TASK_ID}}/{job.num_tasks}" --requeue --no-progress --log-level info'
+        + f' --shard "${{SLURM_ARRAY_TASK_ID}}/{job.num_tasks}"'
+        + "".join(f" {flag}" for flag in _node_flags(job))
+        + " --requeue --no-progress --log-level info"
         + "".join(f" --set {shlex.quote(item)}" for item in job.overrides),
         "",
     ]
     return "\n".join(lines)
+
+
+def _node_flags(job: ArrayJob) -> list[str]:
+    """The task's engine processes: every GPU Slurm gave it (Slurm sets which it sees), or N on its device;
+    none where a launched server takes the GPUs."""
+    if job.gpus and not job.server_takes_gpus:
+        return ["--gpus", "all"]
+    if job.processes:
+        return ["--processes", str(job.processes)]
+    return []
+
+
+def check_node_options(gpus: int | None, processes: int | None) -> None:
+    """A task's GPUs or processes, refused in one line before anything is written. The GPUs are not looked
+    for here: a login node often has none, and Slurm gives the task its own."""
+    if gpus is not None and processes is not None:
+        raise UserError("--gpus and --processes both given: --gpus N for N GPUs per task, else --processes N")
+    for name, value in (("--gpus", gpus), ("--processes", processes)):
+        if value is not None and value < 1:
+            raise UserError(f"{name} must be 1 or more, got {value}")
 
 
 def write_array_job(job: ArrayJob, out: OutputDir) -> str:

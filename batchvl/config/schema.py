@@ -298,10 +298,21 @@ class EngineConfig:
     disable_chunked_mm_input: bool = job_key(
         False, "Never split an image's placeholder tokens across prefill chunks"
     )
+    overlap: bool = job_key(
+        False,
+        "Launch each engine step before reading the previous step's greedy picks, which stay on the device "
+        "(the host's work for a step runs while the GPU computes the one before); serial steps while any "
+        "request samples, is constrained, keeps logprobs or scores choices",
+    )
     vit_parallel: Literal["none", "data"] = job_key(
         "none", "'data': split each encode step's images across torchrun ranks (ViT data parallelism)"
     )
     threads: int = job_key(0, "torch intra-op threads (0: torch's default)", at_least=0)
+    cuda_graphs: bool = job_key(
+        False,
+        "On CUDA, replay steps of decodes only as CUDA graphs, one per row bucket captured on its first step "
+        "(far fewer kernel launches a step); ignored off CUDA",
+    )
     fused_kernels: bool = job_key(
         False,
         "On CUDA, RMSNorm, LayerNorm, SiLU*mul, QuickGELU and rotary as one Triton kernel each instead of "

@@ -17,19 +17,22 @@ import torch
 
 from batchvl.config import EngineConfig
 from batchvl.engine.adapter import ModelAdapter
+from batchvl.engine.device.host_copy import HostCopy
 from batchvl.engine.encoder_cache.cache import build_encoder_cache
 from batchvl.engine.model_runner import ModelRunner, StepLogits, kv_bytes_per_block
+from batchvl.engine.overlap import InFlightPicks, can_overlap, placeholder
 from batchvl.engine.parallel.vit_dp import DataParallelEncoder
 from batchvl.engine.request import (
     EngineRequest,
     EngineResult,
     MediaSpan,
     Request,
+    RequestStatus,
     ScheduledChunk,
 )
 from batchvl.engine.sampling.choice_scoring import ChoiceGroup, ChoiceTokenizer
 from batchvl.engine.sampling.logprobs import TokenLogprobs, logprob_fields
-from batchvl.engine.sampling.sampler import make_generator, rows_on_host, sample_tokens
+from batchvl.engine.sampling.sampler import greedy_picks, make_generator, rows_on_host, sample_tokens
 from batchvl.engine.sampling.stopping import StopChecker
 from batchvl.engine.sampling.structured_output import GrammarMatchers
 from batchvl.engine.scheduling.activation_peak import step_activation_peak
@@ -65,7 +68,13 @@ class Engine:
         if num_blocks < 1:
             raise UserError(f"engine.kv_cache_mb={config.kv_cache_mb} holds no KV block; raise it")
         self.block_manager = BlockManager(num_blocks, config.block_size, config.prefix_caching)
-        self.runner = ModelRunner(adapter, num_blocks, config.block_size, parallel_encoder)
+        self.runner = ModelRunner(
+            adapter,
+            num_blocks,
+            config.block_size,
+            parallel_encoder,
+            decode_graph_rows=config.max_num_seqs if config.cuda_graphs else 0,
+        )
         self.encoder_cache = build_encoder_cache(
             config,
             adapter,
@@ -82,6 +91,7 @@ class Engine:
         self._stats = EngineStats()  # the engine's own counters; `stats` adds its components'
         self._rejected: list[EngineResult] = []
         self._ids = itertools.count()  # request ids, in arrival order
+        self._in_flight: InFlightPicks | None = None  # an overlapped step's picks, not yet read
         logger.info(
             "KV cache: %d blocks of %d tokens (%.0f MiB, engine.kv_cache_mb=%s)",
             num_blocks,
@@ -184,16 +194,64 @@ class Engine:
         self.encoder_cache.check_integrity(live, self.scheduler.pending_freed)
 
     def step(self) -> list[EngineResult]:
-        """Run one step (schedule, run, postprocess); returns the requests that finished or were rejected."""
+        """Run one step (schedule, run, postprocess); returns the requests that finished or were rejected.
+        With `engine.overlap`, while every unfinished request can be overlapped (see `overlap.py`), the
+        step is launched before the previous step's picks are read, and a request finishes a step later."""
         results, self._rejected = self._rejected, []
+        overlapped = self.config.overlap and all(map(can_overlap, self.scheduler.requests))
+        if not overlapped and self._in_flight is not None:
+            results += self._read_in_flight()  # a serial step starts from every token on the host
         plan = self.scheduler.schedule()
         self.encoder_cache.drop(plan.freed)
         if not plan.chunks:
-            return results
+            return results + self._read_in_flight()
         self._encode(plan)
+        if overlapped:
+            return results + self._overlapped(plan.chunks)
         logits = self.runner.execute(plan.chunks, self.block_manager, self.encoder_cache.embeddings)
         self.scheduler.commit(plan.chunks)
         return results + self._postprocess(plan.chunks, logits)
+
+    def _overlapped(self, chunks: list[ScheduledChunk]) -> list[EngineResult]:
+        """Launch the step with the previous step's picks fed on the device, then read those picks, then
+        leave this step's picks in flight (see `overlap.py`)."""
+        previous = self._in_flight
+        logits = self.runner.execute(
+            chunks,
+            self.block_manager,
+            self.encoder_cache.embeddings,
+            picks_in_flight=None if previous is None else previous.picks,
+            wait=False,
+        )
+        picks = greedy_picks(logits.sampled)
+        host = HostCopy(picks)
+        # The previous picks are written before this step's chunks are committed: the blocks that commit
+        # publishes to the prefix cache hold them.
+        ended = self._stopped(previous.read()) if previous is not None else []
+        self.scheduler.commit(chunks)
+        self._count_step(chunks)
+        finished = [self._finish(request, reason) for request, reason in ended]
+        requests, rows = [], []
+        for row, request in enumerate(chunk.request for chunk in chunks if chunk.samples_next_token):
+            if request.status is not RequestStatus.FINISHED:  # else its pick is one past its end: dropped
+                request.output_token_ids.append(placeholder(row))
+                requests.append(request)
+                rows.append(row)
+        self._in_flight = InFlightPicks(requests, rows, picks, host) if requests else None
+        return finished
+
+    def _read_in_flight(self) -> list[EngineResult]:
+        """Read the picks in flight, if any, and finish the requests they end."""
+        previous, self._in_flight = self._in_flight, None
+        if previous is None:
+            return []
+        return [self._finish(request, reason) for request, reason in self._stopped(previous.read())]
+
+    def _stopped(self, requests: list[Request]) -> list[tuple[Request, str]]:
+        """The requests whose newest token (a greedy pick: no grammar, no log-probabilities) ends them."""
+        self._stats.output_tokens += len(requests)
+        reasons = [(request, self.stopping.finish_reason(request)) for request in requests]
+        return [(request, reason) for request, reason in reasons if reason is not None]
 
     def _encode(self, plan: StepPlan) -> None:
         """Bring the plan's images that are not in memory from the disk cache or the vision tower."""
@@ -205,11 +263,14 @@ class Engine:
     def _postprocess(self, chunks: list[ScheduledChunk], step_logits: StepLogits) -> list[EngineResult]:
         """Count the step, sample the next token of each request whose chunk reached its end, score the
         scoring requests' chunks, and finish the requests that are done."""
+        self._count_step(chunks)
+        return self._sample(chunks, step_logits.sampled) + self._score(chunks, step_logits.scored)
+
+    def _count_step(self, chunks: list[ScheduledChunk]) -> None:
         self._stats.steps += 1
         self._stats.prefill_tokens_computed += sum(
             chunk.num_tokens for chunk in chunks if chunk.start < chunk.request.num_prompt_tokens
         )
-        return self._sample(chunks, step_logits.sampled) + self._score(chunks, step_logits.scored)
 
     def _sample(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> list[EngineResult]:
         sampling = [chunk.request for chunk in chunks if chunk.samples_next_token]

@@ -14,7 +14,9 @@ from dataclasses import dataclass
 import torch
 
 from batchvl.engine.adapter import ModelAdapter
+from batchvl.engine.device.graph_capture import graph_capture
 from batchvl.engine.device.sync import synchronize
+from batchvl.engine.overlap import with_picks
 from batchvl.engine.parallel.vit_dp import DataParallelEncoder
 from batchvl.engine.request import Request, RequestPositions, ScheduledChunk
 from batchvl.engine.scheduling.block_manager import BlockManager
@@ -79,18 +81,30 @@ class ModelRunner:
         num_blocks: int,
         block_size: int,
         parallel_encoder: DataParallelEncoder | None = None,
+        decode_graph_rows: int = 0,
     ):
+        """`decode_graph_rows`: the most rows of a decode step replayed as a graph, on a device that
+        captures them (CUDA); 0: none."""
         self.adapter = adapter
         self.parallel_encoder = parallel_encoder
         geo = adapter.geometry
+        capture = graph_capture(adapter.device) if decode_graph_rows else None
         self.kv_cache = KVCache.allocate(
             geo.num_layers,
-            num_blocks * block_size,
+            # with graphs, one block more: the padding rows' scratch block, which no request is given
+            (num_blocks + (capture is not None)) * block_size,
             geo.num_kv_heads,
             geo.head_dim,
             adapter.dtype,
             adapter.device,
         )
+        self.decode_graphs = None
+        if capture is not None and self.kv_cache.decodes_in_place:
+            from batchvl.engine.device.decode_graphs import DecodeGraphs
+
+            self.decode_graphs = DecodeGraphs(
+                adapter, self.kv_cache, block_size, decode_graph_rows, num_blocks, capture
+            )
         self.forward_s = 0.0  # summed time of the language model's forwards
 
     def prompt_positions(self, prompt_token_ids: list[int], images: list[PreparedMedia]) -> RequestPositions:
@@ -121,9 +135,21 @@ class ModelRunner:
         chunks: list[ScheduledChunk],
         block_manager: BlockManager,
         embeddings: Mapping[str, torch.Tensor],
+        picks_in_flight: torch.Tensor | None = None,
+        wait: bool = True,
     ) -> StepLogits:
         """Run one packed forward, with the images' rows taken from `embeddings` (by content hash); returns
-        the logits the chunks need (see `StepLogits`)."""
+        the logits the chunks need (see `StepLogits`). An overlapped step passes the previous step's picks,
+        still on the device, for the placeholders among the tokens (see `overlap.py`), and does not wait
+        for the forward's kernels (its `forward_s` is then their launch)."""
+        if self.decode_graphs is not None and self.decode_graphs.takes(chunks):
+            started = time.perf_counter()
+            sampled = self.decode_graphs.run(chunks, block_manager, picks_in_flight)
+            if sampled is not None:
+                if wait:
+                    synchronize(self.adapter.device)
+                self.forward_s += time.perf_counter() - started
+                return StepLogits(sampled, sampled[:0])
         token_ids: list[int] = []
         positions, slot_mapping, sequences = [], [], []
         # A run of decodes (one generated token each, most of a step) as plain ints, made into one tensor
@@ -193,6 +219,8 @@ class ModelRunner:
             ],
             device,
         )
+        if picks_in_flight is not None:
+            token_ids_on = with_picks(token_ids_on, picks_in_flight)
         meta = PagedAttentionMetadata.build(self.kv_cache, slots_on, sequences, device)
         started = time.perf_counter()
         hidden = self.adapter.forward(
@@ -203,7 +231,8 @@ class ModelRunner:
             batchvl_attention=meta,
         )
         logits = self.adapter.compute_logits(hidden[logits_rows])
-        synchronize(device)  # the forward's kernels done, not just launched
+        if wait:
+            synchronize(device)  # the forward's kernels done, not just launched
         self.forward_s += time.perf_counter() - started
         return StepLogits(logits[: len(last_rows)], logits[len(last_rows) :])
 

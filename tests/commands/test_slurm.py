@@ -78,7 +78,7 @@ def batchvl(cluster, job_dir, *args) -> subprocess.CompletedProcess:
     )
 
 
-def submit(cluster, job_dir, out: str, tasks: int) -> str:
+def submit(cluster, job_dir, out: str, tasks: int, *args: str) -> str:
     result = batchvl(
         cluster,
         job_dir,
@@ -90,6 +90,7 @@ def submit(cluster, job_dir, out: str, tasks: int) -> str:
         "--sbatch-arg=--time=00:30:00",
         "--set",
         f"output.dir={out}",
+        *args,
     )
     assert result.returncode == 0, result.stderr
     return re.search(r"submitted Slurm job (\d+)", result.stdout)[1]
@@ -113,6 +114,19 @@ def test_an_array_job_writes_every_row_once(cluster, job_dir, reference):
         assert f"task {index}/3: done:" in log
     status = batchvl(cluster, job_dir, "status", "job.yaml", "--set", "output.dir=array")
     assert "shards: 5 of 5 done, 0 pending" in status.stdout and "complete" in status.stdout, status.stderr
+
+
+def test_an_array_of_tasks_of_two_processes_writes_every_row_once(cluster, job_dir, reference):
+    """`--processes 2`: each task is a node's launch, whose processes split the task's shards."""
+    job_id = submit(cluster, job_dir, "node-array", 2, "--processes", "2")
+    cluster.wait_until_gone(job_id)
+    out = job_dir / "node-array"
+    assert rows_of(out) == reference
+    tasks = sorted(read_marker(LocalDir(str(out)), f"part-{n}.parquet").task for n in range(NUM_SHARDS))
+    assert tasks == ["0/2", "0/2", "0/2", "1/2", "1/2"]
+    for index in range(2):
+        log = (out / "_batchvl" / "logs" / f"task-{index}.log").read_text()
+        assert f"task {index}/2: done:" in log and "process 1 (cpu)" in log, log
 
 
 def test_sigusr1_stops_a_task_which_requeues_itself_and_resumes(cluster, job_dir, reference):

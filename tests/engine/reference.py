@@ -139,7 +139,7 @@ class EngineProbe:
         runner = engine.runner
         execute, adapter = runner.execute, runner.adapter
 
-        def recording_execute(chunks, block_manager, embeddings):
+        def recording_execute(chunks, block_manager, embeddings, **options):
             fed = []  # the positions the model was given, (axes, rows) in the step's packed order
 
             def recording_forward(token_ids, positions, *args, **kwargs):
@@ -149,7 +149,7 @@ class EngineProbe:
             forward, own = adapter.forward, vars(adapter).get("forward")  # another probe's, if any
             adapter.forward = recording_forward
             try:
-                out = execute(chunks, block_manager, embeddings)
+                out = execute(chunks, block_manager, embeddings, **options)
             finally:
                 if own is None:
                     del adapter.forward  # the class's method again
@@ -175,22 +175,44 @@ class EngineProbe:
 
         runner.execute = recording_execute
 
-    def run(self) -> dict:
-        """tag -> Observed for every request added so far (rejected ones: no logits, no positions)."""
-        ids = {request.request_id: request.tag for request in self.engine.scheduler.requests}
+    def run(self, arrivals: dict[int, list[EngineRequest]] | None = None) -> dict:
+        """tag -> Observed for every request added so far, and those of `arrivals` added before the step
+        of their number (rejected ones: no logits, no positions)."""
+        arrivals = dict(arrivals or {})
+        ids: dict = {}
         results: dict = {}
-        while self.engine.num_unfinished:
+        steps = 0
+        while self.engine.num_unfinished or arrivals:
+            for item in arrivals.pop(steps, []):
+                self.engine.add_request(item)
+            ids.update({request.request_id: request.tag for request in self.engine.scheduler.requests})
             for result in self.engine.step():
                 assert result.tag not in results, f"{result.tag} answered twice"  # one result per request
                 results[result.tag] = result
             self.engine.check_integrity()
+            steps += 1
         observed = {tag: Observed(result, torch.empty(0), {}) for tag, result in results.items()}
         for request_id, tag in ids.items():
+            self._drop_step_past_the_end(request_id, observed[tag].result)
             logits = self._logits.get(request_id, {})
             if logits:
                 observed[tag].logits = torch.stack([logits[i] for i in sorted(logits)])
             observed[tag].positions = self._positions.get(request_id, {})
         return observed
+
+    def _drop_step_past_the_end(self, request_id: int, result: EngineResult) -> None:
+        """With `engine.overlap`, a request is run one step past its last token before its picks show its
+        end: that step's position and logits are not its answer's, and there is at most that one."""
+        if not self.engine.config.overlap:
+            return
+        logits, positions = self._logits.get(request_id, {}), self._positions.get(request_id, {})
+        past = [index for index in logits if index >= len(result.output_token_ids)]
+        if not past:
+            return
+        fed_last = result.num_prompt_tokens + len(result.output_token_ids) - 1  # its last token, fed
+        assert past == [len(result.output_token_ids)], past
+        assert max(positions) == fed_last, (max(positions), fed_last)
+        del logits[past[0]], positions[fed_last]
 
 
 @dataclass(frozen=True)

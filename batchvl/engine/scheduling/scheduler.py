@@ -176,8 +176,10 @@ class Scheduler:
                 self._freed += self.encoder_cache.release(request.request_id, content_hash)
 
     def finish(self, request: Request) -> None:
+        # A request is finished running, or waiting where an overlapped step's pick ends it after the
+        # schedule that preempted it
+        (self.running if request.status is RequestStatus.RUNNING else self.waiting).remove(request)
         request.status = RequestStatus.FINISHED
-        self.running.remove(request)
         self.block_manager.free(request)
         self._freed += self.encoder_cache.release_request(request.request_id)
 

@@ -1,0 +1,191 @@
+"""Steps of decodes only, replayed as graphs: one per row bucket, captured on its first step.
+
+On CUDA a decoder layer launches some 34 kernels: at Qwen2-VL-2B's 28 layers a decode step is ~960
+launches, tens of ms of host work against ~2 ms of GPU work. A step whose chunks are all single-token
+decodes (no media, no scoring) has the shapes of its row bucket once padded, so its launches can be
+recorded once per bucket and replayed over static buffers that each step fills in:
+
+- token ids (B,), positions (axes, B) and cache slots (B,) of the step's rows;
+- the decode attention's metadata in `InPlaceDecodes`' layout (what Triton's kernel reads on CUDA and the
+  native one on the CPU): rows 0..B-1, and per row where its cache pages start in `pages` and how many
+  keys it has; `pages` holds the step's block tables one after another (a step copies in its own blocks,
+  as the eager path uploads them, not a table of `max_model_len / block_size` entries a row);
+- the logits (B, vocab) float32 of every row, the real rows first.
+
+Padding rows (the bucket's rows past the step's) are token 0 at position 0, writing their K/V to a scratch
+slot, the first of one cache block beyond the block manager's (no request ever owns it), and attending to
+that one key: finite values where nothing reads them. Not slot 0: the torch decode path reads it, masked,
+as its own padding, and it must stay finite; not zero keys: the kernels would divide 0 by 0.
+
+The buckets are the eager path's row buckets (`row_buckets.bucket_rows`: 16, 32, ... 128, then eight per
+doubling): a graph runs the step at the shapes the eager path runs it at, so its matmuls are the same
+kernels, and at 16 rows or fewer a decode step reads the weights once whatever its rows, so the padding
+costs next to nothing. A bucket is captured on its first step, with that step's inputs: the warm-up runs
+compute the step itself (writing the same K/V to the same slots again changes nothing), and a job captures
+only the buckets its batches reach, instead of every one at start-up.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from batchvl.engine.adapter import ModelAdapter
+from batchvl.engine.overlap import with_picks
+from batchvl.engine.request import ScheduledChunk
+from batchvl.engine.scheduling.block_manager import BlockManager, blocks_needed
+from batchvl.layers.attention import InPlaceDecodes, KVCache, PagedAttentionMetadata, uploaded
+from batchvl.layers.row_buckets import bucket_rows
+from batchvl.utils.int_tensors import int64_tensor
+
+logger = logging.getLogger(__name__)
+
+MAX_POSITION_AXES = 4  # 1-D rope, M-RoPE's 3 axes, and a text axis before them where a family adds one
+
+
+class GraphCapture(Protocol):
+    def capture(self, forward: Callable[[], None]) -> Callable[[], None]:
+        """Record `forward`, which reads and writes only static buffers; returns its replay."""
+        ...
+
+
+def is_graphable(chunks: list[ScheduledChunk]) -> bool:
+    """Whether a step is decodes only: one generated token each (so no media) that samples the next."""
+    return all(chunk.num_tokens == 1 and chunk.is_generated and chunk.samples_next_token for chunk in chunks)
+
+
+class DecodeGraphs:
+    def __init__(
+        self,
+        adapter: ModelAdapter,
+        kv_cache: KVCache,
+        block_size: int,
+        max_rows: int,
+        scratch_block: int,
+        graph_capture: GraphCapture,
+    ):
+        self.adapter = adapter
+        self.kv_cache = kv_cache
+        self.block_size = block_size
+        self.largest = bucket_rows(max_rows)
+        self.scratch_slot = scratch_block * block_size
+        self.graph_capture = graph_capture
+        device = adapter.device
+
+        def ints(size: int) -> torch.Tensor:
+            return torch.zeros(size, dtype=torch.long, device=device)
+
+        # Every row's pages fit: a sequence has at most max_model_len keys. One more entry, the last, is the
+        # padding rows' page, written once.
+        self.padding_start = self.largest * blocks_needed(adapter.geometry.max_model_len, block_size)
+        # The static buffers by name (a bucket's graph reads their first rows), each filled by one copy a step
+        self.buffers = {
+            "token_ids": ints(self.largest),
+            "positions": ints(MAX_POSITION_AXES * self.largest),  # (axes, B) in the first axes * B
+            "slots": ints(self.largest),
+            "pages": ints(self.padding_start + 1),
+            "starts": ints(self.largest),
+            "lengths": ints(self.largest),
+        }
+        self.buffers["pages"][self.padding_start] = scratch_block
+        self.rows = torch.arange(self.largest, device=device)
+        self.logits = torch.zeros(self.largest, adapter.geometry.vocab_size, device=device)
+        self._replays: dict[tuple[int, int], Callable[[], None]] = {}  # (rows, position axes) -> replay
+        self._failed = False
+
+    @property
+    def captured(self) -> list[tuple[int, int]]:
+        """The (rows, position axes) of the graphs captured so far."""
+        return list(self._replays)
+
+    def takes(self, chunks: list[ScheduledChunk]) -> bool:
+        """Whether the step runs as a graph: decodes only, no more rows than the largest bucket, and no
+        capture has failed."""
+        axes = chunks[0].request.positions.prompt.shape[0]
+        return (
+            not self._failed
+            and len(chunks) <= self.largest
+            and axes <= MAX_POSITION_AXES
+            and is_graphable(chunks)
+        )
+
+    def run(
+        self,
+        chunks: list[ScheduledChunk],
+        block_manager: BlockManager,
+        picks_in_flight: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
+        """The float32 logits (one row per chunk, in order) of a step `takes` took, from its bucket's graph,
+        valid until the next step; None where the graph could not be captured (said once; the caller runs
+        the step eagerly, and every later step too). An overlapped step's placeholders are swapped for the
+        previous step's picks in the token buffer, on the device, before the replay (outside the graph: the
+        picks are a new tensor each step)."""
+        rows = bucket_rows(len(chunks))
+        axes = chunks[0].request.positions.prompt.shape[0]
+        self._load(chunks, block_manager, rows, axes)
+        if picks_in_flight is not None:
+            token_ids = self.buffers["token_ids"][:rows]
+            token_ids.copy_(with_picks(token_ids, picks_in_flight))
+        replay = self._replays.get((rows, axes))
+        if replay is None:
+            try:
+                replay = self.graph_capture.capture(self._forward(rows, axes))
+            except Exception as exc:  # a model whose forward cannot be captured still runs, eagerly
+                logger.warning("decode steps run eagerly: capturing one as a graph failed (%s)", exc)
+                self._failed = True
+                return None
+            self._replays[rows, axes] = replay
+        replay()
+        return self.logits[: len(chunks)]  # read before the next step's replay rewrites them
+
+    def _load(self, chunks: list[ScheduledChunk], block_manager: BlockManager, rows: int, axes: int) -> None:
+        """Fill the static buffers with the step's inputs, the padding rows' after them."""
+        padding = rows - len(chunks)
+        token_ids, positions, slots, starts, lengths, pages = [], [], [], [], [], []
+        first_page = 0
+        for chunk in chunks:
+            request, start = chunk.request, chunk.start
+            key_slots, key_blocks = block_manager.key_layout(request, chunk.end)
+            token_ids.append(request.output_token_ids[start - len(request.prompt_token_ids)])
+            positions.append(start + request.positions.delta)  # on every axis
+            slots.append(key_slots[start])
+            starts.append(first_page)
+            lengths.append(chunk.end)
+            pages.append(key_blocks)
+            first_page += len(key_blocks)
+        step = [
+            int64_tensor(token_ids + [0] * padding),
+            int64_tensor(positions + [0] * padding).expand(axes, -1),
+            int64_tensor(slots + [self.scratch_slot] * padding),
+            torch.from_numpy(np.concatenate(pages)),
+            int64_tensor(starts + [self.padding_start] * padding),
+            int64_tensor(lengths + [1] * padding),
+        ]
+        for buffer, values in zip(self.buffers.values(), uploaded(step, self.adapter.device), strict=True):
+            buffer[: values.numel()].copy_(values.reshape(-1))
+
+    def _forward(self, rows: int, axes: int) -> Callable[[], None]:
+        """The bucket's step over the static buffers: what its graph records."""
+        buffers = self.buffers
+        decodes = InPlaceDecodes(
+            self.rows[:rows],
+            buffers["pages"],
+            buffers["starts"][:rows],
+            buffers["lengths"][:rows],
+            self.block_size,
+        )
+        meta = PagedAttentionMetadata(self.kv_cache, buffers["slots"][:rows], [], in_place_decodes=decodes)
+        token_ids = buffers["token_ids"][:rows]
+        positions = buffers["positions"][: axes * rows].view(axes, rows)
+        no_media = torch.zeros(rows, dtype=torch.bool)
+        logits = self.logits[:rows]
+
+        def forward() -> None:
+            hidden = self.adapter.forward(token_ids, positions, no_media, None, batchvl_attention=meta)
+            logits.copy_(self.adapter.compute_logits(hidden))
+
+        return forward

@@ -1,0 +1,45 @@
+"""Recording a step's kernels once and replaying them: CUDA graphs, as torch documents their capture.
+
+A captured callable reads and writes only tensors that outlive it (static buffers): a replay launches the
+recorded kernels over whatever those buffers hold then, without running any Python.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+# Runs before the capture: the first calls compile Triton's kernels and create cuBLAS's handles and
+# workspaces, neither of which may happen while a stream is being captured (vLLM runs two as well).
+WARMUP_RUNS = 2
+
+
+class CudaGraphCapture:
+    """Graphs on one CUDA device, all in one memory pool: their intermediate tensors are dead once a replay
+    ends (inputs and outputs live outside the pool), so the graphs, replayed one at a time, share it."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def capture(self, forward: Callable[[], None]) -> Callable[[], None]:
+        """`forward` run `WARMUP_RUNS` times on a side stream, then recorded; returns its replay."""
+        current = torch.cuda.current_stream(self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(current)  # the warm-up reads inputs the current stream copied in
+        with torch.cuda.stream(side):
+            for _ in range(WARMUP_RUNS):
+                forward()
+        current.wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: only this thread's calls are checked while it captures; under the default (global)
+        # a CUDA call that is not allowed during a capture would fail in whatever other thread makes it
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            forward()
+        return graph.replay
+
+
+def graph_capture(device: torch.device) -> CudaGraphCapture | None:
+    """How steps are captured on `device`: CUDA graphs on a CUDA device, none elsewhere."""
+    return CudaGraphCapture(device) if device.type == "cuda" else None

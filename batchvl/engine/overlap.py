@@ -1,0 +1,65 @@
+"""Overlapped steps (`engine.overlap`): step n+1 is scheduled, built and launched before the host reads
+step n's picks, so that on a GPU the host's work for a step runs while the device computes the one before.
+
+An overlapped step keeps its greedy picks on the device. Each request that sampled in it gets a
+placeholder as its newest output token, `placeholder(row)`, naming the row of its pick. The scheduler
+counts the placeholder as a token, so the request's next decode is scheduled at once; the runner packs
+the placeholder and the device swaps the pick in (`with_picks`); only once that next forward is launched
+does the host read the picks (`InFlightPicks.read`), write them over the placeholders and apply the stop
+rules. A request those picks end has been run one step too far: that step's pick is dropped (it gets no
+placeholder), and its KV blocks and images are freed once that step is launched, which is safe because
+whatever reuses them is a later forward, queued behind it on the same stream.
+
+A request whose next token the host must see before it goes on (a grammar to advance, a seeded draw on
+the CPU, log-probabilities, a scored choice) is not overlapped; while one is unfinished, every step is
+serial. Keeping such requests out of steps while a pick is in flight would also work, but it would split
+the batch and run them every other step, and a job's prompts mostly share one sampling (captions: all
+greedy), so the fallback costs nothing in the common case and keeps the host-side rules on one path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from batchvl.engine.device.host_copy import HostCopy
+from batchvl.engine.request import Request
+
+
+def can_overlap(request: Request) -> bool:
+    """Whether the request's next token may stay on the device while the next step is launched."""
+    return (
+        request.sampling.is_greedy
+        and request.grammar is None
+        and request.logprobs is None
+        and request.score_from is None
+    )
+
+
+def placeholder(row: int) -> int:
+    """The output token standing for the pick of `row` of the step in flight (token ids are >= 0)."""
+    return -1 - row
+
+
+def with_picks(token_ids: torch.Tensor, picks: torch.Tensor) -> torch.Tensor:
+    """The packed token ids with each placeholder replaced by its pick, on the device."""
+    return torch.where(token_ids < 0, picks[(-1 - token_ids).clamp(min=0)], token_ids)
+
+
+@dataclass
+class InFlightPicks:
+    """A launched step's greedy picks, not yet read: `requests[i]`'s newest output token is the placeholder
+    of row `rows[i]`."""
+
+    requests: list[Request]
+    rows: list[int]
+    picks: torch.Tensor  # on the device, read by the next step's forward
+    host: HostCopy
+
+    def read(self) -> list[Request]:
+        """Write the picks over their placeholders (waiting for them alone); the requests, in row order."""
+        tokens = self.host.tolist()
+        for request, row in zip(self.requests, self.rows, strict=True):
+            request.output_token_ids[-1] = tokens[row]
+        return self.requests
