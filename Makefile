@@ -35,16 +35,16 @@ vllm:
 browser:
 	bash scripts/install-browser.sh
 
-# The GPU check (scripts/gpu_check.py): the engine on a GPU in at most 8 minutes, one JSON, kept in
+# The GPU check (scripts/gpu_check.py): the engine on a GPU in at most 9 minutes, one JSON, kept in
 # benchmarks/results/ as gpu-check-<GPU>-<UTC time>.json with the benchmarks' own reports beside it
 # (GPU_CHECK_JSON names another file). On a machine without network whose image has torch but not all of
 # batchvl's requirements, `make gpu-wheels` (here, with network) saves the missing ones to .whl for Python
 # 3.12; gpu-check installs them from there. The GPU images lent so far have torch 2.11 and transformers
 # 5.17, both in batchvl's ranges: they are used. DEVICE=cpu runs the same stages on a CPU (a trial: its
 # reports, gpu-check-cpu-*.json, are git-ignored); GPU_CHECK_STAGES=parity,host_step (names,
-# comma-separated) runs only those stages. Correctness runs first: where the 8 minutes run short the
-# throughput stages are skipped, so a GPU window's second call is GPU_CHECK_STAGES=gpu_throughput_2b
-# (the real-size baseline, about 3 minutes).
+# comma-separated) runs only those stages. Correctness and the 2B runs without and with the fast paths come
+# first; where the 9 minutes run short the rest is skipped, and a GPU window's second call names it
+# (GPU_CHECK_STAGES=sampled_job,constrained_job,two_processes,vit_dp,host_step,fused_elementwise).
 DEVICE ?= cuda
 GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
 GPU_WHEELS := xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2 \

@@ -18,7 +18,7 @@ in seconds and in FLOPs. The engine's settings and which fast paths were on are 
 On a CPU (`--device cpu`, e.g. `--size tiny --samples 8`) the same runs, with the GPU's figures null.
 
     python benchmarks/gpu_throughput.py --device cuda --size 2b [--samples 1000] [--cuda-graphs] [--overlap]
-        [--fused-kernels] [--json PATH]
+        [--fused-kernels] [--json PATH] [--texts PATH]
 """
 
 from __future__ import annotations
@@ -134,6 +134,8 @@ def measure(args, work: Path) -> dict:
     if ok != args.samples or len(rows) != args.samples:
         errors = [row["error_message"] for row in rows if row["status"] != "ok"][:3]
         raise SystemExit(f"{ok} of {args.samples} rows ok ({len(rows)} written), no rate: {errors}")
+    if args.texts:  # for a comparison of the outputs of runs with other fast paths
+        args.texts.write_text(json.dumps({row["key"]: row["text"] for row in rows}))
 
     spec = QwenVisionSpec.from_image_processor(loaded.processor.image_processor)
     patches = {}
@@ -262,6 +264,7 @@ def main() -> None:
         help="RMSNorm, LayerNorm, SiLU*mul, QuickGELU and rotary as Triton kernels (engine.fused_kernels)",
     )
     parser.add_argument("--json", type=Path, help="Write the row here.")
+    parser.add_argument("--texts", type=Path, help="Write each sample's output text here (JSON, by key).")
     args = parser.parse_args()
     problem = argument_problem(args)
     if problem:

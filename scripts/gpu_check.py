@@ -1,38 +1,46 @@
-"""`make gpu-check`: batchvl's own engine on a GPU in at most 8 minutes, reported as one JSON.
+"""`make gpu-check`: batchvl's own engine on a GPU in at most 9 minutes, reported as one JSON.
 
 Stages, each in a process of its own under its own time limit, so that one that fails or hangs is
-reported and the next still runs:
+reported and the next still runs, in the order of what a GPU window must answer first:
 
   environment      torch, CUDA, the GPU and its free memory, transformers, the optional kernels importable
   parity           the engine parity, family, sampler, logprobs, choice-scoring and constrained-decoding
-                   tests with BATCHVL_TEST_DEVICE set: the engine on the device, references on the CPU
-  vit_dp           the ViT data-parallel job test (two torchrun ranks on the one device) on the device
+                   tests with BATCHVL_TEST_DEVICE set (the engine on the device, references on the CPU), and
+                   those of the fast paths: decode graphs (real CUDA graphs there), overlapped steps, and the
+                   fused kernels in every family
+  fast_paths_job   greedy captions in fp32 with every fast path on (engine.cuda_graphs, engine.overlap,
+                   engine.fused_kernels) on the device against the CPU's eager run: texts equal
+  gpu_throughput_2b  benchmarks/gpu_throughput.py: 1,000 captions by Qwen2-VL-2B (made on the GPU in bf16):
+                   samples/s, the share of the workload's limit, the GPU's kernel-time share and the split
+                   between vision, prefill and decode, with no fast path: the baseline
+  gpu_throughput_2b_fast  the same with every fast path on, and the share of samples whose text equals the
+                   baseline's
   sampled_job      a job sampling at temperature 0.8 on the device and on the CPU: rows ok on each, and the
                    share of rows whose text is the same (each request's seeded draws run on the CPU)
   constrained_job  a JSON-schema, regex, choices and free-text job in fp32 on the device and on the CPU:
                    rows and texts equal
+  two_processes    benchmarks/node_scaling.py: one engine process, then two sharing the GPU (`--processes 2`):
+                   rows equal, samples/s and each process's input-wait share
+  vit_dp           the ViT data-parallel job test (two torchrun ranks on the one device) on the device
   host_step        benchmarks/host_step.py on the device at Qwen2-VL-2B's full size (`--size 2b`): host work
                    per step at 256 long decodes, and where it goes (the torch ops and Python functions with
                    the most host time)
-  fused_elementwise benchmarks/fused_elementwise.py: the elementwise Triton kernels (not yet used by the
-                   engine) against the eager transformers ops, per call and their outputs' differences, at
-                   Qwen2-VL-2B's widths; refused on the CPU (reported as skipped)
-  gpu_throughput_2b  benchmarks/gpu_throughput.py: 1,000 captions by Qwen2-VL-2B (made on the GPU in bf16):
-                   samples/s, the share of the workload's limit, the GPU's kernel-time share and the split
-                   between vision, prefill and decode; the baseline later optimisations are measured against
-  two_processes    benchmarks/node_scaling.py: one engine process, then two sharing the GPU (`--processes 2`):
-                   rows equal, samples/s and each process's input-wait share
+  fused_elementwise benchmarks/fused_elementwise.py: the elementwise Triton kernels against the eager
+                   transformers ops, per call and their outputs' differences, at Qwen2-VL-2B's widths;
+                   refused on the CPU (reported as skipped)
   throughput_small benchmarks/throughput.py: transformers `generate` on padded batches of 8 against batchvl
                    in bf16 on the `small` model
-  optional, run only when GPU_CHECK_STAGES names them: throughput_wide (the same at Qwen2-VL-2B's widths,
-                   superseded by gpu_throughput_2b), gpu_throughput_7b (Qwen2-VL-7B) and
-                   gpu_throughput_2b_graphs (gpu_throughput_2b with engine.cuda_graphs on, to set against it)
+  optional, run only when GPU_CHECK_STAGES names them: gpu_throughput_2b_cuda_graphs, _overlap and
+                   _fused_kernels (one fast path alone, to tell their gains apart), throughput_wide (the
+                   same as throughput_small at Qwen2-VL-2B's widths) and gpu_throughput_7b (Qwen2-VL-7B)
 
+A GPU window's first call runs the check as it is; where its budget ran short, the second names the stages
+left (GPU_CHECK_STAGES=sampled_job,constrained_job,...).
 DEVICE=cpu runs the same stages on the CPU with smaller workloads, so the script is tried on any machine.
 The JSON is printed and written to GPU_CHECK_JSON, by default into benchmarks/results/, where the project
 keeps these reports: gpu-check-<GPU>-<UTC time>.json (e.g. gpu-check-nvidia-h200-20250101T120000Z.json;
 `cpu` for a DEVICE=cpu trial, which git ignores), and the benchmarks' own full reports beside it, named
-after it (...-host_step.json, ...-throughput-small.json). GPU_CHECK_BUDGET_S (480) bounds the whole run,
+after it (...-host_step.json, ...-throughput-small.json). GPU_CHECK_BUDGET_S (540) bounds the whole run,
 and a stage that no longer fits is reported as skipped; GPU_CHECK_STAGES (names, comma-separated) runs
 only those stages, the optional ones included.
 
@@ -55,7 +63,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 DEVICE = os.environ.get("DEVICE", "cuda")
 ON_CPU = DEVICE == "cpu"
-BUDGET_S = float(os.environ.get("GPU_CHECK_BUDGET_S", 480))
+BUDGET_S = float(os.environ.get("GPU_CHECK_BUDGET_S", 540))
 SHOWN = 2000  # characters of a failed stage's output kept in the report
 PARITY_TESTS = [
     "tests/engine/test_parity.py",
@@ -65,6 +73,8 @@ PARITY_TESTS = [
     "tests/engine/test_choice_scoring.py",
     "tests/engine/test_constrained_parity.py",
     "tests/engine/test_decode_graphs.py",
+    "tests/engine/test_overlap.py",
+    "tests/models/fused_kernels_gpu_checks.py",  # skipped on the CPU: its kernels need a GPU
 ]
 SCHEMA = {
     "type": "object",
@@ -188,7 +198,7 @@ def pytest_stage(files: list[str], limit_s: float, work: Path, name: str) -> dic
 
 
 def parity(work: Path) -> dict:
-    return pytest_stage(PARITY_TESTS, 200, work, "parity")
+    return pytest_stage(PARITY_TESTS, 300, work, "parity")
 
 
 def vit_dp(work: Path) -> dict:
@@ -224,8 +234,9 @@ def tiny_model(work: Path) -> Path:
     return folder
 
 
-def job_on(work: Path, name: str, device: str, prompts: str, sampling: str) -> dict:
-    """Runs the job in its own folder on `device`; its status counts and rows (prompt, key) -> row."""
+def job_on(work: Path, name: str, device: str, prompts: str, sampling: str, engine: str = "{}") -> dict:
+    """Runs the job in its own folder on `device` with the `engine` settings; its status counts and rows
+    (prompt, key) -> row."""
     import pyarrow.parquet as pq
 
     root = work / f"{name}-{device.replace(':', '')}"
@@ -233,7 +244,8 @@ def job_on(work: Path, name: str, device: str, prompts: str, sampling: str) -> d
     (root / "job.yaml").write_text(
         f"model: {{path: {tiny_model(work)}, dtype: float32, device: {device}}}\n"
         'input: {paths: ["data/*.parquet"], key_column: key}\n'
-        f"prompts: {prompts}\nsampling: {sampling}\npreprocess: {{workers: 1}}\noutput: {{dir: out}}\n"
+        f"prompts: {prompts}\nsampling: {sampling}\nengine: {engine}\n"
+        "preprocess: {workers: 1}\noutput: {dir: out}\n"
     )
     result = run([sys.executable, "-m", "batchvl", "run", "job.yaml", "--no-progress"], 90, cwd=root)
     result.pop("stdout", None)
@@ -246,8 +258,11 @@ def job_on(work: Path, name: str, device: str, prompts: str, sampling: str) -> d
     return {"job": {**result, "statuses": statuses}, "rows": {(r["prompt"], r["key"]): r for r in rows}}
 
 
-def compared(work: Path, name: str, prompts: str, sampling: str, same_required: bool) -> dict:
-    on_device = job_on(work, name, DEVICE, prompts, sampling)
+def compared(
+    work: Path, name: str, prompts: str, sampling: str, same_required: bool, engine: str = "{}"
+) -> dict:
+    """The job on the device (with the `engine` settings) against the same job on the CPU (without them)."""
+    on_device = job_on(work, name, DEVICE, prompts, sampling, engine)
     on_cpu = job_on(work, name, "cpu", prompts, sampling) if not ON_CPU else on_device
     device_rows, cpu_rows = on_device["rows"], on_cpu["rows"]
     same = [k for k in device_rows if k in cpu_rows and device_rows[k]["text"] == cpu_rows[k]["text"]]
@@ -282,6 +297,14 @@ def constrained_job(work: Path) -> dict:
         "{name: caption, text: Describe this image.}]"
     )
     return compared(work, "constrained", prompts, "{max_new_tokens: 48}", same_required=True)
+
+
+def fast_paths_job(work: Path) -> dict:
+    """Greedy captions in fp32 on the device with every fast path on (decode graphs, overlapped steps, fused
+    kernels) against the CPU's eager run: texts equal, as the constrained job's are without them."""
+    prompts = "[{name: caption, text: Describe this image.}, {name: short, text: One word.}]"
+    engine = "{" + ", ".join(f"{path}: true" for path in FAST_PATHS) + "}"
+    return compared(work, "fast", prompts, "{max_new_tokens: 48}", same_required=True, engine=engine)
 
 
 def host_step(work: Path) -> dict:
@@ -331,18 +354,28 @@ def throughput(work: Path, size: str) -> dict:
     return {"ok": result["rc"] == 0, "seconds": result["seconds"], "size": size, "runs": summary}
 
 
-def gpu_throughput(work: Path, size: str, cuda_graphs: bool = False) -> dict:
-    """The captioning benchmark at a real size; its whole row is the stage's report. 1,000 samples: at the
-    13 samples/s batchvl's eager engine reached at Qwen2-VL-2B's widths on an H200, about 75 s of the
-    stage's 240 (the model is made in seconds; the rest is the warm-up job and the FLOP count)."""
-    out = work / f"gpu_throughput-{size}{'-graphs' if cuda_graphs else ''}.json"
+FAST_PATHS = ("cuda_graphs", "overlap", "fused_kernels")  # the engine's GPU fast paths, off by default
+
+
+def gpu_throughput(work: Path, size: str, fast_paths: tuple[str, ...] = ()) -> dict:
+    """The captioning benchmark at a real size, with the engine's `fast_paths` on; its whole row is the
+    stage's report, with the share of samples whose text equals the run without fast paths (where that ran
+    before in this check). 1,000 samples: at the 13 samples/s batchvl's eager engine reached at Qwen2-VL-2B's
+    widths on an H200, about 75 s of the stage's 240 (the model is made in seconds; the rest is the warm-up
+    job and the FLOP count)."""
+    name = "-".join([f"gpu_throughput-{size}", *fast_paths])
+    out, texts = work / f"{name}.json", work / f"{name}.texts"  # (not *.json: not kept beside the report)
     workload = ["--size", "tiny", "--samples", "8"] if ON_CPU else ["--size", size, "--samples", "1000"]
     command = [sys.executable, "benchmarks/gpu_throughput.py", "--device", DEVICE, "--json", str(out)]
-    if cuda_graphs:
-        command.append("--cuda-graphs")
+    command += ["--texts", str(texts), *(f"--{path.replace('_', '-')}" for path in fast_paths)]
     result = run([*command, *workload], 240 if size == "2b" else 300)
     result.pop("stdout", None)
     row = json.loads(out.read_text()) if out.exists() else {}
+    eager = work / f"gpu_throughput-{size}.texts"
+    if fast_paths and texts.exists() and eager.exists():
+        mine, theirs = json.loads(texts.read_text()), json.loads(eager.read_text())
+        same = sum(mine.get(key) == text for key, text in theirs.items())
+        row["same_text_share_vs_eager"] = round(same / max(len(theirs), 1), 4)
     return {"ok": result["rc"] == 0 and bool(row), **result, **row}
 
 
@@ -365,20 +398,26 @@ def two_processes(work: Path) -> dict:
 STAGES = [
     ("environment", environment),
     ("parity", parity),
+    ("fast_paths_job", fast_paths_job),
+    ("gpu_throughput_2b", lambda work: gpu_throughput(work, "2b")),
+    ("gpu_throughput_2b_fast", lambda work: gpu_throughput(work, "2b", FAST_PATHS)),
     ("sampled_job", sampled_job),
     ("constrained_job", constrained_job),
+    ("two_processes", two_processes),  # about a minute: two processes start CUDA and load the model
     ("vit_dp", vit_dp),
     ("host_step", host_step),
     ("fused_elementwise", fused_elementwise),  # some 10-30 s: compiling the kernels, 36 timed ops
-    ("gpu_throughput_2b", lambda work: gpu_throughput(work, "2b")),
-    ("two_processes", two_processes),  # about a minute: two processes start CUDA and load the model
-    ("gpu_throughput_2b_graphs", lambda work: gpu_throughput(work, "2b", cuda_graphs=True)),
     ("throughput_small", lambda work: throughput(work, "small")),
+    *(
+        (f"gpu_throughput_2b_{path}", lambda work, path=path: gpu_throughput(work, "2b", (path,)))
+        for path in FAST_PATHS
+    ),
     ("throughput_wide", lambda work: throughput(work, "wide")),
     ("gpu_throughput_7b", lambda work: gpu_throughput(work, "7b")),
 ]
-# Run only when GPU_CHECK_STAGES names them: the whole check's minutes go to the 2B baseline first
-OPTIONAL = {"throughput_wide", "gpu_throughput_7b", "gpu_throughput_2b_graphs"}
+# Run only when GPU_CHECK_STAGES names them: the whole check's minutes go to the 2B runs without and with
+# every fast path first; one fast path alone, to tell their gains apart, is a later call's
+OPTIONAL = {"throughput_wide", "gpu_throughput_7b", *(f"gpu_throughput_2b_{path}" for path in FAST_PATHS)}
 MIN_STAGE_S = 20  # a stage started with less time left could not finish
 
 

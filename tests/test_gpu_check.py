@@ -140,3 +140,26 @@ def test_optional_stages_run_only_when_named(gpu_check, monkeypatch):
     assert "gpu_throughput_2b" in names and not set(names) & gpu_check.OPTIONAL
     monkeypatch.setenv("GPU_CHECK_STAGES", "gpu_throughput_7b")
     assert [name for name, _ in gpu_check.chosen_stages()] == ["gpu_throughput_7b"]
+
+
+def test_a_fast_paths_run_says_how_many_texts_equal_the_baselines(gpu_check, monkeypatch, tmp_path):
+    """The 2B run with fast paths is set against the run without them: the share of samples whose text is
+    the baseline's (the benchmark is faked here: its flags and files as the stage passes them)."""
+    texts = {(): {"a": "a cat", "b": "a dog"}, ("cuda_graphs", "overlap"): {"a": "a cat", "b": "a frog"}}
+    commands = []
+
+    def fake_run(command, limit_s, **kwargs):
+        commands.append(command)
+        flags = tuple(arg[2:].replace("-", "_") for arg in command if arg in ("--cuda-graphs", "--overlap"))
+        Path(command[command.index("--json") + 1]).write_text(json.dumps({"samples_per_s": 1.0}))
+        Path(command[command.index("--texts") + 1]).write_text(json.dumps(texts[flags]))
+        return {"rc": 0, "seconds": 1.0, "stdout": ""}
+
+    monkeypatch.setattr(gpu_check, "run", fake_run)
+    baseline = gpu_check.gpu_throughput(tmp_path, "2b")
+    assert baseline["ok"] and "same_text_share_vs_eager" not in baseline
+    fast = gpu_check.gpu_throughput(tmp_path, "2b", ("cuda_graphs", "overlap"))
+    assert fast["ok"] and fast["same_text_share_vs_eager"] == 0.5
+    assert {"--cuda-graphs", "--overlap"} <= set(commands[1]) and "--fused-kernels" not in commands[1]
+    # the texts are not kept beside the report, as the benchmarks' own JSON reports are
+    assert not [path for path in tmp_path.glob("*.json") if "texts" in path.name]
