@@ -52,8 +52,20 @@ DATASHEETS = [
     ("H100", 989e12, 3.35e12),  # SXM, "NVIDIA H100 80GB HBM3"
     ("H200", 989e12, 4.8e12),
 ]
-# The engine's fast paths: none is built yet; later runs record theirs, so that rows compare
+# The engine's fast paths: later runs record theirs, so that rows compare (the decode attention kernel,
+# which depends on the model's heads, is added by `decode_kernel`)
 FAST_PATHS = {"cuda_graphs": False, "overlap": False}
+
+
+def decode_kernel(loaded, on_gpu: bool) -> str:
+    """The decode attention kernel the engine's steps take: on a GPU Triton's for the model's heads
+    ("grouped": each KV head read once for its query heads; "per_head"), on the CPU the native one."""
+    if not on_gpu:
+        return "native"
+    from batchvl.layers.triton_attention import decode_kernel_name
+
+    text = loaded.adapter.model.config.text_config
+    return "triton_" + decode_kernel_name(text.num_attention_heads, text.num_key_value_heads)
 
 
 def datasheet(device_name: str) -> tuple[float, float] | None:
@@ -196,6 +208,7 @@ def measure(args, work: Path) -> dict:
             "prefix_caching": engine.prefix_caching,
             "kv_cache_mb": engine.kv_cache_mb,
             **FAST_PATHS,
+            "decode_kernel": decode_kernel(loaded, on_gpu),
         },
     }
 

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -159,6 +160,21 @@ def test_the_gpu_benchmark_runs_on_the_cpu_with_the_gpus_figures_null(tmp_path):
     assert sum(row["split_flops_share"].values()) == pytest.approx(1, abs=1e-3)
     assert row["split_steps"]["prefill"] >= 1 and row["split_steps"]["decode"] >= 63  # 64 new tokens each
     assert (row["engine"]["cuda_graphs"], row["engine"]["overlap"]) == (False, False)
+    assert row["engine"]["decode_kernel"] == "native"
+
+
+def test_the_gpu_benchmark_records_the_decode_kernel_of_the_models_heads(benchmark):
+    decode_kernel = benchmark("gpu_throughput").decode_kernel
+
+    def loaded(heads: int, kv_heads: int):
+        text = SimpleNamespace(num_attention_heads=heads, num_key_value_heads=kv_heads)
+        return SimpleNamespace(
+            adapter=SimpleNamespace(model=SimpleNamespace(config=SimpleNamespace(text_config=text)))
+        )
+
+    assert decode_kernel(loaded(12, 2), on_gpu=True) == "triton_grouped"  # Qwen2-VL-2B
+    assert decode_kernel(loaded(16, 16), on_gpu=True) == "triton_per_head"
+    assert decode_kernel(loaded(12, 2), on_gpu=False) == "native"
 
 
 def test_a_gpus_datasheet_is_found_by_its_name(benchmark):
