@@ -56,6 +56,17 @@ DATASHEETS = [
 ]
 
 
+def decode_kernel(loaded, on_gpu: bool) -> str:
+    """The decode attention kernel the engine's steps take: on a GPU Triton's for the model's heads
+    ("grouped": each KV head read once for its query heads; "per_head"), on the CPU the native one."""
+    if not on_gpu:
+        return "native"
+    from batchvl.layers.triton_attention import decode_kernel_name
+
+    text = loaded.adapter.model.config.text_config
+    return "triton_" + decode_kernel_name(text.num_attention_heads, text.num_key_value_heads)
+
+
 def datasheet(device_name: str) -> tuple[float, float] | None:
     """(bf16 FLOP/s, bytes/s) of the GPU named, or None for one not in DATASHEETS (or a CPU)."""
     for part, flops, bandwidth in DATASHEETS:
@@ -130,6 +141,7 @@ def measure(args, work: Path) -> dict:
     timer = StepTimer(args.profile_after, args.profile_steps if on_gpu else 0)
     run = caption_job(work, "data", loaded, args.device, fast_paths, timer)
     stats, rows, engine = run["stats"], run["rows"], run["engine"]
+    resolved = timer.engine_config or engine
     ok = sum(row["status"] == "ok" for row in rows)
     if ok != args.samples or len(rows) != args.samples:
         errors = [row["error_message"] for row in rows if row["status"] != "ok"][:3]
@@ -192,17 +204,22 @@ def measure(args, work: Path) -> dict:
             "decode_steps": round(timer.seconds["decode"], 2),
         },
         "split_steps": timer.steps,
+        # overlapped steps are not waited for: their prefill and decode seconds are the host's launches
+        "split_s_is_launch_time": engine.overlap,
         "engine_replicas": stats["engine_replicas"],  # the CPU's replicas' seconds are summed
         "split_flops_share": {key: round(value / total_flops, 4) for key, value in flops.items()},
         "input_wait_s": round(stats["input_wait_s"], 2),
         "engine": {
             "max_num_seqs": engine.max_num_seqs,
-            "max_num_batched_tokens": engine.max_num_batched_tokens,
+            # as the engine resolved `auto` on this device
+            "max_num_batched_tokens": resolved.max_num_batched_tokens,
+            "max_patches_per_encode": resolved.max_patches_per_encode,
             "prefix_caching": engine.prefix_caching,
             "kv_cache_mb": engine.kv_cache_mb,
             "cuda_graphs": engine.cuda_graphs,
             "overlap": engine.overlap,
             "fused_kernels": has_fused_kernels(loaded.adapter.model),
+            "decode_kernel": decode_kernel(loaded, on_gpu),
         },
     }
 

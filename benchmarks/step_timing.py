@@ -29,6 +29,7 @@ class StepTimer:
         self.seconds = {"prefill": 0.0, "decode": 0.0}  # steps with prompt chunks, steps of decodes only
         self.steps = {"prefill": 0, "decode": 0}
         self.engine_steps = 0
+        self.engine_config = None  # the engine's settings, `auto` sizes resolved, once a step ran
         self.window: dict | None = None  # the profiled window's figures, once it is over
         self._profiler = None
         self._window_started = 0.0
@@ -42,6 +43,7 @@ class StepTimer:
         timer = self
 
         def timed_step(engine):
+            timer.engine_config = engine.config  # its step sizes as the engine resolved them
             timer._before_step()
             try:
                 return step(engine)
@@ -56,7 +58,8 @@ class StepTimer:
                 # the runner's own test for a decode: one generated token
                 decodes_only = all(chunk.num_tokens == 1 and chunk.is_generated for chunk in chunks)
                 kind = "decode" if decodes_only else "prefill"
-                timer.seconds[kind] += time.perf_counter() - started  # the forward synchronizes
+                # the forward synchronizes, but for an overlapped step's: then its launch alone
+                timer.seconds[kind] += time.perf_counter() - started
                 timer.steps[kind] += 1
 
         Engine.step, ModelRunner.execute = timed_step, timed_execute

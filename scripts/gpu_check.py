@@ -28,6 +28,9 @@ reported and the next still runs, in the order of what a GPU window must answer 
   fused_elementwise benchmarks/fused_elementwise.py: the elementwise Triton kernels against the eager
                    transformers ops, per call and their outputs' differences, at Qwen2-VL-2B's widths;
                    refused on the CPU (reported as skipped)
+  decode_attention benchmarks/decode_attention.py: the per-head and the grouped Triton decode kernels per
+                   call at Qwen2-VL-2B's and 7B's heads (256 sequences of 600 and 2,000 keys, 8 of 16,384),
+                   and their outputs' difference; refused on the CPU (reported as skipped)
   throughput_small benchmarks/throughput.py: transformers `generate` on padded batches of 8 against batchvl
                    in bf16 on the `small` model
   optional, run only when GPU_CHECK_STAGES names them: gpu_throughput_2b_cuda_graphs, _overlap and
@@ -317,15 +320,24 @@ def host_step(work: Path) -> dict:
     return {"ok": result["rc"] == 0, **result, **(json.loads(out.read_text()) if out.exists() else {})}
 
 
-def fused_elementwise(work: Path) -> dict:
-    out = work / "fused_elementwise.json"
-    result = run([sys.executable, "benchmarks/fused_elementwise.py", "--json", str(out)], 45)
+def cuda_benchmark(work: Path, name: str, timeout_s: int) -> dict:
+    """benchmarks/<name>.py, a benchmark of Triton kernels that needs CUDA: its table and its JSON."""
+    out = work / f"{name}.json"
+    result = run([sys.executable, f"benchmarks/{name}.py", "--json", str(out)], timeout_s)
     stdout = result.pop("stdout", "")
     if ON_CPU and result["rc"] == 2:  # the benchmark needs CUDA: it says so and exits 2
         return {"ok": True, "skipped": result.pop("output_tail", "").strip(), **result}
     if not out.exists():
         return {"ok": False, **result}
     return {"ok": result["rc"] == 0, **result, "table": stdout.splitlines()}
+
+
+def fused_elementwise(work: Path) -> dict:
+    return cuda_benchmark(work, "fused_elementwise", 45)
+
+
+def decode_attention(work: Path) -> dict:
+    return cuda_benchmark(work, "decode_attention", 60)
 
 
 def throughput(work: Path, size: str) -> dict:
@@ -407,6 +419,7 @@ STAGES = [
     ("vit_dp", vit_dp),
     ("host_step", host_step),
     ("fused_elementwise", fused_elementwise),  # some 10-30 s: compiling the kernels, 36 timed ops
+    ("decode_attention", decode_attention),  # some 10-30 s: 6 cases of two kernels, 50 calls each
     ("throughput_small", lambda work: throughput(work, "small")),
     *(
         (f"gpu_throughput_2b_{path}", lambda work, path=path: gpu_throughput(work, "2b", (path,)))

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -172,6 +173,10 @@ def test_the_gpu_benchmark_runs_on_the_cpu_with_the_gpus_figures_null(tmp_path):
     # the job's own settings, recorded as given (on the CPU the engine ignores cuda_graphs; overlap runs)
     assert (row["engine"]["cuda_graphs"], row["engine"]["overlap"]) == (True, True)
     assert row["engine"]["fused_kernels"] is False  # asked for, but ignored off CUDA: recorded as run
+    assert row["engine"]["decode_kernel"] == "native"
+    # `auto` step sizes as the engine resolved them (the CPU's), not the word
+    assert (row["engine"]["max_num_batched_tokens"], row["engine"]["max_patches_per_encode"]) == (2048, 4096)
+    assert row["split_s_is_launch_time"] is True
 
 
 def test_the_gpu_benchmark_records_the_fused_kernels_as_the_model_has_them(benchmark):
@@ -183,6 +188,20 @@ def test_the_gpu_benchmark_records_the_fused_kernels_as_the_model_has_them(bench
     stock = torch.nn.Sequential(torch.nn.Linear(4, 4), Qwen2RMSNorm(4))
     assert not has_fused_kernels(stock)
     assert has_fused_kernels(torch.nn.Sequential(torch.nn.Linear(4, 4), TritonRMSNorm(stock[1])))
+
+
+def test_the_gpu_benchmark_records_the_decode_kernel_of_the_models_heads(benchmark):
+    decode_kernel = benchmark("gpu_throughput").decode_kernel
+
+    def loaded(heads: int, kv_heads: int):
+        text = SimpleNamespace(num_attention_heads=heads, num_key_value_heads=kv_heads)
+        return SimpleNamespace(
+            adapter=SimpleNamespace(model=SimpleNamespace(config=SimpleNamespace(text_config=text)))
+        )
+
+    assert decode_kernel(loaded(12, 2), on_gpu=True) == "triton_grouped"  # Qwen2-VL-2B
+    assert decode_kernel(loaded(16, 16), on_gpu=True) == "triton_per_head"
+    assert decode_kernel(loaded(12, 2), on_gpu=False) == "native"
 
 
 def test_a_gpus_datasheet_is_found_by_its_name(benchmark):

@@ -254,8 +254,11 @@ class ServerConfig:
 @dataclass(frozen=True)
 class EngineConfig:
     max_num_seqs: int = job_key(256, "Most requests running at once", above=0)
-    max_num_batched_tokens: int = job_key(
-        2048, "Token budget of one engine step (decode tokens + prefill chunks)", above=0
+    max_num_batched_tokens: int | Literal["auto"] = job_key(
+        "auto",
+        "Token budget of one engine step (decode tokens + prefill chunks); auto: 2048 on CPU, on CUDA the "
+        "largest of 16384, 8192, 4096 whose measured activations take at most a tenth of the free memory",
+        above=0,
     )
     kv_cache_mb: float | Literal["auto"] = job_key(
         "auto",
@@ -284,8 +287,12 @@ class EngineConfig:
     encoder_cache_dir_gb: float = job_key(
         20.0, "Largest size of encoder_cache_dir, in GiB; the least recently used entries go first", above=0
     )
-    max_patches_per_encode: int = job_key(
-        4096, "Most image patches in one vision-tower call (images are grouped by patch count)", above=0
+    max_patches_per_encode: int | Literal["auto"] = job_key(
+        "auto",
+        "Most image patches in one vision-tower call (images are grouped by patch count); auto: 4096 on CPU, "
+        "on CUDA the largest of 32768, 16384, 8192 whose bound of 128 KiB a patch is at most a tenth of the "
+        "free memory",
+        above=0,
     )
     prefix_caching: bool = job_key(
         True, "Reuse the KV cache of shared prompt prefixes (system prompt + image) across requests"

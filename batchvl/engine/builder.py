@@ -17,13 +17,15 @@ from batchvl.engine.interface import EngineInterface
 from batchvl.engine.model_runner import encode_images
 from batchvl.engine.parallel.replicas import EngineReplicas, replica_config, replica_count
 from batchvl.engine.parallel.vit_dp import DataParallelEncoder, DistributedContext
+from batchvl.engine.scheduling.step_sizes import free_cuda_bytes, patches_per_encode
 
 logger = logging.getLogger(__name__)
 
 
 def local_encoder(adapter: ModelAdapter, config: EngineConfig) -> EncodeImages:
     """This process's vision calls (a serving rank's share of each round under ViT data parallelism)."""
-    return functools.partial(encode_images, adapter, max_patches=config.max_patches_per_encode)
+    max_patches = patches_per_encode(config, adapter.device, lambda: free_cuda_bytes(adapter.device))
+    return functools.partial(encode_images, adapter, max_patches=max_patches)
 
 
 def build_engine(

@@ -40,6 +40,7 @@ from batchvl.engine.scheduling.admission import check_fits, media_spans
 from batchvl.engine.scheduling.block_manager import BlockManager
 from batchvl.engine.scheduling.kv_budget import kv_cache_bytes
 from batchvl.engine.scheduling.scheduler import Scheduler, StepPlan
+from batchvl.engine.scheduling.step_sizes import free_cuda_bytes, resolved_step_sizes
 from batchvl.engine.stats import EngineStats
 from batchvl.errors import SampleError, UserError
 from batchvl.utils.memory import MB
@@ -59,6 +60,12 @@ class Engine:
         parallel_encoder: DataParallelEncoder | None = None,
     ):
         self.adapter = adapter
+        config = resolved_step_sizes(
+            config,
+            adapter.device,
+            lambda probe: step_activation_peak(adapter, probe),
+            lambda: free_cuda_bytes(adapter.device),
+        )
         self.config = config
         self.stopping = StopChecker(tokenizer, eos_token_ids, adapter.geometry.max_model_len)
         self.grammars = GrammarMatchers(tokenizer, adapter.geometry.vocab_size, eos_token_ids)
@@ -93,11 +100,14 @@ class Engine:
         self._ids = itertools.count()  # request ids, in arrival order
         self._in_flight: InFlightPicks | None = None  # an overlapped step's picks, not yet read
         logger.info(
-            "KV cache: %d blocks of %d tokens (%.0f MiB, engine.kv_cache_mb=%s)",
+            "KV cache: %d blocks of %d tokens (%.0f MiB, engine.kv_cache_mb=%s); steps of %d tokens, vision "
+            "calls of %d patches",
             num_blocks,
             config.block_size,
             kv_bytes / MB,
             config.kv_cache_mb,
+            config.max_num_batched_tokens,
+            config.max_patches_per_encode,
         )
 
     @property

@@ -10,8 +10,11 @@ flash-attn are what GPU machines commonly have.
 
 Scores, softmax and sums are in float32 (an online softmax over blocks of keys), whatever the cache's dtype;
 products of float32 inputs are exact float32 (`input_precision="ieee"`), not TF32, so float32 outputs stay
-those of the reference model within summation order. Triton's interpreter (TRITON_INTERPRET=1) runs the
-same kernels on CPU tensors: that is how they are tested on machines without a GPU.
+those of the reference model within summation order. A bf16/fp16 cache's products run on tensor cores in
+its own dtype with float32 sums. Decodes of grouped KV heads go to `triton_grouped_decode` (each KV head
+read once for its group); the per-head decode kernel here is for models whose every query head has its own.
+Triton's interpreter (TRITON_INTERPRET=1) runs the same kernels on CPU tensors: that is how they are tested
+on machines without a GPU.
 """
 
 from __future__ import annotations
@@ -22,10 +25,15 @@ import os
 
 import torch
 
+from batchvl.layers.triton_grouped_decode import grouped_decode_attention
+
 logger = logging.getLogger(__name__)
 
 BLOCK_KEYS = 64  # keys per block of the online softmax
-BLOCK_QUERIES = 16  # a prefill program's queries (the least a Triton dot takes)
+BLOCK_QUERIES = 16  # a float32 prefill program's queries (the least a Triton dot takes)
+# a bf16/fp16 prefill program's queries: tiles of 64 queries x 64 keys on tensor cores, each key block
+# read once for 4x the queries
+BLOCK_QUERIES_16BIT = 64
 
 
 @functools.cache
@@ -98,7 +106,8 @@ def _kernels():
             dims = tl.arange(0, BLOCK_D)
             in_dims = dims < HEAD_DIM
             q_at = head * stride_qh + (first_row + picks)[:, None] * stride_qt + dims[None, :]
-            q = tl.load(query + q_at, mask=in_chunk[:, None] & in_dims[None, :], other=0.0).to(tl.float32)
+            # q, k and v stay in the cache's dtype: bf16/fp16 products on tensor cores, float32 sums
+            q = tl.load(query + q_at, mask=in_chunk[:, None] & in_dims[None, :], other=0.0)
             positions = context + picks  # each query sees the keys at or before its position
             keys = kv + kv_head * stride_kh
             values = keys + stride_kv
@@ -112,16 +121,16 @@ def _kernels():
                 slot = tl.load(slots + chunk * stride_sb + offsets, mask=present, other=0).to(tl.int64)
                 where = slot[:, None] * stride_ks + dims[None, :]
                 both = present[:, None] & in_dims[None, :]
-                k = tl.load(keys + where, mask=both, other=0.0).to(tl.float32)
+                k = tl.load(keys + where, mask=both, other=0.0)
                 scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
                 seen = present[None, :] & (offsets[None, :] <= positions[:, None])
                 scores = tl.where(seen, scores, float("-inf"))
                 new_best = tl.maximum(best, tl.max(scores, axis=1))
                 weights = tl.exp(scores - new_best[:, None])
                 shrink = tl.exp(best - new_best)
-                v = tl.load(values + where, mask=both, other=0.0).to(tl.float32)
+                v = tl.load(values + where, mask=both, other=0.0)
                 total = total * shrink + tl.sum(weights, axis=1)
-                acc = acc * shrink[:, None] + tl.dot(weights, v, input_precision=PRECISION)
+                acc = acc * shrink[:, None] + tl.dot(weights.to(v.dtype), v, input_precision=PRECISION)
                 best = new_best
             result = (acc / total[:, None]).to(out.dtype.element_ty)
             out_at = (first_row + picks)[:, None] * stride_ot + head * stride_oh + dims[None, :]
@@ -183,6 +192,13 @@ def _block_dims(head_dim: int) -> int:
     return max(16, 1 << (head_dim - 1).bit_length())
 
 
+def decode_kernel_name(heads: int, kv_heads: int) -> str:
+    """The decode kernel a model's heads get: "grouped" (each KV head read once for its query heads) where
+    query heads share KV heads, else "per_head" (a group of one would pad the grouped kernel's product
+    16-fold for no saved read)."""
+    return "grouped" if heads > kv_heads else "per_head"
+
+
 def paged_decode_attention(
     out, query, kv, rows, pages, starts, lengths, scale: float, page_size: int
 ) -> None:
@@ -190,6 +206,17 @@ def paged_decode_attention(
     with contiguous heads; `kv` one cache layer (2, Hkv, slots, D); `rows`, `starts`, `lengths` (B,) and
     `pages` the sequences' cache pages of `page_size` slots one after the other (see
     `attention.InPlaceDecodes`)."""
+    heads = query.shape[0]
+    if decode_kernel_name(heads, kv.shape[1]) == "grouped":
+        grouped_decode_attention(out, query, kv, rows, pages, starts, lengths, scale, page_size)
+    else:
+        per_head_decode_attention(out, query, kv, rows, pages, starts, lengths, scale, page_size)
+
+
+def per_head_decode_attention(
+    out, query, kv, rows, pages, starts, lengths, scale: float, page_size: int
+) -> None:
+    """`paged_decode_attention`'s call, one program per (sequence, query head)."""
     decode_kernel, _ = _kernels()
     heads, _, head_dim = query.shape
     decode_kernel[(len(rows), heads)](
@@ -209,11 +236,12 @@ def paged_prefill_attention(
     `most_queries`, the largest count, from the host (reading it from the device would wait for it)."""
     _, prefill_kernel = _kernels()
     heads, _, head_dim = query.shape
-    grid = (len(starts), heads, -(-most_queries // BLOCK_QUERIES))
+    block_m = BLOCK_QUERIES if query.dtype == torch.float32 else BLOCK_QUERIES_16BIT
+    grid = (len(starts), heads, -(-most_queries // block_m))
     prefill_kernel[grid](
         out, query, kv, starts, counts, slots, lengths, scale,
         out.stride(0), out.stride(1), query.stride(0), query.stride(1), kv.stride(0), kv.stride(1),
         kv.stride(2), slots.stride(0),
-        GROUP=heads // kv.shape[1], HEAD_DIM=head_dim, BLOCK_D=_block_dims(head_dim), BLOCK_M=BLOCK_QUERIES,
+        GROUP=heads // kv.shape[1], HEAD_DIM=head_dim, BLOCK_D=_block_dims(head_dim), BLOCK_M=block_m,
         BLOCK_N=BLOCK_KEYS, PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
     )  # fmt: skip

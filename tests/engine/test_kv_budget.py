@@ -12,6 +12,8 @@ from batchvl.errors import ConfigError, UserError
 from batchvl.utils.memory import MB
 
 GPU = torch.device("cuda", 1)
+# the cache is sized after the engine has resolved the step sizes (`step_sizes`): their CPU values
+SIZED = {"max_num_batched_tokens": 2048, "max_patches_per_encode": 4096}
 
 
 @pytest.fixture
@@ -46,10 +48,10 @@ def test_auto_on_cuda_takes_a_share_of_the_memory_free_after_the_model_and_the_m
     asked = free_on_gpu(60_000)
     peak = measured(800)
     reserve = 800 * PEAK_HEADROOM + VISION_RESERVE_MB + 512  # and the default encoder cache
-    assert kv_cache_bytes(EngineConfig(), GPU, peak) == int((60_000 - reserve) * MB * 0.9)
+    assert kv_cache_bytes(EngineConfig(**SIZED), GPU, peak) == int((60_000 - reserve) * MB * 0.9)
     assert asked == [GPU]  # the model's GPU, not GPU 0
     assert peak.calls == 1
-    config = EngineConfig(gpu_memory_utilization=0.5, encoder_cache_mb=0)
+    config = EngineConfig(gpu_memory_utilization=0.5, encoder_cache_mb=0, **SIZED)
     reserve = 3_000 * PEAK_HEADROOM + VISION_RESERVE_MB  # a larger step keeps more free
     assert kv_cache_bytes(config, GPU, measured(3_000)) == int((60_000 - reserve) * MB * 0.5)
 
@@ -66,7 +68,7 @@ def test_auto_on_the_cpu_and_a_given_size_anywhere_are_what_they_were(free_on_gp
 def test_a_gpu_without_room_for_the_cache_is_a_one_line_mistake(free_on_gpu):
     free_on_gpu(2000)  # less than the step's 1,250 MiB, the vision call's 512 and the encoder cache's 512
     with pytest.raises(UserError) as info:
-        kv_cache_bytes(EngineConfig(), GPU, measured(1000))
+        kv_cache_bytes(EngineConfig(**SIZED), GPU, measured(1000))
     message = str(info.value)
     assert "\n" not in message
     assert message.startswith("engine.kv_cache_mb is auto, but cuda:1 has 2000 MiB free after the model")

@@ -59,9 +59,11 @@ def test_the_kernels_compile_for_a_hopper_gpu(dtype):
         "stride_sb": "i32",
     }
     precision = "ieee" if dtype == "fp32" else "tf32"
+    # float32's tiles of 16 queries, exact products; bf16's of 64 on tensor cores
+    block_m = triton_attention.BLOCK_QUERIES if dtype == "fp32" else triton_attention.BLOCK_QUERIES_16BIT
     builds = [
         (decode, decode_args, {**sizes, "BLOCK_N": triton_attention.BLOCK_KEYS}),
-        (prefill, prefill_args, {**sizes, "BLOCK_M": 16, "BLOCK_N": 64, "PRECISION": precision}),
+        (prefill, prefill_args, {**sizes, "BLOCK_M": block_m, "BLOCK_N": 64, "PRECISION": precision}),
     ]
     for kernel, arguments, constants in builds:
         order = list(kernel.arg_names)

@@ -17,9 +17,12 @@ from batchvl.config import EngineConfig
 from batchvl.layers import triton_attention
 from tests.engine.reference import assert_matches_reference
 from tests.engine.test_parity import cases, reference, run_engine  # noqa: F401 (fixtures)
+from tests.layers.interpreter import widen_bfloat16_dots
 
 if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("run by test_triton_attention.py, under Triton's interpreter", allow_module_level=True)
+
+widen_bfloat16_dots()  # bf16 products on tensor cores, as a GPU computes them
 
 HEADS, KV_HEADS = 4, 2
 

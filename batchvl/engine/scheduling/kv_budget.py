@@ -3,8 +3,8 @@
 `engine.kv_cache_mb` as given, or with `auto` (the default): 1024 MiB on the CPU, where the cache shares
 the machine's memory with everything else; on CUDA, what the GPU has free once the model is loaded (the
 engine is built after it), less what the largest step's activations were measured to take
-(`activation_peak`), a bound for a vision call and the encoder cache's embeddings, times
-`engine.gpu_memory_utilization`. A fixed 1024 MiB left most of a large GPU unused (about 18.7k tokens of
+(`activation_peak`), a bound for a vision call (`vision_reserve_bytes`) and the encoder cache's embeddings,
+times `engine.gpu_memory_utilization`. A fixed 1024 MiB left most of a large GPU unused (about 18.7k tokens of
 Qwen2-VL-7B in bf16: heavy preemption), where vLLM users expect the cache to fill the GPU.
 """
 
@@ -19,10 +19,11 @@ from batchvl.errors import UserError
 from batchvl.utils.memory import MB
 
 CPU_KV_CACHE_MB = 1024
-# A vision call's activations, which the measured step leaves out: at the default 4,096 patches a call,
-# Qwen2-VL's 675M-parameter tower holds about 100 MiB of them at once in bf16 (its MLP's 4,096 x 5,120
-# intermediate rows are 40 MiB). A bound, not a measurement.
+# A vision call's activations, which the measured step leaves out: at 4,096 patches a call, Qwen2-VL's
+# 675M-parameter tower holds about 100 MiB of them at once in bf16 (its MLP's 4,096 x 5,120 intermediate
+# rows are 40 MiB). A bound, not a measurement; it grows with the patches of a larger call.
 VISION_RESERVE_MB = 512
+VISION_RESERVE_PATCHES = 4096
 # The caching allocator's slack around the measured peak (blocks it rounds up and cannot split).
 PEAK_HEADROOM = 1.25
 
@@ -33,6 +34,12 @@ def fixed_kv_cache_mb(config: EngineConfig) -> float:
     return CPU_KV_CACHE_MB if config.kv_cache_mb == "auto" else config.kv_cache_mb
 
 
+def vision_reserve_bytes(max_patches: int) -> int:
+    """The memory kept for a vision call of at most `max_patches` patches: VISION_RESERVE_MB, scaled up for
+    calls of more than VISION_RESERVE_PATCHES (activations grow with the rows a call packs)."""
+    return int(VISION_RESERVE_MB * MB * max(1.0, max_patches / VISION_RESERVE_PATCHES))
+
+
 def kv_cache_bytes(config: EngineConfig, device: torch.device, activation_peak: Callable[[], int]) -> int:
     """The cache's size in bytes; `activation_peak` measures the largest step's activations on `device`
     (called only where the size depends on it: `auto` on CUDA)."""
@@ -41,7 +48,7 @@ def kv_cache_bytes(config: EngineConfig, device: torch.device, activation_peak: 
     activations = int(activation_peak() * PEAK_HEADROOM)
     torch.cuda.empty_cache()  # memory torch holds but no tensor uses is free for the cache
     free, _total = torch.cuda.mem_get_info(device)
-    reserve = activations + (VISION_RESERVE_MB + config.encoder_cache_mb) * MB
+    reserve = activations + vision_reserve_bytes(config.max_patches_per_encode) + config.encoder_cache_mb * MB
     budget = int((free - reserve) * config.gpu_memory_utilization)
     if budget < MB:
         raise UserError(

@@ -1,0 +1,114 @@
+"""The decode attention kernels on a CUDA device: the per-head Triton kernel (one program per sequence and
+query head, each KV head read once per query head of its group) against the grouped one (one program per
+sequence and KV head, its keys split over programs when sequences are few), per call of one layer, at
+Qwen2-VL-2B's heads (12 query, 2 KV, head size 128) and 7B's (28/4/128), in a paged bf16 cache of 16-slot
+pages. Each case also gives the grouped kernel's splits, the KV bytes it reads per second, and the largest
+difference between the two kernels' outputs.
+
+    python benchmarks/decode_attention.py [--json out.json] [--dtype bfloat16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+SHAPES = {"2b": (12, 2, 128), "7b": (28, 4, 128)}  # query heads, KV heads, head size
+# (sequences, keys each): a decode step at 256 sequences of short and long captions' contexts, and few
+# sequences of long contexts, where the grouped kernel splits the keys
+CASES = [(256, 600), (256, 2000), (8, 16384)]
+PAGE_SIZE = 16
+CALLS = 50
+
+
+def per_call_us(fn) -> float:
+    """The mean of CALLS calls between two CUDA events, after a warm-up (which compiles the kernels)."""
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(CALLS):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / CALLS
+
+
+def decode_step(heads: int, kv_heads: int, head_dim: int, sequences: int, keys: int, dtype: torch.dtype):
+    """A cache layer whose sequences' pages are scattered, their queries, and the decode call's arguments."""
+    pages_each = -(-keys // PAGE_SIZE)
+    kv = torch.randn(2, kv_heads, sequences * pages_each * PAGE_SIZE, head_dim, device="cuda", dtype=dtype)
+    pages = torch.randperm(sequences * pages_each, device="cuda")
+    starts = torch.arange(sequences, device="cuda") * pages_each
+    lengths = torch.full((sequences,), keys, device="cuda")
+    rows = torch.arange(sequences, device="cuda")
+    query = torch.randn(heads, sequences, head_dim, device="cuda", dtype=dtype)
+    return query, kv, (rows, pages, starts, lengths)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print(
+            "decode_attention.py times Triton kernels on a CUDA device: no CUDA device here", file=sys.stderr
+        )
+        sys.exit(2)
+    import triton
+
+    from batchvl.layers.triton_attention import per_head_decode_attention
+    from batchvl.layers.triton_grouped_decode import grouped_decode_attention, split_count
+
+    dtype = getattr(torch, args.dtype)
+    results = []
+    for shape, (heads, kv_heads, head_dim) in SHAPES.items():
+        for sequences, keys in CASES:
+            query, kv, metadata = decode_step(heads, kv_heads, head_dim, sequences, keys, dtype)
+            scale = head_dim**-0.5
+            outputs = [torch.zeros(sequences, heads, head_dim, device="cuda", dtype=dtype) for _ in range(2)]
+
+            arguments = (query, kv, *metadata, scale, PAGE_SIZE)
+            per_head = functools.partial(per_head_decode_attention, outputs[0], *arguments)
+            grouped = functools.partial(grouped_decode_attention, outputs[1], *arguments)
+            per_head_us, grouped_us = per_call_us(per_head), per_call_us(grouped)
+            kv_bytes = 2 * kv_heads * sequences * keys * head_dim * kv.element_size()
+            row = {
+                "shape": shape,
+                "sequences": sequences,
+                "keys": keys,
+                "per_head_us": round(per_head_us, 1),
+                "grouped_us": round(grouped_us, 1),
+                "speedup": round(per_head_us / grouped_us, 2),
+                "grouped_splits": split_count(sequences, kv_heads, -(-keys // PAGE_SIZE) * PAGE_SIZE),
+                "grouped_kv_gb_per_s": round(kv_bytes / grouped_us / 1e3, 1),
+                "max_abs_diff": (outputs[0].float() - outputs[1].float()).abs().max().item(),
+            }
+            results.append(row)
+            print(
+                f"{shape} {sequences:4} seqs x {keys:6} keys  per-head {per_head_us:9.1f} us  grouped "
+                f"{grouped_us:9.1f} us ({row['grouped_splits']} splits, {row['grouped_kv_gb_per_s']} GB/s)  "
+                f"x{row['speedup']}  diff {row['max_abs_diff']:.2e}"
+            )
+    report = {
+        "device": torch.cuda.get_device_name(),
+        "dtype": args.dtype,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "page_size": PAGE_SIZE,
+        "calls": CALLS,
+        "results": results,
+    }
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
