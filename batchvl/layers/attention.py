@@ -178,6 +178,9 @@ class InPlaceDecodes:
     starts: torch.Tensor  # (B,) where each sequence's pages begin in `pages`
     lengths: torch.Tensor  # (B,) keys
     page_size: int  # slots per page: the block size, or 1 where the pages are the slots themselves
+    # Triton's grouped kernel: programs per sequence and KV head, where the caller fixes them (a CUDA graph,
+    # whose pages buffer is not the step's); None: the kernel's choice from the step's pages
+    splits: int | None = None
 
     @classmethod
     def build(cls, sequences: list[SequenceSlice], device: torch.device) -> InPlaceDecodes:
@@ -200,9 +203,12 @@ class InPlaceDecodes:
     def attend(self, out: torch.Tensor, query: torch.Tensor, kv: torch.Tensor, scaling: float) -> None:
         """Write into `out` (T, H, D), at each decode's row, its attention over its cached keys; `query` is
         (H, T, D) with contiguous heads, `kv` one layer of the cache."""
-        paged_kernels(kv).paged_decode_attention(
-            out, query, kv, self.rows, self.pages, self.starts, self.lengths, scaling, self.page_size
-        )
+        kernels = paged_kernels(kv)
+        splits = {"splits": self.splits} if kernels is triton_attention and self.splits is not None else {}
+        kernels.paged_decode_attention(
+            out, query, kv, self.rows, self.pages, self.starts, self.lengths, scaling, self.page_size,
+            **splits,
+        )  # fmt: skip
 
 
 @dataclass

@@ -2,15 +2,16 @@
 installed (it has no wheel to install on the GPU machines seen so far): every image of a vision call in
 one attention call per layer, instead of one SDPA call per image size.
 
-torch 2.10 and later have it public, `torch.nn.attention.varlen.varlen_attn`; older releases (2.6 among
-them) have the same kernel as the private `aten._flash_attention_forward` with cumulative sequence
-lengths, which the public function calls. Both run on CUDA only, in fp16 or bf16 on Ampere or newer GPUs:
-the vision attention checks that before calling it, as for flash-attn.
+torch 2.11 and later have it public, `torch.nn.attention.varlen.varlen_attn` (2.10's has no `scale`);
+older releases (2.6 among them) have the same kernel as the private `aten._flash_attention_forward` with
+cumulative sequence lengths, which the public function calls. Both run on CUDA only, in fp16 or bf16 on
+Ampere or newer GPUs: the vision attention checks that before calling it, as for flash-attn.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 
 import torch
 
@@ -34,6 +35,11 @@ def _private_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, softmax_s
     return out[0]
 
 
+def _takes_scale(function) -> bool:
+    parameters = inspect.signature(function).parameters.values()
+    return any(p.name == "scale" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+
+
 @functools.cache
 def torch_varlen_function():
     """torch's varlen kernel behind flash-attn's signature, `(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q,
@@ -42,6 +48,9 @@ def torch_varlen_function():
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
+        varlen_attn = None
+    # torch 2.10's public function takes no scale (2.11 added it): the private op serves there
+    if varlen_attn is None or not _takes_scale(varlen_attn):
         return _private_varlen if private_op_takes_cumulative_lengths() else None
 
     def public_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, softmax_scale=None):

@@ -200,15 +200,15 @@ def decode_kernel_name(heads: int, kv_heads: int) -> str:
 
 
 def paged_decode_attention(
-    out, query, kv, rows, pages, starts, lengths, scale: float, page_size: int
+    out, query, kv, rows, pages, starts, lengths, scale: float, page_size: int, splits: int | None = None
 ) -> None:
     """`out` (T, H, D) at each decode's row: its query's attention over its cached keys. `query` (H, T, D)
     with contiguous heads; `kv` one cache layer (2, Hkv, slots, D); `rows`, `starts`, `lengths` (B,) and
     `pages` the sequences' cache pages of `page_size` slots one after the other (see
-    `attention.InPlaceDecodes`)."""
+    `attention.InPlaceDecodes`); `splits`: the grouped kernel's, where the caller fixes them."""
     heads = query.shape[0]
     if decode_kernel_name(heads, kv.shape[1]) == "grouped":
-        grouped_decode_attention(out, query, kv, rows, pages, starts, lengths, scale, page_size)
+        grouped_decode_attention(out, query, kv, rows, pages, starts, lengths, scale, page_size, splits)
     else:
         per_head_decode_attention(out, query, kv, rows, pages, starts, lengths, scale, page_size)
 

@@ -176,8 +176,9 @@ def varlen_vision_attention(
             return _flash_varlen(query, key, value, cu_seq_lens_q, max(lengths), scaling), None
         except torch.OutOfMemoryError:
             raise  # SDPA would need more memory, not less
-        except RuntimeError as exc:
-            # A refusal not checked above (a head size, a build for other GPUs): said once, and SDPA
+        except (RuntimeError, TypeError) as exc:
+            # A refusal not checked above (a head size, a build for other GPUs, a signature of another
+            # torch release): said once, and SDPA
             # below from now on instead of the same failure in every layer.
             _flash_refusals.append(str(exc))
             name, _ = _varlen_kernel()

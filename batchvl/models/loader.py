@@ -168,6 +168,10 @@ def prepared_model(
         register_vision_attention,
     )
 
+    if torch_device.type == "cuda":
+        # Triton's kernels launch on the current device, CUDA graphs capture on it: make it the model's
+        # (outside torchrun, where each rank sets its own, it stays cuda:0 whatever model.device says)
+        torch.cuda.set_device(torch_device)
     model.eval()
     patch_convs_as_linear(model)
     fuse_mlp_activations(model)

@@ -109,7 +109,7 @@ def test_decode_steps_replayed_as_graphs_give_the_eager_tokens(
         loaded_fp32, GRAPHED, workload(loaded_fp32), lambda engine: graphs.append(engine.runner.decode_graphs)
     )
     assert outputs == eager_outputs
-    assert sorted(rows for rows, _ in graphs[0].captured) == [16, 32, 48]
+    assert sorted({rows for rows, _, _ in graphs[0].captured}) == [16, 32, 48]
     graphed_rows = {rows for rows, graphed, _ in steps if graphed}
     assert graphed_rows - {16, 32, 48}  # steps whose rows fall short of their bucket
     assert sum(graphed for _, graphed, _ in steps) > 15  # most steps replay a graph captured before
@@ -125,6 +125,30 @@ def test_overlapped_decode_steps_replay_graphs_with_the_picks_swapped_in_on_the_
     outputs = run_job(loaded_fp32, replace(GRAPHED, overlap=True), workload(loaded_fp32))
     assert outputs == eager_outputs
     assert sum(graphed and overlapped for _, graphed, overlapped in steps) > 15
+
+
+def test_a_graphs_decode_splits_are_the_eager_steps_and_part_of_its_key(
+    loaded_fp32, eager_outputs, capture, monkeypatch
+):
+    """Triton's grouped decode kernel splits long sequences over programs by the step's mean keys; the graph's
+    pages buffer has room for the longest sequences, so the graph takes the step's own pages (each row's sums
+    then run in the eager step's order), and a bucket is captured once per split count. (The CPU's kernels
+    have no splits: here the graph is told they matter, and its kernels drop them.)"""
+    graphs = []
+
+    def splits_matter(engine):
+        engine.runner.decode_graphs.splits_matter = True
+        graphs.append(engine.runner.decode_graphs)
+
+    outputs = run_job(loaded_fp32, GRAPHED, workload(loaded_fp32), splits_matter)
+    assert outputs == eager_outputs
+    assert {splits for _, _, splits in graphs[0].captured} == {1}  # short sequences: one program each
+    block_size = GRAPHED.block_size
+    # 8 sequences of 1,500 keys: 4 splits of 375 keys (8 of 187 would be under 256 keys each)
+    assert graphs[0]._splits(8, 8 * 1500 // block_size) == 4
+    assert graphs[0]._splits(8, 8 * 100 // block_size) == 1
+    graphs[0].splits_matter = False
+    assert graphs[0]._splits(8, 8 * 1500 // block_size) is None
 
 
 STATIC_INPUTS = ["token_ids", "positions", "slots", "pages", "starts", "lengths"]

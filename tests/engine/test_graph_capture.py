@@ -1,6 +1,7 @@
 """CUDA graph capture as torch documents it, checked against a recording stand-in for `torch.cuda`: the step
 warmed up on a side stream that waits for the current one, then recorded once, every graph in one pool."""
 
+import pytest
 import torch
 
 from batchvl.engine.device import graph_capture as graph_capture_module
@@ -45,10 +46,10 @@ class RecordingCuda:
 
             return Context(enter, leave)
 
-        def graph(recorded, pool, capture_error_mode):
+        def graph(recorded, pool, stream, capture_error_mode):
             def enter():
-                cuda.events.append(f"capture into pool {pool} ({capture_error_mode})")
-                cuda.in_stream = "capture"
+                cuda.events.append(f"capture into pool {pool} on {stream.name} ({capture_error_mode})")
+                cuda.in_stream = stream.name
 
             def leave():
                 cuda.in_stream = None
@@ -56,10 +57,20 @@ class RecordingCuda:
 
             return Context(enter, leave)
 
-        self.Stream = lambda device: Stream("side")
+        def set_stream(chosen):
+            cuda.events.append(f"set stream {chosen.name}")
+
+        made = []
+
+        def new_stream(device):
+            made.append(device)
+            return Stream("side" if len(made) % 2 else "capture")  # a capture makes its side stream first
+
+        self.Stream, self.set_stream = new_stream, set_stream
         self.current_stream = lambda device: Stream("current")
         self.stream, self.graph, self.CUDAGraph = stream, graph, CUDAGraph
         self.graph_pool_handle = lambda: 7
+        self.streams_made_on = made
 
 
 def test_a_step_is_warmed_up_on_a_side_stream_then_recorded_once_in_the_shared_pool(monkeypatch):
@@ -75,13 +86,31 @@ def test_a_step_is_warmed_up_on_a_side_stream_then_recorded_once_in_the_shared_p
         "side waits for current",
         *["forward on side"] * WARMUP_RUNS,
         "current waits for side",
-        "capture into pool 7 (thread_local)",
+        "capture into pool 7 on capture (thread_local)",
         "forward on capture",
         "captured",
     ]
     assert cuda.events == one_capture * 2
     replays[0]()
     assert cuda.events[-1] == "replay"
+    # the streams are the model's device's (cuda:N's own when the process's current device is another)
+    assert cuda.streams_made_on == [torch.device("cuda", 0)] * 4
+
+
+def test_a_failed_capture_gives_the_thread_its_stream_back(monkeypatch):
+    """torch ends a failed capture before it restores the stream: the capture restores it itself, or every
+    later kernel of the thread would go to the capture's stream."""
+    cuda = RecordingCuda()
+    monkeypatch.setattr(graph_capture_module.torch, "cuda", cuda)
+    capture = CudaGraphCapture(torch.device("cuda", 0))
+
+    def forward():
+        if cuda.in_stream == "capture":
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    with pytest.raises(RuntimeError, match="not permitted"):
+        capture.capture(forward)
+    assert cuda.events[-2:] == ["captured", "set stream current"]
 
 
 def test_graphs_are_captured_on_cuda_only():

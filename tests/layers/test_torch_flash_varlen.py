@@ -102,6 +102,16 @@ def test_this_torch_takes_the_public_function_with_the_scale_as_a_keyword(monkey
     assert args[:3] == (q, k, v) and args[3:] == (cu_q, cu_k, 6, 6) and kwargs == {"scale": 0.5}
 
 
+def test_torch_2_10s_public_function_without_a_scale_gives_way_to_the_private_kernel(monkeypatch):
+    import torch.nn.attention.varlen as varlen
+
+    def as_in_2_10(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
+        raise AssertionError("a scale it cannot take would be lost")
+
+    monkeypatch.setattr(varlen, "varlen_attn", as_in_2_10)
+    assert torch_flash_varlen.torch_varlen_function() is torch_flash_varlen._private_varlen
+
+
 def test_the_public_function_takes_these_arguments():
     # on the CPU the arguments are checked and passed to the kernel, then the CPU has no such kernel
     with pytest.raises(NotImplementedError, match="'CPU' backend"):

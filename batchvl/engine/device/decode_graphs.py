@@ -38,8 +38,10 @@ from batchvl.engine.adapter import ModelAdapter
 from batchvl.engine.overlap import with_picks
 from batchvl.engine.request import ScheduledChunk
 from batchvl.engine.scheduling.block_manager import BlockManager, blocks_needed
+from batchvl.layers import triton_attention
 from batchvl.layers.attention import InPlaceDecodes, KVCache, PagedAttentionMetadata, uploaded
 from batchvl.layers.row_buckets import bucket_rows
+from batchvl.layers.triton_grouped_decode import split_count
 from batchvl.utils.int_tensors import int64_tensor
 
 logger = logging.getLogger(__name__)
@@ -94,12 +96,15 @@ class DecodeGraphs:
         self.buffers["pages"][self.padding_start] = scratch_block
         self.rows = torch.arange(self.largest, device=device)
         self.logits = torch.zeros(self.largest, adapter.geometry.vocab_size, device=device)
-        self._replays: dict[tuple[int, int], Callable[[], None]] = {}  # (rows, position axes) -> replay
+        # (rows, position axes, the grouped decode kernel's splits) -> replay
+        self._replays: dict[tuple[int, int, int | None], Callable[[], None]] = {}
+        # Triton's decode kernels read the cache on CUDA (the native ones on the CPU, which have no splits)
+        self.splits_matter = triton_attention.takes(kv_cache.layers[0])
         self._failed = False
 
     @property
-    def captured(self) -> list[tuple[int, int]]:
-        """The (rows, position axes) of the graphs captured so far."""
+    def captured(self) -> list[tuple[int, int, int | None]]:
+        """The (rows, position axes, decode splits) of the graphs captured so far."""
         return list(self._replays)
 
     def takes(self, chunks: list[ScheduledChunk]) -> bool:
@@ -126,24 +131,34 @@ class DecodeGraphs:
         picks are a new tensor each step)."""
         rows = bucket_rows(len(chunks))
         axes = chunks[0].request.positions.prompt.shape[0]
-        self._load(chunks, block_manager, rows, axes)
+        pages = self._load(chunks, block_manager, rows, axes)
+        splits = self._splits(len(chunks), pages)
         if picks_in_flight is not None:
             token_ids = self.buffers["token_ids"][:rows]
             token_ids.copy_(with_picks(token_ids, picks_in_flight))
-        replay = self._replays.get((rows, axes))
+        replay = self._replays.get((rows, axes, splits))
         if replay is None:
             try:
-                replay = self.graph_capture.capture(self._forward(rows, axes))
+                replay = self.graph_capture.capture(self._forward(rows, axes, splits))
             except Exception as exc:  # a model whose forward cannot be captured still runs, eagerly
                 logger.warning("decode steps run eagerly: capturing one as a graph failed (%s)", exc)
                 self._failed = True
                 return None
-            self._replays[rows, axes] = replay
+            self._replays[rows, axes, splits] = replay
         replay()
         return self.logits[: len(chunks)]  # read before the next step's replay rewrites them
 
-    def _load(self, chunks: list[ScheduledChunk], block_manager: BlockManager, rows: int, axes: int) -> None:
-        """Fill the static buffers with the step's inputs, the padding rows' after them."""
+    def _splits(self, sequences: int, pages: int) -> int | None:
+        """The grouped decode kernel's splits for the step: those it would choose for the eager step (from
+        the step's own pages; the graph's pages buffer holds room for the longest sequences), so that each
+        row's sums run in the eager path's order. None where the kernels have no splits."""
+        if not self.splits_matter:
+            return None
+        kv_heads = self.kv_cache.layers[0].shape[1]
+        return split_count(sequences, kv_heads, pages * self.block_size / sequences)
+
+    def _load(self, chunks: list[ScheduledChunk], block_manager: BlockManager, rows: int, axes: int) -> int:
+        """Fill the static buffers with the step's inputs, the padding rows' after them; the step's pages."""
         padding = rows - len(chunks)
         token_ids, positions, slots, starts, lengths, pages = [], [], [], [], [], []
         first_page = 0
@@ -167,8 +182,9 @@ class DecodeGraphs:
         ]
         for buffer, values in zip(self.buffers.values(), uploaded(step, self.adapter.device), strict=True):
             buffer[: values.numel()].copy_(values.reshape(-1))
+        return first_page
 
-    def _forward(self, rows: int, axes: int) -> Callable[[], None]:
+    def _forward(self, rows: int, axes: int, splits: int | None) -> Callable[[], None]:
         """The bucket's step over the static buffers: what its graph records."""
         buffers = self.buffers
         decodes = InPlaceDecodes(
@@ -177,6 +193,7 @@ class DecodeGraphs:
             buffers["starts"][:rows],
             buffers["lengths"][:rows],
             self.block_size,
+            splits,
         )
         meta = PagedAttentionMetadata(self.kv_cache, buffers["slots"][:rows], [], in_place_decodes=decodes)
         token_ids = buffers["token_ids"][:rows]

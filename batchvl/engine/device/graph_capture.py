@@ -33,10 +33,19 @@ class CudaGraphCapture:
                 forward()
         current.wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        # thread_local: only this thread's calls are checked while it captures; under the default (global)
-        # a CUDA call that is not allowed during a capture would fail in whatever other thread makes it
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            forward()
+        try:
+            # thread_local: only this thread's calls are checked while it captures; under the default
+            # (global) a CUDA call not allowed during a capture would fail in whatever other thread makes it.
+            # The capture's stream is the device's own: left to torch, it is made on the current device,
+            # which is not the model's when that is cuda:N outside torchrun (nothing would be recorded).
+            stream = torch.cuda.Stream(self.device)
+            with torch.cuda.graph(graph, pool=self.pool, stream=stream, capture_error_mode="thread_local"):
+                forward()
+        except BaseException:
+            # torch ends a failed capture before it restores the stream: every later kernel of this thread
+            # would go to the capture's stream, unordered with the others'
+            torch.cuda.set_stream(current)
+            raise
         return graph.replay
 
 
