@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from batchvl.engine.adapter import TextGeometry
+from batchvl.layers.attention import uploaded
 from batchvl.preprocess.media import PreparedMedia
 
 
@@ -53,7 +54,11 @@ class VLMAdapter:
     def embed(self, token_ids: torch.Tensor, media_mask: torch.Tensor, media_rows: torch.Tensor | None):
         embeds = self._embed(token_ids.to(self.device))
         if media_rows is not None:
-            embeds[media_mask.to(self.device)] = media_rows[:, : self.hidden_size].to(embeds.dtype)
+            # by row numbers found on the host and uploaded without a wait: a boolean mask on the device
+            # would make the host wait for the GPU (the count of its rows sizes the result), which an
+            # overlapped step must not
+            (rows,) = uploaded([media_mask.nonzero().flatten()], self.device)
+            embeds.index_copy_(0, rows, media_rows[:, : self.hidden_size].to(embeds.dtype))
         return embeds
 
     def forward(
