@@ -190,7 +190,7 @@ def benchmarks_graph() -> dict[str, set[str]]:
     return graph
 
 
-def tests_graph() -> dict[str, set[str]]:
+def graph_of_the_tests() -> dict[str, set[str]]:
     """The test modules and their helpers, which import each other as `tests.x`."""
     tests = Path(__file__).parent
     modules = {
@@ -216,7 +216,7 @@ def tests_graph() -> dict[str, set[str]]:
 def test_no_import_cycle_in_the_package_the_benchmarks_or_the_tests():
     assert import_cycle(package_graph()) == []
     assert import_cycle(benchmarks_graph()) == []
-    assert import_cycle(tests_graph()) == []
+    assert import_cycle(graph_of_the_tests()) == []
 
 
 def test_a_cycle_of_any_length_is_found():

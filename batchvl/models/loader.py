@@ -168,9 +168,10 @@ def prepared_model(
         register_vision_attention,
     )
 
-    if torch_device.type == "cuda":
+    if torch_device.type == "cuda" and torch_device.index is not None:
         # Triton's kernels launch on the current device, CUDA graphs capture on it: make it the model's
-        # (outside torchrun, where each rank sets its own, it stays cuda:0 whatever model.device says)
+        # (outside torchrun, where each rank sets its own, it stays cuda:0 whatever model.device says; a
+        # device without an index is the current one already)
         torch.cuda.set_device(torch_device)
     model.eval()
     patch_convs_as_linear(model)

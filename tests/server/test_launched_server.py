@@ -75,8 +75,11 @@ def wait_for(condition, timeout_s: float, what: str, run: subprocess.Popen):
 def server_of(run: subprocess.Popen) -> psutil.Process | None:
     """The server the run launched: its child running vLLM's API server."""
     for child in psutil.Process(run.pid).children():
-        if "vllm.entrypoints.openai.api_server" in " ".join(child.cmdline()):
-            return child
+        try:
+            if "vllm.entrypoints.openai.api_server" in " ".join(child.cmdline()):
+                return child
+        except psutil.Error:  # a child that has just ended (a zombie until reaped), or gone
+            continue
     return None
 
 
