@@ -17,26 +17,13 @@ import sys
 from pathlib import Path
 
 import torch
+from cuda_timing import CALLS, per_call_us
 
 SHAPES = {"2b": (12, 2, 128), "7b": (28, 4, 128)}  # query heads, KV heads, head size
 # (sequences, keys each): a decode step at 256 sequences of short and long captions' contexts, and few
 # sequences of long contexts, where the grouped kernel splits the keys
 CASES = [(256, 600), (256, 2000), (8, 16384)]
 PAGE_SIZE = 16
-CALLS = 50
-
-
-def per_call_us(fn) -> float:
-    """The mean of CALLS calls between two CUDA events, after a warm-up (which compiles the kernels)."""
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(CALLS):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / CALLS
 
 
 def decode_step(heads: int, kv_heads: int, head_dim: int, sequences: int, keys: int, dtype: torch.dtype):

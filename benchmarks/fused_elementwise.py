@@ -15,26 +15,13 @@ import sys
 from pathlib import Path
 
 import torch
+from cuda_timing import CALLS, per_call_us
 from transformers.activations import ACT2FN, QuickGELUActivation
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 from transformers.models.qwen2_vl.modeling_qwen2_vl import apply_rotary_pos_emb, apply_rotary_pos_emb_vision
 
 HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM = 1536, 8960, 12, 2, 128
 VISION_EMBED, VISION_MLP, VISION_HEADS, VISION_HEAD_DIM = 1280, 5120, 16, 80
-CALLS = 50
-
-
-def per_call_us(fn) -> float:
-    """The mean of CALLS calls between two CUDA events, after a warm-up (which compiles the kernels)."""
-    for _ in range(5):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(CALLS):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / CALLS
 
 
 def cases(rows: int, dtype: torch.dtype):
@@ -144,7 +131,7 @@ def main() -> None:
     for rows in (int(r) for r in args.rows.split(",")):
         for name, eager, fused in cases(rows, dtype):
             parity = compared(eager, fused)
-            eager_us, fused_us = per_call_us(eager), per_call_us(fused)
+            eager_us, fused_us = per_call_us(eager, warmup=5), per_call_us(fused, warmup=5)
             speedup = round(eager_us / fused_us, 2)
             results.append(
                 {"op": name, "rows": rows, "eager_us": round(eager_us, 1), "fused_us": round(fused_us, 1)}
