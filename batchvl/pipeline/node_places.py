@@ -7,7 +7,8 @@ job's `model.device`, so on the CPU each process is one more engine over the sam
 cores this process may use are split evenly, and each process's preprocessing workers and torch threads
 come from its share (half of it for workers, 1 to 8, as a single run takes half of the machine; the rest
 for threads). `preprocess.workers` and `engine.threads` set in the job are taken as they are, per process:
-the override for a node whose input or model wants another split.
+the override for a node whose input or model wants another split. `--processes N` on one GPU gives each
+process 1/N of `engine.gpu_memory_utilization`.
 """
 
 from __future__ import annotations
@@ -75,9 +76,20 @@ def process_config(cfg: JobConfig, place: Place, num_processes: int) -> JobConfi
         workers = default_workers(share)
     threads = cfg.engine.threads or max(1, share - workers)
     model = cfg.model if place.gpu is None else dataclasses.replace(cfg.model, device="cuda")
+    engine = dataclasses.replace(cfg.engine, threads=threads)
+    if place.gpu is None and num_processes > 1 and _is_cuda(cfg.model.device):
+        # the processes share one GPU: each sizes its KV cache from its share of the memory it finds free,
+        # or the first would take what the others need for their models and activations
+        share = cfg.engine.gpu_memory_utilization / num_processes
+        engine = dataclasses.replace(engine, gpu_memory_utilization=share)
     return dataclasses.replace(
-        cfg,
-        model=model,
-        engine=dataclasses.replace(cfg.engine, threads=threads),
-        preprocess=dataclasses.replace(cfg.preprocess, workers=workers),
+        cfg, model=model, engine=engine, preprocess=dataclasses.replace(cfg.preprocess, workers=workers)
     )
+
+
+def _is_cuda(device: str) -> bool:
+    if device == "auto":
+        import torch
+
+        return torch.cuda.is_available()
+    return device.startswith("cuda")

@@ -69,6 +69,18 @@ def test_each_process_takes_its_device_and_an_even_share_of_the_cores(tmp_path, 
     assert process_config(cfg, Place(0), 32).engine.threads == 1  # more processes than cores: one each
 
 
+def test_processes_sharing_one_gpu_each_take_a_share_of_its_free_memory(tmp_path, monkeypatch):
+    cfg = job(
+        tmp_path, model={"path": str(tmp_path), "device": "cuda"}, engine={"gpu_memory_utilization": 0.8}
+    )
+    assert process_config(cfg, Place(0), 2).engine.gpu_memory_utilization == 0.4  # --processes 2 on one GPU
+    assert process_config(cfg, Place(0), 1).engine.gpu_memory_utilization == 0.8
+    assert process_config(cfg, Place(1, "1"), 2).engine.gpu_memory_utilization == 0.8  # --gpus: one each
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    on_cpu = job(tmp_path, engine={"gpu_memory_utilization": 0.8})  # model.device auto, no GPU
+    assert process_config(on_cpu, Place(0), 2).engine.gpu_memory_utilization == 0.8
+
+
 def test_the_jobs_own_workers_and_threads_are_each_processs(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
     cfg = job(tmp_path, preprocess={"workers": 3}, engine={"threads": 5})
