@@ -1,6 +1,11 @@
-"""Timing a CUDA call: the mean over repeated calls between two CUDA events, for the kernel benchmarks."""
+"""What the kernel benchmarks share: their refusal without a GPU, the mean time of a CUDA call over repeated
+calls between two CUDA events, and their report's common fields."""
 
 from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
 
 import torch
 
@@ -18,3 +23,29 @@ def per_call_us(fn, warmup: int = 3) -> float:
     end.record()
     end.synchronize()
     return start.elapsed_time(end) * 1e3 / CALLS
+
+
+def require_cuda(script: str) -> None:
+    """Exit 2 with one line where there is no CUDA device: the kernels time nothing on a CPU."""
+    if not torch.cuda.is_available():
+        print(f"{script} times Triton kernels on a CUDA device: no CUDA device here", file=sys.stderr)
+        sys.exit(2)
+
+
+def write_report(path: Path | None, dtype: str, results: list[dict], **settings) -> None:
+    """The report: the GPU, the dtype, torch's and Triton's versions, the calls timed, the benchmark's
+    own `settings`, and its rows; written to `path` where given."""
+    import triton
+
+    report = {
+        "device": torch.cuda.get_device_name(),
+        "dtype": dtype,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        **settings,
+        "calls": CALLS,
+        "results": results,
+    }
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=2) + "\n")

@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
-import sys
 from pathlib import Path
 
 import torch
-from cuda_timing import CALLS, per_call_us
+from cuda_timing import per_call_us, require_cuda, write_report
 
 SHAPES = {"2b": (12, 2, 128), "7b": (28, 4, 128)}  # query heads, KV heads, head size
 # (sequences, keys each): a decode step at 256 sequences of short and long captions' contexts, and few
@@ -43,12 +41,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print(
-            "decode_attention.py times Triton kernels on a CUDA device: no CUDA device here", file=sys.stderr
-        )
-        sys.exit(2)
-    import triton
+    require_cuda("decode_attention.py")
 
     from batchvl.layers.triton_attention import per_head_decode_attention
     from batchvl.layers.triton_grouped_decode import grouped_decode_attention, split_count
@@ -83,18 +76,7 @@ def main() -> None:
                 f"{grouped_us:9.1f} us ({row['grouped_splits']} splits, {row['grouped_kv_gb_per_s']} GB/s)  "
                 f"x{row['speedup']}  diff {row['max_abs_diff']:.2e}"
             )
-    report = {
-        "device": torch.cuda.get_device_name(),
-        "dtype": args.dtype,
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "page_size": PAGE_SIZE,
-        "calls": CALLS,
-        "results": results,
-    }
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    write_report(args.json, args.dtype, results, page_size=PAGE_SIZE)
 
 
 if __name__ == "__main__":

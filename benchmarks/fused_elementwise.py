@@ -10,12 +10,10 @@ the share of equal elements), since a kernel only goes into the engine where it 
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 from pathlib import Path
 
 import torch
-from cuda_timing import CALLS, per_call_us
+from cuda_timing import per_call_us, require_cuda, write_report
 from transformers.activations import ACT2FN, QuickGELUActivation
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 from transformers.models.qwen2_vl.modeling_qwen2_vl import apply_rotary_pos_emb, apply_rotary_pos_emb_vision
@@ -118,12 +116,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print(
-            "fused_elementwise.py times Triton kernels on a CUDA device: no CUDA device here", file=sys.stderr
-        )
-        sys.exit(2)
-    import triton
+    require_cuda("fused_elementwise.py")
 
     torch.set_grad_enabled(False)  # as the engine runs the model: no autograd records on the eager ops
     dtype = getattr(torch, args.dtype)
@@ -138,17 +131,7 @@ def main() -> None:
                 | {"speedup": speedup, **parity}
             )
             print(f"{name:18} {rows:5} rows  eager {eager_us:8.1f} us  fused {fused_us:8.1f} us  x{speedup}")
-    report = {
-        "device": torch.cuda.get_device_name(),
-        "dtype": args.dtype,
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "calls": CALLS,
-        "results": results,
-    }
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    write_report(args.json, args.dtype, results)
 
 
 if __name__ == "__main__":
