@@ -12,7 +12,7 @@ import torch
 from batchvl.config import EngineConfig
 from batchvl.engine.adapter import ModelAdapter
 from batchvl.engine.encoder_cache.cache import EncodeImages
-from batchvl.engine.engine import Engine
+from batchvl.engine.engine import Engine, step_sizes_for
 from batchvl.engine.interface import EngineInterface
 from batchvl.engine.model_runner import encode_images
 from batchvl.engine.parallel.replicas import EngineReplicas, replica_config, replica_count
@@ -36,7 +36,9 @@ def build_engine(
     context: DistributedContext | None = None,
 ) -> EngineInterface:
     """The engine a job drives: one `Engine`, or `replica_count` of them side by side on the CPU, each with
-    its share of the threads and caches (`replica_config`)."""
+    its share of the threads and caches (`replica_config`). Its step sizes are resolved once, here: under ViT
+    data parallelism rank 0's own vision calls then have the engine's size."""
+    config = step_sizes_for(adapter, config)
     count = replica_count(config, adapter.device, context is not None, adapter.model.config)
     if count == 1:
         parallel_encoder = None

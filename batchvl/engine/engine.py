@@ -48,6 +48,17 @@ from batchvl.utils.memory import MB
 logger = logging.getLogger(__name__)
 
 
+def step_sizes_for(adapter: ModelAdapter, config: EngineConfig) -> EngineConfig:
+    """`config` with its `auto` step sizes resolved for the adapter's device (see `step_sizes`); a config
+    without `auto` comes back as it is, so resolving twice measures nothing twice."""
+    return resolved_step_sizes(
+        config,
+        adapter.device,
+        lambda probe: step_activation_peak(adapter, probe),
+        lambda: free_cuda_bytes(adapter.device),
+    )
+
+
 class Engine:
     num_engines = 1
 
@@ -60,13 +71,7 @@ class Engine:
         parallel_encoder: DataParallelEncoder | None = None,
     ):
         self.adapter = adapter
-        config = resolved_step_sizes(
-            config,
-            adapter.device,
-            lambda probe: step_activation_peak(adapter, probe),
-            lambda: free_cuda_bytes(adapter.device),
-        )
-        self.config = config
+        self.config = config = step_sizes_for(adapter, config)
         self.stopping = StopChecker(tokenizer, eos_token_ids, adapter.geometry.max_model_len)
         self.grammars = GrammarMatchers(tokenizer, adapter.geometry.vocab_size, eos_token_ids)
         self.choice_tokens = ChoiceTokenizer(tokenizer, eos_token_ids)

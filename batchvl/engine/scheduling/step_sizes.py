@@ -8,7 +8,8 @@ scheduling it. On CUDA the step's activations are measured once at the CPU's siz
 the model loaded and no cache yet) and scaled to each larger size: the logits' rows do not grow with the
 tokens, so the scaled figure bounds the larger step's. A vision call's activations are bounded per patch
 (`kv_budget.vision_reserve_bytes`), not measured. What the chosen sizes take is then kept out of the KV
-cache (`kv_budget`), so the cache is smaller by that much.
+cache (`kv_budget`), so the cache is smaller by that much: the KV budget measures the chosen step itself (a
+second forward at start-up, of a fraction of a second), since the scaled figure is a bound made to choose.
 """
 
 from __future__ import annotations
