@@ -1,13 +1,14 @@
 """`engine.fused_kernels`: on CUDA, a model's elementwise passes as one Triton kernel each
 (`triton_elementwise`), where eager PyTorch runs several kernels, each reading and writing the whole
-activation again: RMSNorm (seven or eight kernels eager), the MLP's SiLU(gate) * up, the vision towers'
-LayerNorm and QuickGELU, and the rotary embedding of queries and keys in batchvl's own attention modules
-(five to seven kernels per tensor eager). Each kernel rounds where the module it replaces rounds.
+activation again: RMSNorm (seven or eight kernels eager), with the residual add before a decoder layer's
+second norm (`residual_norm`), the MLP's SiLU(gate) * up, the vision towers' LayerNorm and QuickGELU, and
+the rotary embedding of queries and keys in batchvl's own attention modules (five to seven kernels per
+tensor eager). Each kernel rounds where the module it replaces rounds.
 
-Left eager: the residual add before each RMSNorm (transformers' decoder layer adds outside the norm, so
-fusing the two needs the layer rewritten), the rotary of Qwen3-VL's text attention (transformers' own
-module, which normalizes queries and keys between the projection and the rotation), GELU-tanh (SigLIP's
-and Qwen3-VL's vision MLPs, LLaVA's projector) and the bias before QuickGELU (see `TritonQuickGELU`).
+Left eager: the residual add that ends a decoder layer (see `residual_norm`), the rotary of Qwen3-VL's
+text attention (transformers' own module, which normalizes queries and keys between the projection and the
+rotation), GELU-tanh (SigLIP's and Qwen3-VL's vision MLPs, LLaVA's projector) and the bias before QuickGELU
+(see `TritonQuickGELU`).
 
 Applied by the loader on CUDA only; the tests apply it to CPU models under Triton's interpreter.
 """
@@ -21,6 +22,7 @@ from batchvl.layers import triton_elementwise
 from batchvl.layers.fused_projections import FusedQKVAttention, GatedMLP, is_silu
 from batchvl.layers.module_swap import replace_children
 from batchvl.layers.qwen_vision_attention import QwenVisionAttention
+from batchvl.layers.residual_norm import fuse_residual_norms
 from batchvl.layers.rms_norm import STOCK_RMS_NORMS
 from batchvl.layers.triton_modules import (
     TritonLayerNorm,
@@ -68,4 +70,5 @@ def use_fused_kernels(model: torch.nn.Module) -> dict[str, int]:
         elif isinstance(module, QwenVisionAttention):
             module.rotate = rotate_vision_rows
             counts["vision_rotary"] += 1
+    counts["residual_rms_norm"] = fuse_residual_norms(model)  # where the RMSNorms above are Triton's
     return counts

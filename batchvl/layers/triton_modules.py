@@ -21,6 +21,12 @@ class TritonRMSNorm(torch.nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return triton_elementwise.rms_norm(hidden_states, self.weight, self.variance_epsilon)[0]
 
+    def add_and_norm(
+        self, hidden_states: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the norm of `residual + hidden_states`, that sum) in one kernel (see `residual_norm`)."""
+        return triton_elementwise.rms_norm(hidden_states, self.weight, self.variance_epsilon, residual)
+
 
 class TritonLayerNorm(torch.nn.Module):
     """torch.nn.LayerNorm over the last dimension, with its weight, bias and epsilon."""

@@ -16,7 +16,12 @@ import torch
 from transformers import AutoModelForImageTextToText
 from transformers.activations import ACT2FN, QuickGELUActivation
 from transformers.models.llama.modeling_llama import LlamaConfig, LlamaMLP
-from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+from transformers.models.qwen2.modeling_qwen2 import (
+    Qwen2Config,
+    Qwen2DecoderLayer,
+    Qwen2RMSNorm,
+    Qwen2RotaryEmbedding,
+)
 from transformers.models.qwen2_vl.modeling_qwen2_vl import apply_rotary_pos_emb, apply_rotary_pos_emb_vision
 
 from batchvl.config import EngineConfig
@@ -28,6 +33,7 @@ from batchvl.layers import fused_activation, packed_linear, triton_attention, tr
 from batchvl.layers.fused_kernels import rotate_text_rows, rotate_vision_rows, use_fused_kernels
 from batchvl.layers.fused_projections import GatedMLP
 from batchvl.layers.native_kernels import DISABLE_VARIABLE, native_ops
+from batchvl.layers.residual_norm import add_and_norm_forward, fuse_residual_norms
 from batchvl.layers.rms_norm import STOCK_RMS_NORMS
 from batchvl.layers.triton_modules import TritonLayerNorm, TritonQuickGELU, TritonRMSNorm
 from batchvl.models.loader import load_model
@@ -44,16 +50,25 @@ DTYPES = [torch.float32, torch.bfloat16]
 ROWS = 13
 NEW_TOKENS = 4
 PROMPT = "Describe this image."
-# each kernel as it is counted: the rotary of the text model and of the vision tower apart
-KERNELS = ("rms_norm", "layer_norm", "quick_gelu", "silu_and_mul", "text_rotary", "vision_rotary")
+# each kernel as it is counted: the rotary of the text model and of the vision tower apart, and the RMSNorm
+# that adds the residual before it (one per decoder layer) apart from the others
+KERNELS = (
+    "rms_norm",
+    "layer_norm",
+    "quick_gelu",
+    "silu_and_mul",
+    "text_rotary",
+    "vision_rotary",
+    "residual_rms_norm",
+)
 # what each family has for each kernel to take: RMSNorms, LayerNorms, QuickGELUs, SiLU MLPs, text and
-# vision attention modules rotating queries and keys
+# vision attention modules rotating queries and keys, decoder layers adding their residual in a norm
 SWAPPED = {
-    "qwen2_vl": (5, 5, 2, 2, 2, 2),  # 2 text layers, 2 vision blocks, the merger's LayerNorm
-    "qwen2_5_vl": (10, 0, 0, 4, 2, 2),  # its vision blocks' norms are RMSNorms, its vision MLPs SiLU-gated
-    "qwen3_vl": (9, 7, 0, 2, 0, 2),  # q/k norms in its text attention, which keeps transformers' rotary
-    "llava": (5, 8, 3, 2, 2, 0),  # CLIP with one layer more than it uses
-    "idefics3": (5, 5, 0, 2, 2, 0),  # SigLIP's MLP is GELU-tanh
+    "qwen2_vl": (5, 5, 2, 2, 2, 2, 2),  # 2 text layers, 2 vision blocks, the merger's LayerNorm
+    "qwen2_5_vl": (10, 0, 0, 4, 2, 2, 2),  # its vision blocks' norms are RMSNorms, its vision MLPs SiLU-gated
+    "qwen3_vl": (9, 7, 0, 2, 0, 2, 2),  # q/k norms in its text attention, which keeps transformers' rotary
+    "llava": (5, 8, 3, 2, 2, 0, 2),  # CLIP with one layer more than it uses
+    "idefics3": (5, 5, 0, 2, 2, 0, 2),  # SigLIP's MLP is GELU-tanh
 }
 
 
@@ -128,6 +143,44 @@ def test_the_vision_rotary_equals_transformers(dtype):
     assert torch.equal(rotated[:, 2], qkv[:, 2])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_decoder_layer_adding_its_residual_in_the_norm_gives_the_layers_bits(dtype):
+    # the same layer, its norms the kernel's, run by transformers' forward and by the fused one: the sum is
+    # rounded where the layer rounds it and the norm reads it as it reads the layer's, so no bit may move
+    config = Qwen2Config(
+        hidden_size=48,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=1,
+    )
+    torch.manual_seed(0)
+    layer = Qwen2DecoderLayer(config, layer_idx=0).to(dtype).eval()
+    for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+        norm.weight.data = random(48, dtype=dtype, seed=12) + 1
+    use_fused_kernels(layer)
+    x = random(1, ROWS, 48, dtype=dtype, seed=13) * 3
+    positions = torch.arange(ROWS)[None]
+    arguments = {  # by keyword, as transformers' loop of layers passes them
+        "attention_mask": None,
+        "position_embeddings": Qwen2RotaryEmbedding(config)(x, positions),
+        "position_ids": positions,
+    }
+    with torch.inference_mode():
+        fused = layer(x, **arguments)
+        stock = type(layer).forward(layer, x, **arguments)
+    assert layer.forward.func is add_and_norm_forward
+    assert torch.equal(fused, stock)
+    assert not torch.equal(fused, x + layer.mlp(layer.post_attention_layernorm(x)))  # the layer did work
+
+
+def test_only_layers_with_the_kernels_norm_add_their_residual_in_it():
+    config = Qwen2Config(hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1)
+    layer = Qwen2DecoderLayer(config, layer_idx=0)
+    assert fuse_residual_norms(layer) == 0  # transformers' own norm has no fused add
+    assert "forward" not in vars(layer)
+
+
 # --- whole models ----------------------------------------------------------------------------------------
 
 
@@ -169,6 +222,7 @@ def kernels_in(model: torch.nn.Module) -> tuple[int, ...]:
         sum(getattr(m, "silu_and_mul", None) is triton_elementwise.silu_and_mul for m in modules),
         sum(getattr(m, "rotate", None) is rotate_text_rows for m in modules),
         sum(getattr(m, "rotate", None) is rotate_vision_rows for m in modules),
+        sum(getattr(vars(m).get("forward"), "func", None) is add_and_norm_forward for m in modules),
     )
 
 
@@ -212,6 +266,8 @@ def kernel_calls(monkeypatch) -> collections.Counter:
         def counted(*args, _kernel=kernel, _name=name, **kwargs):
             if _name == "rotary_":
                 calls["vision_rotary" if kwargs.get("vision") else "text_rotary"] += 1
+            elif _name == "rms_norm" and len(args) > 3:
+                calls["residual_rms_norm"] += 1
             else:
                 calls[_name] += 1
             return _kernel(*args, **kwargs)
