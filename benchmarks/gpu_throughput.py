@@ -11,9 +11,10 @@ One JSON row: samples/s (over the job's wall time); the workload's limit, its FL
 and decode, counted from the model's layers) and its memory traffic (each decode's KV reads and every
 token's KV write, and the decode weights read once a step for `max_num_seqs` sequences) against the
 datasheet's bf16 peak and bandwidth, and against the matmul peak measured here; the share of that limit
-reached; the GPU's kernel time over wall time on a window of steps (`step_timing.py` says how); and the split
-between vision (the vision calls' synchronized time), steps with prompt chunks, and steps of decodes only,
-in seconds and in FLOPs. The engine's settings and which fast paths were on are recorded with it.
+reached; the GPU's kernel time over wall time on a window of steps (`step_timing.py` says how), and where
+the host waited for the GPU in the steps after it (`sync_audit.py`); and the split between vision (the
+vision calls' synchronized time), steps with prompt chunks, and steps of decodes only, in seconds and in
+FLOPs. The engine's settings and which fast paths were on are recorded with it.
 
 On a CPU (`--device cpu`, e.g. `--size tiny --samples 8`) the same runs, with the GPU's figures null.
 
@@ -138,7 +139,7 @@ def measure(args, work: Path) -> dict:
     sizes = write_images(work / "data", args.samples)
     fast_paths = {"cuda_graphs": args.cuda_graphs, "overlap": args.overlap}
     caption_job(work, "warmup", loaded, args.device, fast_paths)
-    timer = StepTimer(args.profile_after, args.profile_steps if on_gpu else 0)
+    timer = StepTimer(args.profile_after, args.profile_steps if on_gpu else 0, args.audit_steps)
     run = caption_job(work, "data", loaded, args.device, fast_paths, timer)
     stats, rows, engine = run["stats"], run["rows"], run["engine"]
     resolved = timer.engine_config or engine
@@ -198,6 +199,7 @@ def measure(args, work: Path) -> dict:
         },
         "kernel_time_share": round(window["kernel_s"] / window["wall_s"], 4) if window else None,
         "kernel_window": window,
+        "host_waits": timer.audit,
         "split_s": {
             "vision": round(stats["encode_s"], 2),
             "prefill_steps": round(timer.seconds["prefill"], 2),
@@ -262,6 +264,12 @@ def main() -> None:
         "--profile-after", type=int, default=100, help="Engine steps before the kernel window"
     )
     parser.add_argument("--profile-steps", type=int, default=50, help="Engine steps in the kernel window")
+    parser.add_argument(
+        "--audit-steps",
+        type=int,
+        default=20,
+        help="Engine steps after the kernel window in which the host's waits for the GPU are counted by site",
+    )
     parser.add_argument(
         "--cuda-graphs",
         action=argparse.BooleanOptionalAction,

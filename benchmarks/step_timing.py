@@ -7,6 +7,8 @@ is that over the window's wall time, the gaps between steps included (the GPU is
 the forwards' Python time nor CUDA events are used: a forward's wall time includes its launches, and events
 bracketing a step count the GPU's idle gaps inside it as busy. The profiler's own cost per launch makes the
 window's host work a little slower, so the share is if anything low.
+
+After that window, a second one (`audit_steps`) counts where the host waited for the GPU (`sync_audit`).
 """
 
 from __future__ import annotations
@@ -17,15 +19,21 @@ import tempfile
 import time
 from pathlib import Path
 
+from sync_audit import SyncAudit
+
 KERNEL = "kernel"  # a CUDA kernel's category in the profiler's trace (copies: gpu_memcpy, gpu_memset)
 
 
 class StepTimer:
-    """Installed around one job: times `ModelRunner.execute` per step by its chunks, and profiles steps
-    `profile_after` to `profile_after + profile_steps` of `Engine.step` (none where `profile_steps` is 0)."""
+    """Installed around one job: times `ModelRunner.execute` per step by its chunks, profiles steps
+    `profile_after` to `profile_after + profile_steps` of `Engine.step` (none where `profile_steps` is 0),
+    and audits the host's waits over the `audit_steps` steps after those (on a GPU only)."""
 
-    def __init__(self, profile_after: int = 0, profile_steps: int = 0):
+    def __init__(self, profile_after: int = 0, profile_steps: int = 0, audit_steps: int = 0):
         self.profile_after, self.profile_steps = profile_after, profile_steps
+        self.audit_steps = audit_steps if profile_steps else 0
+        self.audit: dict | None = None  # the audited window's waits, once it is over
+        self._audit: SyncAudit | None = None
         self.seconds = {"prefill": 0.0, "decode": 0.0}  # steps with prompt chunks, steps of decodes only
         self.steps = {"prefill": 0, "decode": 0}
         self.engine_steps = 0
@@ -68,6 +76,7 @@ class StepTimer:
         finally:
             Engine.step, ModelRunner.execute = step, execute
             self._stop_profile()  # a run shorter than the window: what it covered
+            self._stop_audit()
 
     def _before_step(self) -> None:
         if self.profile_steps and self.engine_steps == self.profile_after and self.window is None:
@@ -79,8 +88,23 @@ class StepTimer:
 
     def _after_step(self) -> None:
         self.engine_steps += 1
-        if self._profiler is not None and self.engine_steps == self.profile_after + self.profile_steps:
+        audit_from = self.profile_after + self.profile_steps
+        if self._profiler is not None and self.engine_steps == audit_from:
             self._stop_profile()
+        if self.audit_steps and self.engine_steps == audit_from and self.audit is None:
+            import torch
+
+            self._audit = SyncAudit(torch.cuda)
+            self._audit.start()
+        elif self._audit is not None and self.engine_steps == audit_from + self.audit_steps:
+            self._stop_audit()
+
+    def _stop_audit(self) -> None:
+        if self._audit is None:
+            return
+        self._audit.stop()
+        self.audit = self._audit.report(self.engine_steps - self.profile_after - self.profile_steps)
+        self._audit = None
 
     def _stop_profile(self) -> None:
         if self._profiler is None:
