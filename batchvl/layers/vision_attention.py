@@ -146,14 +146,20 @@ LENGTHS_KEPT = 2
 
 
 def sequence_lengths(cu_seq_lens: torch.Tensor) -> list[int]:
-    entries = _lengths_read.entries
-    for tensor, lengths in entries:
+    for tensor, lengths in _lengths_read.entries:
         if tensor is cu_seq_lens:
             return lengths
     lengths = (cu_seq_lens[1:] - cu_seq_lens[:-1]).tolist()
+    remember_lengths(cu_seq_lens, lengths)
+    return lengths
+
+
+def remember_lengths(cu_seq_lens: torch.Tensor, lengths: list[int]) -> None:
+    """Give `sequence_lengths` the lengths of `cu_seq_lens`, known on the host where the call's inputs
+    were made (`models/qwen_vision_inputs.py`), so that no layer reads them back."""
+    entries = _lengths_read.entries
     entries.insert(0, (cu_seq_lens, lengths))
     del entries[LENGTHS_KEPT:]
-    return lengths
 
 
 def varlen_vision_attention(

@@ -14,6 +14,7 @@ import torch
 
 from batchvl.layers.row_buckets import bucket_rows
 from batchvl.models.adapter import VLMAdapter
+from batchvl.models.qwen_vision_inputs import grid_inputs, on_device
 from batchvl.preprocess.media import PreparedMedia
 
 MM_TEXT, MM_IMAGE, MM_VIDEO = 0, 1, 2  # mm_token_type_ids values
@@ -49,17 +50,21 @@ class Qwen2VLAdapter(VLMAdapter):
 
     @torch.inference_mode()
     def encode(self, kind: str, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]:
-        out = self._vision_features(kind, pixel_values, grid_thw)
+        out = self._vision_features(pixel_values, grid_thw)
         return list(out.pooler_output[: len(grid_thw)])
 
-    def _vision_features(self, kind: str, pixel_values: torch.Tensor, grid_thw: torch.Tensor):
-        """The tower's outputs for the call's images, then for the blank image padding it, if any."""
-        features = (
-            self.model.model.get_video_features if kind == "video" else self.model.model.get_image_features
-        )
-        merge_size = self.model.config.vision_config.spatial_merge_size
+    def _vision_features(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor):
+        """The tower's outputs for the call's images or videos (`pooler_output` split by item), then for the
+        blank image padding it, if any. The tower is called as transformers' `get_image_features` and
+        `get_video_features` call it, with what it derives from the grid made on the host
+        (`qwen_vision_inputs`), and its output split by sizes known there, not read from the device."""
+        visual = self.model.model.visual
+        merge_size = visual.spatial_merge_size
         pixels, grid = padded_to_bucket(pixel_values, grid_thw, merge_size, self.dtype, self.device)
-        return features(pixels, grid.to(self.device), return_dict=True)
+        inputs = on_device({**grid_inputs(visual, grid), "grid_thw": grid}, self.device)
+        out = visual(pixels, return_dict=True, **inputs)
+        out.pooler_output = out.pooler_output.split((grid.prod(-1) // merge_size**2).tolist())
+        return out
 
     @torch.inference_mode()
     def prompt_positions(
@@ -97,14 +102,10 @@ class Qwen3VLAdapter(Qwen2VLAdapter):
 
     @torch.inference_mode()
     def encode(self, kind: str, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]:
-        out = self._vision_features(kind, pixel_values, grid_thw)
+        out = self._vision_features(pixel_values, grid_thw)
         sizes = [len(item) for item in out.pooler_output]
-        # deepstack_features: per deepstack layer, a tuple of per-item tensors; some transformers releases
-        # (5.17 among them) give each layer as one tensor over every item, split here like pooler_output.
-        deepstack = [
-            layer.split(sizes) if isinstance(layer, torch.Tensor) else layer
-            for layer in out.deepstack_features
-        ]
+        # deepstack_features: per deepstack layer, one tensor over every item, split like pooler_output
+        deepstack = [layer.split(sizes) for layer in out.deepstack_features]
         per_item = list(zip(out.pooler_output, *deepstack, strict=True))
         return [torch.cat(items, dim=-1) for items in per_item[: len(grid_thw)]]  # not the blank image
 

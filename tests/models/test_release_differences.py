@@ -1,5 +1,5 @@
-"""What differs between the supported transformers releases, met by behaviour: each family's adapter gives
-the same per-image rows from either form of the vision outputs, and the image-only processors are found by
+"""What differs between the supported transformers releases, met by behaviour: Idefics3's adapter gives the
+same per-image rows from either form of its vision outputs, and the image-only processors are found by
 name however registrations are kept (the parity tests run both ends in CI: make test-oldest)."""
 
 import subprocess
@@ -10,31 +10,9 @@ from types import SimpleNamespace
 import torch
 
 from batchvl.models.idefics3 import Idefics3Adapter
-from batchvl.models.qwen_vl import Qwen3VLAdapter
 
 HIDDEN = 4
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def test_qwen3_vl_deepstack_features_as_one_tensor_per_layer_are_split_per_image():
-    """5.23 gives each deepstack layer as per-image tensors; 5.17 as one tensor over every image."""
-    sizes = [3, 2, 1]  # two images and the blank one padding the call
-    pooled = tuple(torch.randn(rows, HIDDEN) for rows in sizes)
-    layers = [torch.randn(sum(sizes), HIDDEN) for _ in range(2)]
-    adapter = Qwen3VLAdapter.__new__(Qwen3VLAdapter)
-    grid = torch.tensor([[1, 2, 6], [1, 2, 4]])
-
-    def encoded(deepstack):
-        adapter._vision_features = lambda kind, pixels, grid_thw: SimpleNamespace(
-            pooler_output=pooled, deepstack_features=deepstack
-        )
-        return adapter.encode("image", torch.zeros(0), grid)
-
-    per_image = encoded([layer.split(sizes) for layer in layers])
-    as_one_tensor = encoded(layers)
-    assert [row.shape for row in per_image] == [(3, 3 * HIDDEN), (2, 3 * HIDDEN)]
-    for ours, theirs in zip(per_image, as_one_tensor, strict=True):
-        assert torch.equal(ours, theirs)
 
 
 def test_idefics3_features_as_one_tensor_of_frames_give_each_image_its_frames_rows():

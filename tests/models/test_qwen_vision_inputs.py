@@ -1,0 +1,55 @@
+"""A Qwen-VL vision call with its grid-derived inputs made on the host (models/qwen_vision_inputs.py): each
+family's embeddings equal transformers' own `get_image_features` and `get_video_features`, and the tower
+itself reads nothing back from its tensors (on a GPU, each such read makes the host wait for the device)."""
+
+import numpy as np
+import pytest
+import torch
+
+from tests.conftest import random_image
+from tests.engine.fake_graphs import NoHostSync
+from tests.engine.test_family_parity import prepare
+
+QWEN_FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
+IMAGE_SIZES = [(60, 90), (200, 150), (60, 90)]  # two sizes, one twice: equal-length sequences side by side
+
+
+@pytest.fixture(params=QWEN_FAMILIES)
+def loaded(request, family_models, loaded_fp32):
+    return loaded_fp32 if request.param == "qwen2_vl" else family_models(request.param)[1]
+
+
+def call_of(loaded) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pixels and grids of one vision call over IMAGE_SIZES' images."""
+    media = prepare(loaded, [random_image(h, w, seed) for seed, (h, w) in enumerate(IMAGE_SIZES)])
+    pixels = torch.from_numpy(np.concatenate([item.pixel_values for item in media]))
+    return pixels, torch.tensor([item.grid_thw for item in media])
+
+
+@pytest.mark.parametrize("kind", ["image", "video"])
+def test_the_embeddings_equal_transformers_own_features(loaded, kind):
+    pixels, grid = call_of(loaded)
+    ours = loaded.adapter.encode(kind, pixels, grid)
+    model = loaded.adapter.model.model
+    features = model.get_video_features if kind == "video" else model.get_image_features
+    with torch.inference_mode():
+        stock = features(pixels, grid, return_dict=True)
+    hidden = stock.pooler_output[0].shape[-1]
+    assert len(ours) == len(IMAGE_SIZES)
+    for index, rows in enumerate(ours):
+        assert torch.equal(rows[:, :hidden], stock.pooler_output[index])
+        for layer, deepstack in enumerate(getattr(stock, "deepstack_features", None) or []):
+            assert torch.equal(rows[:, hidden * (layer + 1) : hidden * (layer + 2)], deepstack[index])
+
+
+def test_the_tower_reads_nothing_back_from_its_tensors(loaded, monkeypatch):
+    visual = loaded.adapter.model.model.visual
+    forward = visual.forward
+
+    def guarded(*args, **kwargs):
+        with NoHostSync():
+            return forward(*args, **kwargs)
+
+    monkeypatch.setattr(visual, "forward", guarded)
+    pixels, grid = call_of(loaded)
+    assert len(loaded.adapter.encode("image", pixels, grid)) == len(IMAGE_SIZES)
