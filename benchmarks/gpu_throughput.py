@@ -206,7 +206,7 @@ def measure(args, work: Path) -> dict:
             "decode_steps": round(timer.seconds["decode"], 2),
         },
         "split_steps": timer.steps,
-        # overlapped steps are not waited for: their prefill and decode seconds are the host's launches
+        # overlapped steps are not waited for: their vision, prefill and decode seconds are launch times
         "split_s_is_launch_time": engine.overlap,
         "engine_replicas": stats["engine_replicas"],  # the CPU's replicas' seconds are summed
         "split_flops_share": {key: round(value / total_flops, 4) for key, value in flops.items()},

@@ -220,7 +220,7 @@ class Engine:
         self.encoder_cache.drop(plan.freed)
         if not plan.chunks:
             return results + self._read_in_flight()
-        self._encode(plan)
+        self._encode(plan, wait=not overlapped)
         if overlapped:
             return results + self._overlapped(plan.chunks)
         logits = self.runner.execute(plan.chunks, self.block_manager, self.encoder_cache.embeddings)
@@ -268,12 +268,13 @@ class Engine:
         reasons = [(request, self.stopping.finish_reason(request)) for request in requests]
         return [(request, reason) for request, reason in reasons if reason is not None]
 
-    def _encode(self, plan: StepPlan) -> None:
-        """Bring the plan's images that are not in memory from the disk cache or the vision tower."""
+    def _encode(self, plan: StepPlan, wait: bool) -> None:
+        """Bring the plan's images that are not in memory from the disk cache or the vision tower (waiting
+        for its kernels where `wait`)."""
         self._stats.encoder_cache_hits += plan.num_cache_hits
         if plan.to_encode:
             images = [request.media[content_hash] for request, content_hash in plan.to_encode]
-            self.scheduler.encoded(self.encoder_cache.fetch(images))
+            self.scheduler.encoded(self.encoder_cache.fetch(images, wait))
 
     def _postprocess(self, chunks: list[ScheduledChunk], step_logits: StepLogits) -> list[EngineResult]:
         """Count the step, sample the next token of each request whose chunk reached its end, score the

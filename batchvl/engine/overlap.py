@@ -8,7 +8,10 @@ the placeholder and the device swaps the pick in (`with_picks`); only once that 
 does the host read the picks (`InFlightPicks.read`), write them over the placeholders and apply the stop
 rules. A request those picks end has been run one step too far: that step's pick is dropped (it gets no
 placeholder), and its KV blocks and images are freed once that step is launched, which is safe because
-whatever reuses them is a later forward, queued behind it on the same stream.
+whatever reuses them is a later forward, queued behind it on the same stream. Nothing else in the step
+waits for the device either: the images it encodes are not waited for (the forward reads their
+embeddings behind the vision call on the same stream), and a Qwen-VL vision call reads nothing back
+(`models/qwen_vision_inputs.py`).
 
 A request whose next token the host must see before it goes on (a grammar to advance, a seeded draw on
 the CPU, log-probabilities, a scored choice) is not overlapped; while one is unfinished, every step is

@@ -7,8 +7,10 @@ tensor eager). Each kernel rounds where the module it replaces rounds.
 
 Left eager: the residual add that ends a decoder layer (see `residual_norm`), the rotary of Qwen3-VL's
 text attention (transformers' own module, which normalizes queries and keys between the projection and the
-rotation), GELU-tanh (SigLIP's and Qwen3-VL's vision MLPs, LLaVA's projector) and the bias before QuickGELU
-(see `TritonQuickGELU`).
+rotation), the GELUs (GELU-tanh in SigLIP's and Qwen3-VL's vision MLPs, the exact GELU in LLaVA's projector
+and the Qwen-VL mergers: torch runs each as one kernel already, so a Triton one could only take in the bias
+add before it, which would round a bf16 matmul's output twice) and, for that reason, the bias before
+QuickGELU (see `TritonQuickGELU`).
 
 Applied by the loader on CUDA only; the tests apply it to CPU models under Triton's interpreter.
 """

@@ -13,6 +13,7 @@ from transformers import AutoModelForImageTextToText
 
 from batchvl.config import EngineConfig
 from batchvl.engine import model_runner, overlap
+from batchvl.engine.encoder_cache import cache as encoder_cache_module
 from batchvl.engine.engine import Engine
 from batchvl.engine.request import EngineRequest, Request
 from batchvl.engine.sampling.params import SamplingParams
@@ -182,6 +183,29 @@ def test_each_step_is_launched_before_the_previous_picks_are_read(loaded_fp32, c
     assert run.launched == [False] + [True] * (launches - 1)
     for case in cases:
         assert_matches_reference(observed[case.tag], case)
+
+
+def test_a_step_encoding_images_waits_for_neither_the_tower_nor_the_step_in_flight(
+    loaded_fp32, cases, monkeypatch
+):
+    """Requests joining while picks are in flight have their images encoded in an overlapped step: neither
+    the vision call nor the forward waits for the device, and the answers are still generate's."""
+    run = Run(loaded_fp32, replace(LIMITS["budget37-seqs3"], overlap=True))
+    monkeypatch.setattr(model_runner, "synchronize", lambda device: run.order.append("wait"))
+    monkeypatch.setattr(encoder_cache_module, "synchronize", lambda device: run.order.append("wait"))
+    fetch = run.engine.encoder_cache.fetch
+    monkeypatch.setattr(
+        run.engine.encoder_cache,
+        "fetch",
+        lambda images, wait: run.order.append("encode") or fetch(images, wait),
+    )
+    observed = run(greedy_arrivals(cases, [0, 0, 1, 2, 3, 4]))
+    encodes_in_flight = [
+        i for i, event in enumerate(run.order) if event == "encode" and "launch" in run.order[:i]
+    ]
+    assert len(encodes_in_flight) >= 2 and "wait" not in run.order
+    for case, budget in zip(cases, BUDGETS, strict=True):
+        assert_matches_reference(observed[case.tag], cut(case, budget, set(loaded_fp32.eos_token_ids())))
 
 
 def test_stop_strings_end_overlapped_requests_where_generate_stops(loaded_fp32, reference, cases):

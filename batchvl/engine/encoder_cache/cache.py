@@ -43,15 +43,18 @@ class EncoderCache:
         self.patches_encoded = 0
         self.encode_s = 0.0  # in the vision tower, its kernels done
 
-    def fetch(self, images: list[PreparedMedia]) -> dict[str, int]:
+    def fetch(self, images: list[PreparedMedia], wait: bool = True) -> dict[str, int]:
         """Put the embeddings of `images` (memory misses) in memory, from disk where it holds them, else
-        encoded; returns the bytes of each, by content hash, for the bookkeeping."""
+        encoded; returns the bytes of each, by content hash, for the bookkeeping. An overlapped step does
+        not `wait` for the vision tower's kernels (its `encode_s` is then their launch): the step's forward
+        reads the embeddings after them on the same stream."""
         sizes = self._load_from_disk(images)
         missing = [image for image in images if image.content_hash not in sizes]
         if missing:
             started = time.perf_counter()
             embeddings = self._encode(missing)
-            synchronize(self._device)  # the vision tower's kernels done, not just launched
+            if wait:
+                synchronize(self._device)  # the vision tower's kernels done, not just launched
             self.encode_s += time.perf_counter() - started
             self.images_encoded += len(missing)
             self.patches_encoded += sum(image.num_patches for image in missing)
