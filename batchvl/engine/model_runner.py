@@ -105,6 +105,8 @@ class ModelRunner:
             self.decode_graphs = DecodeGraphs(
                 adapter, self.kv_cache, block_size, decode_graph_rows, num_blocks, capture
             )
+            axes = adapter.prompt_positions([0], [])[0].shape[0]  # the family's position axes
+            self.decode_graphs.capture_ahead(axes)
         self.forward_s = 0.0  # summed time of the language model's forwards
 
     def prompt_positions(self, prompt_token_ids: list[int], images: list[PreparedMedia]) -> RequestPositions:

@@ -104,12 +104,16 @@ def test_decode_steps_replayed_as_graphs_give_the_eager_tokens(
     loaded_fp32, eager_outputs, capture, monkeypatch
 ):
     steps = spy_on_steps(monkeypatch)
-    graphs = []
-    outputs = run_job(
-        loaded_fp32, GRAPHED, workload(loaded_fp32), lambda engine: graphs.append(engine.runner.decode_graphs)
-    )
+    graphs, ahead = [], []
+
+    def started(engine):
+        graphs.append(engine.runner.decode_graphs)
+        ahead.extend(engine.runner.decode_graphs.captured)
+
+    outputs = run_job(loaded_fp32, GRAPHED, workload(loaded_fp32), started)
     assert outputs == eager_outputs
-    assert sorted({rows for rows, _, _ in graphs[0].captured}) == [16, 32, 48]
+    # every bucket captured as the engine started, the largest first, and none since
+    assert [rows for rows, _, _ in ahead] == [48, 32, 16] and graphs[0].captured == ahead
     graphed_rows = {rows for rows, graphed, _ in steps if graphed}
     assert graphed_rows - {16, 32, 48}  # steps whose rows fall short of their bucket
     assert sum(graphed for _, graphed, _ in steps) > 15  # most steps replay a graph captured before
@@ -134,15 +138,17 @@ def test_a_graphs_decode_splits_are_the_eager_steps_and_part_of_its_key(
     pages buffer has room for the longest sequences, so the graph takes the step's own pages (each row's sums
     then run in the eager step's order), and a bucket is captured once per split count. (The CPU's kernels
     have no splits: here the graph is told they matter, and its kernels drop them.)"""
-    graphs = []
+    graphs, ahead = [], []
 
-    def splits_matter(engine):
+    def splits_matter(engine):  # from the first step on: the graphs captured ahead have no splits
         engine.runner.decode_graphs.splits_matter = True
         graphs.append(engine.runner.decode_graphs)
+        ahead.extend(engine.runner.decode_graphs.captured)
 
     outputs = run_job(loaded_fp32, GRAPHED, workload(loaded_fp32), splits_matter)
     assert outputs == eager_outputs
-    assert {splits for _, _, splits in graphs[0].captured} == {1}  # short sequences: one program each
+    # captured as steps needed them: short sequences, one program each
+    assert {splits for _, _, splits in graphs[0].captured[len(ahead) :]} == {1}
     block_size = GRAPHED.block_size
     # 8 sequences of 1,500 keys: 4 splits of 375 keys (8 of 187 would be under 256 keys each)
     assert graphs[0]._splits(8, 8 * 1500 // block_size) == 4
@@ -234,15 +240,22 @@ def test_padding_rows_write_only_a_scratch_slot_beyond_the_block_managers(loaded
             written.append(slots.clone())
         return write(self, layer, slots, key, value)
 
-    engines = []
+    engines, ahead = [], []
+
+    def started(engine):  # the capture as the engine started: padding rows only
+        engines.append(engine)
+        ahead.extend(slots.tolist() for slots in written)
+        written.clear()
+
     config = EngineConfig(max_num_seqs=8, block_size=4, cuda_graphs=True)
     sampling = SamplingParams(max_new_tokens=3, ignore_eos=True)
     requests = [EngineRequest(list(range(100, 105 + i)), [], sampling, tag=i) for i in range(3)]
     monkeypatch.setattr(KVCache, "write", recording_write)
-    run_job(loaded_fp32, config, requests, engines.append)
+    run_job(loaded_fp32, config, requests, started)
     engine = engines[0]
     scratch = engine.block_manager.capacity_tokens  # the first slot of the one block no request is given
     assert engine.runner.kv_cache.layers[0].shape[2] == scratch + config.block_size
+    assert ahead == [[scratch] * 16]
     graphed = [slots.tolist() for slots in written if len(slots) == 16]  # the decode steps' (bucket 16)
     assert len(graphed) >= 2
     for slots in graphed:

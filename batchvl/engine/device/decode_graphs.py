@@ -20,14 +20,19 @@ as its own padding, and it must stay finite; not zero keys: the kernels would di
 The buckets are the eager path's row buckets (`row_buckets.bucket_rows`: 16, 32, ... 128, then eight per
 doubling): a graph runs the step at the shapes the eager path runs it at, so its matmuls are the same
 kernels, and at 16 rows or fewer a decode step reads the weights once whatever its rows, so the padding
-costs next to nothing. A bucket is captured on its first step, with that step's inputs: the warm-up runs
-compute the step itself (writing the same K/V to the same slots again changes nothing), and a job captures
-only the buckets its batches reach, instead of every one at start-up.
+costs next to nothing. Every bucket's graph is captured when the engine starts (`capture_ahead`), the
+largest first, over rows that are all padding, as vLLM captures its own: the graphs share one memory pool,
+which the largest sizes once for all of them, and a job's first steps at each size do not stop for a
+capture (some 50-100 ms each at a 2B model's depth, a few seconds over a job's buckets). A graph for a
+decode split count other than the usual one (long contexts over few rows, on CUDA) is captured on the
+first step that needs it, with that step's inputs: the warm-up runs compute the step itself (writing the
+same K/V to the same slots again changes nothing).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Protocol
 
@@ -40,7 +45,7 @@ from batchvl.engine.request import ScheduledChunk
 from batchvl.engine.scheduling.block_manager import BlockManager, blocks_needed
 from batchvl.layers import triton_attention
 from batchvl.layers.attention import InPlaceDecodes, KVCache, PagedAttentionMetadata, uploaded
-from batchvl.layers.row_buckets import bucket_rows
+from batchvl.layers.row_buckets import bucket_rows, buckets_up_to
 from batchvl.layers.triton_grouped_decode import split_count
 from batchvl.utils.int_tensors import int64_tensor
 
@@ -107,6 +112,17 @@ class DecodeGraphs:
         """The (rows, position axes, decode splits) of the graphs captured so far."""
         return list(self._replays)
 
+    @torch.inference_mode()  # as the steps run: their graphs are captured inside `ModelRunner.execute`
+    def capture_ahead(self, axes: int) -> None:
+        """Capture each bucket's graph for steps of `axes` position axes and one decode split (or none),
+        the largest bucket first, over padding rows (see the module docstring)."""
+        started = time.perf_counter()
+        for rows in reversed(buckets_up_to(self.largest)):
+            self._load([], None, rows, axes)
+            if self._replay(rows, axes, 1 if self.splits_matter else None) is None:
+                return
+        logger.info("decode graphs: %d captured in %.1f s", len(self._replays), time.perf_counter() - started)
+
     def takes(self, chunks: list[ScheduledChunk]) -> bool:
         """Whether the step runs as a graph: decodes only, no more rows than the largest bucket, and no
         capture has failed."""
@@ -136,6 +152,15 @@ class DecodeGraphs:
         if picks_in_flight is not None:
             token_ids = self.buffers["token_ids"][:rows]
             token_ids.copy_(with_picks(token_ids, picks_in_flight))
+        replay = self._replay(rows, axes, splits)
+        if replay is None:
+            return None
+        replay()
+        return self.logits[: len(chunks)]  # read before the next step's replay rewrites them
+
+    def _replay(self, rows: int, axes: int, splits: int | None) -> Callable[[], None] | None:
+        """The graph of (rows, axes, splits), captured over the buffers' present contents if it is new;
+        None where the capture failed (said once, and no graph runs from then on)."""
         replay = self._replays.get((rows, axes, splits))
         if replay is None:
             try:
@@ -145,8 +170,7 @@ class DecodeGraphs:
                 self._failed = True
                 return None
             self._replays[rows, axes, splits] = replay
-        replay()
-        return self.logits[: len(chunks)]  # read before the next step's replay rewrites them
+        return replay
 
     def _splits(self, sequences: int, pages: int) -> int | None:
         """The grouped decode kernel's splits for the step: those it would choose for the eager step (from
@@ -157,8 +181,11 @@ class DecodeGraphs:
         kv_heads = self.kv_cache.layers[0].shape[1]
         return split_count(sequences, kv_heads, pages * self.block_size / sequences)
 
-    def _load(self, chunks: list[ScheduledChunk], block_manager: BlockManager, rows: int, axes: int) -> int:
-        """Fill the static buffers with the step's inputs, the padding rows' after them; the step's pages."""
+    def _load(
+        self, chunks: list[ScheduledChunk], block_manager: BlockManager | None, rows: int, axes: int
+    ) -> int:
+        """Fill the static buffers with the step's inputs, the padding rows' after them (all of the rows
+        without chunks); the step's pages."""
         padding = rows - len(chunks)
         token_ids, positions, slots, starts, lengths, pages = [], [], [], [], [], []
         first_page = 0
@@ -176,7 +203,7 @@ class DecodeGraphs:
             int64_tensor(token_ids + [0] * padding),
             int64_tensor(positions + [0] * padding).expand(axes, -1),
             int64_tensor(slots + [self.scratch_slot] * padding),
-            torch.from_numpy(np.concatenate(pages)),
+            torch.from_numpy(np.concatenate(pages)) if pages else int64_tensor([]),
             int64_tensor(starts + [self.padding_start] * padding),
             int64_tensor(lengths + [1] * padding),
         ]
