@@ -1,16 +1,15 @@
 """`engine.fused_kernels`: on CUDA, a model's elementwise passes as one Triton kernel each
 (`triton_elementwise`), where eager PyTorch runs several kernels, each reading and writing the whole
-activation again: RMSNorm (seven or eight kernels eager), with the residual add before a decoder layer's
-second norm (`residual_norm`), the MLP's SiLU(gate) * up, the vision towers' LayerNorm and QuickGELU, and
-the rotary embedding of queries and keys in batchvl's own attention modules (five to seven kernels per
-tensor eager). Each kernel rounds where the module it replaces rounds.
+activation again: RMSNorm (seven or eight kernels eager; Qwen3-VL's per-head q/k norms too), with the
+residual add before a decoder layer's second norm (`residual_norm`), the MLP's SiLU(gate) * up, the vision
+towers' LayerNorm and QuickGELU, and the rotary embedding of queries and keys in batchvl's own attention
+modules, every family's text attention and the Qwen-VL vision towers' (five to seven kernels per tensor
+eager). Each kernel rounds where the module it replaces rounds.
 
-Left eager: the residual add that ends a decoder layer (see `residual_norm`), the rotary of Qwen3-VL's
-text attention (transformers' own module, which normalizes queries and keys between the projection and the
-rotation), the GELUs (GELU-tanh in SigLIP's and Qwen3-VL's vision MLPs, the exact GELU in LLaVA's projector
-and the Qwen-VL mergers: torch runs each as one kernel already, so a Triton one could only take in the bias
-add before it, which would round a bf16 matmul's output twice) and, for that reason, the bias before
-QuickGELU (see `TritonQuickGELU`).
+Left eager: the residual add that ends a decoder layer (see `residual_norm`), the GELUs (GELU-tanh in
+SigLIP's and Qwen3-VL's vision MLPs, the exact GELU in LLaVA's projector and the Qwen-VL mergers: torch runs
+each as one kernel already, so a Triton one could only take in the bias add before it, which would round a
+bf16 matmul's output twice) and, for that reason, the bias before QuickGELU (see `TritonQuickGELU`).
 
 Applied by the loader on CUDA only; the tests apply it to CPU models under Triton's interpreter.
 """

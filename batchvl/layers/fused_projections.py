@@ -8,8 +8,10 @@ differently (measured: at most one bf16 rounding step apart, at some row counts)
 matter most where the engine spends its steps, decoding a few dozen rows at a time.
 
 The attention module also rotates queries and keys in one call (`rotary.apply_rotary`, transformers'
-bits) and calls the engine's paged attention directly. Both modules are drop-ins for the stock ones,
-built before the weights are packed (`packed_linear` then packs the fused layers).
+bits) and calls the engine's paged attention directly; Qwen3-VL's normalizes each query and key head
+before the rotation, as its stock module does. Both modules are drop-ins for the stock ones, built before
+the weights are packed (`packed_linear` then packs the fused layers) and before the RMSNorms are swapped
+(so q/k norms, kept as modules, take the native or Triton RMSNorm as every other norm does).
 """
 
 from __future__ import annotations
@@ -22,9 +24,10 @@ from batchvl.layers.native_kernels import native_ops, runs_natively
 from batchvl.layers.rotary import apply_rotary_rows
 
 # Attention modules computing o_proj(attention(rope(q_proj(x)), rope(k_proj(x)), v_proj(x))) with the
-# cos/sin the decoder passes as `position_embeddings`, and MLPs computing down_proj(act_fn(gate_proj(x)) *
-# up_proj(x)), in transformers 5.23 (Qwen3-VL's text attention also normalizes q and k: not listed).
-FUSABLE_ATTENTION = ("Qwen2VLAttention", "Qwen2_5_VLAttention", "LlamaAttention")
+# cos/sin the decoder passes as `position_embeddings` (Qwen3-VL's with q_norm and k_norm, per head, between
+# projection and rotation), and MLPs computing down_proj(act_fn(gate_proj(x)) * up_proj(x)), in
+# transformers 5.23.
+FUSABLE_ATTENTION = ("Qwen2VLAttention", "Qwen2_5_VLAttention", "Qwen3VLTextAttention", "LlamaAttention")
 FUSABLE_MLPS = ("Qwen2MLP", "Qwen2_5_VLMLP", "Qwen3VLTextMLP", "LlamaMLP")
 
 
@@ -81,7 +84,8 @@ def is_silu(activation: torch.nn.Module) -> bool:
 
 
 class FusedQKVAttention(torch.nn.Module):
-    """A decoder layer's self-attention over the engine's paged KV cache, with q/k/v from one fused layer.
+    """A decoder layer's self-attention over the engine's paged KV cache, with q/k/v from one fused layer
+    and, where the stock module has them (Qwen3-VL), its per-head q_norm and k_norm before the rotation.
     Takes the packed step as batch 1, (1, T, hidden), as the engine runs the decoder."""
 
     def __init__(self, stock: torch.nn.Module):
@@ -94,6 +98,9 @@ class FusedQKVAttention(torch.nn.Module):
         self.scaling = stock.scaling
         self.qkv_proj = fused_linear(stock.q_proj, stock.k_proj, stock.v_proj)
         self.o_proj = stock.o_proj
+        # RMSNorms over each head's D values, or None (the other families)
+        self.q_norm = getattr(stock, "q_norm", None)
+        self.k_norm = getattr(stock, "k_norm", None)
         # queries and keys (T, heads + kv heads, D) and cos/sin (T, D) -> rotated; a GPU's in-place Triton
         # kernel where `fused_kernels` sets it
         self.rotate = apply_rotary_rows
@@ -109,7 +116,7 @@ class FusedQKVAttention(torch.nn.Module):
         heads, kv_heads = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(hidden_states).view(rows, heads + 2 * kv_heads, self.head_dim)
         cos, sin = (t[0] for t in position_embeddings)  # (1, T, D) -> (T, D)
-        rotated = self.rotate(qkv[:, : heads + kv_heads], cos, sin)
+        rotated = self.rotate(self.normalized_queries_and_keys(qkv), cos, sin)
         # (T, heads, D) -> (1, heads, T, D): the layout the attention function takes
         query = rotated[:, :heads].transpose(0, 1)[None]
         key = rotated[:, heads:].transpose(0, 1)[None]
@@ -118,6 +125,17 @@ class FusedQKVAttention(torch.nn.Module):
             self, query, key, value, None, scaling=self.scaling, batchvl_attention=batchvl_attention
         )
         return self.o_proj(out.reshape(1, rows, -1)), None
+
+    def normalized_queries_and_keys(self, qkv: torch.Tensor) -> torch.Tensor:
+        """The queries and keys of qkv (T, heads + 2 kv heads, D), side by side for one rotation: a view
+        of qkv, or where the module has q/k norms, their outputs in one new tensor (which the rotation may
+        overwrite, as it may the view)."""
+        heads, kv_heads = self.num_heads, self.num_kv_heads
+        if self.q_norm is None:
+            return qkv[:, : heads + kv_heads]
+        query = self.q_norm(qkv[:, :heads])
+        key = self.k_norm(qkv[:, heads : heads + kv_heads])
+        return torch.cat([query, key], dim=1)
 
 
 def fuse_projections(model: torch.nn.Module) -> int:

@@ -13,7 +13,7 @@ import os
 
 import pytest
 import torch
-from transformers import AutoModelForImageTextToText
+from transformers import AttentionInterface, AutoModelForImageTextToText
 from transformers.activations import ACT2FN, QuickGELUActivation
 from transformers.models.llama.modeling_llama import LlamaConfig, LlamaMLP
 from transformers.models.qwen2.modeling_qwen2 import (
@@ -29,9 +29,15 @@ from batchvl.demo.tiny_model import build_tiny_model
 from batchvl.engine.engine import Engine
 from batchvl.engine.request import EngineRequest
 from batchvl.engine.sampling.params import SamplingParams
-from batchvl.layers import fused_activation, packed_linear, triton_attention, triton_elementwise
+from batchvl.layers import (
+    fused_activation,
+    fused_projections,
+    packed_linear,
+    triton_attention,
+    triton_elementwise,
+)
 from batchvl.layers.fused_kernels import rotate_text_rows, rotate_vision_rows, use_fused_kernels
-from batchvl.layers.fused_projections import GatedMLP
+from batchvl.layers.fused_projections import FusedQKVAttention, GatedMLP
 from batchvl.layers.native_kernels import DISABLE_VARIABLE, native_ops
 from batchvl.layers.residual_norm import add_and_norm_forward, fuse_residual_norms
 from batchvl.layers.rms_norm import STOCK_RMS_NORMS
@@ -41,6 +47,12 @@ from batchvl.preprocess.prompts import PromptRenderer
 from tests.conftest import SHARPNESS, random_image
 from tests.engine.reference import EngineProbe, assert_matches_reference, make_case, run_cases
 from tests.engine.test_family_parity import prepare
+from tests.layers.test_qwen3_text_attention import (
+    CAUSAL_ATTENTION_NAME,
+    causal_attention,
+    step_inputs,
+    stock_attention,
+)
 from tests.layers.triton_elementwise_checks import assert_close, random
 
 if os.environ.get("TRITON_INTERPRET") != "1":
@@ -66,7 +78,7 @@ KERNELS = (
 SWAPPED = {
     "qwen2_vl": (5, 5, 2, 2, 2, 2, 2),  # 2 text layers, 2 vision blocks, the merger's LayerNorm
     "qwen2_5_vl": (10, 0, 0, 4, 2, 2, 2),  # its vision blocks' norms are RMSNorms, its vision MLPs SiLU-gated
-    "qwen3_vl": (9, 7, 0, 2, 0, 2, 2),  # q/k norms in its text attention, which keeps transformers' rotary
+    "qwen3_vl": (9, 7, 0, 2, 2, 2, 2),  # and the per-head q/k norms of its 2 text layers
     "llava": (5, 8, 3, 2, 2, 0, 2),  # CLIP with one layer more than it uses
     "idefics3": (5, 5, 0, 2, 2, 0, 2),  # SigLIP's MLP is GELU-tanh
 }
@@ -179,6 +191,33 @@ def test_only_layers_with_the_kernels_norm_add_their_residual_in_it():
     layer = Qwen2DecoderLayer(config, layer_idx=0)
     assert fuse_residual_norms(layer) == 0  # transformers' own norm has no fused add
     assert "forward" not in vars(layer)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_qwen3_vls_text_attention_with_the_kernels_equals_transformers(dtype, monkeypatch):
+    """The q/k RMSNorms (strided views of the fused q/k/v output) and the one rotation, by the kernels:
+    the queries, keys and values the attention gets are transformers'."""
+    stock = stock_attention(dtype)
+    seen = {}
+
+    def recorded(module, query, key, value, *args, **kwargs):
+        seen[type(module).__name__] = (query, key, value)
+        return causal_attention(module, query, key, value, *args, **kwargs)
+
+    AttentionInterface.register(CAUSAL_ATTENTION_NAME, recorded)
+    monkeypatch.setattr(fused_projections, "paged_attention", recorded)
+    fused = torch.nn.Sequential(FusedQKVAttention(stock))  # a parent, for the swaps
+    counts = use_fused_kernels(fused)
+    assert (counts["rms_norm"], counts["text_rotary"]) == (2, 1)
+    hidden, position_embeddings = step_inputs(dtype)
+    with torch.inference_mode():
+        stock(hidden, position_embeddings, attention_mask=None)
+        fused[0](hidden, position_embeddings)
+    expected, actual = seen["Qwen3VLTextAttention"], seen["FusedQKVAttention"]
+    for got, want in zip(actual[:2], expected[:2], strict=True):
+        # float32 against each head's largest value: a rotated value can cancel to near zero
+        assert_close(got, want, scale=want.abs().amax(-1, keepdim=True))
+    assert torch.equal(actual[2], expected[2])
 
 
 # --- whole models ----------------------------------------------------------------------------------------

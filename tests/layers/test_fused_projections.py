@@ -4,8 +4,11 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaConfig, LlamaMLP
 from transformers.models.qwen2_vl.modeling_qwen2_vl import apply_rotary_pos_emb
+from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRMSNorm
 
 from batchvl.layers.fused_projections import FusedQKVAttention, GatedMLP, fused_linear
+from batchvl.layers.native_kernels import native_ops
+from batchvl.layers.rms_norm import NativeRMSNorm
 from batchvl.layers.rotary import apply_rotary
 
 
@@ -42,3 +45,15 @@ def test_the_loader_fuses_the_decoders_projections(loaded_fp32):
     for layer in loaded_fp32.adapter.language_model.layers:
         assert type(layer.self_attn) is FusedQKVAttention
         assert type(layer.mlp) is GatedMLP
+
+
+def test_the_loader_fuses_qwen3_vls_text_attention_around_its_native_q_k_norms(family_models):
+    _, loaded = family_models("qwen3_vl")
+    model = loaded.adapter.model
+    assert not [m for m in model.modules() if type(m).__name__ == "Qwen3VLTextAttention"]
+    layers = loaded.adapter.language_model.layers
+    norm_kind = NativeRMSNorm if native_ops() is not None else Qwen3VLTextRMSNorm
+    for layer in layers:
+        assert type(layer.self_attn) is FusedQKVAttention
+        # swapped after the fusion, inside the fused module: the same RMSNorm as every other norm
+        assert type(layer.self_attn.q_norm) is norm_kind and type(layer.self_attn.k_norm) is norm_kind
