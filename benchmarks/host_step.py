@@ -1,8 +1,8 @@
 """Host work per engine step: what a step costs outside the model's forward (scheduling, block tables and
 slot mappings, attention metadata, sampling, bookkeeping), at many long decodes.
 
-256 text requests of 600 prompt tokens on the `tiny` model in fp32 (`--size 2b` or `7b`: Qwen2-VL-2B or -7B
-at full depth, made on the device in bf16), with a job's default engine settings
+256 text requests of 600 prompt tokens on the `tiny` model in fp32 (Qwen2-VL's, or `--family`'s; `--size 2b`
+or `7b`: Qwen2-VL-2B or -7B at full depth, made on the device in bf16), with a job's default engine settings
 (prefix caching on), are prefilled, then timed over decode steps: per step, the wall time of `Engine.step`,
 the model's forward (`forward_s`, logits included) and their difference, the host work. On a GPU the
 forward runs while the host prepares nothing else, so the host work is what keeps the device waiting; on a
@@ -11,8 +11,8 @@ CPU it is time the cores do not compute.
 `--profile` adds the ops and calls that took the most host time over the timed steps (torch's profiler;
 the steps it watches are slower, so their times are not the table's).
 
-    python benchmarks/host_step.py [--size tiny] [--requests 256] [--prompt 600] [--steps 30] [--device cpu]
-                                   [--profile] [--json PATH]
+    python benchmarks/host_step.py [--size tiny] [--family qwen2_vl] [--requests 256] [--prompt 600]
+                                   [--steps 30] [--device cpu] [--profile] [--json PATH]
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from workloads import sized_model
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=("tiny", "2b", "7b"), default="tiny")
+    parser.add_argument("--family", default="qwen2_vl", help="the tiny model's family (batchvl's names)")
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--prompt", type=int, default=600)
     parser.add_argument("--steps", type=int, default=30)
@@ -44,7 +45,7 @@ def main() -> None:
     from batchvl.engine.request import EngineRequest
     from batchvl.engine.sampling.params import SamplingParams
 
-    loaded = sized_model(args.size, args.device)
+    loaded = sized_model(args.size, args.device, args.family)
     # Enough new tokens that no request finishes before the timed steps end (the first prefilled decode
     # while the others prefill, about one step per 4,096 prompt tokens).
     max_new_tokens = args.requests * args.prompt // 4096 + args.steps + 16 + 10 * args.profile
@@ -75,6 +76,7 @@ def main() -> None:
     host = [wall - forward for wall, forward in zip(walls, forwards, strict=True)]
     result = {
         "size": args.size,
+        "family": args.family,
         "requests": args.requests,
         "context_tokens": args.prompt,
         "steps": args.steps,
