@@ -51,14 +51,13 @@ class VLMAdapter:
         """See `ModelAdapter.prompt_positions`. Default: 1-D, no offset."""
         return torch.arange(len(prompt_token_ids))[None], 0
 
-    def embed(self, token_ids: torch.Tensor, media_mask: torch.Tensor, media_rows: torch.Tensor | None):
+    def embed(
+        self, token_ids: torch.Tensor, media_positions: torch.Tensor | None, media_rows: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The step's input embeddings, the media rows written at their positions."""
         embeds = self._embed(token_ids.to(self.device))
         if media_rows is not None:
-            # by row numbers found on the host and uploaded without a wait: a boolean mask on the device
-            # would make the host wait for the GPU (the count of its rows sizes the result), which an
-            # overlapped step must not
-            (rows,) = uploaded([media_mask.nonzero().flatten()], self.device)
-            embeds.index_copy_(0, rows, media_rows[:, : self.hidden_size].to(embeds.dtype))
+            embeds.index_copy_(0, media_positions, media_rows[:, : self.hidden_size].to(embeds.dtype))
         return embeds
 
     def forward(
@@ -71,19 +70,26 @@ class VLMAdapter:
     ) -> torch.Tensor:
         """See `ModelAdapter.forward`: the decoder stack on `model.model`, media rows written over the
         placeholder embeddings, and what `media_kwargs` adds."""
+        media_positions = None
+        if media_rows is not None:
+            # the packed rows the media rows fill, found on the host and uploaded without a wait: a boolean
+            # mask on the device would make the host wait for the GPU (the count of its rows sizes the
+            # result), which an overlapped step must not
+            (media_positions,) = uploaded([media_mask.nonzero().flatten()], self.device)
         out = self.language_model(
-            inputs_embeds=self.embed(token_ids, media_mask, media_rows)[None],
+            inputs_embeds=self.embed(token_ids, media_positions, media_rows)[None],
             position_ids=self.position_ids(positions.to(self.device)),
             # no cache argument at all: its name differs between releases (transformers 5.24 deprecates
             # past_key_values for cache) and its default, none, is what the engine's own KV cache needs
             use_cache=False,
-            **self.media_kwargs(media_mask, media_rows),
+            **self.media_kwargs(media_positions, media_rows),
             **attn_kwargs,
         )
         return out.last_hidden_state[0]
 
-    def media_kwargs(self, media_mask: torch.Tensor, media_rows: torch.Tensor | None) -> dict:
-        """Extra decoder arguments carrying media beyond the input embeddings (none by default)."""
+    def media_kwargs(self, media_positions: torch.Tensor | None, media_rows: torch.Tensor | None) -> dict:
+        """Extra decoder arguments carrying media beyond the input embeddings (none by default), given the
+        packed positions of the media rows on the device."""
         return {}
 
     def position_ids(self, positions: torch.Tensor) -> torch.Tensor:

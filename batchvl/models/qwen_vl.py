@@ -97,8 +97,27 @@ class Qwen2_5_VLAdapter(Qwen2VLAdapter):
         return {**super()._rope_media(media), "second_per_grid_ts": torch.tensor(videos) if videos else None}
 
 
+def add_deepstack_features(
+    hidden_states: torch.Tensor, media_positions: torch.Tensor, features: torch.Tensor
+) -> torch.Tensor:
+    """transformers' `Qwen3VLTextModel._deepstack_process` with the media rows' packed positions where it
+    takes a boolean mask of them: the same sum at the same rows (a mask's rows are its positions in
+    order), without the mask's `nonzero`, which makes the host wait for the GPU in every deepstack layer of
+    a step with media."""
+    hidden_states = hidden_states.clone()
+    features = features.to(hidden_states.device, hidden_states.dtype)
+    hidden_states[0, media_positions] = hidden_states[0, media_positions] + features
+    return hidden_states
+
+
 class Qwen3VLAdapter(Qwen2VLAdapter):
-    """Embedding rows hold the merged features and each deepstack layer's features side by side."""
+    """Embedding rows hold the merged features and each deepstack layer's features side by side. The text
+    model adds the deepstack features by the media rows' positions (`add_deepstack_features`, its own
+    `_deepstack_process` on this instance, to which `visual_pos_masks` carries the positions)."""
+
+    def __init__(self, model, dtype: torch.dtype, device: torch.device):
+        super().__init__(model, dtype, device)
+        self.language_model._deepstack_process = add_deepstack_features
 
     @torch.inference_mode()
     def encode(self, kind: str, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]:
@@ -109,11 +128,11 @@ class Qwen3VLAdapter(Qwen2VLAdapter):
         per_item = list(zip(out.pooler_output, *deepstack, strict=True))
         return [torch.cat(items, dim=-1) for items in per_item[: len(grid_thw)]]  # not the blank image
 
-    def media_kwargs(self, media_mask: torch.Tensor, media_rows: torch.Tensor | None) -> dict:
+    def media_kwargs(self, media_positions: torch.Tensor | None, media_rows: torch.Tensor | None) -> dict:
         if media_rows is None:
             return {}
         deepstack = media_rows[:, self.hidden_size :].to(self.device, self.dtype)
         return {
-            "visual_pos_masks": media_mask[None].to(self.device),
+            "visual_pos_masks": media_positions,  # positions, as `add_deepstack_features` takes them
             "deepstack_visual_embeds": list(deepstack.split(self.hidden_size, dim=-1)),
         }
