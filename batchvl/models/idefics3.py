@@ -22,11 +22,12 @@ class Idefics3Adapter(VLMAdapter):
 
     @torch.inference_mode()
     def encode(self, kind: str, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]:
-        frames = pixel_values.to(self.device, self.dtype)[None]  # (batch 1, all frames, 3, T, T)
-        out = self.model.model.get_image_features(frames, return_dict=True)
-        pooled = out.pooler_output
-        # One (frames * image_seq_len, hidden) tensor per batch entry; some transformers releases (5.17 among
-        # them) give one (frames, image_seq_len, hidden) tensor instead.
-        features = pooled.flatten(0, 1) if isinstance(pooled, torch.Tensor) else pooled[0]
-        rows_per_frame = features.shape[0] // pixel_values.shape[0]
-        return list(features.split((grid_thw[:, 0] * rows_per_frame).tolist()))
+        """transformers' `get_image_features` without its search for all-zero padding frames, a boolean
+        index and a read of their count (each a wait for the device on a GPU): batchvl's frames are each
+        an image's own, never padding. The frames of the call go through the tower as one batch."""
+        model = self.model.model
+        frames = pixel_values.to(self.device, self.dtype)  # (all frames, 3, T, T)
+        hidden = model.vision_model(pixel_values=frames, return_dict=True).last_hidden_state
+        features = model.connector(hidden)  # (frames, image_seq_len, hidden)
+        rows_per_frame = features.shape[1]
+        return list(features.flatten(0, 1).split((grid_thw[:, 0] * rows_per_frame).tolist()))

@@ -1,0 +1,51 @@
+"""Idefics3's vision call (models/idefics3.py): each image's rows equal transformers' own
+`get_image_features` over the same frames, and the tower and connector read nothing back from their tensors
+(on a GPU, each such read makes the host wait for the device)."""
+
+import numpy as np
+import torch
+
+from tests.conftest import random_image
+from tests.engine.fake_graphs import NoHostSync
+from tests.engine.test_family_parity import prepare
+
+IMAGE_SIZES = [(60, 90), (400, 100)]  # 13 frames and 5
+
+
+def call_of(loaded) -> tuple[torch.Tensor, torch.Tensor]:
+    media = prepare(loaded, [random_image(h, w, seed) for seed, (h, w) in enumerate(IMAGE_SIZES)])
+    pixels = torch.from_numpy(np.concatenate([item.pixel_values for item in media]))
+    return pixels, torch.tensor([item.grid_thw for item in media])
+
+
+def test_each_images_rows_equal_transformers_features(family_models):
+    _, loaded = family_models("idefics3")
+    pixels, grid = call_of(loaded)
+    ours = loaded.adapter.encode("image", pixels, grid)
+    with torch.inference_mode():
+        stock = loaded.adapter.model.model.get_image_features(pixels[None], return_dict=True).pooler_output
+    stock = stock[0] if isinstance(stock, list) else stock.flatten(0, 1)  # 5.24's form, 5.17's
+    frames = grid[:, 0].tolist()
+    assert len(ours) == len(IMAGE_SIZES) and frames[0] != frames[1]
+    assert torch.equal(torch.cat(ours), stock)
+    assert [len(rows) for rows in ours] == [count * len(stock) // sum(frames) for count in frames]
+
+
+def test_the_tower_and_connector_read_nothing_back(family_models, monkeypatch):
+    _, loaded = family_models("idefics3")
+    model = loaded.adapter.model.model
+    # get_image_features among them: it finds padding frames by a boolean index (a wait on a GPU)
+    for owner, name in (
+        (model.vision_model, "forward"),
+        (model.connector, "forward"),
+        (model, "get_image_features"),
+    ):
+        method = getattr(owner, name)
+
+        def guarded(*args, _method=method, **kwargs):
+            with NoHostSync():
+                return _method(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, guarded)
+    pixels, grid = call_of(loaded)
+    assert len(loaded.adapter.encode("image", pixels, grid)) == len(IMAGE_SIZES)
