@@ -23,7 +23,8 @@ def test_each_images_rows_equal_transformers_features(family_models):
     pixels, grid = call_of(loaded)
     ours = loaded.adapter.encode("image", pixels, grid)
     with torch.inference_mode():
-        stock = loaded.adapter.model.model.get_image_features(pixels[None], return_dict=True).pooler_output
+        frames = pixels[None].to(loaded.adapter.device)
+        stock = loaded.adapter.model.model.get_image_features(frames, return_dict=True).pooler_output
     stock = stock[0] if isinstance(stock, list) else stock.flatten(0, 1)  # 5.24's form, 5.17's
     frames = grid[:, 0].tolist()
     assert len(ours) == len(IMAGE_SIZES) and frames[0] != frames[1]

@@ -32,8 +32,9 @@ def test_the_embeddings_equal_transformers_own_features(loaded, kind):
     ours = loaded.adapter.encode(kind, pixels, grid)
     model = loaded.adapter.model.model
     features = model.get_video_features if kind == "video" else model.get_image_features
+    device = loaded.adapter.device
     with torch.inference_mode():
-        stock = features(pixels, grid, return_dict=True)
+        stock = features(pixels.to(device), grid.to(device), return_dict=True)
     hidden = stock.pooler_output[0].shape[-1]
     assert len(ours) == len(IMAGE_SIZES)
     for index, rows in enumerate(ours):
