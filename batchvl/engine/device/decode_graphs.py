@@ -116,6 +116,8 @@ class DecodeGraphs:
     def capture_ahead(self, axes: int) -> None:
         """Capture each bucket's graph for steps of `axes` position axes and one decode split (or none),
         the largest bucket first, over padding rows (see the module docstring)."""
+        if axes > MAX_POSITION_AXES:  # its steps run eagerly (`takes`)
+            return
         started = time.perf_counter()
         for rows in reversed(buckets_up_to(self.largest)):
             self._load([], None, rows, axes)
