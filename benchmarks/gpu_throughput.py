@@ -206,6 +206,8 @@ def measure(args, work: Path) -> dict:
             "decode_steps": round(timer.seconds["decode"], 2),
         },
         "split_steps": timer.steps,
+        # the host's time capturing decode graphs in the measured job (its wall time includes it)
+        "graph_capture_s": graph_capture_seconds(timer.engine),
         # overlapped steps are not waited for: their vision, prefill and decode seconds are launch times
         "split_s_is_launch_time": engine.overlap,
         "engine_replicas": stats["engine_replicas"],  # the CPU's replicas' seconds are summed
@@ -224,6 +226,12 @@ def measure(args, work: Path) -> dict:
             "decode_kernel": decode_kernel(loaded, on_gpu),
         },
     }
+
+
+def graph_capture_seconds(engine) -> float | None:
+    """Seconds the engine's decode graphs took to capture; None without graphs (or without a step)."""
+    graphs = getattr(getattr(engine, "runner", None), "decode_graphs", None)
+    return None if graphs is None else round(graphs.capture_s, 2)
 
 
 def has_fused_kernels(model: torch.nn.Module) -> bool:

@@ -212,6 +212,14 @@ def test_a_gpus_datasheet_is_found_by_its_name(benchmark):
     assert datasheet("NVIDIA A10") is None
 
 
+def test_the_graph_capture_time_is_read_from_the_engines_decode_graphs(benchmark):
+    seconds = benchmark("gpu_throughput").graph_capture_seconds
+    graphs = SimpleNamespace(capture_s=1.2345)
+    assert seconds(SimpleNamespace(runner=SimpleNamespace(decode_graphs=graphs))) == 1.23
+    assert seconds(SimpleNamespace(runner=SimpleNamespace(decode_graphs=None))) is None  # no graphs
+    assert seconds(None) is None  # no step ran
+
+
 def test_kernel_time_is_the_union_of_the_traces_kernels(benchmark):
     timing = benchmark("step_timing")
     trace = {

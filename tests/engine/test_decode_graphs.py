@@ -114,6 +114,7 @@ def test_decode_steps_replayed_as_graphs_give_the_eager_tokens(
     assert outputs == eager_outputs
     # every bucket captured as the engine started, the largest first, and none since
     assert [rows for rows, _, _ in ahead] == [48, 32, 16] and graphs[0].captured == ahead
+    assert graphs[0].capture_s > 0
     graphed_rows = {rows for rows, graphed, _ in steps if graphed}
     assert graphed_rows - {16, 32, 48}  # steps whose rows fall short of their bucket
     assert sum(graphed for _, graphed, _ in steps) > 15  # most steps replay a graph captured before

@@ -106,6 +106,7 @@ class DecodeGraphs:
         # Triton's decode kernels read the cache on CUDA (the native ones on the CPU, which have no splits)
         self.splits_matter = triton_attention.takes(kv_cache.layers[0])
         self._failed = False
+        self.capture_s = 0.0  # the host's time in captures, ahead and on first need
 
     @property
     def captured(self) -> list[tuple[int, int, int | None]]:
@@ -118,12 +119,11 @@ class DecodeGraphs:
         the largest bucket first, over padding rows (see the module docstring)."""
         if axes > MAX_POSITION_AXES:  # its steps run eagerly (`takes`)
             return
-        started = time.perf_counter()
         for rows in reversed(buckets_up_to(self.largest)):
             self._load([], None, rows, axes)
             if self._replay(rows, axes, 1 if self.splits_matter else None) is None:
                 return
-        logger.info("decode graphs: %d captured in %.1f s", len(self._replays), time.perf_counter() - started)
+        logger.info("decode graphs: %d captured in %.1f s", len(self._replays), self.capture_s)
 
     def takes(self, chunks: list[ScheduledChunk]) -> bool:
         """Whether the step runs as a graph: decodes only, no more rows than the largest bucket, and no
@@ -165,12 +165,15 @@ class DecodeGraphs:
         None where the capture failed (said once, and no graph runs from then on)."""
         replay = self._replays.get((rows, axes, splits))
         if replay is None:
+            started = time.perf_counter()
             try:
                 replay = self.graph_capture.capture(self._forward(rows, axes, splits))
             except Exception as exc:  # a model whose forward cannot be captured still runs, eagerly
                 logger.warning("decode steps run eagerly: capturing one as a graph failed (%s)", exc)
                 self._failed = True
                 return None
+            finally:
+                self.capture_s += time.perf_counter() - started
             self._replays[rows, axes, splits] = replay
         return replay
 
