@@ -142,7 +142,7 @@ def measure(args, work: Path) -> dict:
     timer = StepTimer(args.profile_after, args.profile_steps if on_gpu else 0, args.audit_steps)
     run = caption_job(work, "data", loaded, args.device, fast_paths, timer)
     stats, rows, engine = run["stats"], run["rows"], run["engine"]
-    resolved = timer.engine_config or engine
+    resolved = timer.engine.config if timer.engine is not None else engine
     ok = sum(row["status"] == "ok" for row in rows)
     if ok != args.samples or len(rows) != args.samples:
         errors = [row["error_message"] for row in rows if row["status"] != "ok"][:3]

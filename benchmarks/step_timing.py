@@ -37,8 +37,7 @@ class StepTimer:
         self.seconds = {"prefill": 0.0, "decode": 0.0}  # steps with prompt chunks, steps of decodes only
         self.steps = {"prefill": 0, "decode": 0}
         self.engine_steps = 0
-        self.engine_config = None  # the engine's settings, `auto` sizes resolved, once a step ran
-        self.engine = None  # the engine of the steps, once one ran
+        self.engine = None  # the engine of the steps (its config with `auto` sizes resolved), once one ran
         self.window: dict | None = None  # the profiled window's figures, once it is over
         self._profiler = None
         self._window_started = 0.0
@@ -52,7 +51,6 @@ class StepTimer:
         timer = self
 
         def timed_step(engine):
-            timer.engine_config = engine.config  # its step sizes as the engine resolved them
             timer.engine = engine
             timer._before_step()
             try:

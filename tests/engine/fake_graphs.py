@@ -69,6 +69,17 @@ class NoHostSync:
             mode.__exit__(*exc)
 
 
+def guard_host_reads(monkeypatch, owner, name: str) -> None:
+    """Run `owner.<name>` (a method or module forward) under `NoHostSync` for the rest of the test."""
+    method = getattr(owner, name)
+
+    def guarded(*args, **kwargs):
+        with NoHostSync():
+            return method(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, guarded)
+
+
 class FakeGraphCapture:
     """Counts its captures and replays."""
 

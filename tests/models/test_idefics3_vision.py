@@ -2,25 +2,17 @@
 `get_image_features` over the same frames, and the tower and connector read nothing back from their tensors
 (on a GPU, each such read makes the host wait for the device)."""
 
-import numpy as np
 import torch
 
-from tests.conftest import random_image
-from tests.engine.fake_graphs import NoHostSync
-from tests.engine.test_family_parity import prepare
+from tests.engine.fake_graphs import guard_host_reads
+from tests.models.vision_call import vision_call
 
 IMAGE_SIZES = [(60, 90), (400, 100)]  # 13 frames and 5
 
 
-def call_of(loaded) -> tuple[torch.Tensor, torch.Tensor]:
-    media = prepare(loaded, [random_image(h, w, seed) for seed, (h, w) in enumerate(IMAGE_SIZES)])
-    pixels = torch.from_numpy(np.concatenate([item.pixel_values for item in media]))
-    return pixels, torch.tensor([item.grid_thw for item in media])
-
-
 def test_each_images_rows_equal_transformers_features(family_models):
     _, loaded = family_models("idefics3")
-    pixels, grid = call_of(loaded)
+    pixels, grid = vision_call(loaded, IMAGE_SIZES)
     ours = loaded.adapter.encode("image", pixels, grid)
     with torch.inference_mode():
         frames = pixels[None].to(loaded.adapter.device)
@@ -41,12 +33,6 @@ def test_the_tower_and_connector_read_nothing_back(family_models, monkeypatch):
         (model.connector, "forward"),
         (model, "get_image_features"),
     ):
-        method = getattr(owner, name)
-
-        def guarded(*args, _method=method, **kwargs):
-            with NoHostSync():
-                return _method(*args, **kwargs)
-
-        monkeypatch.setattr(owner, name, guarded)
-    pixels, grid = call_of(loaded)
+        guard_host_reads(monkeypatch, owner, name)
+    pixels, grid = vision_call(loaded, IMAGE_SIZES)
     assert len(loaded.adapter.encode("image", pixels, grid)) == len(IMAGE_SIZES)

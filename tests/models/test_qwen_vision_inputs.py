@@ -2,13 +2,11 @@
 family's embeddings equal transformers' own `get_image_features` and `get_video_features`, and the tower
 itself reads nothing back from its tensors (on a GPU, each such read makes the host wait for the device)."""
 
-import numpy as np
 import pytest
 import torch
 
-from tests.conftest import random_image
-from tests.engine.fake_graphs import NoHostSync
-from tests.engine.test_family_parity import prepare
+from tests.engine.fake_graphs import guard_host_reads
+from tests.models.vision_call import vision_call
 
 QWEN_FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
 IMAGE_SIZES = [(60, 90), (200, 150), (60, 90)]  # two sizes, one twice: equal-length sequences side by side
@@ -19,16 +17,9 @@ def loaded(request, family_models, loaded_fp32):
     return loaded_fp32 if request.param == "qwen2_vl" else family_models(request.param)[1]
 
 
-def call_of(loaded) -> tuple[torch.Tensor, torch.Tensor]:
-    """The pixels and grids of one vision call over IMAGE_SIZES' images."""
-    media = prepare(loaded, [random_image(h, w, seed) for seed, (h, w) in enumerate(IMAGE_SIZES)])
-    pixels = torch.from_numpy(np.concatenate([item.pixel_values for item in media]))
-    return pixels, torch.tensor([item.grid_thw for item in media])
-
-
 @pytest.mark.parametrize("kind", ["image", "video"])
 def test_the_embeddings_equal_transformers_own_features(loaded, kind):
-    pixels, grid = call_of(loaded)
+    pixels, grid = vision_call(loaded, IMAGE_SIZES)
     ours = loaded.adapter.encode(kind, pixels, grid)
     model = loaded.adapter.model.model
     features = model.get_video_features if kind == "video" else model.get_image_features
@@ -44,13 +35,6 @@ def test_the_embeddings_equal_transformers_own_features(loaded, kind):
 
 
 def test_the_tower_reads_nothing_back_from_its_tensors(loaded, monkeypatch):
-    visual = loaded.adapter.model.model.visual
-    forward = visual.forward
-
-    def guarded(*args, **kwargs):
-        with NoHostSync():
-            return forward(*args, **kwargs)
-
-    monkeypatch.setattr(visual, "forward", guarded)
-    pixels, grid = call_of(loaded)
+    guard_host_reads(monkeypatch, loaded.adapter.model.model.visual, "forward")
+    pixels, grid = vision_call(loaded, IMAGE_SIZES)
     assert len(loaded.adapter.encode("image", pixels, grid)) == len(IMAGE_SIZES)

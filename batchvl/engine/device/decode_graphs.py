@@ -23,7 +23,7 @@ kernels, and at 16 rows or fewer a decode step reads the weights once whatever i
 costs next to nothing. Every bucket's graph is captured when the engine starts (`capture_ahead`), the
 largest first, over rows that are all padding, as vLLM captures its own: the graphs share one memory pool,
 which the largest sizes once for all of them, and a job's first steps at each size do not stop for a
-capture (some 50-100 ms each at a 2B model's depth, a few seconds over a job's buckets). A graph for a
+capture (an estimated 50-100 ms each at a 2B model's depth, not yet measured). A graph for a
 decode split count other than the usual one (long contexts over few rows, on CUDA) is captured on the
 first step that needs it, with that step's inputs: the warm-up runs compute the step itself (writing the
 same K/V to the same slots again changes nothing).
