@@ -31,7 +31,13 @@ class ModelAdapter(Protocol):
 
     def encode(self, kind: str, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]:
         """Embedding rows per item (image or video), one (num_tokens, feature_dim) tensor each, in input
-        order: what fills the item's placeholder tokens."""
+        order: what fills the item's placeholder tokens. `pixel_values` holds the items' pixels stacked,
+        and zero rows after them up to `vision_call_rows`, or none."""
+        ...
+
+    def vision_call_rows(self, rows: int) -> int:
+        """The rows (first axis) of a vision call's pixel tensor whose items have `rows` in all: more where
+        the family pads its calls, the rows after the items' being zeros."""
         ...
 
     def prompt_positions(

@@ -15,6 +15,7 @@ import torch
 
 from batchvl.engine.adapter import ModelAdapter
 from batchvl.engine.device.graph_capture import graph_capture
+from batchvl.engine.device.pixel_staging import stage_pixels
 from batchvl.engine.device.sync import synchronize
 from batchvl.engine.overlap import with_picks
 from batchvl.engine.parallel.vit_dp import DataParallelEncoder
@@ -66,8 +67,9 @@ def encode_images(adapter: ModelAdapter, images: list[PreparedMedia], max_patche
     position = {id(img): i for i, img in enumerate(images)}
     out: list[torch.Tensor | None] = [None] * len(images)
     for batch in encode_batches(images, max_patches):
-        # numpy arrays, or tensors already on the device (a serving rank's share under ViT-DP over NCCL)
-        pixel_values = torch.cat([torch.as_tensor(img.pixel_values) for img in batch])
+        rows = sum(len(img.pixel_values) for img in batch)
+        pixels = [img.pixel_values for img in batch]
+        pixel_values = stage_pixels(pixels, adapter.vision_call_rows(rows), adapter.dtype, adapter.device)
         grid = torch.tensor([img.grid_thw for img in batch], dtype=torch.long)
         for img, embedding in zip(batch, adapter.encode(batch[0].kind, pixel_values, grid), strict=True):
             out[position[id(img)]] = embedding

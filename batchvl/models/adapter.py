@@ -45,6 +45,10 @@ class VLMAdapter:
         Qwen3-VL's deepstack features side by side."""
         raise NotImplementedError
 
+    def vision_call_rows(self, rows: int) -> int:
+        """See `ModelAdapter.vision_call_rows`. Default: no padding."""
+        return rows
+
     def prompt_positions(
         self, prompt_token_ids: list[int], media: list[PreparedMedia]
     ) -> tuple[torch.Tensor, int]:

@@ -3,13 +3,16 @@
 All three take patch rows and a (t, h, w) grid in the vision tower and place tokens with multimodal
 rope (3 position axes). Qwen2.5-VL spaces video frames in time by seconds (`second_per_grid_ts`);
 Qwen3-VL also adds deepstack features (intermediate vision layers) to the first decoder layers' hidden
-states at image tokens, on every prefill chunk. A vision call's rows are padded up to their row bucket
-with one blank image, so that the tower's packed linear layers take them as they are
-(`padded_to_bucket`).
+states at image tokens, on every prefill chunk. On the CPU a vision call's rows are padded up to their row
+bucket with one blank image, so that the tower's packed linear layers take them as they are
+(`vision_call_rows`, `with_blank_image`).
 """
 
 from __future__ import annotations
 
+import functools
+
+import numpy as np
 import torch
 
 from batchvl.layers.row_buckets import bucket_rows
@@ -20,26 +23,16 @@ from batchvl.preprocess.media import PreparedMedia
 MM_TEXT, MM_IMAGE, MM_VIDEO = 0, 1, 2  # mm_token_type_ids values
 
 
-def padded_to_bucket(
-    pixel_values: torch.Tensor, grid_thw: torch.Tensor, merge_size: int, dtype: torch.dtype, device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Patch rows (in `dtype`) and grids of a vision call with one blank image appended that fills the rows
-    up to their bucket (`row_buckets`), when they fall short of it.
-
-    Every linear layer of the tower would otherwise copy its input into a padded tensor of its own (about
-    a tenth of encoding, measured on a CPU with AMX). The blank image is a strip one merge window high;
-    it attends only to itself, costs at most an eighth more rows, and its output is dropped. An image's
-    rows are a multiple of merge_size^2 and so are the buckets, so the strip's width is whole merge windows.
-    """
-    rows, width = pixel_values.shape
-    padding = bucket_rows(rows) - rows
+def with_blank_image(grid_thw: torch.Tensor, rows: int, merge_size: int) -> torch.Tensor:
+    """The grids of a vision call whose `rows` pixel rows run past its items' rows, with one blank image
+    over the zero rows after them: a strip one merge window high, which attends only to itself and whose
+    output is dropped. Item rows are a multiple of merge_size^2 and so are the row buckets the rows are
+    padded to (`vision_call_rows`), so the strip's width is whole merge windows."""
+    padding = rows - int(grid_thw.prod(-1).sum())
     if not padding:
-        return pixel_values.to(device, dtype), grid_thw  # no copy where they already are what the tower takes
-    pixels = torch.empty((rows + padding, width), dtype=dtype, device=device)
-    pixels[:rows] = pixel_values
-    pixels[rows:] = 0
+        return grid_thw
     blank = torch.tensor([[1, merge_size, padding // merge_size]], dtype=grid_thw.dtype)
-    return pixels, torch.cat([grid_thw, blank])
+    return torch.cat([grid_thw, blank])
 
 
 class Qwen2VLAdapter(VLMAdapter):
@@ -47,6 +40,15 @@ class Qwen2VLAdapter(VLMAdapter):
         super().__init__(model, dtype, device)
         config = model.config
         self.placeholder_token_ids = {"image": config.image_token_id, "video": config.video_token_id}
+        # bounded: a job whose prompts all differ in layout (free-form questions) keeps the last ones
+        self._positions_of_layout = functools.lru_cache(maxsize=4096)(self._layout_positions)
+
+    def vision_call_rows(self, rows: int) -> int:
+        """On the CPU, the row bucket (`row_buckets`): every linear layer of the tower would otherwise copy
+        its input into a padded tensor of its own (about a tenth of encoding, measured on a CPU with AMX),
+        where the call's rows cost at most an eighth more. A GPU's matmuls take any row count: no padding,
+        whose rows would only add work there."""
+        return bucket_rows(rows) if self.device.type == "cpu" else rows
 
     @torch.inference_mode()
     def encode(self, kind: str, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]:
@@ -60,30 +62,46 @@ class Qwen2VLAdapter(VLMAdapter):
         (`qwen_vision_inputs`), and its output split by sizes known there, not read from the device."""
         visual = self.model.model.visual
         merge_size = visual.spatial_merge_size
-        pixels, grid = padded_to_bucket(pixel_values, grid_thw, merge_size, self.dtype, self.device)
+        pixels = pixel_values.to(self.device, self.dtype)  # as staged for the call: no copy
+        grid = with_blank_image(grid_thw, len(pixels), merge_size)
         inputs = on_device({**grid_inputs(visual, grid), "grid_thw": grid}, self.device)
         out = visual(pixels, return_dict=True, **inputs)
         out.pooler_output = out.pooler_output.split((grid.prod(-1) // merge_size**2).tolist())
         return out
 
-    @torch.inference_mode()
     def prompt_positions(
         self, prompt_token_ids: list[int], media: list[PreparedMedia]
     ) -> tuple[torch.Tensor, int]:
-        ids = torch.tensor([prompt_token_ids], dtype=torch.long)
+        """transformers' `get_rope_index` for one prompt, computed once per prompt layout.
+
+        `get_rope_index` reads the prompt only through its token types (text, image or video, in order)
+        and the media's grids (and Qwen2.5-VL's seconds per grid), so prompts that share those share
+        their positions: a captioning job's prompts mostly do, and the host skips its dozens of small
+        tensor ops a request (about a millisecond on a CPU core). The cached tensor is shared by those
+        requests, which only read it."""
+        ids = np.asarray(prompt_token_ids, dtype=np.int64)
         if not media:
-            return torch.arange(ids.shape[1]).expand(3, -1).contiguous(), 0
-        token_types = torch.full_like(ids, MM_TEXT)
+            return torch.arange(len(ids)).expand(3, -1).contiguous(), 0
+        token_types = np.zeros(len(ids), dtype=np.int64)
         token_types[ids == self.placeholder_token_ids["image"]] = MM_IMAGE
         token_types[ids == self.placeholder_token_ids["video"]] = MM_VIDEO
-        # get_rope_index is a pure function of ids and grids; rope_deltas cached on the module is never used.
-        positions, deltas = self.model.model.get_rope_index(ids, token_types, **self._rope_media(media))
+        layout = tuple((m.kind, tuple(m.grid_thw), m.seconds_per_grid_t) for m in media)
+        return self._positions_of_layout(token_types.tobytes(), layout)
+
+    @torch.inference_mode()
+    def _layout_positions(self, token_types: bytes, layout: tuple) -> tuple[torch.Tensor, int]:
+        """`get_rope_index` of a prompt with these token types (int64 bytes) and media (kind, grid and
+        seconds per grid, in prompt order). rope_deltas cached on the module is never used."""
+        types = torch.frombuffer(bytearray(token_types), dtype=torch.long)[None]
+        media = dict(self._rope_media(layout))
+        positions, deltas = self.model.model.get_rope_index(torch.zeros_like(types), types, **media)
         return positions[:, 0, :].contiguous(), int(deltas[0, 0])
 
-    def _rope_media(self, media: list[PreparedMedia]) -> dict:
+    def _rope_media(self, layout: tuple) -> dict:
+        """`get_rope_index`'s media arguments from a prompt's (kind, grid, seconds per grid) in order."""
         grids = {}
         for kind in ("image", "video"):
-            chosen = [m.grid_thw for m in media if m.kind == kind]
+            chosen = [grid for item_kind, grid, _ in layout if item_kind == kind]
             grids[f"{kind}_grid_thw"] = torch.tensor(chosen, dtype=torch.long) if chosen else None
         return grids
 
@@ -92,9 +110,9 @@ class Qwen2VLAdapter(VLMAdapter):
 
 
 class Qwen2_5_VLAdapter(Qwen2VLAdapter):
-    def _rope_media(self, media: list[PreparedMedia]) -> dict:
-        videos = [m.seconds_per_grid_t for m in media if m.kind == "video"]
-        return {**super()._rope_media(media), "second_per_grid_ts": torch.tensor(videos) if videos else None}
+    def _rope_media(self, layout: tuple) -> dict:
+        videos = [seconds for kind, _, seconds in layout if kind == "video"]
+        return {**super()._rope_media(layout), "second_per_grid_ts": torch.tensor(videos) if videos else None}
 
 
 def add_deepstack_features(

@@ -1,33 +1,35 @@
-"""Qwen-VL vision calls padded to their row bucket with a blank image: the blank strip has the right grid,
-the tower's linear layers get bucket-sized inputs, and every real image embeds as the stock tower embeds
-it alone, without the padding."""
+"""Qwen-VL vision calls padded on the CPU to their row bucket with a blank image: the blank strip has the
+right grid, the tower's linear layers get bucket-sized inputs, and every real image embeds as the stock
+tower embeds it alone, without the padding. A GPU's calls are not padded."""
+
+from types import SimpleNamespace
 
 import pytest
 import torch
 from transformers import AutoModelForImageTextToText
 
+from batchvl.engine.model_runner import encode_images
 from batchvl.layers.packed_linear import PackedLinear
 from batchvl.layers.row_buckets import bucket_rows
-from batchvl.models.qwen_vl import padded_to_bucket
+from batchvl.models.qwen_vl import Qwen2VLAdapter, with_blank_image
+from batchvl.preprocess.media import PreparedMedia
 
 
-def test_the_blank_image_fills_the_rows_up_to_their_bucket():
-    pixels = torch.randn(148, 6)  # two images: 4 x 12 and 10 x 10 patches
-    grid = torch.tensor([[1, 4, 12], [1, 10, 10]])
-    padded, padded_grid = padded_to_bucket(pixels, grid, 2, torch.bfloat16, "cpu")
+def test_the_blank_image_covers_the_rows_past_the_items():
+    grid = torch.tensor([[1, 4, 12], [1, 10, 10]])  # 148 rows
     assert bucket_rows(148) == 160
-    assert padded.shape == (160, 6) and padded.dtype == torch.bfloat16
-    assert torch.equal(padded[:148], pixels.to(torch.bfloat16))
-    assert not padded[148:].any()
-    assert padded_grid.tolist() == [[1, 4, 12], [1, 10, 10], [1, 2, 6]]  # 12 rows, whole 2x2 windows
+    # 12 blank rows: whole 2x2 merge windows
+    assert with_blank_image(grid, 160, 2).tolist() == [[1, 4, 12], [1, 10, 10], [1, 2, 6]]
 
 
-def test_rows_already_on_a_bucket_get_no_blank_image():
-    pixels = torch.randn(128, 6)
+def test_rows_with_no_padding_get_no_blank_image():
     grid = torch.tensor([[1, 8, 16]])
-    padded, padded_grid = padded_to_bucket(pixels, grid, 2, torch.float32, "cpu")
-    assert torch.equal(padded, pixels)
-    assert padded_grid is grid
+    assert with_blank_image(grid, 128, 2) is grid
+
+
+def test_only_the_cpu_pads_a_call():
+    assert Qwen2VLAdapter.vision_call_rows(SimpleNamespace(device=torch.device("cpu")), 100) == 112
+    assert Qwen2VLAdapter.vision_call_rows(SimpleNamespace(device=torch.device("cuda", 0)), 100) == 100
 
 
 def stock_embeddings(model_dir, family: str, pixels, grid) -> list[torch.Tensor]:
@@ -49,20 +51,24 @@ def test_padded_calls_embed_every_image_as_the_stock_tower(
     visual = loaded.adapter.model.model.visual
     patch_width = visual.patch_embed.proj.linear.in_features
     torch.manual_seed(0)
-    grid = torch.tensor([[1, 4, 6], [1, 6, 10], [1, 2, 8]])  # 100 rows: the bucket is 112
-    pixels = torch.randn(int(grid.prod(dim=1).sum()), patch_width)
+    grids = [(1, 4, 6), (1, 6, 10), (1, 2, 8)]  # 100 rows: the bucket is 112
+    images = [
+        PreparedMedia(torch.randn(t * h * w, patch_width).numpy(), (t, h, w), f"h{i}", t * h * w // 4, "")
+        for i, (t, h, w) in enumerate(grids)
+    ]
 
     seen_rows = []
     blocks = [m for m in visual.blocks.modules() if isinstance(m, PackedLinear)]
     hooks = [m.register_forward_pre_hook(lambda _, args: seen_rows.append(args[0].shape[0])) for m in blocks]
     try:
-        got = loaded.adapter.encode("image", pixels, grid)
+        got = encode_images(loaded.adapter, images, max_patches=4096)  # one call, staged by the engine
     finally:
         for hook in hooks:
             hook.remove()
     assert seen_rows and set(seen_rows) == {112}  # no layer of the blocks pads its own input
 
-    expected = stock_embeddings(model_dir, family, pixels, grid)
+    pixels = torch.cat([torch.from_numpy(image.pixel_values) for image in images])
+    expected = stock_embeddings(model_dir, family, pixels, torch.tensor(grids))
     assert len(got) == len(expected) == 3
     for mine, stock in zip(got, expected, strict=True):
         assert mine.shape == stock.shape
