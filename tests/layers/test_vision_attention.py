@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import AutoModelForImageTextToText
 
-from batchvl.engine.model_runner import encode_batches
+from batchvl.engine.model_runner import encode_batches, encode_images
 from batchvl.layers import vision_attention
 from batchvl.layers.qwen_vision_attention import QwenVisionAttention, rotate_queries_and_keys
 from batchvl.layers.row_buckets import bucket_rows
@@ -47,16 +47,14 @@ def test_one_call_per_layer_equals_each_image_alone(loaded_fp32, stock, media, m
         return varlen(*args, **kwargs)
 
     monkeypatch.setattr(vision_attention, "varlen_vision_attention", counting)
-    pixel_values = torch.cat([torch.from_numpy(img.pixel_values) for img in images])
-    grid = torch.tensor([img.grid_thw for img in images])
-    together = loaded_fp32.adapter.encode("image", pixel_values, grid)
-    video = loaded_fp32.adapter.encode(
-        "video", torch.from_numpy(clip.pixel_values), torch.tensor([clip.grid_thw])
-    )
+    # as the engine calls the tower: each call's pixels staged, and padded on the CPU to their row bucket
+    together = encode_images(loaded_fp32.adapter, images, max_patches=4096)
+    video = encode_images(loaded_fp32.adapter, [clip], max_patches=4096)
     depth = loaded_fp32.adapter.model.config.vision_config.depth
     # one call per layer for all 7 images and the blank one padding their rows to a bucket; then one per
     # layer for the video's 2 frame groups, whose rows are a bucket already
-    assert bucket_rows(len(pixel_values)) > len(pixel_values)
+    rows = sum(len(img.pixel_values) for img in images)
+    assert bucket_rows(rows) > rows
     assert bucket_rows(len(clip.pixel_values)) == len(clip.pixel_values)
     assert calls == [len(images) + 1] * depth + [clip.grid_thw[0]] * depth
     for img, emb in zip(images, together, strict=True):
@@ -79,10 +77,8 @@ def test_a_vision_calls_sequence_lengths_are_read_once_not_in_every_layer(loaded
     lengths_of_calls = []
     for sizes in ([(60, 60), (120, 80), (30, 300)], [(200, 150), (90, 90), (60, 60)]):
         chosen = [prepare_image(random_image(h, w, seed), spec) for seed, (h, w) in enumerate(sizes)]
-        pixel_values = torch.cat([torch.from_numpy(img.pixel_values) for img in chosen])
-        grid = torch.tensor([img.grid_thw for img in chosen])
-        loaded_fp32.adapter.encode("image", pixel_values, grid)
-        lengths = [t * h * w for t, h, w in grid.tolist()]
+        encode_images(loaded_fp32.adapter, chosen, max_patches=4096)  # one call, as the engine makes it
+        lengths = sorted(img.num_patches for img in chosen)  # a call's images in ascending patch counts
         padding = bucket_rows(sum(lengths)) - sum(lengths)  # a blank image pads the call's rows to a bucket
         lengths_of_calls.append(lengths + [padding] if padding else lengths)
     assert loaded_fp32.adapter.model.config.vision_config.depth > 1
