@@ -19,7 +19,7 @@ FLOPs. The engine's settings and which fast paths were on are recorded with it.
 On a CPU (`--device cpu`, e.g. `--size tiny --samples 8`) the same runs, with the GPU's figures null.
 
     python benchmarks/gpu_throughput.py --device cuda --size 2b [--samples 1000] [--cuda-graphs] [--overlap]
-        [--fused-kernels] [--json PATH] [--texts PATH]
+        [--fused-kernels] [--max-num-seqs N] [--json PATH] [--texts PATH]
 """
 
 from __future__ import annotations
@@ -96,13 +96,13 @@ def write_images(folder: Path, samples: int, first: int = 0) -> list[tuple[int, 
 
 
 def caption_job(
-    root: Path, name: str, loaded, device: str, fast_paths: dict, timer: StepTimer | None = None
+    root: Path, name: str, loaded, device: str, engine_keys: dict, timer: StepTimer | None = None
 ) -> dict:
-    """The job over `root/name` with the engine's `fast_paths` settings (engine keys); its stats and rows."""
+    """The job over `root/name` with `engine_keys` in its engine section; its stats and rows."""
     from batchvl.pipeline.runner import run_job
 
     model = {"path": loaded.path, "dtype": "bfloat16", "device": device}
-    job = batchvl_job(root / name, ["caption"], root / "out" / name, model, fast_paths)
+    job = batchvl_job(root / name, ["caption"], root / "out" / name, model, engine_keys)
     with timer.installed() if timer else contextlib.nullcontext():
         stats = run_job(job, loaded=loaded, show_progress=False).stats
     paths = sorted((root / "out" / name).glob("*.parquet"))
@@ -137,10 +137,14 @@ def measure(args, work: Path) -> dict:
     build_s = _clock(args.device) - started
     write_images(work / "warmup", min(WARMUP_SAMPLES, args.samples), first=args.samples)
     sizes = write_images(work / "data", args.samples)
-    fast_paths = {"cuda_graphs": args.cuda_graphs, "overlap": args.overlap}
-    caption_job(work, "warmup", loaded, args.device, fast_paths)
+    engine_keys = {
+        "cuda_graphs": args.cuda_graphs,
+        "overlap": args.overlap,
+        "max_num_seqs": args.max_num_seqs,
+    }
+    caption_job(work, "warmup", loaded, args.device, engine_keys)
     timer = StepTimer(args.profile_after, args.profile_steps if on_gpu else 0, args.audit_steps)
-    run = caption_job(work, "data", loaded, args.device, fast_paths, timer)
+    run = caption_job(work, "data", loaded, args.device, engine_keys, timer)
     stats, rows, engine = run["stats"], run["rows"], run["engine"]
     resolved = timer.engine.config if timer.engine is not None else engine
     ok = sum(row["status"] == "ok" for row in rows)
@@ -156,7 +160,7 @@ def measure(args, work: Path) -> dict:
         resized = smart_resize(height, width, spec.factor, spec.min_pixels, spec.max_pixels)
         patches[f"s{i}"] = resized[0] * resized[1] // spec.patch_size**2
     counter = FlopCounter(loaded.path)
-    work_done = workload_limits(counter, rows, patches, engine.max_num_seqs)
+    work_done = workload_limits(counter, rows, patches, resolved.max_num_seqs)
     flops = work_done["flops"]
     total_flops = sum(flops.values())
     wall = stats["wall_s"]
@@ -214,8 +218,8 @@ def measure(args, work: Path) -> dict:
         "split_flops_share": {key: round(value / total_flops, 4) for key, value in flops.items()},
         "input_wait_s": round(stats["input_wait_s"], 2),
         "engine": {
-            "max_num_seqs": engine.max_num_seqs,
             # as the engine resolved `auto` on this device
+            "max_num_seqs": resolved.max_num_seqs,
             "max_num_batched_tokens": resolved.max_num_batched_tokens,
             "max_patches_per_encode": resolved.max_patches_per_encode,
             "prefix_caching": engine.prefix_caching,
@@ -258,6 +262,8 @@ def argument_problem(args) -> str | None:
         return f"--device {args.device} but no CUDA device is available; use --device cpu"
     if args.samples < 1:
         return f"--samples {args.samples} runs nothing; give 1 or more"
+    if args.max_num_seqs != "auto" and args.max_num_seqs < 1:
+        return f"--max-num-seqs {args.max_num_seqs} runs nothing; give 1 or more, or auto"
     return None
 
 
@@ -295,6 +301,12 @@ def main() -> None:
         action=argparse.BooleanOptionalAction,
         default=False,
         help="RMSNorm, LayerNorm, SiLU*mul, QuickGELU and rotary as Triton kernels (engine.fused_kernels)",
+    )
+    parser.add_argument(
+        "--max-num-seqs",
+        type=lambda text: text if text == "auto" else int(text),
+        default="auto",
+        help="engine.max_num_seqs (auto: the engine's choice, 1024 on a GPU of 70 GiB or more)",
     )
     parser.add_argument("--json", type=Path, help="Write the row here.")
     parser.add_argument("--texts", type=Path, help="Write each sample's output text here (JSON, by key).")

@@ -35,8 +35,10 @@ reported and the next still runs, in the order of what a GPU window must answer 
   throughput_small benchmarks/throughput.py: transformers `generate` on padded batches of 8 against batchvl
                    in bf16 on the `small` model
   optional, run only when GPU_CHECK_STAGES names them: gpu_throughput_2b_cuda_graphs, _overlap and
-                   _fused_kernels (one fast path alone, to tell their gains apart), throughput_wide (the
-                   same as throughput_small at Qwen2-VL-2B's widths) and gpu_throughput_7b (Qwen2-VL-7B)
+                   _fused_kernels (one fast path alone, to tell their gains apart), gpu_throughput_2b_256_seqs
+                   (no fast path, 256 sequences a step where `auto` gives a large GPU 1,024),
+                   throughput_wide (the same as throughput_small at Qwen2-VL-2B's widths) and
+                   gpu_throughput_7b (Qwen2-VL-7B)
 
 A GPU window's first call runs the check as it is; where its budget ran short, the second names the stages
 left (GPU_CHECK_STAGES=sampled_job,constrained_job,...).
@@ -375,22 +377,27 @@ def throughput(work: Path, size: str) -> dict:
 FAST_PATHS = ("cuda_graphs", "overlap", "fused_kernels")  # the engine's GPU fast paths, off by default
 
 
-def gpu_throughput(work: Path, size: str, fast_paths: tuple[str, ...] = ()) -> dict:
+def gpu_throughput(
+    work: Path, size: str, fast_paths: tuple[str, ...] = (), max_num_seqs: int | None = None
+) -> dict:
     """The captioning benchmark at a real size, with the engine's `fast_paths` on; its whole row is the
     stage's report, with the share of samples whose text equals the run without fast paths (where that ran
     before in this check). 1,000 samples: at the 13 samples/s batchvl's eager engine reached at Qwen2-VL-2B's
     widths on an H200, about 75 s of the stage's 240 (the model is made in seconds; the rest is the warm-up
     job and the FLOP count)."""
-    name = "-".join([f"gpu_throughput-{size}", *fast_paths])
+    name = "-".join(
+        [f"gpu_throughput-{size}", *fast_paths, *([f"{max_num_seqs}seqs"] if max_num_seqs else [])]
+    )
     out, texts = work / f"{name}.json", work / f"{name}.texts"  # (not *.json: not kept beside the report)
     workload = ["--size", "tiny", "--samples", "8"] if ON_CPU else ["--size", size, "--samples", "1000"]
     command = [sys.executable, "benchmarks/gpu_throughput.py", "--device", DEVICE, "--json", str(out)]
     command += ["--texts", str(texts), *(f"--{path.replace('_', '-')}" for path in fast_paths)]
+    command += ["--max-num-seqs", str(max_num_seqs)] if max_num_seqs else []
     result = run([*command, *workload], 240 if size == "2b" else 300)
     result.pop("stdout", None)
     row = json.loads(out.read_text()) if out.exists() else {}
     eager = work / f"gpu_throughput-{size}.texts"
-    if fast_paths and texts.exists() and eager.exists():
+    if (fast_paths or max_num_seqs) and texts.exists() and eager.exists():
         mine, theirs = json.loads(texts.read_text()), json.loads(eager.read_text())
         same = sum(mine.get(key) == text for key, text in theirs.items())
         row["same_text_share_vs_eager"] = round(same / max(len(theirs), 1), 4)
@@ -431,12 +438,19 @@ STAGES = [
         (f"gpu_throughput_2b_{path}", lambda work, path=path: gpu_throughput(work, "2b", (path,)))
         for path in FAST_PATHS
     ),
+    # the same with the CPU's 256 sequences a step, against the 1,024 `auto` gives a large GPU
+    ("gpu_throughput_2b_256_seqs", lambda work: gpu_throughput(work, "2b", max_num_seqs=256)),
     ("throughput_wide", lambda work: throughput(work, "wide")),
     ("gpu_throughput_7b", lambda work: gpu_throughput(work, "7b")),
 ]
 # Run only when GPU_CHECK_STAGES names them: the whole check's minutes go to the 2B runs without and with
 # every fast path first; one fast path alone, to tell their gains apart, is a later call's
-OPTIONAL = {"throughput_wide", "gpu_throughput_7b", *(f"gpu_throughput_2b_{path}" for path in FAST_PATHS)}
+OPTIONAL = {
+    "throughput_wide",
+    "gpu_throughput_7b",
+    "gpu_throughput_2b_256_seqs",
+    *(f"gpu_throughput_2b_{path}" for path in FAST_PATHS),
+}
 MIN_STAGE_S = 20  # a stage started with less time left could not finish
 
 

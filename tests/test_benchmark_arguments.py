@@ -144,6 +144,8 @@ def test_the_gpu_benchmarks_arguments_are_checked_in_one_line_before_any_work(tm
     refused = gpu_throughput_run(tmp_path, "--device", "cpu", "--samples", "0")
     assert refused.stderr == "error: --samples 0 runs nothing; give 1 or more\n"
     assert gpu_throughput_run(tmp_path, "--size", "9b").returncode == 2  # argparse's choices
+    refused = gpu_throughput_run(tmp_path, "--device", "cpu", "--max-num-seqs", "0")
+    assert refused.stderr == "error: --max-num-seqs 0 runs nothing; give 1 or more, or auto\n"
 
 
 def test_the_gpu_benchmark_runs_on_the_cpu_with_the_gpus_figures_null(tmp_path):
@@ -176,6 +178,7 @@ def test_the_gpu_benchmark_runs_on_the_cpu_with_the_gpus_figures_null(tmp_path):
     assert row["engine"]["decode_kernel"] == "native"
     # `auto` step sizes as the engine resolved them (the CPU's), not the word
     assert (row["engine"]["max_num_batched_tokens"], row["engine"]["max_patches_per_encode"]) == (2048, 4096)
+    assert row["engine"]["max_num_seqs"] == 256
     assert row["split_s_is_launch_time"] is True
 
 

@@ -253,7 +253,12 @@ class ServerConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    max_num_seqs: int = job_key(256, "Most requests running at once", above=0)
+    max_num_seqs: int | Literal["auto"] = job_key(
+        "auto",
+        "Most requests running at once; auto: 256, and 1024 on a GPU of 70 GiB or more (as vLLM's offline "
+        "default there: a decode step reads the weights once for more sequences)",
+        above=0,
+    )
     max_num_batched_tokens: int | Literal["auto"] = job_key(
         "auto",
         "Token budget of one engine step (decode tokens + prefill chunks); auto: 2048 on CPU, on CUDA the "

@@ -40,7 +40,7 @@ from batchvl.engine.scheduling.admission import check_fits, media_spans
 from batchvl.engine.scheduling.block_manager import BlockManager
 from batchvl.engine.scheduling.kv_budget import kv_cache_bytes
 from batchvl.engine.scheduling.scheduler import Scheduler, StepPlan
-from batchvl.engine.scheduling.step_sizes import free_cuda_bytes, resolved_step_sizes
+from batchvl.engine.scheduling.step_sizes import free_cuda_bytes, resolved_step_sizes, total_cuda_bytes
 from batchvl.engine.stats import EngineStats
 from batchvl.errors import SampleError, UserError
 from batchvl.utils.memory import MB
@@ -56,6 +56,7 @@ def step_sizes_for(adapter: ModelAdapter, config: EngineConfig) -> EngineConfig:
         adapter.device,
         lambda probe: step_activation_peak(adapter, probe),
         lambda: free_cuda_bytes(adapter.device),
+        lambda: total_cuda_bytes(adapter.device),
     )
 
 

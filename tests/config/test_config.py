@@ -44,7 +44,7 @@ def test_minimal_job_gets_defaults_and_resolved_paths(tmp_path):
     assert cfg.output.dir == str(tmp_path / "out")
     assert cfg.model.path == "/models/m" and cfg.model.dtype == "auto"
     assert [(p.name, p.text) for p in cfg.prompts] == [("caption", "Describe this image.")]
-    assert cfg.engine.max_num_seqs == 256 and cfg.sampling.temperature == 0.0
+    assert cfg.engine.max_num_seqs == "auto" and cfg.sampling.temperature == 0.0
 
 
 def test_unknown_key_suggests_the_close_one(tmp_path):
@@ -72,7 +72,8 @@ def test_missing_required_key(tmp_path):
 @pytest.mark.parametrize(
     ("extra", "fragment"),
     [
-        ("engine: {max_num_seqs: abc}", "'engine.max_num_seqs' must be an integer"),
+        ("engine: {max_num_seqs: abc}", "'engine.max_num_seqs' must be int or auto, got 'abc'"),
+        ("engine: {lookahead: abc}", "'engine.lookahead' must be an integer"),
         ("engine: {max_num_seqs: true}", "'engine.max_num_seqs' must be an integer"),
         ("engine: {max_num_seqs: 0}", "'engine.max_num_seqs' must be positive"),
         ("sampling: {top_p: 0}", "'sampling.top_p'"),

@@ -1,5 +1,6 @@
-"""The step's and the vision call's sizes: as given, or with `auto` the CPU's on the CPU and, on CUDA, the
-largest that fits a tenth of the free memory; the GPU's memory and the measured step are faked."""
+"""The step's sequences and tokens and the vision call's patches: as given, or with `auto` the CPU's on the
+CPU and, on CUDA, 1,024 sequences on a GPU of 70 GiB or more and the largest sizes that fit a tenth of the
+free memory; the GPU's memory and the measured step are faked."""
 
 import torch
 
@@ -24,9 +25,34 @@ class Measured:
         return int(self.mib * MB)
 
 
+def resolved(config: EngineConfig, device, peak: Measured, free_gb: float, total_gb: float = 141):
+    return resolved_step_sizes(config, device, peak, lambda: int(free_gb * GB), lambda: int(total_gb * GB))
+
+
 def sizes(config: EngineConfig, device, peak: Measured, free_gb: float) -> tuple[int, int]:
-    resolved = resolved_step_sizes(config, device, peak, lambda: int(free_gb * GB))
-    return resolved.max_num_batched_tokens, resolved.max_patches_per_encode
+    chosen = resolved(config, device, peak, free_gb)
+    return chosen.max_num_batched_tokens, chosen.max_patches_per_encode
+
+
+def test_auto_sequences_are_vllms_for_a_large_gpu_and_256_elsewhere():
+    peak = Measured(450)
+    assert resolved(EngineConfig(), GPU, peak, free_gb=130, total_gb=139.8).max_num_seqs == 1024  # an H200
+    assert resolved(EngineConfig(), GPU, peak, free_gb=70, total_gb=79.2).max_num_seqs == 1024  # an H100
+    # the step measured to choose the token budget has the CPU's sequences: its scaled logits still bound
+    # a 16,384-token step's 1,024 rows
+    assert {config.max_num_seqs for config in peak.asked} == {256}
+    an_l4 = resolved(EngineConfig(), GPU, Measured(450), free_gb=20, total_gb=23.6)
+    assert an_l4.max_num_seqs == 256
+    assert resolved(EngineConfig(), CPU, Measured(450), free_gb=0, total_gb=0).max_num_seqs == 256
+
+
+def test_given_sequences_are_kept_and_the_gpu_is_not_asked_its_size():
+    def never() -> int:
+        raise AssertionError("the GPU's total memory was asked for")
+
+    config = EngineConfig(max_num_seqs=48)
+    chosen = resolved_step_sizes(config, GPU, Measured(450), lambda: int(130 * GB), never)
+    assert (chosen.max_num_seqs, chosen.max_num_batched_tokens) == (48, 16384)
 
 
 def test_auto_on_a_large_gpu_takes_the_largest_sizes():
@@ -68,3 +94,4 @@ def test_an_engine_on_the_cpu_runs_the_cpus_sizes(loaded_fp32):
     engine = Engine(loaded_fp32.adapter, loaded_fp32.processor.tokenizer, EngineConfig(kv_cache_mb=8), [0])
     assert (engine.config.max_num_batched_tokens, engine.config.max_patches_per_encode) == (2048, 4096)
     assert engine.scheduler.max_num_batched_tokens == 2048
+    assert engine.config.max_num_seqs == engine.scheduler.max_num_seqs == 256
