@@ -263,3 +263,28 @@ def test_the_node_benchmark_fails_when_more_processes_write_other_rows(benchmark
     node_scaling.main()
     report = json.loads((tmp_path / "r.json").read_text())
     assert [run["processes"] for run in report["runs"]] == [1, 2, 2, 1]  # the order alternates by round
+
+
+# ---- host work per sample (benchmarks/host_per_sample.py) -----------------------------------------------
+
+
+def test_host_work_per_sample_is_the_wall_less_the_model_and_the_input_wait(tmp_path):
+    command = [sys.executable, str(BENCHMARKS / "host_per_sample.py"), "--samples", "0"]
+    refused = subprocess.run(command, capture_output=True, text=True)
+    assert refused.returncode == 2 and refused.stderr == "error: --samples 0 runs nothing; give 1 or more\n"
+    command[-1] = "5"
+    done = subprocess.run(
+        [*command, "--profile", "--json", str(tmp_path / "r.json")],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    row = json.loads((tmp_path / "r.json").read_text())
+    assert row["samples"] == 5 and row["vision_s"] > 0 and row["forward_s"] > 0
+    parts = row["vision_s"] + row["forward_s"] + row["input_wait_s"] + row["host_s"]
+    assert parts == pytest.approx(row["wall_s"], abs=0.01)
+    assert row["host_ms_per_sample"] == pytest.approx(1000 * row["host_s"] / 5, abs=0.2)  # host_s rounded
+    functions = [entry["function"] for entry in row["own_time"]]
+    assert any(name.startswith("batchvl/engine/") for name in functions), functions
+    assert row["own_time"] == sorted(row["own_time"], key=lambda entry: -entry["own_s"])
