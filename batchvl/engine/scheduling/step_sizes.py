@@ -5,8 +5,8 @@ GPU's free memory.
 
 Sequences: a decode step reads every weight once whatever its rows, so on a GPU more rows a step are
 nearly free until the KV cache runs out; vLLM's offline default is 1,024 sequences on GPUs of 70 GiB or
-more (H100, H200) and 256 elsewhere, and batchvl takes the same rule. A captioning job's requests then
-all start within the first steps and finish together, in fewer, larger decode steps.
+more (H100, H200) and 256 elsewhere, and batchvl takes the same rule: a job's tokens are then decoded in
+fewer, larger steps (what that gains is measured by the GPU check's `gpu_throughput_2b_256_seqs`).
 
 The CPU's sizes (2,048 tokens, 4,096 patches) leave a large GPU's matmuls short and its launches many: a
 step of 2,048 tokens is a few milliseconds of a Qwen2-VL-2B forward on an H100, about what the host spends
