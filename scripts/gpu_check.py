@@ -8,9 +8,10 @@ reported and the next still runs, in the order of what a GPU window must answer 
                    tests with BATCHVL_TEST_DEVICE set (the engine on the device, references on the CPU), and
                    those of the fast paths: decode graphs (real CUDA graphs there), overlapped steps, the
                    fused kernels in every family, Qwen-VL vision calls that read nothing back, and
-                   vision calls' pixels sent from page-locked memory
-  fast_paths_job   greedy captions in fp32 with every fast path on (engine.cuda_graphs, engine.overlap,
-                   engine.fused_kernels) on the device against the CPU's eager run: texts equal
+                   vision calls' pixels and steps' grammar bitmasks sent from page-locked memory
+  fast_paths_job   the constrained job's prompts, all greedy (its choices generated under their grammar), in
+                   fp32 with every fast path on (engine.cuda_graphs, engine.overlap, engine.fused_kernels)
+                   on the device against the CPU's eager run: texts equal
   gpu_throughput_2b  benchmarks/gpu_throughput.py: 1,000 captions by Qwen2-VL-2B (made on the GPU in bf16):
                    samples/s, the share of the workload's limit, the GPU's kernel-time share and the split
                    between vision, prefill and decode, with no fast path: the baseline
@@ -37,6 +38,8 @@ reported and the next still runs, in the order of what a GPU window must answer 
   optional, run only when GPU_CHECK_STAGES names them: gpu_throughput_2b_cuda_graphs, _overlap and
                    _fused_kernels (one fast path alone, to tell their gains apart), gpu_throughput_2b_256_seqs
                    (no fast path, 256 sequences a step where `auto` gives a large GPU 1,024),
+                   gpu_throughput_2b_labels and _labels_overlap (a JSON-schema labeling workload, its
+                   grammar's masks filled between serial steps, then while overlapped steps run),
                    throughput_wide (the same as throughput_small at Qwen2-VL-2B's widths) and
                    gpu_throughput_7b (Qwen2-VL-7B)
 
@@ -86,6 +89,7 @@ PARITY_TESTS = [
     "tests/models/test_idefics3_vision.py",  # nor Idefics3's tower
     "tests/models/test_llava_vision.py",  # nor LLaVA's
     "tests/engine/test_pixel_staging.py",  # vision calls' pixels sent from page-locked memory, not waited for
+    "tests/engine/test_structured_output.py",  # a step's grammar bitmask sent the same way
 ]
 SCHEMA = {
     "type": "object",
@@ -300,21 +304,28 @@ def sampled_job(work: Path) -> dict:
     return compared(work, "sampled", prompts, sampling, same_required=False)
 
 
-def constrained_job(work: Path) -> dict:
-    prompts = (
+def constrained_prompts(choice_mode: str) -> str:
+    """A JSON schema, a regex, choices (scored, or generated under their grammar) and free text."""
+    return (
         f"[{{name: attrs, text: Describe the image as JSON., json_schema: {json.dumps(SCHEMA)}}}, "
         '{name: year, text: "Which year?", regex: "(19|20)[0-9]{2}"}, '
-        '{name: kind, text: "Photo or drawing?", choices: [photo, drawing, screenshot]}, '
+        '{name: kind, text: "Photo or drawing?", choices: [photo, drawing, screenshot], '
+        f"choice_mode: {choice_mode}}}, "
         "{name: caption, text: Describe this image.}]"
     )
+
+
+def constrained_job(work: Path) -> dict:
+    prompts = constrained_prompts("score")
     return compared(work, "constrained", prompts, "{max_new_tokens: 48}", same_required=True)
 
 
 def fast_paths_job(work: Path) -> dict:
-    """Greedy captions in fp32 on the device with every fast path on (decode graphs, overlapped steps, fused
-    kernels) against the CPU's eager run: texts equal, as the constrained job's are without them."""
-    prompts = "[{name: caption, text: Describe this image.}, {name: short, text: One word.}]"
+    """The constrained job's prompts, all greedy (its choices generated under their grammar), in fp32 on the
+    device with every fast path on (decode graphs, overlapped steps, which mask the constrained rows on the
+    device, fused kernels) against the CPU's eager run: texts equal."""
     engine = "{" + ", ".join(f"{path}: true" for path in FAST_PATHS) + "}"
+    prompts = constrained_prompts("generate")
     return compared(work, "fast", prompts, "{max_new_tokens: 48}", same_required=True, engine=engine)
 
 
@@ -378,25 +389,29 @@ FAST_PATHS = ("cuda_graphs", "overlap", "fused_kernels")  # the engine's GPU fas
 
 
 def gpu_throughput(
-    work: Path, size: str, fast_paths: tuple[str, ...] = (), max_num_seqs: int | None = None
+    work: Path,
+    size: str,
+    fast_paths: tuple[str, ...] = (),
+    max_num_seqs: int | None = None,
+    labels: bool = False,
 ) -> dict:
-    """The captioning benchmark at a real size, with the engine's `fast_paths` on; its whole row is the
-    stage's report, with the share of samples whose text equals the run without fast paths (where that ran
-    before in this check). 1,000 samples: at the 13 samples/s batchvl's eager engine reached at Qwen2-VL-2B's
-    widths on an H200, about 75 s of the stage's 240 (the model is made in seconds; the rest is the warm-up
-    job and the FLOP count)."""
-    name = "-".join(
-        [f"gpu_throughput-{size}", *fast_paths, *([f"{max_num_seqs}seqs"] if max_num_seqs else [])]
-    )
+    """The captioning benchmark (with `labels`, its JSON-schema labeling workload) at a real size, with the
+    engine's `fast_paths` on; its whole row is the stage's report, with the share of samples whose text
+    equals the same workload's run without fast paths (where that ran before in this check). 1,000 samples:
+    at the 13 samples/s batchvl's eager engine reached at Qwen2-VL-2B's widths on an H200, about 75 s of the
+    stage's 240 (the model is made in seconds; the rest is the warm-up job and the FLOP count)."""
+    base = f"gpu_throughput-{size}" + ("-labels" if labels else "")
+    name = "-".join([base, *fast_paths, *([f"{max_num_seqs}seqs"] if max_num_seqs else [])])
     out, texts = work / f"{name}.json", work / f"{name}.texts"  # (not *.json: not kept beside the report)
     workload = ["--size", "tiny", "--samples", "8"] if ON_CPU else ["--size", size, "--samples", "1000"]
     command = [sys.executable, "benchmarks/gpu_throughput.py", "--device", DEVICE, "--json", str(out)]
     command += ["--texts", str(texts), *(f"--{path.replace('_', '-')}" for path in fast_paths)]
     command += ["--max-num-seqs", str(max_num_seqs)] if max_num_seqs else []
+    command += ["--labels"] if labels else []
     result = run([*command, *workload], 240 if size == "2b" else 300)
     result.pop("stdout", None)
     row = json.loads(out.read_text()) if out.exists() else {}
-    eager = work / f"gpu_throughput-{size}.texts"
+    eager = work / f"{base}.texts"
     if (fast_paths or max_num_seqs) and texts.exists() and eager.exists():
         mine, theirs = json.loads(texts.read_text()), json.loads(eager.read_text())
         same = sum(mine.get(key) == text for key, text in theirs.items())
@@ -440,6 +455,9 @@ STAGES = [
     ),
     # the same with the CPU's 256 sequences a step, against the 1,024 `auto` gives a large GPU
     ("gpu_throughput_2b_256_seqs", lambda work: gpu_throughput(work, "2b", max_num_seqs=256)),
+    # a labeling workload (a JSON schema's grammar masks every row): serial steps, then overlapped ones
+    ("gpu_throughput_2b_labels", lambda work: gpu_throughput(work, "2b", labels=True)),
+    ("gpu_throughput_2b_labels_overlap", lambda work: gpu_throughput(work, "2b", ("overlap",), labels=True)),
     ("throughput_wide", lambda work: throughput(work, "wide")),
     ("gpu_throughput_7b", lambda work: gpu_throughput(work, "7b")),
 ]
@@ -449,6 +467,8 @@ OPTIONAL = {
     "throughput_wide",
     "gpu_throughput_7b",
     "gpu_throughput_2b_256_seqs",
+    "gpu_throughput_2b_labels",
+    "gpu_throughput_2b_labels_overlap",
     *(f"gpu_throughput_2b_{path}" for path in FAST_PATHS),
 }
 MIN_STAGE_S = 20  # a stage started with less time left could not finish

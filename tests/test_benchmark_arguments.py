@@ -182,6 +182,18 @@ def test_the_gpu_benchmark_runs_on_the_cpu_with_the_gpus_figures_null(tmp_path):
     assert row["split_s_is_launch_time"] is True
 
 
+def test_the_gpu_benchmarks_labeling_workload_runs_every_answer_under_its_grammar(tmp_path):
+    done = gpu_throughput_run(
+        tmp_path, "--device", "cpu", "--size", "tiny", "--samples", "4", "--labels", "--overlap"
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    row = json.loads((tmp_path / "r.json").read_text())
+    assert row["workload"] == "labels" and row["grammar_s"] > 0
+    assert row["engine"]["overlap"] is True
+    # ended by the grammar, not the budget of 256 (the captions run 64 tokens each)
+    assert 10 < row["new_tokens_per_sample"] < 256 and row["new_tokens_per_sample"] != 64
+
+
 def test_the_gpu_benchmark_records_the_fused_kernels_as_the_model_has_them(benchmark):
     from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 

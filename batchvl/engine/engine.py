@@ -230,7 +230,7 @@ class Engine:
 
     def _overlapped(self, chunks: list[ScheduledChunk]) -> list[EngineResult]:
         """Launch the step with the previous step's picks fed on the device, then read those picks, then
-        leave this step's picks in flight (see `overlap.py`)."""
+        mask this step's constrained rows and leave its picks in flight (see `overlap.py`)."""
         previous = self._in_flight
         logits = self.runner.execute(
             chunks,
@@ -239,16 +239,22 @@ class Engine:
             picks_in_flight=None if previous is None else previous.picks,
             wait=False,
         )
+        # The previous picks are read first: a grammar's mask for this step follows the token they give it
+        # (filled on the host while the device runs the forward), and they are written before this step's
+        # chunks are committed, since the blocks that commit publishes to the prefix cache hold them.
+        ended = self._stopped(previous.read()) if previous is not None else []
+        ending = {request.request_id for request, _ in ended}
+        sampling = [chunk.request for chunk in chunks if chunk.samples_next_token]
+        # a request those picks end has a row here whose pick is dropped: its grammar masks nothing more
+        matchers = [None if request.request_id in ending else request.grammar for request in sampling]
+        self.grammars.mask(logits.sampled, matchers)
         picks = greedy_picks(logits.sampled)
         host = HostCopy(picks)
-        # The previous picks are written before this step's chunks are committed: the blocks that commit
-        # publishes to the prefix cache hold them.
-        ended = self._stopped(previous.read()) if previous is not None else []
         self.scheduler.commit(chunks)
         self._count_step(chunks)
         finished = [self._finish(request, reason) for request, reason in ended]
         requests, rows = [], []
-        for row, request in enumerate(chunk.request for chunk in chunks if chunk.samples_next_token):
+        for row, request in enumerate(sampling):
             if request.status is not RequestStatus.FINISHED:  # else its pick is one past its end: dropped
                 request.output_token_ids.append(placeholder(row))
                 requests.append(request)
@@ -264,10 +270,19 @@ class Engine:
         return [self._finish(request, reason) for request, reason in self._stopped(previous.read())]
 
     def _stopped(self, requests: list[Request]) -> list[tuple[Request, str]]:
-        """The requests whose newest token (a greedy pick: no grammar, no log-probabilities) ends them."""
+        """The requests whose newest token (a greedy pick: no log-probabilities) ends them."""
         self._stats.output_tokens += len(requests)
-        reasons = [(request, self.stopping.finish_reason(request)) for request in requests]
+        reasons = [(request, self._finish_reason(request)) for request in requests]
         return [(request, reason) for request, reason in reasons if reason is not None]
+
+    def _finish_reason(self, request: Request) -> str | None:
+        """Why the request's newest token ends it, if it does, once its grammar (if any) has taken it: a
+        grammar that took an end-of-sequence token allows nothing more; then the stop rules."""
+        if request.grammar is not None:  # (most requests have none: no calls for them)
+            self.grammars.accept(request.grammar, request.output_token_ids[-1])
+            if self.grammars.is_terminated(request.grammar):
+                return "stop"
+        return self.stopping.finish_reason(request)
 
     def _encode(self, plan: StepPlan, wait: bool) -> None:
         """Bring the plan's images that are not in memory from the disk cache or the vision tower (waiting
@@ -308,13 +323,7 @@ class Engine:
             if request.logprobs is not None:
                 request.logprobs.add(on_host[row], request.sampling, token)
             request.output_token_ids.append(token)
-            reason = None
-            if request.grammar is not None:  # (most requests have none: no calls for them)
-                self.grammars.accept(request.grammar, token)
-                if self.grammars.is_terminated(request.grammar):
-                    reason = "stop"  # a grammar that took an end-of-sequence token allows nothing more
-            if reason is None:
-                reason = self.stopping.finish_reason(request)
+            reason = self._finish_reason(request)
             if reason is not None:
                 finished.append(self._finish(request, reason))
         return finished

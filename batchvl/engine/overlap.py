@@ -13,11 +13,15 @@ waits for the device either: the images it encodes are not waited for (the forwa
 embeddings behind the vision call on the same stream), and a Qwen-VL vision call reads nothing back
 (`models/qwen_vision_inputs.py`).
 
-A request whose next token the host must see before it goes on (a grammar to advance, a seeded draw on
-the CPU, log-probabilities, a scored choice) is not overlapped; while one is unfinished, every step is
-serial. Keeping such requests out of steps while a pick is in flight would also work, but it would split
-the batch and run them every other step, and a job's prompts mostly share one sampling (captions: all
-greedy), so the fallback costs nothing in the common case and keeps the host-side rules on one path.
+A constrained greedy request is overlapped too: its grammar takes the picks when they are read, and the
+mask for its row of the step just launched is filled on the host then, while the device runs that step's
+forward, and applied on the device before that step's picks are made: a labeling job's grammar work,
+every row's mask every step, runs beside the device instead of between its steps. A request whose next token
+the host must draw or read in full (a seeded draw on the CPU, log-probabilities, a scored choice) is not
+overlapped; while one is unfinished, every step is serial. Keeping such requests out of steps while a pick
+is in flight would also work, but it would split the batch and run them every other step, and a job's
+prompts mostly share one sampling (captions: all greedy), so the fallback costs nothing in the common case
+and keeps the host-side rules on one path.
 """
 
 from __future__ import annotations
@@ -32,12 +36,7 @@ from batchvl.engine.request import Request
 
 def can_overlap(request: Request) -> bool:
     """Whether the request's next token may stay on the device while the next step is launched."""
-    return (
-        request.sampling.is_greedy
-        and request.grammar is None
-        and request.logprobs is None
-        and request.score_from is None
-    )
+    return request.sampling.is_greedy and request.logprobs is None and request.score_from is None
 
 
 def placeholder(row: int) -> int:

@@ -1,7 +1,8 @@
 """Constrained decoding equals transformers `generate` with xgrammar's own transformers logits processor
 (fp32, the tiny model): the same tokens and raw logits at every generated position, greedy and seeded
 sampling, for a JSON schema, a regular expression and choices, several constrained prompts of one sample
-sharing steps with an unconstrained one, and token budgets that cut some outputs short.
+sharing steps with an unconstrained one, and token budgets that cut some outputs short; greedy both with
+serial steps and with overlapped ones (`engine.overlap`), where each grammar takes its pick a step late.
 
 The reference compiles its grammars through xgrammar's own entry points (`compile_json_schema`,
 `compile_regex`, an EBNF written here), not through batchvl's `OutputConstraint`. The engine's grammar time
@@ -56,6 +57,8 @@ SAMPLINGS = {
     "greedy": dict(temperature=0.0),
     "sampled": dict(temperature=1.3, top_k=0, top_p=1.0, seed=1234),
 }
+# (sampling, engine.overlap): greedy constrained requests are overlapped too (see `overlap.py`)
+RUNS = [("greedy", False), ("greedy", True), ("sampled", False)]
 
 
 @pytest.fixture(scope="module")
@@ -97,18 +100,19 @@ def generate_constrained(model, inputs, compiled, max_new_tokens: int, sampling:
     return generate_reference(model, inputs, max_new_tokens, **options)
 
 
-@pytest.mark.parametrize("sampling_name", list(SAMPLINGS))
+@pytest.mark.parametrize("sampling_name, overlap", RUNS, ids=[f"{s}-overlap" if o else s for s, o in RUNS])
 def test_constrained_outputs_equal_generate_with_xgrammar(
-    loaded_fp32, reference, compiler, samples, sampling_name
+    loaded_fp32, reference, compiler, samples, sampling_name, overlap
 ):
     sampling = SAMPLINGS[sampling_name]
     engine = Engine(
         loaded_fp32.adapter,
         loaded_fp32.processor.tokenizer,
-        EngineConfig(max_num_batched_tokens=37, max_num_seqs=16),
+        EngineConfig(max_num_batched_tokens=37, max_num_seqs=16, overlap=overlap),
         loaded_fp32.eos_token_ids(),
     )
     probe = EngineProbe(engine)
+    fed_picks_in_flight = launches_fed_picks_in_flight(engine)
     expected = {}
     started = time.perf_counter()
     for (i, name), (ids, media, inputs) in samples.items():
@@ -138,6 +142,12 @@ def test_constrained_outputs_equal_generate_with_xgrammar(
             assert got.result.text  # the partial output is kept
         elif tokens[-1] in loaded_fp32.eos_token_ids():  # generate ended it: the grammar was complete
             assert got.result.is_complete and got.result.error is None, tag
+    # overlapped: most steps are launched before the picks of the one before are read (not those after
+    # steps of prompt chunks alone, which pick nothing)
+    if overlap:
+        assert sum(fed_picks_in_flight) >= len(fed_picks_in_flight) // 2, fed_picks_in_flight
+    else:
+        assert not any(fed_picks_in_flight)
     texts = {tag: observed[tag].result.text for tag in expected}
     for i in range(2):
         assert json.loads(texts[(i, "json")]).keys() == SCHEMA["properties"].keys()
@@ -146,9 +156,26 @@ def test_constrained_outputs_equal_generate_with_xgrammar(
         assert texts[(i, "choices")] in CHOICES
 
 
-def test_a_finished_grammar_ends_the_request_even_when_eos_is_ignored(loaded_fp32, samples):
+def launches_fed_picks_in_flight(engine: Engine) -> list[bool]:
+    """Per forward the engine launches, whether it was fed the picks of a step not yet read."""
+    fed: list[bool] = []
+    execute = engine.runner.execute
+
+    def watched_execute(*args, **options):
+        fed.append(options.get("picks_in_flight") is not None)
+        return execute(*args, **options)
+
+    engine.runner.execute = watched_execute
+    return fed
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+def test_a_finished_grammar_ends_the_request_even_when_eos_is_ignored(loaded_fp32, samples, overlap):
     engine = Engine(
-        loaded_fp32.adapter, loaded_fp32.processor.tokenizer, EngineConfig(), loaded_fp32.eos_token_ids()
+        loaded_fp32.adapter,
+        loaded_fp32.processor.tokenizer,
+        EngineConfig(overlap=overlap),
+        loaded_fp32.eos_token_ids(),
     )
     ids, media, _ = samples[(0, "choices")]
     sampling = SamplingParams(30, ignore_eos=True)

@@ -1,8 +1,9 @@
 """Overlapped steps (`engine.overlap`): the engine launches step n+1 before it reads step n's greedy picks,
 and still gives transformers `generate`'s tokens and logits (fp32) and the serial engine's results, for
 mixed token budgets, end-of-sequence tokens, stop strings, requests joining between steps, preemption and
-prefix caching; a job that mixes in sampled, constrained, logprob and scored-choice requests falls back to
-serial steps while they run and answers as the serial engine does. The probe checks the bookkeeping after
+prefix caching; a job that mixes in sampled, logprob and scored-choice requests falls back to serial steps
+while they run and answers as the serial engine does (constrained greedy requests overlap: their parity is
+in `test_constrained_parity.py`). The probe checks the bookkeeping after
 every step and that each request is answered exactly once."""
 
 from dataclasses import replace
@@ -254,8 +255,8 @@ SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required"
 
 
 def test_a_mixed_job_answers_as_the_serial_engine(loaded_fp32, cases):
-    """Greedy requests overlap until sampled, constrained, logprob and scored-choice ones join; steps are
-    serial while any of those is unfinished, and overlap again once they are done."""
+    """Greedy requests overlap until sampled, logprob and scored-choice ones join (a constrained one with
+    them); steps are serial while any of those is unfinished, and overlap again once they are done."""
     greedy = [EngineRequest(c.ids, c.media, SamplingParams(MAX_NEW_TOKENS), ("greedy", c.tag)) for c in cases]
     ids, media = cases[0].ids, cases[0].media
     others = [
@@ -281,10 +282,10 @@ def request(sampling: SamplingParams, **fields) -> Request:
     return Request(0, [1, 2, 3], [], sampling, **fields)
 
 
-def test_only_greedy_free_text_without_logprobs_is_overlapped():
+def test_greedy_requests_without_logprobs_are_overlapped_constrained_or_not():
     assert overlap.can_overlap(request(SamplingParams(4)))
+    assert overlap.can_overlap(request(SamplingParams(4), grammar=object()))
     assert not overlap.can_overlap(request(SamplingParams(4, temperature=0.7)))
-    assert not overlap.can_overlap(request(SamplingParams(4), grammar=object()))
     assert not overlap.can_overlap(request(SamplingParams(4), logprobs=object()))
     assert not overlap.can_overlap(request(SamplingParams(4), score_from=2))
 

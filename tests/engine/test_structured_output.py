@@ -1,10 +1,15 @@
 """When the engine's grammar matchers call an output complete, on the tiny model's tokenizer: a whole match
 is complete whether or not an end-of-sequence token followed it (an output cut by its token limit just
-after its last character), a proper prefix of one is not. The expected answers are written by hand."""
+after its last character), a proper prefix of one is not. The expected answers are written by hand. A
+step's bitmask keeps exactly the tokens each row's grammar accepts, on the engine's device (the GPU check
+runs this file with BATCHVL_TEST_DEVICE=cuda)."""
 
 import pytest
+import torch
+from torch.overrides import TorchFunctionMode
 
 from batchvl.engine.sampling.structured_output import GrammarMatchers, OutputConstraint
+from tests.conftest import TEST_DEVICE
 
 
 @pytest.fixture
@@ -60,3 +65,63 @@ def test_a_grammar_that_accepted_end_of_sequence_is_terminated_and_complete(gram
 def test_a_request_without_a_constraint_is_always_complete(grammars):
     unconstrained = None  # the matcher of a request without a constraint
     assert grammars.is_complete(unconstrained) and not grammars.is_terminated(unconstrained)
+
+
+class DeviceCopies(TorchFunctionMode):
+    """The `Tensor.to` calls that name a device, with whether each was asked not to block."""
+
+    def __init__(self):
+        super().__init__()
+        self.non_blocking: list[bool] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.to:
+            device, _, non_blocking, *_ = torch._C._nn._parse_to(*args[1:], **kwargs)
+            if device is not None:
+                self.non_blocking.append(non_blocking)
+        return func(*args, **kwargs)
+
+
+def allowed_tokens(matcher, vocab_size: int) -> set[int]:
+    """The tokens a matcher would accept next, each tried on a fork of it (not through a bitmask)."""
+    allowed = set()
+    for token in range(vocab_size):
+        if matcher.fork().accept_token(token):
+            allowed.add(token)
+    return allowed
+
+
+def test_a_steps_rows_keep_exactly_what_their_grammars_allow_and_the_host_never_waits(grammars, loaded_fp32):
+    """Each constrained row is masked to its grammar's next tokens, an unconstrained row is left as it is,
+    and a later step's mask does not change an earlier step's. Towards a GPU (BATCHVL_TEST_DEVICE=cuda)
+    the bitmask is sent without blocking, so an overlapped step fills it while the forward runs: there the
+    masking runs under torch's sync debug mode set to raise."""
+    device = torch.device(TEST_DEVICE)
+    vocab = loaded_fp32.adapter.geometry.vocab_size
+    steps = [
+        [
+            fed(grammars, loaded_fp32, OutputConstraint("regex", "[ab]{3}"), "a"),
+            None,
+            fed(grammars, loaded_fp32, OutputConstraint.choices(["photo", "drawing"]), "draw"),
+            fed(grammars, loaded_fp32, OutputConstraint.json_schema({"type": "integer"}), ""),
+        ],
+        [None, fed(grammars, loaded_fp32, OutputConstraint("regex", "[0-9]+"), "")],
+    ]
+    logits = [torch.zeros(len(matchers), vocab, device=device) for matchers in steps]
+    copies = DeviceCopies()
+    sync_mode = torch.cuda.get_sync_debug_mode() if device.type == "cuda" else None
+    with copies:
+        if device.type == "cuda":
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            for step_logits, matchers in zip(logits, steps, strict=True):
+                grammars.mask(step_logits, matchers)
+        finally:
+            if device.type == "cuda":
+                torch.cuda.set_sync_debug_mode(sync_mode)
+    assert copies.non_blocking == [True, True]  # one bitmask a step, sent without blocking
+    for step_logits, matchers in zip(logits, steps, strict=True):
+        for row, matcher in zip(step_logits.cpu(), matchers, strict=True):
+            kept = set(torch.isfinite(row).nonzero().flatten().tolist())
+            assert kept == (set(range(vocab)) if matcher is None else allowed_tokens(matcher, vocab))

@@ -81,6 +81,7 @@ class GrammarMatchers:
         self._compiler = None  # built on the first constrained request: reading the vocabulary takes a while
         self._compiled: dict[OutputConstraint, object] = {}
         self._bitmask: torch.Tensor | None = None
+        self._filler = None  # xgrammar's BatchGrammarMatcher, made on the first constrained step
         self.num_compiled = 0
         self.seconds = 0.0  # compiling, masking and advancing: what constraints add to the steps
 
@@ -109,18 +110,41 @@ class GrammarMatchers:
 
     def mask(self, logits: torch.Tensor, matchers: list) -> None:
         """Mask, in place, each row of `logits` whose matcher (row i is matchers[i]) is not None to the
-        tokens its grammar allows next."""
+        tokens its grammar allows next. The host never waits for the device here: towards a GPU the bitmask
+        goes from page-locked memory without blocking, so that an overlapped step fills it while the
+        forward runs (a pageable copy would wait for that forward)."""
         rows = [i for i, matcher in enumerate(matchers) if matcher is not None]
         if not rows:
             return  # no constrained request: a free-text step pays nothing
         import xgrammar as xgr
 
         started = time.perf_counter()
-        bitmask = self._bitmask_rows(len(matchers))
-        for row in rows:
-            matchers[row].fill_next_token_bitmask(bitmask, row)
-        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
+        bitmask = self._step_bitmask(len(matchers), logits.device)
+        # One call for the step's rows: at 256 rows of a five-field schema it took half the time of a call
+        # per row (the Python around each call). One thread: on 2 cores a second one made it slower at 1,
+        # 16 and 256 rows, and on a GPU the fill runs beside the forward where overlapped.
+        self._batch_filler().batch_fill_next_token_bitmask([matchers[i] for i in rows], bitmask, rows)
+        bitmask = bitmask.to(logits.device, non_blocking=True)
+        xgr.apply_token_bitmask_inplace(logits, bitmask, indices=rows)
         self.seconds += time.perf_counter() - started
+
+    def _batch_filler(self):
+        import xgrammar as xgr
+
+        if self._filler is None:
+            self._filler = xgr.BatchGrammarMatcher(max_threads=1)
+        return self._filler
+
+    def _step_bitmask(self, rows: int, device: torch.device) -> torch.Tensor:
+        """A step's host bitmask: towards a GPU a fresh one from torch's caching host allocator (page-locked;
+        a block comes back only once the copies recorded on it are done, so a later step never refills a
+        bitmask still being sent); on the CPU the one kept for the engine, applied before the next fill."""
+        if device.type == "cpu":
+            return self._bitmask_rows(rows)
+        import xgrammar as xgr
+
+        shape = xgr.get_bitmask_shape(rows, self.vocab_size)
+        return torch.empty(shape, dtype=torch.int32, pin_memory=device.type == "cuda")
 
     def accept(self, matcher, token: int) -> None:
         if matcher is not None and not matcher.is_terminated():
