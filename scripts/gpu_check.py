@@ -9,9 +9,9 @@ reported and the next still runs, in the order of what a GPU window must answer 
                    those of the fast paths: decode graphs (real CUDA graphs there), overlapped steps, the
                    fused kernels in every family, Qwen-VL vision calls that read nothing back, and
                    vision calls' pixels and steps' grammar bitmasks sent from page-locked memory
-  fast_paths_job   the constrained job's prompts, all greedy (its choices generated under their grammar), in
-                   fp32 with every fast path on (engine.cuda_graphs, engine.overlap, engine.fused_kernels)
-                   on the device against the CPU's eager run: texts equal
+  fast_paths_job   the constrained job's prompts, greedy and keeping their log-probabilities, in fp32 with
+                   every fast path on (engine.cuda_graphs, engine.overlap, engine.fused_kernels) on the
+                   device against the CPU's eager run: texts equal
   gpu_throughput_2b  benchmarks/gpu_throughput.py: 1,000 captions by Qwen2-VL-2B (made on the GPU in bf16):
                    samples/s, the share of the workload's limit, the GPU's kernel-time share and the split
                    between vision, prefill and decode, with no fast path: the baseline
@@ -321,12 +321,14 @@ def constrained_job(work: Path) -> dict:
 
 
 def fast_paths_job(work: Path) -> dict:
-    """The constrained job's prompts, all greedy (its choices generated under their grammar), in fp32 on the
-    device with every fast path on (decode graphs, overlapped steps, which mask the constrained rows on the
-    device, fused kernels) against the CPU's eager run: texts equal."""
+    """The constrained job's prompts, greedy, keeping their tokens' log-probabilities, in fp32 on the device
+    with every fast path on (decode graphs; overlapped steps, which mask the constrained rows, compute the
+    log-probabilities and score the choices on the device and read them a step late; fused kernels)
+    against the CPU's eager run: texts equal."""
     engine = "{" + ", ".join(f"{path}: true" for path in FAST_PATHS) + "}"
-    prompts = constrained_prompts("generate")
-    return compared(work, "fast", prompts, "{max_new_tokens: 48}", same_required=True, engine=engine)
+    sampling = "{max_new_tokens: 48, logprobs: true, top_logprobs: 2}"
+    prompts = constrained_prompts("score")
+    return compared(work, "fast", prompts, sampling, same_required=True, engine=engine)
 
 
 def host_step(work: Path) -> dict:

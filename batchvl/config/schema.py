@@ -313,8 +313,8 @@ class EngineConfig:
     overlap: bool = job_key(
         False,
         "Launch each engine step before reading the previous step's greedy picks, which stay on the device "
-        "(the host's work for a step runs while the GPU computes the one before; a constrained row's mask "
-        "is filled then too); serial steps while any request samples, keeps logprobs or scores choices",
+        "(the host's work for a step runs while the GPU computes the one before, constrained rows' masks "
+        "and log-probabilities included); serial steps while any request samples at a temperature",
     )
     vit_parallel: Literal["none", "data"] = job_key(
         "none", "'data': split each encode step's images across torchrun ranks (ViT data parallelism)"

@@ -30,8 +30,8 @@ from batchvl.engine.request import (
     RequestStatus,
     ScheduledChunk,
 )
-from batchvl.engine.sampling.choice_scoring import ChoiceGroup, ChoiceTokenizer
-from batchvl.engine.sampling.logprobs import TokenLogprobs, logprob_fields
+from batchvl.engine.sampling.choice_scoring import ChoiceGroup, ChoiceTokenizer, StepScores
+from batchvl.engine.sampling.logprobs import TokenLogprobs, keeps_logprobs, kept_logprobs, logprob_fields
 from batchvl.engine.sampling.sampler import greedy_picks, make_generator, rows_on_host, sample_tokens
 from batchvl.engine.sampling.stopping import StopChecker
 from batchvl.engine.sampling.structured_output import GrammarMatchers
@@ -43,6 +43,8 @@ from batchvl.engine.scheduling.scheduler import Scheduler, StepPlan
 from batchvl.engine.scheduling.step_sizes import free_cuda_bytes, resolved_step_sizes, total_cuda_bytes
 from batchvl.engine.stats import EngineStats
 from batchvl.errors import SampleError, UserError
+from batchvl.layers.attention import uploaded
+from batchvl.utils.int_tensors import int64_tensor
 from batchvl.utils.memory import MB
 
 logger = logging.getLogger(__name__)
@@ -137,7 +139,9 @@ class Engine:
 
     @property
     def num_unfinished(self) -> int:
-        return self.scheduler.num_unfinished + len(self._rejected)
+        # an overlapped step's scored choices are answered when it is read, a step after their requests end
+        scores_in_flight = self._in_flight is not None and self._in_flight.scores is not None
+        return self.scheduler.num_unfinished + len(self._rejected) + scores_in_flight
 
     @property
     def num_waiting(self) -> int:
@@ -236,30 +240,40 @@ class Engine:
             chunks,
             self.block_manager,
             self.encoder_cache.embeddings,
-            picks_in_flight=None if previous is None else previous.picks,
+            # (a step in flight may have scored choices alone: no picks to feed)
+            picks_in_flight=previous.picks if previous is not None and previous.requests else None,
             wait=False,
         )
         # The previous picks are read first: a grammar's mask for this step follows the token they give it
         # (filled on the host while the device runs the forward), and they are written before this step's
         # chunks are committed, since the blocks that commit publishes to the prefix cache hold them.
         ended = self._stopped(previous.read()) if previous is not None else []
+        scored = previous.scored() if previous is not None else []
         ending = {request.request_id for request, _ in ended}
         sampling = [chunk.request for chunk in chunks if chunk.samples_next_token]
-        # a request those picks end has a row here whose pick is dropped: its grammar masks nothing more
+        # a request those picks end has a row here whose pick is dropped: its grammar masks nothing more,
+        # and its log-probabilities are not taken
         matchers = [None if request.request_id in ending else request.grammar for request in sampling]
         self.grammars.mask(logits.sampled, matchers)
         picks = greedy_picks(logits.sampled)
         host = HostCopy(picks)
+        taken = [None if request.request_id in ending else request for request in sampling]
+        keep, logprobs = kept_logprobs(logits.sampled, taken, picks)
+        scores = StepScores(chunks, logits.scored) if self._has_scoring(chunks) else None
         self.scheduler.commit(chunks)
         self._count_step(chunks)
-        finished = [self._finish(request, reason) for request, reason in ended]
+        finished = [self._finish(request, reason) for request, reason in ended] + scored
+        if scores is not None:
+            self._free_scored(scores)
         requests, rows = [], []
         for row, request in enumerate(sampling):
             if request.status is not RequestStatus.FINISHED:  # else its pick is one past its end: dropped
                 request.output_token_ids.append(placeholder(row))
                 requests.append(request)
                 rows.append(row)
-        self._in_flight = InFlightPicks(requests, rows, picks, host) if requests else None
+        logprob_requests = [sampling[row] for row in keep]
+        in_flight = InFlightPicks(requests, rows, picks, host, logprob_requests, logprobs, scores)
+        self._in_flight = in_flight if requests or scores is not None else None
         return finished
 
     def _read_in_flight(self) -> list[EngineResult]:
@@ -267,10 +281,11 @@ class Engine:
         previous, self._in_flight = self._in_flight, None
         if previous is None:
             return []
-        return [self._finish(request, reason) for request, reason in self._stopped(previous.read())]
+        ended = self._stopped(previous.read())
+        return [self._finish(request, reason) for request, reason in ended] + previous.scored()
 
     def _stopped(self, requests: list[Request]) -> list[tuple[Request, str]]:
-        """The requests whose newest token (a greedy pick: no log-probabilities) ends them."""
+        """The requests whose newest token (a greedy pick) ends them."""
         self._stats.output_tokens += len(requests)
         reasons = [(request, self._finish_reason(request)) for request in requests]
         return [(request, reason) for request, reason in reasons if reason is not None]
@@ -307,10 +322,8 @@ class Engine:
     def _sample(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> list[EngineResult]:
         sampling = [chunk.request for chunk in chunks if chunk.samples_next_token]
         self.grammars.mask(logits, [request.grammar for request in sampling])
-        # The rows drawn from (on the CPU) or whose log-probabilities are kept, read from the device at once
-        on_host = rows_on_host(
-            logits, [not request.sampling.is_greedy or request.logprobs is not None for request in sampling]
-        )
+        # The rows drawn from (on the CPU), read from the device at once
+        on_host = rows_on_host(logits, [not request.sampling.is_greedy for request in sampling])
         tokens = sample_tokens(
             logits,
             [request.sampling for request in sampling],
@@ -318,9 +331,18 @@ class Engine:
             on_host,
         )
         self._stats.output_tokens += len(tokens)
+        # A greedy token's log-probabilities are computed on the device, as an overlapped step does
+        greedy = [request if request.sampling.is_greedy else None for request in sampling]
+        kept = {}
+        if any(map(keeps_logprobs, greedy)):
+            (picked,) = uploaded([int64_tensor(tokens)], logits.device)
+            keep, logprobs = kept_logprobs(logits, greedy, picked)
+            kept = dict(zip(keep, logprobs.read(), strict=True))
         finished = []
         for row, (request, token) in enumerate(zip(sampling, tokens, strict=True)):
-            if request.logprobs is not None:
+            if row in kept:
+                request.logprobs.append(*kept[row], request.sampling)
+            elif request.logprobs is not None:
                 request.logprobs.add(on_host[row], request.sampling, token)
             request.output_token_ids.append(token)
             reason = self._finish_reason(request)
@@ -328,20 +350,25 @@ class Engine:
                 finished.append(self._finish(request, reason))
         return finished
 
+    @staticmethod
+    def _has_scoring(chunks: list[ScheduledChunk]) -> bool:
+        return any(chunk.request.choice is not None for chunk in chunks)
+
     def _score(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> list[EngineResult]:
-        """Hand each scoring request's chunk its rows of logits (a row per scored position, in chunk
-        order) to its choice group; a request is done when its chunk reaches its end, and the group's
+        """Hand each scoring request's chunk its rows' log-probabilities (a row per scored position, in
+        chunk order) to its choice group; a request is done when its chunk reaches its end, and the group's
         result comes with its last request's."""
-        scoring = [chunk for chunk in chunks if chunk.request.choice is not None]
-        rows = logits.split([len(chunk.scored_positions) for chunk in scoring])
-        finished = []
-        for chunk, chunk_logits in zip(scoring, rows, strict=True):
-            result = chunk.request.choice.collect(chunk, chunk_logits)
+        if not self._has_scoring(chunks):
+            return []
+        scores = StepScores(chunks, logits)
+        self._free_scored(scores)
+        return scores.collect()
+
+    def _free_scored(self, scores: StepScores) -> None:
+        """Finish the scoring requests whose chunk reached their end: their group holds what they scored."""
+        for chunk in scores.chunks:
             if chunk.reaches_end:
                 self.scheduler.finish(chunk.request)  # frees its KV blocks and images; nothing else holds it
-            if result is not None:
-                finished.append(result)
-        return finished
 
     def _finish(self, request: Request, reason: str) -> EngineResult:
         self.scheduler.finish(request)  # frees its KV blocks and images; nothing else holds it

@@ -16,12 +16,18 @@ embeddings behind the vision call on the same stream), and a Qwen-VL vision call
 A constrained greedy request is overlapped too: its grammar takes the picks when they are read, and the
 mask for its row of the step just launched is filled on the host then, while the device runs that step's
 forward, and applied on the device before that step's picks are made: a labeling job's grammar work,
-every row's mask every step, runs beside the device instead of between its steps. A request whose next token
-the host must draw or read in full (a seeded draw on the CPU, log-probabilities, a scored choice) is not
-overlapped; while one is unfinished, every step is serial. Keeping such requests out of steps while a pick
-is in flight would also work, but it would split the batch and run them every other step, and a job's
-prompts mostly share one sampling (captions: all greedy), so the fallback costs nothing in the common case
-and keeps the host-side rules on one path.
+every row's mask every step, runs beside the device instead of between its steps. The log-probabilities
+of a greedy request that keeps them, and a scored choice's, are computed on the device from the step's
+logits and copied without waiting (`RowLogprobs`); the host reads them with the picks, and a scoring
+request's group is answered then, a step after its request ended (`Engine.num_unfinished` counts it
+until then). A serial step computes them the same way and reads them at once, so the two give the same
+values for the same logits.
+
+Only a request that samples at a temperature keeps steps serial while it is unfinished: its token is drawn
+on the CPU from its own seeded generator, which must see its logits before the next step can be built.
+Keeping such requests out of steps while a pick is in flight would also work, but it would split the batch
+and run them every other step, and a job's prompts mostly share one sampling (captions and labels:
+greedy), so the fallback costs nothing in the common case and keeps the host-side rules on one path.
 """
 
 from __future__ import annotations
@@ -31,12 +37,14 @@ from dataclasses import dataclass
 import torch
 
 from batchvl.engine.device.host_copy import HostCopy
-from batchvl.engine.request import Request
+from batchvl.engine.request import EngineResult, Request
+from batchvl.engine.sampling.choice_scoring import StepScores
+from batchvl.engine.sampling.logprobs import RowLogprobs
 
 
 def can_overlap(request: Request) -> bool:
     """Whether the request's next token may stay on the device while the next step is launched."""
-    return request.sampling.is_greedy and request.logprobs is None and request.score_from is None
+    return request.sampling.is_greedy or request.score_from is not None  # a scoring request samples nothing
 
 
 def placeholder(row: int) -> int:
@@ -51,17 +59,29 @@ def with_picks(token_ids: torch.Tensor, picks: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class InFlightPicks:
-    """A launched step's greedy picks, not yet read: `requests[i]`'s newest output token is the placeholder
-    of row `rows[i]`."""
+    """A launched step's results, not yet read: its greedy picks (`requests[i]`'s newest output token is the
+    placeholder of row `rows[i]`), the log-probabilities of those picks whose requests keep them (in
+    `logprob_requests`' order), and its scored choices' log-probabilities."""
 
     requests: list[Request]
     rows: list[int]
     picks: torch.Tensor  # on the device, read by the next step's forward
     host: HostCopy
+    logprob_requests: list[Request]
+    logprobs: RowLogprobs | None
+    scores: StepScores | None
 
     def read(self) -> list[Request]:
-        """Write the picks over their placeholders (waiting for them alone); the requests, in row order."""
+        """Write the picks over their placeholders (waiting for them alone) and add the log-probabilities
+        of those that keep them; the requests, in row order."""
         tokens = self.host.tolist()
         for request, row in zip(self.requests, self.rows, strict=True):
             request.output_token_ids[-1] = tokens[row]
+        if self.logprobs is not None:
+            for request, (chosen, top) in zip(self.logprob_requests, self.logprobs.read(), strict=True):
+                request.logprobs.append(chosen, top, request.sampling)
         return self.requests
+
+    def scored(self) -> list[EngineResult]:
+        """The results of the scored-choice groups whose last request the step ended."""
+        return self.scores.collect() if self.scores is not None else []

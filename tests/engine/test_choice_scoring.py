@@ -1,7 +1,8 @@
 """Scored choices equal the same sums computed with transformers' model forward (fp32, the tiny model):
 for each choice, the log-probabilities of its tokens and the end-of-sequence token given the prompt,
 teacher-forced. Checked with chunked prefill cutting through the choices, with a KV cache small enough
-to preempt, and next to a generating request that must still equal `generate`. The winning choice is
+to preempt, with overlapped steps (the scores read a step late), and next to a generating request that
+must still equal `generate`. The winning choice is
 neither the first nor the last, and on hand-made logits the first of equally probable choices wins."""
 
 import pytest
@@ -12,11 +13,13 @@ from batchvl.config import EngineConfig
 from batchvl.engine.engine import Engine
 from batchvl.engine.request import EngineRequest
 from batchvl.engine.sampling.choice_scoring import ChoiceGroup
+from batchvl.engine.sampling.logprobs import RowLogprobs
 from batchvl.engine.sampling.params import SamplingParams
 from batchvl.preprocess.prompts import PromptRenderer
 from batchvl.preprocess.qwen_vision import QwenVisionSpec, prepare_image
 from tests.conftest import random_image, reference_processor
 from tests.engine.reference import EngineProbe, generate_reference, inputs_for
+from tests.engine.test_constrained_parity import launches_fed_picks_in_flight
 
 CHOICES = ("drawing", "photo", "a screenshot of a web page")
 TOLERANCE = 1e-4  # fp32: the engine and the reference sum in different orders
@@ -25,6 +28,8 @@ LIMITS = {
     "preempting": EngineConfig(
         max_num_batched_tokens=24, max_num_seqs=16, kv_cache_mb=0.08, prefix_caching=False
     ),
+    # the scores read a step after their step is launched (see `overlap.py`)
+    "chunked-overlap": EngineConfig(max_num_batched_tokens=37, max_num_seqs=16, overlap=True),
 }
 
 
@@ -69,6 +74,7 @@ def test_choice_scores_equal_model_forward(loaded_fp32, reference, samples, limi
     assert len(tokenizer(CHOICES[2], add_special_tokens=False)["input_ids"]) > 3  # several scored tokens
     engine = Engine(loaded_fp32.adapter, tokenizer, LIMITS[limits_name], loaded_fp32.eos_token_ids())
     probe = EngineProbe(engine)
+    fed_picks_in_flight = launches_fed_picks_in_flight(engine)
     preempted_scoring = []  # whether each preempted request was scoring a choice
     preempt = engine.scheduler._preempt
     engine.scheduler._preempt = lambda r: (preempted_scoring.append(r.score_from is not None), preempt(r))
@@ -105,11 +111,38 @@ def test_choice_scores_equal_model_forward(loaded_fp32, reference, samples, limi
     for i, (_, _, inputs) in enumerate(samples):
         want = generate_reference(reference, inputs, 12).tokens
         assert observed[("free", i)].result.output_token_ids == want
+    if engine.config.overlap:  # most steps launched before the step before was read
+        assert sum(fed_picks_in_flight) >= len(fed_picks_in_flight) // 2, fed_picks_in_flight
+    else:
+        assert not any(fed_picks_in_flight)
     if limits_name == "preempting":
         assert any(preempted_scoring)  # a choice was scored again from its start
     else:  # the choices of a prompt share its cached prefix: computed once, not once per choice
         prompt_tokens = sum(len(ids) for ids, _, _ in samples)
         assert engine.stats.prefix_cache_hit_tokens >= (len(CHOICES) - 1) * (prompt_tokens - 2 * 16)
+
+
+def test_a_job_of_scored_choices_alone_is_answered_in_full_with_overlapped_steps(loaded_fp32, samples):
+    """The last step's scores are read after every request has ended: the engine is not done until then."""
+    items = [
+        EngineRequest(ids, media, SamplingParams(4, top_logprobs=2), ("choices", i), scored_choices=CHOICES)
+        for i, (ids, media, _) in enumerate(samples)
+    ]
+    answers = {}
+    for overlap in (False, True):
+        config = EngineConfig(max_num_batched_tokens=37, overlap=overlap)
+        engine = Engine(
+            loaded_fp32.adapter, loaded_fp32.processor.tokenizer, config, loaded_fp32.eos_token_ids()
+        )
+        for item in items:
+            engine.add_request(item)
+        observed = EngineProbe(engine).run()
+        answers[overlap] = {
+            tag: (o.result.text, o.result.choice_logprobs, o.result.token_logprobs, o.result.top_logprobs)
+            for tag, o in observed.items()
+        }
+    assert set(answers[True]) == {item.tag for item in items}
+    assert answers[True] == answers[False]
 
 
 def test_a_choice_that_cannot_fit_rejects_the_prompt(loaded_fp32, samples):
@@ -147,7 +180,8 @@ def test_the_most_probable_choice_wins_and_the_first_of_equal_ones(choices, best
     item = EngineRequest(list(range(9)), [], SamplingParams(top_logprobs=1), "t", scored_choices=names)
     group = ChoiceGroup(item, [[token, EOS] for token, _ in choices.values()])
     for index, (token, row) in enumerate(choices.values()):
-        group.record(index, 0, torch.stack([row, END]), [token, EOS])
+        rows = RowLogprobs(torch.stack([row, END]), torch.tensor([token, EOS]), top=1).read()
+        group.record(index, 0, rows)
     end = torch.log_softmax(END, -1)
     want = [float(torch.log_softmax(row, -1)[token]) + float(end[EOS]) for token, row in choices.values()]
     scores = group.result().choice_logprobs

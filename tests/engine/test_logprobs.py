@@ -1,7 +1,8 @@
 """`sampling.logprobs` and `top_logprobs` equal what transformers reports for the same generation:
 `compute_transition_scores(..., normalize_logits=True)` over `generate`'s scores for each chosen token,
 and the log-softmax of those scores for the most likely tokens (fp32, the tiny model; greedy, seeded
-sampling with top-k, and a constrained prompt whose scores are masked)."""
+sampling with top-k, and a constrained prompt whose scores are masked; the greedy ones with serial steps
+and with overlapped ones, which compute them on the device and read them a step later)."""
 
 import json
 
@@ -20,6 +21,7 @@ from batchvl.preprocess.prompts import PromptRenderer
 from batchvl.preprocess.qwen_vision import QwenVisionSpec, prepare_image
 from tests.conftest import random_image, reference_processor
 from tests.engine.reference import EngineProbe
+from tests.engine.test_constrained_parity import launches_fed_picks_in_flight
 
 SCHEMA = {
     "type": "object",
@@ -33,6 +35,8 @@ CASES = {
     "sampled-top-k": (dict(temperature=1.3, top_k=20, seed=7), False),
     "greedy-constrained": (dict(temperature=0.0), True),
 }
+# (case, engine.overlap): greedy requests keep their log-probabilities in overlapped steps too
+RUNS = [(case, False) for case in CASES] + [("greedy", True), ("greedy-constrained", True)]
 
 
 @pytest.fixture(scope="module")
@@ -78,8 +82,8 @@ def transformers_logprobs(model, loaded, inputs, sampling: dict, constrained: bo
     return tokens, chosen.tolist(), [(t.indices.tolist(), t.values.tolist()) for t in top]
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_logprobs_equal_transformers_transition_scores(loaded_fp32, reference, prompt, case):
+@pytest.mark.parametrize("case, overlap", RUNS, ids=[f"{c}-overlap" if o else c for c, o in RUNS])
+def test_logprobs_equal_transformers_transition_scores(loaded_fp32, reference, prompt, case, overlap):
     sampling, constrained = CASES[case]
     ids, media, inputs = prompt
     max_new_tokens = 12
@@ -87,8 +91,12 @@ def test_logprobs_equal_transformers_transition_scores(loaded_fp32, reference, p
         reference, loaded_fp32, inputs, sampling, constrained, max_new_tokens
     )
     engine = Engine(
-        loaded_fp32.adapter, loaded_fp32.processor.tokenizer, EngineConfig(), loaded_fp32.eos_token_ids()
+        loaded_fp32.adapter,
+        loaded_fp32.processor.tokenizer,
+        EngineConfig(overlap=overlap),
+        loaded_fp32.eos_token_ids(),
     )
+    fed_picks_in_flight = launches_fed_picks_in_flight(engine)
     params = SamplingParams(max_new_tokens, logprobs=True, top_logprobs=TOP, **sampling)
     constraint = OutputConstraint.json_schema(SCHEMA) if constrained else None
     engine.add_request(EngineRequest(ids, media, params, "t", constraint=constraint))
@@ -103,3 +111,5 @@ def test_logprobs_equal_transformers_transition_scores(loaded_fp32, reference, p
         assert [text for text, _, _ in position] == decoded
     if constrained:  # the masked distribution: only tokens the grammar allows have finite log-probabilities
         assert all(value > float("-inf") for value in result.token_logprobs)
+    # overlapped: every step after the prompt's is launched before the picks of the one before are read
+    assert fed_picks_in_flight == [False] + [overlap] * (len(fed_picks_in_flight) - 1)

@@ -1,10 +1,11 @@
 """Overlapped steps (`engine.overlap`): the engine launches step n+1 before it reads step n's greedy picks,
 and still gives transformers `generate`'s tokens and logits (fp32) and the serial engine's results, for
 mixed token budgets, end-of-sequence tokens, stop strings, requests joining between steps, preemption and
-prefix caching; a job that mixes in sampled, logprob and scored-choice requests falls back to serial steps
-while they run and answers as the serial engine does (constrained greedy requests overlap: their parity is
-in `test_constrained_parity.py`). The probe checks the bookkeeping after
-every step and that each request is answered exactly once."""
+prefix caching, with half of the requests keeping their tokens' log-probabilities; a job that mixes in
+sampled requests falls back to serial steps while they run and answers as the serial engine does
+(constrained, logprob and scored-choice requests overlap: their parity with transformers is in
+`test_constrained_parity.py`, `test_logprobs.py` and `test_choice_scoring.py`). The probe checks the
+bookkeeping after every step and that each request is answered exactly once."""
 
 from dataclasses import replace
 
@@ -107,7 +108,7 @@ class Run:
 
 
 def results_of(observed: dict) -> dict:
-    """What a row is made of, per tag."""
+    """What a row is made of, per tag, its log-probabilities apart (see `assert_same_results`)."""
     return {
         tag: (
             o.result.output_token_ids,
@@ -115,22 +116,43 @@ def results_of(observed: dict) -> dict:
             o.result.finish_reason,
             o.result.num_prompt_tokens,
             o.result.is_complete,
-            o.result.token_logprobs,
-            o.result.top_logprobs,
-            o.result.choice_logprobs,
             o.result.error,
+            [[(text, token) for text, token, _ in position] for position in o.result.top_logprobs or []],
         )
         for tag, o in observed.items()
     }
 
 
+def logprob_values_of(observed: dict) -> dict:
+    """Per tag, every log-probability a row holds: its tokens', the most likely tokens', its choices'."""
+    return {
+        tag: [
+            *(o.result.token_logprobs or []),
+            *(value for position in o.result.top_logprobs or [] for _, _, value in position),
+            *(o.result.choice_logprobs or []),
+        ]
+        for tag, o in observed.items()
+    }
+
+
+def assert_same_results(observed: dict, serial: dict) -> None:
+    """The same rows, their log-probabilities within fp32 noise: a request that ends is run one step
+    further when overlapped, so the others' steps hold other rows, and the forward's sums round apart in
+    the last bits."""
+    assert results_of(observed) == results_of(serial)
+    values, serial_values = logprob_values_of(observed), logprob_values_of(serial)
+    for tag, got in values.items():
+        assert got == pytest.approx(serial_values[tag], abs=1e-5), tag
+
+
 def greedy_arrivals(cases, join_at: list[int]) -> dict[int, list[EngineRequest]]:
-    """The cases as requests with their budgets; case i joins before step join_at[i]."""
+    """The cases as requests with their budgets; case i joins before step join_at[i]. Every other one keeps
+    its tokens' log-probabilities (and two of the most likely tokens'), which overlapped steps read a step
+    late, so that requests keeping them end while others go on."""
     arrivals: dict[int, list[EngineRequest]] = {}
-    for case, budget, step in zip(cases, BUDGETS, join_at, strict=True):
-        arrivals.setdefault(step, []).append(
-            EngineRequest(case.ids, case.media, SamplingParams(budget), case.tag)
-        )
+    for i, (case, budget, step) in enumerate(zip(cases, BUDGETS, join_at, strict=True)):
+        sampling = SamplingParams(budget, logprobs=True, top_logprobs=2) if i % 2 else SamplingParams(budget)
+        arrivals.setdefault(step, []).append(EngineRequest(case.ids, case.media, sampling, case.tag))
     return arrivals
 
 
@@ -161,7 +183,7 @@ def test_overlapped_steps_equal_generate_and_the_serial_engine(loaded_fp32, case
     assert set(observed) == {case.tag for case in cases}
     for case in expected:
         assert_matches_reference(observed[case.tag], case)
-    assert results_of(observed) == results_of(serial_observed)
+    assert_same_results(observed, serial_observed)
     assert overlapped.engine.stats.output_tokens == serial.engine.stats.output_tokens  # no pick past an end
     assert not any(serial.launched) and "read" not in serial.order
     assert sum(overlapped.launched) >= len(overlapped.launched) // 2  # most steps fed the picks in flight
@@ -230,7 +252,7 @@ def test_stop_strings_end_overlapped_requests_where_generate_stops(loaded_fp32, 
     observed = Run(loaded_fp32, replace(limits, overlap=True))(arrivals)
     assert {tag: o.result.output_token_ids for tag, o in observed.items()} == wanted
     assert all(o.result.finish_reason == "stop" for o in observed.values())
-    assert results_of(observed) == results_of(Run(loaded_fp32, limits)(arrivals))
+    assert_same_results(observed, Run(loaded_fp32, limits)(arrivals))
 
 
 def test_blocks_of_generated_tokens_are_cached_under_the_tokens_picked(loaded_fp32, cases):
@@ -245,7 +267,7 @@ def test_blocks_of_generated_tokens_are_cached_under_the_tokens_picked(loaded_fp
     }
     limits = EngineConfig(max_num_batched_tokens=4096, block_size=block)
     serial, overlapped = Run(loaded_fp32, limits), Run(loaded_fp32, replace(limits, overlap=True))
-    assert results_of(overlapped(arrivals)) == results_of(serial(arrivals))
+    assert_same_results(overlapped(arrivals), serial(arrivals))
     computed = len(follow_up) - len(case.ids[-5:]) - 1  # every token but the last output's KV, serially
     assert serial.engine.stats.prefix_cache_hit_tokens == computed // block * block
     assert overlapped.engine.stats.prefix_cache_hit_tokens == (computed + 1) // block * block
@@ -255,8 +277,8 @@ SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required"
 
 
 def test_a_mixed_job_answers_as_the_serial_engine(loaded_fp32, cases):
-    """Greedy requests overlap until sampled, logprob and scored-choice ones join (a constrained one with
-    them); steps are serial while any of those is unfinished, and overlap again once they are done."""
+    """Greedy requests overlap until a sampled one joins (with a constrained, a logprob and a scored-choice
+    one); steps are serial while it is unfinished, and overlap again once it is done."""
     greedy = [EngineRequest(c.ids, c.media, SamplingParams(MAX_NEW_TOKENS), ("greedy", c.tag)) for c in cases]
     ids, media = cases[0].ids, cases[0].media
     others = [
@@ -270,7 +292,7 @@ def test_a_mixed_job_answers_as_the_serial_engine(loaded_fp32, cases):
     serial = Run(loaded_fp32, limits)(arrivals)
     run = Run(loaded_fp32, replace(limits, overlap=True))
     observed = run(arrivals)
-    assert results_of(observed) == results_of(serial)
+    assert_same_results(observed, serial)
     for i, case in enumerate(cases):
         assert observed[("greedy", case.tag)].result.output_token_ids == case.expected.tokens, i
     # overlapped at the start and at the end, serial while the others ran
@@ -282,12 +304,13 @@ def request(sampling: SamplingParams, **fields) -> Request:
     return Request(0, [1, 2, 3], [], sampling, **fields)
 
 
-def test_greedy_requests_without_logprobs_are_overlapped_constrained_or_not():
+def test_only_a_request_that_samples_at_a_temperature_keeps_steps_serial():
     assert overlap.can_overlap(request(SamplingParams(4)))
     assert overlap.can_overlap(request(SamplingParams(4), grammar=object()))
+    assert overlap.can_overlap(request(SamplingParams(4), logprobs=object()))
+    assert overlap.can_overlap(request(SamplingParams(4), score_from=2))
+    assert overlap.can_overlap(request(SamplingParams(4, temperature=0.7), score_from=2))  # draws nothing
     assert not overlap.can_overlap(request(SamplingParams(4, temperature=0.7)))
-    assert not overlap.can_overlap(request(SamplingParams(4), logprobs=object()))
-    assert not overlap.can_overlap(request(SamplingParams(4), score_from=2))
 
 
 def test_placeholders_take_the_pick_of_their_row():

@@ -22,7 +22,9 @@ from typing import Any
 import torch
 
 from batchvl.engine.request import EngineRequest, EngineResult, MediaSpan, Request, ScheduledChunk
-from batchvl.engine.sampling.logprobs import TokenLogprobs, logprob_fields
+from batchvl.engine.sampling.logprobs import RowLogprobs, TokenLogprobs, TopTokens, logprob_fields
+from batchvl.layers.attention import uploaded
+from batchvl.utils.int_tensors import int64_tensor
 
 
 class ChoiceTokenizer:
@@ -86,15 +88,15 @@ class ChoiceGroup:
         self._pending = set(self._choice_of)
         return requests
 
-    def collect(self, chunk: ScheduledChunk, logits: torch.Tensor) -> EngineResult | None:
-        """Record the logits a step computed for a chunk of one of its requests (a row per position of
-        `chunk.scored_positions`); returns the group's result once its last request has reached its end."""
+    def collect(self, chunk: ScheduledChunk, rows: list[tuple[float, TopTokens]]) -> EngineResult | None:
+        """Record what a step computed for a chunk of one of its requests (per position of
+        `chunk.scored_positions`, its token's log-probability and the most likely tokens, see
+        `RowLogprobs`); returns the group's result once its last request has reached its end."""
         request = chunk.request
         positions = chunk.scored_positions
         if positions:
-            targets = request.token_ids(positions.start + 1, positions.stop + 1)
             first = positions.start - (self.num_prompt_tokens - 1)
-            self.record(self._choice_of[request.request_id], first, logits, targets)
+            self.record(self._choice_of[request.request_id], first, rows)
         if not chunk.reaches_end:
             return None
         self._pending.remove(request.request_id)
@@ -104,19 +106,14 @@ class ChoiceGroup:
         record = self.best_token_logprobs() if sampling.wants_logprobs else None
         return dataclasses.replace(self.result(), **logprob_fields(record, sampling, self.tokenizer))
 
-    def record(self, choice: int, first_position: int, logits: torch.Tensor, targets: list[int]) -> None:
-        """Record the log-probabilities of `targets` under the logits rows of consecutive positions from
-        `first_position` (0 is the position that predicts the choice's first token)."""
-        logprobs = torch.log_softmax(logits, dim=-1)
-        end = first_position + len(targets)
-        self.logprobs[choice][first_position:end] = logprobs[torch.arange(len(targets)), targets]
+    def record(self, choice: int, first_position: int, rows: list[tuple[float, TopTokens]]) -> None:
+        """Record the rows of consecutive positions from `first_position` (0 is the position that predicts
+        the choice's first token)."""
+        end = first_position + len(rows)
+        self.logprobs[choice][first_position:end] = torch.tensor([chosen for chosen, _ in rows])
         top_logprobs = self.item.sampling.top_logprobs
         if top_logprobs:
-            values, ids = torch.topk(logprobs, min(top_logprobs, logprobs.shape[-1]))
-            self.top[choice][first_position:end] = [
-                list(zip(row_ids, row_values, strict=True))
-                for row_ids, row_values in zip(ids.tolist(), values.tolist(), strict=True)
-            ]
+            self.top[choice][first_position:end] = [top[:top_logprobs] for _, top in rows]
 
     @property
     def scores(self) -> list[float]:
@@ -146,3 +143,33 @@ class ChoiceGroup:
             latency_s=time.perf_counter() - self.start_time,
             choice_logprobs=self.scores,
         )
+
+
+class StepScores:
+    """A step's chunks of scoring requests, and the log-probabilities of the tokens they score (each
+    position's next token), computed on the device for all of them at once (`RowLogprobs`); `collect` hands
+    each chunk's group its rows: a serial step at once, an overlapped one when it reads its picks."""
+
+    def __init__(self, chunks: list[ScheduledChunk], logits: torch.Tensor):
+        """`logits`: a row per scored position of the chunks of scoring requests, in chunk order (see
+        `StepLogits.scored`)."""
+        self.chunks = [chunk for chunk in chunks if chunk.request.choice is not None]
+        targets = []
+        for chunk in self.chunks:
+            positions = chunk.scored_positions
+            targets += chunk.request.token_ids(positions.start + 1, positions.stop + 1)
+        top = max((chunk.request.sampling.top_logprobs for chunk in self.chunks), default=0)
+        (on_device,) = uploaded([int64_tensor(targets)], logits.device)
+        self._rows = RowLogprobs(logits, on_device, top) if targets else None
+
+    def collect(self) -> list[EngineResult]:
+        """The results of the groups whose last request these chunks ended."""
+        rows = self._rows.read() if self._rows is not None else []
+        results, offset = [], 0
+        for chunk in self.chunks:
+            count = len(chunk.scored_positions)
+            result = chunk.request.choice.collect(chunk, rows[offset : offset + count])
+            offset += count
+            if result is not None:
+                results.append(result)
+        return results

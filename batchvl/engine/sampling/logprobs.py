@@ -11,8 +11,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from batchvl.engine.device.host_copy import HostCopy
 from batchvl.engine.sampling.params import SamplingParams
 from batchvl.engine.sampling.sampler import filtered_logits
+from batchvl.layers.attention import uploaded
+from batchvl.utils.int_tensors import int64_tensor
+
+# (token id, log-probability) of the most likely tokens at a position, the most likely first
+TopTokens = list[tuple[int, float]]
 
 
 @dataclass
@@ -20,16 +26,68 @@ class TokenLogprobs:
     """One request's record: per generated token, its log-probability and the most likely tokens."""
 
     chosen: list[float] = field(default_factory=list)
-    top: list[list[tuple[int, float]]] = field(default_factory=list)  # (token id, log-probability)
+    top: list[TopTokens] = field(default_factory=list)
 
     def add(self, logits: torch.Tensor, params: SamplingParams, token: int) -> None:
-        """Record the token chosen from a (vocab,) float32 logits row (already masked by a constraint)."""
-        scores = logits if params.is_greedy else filtered_logits(logits, params)
-        logprobs = torch.log_softmax(scores, dim=-1)
-        self.chosen.append(float(logprobs[token]))
+        """Record a sampled token from its (vocab,) float32 logits row (already masked by a constraint)."""
+        logprobs = torch.log_softmax(filtered_logits(logits, params), dim=-1)
+        top = []
         if params.top_logprobs:
             values, ids = torch.topk(logprobs, min(params.top_logprobs, logprobs.shape[-1]))
-            self.top.append(list(zip(ids.tolist(), values.tolist(), strict=True)))
+            top = list(zip(ids.tolist(), values.tolist(), strict=True))
+        self.append(float(logprobs[token]), top, params)
+
+    def append(self, chosen: float, top: TopTokens, params: SamplingParams) -> None:
+        self.chosen.append(chosen)
+        if params.top_logprobs:
+            self.top.append(top[: params.top_logprobs])
+
+
+class RowLogprobs:
+    """Per logits row, the log-probability of a given token and the `top` most likely tokens, computed on
+    the logits' device for all rows at once and read to the host without waiting for the device's other
+    work (`HostCopy`): a serial step reads them at once, an overlapped one when it reads its picks.
+
+    Greedy tokens and scored choices take this path; a sampled token's comes from its filtered row on the
+    CPU (`TokenLogprobs.add`). Each request's most likely tokens are the first of the step's largest
+    `top`: `torch.topk` returns them largest first."""
+
+    def __init__(self, logits: torch.Tensor, tokens: torch.Tensor, top: int):
+        """`logits` (rows, vocab) float32 and `tokens` (rows,) int64 on the same device."""
+        logprobs = torch.log_softmax(logits, dim=-1)
+        self.top = min(top, logprobs.shape[-1])
+        chosen = logprobs.gather(-1, tokens[:, None])
+        values, ids = torch.topk(logprobs, self.top)
+        # one float32 tensor, one copy: token ids are exact in float32 below 2**24
+        self._host = HostCopy(torch.cat([chosen, values, ids.to(logprobs.dtype)], dim=-1))
+
+    def read(self) -> list[tuple[float, TopTokens]]:
+        """Per row, (the token's log-probability, the most likely tokens), once the device has computed
+        them."""
+        top = self.top
+        return [
+            (row[0], list(zip(map(int, row[1 + top :]), row[1 : 1 + top], strict=True)))
+            for row in self._host.tolist()
+        ]
+
+
+def keeps_logprobs(request) -> bool:
+    """Whether a request (or None, one not taken) keeps its tokens' log-probabilities."""
+    return request is not None and request.logprobs is not None
+
+
+def kept_logprobs(
+    logits: torch.Tensor, requests: list, tokens: torch.Tensor
+) -> tuple[list[int], RowLogprobs | None]:
+    """The rows of (rows, vocab) `logits` whose request keeps its tokens' log-probabilities (`requests[i]`
+    is row i's; None: not taken), and those rows' `RowLogprobs` for their tokens in `tokens` (an int64
+    tensor over all the rows, on the logits' device), as many most likely tokens as the most asked for."""
+    rows = [row for row, request in enumerate(requests) if keeps_logprobs(request)]
+    if not rows:
+        return rows, None
+    top = max(requests[row].sampling.top_logprobs for row in rows)
+    (index,) = uploaded([int64_tensor(rows)], logits.device)
+    return rows, RowLogprobs(logits.index_select(0, index), tokens.index_select(0, index), top)
 
 
 def logprob_fields(record: TokenLogprobs | None, params: SamplingParams, tokenizer) -> dict:
