@@ -120,7 +120,8 @@ def test_a_steps_rows_keep_exactly_what_their_grammars_allow_and_the_host_never_
         finally:
             if device.type == "cuda":
                 torch.cuda.set_sync_debug_mode(sync_mode)
-    assert copies.non_blocking == [True, True]  # one bitmask a step, sent without blocking
+    # each step's bitmask (and on a GPU its rows' indices) sent without blocking
+    assert len(copies.non_blocking) >= 2 and all(copies.non_blocking), copies.non_blocking
     for step_logits, matchers in zip(logits, steps, strict=True):
         for row, matcher in zip(step_logits.cpu(), matchers, strict=True):
             kept = set(torch.isfinite(row).nonzero().flatten().tolist())

@@ -158,9 +158,11 @@ class StepScores:
         for chunk in self.chunks:
             positions = chunk.scored_positions
             targets += chunk.request.token_ids(positions.start + 1, positions.stop + 1)
-        top = max((chunk.request.sampling.top_logprobs for chunk in self.chunks), default=0)
-        (on_device,) = uploaded([int64_tensor(targets)], logits.device)
-        self._rows = RowLogprobs(logits, on_device, top) if targets else None
+        self._rows = None  # chunks before their scored positions (a long prompt's first chunks) have none
+        if targets:
+            top = max(chunk.request.sampling.top_logprobs for chunk in self.chunks)
+            (on_device,) = uploaded([int64_tensor(targets)], logits.device)
+            self._rows = RowLogprobs(logits, on_device, top)
 
     def collect(self) -> list[EngineResult]:
         """The results of the groups whose last request these chunks ended."""

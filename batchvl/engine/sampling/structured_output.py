@@ -19,6 +19,9 @@ from typing import Literal
 
 import torch
 
+from batchvl.layers.attention import uploaded
+from batchvl.utils.int_tensors import int64_tensor
+
 # JSON without whitespace between tokens: with free whitespace a weak model can fill its whole budget with
 # spaces and newlines, and every byte of layout is a token generated for nothing.
 COMPACT_SEPARATORS = (",", ":")
@@ -125,7 +128,10 @@ class GrammarMatchers:
         # 16 and 256 rows, and on a GPU the fill runs beside the forward where overlapped.
         self._batch_filler().batch_fill_next_token_bitmask([matchers[i] for i in rows], bitmask, rows)
         bitmask = bitmask.to(logits.device, non_blocking=True)
-        xgr.apply_token_bitmask_inplace(logits, bitmask, indices=rows)
+        indices = rows
+        if logits.device.type != "cpu":  # the rows too from page-locked memory (xgrammar's copy is pageable)
+            (indices,) = uploaded([int64_tensor(rows)], logits.device)
+        xgr.apply_token_bitmask_inplace(logits, bitmask, indices=indices)
         self.seconds += time.perf_counter() - started
 
     def _batch_filler(self):
