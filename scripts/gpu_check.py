@@ -51,17 +51,21 @@ keeps these reports: gpu-check-<GPU>-<UTC time>.json (e.g. gpu-check-nvidia-h200
 `cpu` for a DEVICE=cpu trial, which git ignores), and the benchmarks' own full reports beside it, named
 after it (...-host_step.json, ...-throughput-small.json). GPU_CHECK_BUDGET_S (540) bounds the whole run,
 and a stage that no longer fits is reported as skipped; GPU_CHECK_STAGES (names, comma-separated) runs
-only those stages, the optional ones included.
+only those stages, the optional ones included. The parity tests run in several processes where pytest-xdist
+is installed (`make gpu-wheels` brings it): GPU_CHECK_TEST_WORKERS of them, by default a quarter of the
+cores, at most 4. A stage stopped at its limit is killed with its child processes.
 
     DEVICE=cuda python scripts/gpu_check.py
 """
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -130,26 +134,32 @@ def left_s() -> float:
 
 def run(command: list[str], limit_s: float, env: dict | None = None, cwd: Path = ROOT) -> dict:
     """A command under min(limit_s, the time left): its exit status, seconds, standard output (with
-    standard error where it was stopped) and, if it failed, its output's tail."""
+    standard error where it was stopped) and, if it failed, its output's tail. The command runs in a
+    process group of its own, killed whole at the limit: its children (test workers, a job's preprocessing
+    workers) would otherwise go on holding the device while the next stages run."""
     timeout = min(limit_s, left_s())
     started = time.monotonic()
-    try:
-        done = subprocess.run(
-            command,
-            cwd=cwd,
-            env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})},
-            capture_output=True,
-            text=True,
-            timeout=max(timeout, 1),
-        )
-        result = {"rc": done.returncode, "seconds": round(time.monotonic() - started, 1)}
-        if done.returncode:
-            result["output_tail"] = (done.stdout + done.stderr)[-SHOWN:]
-        result["stdout"] = done.stdout
-    except subprocess.TimeoutExpired as timed_out:
-        output = (timed_out.stdout or b"") + (timed_out.stderr or b"")
-        text = output.decode(errors="replace") if isinstance(output, bytes) else output
-        result = {"rc": "timeout", "seconds": round(timeout, 1), "output_tail": text[-SHOWN:], "stdout": text}
+    with subprocess.Popen(
+        command,
+        cwd=cwd,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    ) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=max(timeout, 1))
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            stdout, stderr = process.communicate()
+            text = stdout + stderr
+            seconds = round(timeout, 1)
+            return {"rc": "timeout", "seconds": seconds, "output_tail": text[-SHOWN:], "stdout": text}
+    result = {"rc": process.returncode, "seconds": round(time.monotonic() - started, 1)}
+    if process.returncode:
+        result["output_tail"] = (stdout + stderr)[-SHOWN:]
+    result["stdout"] = stdout
     return result
 
 
@@ -157,7 +167,6 @@ def run(command: list[str], limit_s: float, env: dict | None = None, cwd: Path =
 
 
 def environment(work: Path) -> dict:
-    import importlib.util
 
     import torch
     import transformers
@@ -184,15 +193,45 @@ def environment(work: Path) -> dict:
     return {"ok": ON_CPU or torch.cuda.is_available(), **facts}
 
 
-def pytest_stage(files: list[str], limit_s: float, work: Path, name: str) -> dict:
+def test_workers() -> int:
+    """Processes for a test stage (pytest-xdist's `-n`, where it is installed): GPU_CHECK_TEST_WORKERS, by
+    default a quarter of the cores, at most 4, so that each has 4 or more for torch's threads (the
+    references run on the CPU). 1: one process, as without xdist."""
+    if importlib.util.find_spec("xdist") is None:
+        return 1
+    default = min(4, (os.cpu_count() or 1) // 4)
+    return max(1, int(os.environ.get("GPU_CHECK_TEST_WORKERS", default)))
+
+
+OUTCOMES = {"PASSED", "FAILED", "ERROR", "SKIPPED", "XFAIL", "XPASS"}
+
+
+def printed_outcomes(stdout: str) -> dict[str, str]:
+    """Test id -> outcome, from what `pytest -v` printed: `tests/a.py::test PASSED [ 50%]`, or under
+    xdist `[gw0] [ 50%] PASSED tests/a.py::test`. A test still running has no outcome yet."""
+    outcomes = {}
+    for line in stdout.splitlines():
+        words = line.split()
+        test = next((word for word in words if "::" in word), None)
+        outcome = next((word for word in words if word in OUTCOMES), None)
+        if test and outcome:
+            outcomes[test] = outcome
+    return outcomes
+
+
+def pytest_stage(files: list[str], limit_s: float, work: Path, name: str, workers: int = 1) -> dict:
+    """The tests of `files` with the engine on DEVICE, in `workers` processes (each with its share of the
+    cores for torch's threads): counts and failures from pytest's report, or what it printed if stopped."""
     junit = work / f"{name}.xml"
     command = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", f"--junitxml={junit}", *files]
-    result = run(command, limit_s, env={"BATCHVL_TEST_DEVICE": DEVICE})
+    env = {"BATCHVL_TEST_DEVICE": DEVICE}
+    if workers > 1:
+        command += ["-n", str(workers)]
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // workers))
+    result = run(command, limit_s, env=env)
     stdout = result.pop("stdout", "")
     if not junit.exists():  # stopped at its time limit: the outcomes printed so far
-        printed = [line.split(" ") for line in stdout.splitlines() if "::" in line]
-        outcomes = {words[0]: words[1] for words in printed if len(words) > 1 and words[1].isupper()}
-        return {"ok": False, "outcomes_printed": outcomes, **result}
+        return {"ok": False, "outcomes_printed": printed_outcomes(stdout), **result}
     counts = {"passed": 0, "failed": 0, "skipped": 0}
     failures = []
     for case in ElementTree.parse(junit).iter("testcase"):
@@ -213,7 +252,10 @@ def pytest_stage(files: list[str], limit_s: float, work: Path, name: str) -> dic
 
 
 def parity(work: Path) -> dict:
-    return pytest_stage(PARITY_TESTS, 300, work, "parity")
+    """167 tests in 2026-11 (93 ran in 114-135 s on an H200 in one process): in several, they leave the
+    throughput stages more of the check's minutes."""
+    workers = test_workers()
+    return {"workers": workers, **pytest_stage(PARITY_TESTS, 300, work, "parity", workers)}
 
 
 def vit_dp(work: Path) -> dict:

@@ -47,6 +47,55 @@ def test_a_stopped_test_run_reports_what_it_printed(gpu_check, tmp_path):
     assert test.endswith("test_slow.py::test_quick") and printed == "PASSED"
 
 
+def test_a_stopped_stage_takes_its_child_processes_with_it(gpu_check, tmp_path):
+    """A test run stopped at its limit leaves nothing running on the device: its workers (or a job's) are
+    killed with it."""
+    pid_file = tmp_path / "child.pid"
+    tests = tmp_path / "test_spawns.py"
+    tests.write_text(
+        "import subprocess, sys, time\n\n\ndef test_spawns():\n"
+        "    child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+        f"    open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
+        "    time.sleep(120)\n"
+    )
+    outcome = gpu_check.pytest_stage([str(tests)], 8, tmp_path, "spawns")
+    assert outcome["rc"] == "timeout"
+    child = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and Path(f"/proc/{child}").exists():
+        time.sleep(0.1)  # killed; then reaped by init
+    assert not Path(f"/proc/{child}").exists()
+
+
+def test_outcomes_are_read_from_what_pytest_printed_with_or_without_workers(gpu_check):
+    printed = (
+        "tests/a.py::test_one PASSED                  [ 33%]\n"
+        "tests/a.py::test_two[x-1] FAILED             [ 66%]\n"
+        "tests/a.py::test_three \n"  # still running
+        "[gw1] [ 50%] PASSED tests/b.py::test_four \n"
+        "[gw0] [100%] ERROR tests/b.py::test_five[cuda] \n"
+        "collected 5 items\n"
+    )
+    assert gpu_check.printed_outcomes(printed) == {
+        "tests/a.py::test_one": "PASSED",
+        "tests/a.py::test_two[x-1]": "FAILED",
+        "tests/b.py::test_four": "PASSED",
+        "tests/b.py::test_five[cuda]": "ERROR",
+    }
+
+
+def test_a_test_stage_in_several_workers_counts_every_outcome(gpu_check, tmp_path):
+    tests = tmp_path / "test_three.py"
+    tests.write_text(
+        "import os\n\n\ndef test_a():\n    assert os.environ['PYTEST_XDIST_WORKER'].startswith('gw')\n"
+        "    assert os.environ['OMP_NUM_THREADS'] == str(max(1, (os.cpu_count() or 1) // 2))\n\n\n"
+        "def test_b():\n    pass\n\n\ndef test_c():\n    assert False, 'c fails'\n"
+    )
+    outcome = gpu_check.pytest_stage([str(tests)], 60, tmp_path, "three", workers=2)
+    assert (outcome["passed"], outcome["failed"]) == (2, 1)
+    assert "c fails" in outcome["failures"][0]
+
+
 def test_every_stage_is_reported_whatever_the_others_do(gpu_check, monkeypatch, tmp_path):
     def raises(work):
         raise RuntimeError("no GPU here")
