@@ -27,6 +27,7 @@ reported and the next still runs, in the order of what a GPU window must answer 
   host_step        benchmarks/host_step.py on the device at Qwen2-VL-2B's full size (`--size 2b`): host work
                    per step at 256 long decodes, and where it goes (the torch ops and Python functions with
                    the most host time)
+  host_step_1024   the same at 1,024 decodes a step, what `engine.max_num_seqs: auto` gives a large GPU
   fused_elementwise benchmarks/fused_elementwise.py: the elementwise Triton kernels against the eager
                    transformers ops, per call and their outputs' differences, at Qwen2-VL-2B's widths;
                    refused on the CPU (reported as skipped)
@@ -373,11 +374,15 @@ def fast_paths_job(work: Path) -> dict:
     return compared(work, "fast", prompts, sampling, same_required=True, engine=engine)
 
 
-def host_step(work: Path) -> dict:
-    out = work / "host_step.json"
-    steps = ["--steps", "10", "--requests", "64"] if ON_CPU else ["--size", "2b"]
+def host_step(work: Path, requests: int = 256) -> dict:
+    """benchmarks/host_step.py at Qwen2-VL-2B's full size, `requests` long decodes a step (256: the figure
+    the earlier runs give; 1,024: what `engine.max_num_seqs: auto` gives a GPU of 70 GiB or more)."""
+    out = work / ("host_step.json" if requests == 256 else f"host_step_{requests}.json")
+    workload = ["--steps", "10", "--requests", "64"]  # the CPU's trial of the stage: the tiny model
+    if not ON_CPU:
+        workload = ["--size", "2b", "--requests", str(requests)]
     command = [sys.executable, "benchmarks/host_step.py", "--device", DEVICE, "--profile", "--json", str(out)]
-    command += steps
+    command += workload
     result = run(command, 120)
     result.pop("stdout", None)
     return {"ok": result["rc"] == 0, **result, **(json.loads(out.read_text()) if out.exists() else {})}
@@ -490,6 +495,7 @@ STAGES = [
     ("two_processes", two_processes),  # about a minute: two processes start CUDA and load the model
     ("vit_dp", vit_dp),
     ("host_step", host_step),
+    ("host_step_1024", lambda work: host_step(work, 1024)),  # some 20 s
     ("fused_elementwise", fused_elementwise),  # some 10-30 s: compiling the kernels, 36 timed ops
     ("decode_attention", decode_attention),  # some 10-30 s: 6 cases of two kernels, 50 calls each
     ("throughput_small", lambda work: throughput(work, "small")),
