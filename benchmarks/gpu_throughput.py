@@ -117,8 +117,9 @@ def caption_job(
     from batchvl.pipeline.runner import run_job
 
     model = {"path": loaded.path, "dtype": "bfloat16", "device": device}
-    job = batchvl_job(root / name, ["caption"], root / "out" / name, model, engine_keys)
-    if labels:
+    if not labels:
+        job = batchvl_job(root / name, ["caption"], root / "out" / name, model, engine_keys)
+    else:  # batchvl_job holds each caption to its budget, EOS ignored; a label ends by its grammar
         prompt = {"name": "labels", "text": "Describe the image as JSON.", "json_schema": SCHEMA}
         job = job_config_from_dict(
             {

@@ -168,7 +168,6 @@ def run(command: list[str], limit_s: float, env: dict | None = None, cwd: Path =
 
 
 def environment(work: Path) -> dict:
-
     import torch
     import transformers
 

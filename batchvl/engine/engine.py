@@ -252,19 +252,17 @@ class Engine:
         ending = {request.request_id for request, _ in ended}
         sampling = [chunk.request for chunk in chunks if chunk.samples_next_token]
         # a request those picks end has a row here whose pick is dropped: its grammar masks nothing more,
-        # and its log-probabilities are not taken
-        matchers = [None if request.request_id in ending else request.grammar for request in sampling]
-        self.grammars.mask(logits.sampled, matchers)
+        # and its log-probabilities are not taken (None)
+        taken = [None if request.request_id in ending else request for request in sampling]
+        self.grammars.mask(logits.sampled, [None if r is None else r.grammar for r in taken])
         picks = greedy_picks(logits.sampled)
         host = HostCopy(picks)
-        taken = [None if request.request_id in ending else request for request in sampling]
         keep, logprobs = kept_logprobs(logits.sampled, taken, picks)
-        scores = StepScores(chunks, logits.scored) if self._has_scoring(chunks) else None
+        scores = StepScores(chunks, logits.scored)
         self.scheduler.commit(chunks)
         self._count_step(chunks)
         finished = [self._finish(request, reason) for request, reason in ended] + scored
-        if scores is not None:
-            self._free_scored(scores)
+        self._free_scored(scores)
         requests, rows = [], []
         for row, request in enumerate(sampling):
             if request.status is not RequestStatus.FINISHED:  # else its pick is one past its end: dropped
@@ -272,8 +270,9 @@ class Engine:
                 requests.append(request)
                 rows.append(row)
         logprob_requests = [sampling[row] for row in keep]
-        in_flight = InFlightPicks(requests, rows, picks, host, logprob_requests, logprobs, scores)
-        self._in_flight = in_flight if requests or scores is not None else None
+        scores_in_flight = scores if scores.chunks else None
+        in_flight = InFlightPicks(requests, rows, picks, host, logprob_requests, logprobs, scores_in_flight)
+        self._in_flight = in_flight if requests or scores_in_flight is not None else None
         return finished
 
     def _read_in_flight(self) -> list[EngineResult]:
@@ -350,16 +349,10 @@ class Engine:
                 finished.append(self._finish(request, reason))
         return finished
 
-    @staticmethod
-    def _has_scoring(chunks: list[ScheduledChunk]) -> bool:
-        return any(chunk.request.choice is not None for chunk in chunks)
-
     def _score(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> list[EngineResult]:
         """Hand each scoring request's chunk its rows' log-probabilities (a row per scored position, in
         chunk order) to its choice group; a request is done when its chunk reaches its end, and the group's
         result comes with its last request's."""
-        if not self._has_scoring(chunks):
-            return []
         scores = StepScores(chunks, logits)
         self._free_scored(scores)
         return scores.collect()

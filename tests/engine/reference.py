@@ -127,6 +127,19 @@ class Observed:
     positions: dict[int, torch.Tensor]
 
 
+def launches_fed_picks_in_flight(engine: Engine) -> list[bool]:
+    """Per forward the engine launches, whether it was fed the picks of a step not yet read."""
+    fed: list[bool] = []
+    execute = engine.runner.execute
+
+    def watched_execute(*args, **options):
+        fed.append(options.get("picks_in_flight") is not None)
+        return execute(*args, **options)
+
+    engine.runner.execute = watched_execute
+    return fed
+
+
 class EngineProbe:
     """Runs an engine to the end, recording per request the logits of every sampled position and the
     positions of every token it fed (a preempted request's recompute must give the same again), and

@@ -18,8 +18,7 @@ from batchvl.engine.sampling.params import SamplingParams
 from batchvl.preprocess.prompts import PromptRenderer
 from batchvl.preprocess.qwen_vision import QwenVisionSpec, prepare_image
 from tests.conftest import random_image, reference_processor
-from tests.engine.reference import EngineProbe, generate_reference, inputs_for
-from tests.engine.test_constrained_parity import launches_fed_picks_in_flight
+from tests.engine.reference import EngineProbe, generate_reference, inputs_for, launches_fed_picks_in_flight
 
 CHOICES = ("drawing", "photo", "a screenshot of a web page")
 TOLERANCE = 1e-4  # fp32: the engine and the reference sum in different orders

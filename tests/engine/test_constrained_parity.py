@@ -25,7 +25,13 @@ from batchvl.engine.sampling.structured_output import OutputConstraint
 from batchvl.preprocess.prompts import PromptRenderer
 from batchvl.preprocess.qwen_vision import QwenVisionSpec, prepare_image
 from tests.conftest import random_image, reference_processor
-from tests.engine.reference import EngineProbe, Expected, generate_reference, logits_tolerance
+from tests.engine.reference import (
+    EngineProbe,
+    Expected,
+    generate_reference,
+    launches_fed_picks_in_flight,
+    logits_tolerance,
+)
 
 SCHEMA = {
     "type": "object",
@@ -154,19 +160,6 @@ def test_constrained_outputs_equal_generate_with_xgrammar(
         assert " " not in texts[(i, "json")]  # compact by default
         assert texts[(i, "regex")][:2] in ("19", "20") and len(texts[(i, "regex")]) == 4
         assert texts[(i, "choices")] in CHOICES
-
-
-def launches_fed_picks_in_flight(engine: Engine) -> list[bool]:
-    """Per forward the engine launches, whether it was fed the picks of a step not yet read."""
-    fed: list[bool] = []
-    execute = engine.runner.execute
-
-    def watched_execute(*args, **options):
-        fed.append(options.get("picks_in_flight") is not None)
-        return execute(*args, **options)
-
-    engine.runner.execute = watched_execute
-    return fed
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])

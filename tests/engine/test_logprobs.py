@@ -20,8 +20,7 @@ from batchvl.engine.sampling.structured_output import OutputConstraint
 from batchvl.preprocess.prompts import PromptRenderer
 from batchvl.preprocess.qwen_vision import QwenVisionSpec, prepare_image
 from tests.conftest import random_image, reference_processor
-from tests.engine.reference import EngineProbe
-from tests.engine.test_constrained_parity import launches_fed_picks_in_flight
+from tests.engine.reference import EngineProbe, launches_fed_picks_in_flight
 
 SCHEMA = {
     "type": "object",
