@@ -82,11 +82,16 @@ class Engine:
         num_blocks = kv_bytes // kv_bytes_per_block(adapter, config.block_size)
         if num_blocks < 1:
             raise UserError(f"engine.kv_cache_mb={config.kv_cache_mb} holds no KV block; raise it")
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.prefix_caching)
-        self.runner = ModelRunner(
-            adapter,
+        self.block_manager = BlockManager(
             num_blocks,
             config.block_size,
+            config.prefix_caching,
+            max_running=config.max_num_seqs,
+            max_tokens_per_request=adapter.geometry.max_model_len,
+        )
+        self.runner = ModelRunner(
+            adapter,
+            self.block_manager,
             parallel_encoder,
             decode_graph_rows=config.max_num_seqs if config.cuda_graphs else 0,
         )
@@ -228,7 +233,7 @@ class Engine:
         self._encode(plan, wait=not overlapped)
         if overlapped:
             return results + self._overlapped(plan.chunks)
-        logits = self.runner.execute(plan.chunks, self.block_manager, self.encoder_cache.embeddings)
+        logits = self.runner.execute(plan.chunks, self.encoder_cache.embeddings)
         self.scheduler.commit(plan.chunks)
         return results + self._postprocess(plan.chunks, logits)
 
@@ -238,7 +243,6 @@ class Engine:
         previous = self._in_flight
         logits = self.runner.execute(
             chunks,
-            self.block_manager,
             self.encoder_cache.embeddings,
             # (a step in flight may have scored choices alone: no picks to feed)
             picks_in_flight=previous.picks if previous is not None and previous.requests else None,

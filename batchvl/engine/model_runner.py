@@ -11,9 +11,11 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from batchvl.engine.adapter import ModelAdapter
+from batchvl.engine.device.device_block_table import DeviceBlockTable
 from batchvl.engine.device.graph_capture import graph_capture
 from batchvl.engine.device.pixel_staging import stage_pixels
 from batchvl.engine.device.sync import synchronize
@@ -21,7 +23,15 @@ from batchvl.engine.overlap import with_picks
 from batchvl.engine.parallel.vit_dp import DataParallelEncoder
 from batchvl.engine.request import Request, RequestPositions, ScheduledChunk
 from batchvl.engine.scheduling.block_manager import BlockManager
-from batchvl.layers.attention import KVCache, PagedAttentionMetadata, SequenceSlice, uploaded
+from batchvl.layers import triton_attention
+from batchvl.layers.attention import (
+    InPlaceDecodes,
+    KVCache,
+    PagedAttentionMetadata,
+    SequenceSlice,
+    decode_splits,
+    uploaded,
+)
 from batchvl.layers.row_buckets import bucket_rows
 from batchvl.preprocess.media import PreparedMedia
 from batchvl.utils.int_tensors import int64_tensor
@@ -80,16 +90,17 @@ class ModelRunner:
     def __init__(
         self,
         adapter: ModelAdapter,
-        num_blocks: int,
-        block_size: int,
+        block_manager: BlockManager,
         parallel_encoder: DataParallelEncoder | None = None,
         decode_graph_rows: int = 0,
     ):
-        """`decode_graph_rows`: the most rows of a decode step replayed as a graph, on a device that
-        captures them (CUDA); 0: none."""
+        """A runner over the cache `block_manager` hands out. `decode_graph_rows`: the most rows of a decode
+        step replayed as a graph, on a device that captures them (CUDA); 0: none."""
         self.adapter = adapter
+        self.block_manager = block_manager
         self.parallel_encoder = parallel_encoder
         geo = adapter.geometry
+        num_blocks, block_size = block_manager.num_blocks, block_manager.block_size
         capture = graph_capture(adapter.device) if decode_graph_rows else None
         self.kv_cache = KVCache.allocate(
             geo.num_layers,
@@ -100,12 +111,13 @@ class ModelRunner:
             adapter.dtype,
             adapter.device,
         )
+        self.block_table = DeviceBlockTable(block_manager.table, adapter.device, padding_block=num_blocks)
         self.decode_graphs = None
         if capture is not None and self.kv_cache.decodes_in_place:
             from batchvl.engine.device.decode_graphs import DecodeGraphs
 
             self.decode_graphs = DecodeGraphs(
-                adapter, self.kv_cache, block_size, decode_graph_rows, num_blocks, capture
+                adapter, self.kv_cache, self.block_table, decode_graph_rows, num_blocks, capture
             )
             axes = adapter.prompt_positions([0], [])[0].shape[0]  # the family's position axes
             self.decode_graphs.capture_ahead(axes)
@@ -137,7 +149,6 @@ class ModelRunner:
     def execute(
         self,
         chunks: list[ScheduledChunk],
-        block_manager: BlockManager,
         embeddings: Mapping[str, torch.Tensor],
         picks_in_flight: torch.Tensor | None = None,
         wait: bool = True,
@@ -146,58 +157,68 @@ class ModelRunner:
         the logits the chunks need (see `StepLogits`). An overlapped step passes the previous step's picks,
         still on the device, for the placeholders among the tokens (see `overlap.py`), and does not wait
         for the forward's kernels (its `forward_s` is then their launch)."""
+        self.block_table.sync()  # the blocks the schedule gave requests, before any kernel reads the table
         if self.decode_graphs is not None and self.decode_graphs.takes(chunks):
             started = time.perf_counter()
-            sampled = self.decode_graphs.run(chunks, block_manager, picks_in_flight)
+            sampled = self.decode_graphs.run(chunks, picks_in_flight)
             if sampled is not None:
                 if wait:
                     synchronize(self.adapter.device)
                 self.forward_s += time.perf_counter() - started
                 return StepLogits(sampled, sampled[:0])
+        block_manager = self.block_manager
+        in_place = self.kv_cache.decodes_in_place
         token_ids: list[int] = []
-        positions, slot_mapping, sequences = [], [], []
+        positions = []
+        # the chunks attended one by one: every chunk of more than one query, and where the kernels do not
+        # read the cache in place, the single-query ones too (see PagedAttentionMetadata)
+        sequences: list[SequenceSlice] = []
+        # Per chunk: its request's block table row, its first position, its tokens and its first packed row
+        # (the step's cache slots, looked up in the table at once); per single-query chunk attended in place,
+        # its packed row, its table row and its keys.
+        table_rows: list[int] = []
+        starts: list[int] = []
+        counts: list[int] = []
+        first_rows: list[int] = []
+        decode_rows: list[int] = []
+        decode_table_rows: list[int] = []
+        decode_lengths: list[int] = []
         # A run of decodes (one generated token each, most of a step) as plain ints, made into one tensor
-        # each at the run's end: a tensor or two per decode cost milliseconds a step at hundreds of them.
+        # at the run's end: a tensor or two per decode cost milliseconds a step at hundreds of them.
         decode_positions: list[int] = []
-        decode_slots: list[int] = []
 
         def end_decode_run() -> None:
             if decode_positions:
                 axes = chunks[0].request.positions.prompt.shape[0]
                 positions.append(int64_tensor(decode_positions).expand(axes, -1))
-                slot_mapping.append(int64_tensor(decode_slots))
                 decode_positions.clear()
-                decode_slots.clear()
 
         # The rows whose logits the step returns (see StepLogits): each sampling chunk's last, then each
         # scoring chunk's scored positions, gathered in the same pass as the rest.
         last_rows: list[int] = []
         scored_rows: list[int] = []
         query_start = 0
-        block_size = block_manager.block_size
         for chunk in chunks:
             request = chunk.request
             start, num_tokens = chunk.start, chunk.num_tokens
-            key_slots, key_blocks = block_manager.key_layout(request, chunk.end)
+            table_rows.append(request.table_row)
+            starts.append(start)
+            counts.append(num_tokens)
+            first_rows.append(query_start)
             if num_tokens == 1 and chunk.is_generated:
                 token_ids.append(request.output_token_ids[start - len(request.prompt_token_ids)])
                 decode_positions.append(start + request.positions.delta)  # on every axis
-                decode_slots.append(key_slots[start])
             else:
                 token_ids.extend(request.token_ids(start, chunk.end))
                 end_decode_run()
                 positions.append(self._chunk_positions(request, start, chunk.end))
-                slot_mapping.append(torch.from_numpy(key_slots[start:]))
-            sequences.append(
-                SequenceSlice(
-                    query_start,
-                    num_tokens,
-                    key_slots,
-                    num_keys=chunk.end,
-                    key_blocks=key_blocks,
-                    block_size=block_size,
-                )
-            )
+            if num_tokens == 1 and in_place:
+                decode_rows.append(query_start)
+                decode_table_rows.append(request.table_row)
+                decode_lengths.append(chunk.end)
+            else:
+                key_slots, _ = block_manager.key_layout(request, chunk.end)
+                sequences.append(SequenceSlice(query_start, num_tokens, key_slots, num_keys=chunk.end))
             if chunk.samples_next_token:
                 last_rows.append(query_start + num_tokens - 1)
             elif request.score_from is not None:
@@ -210,22 +231,26 @@ class ModelRunner:
         padding = bucket_rows(query_start) - query_start
         token_ids.extend([0] * padding)
         positions.append(torch.zeros((positions[0].shape[0], padding), dtype=torch.long))
-
-        media_mask, media_rows = self._media_rows(len(token_ids), chunks, sequences, embeddings)
+        slot_mapping = self._slot_mapping(table_rows, starts, counts, first_rows)
+        media_mask, media_rows = self._media_rows(len(token_ids), chunks, first_rows, embeddings)
         device = self.adapter.device
-        # the step's tokens, positions, cache slots and logits rows go to the device together, in one copy
-        token_ids_on, positions_on, slots_on, logits_rows = uploaded(
+        # the step's tokens, positions, cache slots, logits rows and decodes go to the device in one copy
+        token_ids_on, positions_on, slots_on, logits_rows, *decodes = uploaded(
             [
                 int64_tensor(token_ids),
                 torch.cat(positions, dim=1),
-                torch.cat(slot_mapping),
+                torch.from_numpy(slot_mapping),
                 int64_tensor(last_rows + scored_rows),
+                int64_tensor(decode_rows),
+                torch.from_numpy(self.block_table.starts(np.array(decode_table_rows, dtype=np.int64))),
+                int64_tensor(decode_lengths),
             ],
             device,
         )
         if picks_in_flight is not None:
             token_ids_on = with_picks(token_ids_on, picks_in_flight)
-        meta = PagedAttentionMetadata.build(self.kv_cache, slots_on, sequences, device)
+        in_place_decodes = self._in_place_decodes(*decodes, decode_lengths) if decode_rows else None
+        meta = PagedAttentionMetadata.build(self.kv_cache, slots_on, sequences, device, in_place_decodes)
         started = time.perf_counter()
         hidden = self.adapter.forward(
             token_ids_on,
@@ -240,23 +265,48 @@ class ModelRunner:
         self.forward_s += time.perf_counter() - started
         return StepLogits(logits[: len(last_rows)], logits[len(last_rows) :])
 
+    def _slot_mapping(
+        self, table_rows: list[int], starts: list[int], counts: list[int], first_rows: list[int]
+    ) -> np.ndarray:
+        """The cache slot of each packed token, in one lookup, of the chunks given by their requests' table
+        rows, their first positions, their token counts and their first packed rows."""
+        rows = np.repeat(np.array(table_rows, dtype=np.int64), counts)
+        # each token's position: its chunk's first, plus how far past its chunk's first row it lies
+        offsets = np.array(starts, dtype=np.int64) - np.array(first_rows, dtype=np.int64)
+        positions = np.arange(sum(counts)) + np.repeat(offsets, counts)
+        return self.block_manager.table.slots(rows, positions)
+
+    def _in_place_decodes(
+        self, rows: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, host_lengths: list[int]
+    ) -> InPlaceDecodes:
+        """The step's single-query chunks as the decode kernels read them: their packed rows, their rows'
+        starts in the block table on the device, their keys. Triton's grouped kernel gets the splits of
+        the decodes' own pages (it would choose them from the table's size), as the graphs do."""
+        block_size = self.block_manager.block_size
+        layer = self.kv_cache.layers[0]
+        splits = None  # (the CPU's kernels have none)
+        if triton_attention.takes(layer):
+            splits = decode_splits(layer.shape[1], np.array(host_lengths), block_size)
+        return InPlaceDecodes(rows, self.block_table.blocks, starts, lengths, block_size, splits)
+
     @staticmethod
     def _media_rows(
         num_tokens: int,
         chunks: list[ScheduledChunk],
-        sequences: list[SequenceSlice],
+        first_rows: list[int],
         embeddings: Mapping[str, torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Which packed rows are media placeholders, and the embedding rows that fill them, in order: for a
-        chunk that cuts through an image, just the slice of its embedding that falls inside the chunk."""
+        chunk that cuts through an image, just the slice of its embedding that falls inside the chunk
+        (`first_rows`: each chunk's first packed row)."""
         mask = torch.zeros(num_tokens, dtype=torch.bool)
         pieces = []
-        for chunk, seq in zip(chunks, sequences, strict=True):
+        for chunk, first_row in zip(chunks, first_rows, strict=True):
             if chunk.is_generated:
                 continue  # no media
             for span in chunk.request.images_overlapping(chunk.start, chunk.end):
                 lo, hi = max(chunk.start, span.offset), min(chunk.end, span.end)
-                first = seq.query_start + lo - chunk.start
+                first = first_row + lo - chunk.start
                 mask[first : first + hi - lo] = True
                 rows = span.row_offset + lo - span.offset
                 pieces.append((first, embeddings[span.content_hash][rows : rows + hi - lo]))

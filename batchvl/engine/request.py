@@ -65,6 +65,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
+    table_row: int = -1  # its row of the running requests' BlockTable while it holds blocks, else -1
     # Chain hashes of its full blocks, for prefix caching (kept: a waiting request is matched every step).
     block_hashes: list[int] = field(default_factory=list)
     # How many of its leading blocks the prefix cache has been offered: each once, when its tokens are

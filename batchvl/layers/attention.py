@@ -25,6 +25,7 @@ from batchvl.layers import triton_attention
 from batchvl.layers.cpu_attention import use_native_attention
 from batchvl.layers.cpu_features import has_amx
 from batchvl.layers.native_kernels import HEAD_DIMS, native_ops, runs_natively
+from batchvl.layers.triton_grouped_decode import split_count
 from batchvl.utils.int_tensors import int64_tensor
 
 PAGED_ATTENTION_NAME = "batchvl_paged"
@@ -95,10 +96,6 @@ class SequenceSlice:
     attention_mask: torch.Tensor | None = None  # causal_mask(...), built once a step for every layer
     # len(key_slots), as an int: read for every sequence of a step, where a tensor's len() costs 2 us
     num_keys: int | None = None
-    # The cache blocks holding those slots, in order, `block_size` slots each (the engine's block table): a
-    # decode kernel reads a few dozen block ids where the slots are one per key. None: the slots alone.
-    key_blocks: np.ndarray | None = None
-    block_size: int = 1
 
     def __post_init__(self):
         if self.num_keys is None:
@@ -174,7 +171,9 @@ class InPlaceDecodes:
     (`native_kernels`): no gather, no padding to a common length, one call per layer."""
 
     rows: torch.Tensor  # (B,) packed row of each query
-    pages: torch.Tensor  # the sequences' cache pages one after the other, each sequence's in position order
+    # the sequences' cache pages, each sequence's in position order from its start: the engine's block table
+    # (a row per request, see `DeviceBlockTable`), or the slots of sequences given one by one
+    pages: torch.Tensor
     starts: torch.Tensor  # (B,) where each sequence's pages begin in `pages`
     lengths: torch.Tensor  # (B,) keys
     page_size: int  # slots per page: the block size, or 1 where the pages are the slots themselves
@@ -184,21 +183,17 @@ class InPlaceDecodes:
 
     @classmethod
     def build(cls, sequences: list[SequenceSlice], device: torch.device) -> InPlaceDecodes:
-        """The sequences' blocks where each has its block table (the engine's, one block size), else their
-        slots: at 256 decodes of 600 keys the slots were 150k ints to join and upload every step, the
-        blocks 10k."""
-        page_size = sequences[0].block_size
-        by_block = all(seq.key_blocks is not None and seq.block_size == page_size for seq in sequences)
-        if not by_block:
-            page_size = 1
-        pages = [seq.key_blocks if by_block else np.asarray(seq.key_slots) for seq in sequences]
+        """Sequences given one by one: their slots, one after the other, are the pages. (The engine passes
+        its block table instead: at 256 decodes of 600 keys the slots were 150k ints to join and upload
+        every step.)"""
+        pages = [np.asarray(seq.key_slots) for seq in sequences]
         counts = np.array([len(own) for own in pages], dtype=np.int64)
         starts = np.zeros_like(counts)
         np.cumsum(counts[:-1], out=starts[1:])
         rows = int64_tensor([seq.query_start for seq in sequences])
         lengths = int64_tensor([seq.num_keys for seq in sequences])
         joined = torch.from_numpy(np.concatenate(pages))
-        return cls(*uploaded([rows, joined, torch.from_numpy(starts), lengths], device), page_size)
+        return cls(*uploaded([rows, joined, torch.from_numpy(starts), lengths], device), page_size=1)
 
     def attend(self, out: torch.Tensor, query: torch.Tensor, kv: torch.Tensor, scaling: float) -> None:
         """Write into `out` (T, H, D), at each decode's row, its attention over its cached keys; `query` is
@@ -209,6 +204,13 @@ class InPlaceDecodes:
             out, query, kv, self.rows, self.pages, self.starts, self.lengths, scaling, self.page_size,
             **splits,
         )  # fmt: skip
+
+
+def decode_splits(kv_heads: int, lengths: np.ndarray, page_size: int) -> int:
+    """Triton's grouped decode kernel's splits for decodes of `lengths` keys: what it chooses from the pages
+    it is given where those are the sequences' own, for a caller that gives it a block table instead."""
+    pages = int((-(-lengths // page_size)).sum())
+    return split_count(len(lengths), kv_heads, pages * page_size / len(lengths))
 
 
 @dataclass
@@ -250,11 +252,20 @@ class PagedAttentionMetadata:
 
     @classmethod
     def build(
-        cls, kv_cache: KVCache, slot_mapping: torch.Tensor, sequences: list[SequenceSlice], device
+        cls,
+        kv_cache: KVCache,
+        slot_mapping: torch.Tensor,
+        sequences: list[SequenceSlice],
+        device,
+        in_place_decodes: InPlaceDecodes | None = None,
     ) -> PagedAttentionMetadata:
-        """Split off the decodes and compute, once for all layers, the cache rows each sequence reads."""
+        """Split off the decodes and compute, once for all layers, the cache rows each sequence reads. A
+        caller that has the decodes' pages on the device already (the engine's block table) passes them as
+        `in_place_decodes`, and none among `sequences`."""
         single = [seq for seq in sequences if seq.is_decode]
-        if single and kv_cache.decodes_in_place:
+        if in_place_decodes is not None:
+            meta = cls(kv_cache, slot_mapping, sequences, in_place_decodes=in_place_decodes)
+        elif single and kv_cache.decodes_in_place:
             others = [seq for seq in sequences if not seq.is_decode]
             decodes = InPlaceDecodes.build(single, device)
             meta = cls(kv_cache, slot_mapping, others, in_place_decodes=decodes)

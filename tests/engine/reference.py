@@ -152,7 +152,7 @@ class EngineProbe:
         runner = engine.runner
         execute, adapter = runner.execute, runner.adapter
 
-        def recording_execute(chunks, block_manager, embeddings, **options):
+        def recording_execute(chunks, embeddings, **options):
             fed = []  # the positions the model was given, (axes, rows) in the step's packed order
 
             def recording_forward(token_ids, positions, *args, **kwargs):
@@ -162,7 +162,7 @@ class EngineProbe:
             forward, own = adapter.forward, vars(adapter).get("forward")  # another probe's, if any
             adapter.forward = recording_forward
             try:
-                out = execute(chunks, block_manager, embeddings, **options)
+                out = execute(chunks, embeddings, **options)
             finally:
                 if own is None:
                     del adapter.forward  # the class's method again

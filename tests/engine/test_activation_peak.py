@@ -18,11 +18,11 @@ def test_the_largest_step_packs_exactly_the_token_budget(loaded_fp32, monkeypatc
     steps = []
     execute = activation_peak.ModelRunner.execute
 
-    def recording(runner, chunks, block_manager, embeddings):
+    def recording(runner, chunks, embeddings):
         steps.append(
             [(chunk.start, chunk.num_tokens, len(chunk.request.prompt_token_ids)) for chunk in chunks]
         )
-        return execute(runner, chunks, block_manager, embeddings)
+        return execute(runner, chunks, embeddings)
 
     monkeypatch.setattr(activation_peak.ModelRunner, "execute", recording)
     activation_peak.largest_step(loaded_fp32.adapter, config)()

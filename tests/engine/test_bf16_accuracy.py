@@ -51,8 +51,8 @@ def bf16_engine_logits(tiny_model_dir) -> dict:
     logits: dict[int, list[torch.Tensor]] = {tag: [] for tag in inputs}
     execute = engine.runner.execute
 
-    def recording(chunks, block_manager, embeddings):
-        out = execute(chunks, block_manager, embeddings)
+    def recording(chunks, embeddings):
+        out = execute(chunks, embeddings)
         sampled = [chunk for chunk in chunks if chunk.samples_next_token]
         for chunk, row in zip(sampled, out.sampled, strict=True):
             logits[chunk.request.tag].append(row.clone())

@@ -95,25 +95,34 @@ def test_reads_only_each_sequence_own_slots(kernel):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [16, 5])
-def test_reads_the_keys_through_the_sequences_block_tables(kernel, dtype, block_size):
-    """With block tables (the engine's), the kernel gets a sequence's blocks, not a slot per key, and reads
-    key k at block k // size, offset k % size; the last block part-filled, the rest of the cache NaN."""
+def test_reads_the_keys_through_a_block_table(kernel, dtype, block_size):
+    """With a block table (the engine's: a row per request, a sequence's pages from its row's start), the
+    kernel reads key k at block k // size, offset k % size; the last block part-filled, the rest of the
+    cache and of the table's rows unread (NaN keys, out-of-range blocks)."""
     generator = torch.Generator().manual_seed(block_size)
     torch.manual_seed(block_size)
-    num_blocks, heads, kv_heads, dim = 64, 8, 2, 64
+    num_blocks, heads, kv_heads, dim, width = 64, 8, 2, 64, 40
     cache = filled_cache(dtype, num_blocks * block_size, kv_heads, dim)
     lengths = [1, block_size, block_size + 1, 97, 150]
     counts = [-(-n // block_size) for n in lengths]
     tables = torch.randperm(num_blocks, generator=generator)[: sum(counts)].split(counts)
+    table = torch.full((len(lengths) + 2, width), 10**9)  # unused rows and columns: no block there
+    table_rows = [3, 0, 6, 1, 5]
     used = torch.zeros(num_blocks * block_size, dtype=torch.bool)
     sequences = []
-    for row, (table, length) in enumerate(zip(tables, lengths, strict=True)):
-        slots = (table[:, None] * block_size + torch.arange(block_size)).reshape(-1)[:length]
+    for query_row, (table_row, blocks, length) in enumerate(zip(table_rows, tables, lengths, strict=True)):
+        table[table_row, : len(blocks)] = blocks
+        slots = (blocks[:, None] * block_size + torch.arange(block_size)).reshape(-1)[:length]
         used[slots] = True
-        sequences.append(SequenceSlice(row, 1, slots, key_blocks=table.numpy(), block_size=block_size))
+        sequences.append(SequenceSlice(query_row, 1, slots))
     cache.layers[0][:, :, ~used] = float("nan")
-    decodes = InPlaceDecodes.build(sequences, torch.device("cpu"))
-    assert decodes.page_size == block_size and decodes.pages.tolist() == torch.cat(tables).tolist()
+    decodes = InPlaceDecodes(
+        torch.arange(len(lengths)),
+        table.reshape(-1),
+        torch.tensor(table_rows) * width,
+        torch.tensor(lengths),
+        block_size,
+    )
     query = torch.randn(heads, len(lengths), dim, dtype=dtype)
     out = torch.empty(len(lengths), heads, dim, dtype=dtype)
     decodes.attend(out, query, cache.layers[0], dim**-0.5)

@@ -7,15 +7,16 @@ recorded once per bucket and replayed over static buffers that each step fills i
 
 - token ids (B,), positions (axes, B) and cache slots (B,) of the step's rows;
 - the decode attention's metadata in `InPlaceDecodes`' layout (what Triton's kernel reads on CUDA and the
-  native one on the CPU): rows 0..B-1, and per row where its cache pages start in `pages` and how many
-  keys it has; `pages` holds the step's block tables one after another (a step copies in its own blocks,
-  as the eager path uploads them, not a table of `max_model_len / block_size` entries a row);
+  native one on the CPU): rows 0..B-1, and per row where its request's row of the block table starts and
+  how many keys it has. The pages are the runner's `DeviceBlockTable`, which the runner brings up to date
+  before every step, graphed or not: a step copies in 2B ints, not its block tables.
 - the logits (B, vocab) float32 of every row, the real rows first.
 
 Padding rows (the bucket's rows past the step's) are token 0 at position 0, writing their K/V to a scratch
 slot, the first of one cache block beyond the block manager's (no request ever owns it), and attending to
-that one key: finite values where nothing reads them. Not slot 0: the torch decode path reads it, masked,
-as its own padding, and it must stay finite; not zero keys: the kernels would divide 0 by 0.
+that one key through the block table's padding row: finite values where nothing reads them. Not slot 0:
+the torch decode path reads it, masked, as its own padding, and it must stay finite; not zero keys: the
+kernels would divide 0 by 0.
 
 The buckets are the eager path's row buckets (`row_buckets.bucket_rows`: 16, 32, ... 128, then eight per
 doubling): a graph runs the step at the shapes the eager path runs it at, so its matmuls are the same
@@ -40,14 +41,12 @@ import numpy as np
 import torch
 
 from batchvl.engine.adapter import ModelAdapter
+from batchvl.engine.device.device_block_table import DeviceBlockTable
 from batchvl.engine.overlap import with_picks
 from batchvl.engine.request import ScheduledChunk
-from batchvl.engine.scheduling.block_manager import BlockManager, blocks_needed
 from batchvl.layers import triton_attention
-from batchvl.layers.attention import InPlaceDecodes, KVCache, PagedAttentionMetadata, uploaded
+from batchvl.layers.attention import InPlaceDecodes, KVCache, PagedAttentionMetadata, decode_splits, uploaded
 from batchvl.layers.row_buckets import bucket_rows, buckets_up_to
-from batchvl.layers.triton_grouped_decode import split_count
-from batchvl.utils.int_tensors import int64_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -70,14 +69,16 @@ class DecodeGraphs:
         self,
         adapter: ModelAdapter,
         kv_cache: KVCache,
-        block_size: int,
+        block_table: DeviceBlockTable,
         max_rows: int,
         scratch_block: int,
         graph_capture: GraphCapture,
     ):
+        """`block_table`'s padding row points at `scratch_block`."""
         self.adapter = adapter
         self.kv_cache = kv_cache
-        self.block_size = block_size
+        self.block_table = block_table
+        self.block_size = block_size = block_table.host.block_size
         self.largest = bucket_rows(max_rows)
         self.scratch_slot = scratch_block * block_size
         self.graph_capture = graph_capture
@@ -86,19 +87,14 @@ class DecodeGraphs:
         def ints(size: int) -> torch.Tensor:
             return torch.zeros(size, dtype=torch.long, device=device)
 
-        # Every row's pages fit: a sequence has at most max_model_len keys. One more entry, the last, is the
-        # padding rows' page, written once.
-        self.padding_start = self.largest * blocks_needed(adapter.geometry.max_model_len, block_size)
         # The static buffers by name (a bucket's graph reads their first rows), each filled by one copy a step
         self.buffers = {
             "token_ids": ints(self.largest),
             "positions": ints(MAX_POSITION_AXES * self.largest),  # (axes, B) in the first axes * B
             "slots": ints(self.largest),
-            "pages": ints(self.padding_start + 1),
             "starts": ints(self.largest),
             "lengths": ints(self.largest),
         }
-        self.buffers["pages"][self.padding_start] = scratch_block
         self.rows = torch.arange(self.largest, device=device)
         self.logits = torch.zeros(self.largest, adapter.geometry.vocab_size, device=device)
         # (rows, position axes, the grouped decode kernel's splits) -> replay
@@ -120,7 +116,7 @@ class DecodeGraphs:
         if axes > MAX_POSITION_AXES:  # its steps run eagerly (`takes`)
             return
         for rows in reversed(buckets_up_to(self.largest)):
-            self._load([], None, rows, axes)
+            self._load([], rows, axes)
             if self._replay(rows, axes, 1 if self.splits_matter else None) is None:
                 return
         logger.info("decode graphs: %d captured in %.1f s", len(self._replays), self.capture_s)
@@ -137,10 +133,7 @@ class DecodeGraphs:
         )
 
     def run(
-        self,
-        chunks: list[ScheduledChunk],
-        block_manager: BlockManager,
-        picks_in_flight: torch.Tensor | None = None,
+        self, chunks: list[ScheduledChunk], picks_in_flight: torch.Tensor | None = None
     ) -> torch.Tensor | None:
         """The float32 logits (one row per chunk, in order) of a step `takes` took, from its bucket's graph,
         valid until the next step; None where the graph could not be captured (said once; the caller runs
@@ -149,8 +142,8 @@ class DecodeGraphs:
         picks are a new tensor each step)."""
         rows = bucket_rows(len(chunks))
         axes = chunks[0].request.positions.prompt.shape[0]
-        pages = self._load(chunks, block_manager, rows, axes)
-        splits = self._splits(len(chunks), pages)
+        lengths = self._load(chunks, rows, axes)
+        splits = self._splits(lengths)
         if picks_in_flight is not None:
             token_ids = self.buffers["token_ids"][:rows]
             token_ids.copy_(with_picks(token_ids, picks_in_flight))
@@ -177,51 +170,51 @@ class DecodeGraphs:
             self._replays[rows, axes, splits] = replay
         return replay
 
-    def _splits(self, sequences: int, pages: int) -> int | None:
-        """The grouped decode kernel's splits for the step: those it would choose for the eager step (from
-        the step's own pages; the graph's pages buffer holds room for the longest sequences), so that each
-        row's sums run in the eager path's order. None where the kernels have no splits."""
+    def _splits(self, lengths: np.ndarray) -> int | None:
+        """The grouped decode kernel's splits for a step of decodes of `lengths` keys: those the eager step
+        gets (from the decodes' own pages, not the block table's size), so that each row's sums run in the
+        eager path's order. None where the kernels have no splits."""
         if not self.splits_matter:
             return None
-        kv_heads = self.kv_cache.layers[0].shape[1]
-        return split_count(sequences, kv_heads, pages * self.block_size / sequences)
+        return decode_splits(self.kv_cache.layers[0].shape[1], lengths, self.block_size)
 
-    def _load(
-        self, chunks: list[ScheduledChunk], block_manager: BlockManager | None, rows: int, axes: int
-    ) -> int:
+    def _load(self, chunks: list[ScheduledChunk], rows: int, axes: int) -> np.ndarray:
         """Fill the static buffers with the step's inputs, the padding rows' after them (all of the rows
-        without chunks); the step's pages."""
+        without chunks); the step's lengths (keys per real row)."""
         padding = rows - len(chunks)
-        token_ids, positions, slots, starts, lengths, pages = [], [], [], [], [], []
-        first_page = 0
+        token_ids, starts, deltas, table_rows = [], [], [], []
         for chunk in chunks:
             request, start = chunk.request, chunk.start
-            key_slots, key_blocks = block_manager.key_layout(request, chunk.end)
             token_ids.append(request.output_token_ids[start - len(request.prompt_token_ids)])
-            positions.append(start + request.positions.delta)  # on every axis
-            slots.append(key_slots[start])
-            starts.append(first_page)
-            lengths.append(chunk.end)
-            pages.append(key_blocks)
-            first_page += len(key_blocks)
+            starts.append(start)
+            deltas.append(request.positions.delta)
+            table_rows.append(request.table_row)
+        starts, table_rows = np.array(starts, dtype=np.int64), np.array(table_rows, dtype=np.int64)
+        lengths = starts + 1
+        table = self.block_table
+
+        def padded(values, pad: int) -> torch.Tensor:
+            return torch.from_numpy(
+                np.concatenate([np.asarray(values, dtype=np.int64), np.full(padding, pad, dtype=np.int64)])
+            )
+
         step = [
-            int64_tensor(token_ids + [0] * padding),
-            int64_tensor(positions + [0] * padding).expand(axes, -1),
-            int64_tensor(slots + [self.scratch_slot] * padding),
-            torch.from_numpy(np.concatenate(pages)) if pages else int64_tensor([]),
-            int64_tensor(starts + [self.padding_start] * padding),
-            int64_tensor(lengths + [1] * padding),
+            padded(token_ids, 0),
+            padded(starts + np.array(deltas, dtype=np.int64), 0).expand(axes, -1),  # on every axis
+            padded(table.host.slots(table_rows, starts), self.scratch_slot),
+            padded(table.starts(table_rows), table.padding_start),
+            padded(lengths, 1),
         ]
         for buffer, values in zip(self.buffers.values(), uploaded(step, self.adapter.device), strict=True):
             buffer[: values.numel()].copy_(values.reshape(-1))
-        return first_page
+        return lengths
 
     def _forward(self, rows: int, axes: int, splits: int | None) -> Callable[[], None]:
         """The bucket's step over the static buffers: what its graph records."""
         buffers = self.buffers
         decodes = InPlaceDecodes(
             self.rows[:rows],
-            buffers["pages"],
+            self.block_table.blocks,
             buffers["starts"][:rows],
             buffers["lengths"][:rows],
             self.block_size,

@@ -31,8 +31,10 @@ def largest_step(adapter: ModelAdapter, config: EngineConfig) -> Callable[[], to
     num_requests = min(config.max_num_seqs, num_tokens)
     lengths = [num_tokens // num_requests + (i < num_tokens % num_requests) for i in range(num_requests)]
     num_blocks = sum(blocks_needed(length, config.block_size) for length in lengths)
-    runner = ModelRunner(adapter, num_blocks, config.block_size)
-    block_manager = BlockManager(num_blocks, config.block_size)
+    block_manager = BlockManager(
+        num_blocks, config.block_size, max_running=num_requests, max_tokens_per_request=max(lengths)
+    )
+    runner = ModelRunner(adapter, block_manager)
     chunks = []
     for request_id, length in enumerate(lengths):
         token_ids = [0] * length  # what the tokens are does not change what the step allocates
@@ -40,7 +42,7 @@ def largest_step(adapter: ModelAdapter, config: EngineConfig) -> Callable[[], to
         request.positions = runner.prompt_positions(token_ids, [])
         block_manager.admit(request, [], length)
         chunks.append(ScheduledChunk(request, 0, length))
-    return lambda: runner.execute(chunks, block_manager, {}).sampled
+    return lambda: runner.execute(chunks, {}).sampled
 
 
 def step_activation_peak(adapter: ModelAdapter, config: EngineConfig) -> int:

@@ -1,9 +1,9 @@
 """Paged KV-cache bookkeeping: fixed-size blocks from a free list, a block table per request, and a
 prefix cache of full blocks keyed by their chain hash (see `prefix_cache.py`).
 
-Only ints live here, and each request's slots (`slots`: its block table as an int64 array for the runner,
-kept and grown as blocks are added); the model runner owns the K/V tensors and addresses them by slot
-(`block_id * block_size + offset`).
+Only ints live here: each request's block ids, the same as a row of the running requests' `BlockTable`
+(what the runner reads), and each request's slots as an int64 array, kept and grown as blocks are added;
+the model runner owns the K/V tensors and addresses them by slot (`block_id * block_size + offset`).
 
 A block is shared by every request whose prefix hashes to it (a reference count per block). When its
 last user lets go, a block holding a hashed prefix is not wiped: it waits in an LRU and is handed out
@@ -17,6 +17,7 @@ from collections import OrderedDict
 import numpy as np
 
 from batchvl.engine.request import Request
+from batchvl.engine.scheduling.block_table import BlockTable
 from batchvl.engine.scheduling.prefix_cache import extend_block_hashes
 
 _NOTHING = np.empty(0, dtype=np.int64)
@@ -27,12 +28,30 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = False,
+        max_running: int | None = None,
+        max_tokens_per_request: int | None = None,
+    ):
+        """`max_running`: the most requests that hold blocks at once (the scheduler's `max_num_seqs`);
+        `max_tokens_per_request`: the most tokens a request holds (the model's length). Each bounds the
+        block table (see `BlockTable`); None: as many as the cache has blocks."""
         if num_blocks <= 0:
             raise ValueError("the KV cache must hold at least one block")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        # A request that holds blocks holds one of its own at least (its tokens past a cached prefix), so
+        # no more requests than blocks hold any; nor does one hold more blocks than the cache has.
+        rows = min(num_blocks, max_running or num_blocks)
+        width = min(
+            num_blocks,
+            blocks_needed(max_tokens_per_request, block_size) if max_tokens_per_request else num_blocks,
+        )
+        self.table = BlockTable(rows, width, block_size)
         # A stack: the most recently freed blocks are reused first. Their memory is warm in the CPU cache,
         # and blocks never needed are never touched, so resident memory follows the working set instead
         # of creeping up to the whole (lazily zeroed) pool as a FIFO would make it.
@@ -42,11 +61,11 @@ class BlockManager:
         self._refs = [0] * num_blocks
         self._block_of_hash: dict[int, int] = {}
         self._hash_of_block: dict[int, int] = {}
-        # Per request id: how many of its blocks are kept as arrays, its block table and their slots as int64
-        # (each with room to grow). A block table only grows until `free` empties it, so a step adds the
-        # slots of new blocks alone, where recomputing every context token's slot of every request cost
-        # 18 ms per step at 256 decodes of 600 tokens.
-        self._tables: dict[int, tuple[int, np.ndarray, np.ndarray]] = {}
+        # Per request id: how many of its blocks' slots are kept, and those slots as int64 (with room to
+        # grow). A block table only grows until `free` empties it, so a step adds the slots of new blocks
+        # alone, where recomputing every context token's slot of every request cost 18 ms per step at 256
+        # decodes of 600 tokens.
+        self._slots: dict[int, tuple[int, np.ndarray]] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -94,7 +113,9 @@ class BlockManager:
             self._refs[block] += 1
         request.block_ids = list(cached)
         request.num_offered_blocks = len(cached)  # they come from the prefix cache: published already
-        self._tables.pop(request.request_id, None)
+        self._slots.pop(request.request_id, None)
+        self._give_row(request)
+        self.table.write(request.table_row, 0, request.block_ids)
         request.num_computed_tokens = len(cached) * self.block_size
         self.allocate(request, num_new_tokens)
 
@@ -133,10 +154,18 @@ class BlockManager:
         num_blocks = self.num_new_blocks(request, num_new_tokens)
         if num_blocks > self.num_free_blocks:
             raise RuntimeError("allocate() called without can_allocate()")
+        self._give_row(request)
+        first = len(request.block_ids)
         for _ in range(num_blocks):
             block = self._take_free_block()
             self._refs[block] = 1
             request.block_ids.append(block)
+        self.table.write(request.table_row, first, request.block_ids[first:])
+
+    def _give_row(self, request: Request) -> None:
+        """A block table row for a request that has none."""
+        if request.table_row < 0:
+            request.table_row = self.table.take_row()
 
     def _take_free_block(self) -> int:
         if self._free:
@@ -157,7 +186,10 @@ class BlockManager:
                 self._free.append(block)
         request.block_ids = []
         request.num_offered_blocks = 0
-        self._tables.pop(request.request_id, None)
+        self._slots.pop(request.request_id, None)
+        if request.table_row >= 0:  # (a request freed while waiting, after a preemption freed it, has none)
+            self.table.give_back(request.table_row)
+            request.table_row = -1
 
     def check_integrity(self, requests: list[Request]) -> None:
         """Assert the bookkeeping is whole, given every request that holds blocks: each block is free,
@@ -175,6 +207,13 @@ class BlockManager:
         assert {b: h for h, b in self._block_of_hash.items()} == self._hash_of_block, "hash maps disagree"
         assert all(block in self._hash_of_block for block in free_cached), "a cached free block lost its hash"
         assert not set(free) & set(self._hash_of_block), "a plain free block still has a hash"
+        holding = [request for request in requests if request.block_ids]
+        rows = [request.table_row for request in holding]
+        assert all(row >= 0 for row in rows) and len(set(rows)) == len(rows), "a block table row is shared"
+        assert self.table.rows_in_use() == len(rows), "a block table row is lost"
+        for request in holding:
+            table_row = self.table.blocks[request.table_row, : len(request.block_ids)]
+            assert table_row.tolist() == request.block_ids, "the block table differs from a request's blocks"
 
     def key_layout(self, request: Request, end: int) -> tuple[np.ndarray, np.ndarray]:
         """Where the request's token positions [0, end) lie in the cache: their slots, and the blocks that
@@ -183,17 +222,16 @@ class BlockManager:
         torch tensor cost 3-5 us a call, 1 ms a step at 256 decodes."""
         size = self.block_size
         needed = blocks_needed(end, size)
-        kept = self._tables.get(request.request_id)  # (no default arrays made on every call: most calls hit)
-        expanded, blocks, slots = kept if kept is not None else (0, _NOTHING, _NOTHING)
+        blocks = self.table.blocks[request.table_row, :needed]
+        kept = self._slots.get(request.request_id)  # (no default array made on every call: most calls hit)
+        expanded, slots = kept if kept is not None else (0, _NOTHING)
         if expanded < needed:
-            if len(blocks) < needed:  # room for twice the blocks: a request grows a block at a time
-                blocks = grown(blocks, 2 * needed, expanded)
+            if len(slots) < needed * size:  # room for twice the blocks: a request grows a block at a time
                 slots = grown(slots, 2 * needed * size, expanded * size)
-            new_blocks = np.array(request.block_ids[expanded:needed], dtype=np.int64)
-            blocks[expanded:needed] = new_blocks
+            new_blocks = blocks[expanded:needed]
             slots[expanded * size : needed * size] = (new_blocks[:, None] * size + np.arange(size)).ravel()
-            self._tables[request.request_id] = (needed, blocks, slots)
-        return slots[:end], blocks[:needed]
+            self._slots[request.request_id] = (needed, slots)
+        return slots[:end], blocks
 
 
 def grown(values: np.ndarray, size: int, kept: int) -> np.ndarray:
