@@ -64,6 +64,7 @@ def main() -> None:
     while engine.scheduler.waiting or any(not r.is_prefill_done for r in engine.scheduler.running):
         engine.step()  # prefills, not timed
     walls, forwards = [], []
+    phases = PhaseTimes(engine)
     for _ in range(args.steps):
         forward_before = engine.runner.forward_s
         started = time.perf_counter()
@@ -71,6 +72,8 @@ def main() -> None:
             raise SystemExit("a request finished or left before the timed steps ended")
         walls.append(time.perf_counter() - started)
         forwards.append(engine.runner.forward_s - forward_before)
+        phases.end_step(walls[-1] - forwards[-1])
+    phases.stop()
     if args.profile:
         profile = profiled_steps(engine, args.requests, steps=5)
     host = [wall - forward for wall, forward in zip(walls, forwards, strict=True)]
@@ -83,6 +86,7 @@ def main() -> None:
         "step_ms_median": round(statistics.median(walls) * 1e3, 2),
         "forward_ms_median": round(statistics.median(forwards) * 1e3, 2),
         "host_ms_median": round(statistics.median(host) * 1e3, 2),
+        "host_ms_median_by_phase": phases.medians_ms(),
         "device": args.device,
         "torch_threads": torch.get_num_threads(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
@@ -91,6 +95,9 @@ def main() -> None:
         f"{args.requests} decodes over {args.prompt}+ tokens: step {result['step_ms_median']} ms, model "
         f"forward {result['forward_ms_median']} ms, host work {result['host_ms_median']} ms "
         f"(medians of {args.steps})"
+    )
+    print(
+        "host work by phase (medians, ms): " + ", ".join(f"{k} {v}" for k, v in phases.medians_ms().items())
     )
     if args.profile:
         result["profile_per_step"] = profile
@@ -101,6 +108,53 @@ def main() -> None:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2))
+
+
+class PhaseTimes:
+    """The host work of each timed step split by phase: the scheduler's plan (`schedule`), recording the
+    computed tokens (`commit`), sampling and stop rules (`postprocess`), and the rest (`pack_and_launch`:
+    the runner's step inputs and metadata, their upload, the forward's launch on a device that does not
+    wait; the engine's own bookkeeping). Timed by wrapping the engine's methods on this instance."""
+
+    TIMED = {"schedule": "scheduler.schedule", "commit": "scheduler.commit", "postprocess": "_postprocess"}
+
+    def __init__(self, engine):
+        self._restore = []
+        self._spent = dict.fromkeys(self.TIMED, 0.0)
+        self.steps: list[dict[str, float]] = []
+        for phase, path in self.TIMED.items():
+            owner_path, _, name = path.rpartition(".")
+            owner = engine if not owner_path else getattr(engine, owner_path)
+            self._wrap(owner, name, phase)
+
+    def _wrap(self, owner, name: str, phase: str) -> None:
+        original = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self._spent[phase] += time.perf_counter() - started
+
+        setattr(owner, name, timed)
+        self._restore.append((owner, name))
+
+    def end_step(self, host_s: float) -> None:
+        step = dict(self._spent)
+        step["pack_and_launch"] = host_s - sum(self._spent.values())
+        self.steps.append(step)
+        self._spent = dict.fromkeys(self.TIMED, 0.0)
+
+    def stop(self) -> None:
+        for owner, name in self._restore:
+            delattr(owner, name)  # the class's method again
+
+    def medians_ms(self) -> dict[str, float]:
+        return {
+            phase: round(statistics.median(step[phase] for step in self.steps) * 1e3, 2)
+            for phase in self.steps[0]
+        }
 
 
 def profiled_steps(engine, requests: int, steps: int, rows: int = 15) -> dict:

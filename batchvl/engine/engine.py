@@ -319,23 +319,20 @@ class Engine:
     def _count_step(self, chunks: list[ScheduledChunk]) -> None:
         self._stats.steps += 1
         self._stats.prefill_tokens_computed += sum(
-            chunk.num_tokens for chunk in chunks if chunk.start < chunk.request.num_prompt_tokens
+            chunk.num_tokens for chunk in chunks if not chunk.is_generated
         )
 
     def _sample(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> list[EngineResult]:
         sampling = [chunk.request for chunk in chunks if chunk.samples_next_token]
+        params = [request.sampling for request in sampling]
+        drawn = [not p.is_greedy for p in params]
         self.grammars.mask(logits, [request.grammar for request in sampling])
         # The rows drawn from (on the CPU), read from the device at once
-        on_host = rows_on_host(logits, [not request.sampling.is_greedy for request in sampling])
-        tokens = sample_tokens(
-            logits,
-            [request.sampling for request in sampling],
-            [request.generator for request in sampling],
-            on_host,
-        )
+        on_host = rows_on_host(logits, drawn)
+        tokens = sample_tokens(logits, params, [request.generator for request in sampling], on_host, drawn)
         self._stats.output_tokens += len(tokens)
         # A greedy token's log-probabilities are computed on the device, as an overlapped step does
-        greedy = [request if request.sampling.is_greedy else None for request in sampling]
+        greedy = [None if draws else request for request, draws in zip(sampling, drawn, strict=True)]
         kept = {}
         if any(map(keeps_logprobs, greedy)):
             (picked,) = uploaded([int64_tensor(tokens)], logits.device)

@@ -146,12 +146,13 @@ class ScheduledChunk:
 
     __slots__ = ("request", "start", "num_tokens", "end", "reaches_end", "samples_next_token", "is_generated")
 
-    def __init__(self, request: Request, start: int, num_tokens: int):
+    def __init__(self, request: Request, start: int, num_tokens: int, request_tokens: int | None = None):
+        """`request_tokens`: the request's `num_tokens`, where the caller has it."""
         self.request = request
         self.start = start
         self.num_tokens = num_tokens
         self.end = start + num_tokens
-        self.reaches_end = self.end == request.num_tokens
+        self.reaches_end = self.end == (request.num_tokens if request_tokens is None else request_tokens)
         # Only a chunk that reaches the last known token yields logits worth sampling from.
         self.samples_next_token = self.reaches_end and request.score_from is None
         # Only generated tokens (a decode, mostly): media lie in the prompt, so such a chunk has none

@@ -11,7 +11,9 @@ from transformers import AutoModelForImageTextToText
 import batchvl.layers.attention as attention
 import batchvl.models.qwen_vl as qwen_vl
 from batchvl.config import EngineConfig
+from batchvl.engine.request import Request
 from batchvl.engine.sampling.params import SamplingParams
+from batchvl.engine.sampling.stopping import StopChecker
 from batchvl.layers.attention import InPlaceDecodes, KVCache
 from batchvl.layers.native_kernels import native_ops
 from batchvl.layers.row_buckets import bucket_rows
@@ -239,6 +241,19 @@ def test_max_new_tokens_finishes_with_length(loaded_fp32, cases):
     _, observed = run_engine(loaded_fp32, cases[:1], EngineConfig(), SamplingParams(3))
     result = observed[cases[0].tag].result
     assert result.num_output_tokens == 3 and result.finish_reason == "length"
+
+
+def test_a_request_ends_with_length_when_it_fills_the_models_context():
+    """A prompt may ask for more new tokens than the context has left: it ends where the context is full,
+    and at an end-of-sequence token before that as always."""
+    stopping = StopChecker(tokenizer=None, eos_token_ids=[2], max_model_len=12)
+    request = Request(0, list(range(10, 20)), [], SamplingParams(max_new_tokens=100))
+    request.output_token_ids.append(5)
+    assert stopping.finish_reason(request) is None
+    request.output_token_ids.append(6)  # the twelfth token
+    assert stopping.finish_reason(request) == "length"
+    request.output_token_ids[-1] = 2
+    assert stopping.finish_reason(request) == "stop"
 
 
 def test_request_larger_than_kv_cache_is_an_error_not_a_stall(loaded_fp32, cases):

@@ -22,17 +22,24 @@ def sample_tokens(
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
     host_rows: dict[int, torch.Tensor] | None = None,
+    drawn: list[bool] | None = None,
 ) -> list[int]:
     """One token per row of (rows, vocab) float32 logits. Greedy rows share one argmax call (see
     `greedy_tokens`): one per row cost about 35 us each, a millisecond or more per decode step. Sampled
     rows are drawn from their copies on the CPU: `host_rows` where the caller made them (see
-    `rows_on_host`), else made here."""
-    greedy = greedy_tokens(logits) if any(p.is_greedy for p in params) else []
+    `rows_on_host`), else made here. `drawn`: which rows sample at a temperature, where the caller has it."""
+    if not params:
+        return []
+    if drawn is None:
+        drawn = [not p.is_greedy for p in params]
+    if not any(drawn):
+        return greedy_tokens(logits)  # (most steps: no call per row)
+    greedy = greedy_tokens(logits) if not all(drawn) else []
     if host_rows is None:
-        host_rows = rows_on_host(logits, [not p.is_greedy for p in params])
+        host_rows = rows_on_host(logits, drawn)
     return [
-        greedy[i] if p.is_greedy else sample_token(host_rows[i], p, generator)
-        for i, (p, generator) in enumerate(zip(params, generators, strict=True))
+        sample_token(host_rows[i], p, generator) if draws else greedy[i]
+        for i, (p, generator, draws) in enumerate(zip(params, generators, drawn, strict=True))
     ]
 
 

@@ -21,16 +21,18 @@ class StopChecker:
     def finish_reason(self, request: Request) -> str | None:
         """Why the request ends ("stop" or "length"), None while it goes on; called after each new token."""
         params = request.sampling
-        token = request.output_token_ids[-1]
+        output = request.output_token_ids
+        token = output[-1]
         if not params.ignore_eos and token in self.eos_token_ids:
             return "stop"
         if token in params.stop_token_ids:
             return "stop"
         if params.stop and self._ends_in_stop_string(request):
             return "stop"
-        if request.num_output_tokens >= params.max_new_tokens:
+        # (lengths as len(): asked of every request every step, where the properties' calls added up)
+        if len(output) >= params.max_new_tokens:
             return "length"
-        if request.num_tokens >= self.max_model_len:
+        if len(request.prompt_token_ids) + len(output) >= self.max_model_len:
             return "length"
         return None
 

@@ -138,10 +138,6 @@ class BlockManager:
         request.num_offered_blocks = num_full
 
     # --- allocation ---------------------------------------------------------------------------------
-    def has_room(self, request: Request, num_new_tokens: int) -> bool:
-        """Whether the request's blocks hold `num_new_tokens` more (asked for every decode of every step)."""
-        return request.num_computed_tokens + num_new_tokens <= len(request.block_ids) * self.block_size
-
     def num_new_blocks(self, request: Request, num_new_tokens: int) -> int:
         needed = blocks_needed(request.num_computed_tokens + num_new_tokens, self.block_size)
         return max(0, needed - len(request.block_ids))
