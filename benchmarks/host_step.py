@@ -9,10 +9,15 @@ forward runs while the host prepares nothing else, so the host work is what keep
 CPU it is time the cores do not compute.
 
 `--profile` adds the ops and calls that took the most host time over the timed steps (torch's profiler;
-the steps it watches are slower, so their times are not the table's).
+the steps it watches are slower, so their times are not the table's). `--overlap` and `--cuda-graphs` time
+the steps as the fast paths run them (`engine.overlap`, `engine.cuda_graphs`, the latter on CUDA only): an
+overlapped step launches its forward without waiting for it and then waits for the step before's picks,
+so its wall is what a job's decode steps take, its `forward` the launch, and `pack_and_launch` holds that
+wait; set against the serial run's forward, it says whether the host or the device bounds the step.
 
     python benchmarks/host_step.py [--size tiny] [--family qwen2_vl] [--requests 256] [--prompt 600]
-                                   [--steps 30] [--device cpu] [--profile] [--json PATH]
+                                   [--steps 30] [--device cpu] [--profile] [--overlap] [--cuda-graphs]
+                                   [--json PATH]
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--profile", action="store_true", help="Also profile the timed steps' host work")
+    parser.add_argument("--overlap", action="store_true", help="Overlapped steps (engine.overlap)")
+    parser.add_argument("--cuda-graphs", action="store_true", help="Decode steps as CUDA graphs (CUDA only)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
 
@@ -54,6 +61,8 @@ def main() -> None:
         max_num_seqs=args.requests,
         max_num_batched_tokens=4096,
         kv_cache_mb=1 + args.requests * tokens * kv_bytes_per_block(loaded.adapter, 1) / 2**20,
+        overlap=args.overlap,
+        cuda_graphs=args.cuda_graphs,
     )
     engine = Engine(loaded.adapter, loaded.processor.tokenizer, config, loaded.eos_token_ids())
     generator = torch.Generator().manual_seed(0)
@@ -87,6 +96,8 @@ def main() -> None:
         "forward_ms_median": round(statistics.median(forwards) * 1e3, 2),
         "host_ms_median": round(statistics.median(host) * 1e3, 2),
         "host_ms_median_by_phase": phases.medians_ms(),
+        "overlap": args.overlap,
+        "cuda_graphs": engine.runner.decode_graphs is not None,  # as the engine ran, not as asked
         "device": args.device,
         "torch_threads": torch.get_num_threads(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
@@ -116,16 +127,23 @@ class PhaseTimes:
     the runner's step inputs and metadata, their upload, the forward's launch on a device that does not
     wait; the engine's own bookkeeping). Timed by wrapping the engine's methods on this instance."""
 
-    TIMED = {"schedule": "scheduler.schedule", "commit": "scheduler.commit", "postprocess": "_postprocess"}
+    # (an overlapped step has no `_postprocess`: its picks stay on the device, and `_stopped` applies the stop
+    # rules to the step before's once they are read)
+    TIMED = {
+        "schedule": ("scheduler.schedule",),
+        "commit": ("scheduler.commit",),
+        "postprocess": ("_postprocess", "_stopped"),
+    }
 
     def __init__(self, engine):
         self._restore = []
         self._spent = dict.fromkeys(self.TIMED, 0.0)
         self.steps: list[dict[str, float]] = []
-        for phase, path in self.TIMED.items():
-            owner_path, _, name = path.rpartition(".")
-            owner = engine if not owner_path else getattr(engine, owner_path)
-            self._wrap(owner, name, phase)
+        for phase, paths in self.TIMED.items():
+            for path in paths:
+                owner_path, _, name = path.rpartition(".")
+                owner = engine if not owner_path else getattr(engine, owner_path)
+                self._wrap(owner, name, phase)
 
     def _wrap(self, owner, name: str, phase: str) -> None:
         original = getattr(owner, name)

@@ -28,6 +28,8 @@ reported and the next still runs, in the order of what a GPU window must answer 
                    per step at 256 long decodes, and where it goes (the torch ops and Python functions with
                    the most host time)
   host_step_1024   the same at 1,024 decodes a step, what `engine.max_num_seqs: auto` gives a large GPU
+  host_step_1024_fast the same with decode graphs and overlapped steps: each step's wall against the serial
+                   run's forward says whether the host or the GPU bounds a step of 1,024 decodes
   fused_elementwise benchmarks/fused_elementwise.py: the elementwise Triton kernels against the eager
                    transformers ops, per call and their outputs' differences, at Qwen2-VL-2B's widths;
                    refused on the CPU (reported as skipped)
@@ -373,15 +375,17 @@ def fast_paths_job(work: Path) -> dict:
     return compared(work, "fast", prompts, sampling, same_required=True, engine=engine)
 
 
-def host_step(work: Path, requests: int = 256) -> dict:
+def host_step(work: Path, requests: int = 256, fast: bool = False) -> dict:
     """benchmarks/host_step.py at Qwen2-VL-2B's full size, `requests` long decodes a step (256: the figure
-    the earlier runs give; 1,024: what `engine.max_num_seqs: auto` gives a GPU of 70 GiB or more)."""
-    out = work / ("host_step.json" if requests == 256 else f"host_step_{requests}.json")
-    workload = ["--steps", "10", "--requests", "64"]  # the CPU's trial of the stage: the tiny model
+    the earlier runs give; 1,024: what `engine.max_num_seqs: auto` gives a GPU of 70 GiB or more); `fast`:
+    with decode graphs and overlapped steps."""
+    name = "host_step" + ("" if requests == 256 else f"_{requests}") + ("_fast" if fast else "")
+    out = work / f"{name}.json"
+    workload = ["--steps", "10", "--requests", "64", "--prompt", "100"]  # the CPU's trial: the tiny model
     if not ON_CPU:
         workload = ["--size", "2b", "--requests", str(requests)]
     command = [sys.executable, "benchmarks/host_step.py", "--device", DEVICE, "--profile", "--json", str(out)]
-    command += workload
+    command += workload + (["--overlap", "--cuda-graphs"] if fast else [])
     result = run(command, 120)
     result.pop("stdout", None)
     return {"ok": result["rc"] == 0, **result, **(json.loads(out.read_text()) if out.exists() else {})}
@@ -495,6 +499,7 @@ STAGES = [
     ("vit_dp", vit_dp),
     ("host_step", host_step),
     ("host_step_1024", lambda work: host_step(work, 1024)),  # some 20 s
+    ("host_step_1024_fast", lambda work: host_step(work, 1024, fast=True)),  # the same, and the captures
     ("fused_elementwise", fused_elementwise),  # some 10-30 s: compiling the kernels, 36 timed ops
     ("decode_attention", decode_attention),  # some 10-30 s: 6 cases of two kernels, 50 calls each
     ("throughput_small", lambda work: throughput(work, "small")),

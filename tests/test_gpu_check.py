@@ -223,3 +223,28 @@ def test_a_fast_paths_run_says_how_many_texts_equal_the_baselines(gpu_check, mon
     assert {"--cuda-graphs", "--overlap"} <= set(commands[1]) and "--fused-kernels" not in commands[1]
     # the texts are not kept beside the report, as the benchmarks' own JSON reports are
     assert not [path for path in tmp_path.glob("*.json") if "texts" in path.name]
+
+
+def test_the_host_step_stages_time_the_2b_model_serial_and_with_the_fast_paths(
+    gpu_check, monkeypatch, tmp_path
+):
+    """On a GPU the stages run host_step.py at Qwen2-VL-2B's size, 256 or 1,024 decodes a step, the last one
+    with decode graphs and overlapped steps, each into its own JSON, which the stage's outcome carries."""
+    commands = []
+
+    def fake_run(command, limit_s, **kwargs):
+        commands.append(command)
+        Path(command[command.index("--json") + 1]).write_text(json.dumps({"step_ms_median": 5.0}))
+        return {"rc": 0, "stdout": ""}
+
+    monkeypatch.setattr(gpu_check, "run", fake_run)
+    monkeypatch.setattr(gpu_check, "ON_CPU", False)
+    stages = dict(gpu_check.STAGES)
+    outcomes = [stages[name](tmp_path) for name in ("host_step", "host_step_1024", "host_step_1024_fast")]
+    assert all(outcome["ok"] and outcome["step_ms_median"] == 5.0 for outcome in outcomes)
+    named = [Path(command[command.index("--json") + 1]).name for command in commands]
+    assert named == ["host_step.json", "host_step_1024.json", "host_step_1024_fast.json"]
+    requests = [command[command.index("--requests") + 1] for command in commands]
+    assert requests == ["256", "1024", "1024"] and all("2b" in command for command in commands)
+    fast = [{"--overlap", "--cuda-graphs"} <= set(command) for command in commands]
+    assert fast == [False, False, True]
