@@ -111,13 +111,14 @@ class ModelRunner:
             adapter.dtype,
             adapter.device,
         )
+        # (its padding row, for the graphs' padding rows, points at the scratch block past the manager's)
         self.block_table = DeviceBlockTable(block_manager.table, adapter.device, padding_block=num_blocks)
         self.decode_graphs = None
         if capture is not None and self.kv_cache.decodes_in_place:
             from batchvl.engine.device.decode_graphs import DecodeGraphs
 
             self.decode_graphs = DecodeGraphs(
-                adapter, self.kv_cache, self.block_table, decode_graph_rows, num_blocks, capture
+                adapter, self.kv_cache, self.block_table, decode_graph_rows, capture
             )
             axes = adapter.prompt_positions([0], [])[0].shape[0]  # the family's position axes
             self.decode_graphs.capture_ahead(axes)
@@ -174,15 +175,11 @@ class ModelRunner:
         # read the cache in place, the single-query ones too (see PagedAttentionMetadata)
         sequences: list[SequenceSlice] = []
         # Per chunk: its request's block table row, its first position, its tokens and its first packed row
-        # (the step's cache slots, looked up in the table at once); per single-query chunk attended in place,
-        # its packed row, its table row and its keys.
+        # (the step's cache slots and in-place decodes are taken from these at once, after the loop)
         table_rows: list[int] = []
         starts: list[int] = []
         counts: list[int] = []
         first_rows: list[int] = []
-        decode_rows: list[int] = []
-        decode_table_rows: list[int] = []
-        decode_lengths: list[int] = []
         # A run of decodes (one generated token each, most of a step) as plain ints, made into one tensor
         # at the run's end: a tensor or two per decode cost milliseconds a step at hundreds of them.
         decode_positions: list[int] = []
@@ -212,11 +209,7 @@ class ModelRunner:
                 token_ids.extend(request.token_ids(start, chunk.end))
                 end_decode_run()
                 positions.append(self._chunk_positions(request, start, chunk.end))
-            if num_tokens == 1 and in_place:
-                decode_rows.append(query_start)
-                decode_table_rows.append(request.table_row)
-                decode_lengths.append(chunk.end)
-            else:
+            if num_tokens > 1 or not in_place:
                 key_slots, _ = block_manager.key_layout(request, chunk.end)
                 sequences.append(SequenceSlice(query_start, num_tokens, key_slots, num_keys=chunk.end))
             if chunk.samples_next_token:
@@ -231,8 +224,14 @@ class ModelRunner:
         padding = bucket_rows(query_start) - query_start
         token_ids.extend([0] * padding)
         positions.append(torch.zeros((positions[0].shape[0], padding), dtype=torch.long))
-        slot_mapping = self._slot_mapping(table_rows, starts, counts, first_rows)
         media_mask, media_rows = self._media_rows(len(token_ids), chunks, first_rows, embeddings)
+        chunk_rows, chunk_starts, chunk_counts, chunk_first_rows = (
+            np.array(values, dtype=np.int64) for values in (table_rows, starts, counts, first_rows)
+        )
+        slot_mapping = self._slot_mapping(chunk_rows, chunk_starts, chunk_counts, chunk_first_rows)
+        # the single-query chunks the kernels attend where the cache holds them (see `_in_place_decodes`)
+        single = chunk_counts == 1 if in_place else np.zeros(len(chunks), dtype=bool)
+        decode_lengths = chunk_starts[single] + 1
         device = self.adapter.device
         # the step's tokens, positions, cache slots, logits rows and decodes go to the device in one copy
         token_ids_on, positions_on, slots_on, logits_rows, *decodes = uploaded(
@@ -241,15 +240,15 @@ class ModelRunner:
                 torch.cat(positions, dim=1),
                 torch.from_numpy(slot_mapping),
                 int64_tensor(last_rows + scored_rows),
-                int64_tensor(decode_rows),
-                torch.from_numpy(self.block_table.starts(np.array(decode_table_rows, dtype=np.int64))),
-                int64_tensor(decode_lengths),
+                torch.from_numpy(chunk_first_rows[single]),
+                torch.from_numpy(self.block_table.starts(chunk_rows[single])),
+                torch.from_numpy(decode_lengths),
             ],
             device,
         )
         if picks_in_flight is not None:
             token_ids_on = with_picks(token_ids_on, picks_in_flight)
-        in_place_decodes = self._in_place_decodes(*decodes, decode_lengths) if decode_rows else None
+        in_place_decodes = self._in_place_decodes(*decodes, decode_lengths) if single.any() else None
         meta = PagedAttentionMetadata.build(self.kv_cache, slots_on, sequences, device, in_place_decodes)
         started = time.perf_counter()
         hidden = self.adapter.forward(
@@ -266,18 +265,17 @@ class ModelRunner:
         return StepLogits(logits[: len(last_rows)], logits[len(last_rows) :])
 
     def _slot_mapping(
-        self, table_rows: list[int], starts: list[int], counts: list[int], first_rows: list[int]
+        self, table_rows: np.ndarray, starts: np.ndarray, counts: np.ndarray, first_rows: np.ndarray
     ) -> np.ndarray:
         """The cache slot of each packed token, in one lookup, of the chunks given by their requests' table
         rows, their first positions, their token counts and their first packed rows."""
-        rows = np.repeat(np.array(table_rows, dtype=np.int64), counts)
+        rows = np.repeat(table_rows, counts)
         # each token's position: its chunk's first, plus how far past its chunk's first row it lies
-        offsets = np.array(starts, dtype=np.int64) - np.array(first_rows, dtype=np.int64)
-        positions = np.arange(sum(counts)) + np.repeat(offsets, counts)
+        positions = np.arange(counts.sum()) + np.repeat(starts - first_rows, counts)
         return self.block_manager.table.slots(rows, positions)
 
     def _in_place_decodes(
-        self, rows: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, host_lengths: list[int]
+        self, rows: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, host_lengths: np.ndarray
     ) -> InPlaceDecodes:
         """The step's single-query chunks as the decode kernels read them: their packed rows, their rows'
         starts in the block table on the device, their keys. Triton's grouped kernel gets the splits of
@@ -286,7 +284,7 @@ class ModelRunner:
         layer = self.kv_cache.layers[0]
         splits = None  # (the CPU's kernels have none)
         if triton_attention.takes(layer):
-            splits = decode_splits(layer.shape[1], np.array(host_lengths), block_size)
+            splits = decode_splits(layer.shape[1], host_lengths, block_size)
         return InPlaceDecodes(rows, self.block_table.blocks, starts, lengths, block_size, splits)
 
     @staticmethod

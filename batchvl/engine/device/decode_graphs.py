@@ -71,16 +71,15 @@ class DecodeGraphs:
         kv_cache: KVCache,
         block_table: DeviceBlockTable,
         max_rows: int,
-        scratch_block: int,
         graph_capture: GraphCapture,
     ):
-        """`block_table`'s padding row points at `scratch_block`."""
+        """`block_table`'s padding row points at the scratch block, which no request is given."""
         self.adapter = adapter
         self.kv_cache = kv_cache
         self.block_table = block_table
         self.block_size = block_size = block_table.host.block_size
         self.largest = bucket_rows(max_rows)
-        self.scratch_slot = scratch_block * block_size
+        self.scratch_slot = block_table.padding_block * block_size
         self.graph_capture = graph_capture
         device = adapter.device
 

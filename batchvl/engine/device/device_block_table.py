@@ -24,6 +24,7 @@ class DeviceBlockTable:
         self.host = host
         self.width = width
         self.device = device
+        self.padding_block = padding_block
         self.padding_start = rows * width  # the padding row's first entry
         self.blocks = torch.zeros(self.padding_start + width, dtype=torch.long, device=device)
         self.blocks[self.padding_start] = padding_block

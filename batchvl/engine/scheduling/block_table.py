@@ -3,8 +3,8 @@
 A step's decodes need, per request, where its newest token goes and which blocks hold its keys. Asked of
 each request's own list, that was a call and a few numpy slices per decode, most of a step's host work at
 hundreds of decodes; asked of one array, it is a few vectorized lookups over the step's rows (see
-`StepRows`). The array has a row for each request that can run at once, given when it is admitted and
-taken back when it leaves, and a column for each block a request can hold.
+`ModelRunner.execute`). The array has a row for each request that can run at once, given when it is
+admitted and taken back when it leaves, and a column for each block a request can hold.
 
 The runner keeps a copy on the device (`DeviceBlockTable`) that a step's decode attention reads where it
 lies: the entries written since its last copy are logged here (`take_changes`), so that a step uploads
