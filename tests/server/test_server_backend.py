@@ -709,9 +709,11 @@ def test_the_backend_wants_no_requests_while_max_concurrency_are_unfinished(fake
 
 def test_requests_beyond_max_concurrency_wait_for_a_slot_not_against_their_timeout(fake):
     """Six requests at once on two slots: the server never has more than two, and the last ones' timeout
-    starts when they are sent (0.7 s each, where waiting for a slot takes 0.8 s)."""
-    fake.hold_s = 0.4
-    config = ServerConfig(url=fake.url, max_concurrency=2, timeout_s=0.7, retries=0)
+    starts when they are sent (1.8 s each, where waiting for a slot takes 2 s). The timeout leaves a request
+    0.8 s more than the server holds it: a request timed out on a loaded machine frees its slot while the
+    server still holds it, and the next one sent then is a third in flight."""
+    fake.hold_s = 1.0
+    config = ServerConfig(url=fake.url, max_concurrency=2, timeout_s=1.8, retries=0)
     backend = ServerEngine(fake.url, fake.models[0], config)
     try:
         for i in range(6):
