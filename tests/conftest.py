@@ -1,4 +1,5 @@
 import os
+import sys
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -216,3 +217,18 @@ def video_bytes(num_frames: int, fps: int, height: int = 64, width: int = 96, se
             container.mux(stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")))
         container.mux(stream.encode())
     return buffer.getvalue()
+
+
+def cli(monkeypatch, capsys, *args) -> tuple[int, str, str]:
+    """`batchvl ARGS` in this process: (exit code, stdout, stderr). Seconds faster than a subprocess, which
+    imports torch and transformers again."""
+    from batchvl.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["batchvl", *map(str, args)])
+    try:
+        main()
+        code = 0
+    except SystemExit as ended:
+        code = ended.code or 0
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err

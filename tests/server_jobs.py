@@ -4,7 +4,6 @@ job file, how it is run (in this process, or as the command line), and its rows 
 from __future__ import annotations
 
 import socket
-import sys
 from pathlib import Path
 
 import yaml
@@ -55,20 +54,6 @@ def rows_by_request(root: Path, num_shards: int = len(SIZES)) -> dict[tuple[str,
 
 def all_requests(sizes=SIZES, prompts=PROMPTS) -> set[tuple[str, str]]:
     return {(f"s{n}-{i}", p["name"]) for n, size in enumerate(sizes) for i in range(size) for p in prompts}
-
-
-def cli(monkeypatch, capsys, *args) -> tuple[int, str, str]:
-    """`batchvl ARGS` in this process: (exit code, stdout, stderr)."""
-    from batchvl.cli import main
-
-    monkeypatch.setattr(sys, "argv", ["batchvl", *map(str, args)])
-    try:
-        main()
-        code = 0
-    except SystemExit as ended:
-        code = ended.code or 0
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 def files_under(folder: Path) -> set[str]:

@@ -22,6 +22,7 @@ from batchvl.pipeline import runner
 from batchvl.pipeline.plan import plan_job
 from batchvl.pipeline.runner import run_job
 from batchvl.pipeline.tasks import TaskSlice
+from tests.conftest import cli as in_process
 from tests.conftest import png_bytes, random_image
 
 
@@ -203,7 +204,9 @@ def cli(*args, cwd):
     )
 
 
-def test_validate_and_run_refuse_the_same_mistakes_before_any_work(tmp_path, tiny_model_dir):
+def test_validate_and_run_refuse_the_same_mistakes_before_any_work(
+    tmp_path, tiny_model_dir, monkeypatch, capsys
+):
     table(tmp_path / "data" / "p0.parquet", key=["a"])
     pq.write_table(pa.table({"key": ["b"], "picture": [b"x"]}), tmp_path / "data" / "p1.parquet")
     (tmp_path / "a-file").write_text("")
@@ -220,11 +223,12 @@ def test_validate_and_run_refuse_the_same_mistakes_before_any_work(tmp_path, tin
         (["--set", "engine.encoder_cache_dir=a-file/cache"], "engine.encoder_cache_dir: "),
         (["--set", "engine.encoder_cache_dir=/proc/batchvl-cache"], "/proc cannot be written"),
     ]
+    monkeypatch.chdir(tmp_path)
     for args, fragment in mistakes:
         for command in ("validate", "run"):
-            done = cli(command, "job.yaml", *args, cwd=tmp_path)
-            assert done.returncode == 2, (command, args, done.stderr)
-            (line,) = done.stderr.strip().splitlines()
+            code, _, err = in_process(monkeypatch, capsys, command, "job.yaml", *args)
+            assert code == 2, (command, args, err)
+            (line,) = err.strip().splitlines()
             assert fragment in line, (command, line)
     assert not (tmp_path / "out").exists()
     assert sorted(os.listdir(tmp_path / "data")) == ["p0.parquet", "p1.parquet"]

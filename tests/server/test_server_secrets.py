@@ -18,8 +18,9 @@ from batchvl.errors import UserError
 from batchvl.pipeline.commit_strategies import stored_config
 from batchvl.server.client import connection, served_models
 from batchvl.utils.secrets import masked_args, url_without_userinfo
+from tests.conftest import cli
 from tests.fake_openai_server import FakeOpenAIServer
-from tests.server_jobs import all_requests, at, cli, closed_port_url, rows_by_request, run, write_job
+from tests.server_jobs import all_requests, at, closed_port_url, rows_by_request, run, write_job
 
 PASSWORD = "pw-5e1f0a7c93"
 FAKE_SERVER_PROGRAM = Path(__file__).parents[1] / "fake_server_process.py"
