@@ -17,6 +17,8 @@ reported and the next still runs, in the order of what a GPU window must answer 
                    between vision, prefill and decode, with no fast path: the baseline
   gpu_throughput_2b_fast  the same with every fast path on, and the share of samples whose text equals the
                    baseline's
+  fast_paths_parity the engine and family parity tests again with every fast path on
+                   (BATCHVL_TEST_FAST_PATHS=1): decode graphs, overlapped steps, the fused kernels
   sampled_job      a job sampling at temperature 0.8 on the device and on the CPU: rows ok on each, and the
                    share of rows whose text is the same (each request's seeded draws run on the CPU)
   constrained_job  a JSON-schema, regex, choices and free-text job in fp32 on the device and on the CPU:
@@ -98,6 +100,7 @@ PARITY_TESTS = [
     "tests/engine/test_pixel_staging.py",  # vision calls' pixels sent from page-locked memory, not waited for
     "tests/engine/test_structured_output.py",  # a step's grammar bitmask sent the same way
 ]
+FAST_PATHS_PARITY_TESTS = ["tests/engine/test_parity.py", "tests/engine/test_family_parity.py"]
 SCHEMA = {
     "type": "object",
     "properties": {
@@ -221,12 +224,15 @@ def printed_outcomes(stdout: str) -> dict[str, str]:
     return outcomes
 
 
-def pytest_stage(files: list[str], limit_s: float, work: Path, name: str, workers: int = 1) -> dict:
-    """The tests of `files` with the engine on DEVICE, in `workers` processes (each with its share of the
-    cores for torch's threads): counts and failures from pytest's report, or what it printed if stopped."""
+def pytest_stage(
+    files: list[str], limit_s: float, work: Path, name: str, workers: int = 1, env: dict | None = None
+) -> dict:
+    """The tests of `files` with the engine on DEVICE (and `env` set), in `workers` processes (each with its
+    share of the cores for torch's threads): counts and failures from pytest's report, or what it printed
+    if stopped."""
     junit = work / f"{name}.xml"
     command = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", f"--junitxml={junit}", *files]
-    env = {"BATCHVL_TEST_DEVICE": DEVICE}
+    env = {"BATCHVL_TEST_DEVICE": DEVICE, **(env or {})}
     if workers > 1:
         command += ["-n", str(workers)]
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // workers))
@@ -258,6 +264,17 @@ def parity(work: Path) -> dict:
     throughput stages more of the check's minutes."""
     workers = test_workers()
     return {"workers": workers, **pytest_stage(PARITY_TESTS, 300, work, "parity", workers)}
+
+
+def fast_paths_parity(work: Path) -> dict:
+    """The engine and family parity tests again with every fast path on (BATCHVL_TEST_FAST_PATHS=1: decode
+    graphs, overlapped steps, the fused kernels in the test models): 50 tests, 7 minutes on a 2-core CPU."""
+    workers = test_workers()
+    env = {"BATCHVL_TEST_FAST_PATHS": "1"}
+    return {
+        "workers": workers,
+        **pytest_stage(FAST_PATHS_PARITY_TESTS, 200, work, "fast_paths_parity", workers, env),
+    }
 
 
 def vit_dp(work: Path) -> dict:
@@ -493,6 +510,7 @@ STAGES = [
     ("fast_paths_job", fast_paths_job),
     ("gpu_throughput_2b", lambda work: gpu_throughput(work, "2b")),
     ("gpu_throughput_2b_fast", lambda work: gpu_throughput(work, "2b", FAST_PATHS)),
+    ("fast_paths_parity", fast_paths_parity),
     ("sampled_job", sampled_job),
     ("constrained_job", constrained_job),
     ("two_processes", two_processes),  # about a minute: two processes start CUDA and load the model

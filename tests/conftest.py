@@ -17,6 +17,10 @@ SHARPNESS = 8.0
 # Where the engine under test runs: BATCHVL_TEST_DEVICE=cuda runs the parity, sampler, constrained-decoding,
 # family and ViT-DP tests on a GPU against references computed on the CPU (`make gpu-check`).
 TEST_DEVICE = os.environ.get("BATCHVL_TEST_DEVICE", "cpu")
+# BATCHVL_TEST_FAST_PATHS=1 runs the engine and family parity tests with every fast path on: decode graphs
+# (CUDA's on a GPU, tests/engine/fake_graphs.py's on the CPU), overlapped steps, and the fused kernels
+# (`engine.fused_kernels`, CUDA only) in the test models (`make gpu-check`'s fast_paths_parity stage).
+TEST_FAST_PATHS = os.environ.get("BATCHVL_TEST_FAST_PATHS") == "1"
 if TEST_DEVICE.startswith("cuda"):
     import torch
 
@@ -96,7 +100,7 @@ def tiny_model_dir(tmp_path_factory):
 def loaded_fp32(tiny_model_dir):
     from batchvl.models.loader import load_model
 
-    return load_model(str(tiny_model_dir), dtype="float32", device=TEST_DEVICE)
+    return load_model(str(tiny_model_dir), dtype="float32", device=TEST_DEVICE, fused_kernels=TEST_FAST_PATHS)
 
 
 NEW_FAMILIES = [
@@ -119,7 +123,8 @@ def family_models(tmp_path_factory):
         if family not in built:
             folder = tmp_path_factory.mktemp("models") / family
             path = build_tiny_model(folder, family=family, seed=0, sharpness=SHARPNESS)
-            built[family] = (path, load_model(str(path), dtype="float32", device=TEST_DEVICE))
+            loaded = load_model(str(path), dtype="float32", device=TEST_DEVICE, fused_kernels=TEST_FAST_PATHS)
+            built[family] = (path, loaded)
         return built[family]
 
     return get

@@ -248,3 +248,25 @@ def test_the_host_step_stages_time_the_2b_model_serial_and_with_the_fast_paths(
     assert requests == ["256", "1024", "1024"] and all("2b" in command for command in commands)
     fast = [{"--overlap", "--cuda-graphs"} <= set(command) for command in commands]
     assert fast == [False, False, True]
+
+
+def test_the_fast_paths_parity_stage_runs_the_parity_tests_with_every_fast_path_on(
+    gpu_check, monkeypatch, tmp_path
+):
+    """The stage's pytest sees BATCHVL_TEST_FAST_PATHS=1 beside the test device, and runs the engine and
+    family parity files (here on a stand-in test file that reads the environment)."""
+    probe = tmp_path / "test_environment.py"
+    probe.write_text(
+        "import os\n\n\ndef test_fast_paths_on():\n"
+        "    assert os.environ['BATCHVL_TEST_FAST_PATHS'] == '1'\n"
+        "    assert os.environ['BATCHVL_TEST_DEVICE'] == 'cuda'\n"
+    )
+    assert gpu_check.FAST_PATHS_PARITY_TESTS == [
+        "tests/engine/test_parity.py",
+        "tests/engine/test_family_parity.py",
+    ]
+    monkeypatch.setattr(gpu_check, "FAST_PATHS_PARITY_TESTS", [str(probe)])
+    monkeypatch.setattr(gpu_check, "DEVICE", "cuda")
+    monkeypatch.setattr(gpu_check, "test_workers", lambda: 1)
+    outcome = dict(gpu_check.STAGES)["fast_paths_parity"](tmp_path)
+    assert (outcome["ok"], outcome["passed"], outcome["failed"]) == (True, 1, 0), outcome

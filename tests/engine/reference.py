@@ -9,15 +9,20 @@ transformers' own `generate` on that GPU differs from it (`logits_tolerance`), a
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from unittest import mock
 
 import torch
 
+import batchvl.engine.model_runner as model_runner
+from batchvl.config import EngineConfig
 from batchvl.engine.engine import Engine
 from batchvl.engine.request import EngineRequest, EngineResult
 from batchvl.engine.sampling.params import SamplingParams
+from batchvl.layers.row_buckets import bucket_rows
 from batchvl.preprocess.media import PreparedMedia
-from tests.conftest import TEST_DEVICE
+from tests.conftest import TEST_DEVICE, TEST_FAST_PATHS
+from tests.engine.fake_graphs import FakeGraphCapture
 
 # Largest difference allowed between the engine's and generate's logits at a position, relative to the
 # largest logit there (fp32; the two sum in different orders, so they are not bit-identical).
@@ -149,8 +154,10 @@ class EngineProbe:
         self.engine = engine
         self._logits: dict[int, dict[int, torch.Tensor]] = {}
         self._positions: dict[int, dict[int, torch.Tensor]] = {}
+        self.graphed_steps = 0  # the steps a decode graph ran, which read their positions from its buffer
         runner = engine.runner
         execute, adapter = runner.execute, runner.adapter
+        replayed = self._watch_graphs(runner.decode_graphs)
 
         def recording_execute(chunks, embeddings, **options):
             fed = []  # the positions the model was given, (axes, rows) in the step's packed order
@@ -168,7 +175,9 @@ class EngineProbe:
                     del adapter.forward  # the class's method again
                 else:
                     adapter.forward = own
-            (positions,) = fed
+            # a graph's replay calls no Python (on a GPU): its positions are those its static buffer held
+            (positions,) = replayed or fed
+            replayed.clear()
             positions = positions.cpu()  # the references are computed on the CPU
             row = 0
             for chunk in chunks:
@@ -187,6 +196,24 @@ class EngineProbe:
             return out
 
         runner.execute = recording_execute
+
+    def _watch_graphs(self, graphs) -> list[torch.Tensor]:
+        """A list that holds, after a step a decode graph ran, the positions the graph read."""
+        replayed: list[torch.Tensor] = []
+        if graphs is None:
+            return replayed
+        run = graphs.run
+
+        def recording_run(chunks, *args):
+            logits = run(chunks, *args)
+            if logits is not None:
+                rows, axes = bucket_rows(len(chunks)), chunks[0].request.positions.prompt.shape[0]
+                replayed.append(graphs.buffers["positions"][: axes * rows].view(axes, rows).clone())
+                self.graphed_steps += 1
+            return logits
+
+        graphs.run = recording_run
+        return replayed
 
     def run(self, arrivals: dict[int, list[EngineRequest]] | None = None) -> dict:
         """tag -> Observed for every request added so far, and those of `arrivals` added before the step
@@ -251,9 +278,25 @@ def make_case(model, tag, ids: list[int], media: list[PreparedMedia], inputs: di
     )
 
 
-def run_cases(loaded, cases: list[Case], limits, sampling: SamplingParams) -> tuple[Engine, dict]:
-    """An engine over every case at once, run to the end; (engine, tag -> Observed)."""
-    engine = Engine(loaded.adapter, loaded.processor.tokenizer, limits, loaded.eos_token_ids())
+def with_fast_paths(loaded, limits: EngineConfig) -> Engine:
+    """An engine with decode graphs and overlapped steps on: CUDA's graphs on a GPU, and on the CPU (where
+    the engine captures none) `FakeGraphCapture`'s, which replay the step over the same static buffers."""
+    limits = replace(limits, cuda_graphs=True, overlap=True)
+    if TEST_DEVICE != "cpu":
+        return Engine(loaded.adapter, loaded.processor.tokenizer, limits, loaded.eos_token_ids())
+    with mock.patch.object(model_runner, "graph_capture", lambda device: FakeGraphCapture()):
+        return Engine(loaded.adapter, loaded.processor.tokenizer, limits, loaded.eos_token_ids())
+
+
+def run_cases(
+    loaded, cases: list[Case], limits, sampling: SamplingParams, fast_paths: bool = TEST_FAST_PATHS
+) -> tuple[Engine, dict]:
+    """An engine over every case at once, run to the end; (engine, tag -> Observed). `fast_paths`: with
+    decode graphs and overlapped steps (see `with_fast_paths`)."""
+    if fast_paths:
+        engine = with_fast_paths(loaded, limits)
+    else:
+        engine = Engine(loaded.adapter, loaded.processor.tokenizer, limits, loaded.eos_token_ids())
     probe = EngineProbe(engine)
     for case in cases:
         engine.add_request(EngineRequest(case.ids, case.media, sampling, case.tag))

@@ -11,7 +11,7 @@ from transformers import AutoModelForImageTextToText
 import batchvl.layers.attention as attention
 import batchvl.models.qwen_vl as qwen_vl
 from batchvl.config import EngineConfig
-from batchvl.engine.request import Request
+from batchvl.engine.request import EngineRequest, Request
 from batchvl.engine.sampling.params import SamplingParams
 from batchvl.engine.sampling.stopping import StopChecker
 from batchvl.layers.attention import InPlaceDecodes, KVCache
@@ -21,7 +21,13 @@ from batchvl.models.adapter import VLMAdapter
 from batchvl.preprocess.prompts import PromptRenderer
 from batchvl.preprocess.qwen_vision import QwenVisionSpec, prepare_image
 from tests.conftest import random_image, reference_processor
-from tests.engine.reference import assert_matches_reference, make_case, run_cases
+from tests.engine.reference import (
+    EngineProbe,
+    assert_matches_reference,
+    make_case,
+    run_cases,
+    with_fast_paths,
+)
 
 MAX_NEW_TOKENS = 10
 IMAGE_SIZES = [(100, 150), (60, 60), (200, 90), (28, 300)]
@@ -60,31 +66,22 @@ def run_engine(loaded, cases, limits: EngineConfig, sampling: SamplingParams | N
     return run_cases(loaded, cases, limits, sampling or SamplingParams(MAX_NEW_TOKENS))
 
 
-@pytest.mark.parametrize(
-    "limits",
-    [
-        EngineConfig(max_num_batched_tokens=16, max_num_seqs=64),  # chunks cut through every image
-        EngineConfig(max_num_batched_tokens=37, max_num_seqs=3),
-        EngineConfig(max_num_batched_tokens=64, max_num_seqs=1),
-        EngineConfig(max_num_batched_tokens=4096, max_num_seqs=64),  # everything in one prefill step
-        EngineConfig(max_num_batched_tokens=64, max_num_seqs=64, kv_cache_mb=0.2),  # forces preemption
-        EngineConfig(max_num_batched_tokens=37, max_num_seqs=8, encoder_cache_mb=0, block_size=3),
-        EngineConfig(max_num_batched_tokens=37, block_size=4, prefix_caching=False),
-        EngineConfig(max_num_batched_tokens=37, block_size=4, disable_chunked_mm_input=True),
-        EngineConfig(max_num_batched_tokens=16, block_size=4, lookahead=1),
-    ],
-    ids=[
-        "budget16",
-        "budget37-seqs3",
-        "budget64-seqs1",
-        "one-step",
-        "preempt",
-        "no-encoder-cache",
-        "no-prefix-cache",
-        "whole-images",
-        "arrival-order",
-    ],
-)
+LIMITS = {
+    "budget16": EngineConfig(max_num_batched_tokens=16, max_num_seqs=64),  # chunks cut through every image
+    "budget37-seqs3": EngineConfig(max_num_batched_tokens=37, max_num_seqs=3),
+    "budget64-seqs1": EngineConfig(max_num_batched_tokens=64, max_num_seqs=1),
+    "one-step": EngineConfig(max_num_batched_tokens=4096, max_num_seqs=64),  # everything in one prefill step
+    "preempt": EngineConfig(max_num_batched_tokens=64, max_num_seqs=64, kv_cache_mb=0.2),  # forces preemption
+    "no-encoder-cache": EngineConfig(
+        max_num_batched_tokens=37, max_num_seqs=8, encoder_cache_mb=0, block_size=3
+    ),
+    "no-prefix-cache": EngineConfig(max_num_batched_tokens=37, block_size=4, prefix_caching=False),
+    "whole-images": EngineConfig(max_num_batched_tokens=37, block_size=4, disable_chunked_mm_input=True),
+    "arrival-order": EngineConfig(max_num_batched_tokens=16, block_size=4, lookahead=1),
+}
+
+
+@pytest.mark.parametrize("limits", LIMITS.values(), ids=LIMITS.keys())
 def test_greedy_tokens_equal_generate(loaded_fp32, cases, limits):
     engine, observed = run_engine(loaded_fp32, cases, limits)
     assert set(observed) == {case.tag for case in cases}
@@ -96,6 +93,23 @@ def test_greedy_tokens_equal_generate(loaded_fp32, cases, limits):
         assert result.text == loaded_fp32.processor.tokenizer.decode(tokens, skip_special_tokens=True)
     if limits.kv_cache_mb != "auto" and limits.kv_cache_mb < 1:
         assert engine.stats.preemptions > 0
+
+
+@pytest.mark.parametrize("limits_name", ["budget16", "preempt"])
+def test_with_every_fast_path_on_the_tokens_logits_and_positions_equal_generate(
+    loaded_fp32, cases, limits_name
+):
+    """Decode graphs (fake ones on the CPU: the step called again over the graphs' static buffers) and
+    overlapped steps together, as BATCHVL_TEST_FAST_PATHS=1 runs every parity test; the positions of a
+    graphed step are read from the graphs' buffer, as on a GPU, where a replay calls no Python."""
+    engine = with_fast_paths(loaded_fp32, LIMITS[limits_name])
+    probe = EngineProbe(engine)
+    for case in cases:
+        engine.add_request(EngineRequest(case.ids, case.media, SamplingParams(MAX_NEW_TOKENS), case.tag))
+    observed = probe.run()
+    assert probe.graphed_steps > 0
+    for case in cases:
+        assert_matches_reference(observed[case.tag], case)
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["native-kernel", "torch-ops"])
