@@ -38,6 +38,8 @@ ERROR_TYPES: dict[str, str] = {
     "missing_image": "a row or tar sample without media",
     "bad_json": "a WebDataset `json` member that does not parse",
     "truncated_shard": "the last sample read from a damaged tar file (the samples before it are kept)",
+    "unreadable_rows": "a row of a Parquet row group that cannot be read (a damaged page): a row each, keyed "
+    "by its index; the file's other row groups are read",
     "missing_field": "the prompt uses a field the sample lacks (or `sampling.max_new_tokens_field` holds "
     "no positive integer)",
     "prompt_mismatch": "the rendered prompt's media placeholders do not match the sample's media (a "

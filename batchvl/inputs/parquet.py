@@ -12,7 +12,7 @@ from batchvl.config import InputConfig
 from batchvl.errors import UserError
 from batchvl.inputs.paths import match_files
 from batchvl.inputs.stamps import input_stamp
-from batchvl.inputs.table_rows import RowSampler
+from batchvl.inputs.table_rows import RowSampler, UnreadableRows
 from batchvl.inputs.types import Sample, ShardEnd, ShardInfo
 from batchvl.storage.remote import is_remote, open_remote
 
@@ -44,6 +44,20 @@ class ParquetSource:
     def iter_shard(self, shard: ShardInfo, keep: Callable[[int], bool]) -> Iterator[Sample | ShardEnd]:
         parquet = self._open(shard.path)
         self.rows.check_columns(parquet.schema_arrow.names, shard.path)
-        yield from self.rows.samples(
-            shard, parquet.iter_batches(batch_size=BATCH_ROWS), keep, os.path.dirname(shard.path)
-        )
+        yield from self.rows.samples(shard, _batches(parquet, shard.path), keep, os.path.dirname(shard.path))
+
+
+def _batches(parquet: pq.ParquetFile, path: str) -> Iterator[pa.RecordBatch | UnreadableRows]:
+    """The file's rows batch by batch, one row group at a time: the rest of a group that cannot be read (a
+    damaged page: the footer says how many rows it holds) comes as `UnreadableRows`, and the next group is
+    read, so that one damaged page costs its group's rows, not the shard, and not the job."""
+    for group in range(parquet.num_row_groups):
+        read = 0
+        try:
+            for batch in parquet.iter_batches(batch_size=BATCH_ROWS, row_groups=[group]):
+                read += batch.num_rows
+                yield batch
+        except (pa.ArrowException, OSError) as exc:
+            rows = parquet.metadata.row_group(group).num_rows - read
+            reason = f"row group {group} of {path} cannot be read ({type(exc).__name__}: {exc})"
+            yield UnreadableRows(rows, reason)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
@@ -16,6 +17,14 @@ from batchvl.inputs.paths import resolve_under_root
 from batchvl.inputs.types import VIDEO_EXTENSIONS, MediaRef, Sample, ShardEnd, ShardInfo, is_scalar
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class UnreadableRows:
+    """In place of a batch: `num_rows` rows of the shard that could not be read, and why."""
+
+    num_rows: int
+    reason: str
 
 
 class RowSampler:
@@ -41,13 +50,20 @@ class RowSampler:
     def samples(
         self,
         shard: ShardInfo,
-        batches: Iterator[pa.RecordBatch],
+        batches: Iterator[pa.RecordBatch | UnreadableRows],
         keep: Callable[[int], bool],
         default_root: str,
     ) -> Iterator[Sample | ShardEnd]:
         root = os.path.realpath(self.root or default_root)
         start = 0
         for batch in batches:
+            if isinstance(batch, UnreadableRows):  # an error row each, keyed by its index (no key was read)
+                for index in range(start, start + batch.num_rows):
+                    if keep(index):
+                        error = SampleError("unreadable_rows", batch.reason)
+                        yield Sample(shard.shard, index, str(index), [], error=error)
+                start += batch.num_rows
+                continue
             # Only this worker's rows become Python objects; the others stay in Arrow memory.
             mine = [i for i in range(batch.num_rows) if keep(start + i)]
             if mine:

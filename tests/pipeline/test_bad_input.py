@@ -249,3 +249,33 @@ def test_a_crashing_worker_costs_one_sample_in_a_job(tmp_path, loaded_fp32, monk
     failed = {key for (key, _), row in rows.items() if row["status"] != "ok"}
     assert failed == {"k5"} and rows[("k5", "caption")]["error_type"] == "preprocess_crash"
     assert summary.stats["worker_restarts"] == 1 and summary.stats["samples_crashed"] == 1
+
+
+def test_a_damaged_parquet_row_group_costs_its_rows_only(tmp_path, loaded_fp32):
+    """A page of the middle row group overwritten (the footer intact): its rows are error rows keyed by
+    their index, the groups around it and the next file are captioned, and the job completes."""
+    data = tmp_path / "data"
+    data.mkdir()
+    images = [encode(random_image(30, 40, seed), "PNG") for seed in range(6)]
+    damaged = data / "a.parquet"
+    pq.write_table(
+        pa.table({"key": [f"a{i}" for i in range(6)], "image": images, "question": ["what?"] * 6}),
+        damaged,
+        row_group_size=2,
+    )
+    page = pq.ParquetFile(damaged).metadata.row_group(1).column(1).data_page_offset
+    content = bytearray(damaged.read_bytes())
+    content[page : page + 200] = b"\xab" * 200
+    damaged.write_bytes(bytes(content))
+    pq.write_table(pa.table({"key": ["b0"], "image": images[:1], "question": ["what?"]}), data / "b.parquet")
+    cfg = job(tmp_path, loaded_fp32.path, [str(data / "*.parquet")])
+    run_job(cfg, loaded=loaded_fp32, show_progress=False)
+    rows = rows_by_key(cfg.output.dir, "a.parquet")
+    statuses = {key: row["error_type"] or row["status"] for (key, _), row in rows.items()}
+    assert statuses == {"a0": "ok", "a1": "ok", "2": "unreadable_rows", "3": "unreadable_rows"} | {
+        "a4": "ok",
+        "a5": "ok",
+    }
+    assert len(rows) == 12  # two prompts a row
+    assert "row group 1 of" in rows[("2", "caption")]["error_message"]
+    assert {row["status"] for row in rows_by_key(cfg.output.dir, "b.parquet").values()} == {"ok"}
