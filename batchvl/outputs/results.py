@@ -8,7 +8,7 @@ import pyarrow as pa
 
 from batchvl.inputs.types import ShardInfo
 from batchvl.outputs.commit import ShardMarker, read_committed, read_marker
-from batchvl.outputs.writers import RESULT_SCHEMA, output_path
+from batchvl.outputs.writers import RESULT_SCHEMA, json_text, output_path
 from batchvl.storage.output_dir import OutputDir
 
 
@@ -51,4 +51,34 @@ def results_table(outputs: list[ShardOutput]) -> pa.Table:
         )
     if not tables:
         return RESULT_SCHEMA.empty_table().add_column(0, "shard", pa.array([], pa.string()))
-    return pa.concat_tables(tables, promote_options="default")
+    return pa.concat_tables(with_shared_types(tables), promote_options="permissive")
+
+
+def with_shared_types(tables: list[pa.Table]) -> list[pa.Table]:
+    """The tables with each pass-through column that has types no one type holds (int64 in one shard,
+    string in another) as JSON text in all of them, as a shard's own writer keeps such a column; the
+    types that widen (int64 and double) are left to the concatenation."""
+    types: dict[str, set[pa.DataType]] = {}
+    for table in tables:
+        for column in table.schema:
+            types.setdefault(column.name, set()).add(column.type)
+    clashing = {name for name, found in types.items() if len(found) > 1 and not _widens(name, found)}
+    if not clashing:
+        return tables
+    return [_as_json_text(table, clashing) for table in tables]
+
+
+def _widens(name: str, types: set[pa.DataType]) -> bool:
+    try:
+        pa.unify_schemas([pa.schema([(name, t)]) for t in types], promote_options="permissive")
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
+        return False
+    return True
+
+
+def _as_json_text(table: pa.Table, names: set[str]) -> pa.Table:
+    for name in names & set(table.column_names):
+        values = table.column(name).to_pylist()
+        text = pa.array([None if v is None else json_text(v) for v in values], pa.string())
+        table = table.set_column(table.column_names.index(name), name, text)
+    return table

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,10 +89,41 @@ def rows_to_table(
     field_names: list[str] = []
     for row in rows:
         field_names.extend(name for name in row.fields if name not in field_names)
-    for name in field_names:
-        column = f"input_{name}" if name in RESULT_SCHEMA.names or name in OPTIONAL_COLUMNS else name
-        table = table.append_column(column, pa.array([r.fields.get(name) for r in rows]))
+    for name, column in pass_through_columns(field_names).items():
+        table = table.append_column(column, pass_through_array([r.fields.get(name) for r in rows]))
     return table.replace_schema_metadata({k.encode(): v.encode() for k, v in metadata.items()})
+
+
+def pass_through_columns(field_names: list[str]) -> dict[str, str]:
+    """Each input field's column: its own name, or where a result column has that name, the name prefixed
+    with `input_`, again until no column has it (an input with both `status` and `input_status` columns
+    keeps `input_status` and gets `input_input_status`): a file with two columns of one name is one that
+    nothing reads back."""
+    reserved = set(RESULT_SCHEMA.names) | set(OPTIONAL_COLUMNS)
+    taken = reserved | set(field_names)
+    columns = {}
+    for name in field_names:
+        column = name
+        if name in reserved:
+            column = f"input_{name}"
+            while column in taken:
+                column = f"input_{column}"
+            taken.add(column)
+        columns[name] = column
+    return columns
+
+
+def pass_through_array(values: list[Any]) -> pa.Array:
+    """An input field's values as one column; values of no one Arrow type (1 and "high" in one WebDataset
+    json field, an int past 64 bits) as JSON text, so that a shard's commit never fails on them."""
+    try:
+        return pa.array(values)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):
+        return pa.array([None if v is None else json_text(v) for v in values], pa.string())
+
+
+def json_text(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, default=str)
 
 
 def parquet_bytes(table: pa.Table) -> bytes:

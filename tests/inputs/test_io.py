@@ -12,8 +12,9 @@ from PIL import Image
 from batchvl.config import InputConfig
 from batchvl.errors import UserError
 from batchvl.inputs.parquet import ParquetSource
-from batchvl.inputs.types import ShardEnd
+from batchvl.inputs.types import ShardEnd, ShardInfo
 from batchvl.outputs.commit import ShardMarker, commit_shard, marker_path, read_committed, read_marker
+from batchvl.outputs.results import committed_outputs, results_table
 from batchvl.outputs.writers import ResultRow, rows_to_table
 from batchvl.storage.output_dir import LocalDir
 
@@ -182,6 +183,37 @@ def test_a_committed_shard_has_its_rows_in_order_and_a_marker_naming_size_and_ha
     assert marker_path(out, "sub/part-0.parquet") == str(
         tmp_path / "_batchvl" / "done" / "sub" / "part-0.json"
     )
+
+
+def test_pass_through_columns_never_share_a_name_and_values_of_no_one_type_are_json_text(tmp_path):
+    """An input with both `status` and `input_status`: two columns of one name would make a file nothing
+    reads back. A field of an int and a string (a WebDataset json field), or an int past 64 bits: the shard
+    is still committed, that column as JSON text."""
+    rows = [
+        row(0, 0, status="x", input_status="y", score=1, big=2**70, ratio=1),
+        row(1, 0, status="z", input_status="w", score="high", big=None, ratio=1.5),
+    ]
+    table = pq.read_table(commit(tmp_path, "s.parquet", rows, {}))
+    names = table.column_names
+    assert len(names) == len(set(names))
+    assert table["input_status"].to_pylist() == ["y", "w"]  # the input's own column keeps its name
+    assert table["input_input_status"].to_pylist() == ["x", "z"]  # the input's `status`
+    assert table["score"].to_pylist() == ["1", '"high"']
+    assert table["big"].to_pylist() == [str(2**70), None]
+    assert table["ratio"].to_pylist() == [1.0, 1.5]  # an int and a float: one Arrow type, as before
+
+
+def test_results_of_shards_whose_column_types_clash_read_back_as_json_text(tmp_path):
+    """A pass-through column of ints in one shard and strings in another: each shard was written alone, so
+    reading the job's results takes that column as JSON text; types that widen (int and float) widen."""
+    commit(tmp_path, "a.parquet", [row(0, 0, score=1, ratio=1)], {})
+    commit(tmp_path, "b.parquet", [row(0, 0, score="high", ratio=0.5)], {})
+    out = LocalDir(str(tmp_path))
+    shards = [ShardInfo(name, str(tmp_path / name), 1) for name in ("a.parquet", "b.parquet")]
+    table = results_table(committed_outputs(out, shards))
+    assert table["shard"].to_pylist() == ["a.parquet", "b.parquet"]
+    assert table["score"].to_pylist() == ["1", '"high"']
+    assert table["ratio"].to_pylist() == [1.0, 0.5]
 
 
 def test_a_committed_local_file_changed_since_is_refused_when_read_back(tmp_path):

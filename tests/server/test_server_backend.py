@@ -32,14 +32,13 @@ from batchvl.engine.sampling.params import SamplingParams
 from batchvl.errors import ConfigError, ServerGone, UserError
 from batchvl.pipeline.server_setup import PROBE_TEXT
 from batchvl.server.server_engine import ServerEngine
-from tests.conftest import random_image
+from tests.conftest import cli, random_image
 from tests.fake_openai_server import Failure, FakeOpenAIServer, echo, last_user_text
 from tests.server_jobs import (
     GONE_SIZES,
     PROMPTS,
     all_requests,
     at,
-    cli,
     closed_port_url,
     files_under,
     rows_by_request,

@@ -14,13 +14,13 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.conftest import cli
 from tests.fake_openai_server import FakeOpenAIServer
 from tests.server_jobs import (
     GONE_SIZES,
     PROMPTS,
     all_requests,
     at,
-    cli,
     files_under,
     rows_by_request,
     run,
