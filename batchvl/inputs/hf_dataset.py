@@ -12,6 +12,8 @@ import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import pyarrow as pa
+
 from batchvl.config import InputConfig
 from batchvl.errors import UserError
 from batchvl.inputs.paths import glob_base, has_glob, relative_id
@@ -58,7 +60,10 @@ class HFDatasetSource:
                     found.setdefault(path, relative_id(path, base))
         shards = []
         for path, shard_id in sorted(found.items(), key=lambda item: item[1]):
-            table = datasets.Dataset.from_file(path)  # memory-mapped: row count and columns without reading
+            try:  # memory-mapped: row count and columns without reading
+                table = datasets.Dataset.from_file(path)
+            except (pa.ArrowInvalid, OSError) as exc:  # truncated or not Arrow: the user's to replace
+                raise UserError(f"input file '{path}' is not a readable Arrow file: {exc}") from None
             columns, stamp = tuple(table.column_names), input_stamp(path, {})  # a local folder
             shards.append(ShardInfo(shard_id, path, table.num_rows, columns=columns, stamp=stamp))
         return shards

@@ -106,6 +106,10 @@ def test_hf_dataset_dict_shards_and_image_feature(tmp_path):
     assert Image.open(io.BytesIO(samples[3].images[0].data)).size == (30, 20)
     with pytest.raises(UserError, match="save_to_disk"):
         read(InputConfig(paths=[str(tmp_path)], format="hf_dataset"))
+    arrow = tmp_path / "ds" / "train" / "data-00000-of-00001.arrow"
+    arrow.write_bytes(arrow.read_bytes()[: arrow.stat().st_size // 2])  # truncated: a one-line refusal
+    with pytest.raises(UserError, match=f"input file '{arrow}' is not a readable Arrow file"):
+        make_source(InputConfig(paths=[str(tmp_path / "ds")], format="hf_dataset")).list_shards()
 
 
 def test_folder_keys_shards_and_confinement(tmp_path):
