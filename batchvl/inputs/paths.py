@@ -102,11 +102,15 @@ def match_files(
             for url in matched:
                 found.setdefault(url, relative_id(url.split("://", 1)[1], base))
             continue
-        matched = [
-            p
-            for p in glob.glob(pattern, recursive=True)
-            if p.lower().endswith(suffixes) and os.path.isfile(p)
-        ]
+        named = [p for p in glob.glob(pattern, recursive=True) if p.lower().endswith(suffixes)]
+        matched = [p for p in named if os.path.isfile(p)]
+        for folder in (p for p in named if os.path.isdir(p)):
+            inside = os.path.join(folder, "")
+            if not any(path.startswith(inside) for path in matched):  # its files would go unread, unsaid
+                raise UserError(
+                    f"input.paths: '{folder}' matches '{pattern}' but is a folder (a dataset written as a "
+                    f"folder of part files?); name its files, e.g. '{inside}*{suffixes[0]}'"
+                )
         if not matched:
             raise UserError(f"input.paths: no {what} match '{pattern}'; check the path or glob")
         base = glob_base(pattern)

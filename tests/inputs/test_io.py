@@ -51,6 +51,16 @@ def test_list_shards_sorts_and_names_by_relative_path(tmp_path):
     assert all(s.num_rows == 1 for s in shards)
     with pytest.raises(UserError, match="no Parquet files match"):
         list_shards([str(tmp_path / "missing" / "*.parquet")])
+    # A folder named like a shard (Spark's x.parquet/part-0.parquet) is refused, not skipped unsaid...
+    write_table(tmp_path / "c" / "x.parquet" / "part-0.parquet", {"image": [b"x"]})
+    write_table(tmp_path / "c" / "y.parquet", {"image": [b"x"]})
+    with pytest.raises(
+        UserError, match=r"'.*/c/x.parquet' matches .* but is a folder.*c/x.parquet/\*.parquet"
+    ):
+        list_shards([str(tmp_path / "c" / "*.parquet")])
+    # ...unless the pattern reaches its files too
+    shards = list_shards([str(tmp_path / "c" / "**" / "*.parquet")])
+    assert [s.shard for s in shards] == ["x.parquet/part-0.parquet", "y.parquet"]
 
 
 def test_bytes_struct_list_and_missing_cells(tmp_path):
