@@ -448,6 +448,11 @@ def export(
     if wide is not None and rows is not None and _same_file(wide, rows):
         raise UserError(f"export: --wide and --rows both name {wide}; give each its own file")
     cfg = load_job_config(job_file, set_ or [])
+    for path in (p for p in (rows, wide) if p is not None and _within(p, cfg.output.dir)):
+        raise UserError(
+            f"export: {path} is inside output.dir {cfg.output.dir}, whose files are the job's own (a "
+            "committed shard's would be replaced); write the export elsewhere"
+        )
     ran_output_dir(cfg)
     table = job_rows(cfg)
     labels = labels_table(cfg, table) if wide is not None else None
@@ -460,10 +465,18 @@ def export(
 
 
 def _same_file(one: str, other: str) -> bool:
+    where = [_where(path) for path in (one, other)]
+    return where[0] == where[1]
+
+
+def _within(path: str, folder: str) -> bool:
+    return _where(path).startswith(_where(folder) + "/")
+
+
+def _where(path: str) -> str:
     from batchvl.config import is_remote
 
-    where = [path.rstrip("/") if is_remote(path) else os.path.realpath(path) for path in (one, other)]
-    return where[0] == where[1]
+    return path.rstrip("/") if is_remote(path) else os.path.realpath(path)
 
 
 @app.command("make-tiny-model")

@@ -428,3 +428,9 @@ def test_export_refuses_a_job_never_run_and_one_file_for_both_tables(tmp_path):
         ["error: export: --wide and --rows both name both.parquet; give each its own file"],
     )
     assert sorted(path.name for path in tmp_path.iterdir()) == ["data", "job.yaml", "out"]  # nothing written
+    committed = (tmp_path / "out" / "s.parquet").read_bytes()
+    for flag in ("--wide", "--rows"):  # over a committed shard: it would be replaced
+        result = batchvl_cli("export", "job.yaml", flag, "out/s.parquet", cwd=tmp_path)
+        assert (result.returncode, len(result.stderr.splitlines())) == (2, 1), result.stderr
+        assert "export: out/s.parquet is inside output.dir" in result.stderr
+    assert (tmp_path / "out" / "s.parquet").read_bytes() == committed
