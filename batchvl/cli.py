@@ -448,9 +448,10 @@ def export(
     if wide is not None and rows is not None and _same_file(wide, rows):
         raise UserError(f"export: --wide and --rows both name {wide}; give each its own file")
     cfg = load_job_config(job_file, set_ or [])
-    for path in (p for p in (rows, wide) if p is not None and _within(p, cfg.output.dir)):
+    inside = [path for path in (rows, wide) if path is not None and _within(path, cfg.output.dir)]
+    if inside:
         raise UserError(
-            f"export: {path} is inside output.dir {cfg.output.dir}, whose files are the job's own (a "
+            f"export: {inside[0]} is inside output.dir {cfg.output.dir}, whose files are the job's own (a "
             "committed shard's would be replaced); write the export elsewhere"
         )
     ran_output_dir(cfg)

@@ -8,7 +8,7 @@ import pyarrow as pa
 
 from batchvl.inputs.types import ShardInfo
 from batchvl.outputs.commit import ShardMarker, read_committed, read_marker
-from batchvl.outputs.writers import RESULT_SCHEMA, json_text, output_path
+from batchvl.outputs.writers import RESULT_SCHEMA, json_text_array, output_path
 from batchvl.storage.output_dir import OutputDir
 
 
@@ -78,7 +78,6 @@ def _widens(name: str, types: set[pa.DataType]) -> bool:
 
 def _as_json_text(table: pa.Table, names: set[str]) -> pa.Table:
     for name in names & set(table.column_names):
-        values = table.column(name).to_pylist()
-        text = pa.array([None if v is None else json_text(v) for v in values], pa.string())
+        text = json_text_array(table.column(name).to_pylist())
         table = table.set_column(table.column_names.index(name), name, text)
     return table

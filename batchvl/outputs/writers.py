@@ -119,11 +119,14 @@ def pass_through_array(values: list[Any]) -> pa.Array:
     try:
         return pa.array(values)
     except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):
-        return pa.array([None if v is None else json_text(v) for v in values], pa.string())
+        return json_text_array(values)
 
 
-def json_text(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False, default=str)
+def json_text_array(values: list[Any]) -> pa.Array:
+    """Each value as its JSON text (nulls stay null): how a column of no one type is kept."""
+    return pa.array(
+        [None if v is None else json.dumps(v, ensure_ascii=False, default=str) for v in values], pa.string()
+    )
 
 
 def parquet_bytes(table: pa.Table) -> bytes:

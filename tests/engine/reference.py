@@ -8,6 +8,7 @@ transformers' own `generate` on that GPU differs from it (`logits_tolerance`), a
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass, replace
 from unittest import mock
@@ -282,9 +283,11 @@ def with_fast_paths(loaded, limits: EngineConfig) -> Engine:
     """An engine with decode graphs and overlapped steps on: CUDA's graphs on a GPU, and on the CPU (where
     the engine captures none) `FakeGraphCapture`'s, which replay the step over the same static buffers."""
     limits = replace(limits, cuda_graphs=True, overlap=True)
-    if TEST_DEVICE != "cpu":
-        return Engine(loaded.adapter, loaded.processor.tokenizer, limits, loaded.eos_token_ids())
-    with mock.patch.object(model_runner, "graph_capture", lambda device: FakeGraphCapture()):
+    if TEST_DEVICE == "cpu":
+        capture = mock.patch.object(model_runner, "graph_capture", lambda device: FakeGraphCapture())
+    else:
+        capture = contextlib.nullcontext()
+    with capture:
         return Engine(loaded.adapter, loaded.processor.tokenizer, limits, loaded.eos_token_ids())
 
 
