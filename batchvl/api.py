@@ -30,8 +30,17 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from batchvl.config import JobConfig, is_remote, job_config_from_dict, load_job_config, resolve_paths
+from batchvl.config import (
+    JobConfig,
+    ModelConfig,
+    check_model_keys,
+    is_remote,
+    job_config_from_dict,
+    load_job_config,
+    resolve_paths,
+)
 from batchvl.errors import UserError
+from batchvl.models.checkpoint_folder import check_model_folder
 from batchvl.models.loader import LoadedModel
 from batchvl.models.loader import load_model as _load_model
 from batchvl.storage import layout
@@ -98,6 +107,9 @@ def load_model(path: str | Path, dtype: str = "auto", device: str = "auto") -> L
     """Load a checkpoint once, to pass as `model=` to several `run` / `caption` calls."""
     from transformers.utils import logging as hf_logging
 
+    if not isinstance(path, str | os.PathLike):
+        raise UserError(f"load_model() takes a checkpoint folder's path, got {type(path).__name__}")
+    check_model_keys(ModelConfig(path=str(path), dtype=dtype, device=device))  # fp16 loaded fp32 unsaid
     bar_was_enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # the job's bar is the one worth a line in a notebook
     try:
@@ -175,6 +187,16 @@ def caption(
         raise UserError(
             f"caption() takes one split, e.g. dataset['{next(iter(dataset))}'], not a DatasetDict"
         )
+    if not isinstance(dataset, datasets.Dataset):
+        raise UserError(
+            f"caption() takes a datasets.Dataset, got {type(dataset).__name__}; build one with "
+            "datasets.Dataset.from_dict({...}), .from_pandas(df) or .from_list([...])"
+        )
+    if not isinstance(model, LoadedModel | str | os.PathLike):
+        raise UserError(
+            f"caption(model=) takes a load_model() result or a checkpoint folder's path, got "
+            f"{type(model).__name__}"
+        )
     if image_column not in dataset.column_names:
         raise UserError(
             f"image_column '{image_column}' is not a column of the dataset (columns: "
@@ -188,7 +210,8 @@ def caption(
             "To write to an object store, save the dataset as Parquet and run(job) with output.dir there"
         )
     out = Path(output_dir).resolve()
-    input_folder = stage_dataset(dataset, out, rows_per_shard, overwrite)
+    staged = dataset.add_column(CAPTION_KEY_COLUMN, list(range(dataset.num_rows)))
+    input_folder = staged_folder(staged, out)
     loaded = model if isinstance(model, LoadedModel) else None
     job = {
         "model": {
@@ -209,6 +232,10 @@ def caption(
         "preprocess": dict(preprocess or {}),
         "output": {"dir": str(out), "overwrite": overwrite},
     }
+    job_config_from_dict(job)  # the job's mistakes (a sampling key, a prompt's), before anything is written
+    if loaded is None:
+        check_model_folder(job["model"]["path"])
+    stage_dataset(staged, out, rows_per_shard, overwrite)
     return run(job, model=loaded, progress=progress)
 
 
@@ -250,16 +277,19 @@ def read_labels(job: JobConfig | Mapping[str, Any] | str | Path) -> datasets.Dat
     return datasets.Dataset(InMemoryTable(table))
 
 
-def stage_dataset(dataset: datasets.Dataset, out: Path, rows_per_shard: int, overwrite: bool) -> Path:
-    """Save `dataset` (with its row index as the key) under `out`, once; refuse a different one there.
+def staged_folder(staged: datasets.Dataset, out: Path) -> Path:
+    """Where `stage_dataset` saves `staged` under `out`: a folder named by the dataset's fingerprint, which
+    `datasets` derives from its content and the transforms that made it, so rerunning a notebook finds
+    the same folder and resumes."""
+    return out / layout.STAGED_INPUT / staged._fingerprint  # no public accessor; stable across releases
 
-    The folder is named by the dataset's fingerprint, which `datasets` derives from its content and
-    the transforms that made it, so rerunning a notebook finds the same folder and resumes."""
-    staged = dataset.add_column(CAPTION_KEY_COLUMN, list(range(dataset.num_rows)))
-    fingerprint = staged._fingerprint  # no public accessor; stable across datasets releases
-    root = out / layout.STAGED_INPUT
+
+def stage_dataset(staged: datasets.Dataset, out: Path, rows_per_shard: int, overwrite: bool) -> Path:
+    """Save `staged` (the caller's dataset with its row index as the key) under `out`, once; refuse a
+    different one there."""
+    folder = staged_folder(staged, out)
+    fingerprint, root = folder.name, folder.parent
     record_path = root / "dataset.json"
-    folder = root / fingerprint
     if record_path.is_file():
         previous = json.loads(record_path.read_text())["fingerprint"]
         if previous != fingerprint:
@@ -297,6 +327,11 @@ def _prompt_list(prompts) -> list[dict]:
         return [{"name": "caption", "text": prompts}]
     if isinstance(prompts, Mapping):
         return [_named_prompt(str(name), prompt) for name, prompt in prompts.items()]
+    if not isinstance(prompts, Sequence):
+        raise UserError(
+            f"prompts= takes a text, a {{name: text}} mapping or a list of texts or mappings; got "
+            f"{type(prompts).__name__}"
+        )
     listed = []
     for number, prompt in enumerate(prompts):
         listed.append(
@@ -320,6 +355,13 @@ def _named_prompt(name: str, prompt) -> dict:
 
 
 def _job_config(job, overrides: Sequence[str]) -> JobConfig:
+    if isinstance(overrides, str):  # one override, not its characters
+        overrides = [overrides]
+    if not isinstance(job, JobConfig | Mapping | str | os.PathLike):
+        raise UserError(
+            f"a job is a JobConfig, a dict shaped like the job file or a job file's path; got "
+            f"{type(job).__name__}"
+        )
     if isinstance(job, JobConfig):
         if overrides:
             raise UserError("overrides apply to a dict or a job file; change the JobConfig itself instead")

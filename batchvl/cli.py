@@ -31,7 +31,7 @@ SetOption = Annotated[
     list[str] | None,
     typer.Option("--set", help="Override a job key: section.key=value (repeatable).", show_default=False),
 ]
-LogLevel = Annotated[str, typer.Option("--log-level", help="Logging level: debug, info, warning, error.")]
+LogLevel = Annotated[str, typer.Option("--log-level", help="Logging level: debug, info, warning or error.")]
 
 # Recent Typer releases raise usage errors from their own copy of click, older ones from click itself:
 # the base class to catch is the one Typer's own BadParameter derives from, whichever copy that is.
@@ -54,12 +54,18 @@ def _options(
     pass  # Typer takes the options before a command here; --version acts in its own callback
 
 
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
 def _setup_logging(level: str) -> None:
     from batchvl.utils.versions import check_library_versions
 
+    if level.lower() not in LOG_LEVELS:
+        raise typer.BadParameter(f"--log-level must be one of {', '.join(LOG_LEVELS)}; got {level!r}")
+
     check_library_versions()  # every command passes here before any work
     logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
+        level=getattr(logging, level.upper()),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
@@ -322,13 +328,14 @@ def slurm(
 ) -> None:
     """Write an sbatch script for a Slurm array job running `batchvl run` (and submit it with --submit)."""
     _setup_logging("warning")
-    from batchvl.commands.slurm import ArrayJob, check_node_options, write_array_job
+    from batchvl.commands.slurm import ArrayJob, check_node_options, check_script_options, write_array_job
     from batchvl.commands.slurm import submit as sbatch_submit
     from batchvl.config import is_remote, load_job_config
     from batchvl.pipeline.node import check_node
     from batchvl.pipeline.plan import plan_job
 
     check_node_options(gpus, processes)
+    check_script_options(array, signal_lead_s, list(sbatch_arg or []))
     cfg = load_job_config(job_file, set_ or [])
     server_takes_gpus = cfg.engine.backend == "openai" and cfg.engine.server.launch is not None
     if processes is not None or (gpus is not None and not server_takes_gpus):
@@ -367,6 +374,7 @@ def status(
         typer.Option(
             help="Tasks N the job is split into (default: the array `batchvl slurm` wrote, or the runs').",
             show_default=False,
+            min=1,
         ),
     ] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print the status as JSON.")] = False,
@@ -498,20 +506,33 @@ def make_tiny_model(
     _setup_logging("warning")
     from batchvl.demo.tiny_model import build_tiny_model
 
-    path = build_tiny_model(out_dir, family=family, size=size, seed=seed)
+    path = build_tiny_model(_folder_to_write(out_dir), family=family, size=size, seed=seed)
     typer.echo(f"wrote {family} ({size}) to {path}")
 
 
 @app.command("make-sample-data")
 def make_sample_data(
     out_dir: Annotated[Path, typer.Argument(help="Folder to write Parquet shards to.", show_default=False)],
-    num_shards: Annotated[int, typer.Option(help="Number of Parquet shards.")] = 2,
+    num_shards: Annotated[int, typer.Option(help="Number of Parquet shards.", min=1)] = 2,
 ) -> None:
     """Write a small dataset of real photos (scikit-image's samples) at varied sizes as Parquet shards."""
     from batchvl.demo.sample_data import write_sample_data
 
-    paths = write_sample_data(out_dir, num_shards=num_shards)
+    paths = write_sample_data(_folder_to_write(out_dir), num_shards=num_shards)
     typer.echo(f"wrote {len(paths)} shard(s) to {out_dir}")
+
+
+def _folder_to_write(folder: Path) -> Path:
+    """`folder`, made if need be; one that is a file or cannot be made is refused in one line."""
+    if folder.exists() and not folder.is_dir():
+        raise UserError(f"{folder} is a file; give a folder to write to")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(
+            f"{folder} cannot be made ({exc.strerror or exc}); give a folder that can be written"
+        ) from None
+    return folder
 
 
 INTERRUPTED = 130  # 128 + SIGINT, as shells report a job stopped by Ctrl-C

@@ -61,10 +61,11 @@ def workload_flops(counter: FlopCounter, root: Path, dtype_name: str, model_dir:
     """From batchvl's own rows (prompt lengths) and the images' patch counts."""
     from PIL import Image
 
-    from batchvl.models.loader import load_processor, read_model_type
+    from batchvl.models.checkpoint_folder import read_model_config
+    from batchvl.models.loader import load_processor
     from batchvl.preprocess.qwen_vision import QwenVisionSpec, prepare_image
 
-    processor = load_processor(str(model_dir), read_model_type(str(model_dir)))
+    processor = load_processor(str(model_dir), read_model_config(str(model_dir)).model_type)
     spec = QwenVisionSpec.from_image_processor(processor.image_processor)
     totals = {"vit": 0.0, "prefill": 0.0, "decode": 0.0, "patches": 0, "prompt_tokens": 0, "requests": 0}
     for part in PARTS:

@@ -11,6 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import batchvl
+from batchvl.api import _job_config
 from batchvl.errors import UserError
 from tests.conftest import png_bytes, random_image
 
@@ -195,3 +196,39 @@ def test_api_mistakes_are_user_errors(tmp_path, loaded_fp32, in_memory):
     other = {"model": {"path": str(tmp_path)}, "input": {"paths": ["x"]}, "output": {"dir": "o"}}
     with pytest.raises(UserError, match="model= was loaded from"):
         batchvl.run(other, model=loaded_fp32)
+
+
+def test_arguments_of_the_wrong_kind_are_user_errors_naming_what_is_taken(tmp_path, loaded_fp32, in_memory):
+    with pytest.raises(
+        UserError, match=r"^a job is a JobConfig, a dict shaped like the job file .*; got int$"
+    ):
+        batchvl.run(5)
+    with pytest.raises(UserError, match=r"^caption\(\) takes a datasets.Dataset, got list; build one with"):
+        batchvl.caption([1, 2], model=loaded_fp32, output_dir=tmp_path)
+    with pytest.raises(UserError, match=r"^caption\(model=\) takes a load_model\(\) result .*, got int$"):
+        batchvl.caption(in_memory, model=3, output_dir=tmp_path)
+    with pytest.raises(UserError, match=r"^prompts= takes a text, .*; got int$"):
+        batchvl.caption(in_memory, model=loaded_fp32, output_dir=tmp_path, prompts=5)
+    with pytest.raises(UserError, match="'model.dtype' must be one of float32, bfloat16, auto; got 'fp16'"):
+        batchvl.load_model(tmp_path, dtype="fp16")  # refused, not loaded in float32
+    with pytest.raises(UserError, match="'model.device' must be cpu, cuda, cuda:N or auto; got 'gpu'"):
+        batchvl.load_model(tmp_path, device="gpu")
+    assert not any(tmp_path.iterdir())  # nothing was written
+
+
+def test_one_override_given_as_a_string_is_one_override(tmp_path):
+    job = {"model": {"path": "m"}, "input": {"paths": ["d/*.parquet"]}, "output": {"dir": "o"}}
+    assert _job_config(job, "sampling.max_new_tokens=7").sampling.max_new_tokens == 7
+
+
+def test_caption_refuses_a_mistake_of_its_job_before_it_writes_the_dataset(
+    tmp_path, tiny_model_dir, in_memory
+):
+    with pytest.raises(UserError, match="unknown key 'sampling.max_new_token'"):
+        batchvl.caption(in_memory, model=tiny_model_dir, output_dir=tmp_path, sampling={"max_new_token": 3})
+    broken = tmp_path / "model"
+    broken.mkdir()
+    (broken / "config.json").write_text("{bad")
+    with pytest.raises(UserError, match="config.json is not valid JSON"):
+        batchvl.caption(in_memory, model=broken, output_dir=tmp_path / "out")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["model"]  # no copy of the dataset

@@ -17,6 +17,7 @@ import logging
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from batchvl.commands.labels import ran_output_dir
 from batchvl.config import JobConfig, changed_keys, config_to_dict
 from batchvl.errors import UserError
 from batchvl.models.loader import LoadedModel
@@ -93,6 +94,7 @@ def retry_failed(
     task: TaskSlice | None = None,
 ) -> RunSummary:
     _refuse_changed_rows(job, retry)
+    ran_output_dir(job)  # a job never run has no rows to retry: said before anything is written
     runner = JobRunner(
         retry,
         loaded,

@@ -112,13 +112,39 @@ def check_node_options(gpus: int | None, processes: int | None) -> None:
             raise UserError(f"{name} must be 1 or more, got {value}")
 
 
+def check_script_options(num_tasks: int, signal_lead_s: int, sbatch_args: list[str]) -> None:
+    """The array's size, the stop signal's lead and the #SBATCH options, refused in one line before the
+    job is planned. An option is one line of the script: a line break in one would put the rest in the
+    script as a shell command."""
+    if num_tasks < 1:
+        raise UserError(f"--array must be at least 1, got {num_tasks}")
+    if signal_lead_s < 0:
+        raise UserError(f"--signal-lead must be 0 or more seconds before the time limit, got {signal_lead_s}")
+    for arg in sbatch_args:
+        if any(ord(char) < 32 for char in arg):
+            raise UserError(
+                f"--sbatch-arg {arg!r} holds a line break or another control character; give each #SBATCH "
+                "option as its own --sbatch-arg"
+            )
+        if not arg.startswith("-"):
+            raise UserError(
+                f"--sbatch-arg {arg!r} is not an sbatch option; write it as sbatch takes it, e.g. "
+                "--time=04:00:00"
+            )
+
+
 def write_array_job(job: ArrayJob, out: OutputDir) -> str:
     """Write the script and a record of the array in `out` (read by `batchvl status`); returns the script
     path."""
-    if job.num_tasks < 1:
-        raise UserError(f"--array must be at least 1, got {job.num_tasks}")
-    os.makedirs(job.log_dir, exist_ok=True)
-    os.makedirs(os.path.dirname(job.script_path), exist_ok=True)
+    try:
+        os.makedirs(job.log_dir, exist_ok=True)
+        os.makedirs(os.path.dirname(job.script_path), exist_ok=True)
+    except OSError as exc:
+        where = job.files_dir or job.out_dir
+        raise UserError(
+            f"the script's folder under {where} cannot be made ({exc.strerror or exc}: {exc.filename}); "
+            "give --script-dir a folder that can be written"
+        ) from None
     Path(job.script_path).write_text(sbatch_script(job))
     os.chmod(job.script_path, 0o755)
     out.write_text(out.join(layout.SLURM, RECORD_NAME), json.dumps(asdict(job), indent=2))

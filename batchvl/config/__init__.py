@@ -33,6 +33,7 @@ from batchvl.config.schema import (
     SamplingConfig,
     ServerConfig,
     WhenConfig,
+    check_model_keys,
     is_remote,
 )
 
@@ -52,6 +53,7 @@ __all__ = [
     "apply_overrides",
     "as_recorded_by",
     "changed_keys",
+    "check_model_keys",
     "config_fingerprint",
     "config_to_dict",
     "definition_fingerprint",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from collections.abc import Mapping
@@ -61,6 +62,8 @@ def convert(value: Any, tp: Any, key: str) -> Any:
     if tp is float:
         if not isinstance(value, int | float) or isinstance(value, bool):
             raise ConfigError(f"'{key}' must be a number, got {value!r} ({type(value).__name__})")
+        if not math.isfinite(value):  # .inf slips past every bound, and an infinite wait overflows
+            raise ConfigError(f"'{key}' must be a finite number, got {value}")
         return float(value)
     if tp is bool and not isinstance(value, bool):
         raise ConfigError(f"'{key}' must be true or false, got {value!r} ({type(value).__name__})")

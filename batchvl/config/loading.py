@@ -4,8 +4,11 @@ the job file's folder and a `json_schema` given as a path read."""
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
+import numbers
 import os
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -82,7 +85,7 @@ def apply_overrides(data: dict, overrides: Sequence[str]) -> dict:
         if not sep or not dotted.strip():
             raise ConfigError(f"--set expects section.key=value, got '{item}'")
         try:
-            value = yaml.safe_load(raw)
+            value = yaml.load(raw, Loader=_UniqueKeyLoader)
         except yaml.YAMLError:
             value = raw
         node = data
@@ -99,7 +102,7 @@ def apply_overrides(data: dict, overrides: Sequence[str]) -> dict:
 def job_config_from_dict(
     data: Mapping, base_dir: str | Path | None = None, overrides: Sequence[str] = ()
 ) -> JobConfig:
-    raw = apply_overrides(json.loads(json.dumps(dict(data))), overrides)
+    raw = _plain(apply_overrides(_plain(data, ""), overrides), "")
     cfg = build(JobConfig, raw, "")
     if cfg.input.format == "openai_batch":
         if "prompts" in raw:
@@ -108,6 +111,28 @@ def job_config_from_dict(
             )
         cfg = dataclasses.replace(cfg, prompts=[CHAT_PROMPT])
     return resolve_paths(cfg, Path(base_dir) if base_dir is not None else Path.cwd())
+
+
+def _plain(value: Any, key: str) -> Any:
+    """A copy of a job's raw values as the typed conversion reads them: a YAML date (`2024-01-01`) and a
+    path object as text, a numpy integer as an int; a value of any other type refused naming its key (a
+    date reached the conversion as a `TypeError` traceback)."""
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v, f"{key}.{k}" if key else str(k)) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(item, f"{key}[{index}]") for index, item in enumerate(value)]
+    if value is None or isinstance(value, str | bool | int | float):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, datetime.date):
+        return value.isoformat()
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    raise ConfigError(
+        f"'{key}' holds a {type(value).__name__} ({str(value)[:60]!r}); a job takes text, numbers, "
+        "true/false, lists and mappings"
+    )
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -128,13 +153,36 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
+# YAML 1.1, which PyYAML reads, takes `1e12` and `1.0e12` for text (its floats need a dot and a signed
+# exponent: 1.0e+12); YAML 1.2 and every other reader a user knows take them for numbers.
+_UniqueKeyLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
+
+
+def _job_file_text(path: Path) -> str:
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise ConfigError(
+            f"{path}: line {line} is not UTF-8 text (byte {raw[exc.start]:#04x}); save the job file as UTF-8"
+        ) from None
+
+
 def load_job_config(path: str | Path, overrides: Sequence[str] = ()) -> JobConfig:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"job file not found: {path}")
+    text = _job_file_text(path)
     try:
-        with path.open() as handle:
-            data = yaml.load(handle, Loader=_UniqueKeyLoader)
+        data = yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""

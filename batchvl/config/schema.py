@@ -14,6 +14,10 @@ from batchvl.config.conversion import build, convert
 from batchvl.config.keys import check_bounds, file_key, job_key
 from batchvl.errors import ConfigError
 
+# More than any machine has cores: a thread or worker count above it is a typo (engine.threads: 100000
+# crashed the process as its threads started)
+MOST_CORES = 1024
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -319,7 +323,7 @@ class EngineConfig:
     vit_parallel: Literal["none", "data"] = job_key(
         "none", "'data': split each encode step's images across torchrun ranks (ViT data parallelism)"
     )
-    threads: int = job_key(0, "torch intra-op threads (0: torch's default)", at_least=0)
+    threads: int = job_key(0, "torch intra-op threads (0: torch's default)", at_least=0, at_most=MOST_CORES)
     cuda_graphs: bool = job_key(
         False,
         "On CUDA, replay steps of decodes only as CUDA graphs, one per row bucket captured on its first step "
@@ -374,6 +378,7 @@ class PreprocessConfig:
         None,
         "Preprocessing worker processes (0: in the main process; null: half the CPU cores, 1 to 8)",
         at_least=0,
+        at_most=MOST_CORES,
     )
     prefetch: int = job_key(8, "Prepared samples each worker may hold ready ahead of the engine", above=0)
     timeout_s: float = job_key(
@@ -487,13 +492,28 @@ def _check_section(value: Any, cls: type, key: str) -> None:
     _check_keys(value, f"{key}.")
 
 
+def check_model_keys(model: ModelConfig) -> None:
+    """The model section's keys, as a job checks them (`load_model` in Python takes them one by one)."""
+    _check_section(model, ModelConfig, "model")
+    if not re.fullmatch(r"cpu|auto|cuda(:\d+)?", model.device):
+        raise ConfigError(f"'model.device' must be cpu, cuda, cuda:N or auto; got {model.device!r}")
+
+
 def _check_values(cfg: JobConfig) -> None:
     """What one key's bounds cannot say (each key's own bounds are checked as it is read)."""
-    if not re.fullmatch(r"cpu|auto|cuda(:\d+)?", cfg.model.device):
-        raise ConfigError(f"'model.device' must be cpu, cuda, cuda:N or auto; got {cfg.model.device!r}")
+    check_model_keys(cfg.model)
     p = cfg.preprocess
     if p.min_pixels is not None and p.max_pixels is not None and p.min_pixels > p.max_pixels:
         raise ConfigError("'preprocess.min_pixels' must not exceed 'preprocess.max_pixels'")
+    if p.video_min_frames > p.video_max_frames:
+        raise ConfigError(
+            f"'preprocess.video_min_frames' ({p.video_min_frames}) must not exceed "
+            f"'preprocess.video_max_frames' ({p.video_max_frames})"
+        )
+    if not cfg.output.dir.strip():
+        raise ConfigError("'output.dir' is empty; name the folder the results go to")
+    if any(not path.strip() for path in cfg.input.paths):
+        raise ConfigError(f"'input.paths' holds an empty path: {cfg.input.paths}; remove it")
     if not cfg.input.paths:
         raise ConfigError("'input.paths' must list at least one path or glob")
     remote = [p for p in cfg.input.paths if is_remote(p)]

@@ -14,9 +14,10 @@ from batchvl.engine.adapter import ModelAdapter
 from batchvl.engine.encoder_cache.cache import EncodeImages
 from batchvl.engine.engine import Engine, step_sizes_for
 from batchvl.engine.interface import EngineInterface
-from batchvl.engine.model_runner import encode_images
+from batchvl.engine.model_runner import encode_images, kv_bytes_per_block
 from batchvl.engine.parallel.replicas import EngineReplicas, replica_config, replica_count
 from batchvl.engine.parallel.vit_dp import DataParallelEncoder, DistributedContext
+from batchvl.engine.scheduling.kv_budget import check_holds_blocks
 from batchvl.engine.scheduling.step_sizes import free_cuda_bytes, patches_per_encode
 
 logger = logging.getLogger(__name__)
@@ -48,6 +49,7 @@ def build_engine(
     # A fast tokenizer's first `encode` may switch its truncation off (a write the replicas' threads
     # could race on); after it, their encodes and decodes only read.
     tokenizer.encode("x")
+    check_holds_blocks(config, kv_bytes_per_block(adapter, config.block_size), count)
     share = replica_config(config, count)
     threads_each = max(1, torch.get_num_threads() // count)
     logger.info("%d engine replicas of %d thread(s) each", count, threads_each)

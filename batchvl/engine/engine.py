@@ -38,7 +38,7 @@ from batchvl.engine.sampling.structured_output import GrammarMatchers
 from batchvl.engine.scheduling.activation_peak import step_activation_peak
 from batchvl.engine.scheduling.admission import check_fits, media_spans
 from batchvl.engine.scheduling.block_manager import BlockManager
-from batchvl.engine.scheduling.kv_budget import kv_cache_bytes
+from batchvl.engine.scheduling.kv_budget import check_holds_blocks, kv_cache_bytes
 from batchvl.engine.scheduling.scheduler import Scheduler, StepPlan
 from batchvl.engine.scheduling.step_sizes import free_cuda_bytes, resolved_step_sizes, total_cuda_bytes
 from batchvl.engine.stats import EngineStats
@@ -78,10 +78,16 @@ class Engine:
         self.stopping = StopChecker(tokenizer, eos_token_ids, adapter.geometry.max_model_len)
         self.grammars = GrammarMatchers(tokenizer, adapter.geometry.vocab_size, eos_token_ids)
         self.choice_tokens = ChoiceTokenizer(tokenizer, eos_token_ids)
+        block_bytes = kv_bytes_per_block(adapter, config.block_size)
+        check_holds_blocks(config, block_bytes, engines=1)
         kv_bytes = kv_cache_bytes(config, adapter.device, lambda: step_activation_peak(adapter, config))
-        num_blocks = kv_bytes // kv_bytes_per_block(adapter, config.block_size)
-        if num_blocks < 1:
-            raise UserError(f"engine.kv_cache_mb={config.kv_cache_mb} holds no KV block; raise it")
+        num_blocks = kv_bytes // block_bytes
+        if num_blocks < 1:  # auto on CUDA: what the GPU had free held no block of this model
+            raise UserError(
+                f"engine.kv_cache_mb is auto, but {adapter.device} leaves {kv_bytes / MB:.3g} MiB for the KV "
+                f"cache, less than one block ({block_bytes / MB:.3g} MiB); free the GPU or set "
+                "engine.kv_cache_mb"
+            )
         self.block_manager = BlockManager(
             num_blocks,
             config.block_size,

@@ -64,8 +64,17 @@ class HFDatasetSource:
                 table = datasets.Dataset.from_file(path)
             except (pa.ArrowInvalid, OSError) as exc:  # truncated or not Arrow: the user's to replace
                 raise UserError(f"input file '{path}' is not a readable Arrow file: {exc}") from None
-            columns, stamp = tuple(table.column_names), input_stamp(path, {})  # a local folder
-            shards.append(ShardInfo(shard_id, path, table.num_rows, columns=columns, stamp=stamp))
+            schema, stamp = table.data.schema, input_stamp(path, {})  # a local folder
+            shards.append(
+                ShardInfo(
+                    shard_id,
+                    path,
+                    table.num_rows,
+                    columns=tuple(schema.names),
+                    column_types=tuple(schema.types),
+                    stamp=stamp,
+                )
+            )
         return shards
 
     def iter_shard(self, shard: ShardInfo, keep: Callable[[int], bool]) -> Iterator[Sample | ShardEnd]:

@@ -36,9 +36,17 @@ class ParquetSource:
                 footer = self._open(path)  # the footer only: row count and schema
             except (pa.ArrowInvalid, OSError) as exc:
                 raise UserError(f"input file '{path}' is not a readable Parquet file: {exc}") from None
-            columns = tuple(footer.schema_arrow.names)
-            stamp = input_stamp(path, self.storage_options)
-            shards.append(ShardInfo(shard_id, path, footer.metadata.num_rows, columns=columns, stamp=stamp))
+            schema, stamp = footer.schema_arrow, input_stamp(path, self.storage_options)
+            shards.append(
+                ShardInfo(
+                    shard_id,
+                    path,
+                    footer.metadata.num_rows,
+                    columns=tuple(schema.names),
+                    column_types=tuple(schema.types),
+                    stamp=stamp,
+                )
+            )
         return shards
 
     def iter_shard(self, shard: ShardInfo, keep: Callable[[int], bool]) -> Iterator[Sample | ShardEnd]:

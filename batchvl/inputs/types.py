@@ -10,6 +10,8 @@ from batchvl.errors import SampleError
 if TYPE_CHECKING:
     from concurrent.futures import Future
 
+    import pyarrow as pa
+
     from batchvl.inputs.download import DownloadStats
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff")
@@ -35,6 +37,7 @@ class ShardInfo:
     num_rows: int | None  # None where only reading the shard tells (tar files)
     members: tuple[str, ...] = ()  # `folder` input: the files of this shard, relative to `path`
     columns: tuple[str, ...] | None = None  # table inputs: the column names (None: known only by reading)
+    column_types: tuple[pa.DataType, ...] | None = field(default=None, compare=False)  # their Arrow types
     # The input's version as listed (`stamps.py`: a file's, or a `folder` shard's files'; None: not known)
     stamp: dict | None = field(default=None, hash=False)
 

@@ -9,13 +9,13 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from batchvl.engine.device.placement import resolve_device
 from batchvl.errors import UserError
 from batchvl.models.adapter import VLMAdapter
+from batchvl.models.checkpoint_folder import check_model_folder
 from batchvl.models.registry import ModelFamily, model_family
 from batchvl.utils.versions import check_library_versions
 
@@ -78,18 +78,6 @@ def warn_slow_bf16(size: int = 128) -> None:
     )
 
 
-def read_model_type(path: str, trust_remote_code: bool = False) -> str:
-    from transformers import AutoConfig
-
-    if not Path(path, "config.json").is_file():
-        raise UserError(
-            f"model.path '{path}' is not a model folder (no config.json); "
-            "build one with `batchvl make-tiny-model DIR` or point model.path at a checkpoint folder"
-        )
-    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    return config.model_type
-
-
 def load_processor(path: str, model_type: str, trust_remote_code: bool = False):
     """The checkpoint's processor; where torchvision is missing, an image-only one built from its parts."""
     from transformers import AutoProcessor, AutoTokenizer
@@ -126,13 +114,9 @@ def load_model(
     from transformers import AutoModelForImageTextToText
 
     check_library_versions()  # the Python API's way in: before the model's files are read
-    family = model_family(read_model_type(path, trust_remote_code))
+    family = model_family(check_model_folder(path, trust_remote_code).model_type)
     torch_device = device if isinstance(device, torch.device) else resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
-    if not any(Path(path).glob("*.safetensors")):
-        raise UserError(
-            f"model.path '{path}' has no .safetensors weights; convert the checkpoint to safetensors"
-        )
     model = AutoModelForImageTextToText.from_pretrained(
         path, dtype=torch_dtype, trust_remote_code=trust_remote_code, use_safetensors=True
     )

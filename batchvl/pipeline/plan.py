@@ -2,8 +2,9 @@
 
 `run`, `retry-failed`, `validate` and `slurm` all plan through `plan_job`, so the preflight and the run
 cannot drift apart. A plan checks that:
-- the model folder holds a supported family (the built-in engine), or the server answers and serves the
-  model (the openai backend);
+- the model folder holds a supported family, weights that read and a tokenizer, and a fixed
+  `engine.kv_cache_mb` fits the device (the built-in engine); or the server answers and serves the model
+  (the openai backend);
 - `output.dir` is a folder that can be written, holds no input and sits in no input folder or
   `input.root`, and no input pattern would read its results back as input;
 - the storage options suit the protocols of the input paths and `output.dir`, and
@@ -28,15 +29,17 @@ import posixpath
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import pyarrow as pa
+
 from batchvl.config import JobConfig, is_remote, output_definition
 from batchvl.engine.device.placement import process_device
 from batchvl.engine.parallel.replicas import check_replicas
+from batchvl.engine.scheduling.kv_budget import check_kv_cache_fits
 from batchvl.errors import UserError
 from batchvl.inputs.paths import glob_matches
 from batchvl.inputs.sources import Source, check_has_samples, job_source
 from batchvl.inputs.types import ShardInfo
-from batchvl.models.loader import read_model_type
-from batchvl.models.registry import model_family
+from batchvl.models.checkpoint_folder import check_model_folder, vocab_size
 from batchvl.outputs.commit import (
     finish_commit,
     is_committed_by,
@@ -83,10 +86,12 @@ def plan_job(cfg: JobConfig, task: TaskSlice | None = None, record: bool = False
         check_server(cfg)
         model_type = "server"
     else:
-        model_type = read_model_type(cfg.model.path, cfg.model.trust_remote_code)
-        model_family(model_type)
-        # process_device refuses a GPU the machine does not have
-        check_replicas(cfg.engine, process_device(cfg.model.device))
+        model_config = check_model_folder(cfg.model.path, cfg.model.trust_remote_code)
+        model_type = model_config.model_type
+        check_stop_token_ids(cfg, vocab_size(model_config))
+        device = process_device(cfg.model.device)  # refuses a GPU the machine does not have
+        check_replicas(cfg.engine, device)
+        check_kv_cache_fits(cfg.engine, device)
     check_constraints(cfg)
     graph = PromptGraph.of(cfg.prompts)  # refuses a follow-up that uses itself, a later or an unknown prompt
     check_storage_options("input.storage_options", cfg.input.storage_options, cfg.input.paths)
@@ -197,6 +202,18 @@ def _location(path: str) -> str:
     return path.rstrip("/") if is_remote(path) else os.path.realpath(path)
 
 
+def check_stop_token_ids(cfg: JobConfig, vocab: int) -> None:
+    """Stop token ids, the job's and each prompt's, are token ids of the model: one outside its
+    vocabulary is never generated, so it is a typo (an id of another model's tokenizer)."""
+    for prompt, sampling in zip(cfg.prompts, cfg.prompt_samplings, strict=True):
+        outside = [token for token in sampling.stop_token_ids if not 0 <= token < vocab]
+        if outside:
+            raise UserError(
+                f"prompt '{prompt.name}': sampling.stop_token_ids holds {outside[0]}, outside the model's "
+                f"vocabulary (0 to {vocab - 1}); give ids of this model's tokenizer"
+            )
+
+
 def check_output_location(cfg: JobConfig, out: OutputDir, listing: list[ShardInfo]) -> None:
     """Results never land on, among or under the inputs, and are never read back as input."""
     where = _location(out.url)
@@ -273,6 +290,8 @@ def check_columns(cfg: JobConfig, listing: list[ShardInfo]) -> None:
                     f"{option}: column '{column}' is not in {shard.path}{_close(column, shard.columns)}; "
                     f"its columns: {', '.join(shard.columns)}"
                 )
+        for column in token_fields:
+            _check_token_limit_type(shard, column)
         fields = [c for c in shard.columns if c not in (inp.image_column, inp.key_column)]
         for name, prompt in used.items():
             if name not in fields:
@@ -280,6 +299,19 @@ def check_columns(cfg: JobConfig, listing: list[ShardInfo]) -> None:
                     f"prompt '{prompt}' uses {{{name}}}, which is not a column of {shard.path}"
                     f"{_close(name, fields)}; fields: {', '.join(['key', *fields])}"
                 )
+
+
+def _check_token_limit_type(shard: ShardInfo, column: str) -> None:
+    """A column of per-sample token limits holds numbers (floats too: pandas writes an integer column with
+    missing values as floats); one of text would make each of its samples an error row."""
+    if shard.column_types is None or shard.columns is None:
+        return
+    kind = shard.column_types[shard.columns.index(column)]
+    if not (pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_null(kind)):
+        raise UserError(
+            f"sampling.max_new_tokens_field: column '{column}' of {shard.path} holds {kind}, not numbers; "
+            "name a column of per-sample token limits"
+        )
 
 
 def _close(name: str, names: list[str] | tuple[str, ...]) -> str:

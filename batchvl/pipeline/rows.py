@@ -45,8 +45,10 @@ def max_new_tokens_of(sampling: SamplingConfig, fields: dict) -> int:
     if name is None:
         return sampling.max_new_tokens
     value = fields.get(name)
-    if value is None:  # a null cell, or a sample without the field: the prompt's own limit
-        return sampling.max_new_tokens
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return sampling.max_new_tokens  # a null cell (NaN where pandas wrote it), a sample without the field
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)  # pandas writes an integer column with missing values as floats
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise SampleError(
             "missing_field",

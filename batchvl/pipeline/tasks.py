@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from batchvl.errors import UserError
 from batchvl.inputs.types import ShardInfo
 from batchvl.utils.balance import lpt_assignment
+from batchvl.utils.environment import env_int
 
 
 @dataclass(frozen=True)
@@ -44,12 +45,17 @@ def slurm_task_slice(env: Mapping[str, str] = os.environ) -> TaskSlice | None:
     """
     if "SLURM_ARRAY_TASK_ID" not in env:
         return None
-    task_id = int(env["SLURM_ARRAY_TASK_ID"])
-    low = int(env.get("SLURM_ARRAY_TASK_MIN", "0"))
-    step = int(env.get("SLURM_ARRAY_TASK_STEP", "1")) or 1
-    count = int(env.get("SLURM_ARRAY_TASK_COUNT", "0"))
+    fix = "it is Slurm's, for an array task: pass --shard I/N to run task I of N instead"
+
+    def number(name: str, default: int) -> int:
+        return env_int(name, default, fix, env)
+
+    task_id = number("SLURM_ARRAY_TASK_ID", 0)
+    low = number("SLURM_ARRAY_TASK_MIN", 0)
+    step = number("SLURM_ARRAY_TASK_STEP", 1) or 1
+    count = number("SLURM_ARRAY_TASK_COUNT", 0)
     if "SLURM_ARRAY_TASK_MAX" in env:
-        span = (int(env["SLURM_ARRAY_TASK_MAX"]) - low) // step + 1
+        span = (number("SLURM_ARRAY_TASK_MAX", 0) - low) // step + 1
         count = count or span
         contiguous = count == span
     else:
@@ -59,7 +65,13 @@ def slurm_task_slice(env: Mapping[str, str] = os.environ) -> TaskSlice | None:
             f"this Slurm array (task {task_id}, {count} task(s) from {low}) is not a contiguous range, so "
             "it does not tell how the input is split; pass --shard ${SLURM_ARRAY_TASK_ID}/N with the job's N"
         )
-    return TaskSlice((task_id - low) // step, count)
+    index = (task_id - low) // step
+    if not 0 <= index < count:
+        raise UserError(
+            f"Slurm array task {task_id} is outside its array ({count} task(s) from {low}, step {step}); "
+            "pass --shard I/N to run task I of N"
+        )
+    return TaskSlice(index, count)
 
 
 def shards_of_task(shards: list[ShardInfo], task: TaskSlice | None) -> list[ShardInfo]:

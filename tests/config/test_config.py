@@ -186,7 +186,7 @@ def test_the_output_defining_keys_are_exactly_these():
     [
         ("sampling.top_p=1.5", "'sampling.top_p' must be in (0, 1], got 1.5"),
         ("output.max_error_rate=-0.1", "'output.max_error_rate' must be in [0, 1], got -0.1"),
-        ("engine.threads=-1", "'engine.threads' must be >= 0, got -1"),
+        ("engine.lookahead=0", "'engine.lookahead' must be positive, got 0"),
         ("preprocess.video_fps=0", "'preprocess.video_fps' must be positive, got 0"),
         ("engine.vit_parallel=model", "'engine.vit_parallel' must be one of none, data"),
     ],
@@ -342,3 +342,65 @@ def test_the_readmes_table_of_common_keys_gives_their_declared_defaults():
         for name, default in zip(names, written, strict=True):
             value = declared[name] if declared[name] == "required" else json.loads(declared[name])
             assert default == ("null" if value is None else str(value)), name
+
+
+def test_a_yaml_date_is_read_as_the_text_it_was_written_as(tmp_path):
+    message = error_of(tmp_path, MINIMAL + "sampling: {max_new_tokens: 2024-01-01}\n")
+    assert message == "'sampling.max_new_tokens' must be an integer, got '2024-01-01' (str)"
+    cfg = load_job_config(write(tmp_path, MINIMAL + "prompts: [{name: day, text: 2024-01-01}]\n"))
+    assert cfg.prompts[0].text == "2024-01-01"
+    assert "'sampling.max_new_tokens' must be an integer" in error_of(
+        tmp_path, MINIMAL, ["sampling.max_new_tokens=2024-01-01"]
+    )
+
+
+def test_a_dict_built_in_python_takes_paths_and_numpy_integers_and_refuses_other_objects(tmp_path):
+    import numpy as np
+
+    data = {
+        "model": {"path": Path("/models/m")},
+        "input": {"paths": [tmp_path / "d"]},
+        "output": {"dir": "o"},
+    }
+    cfg = job_config_from_dict({**data, "sampling": {"max_new_tokens": np.int64(7)}}, tmp_path)
+    assert cfg.model.path == "/models/m" and cfg.input.paths == [str(tmp_path / "d")]
+    assert cfg.sampling.max_new_tokens == 7 and type(cfg.sampling.max_new_tokens) is int
+    with pytest.raises(ConfigError, match=r"^'sampling.stop' holds a set \("):
+        job_config_from_dict({**data, "sampling": {"stop": {"a"}}}, tmp_path)
+
+
+def test_a_job_file_that_is_not_utf8_is_a_one_line_mistake(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_bytes(MINIMAL.encode() + b"prompts: [{name: a, text: \xff}]\n")
+    with pytest.raises(ConfigError) as info:
+        load_job_config(path)
+    assert str(info.value) == f"{path}: line 5 is not UTF-8 text (byte 0xff); save the job file as UTF-8"
+
+
+@pytest.mark.parametrize("written", ["1e3", "1.0e3", "1E+3", "1_000e0"])
+def test_an_exponent_without_a_dot_or_a_sign_is_a_number_as_yaml_1_2_reads_it(tmp_path, written):
+    cfg = load_job_config(write(tmp_path, MINIMAL + f"engine: {{kv_cache_mb: {written}}}\n"))
+    assert cfg.engine.kv_cache_mb == 1000.0
+    assert (
+        load_job_config(write(tmp_path, MINIMAL), [f"engine.kv_cache_mb={written}"]).engine.kv_cache_mb
+        == 1000
+    )
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("sampling.temperature=.inf", "'sampling.temperature' must be a finite number, got inf"),
+        ("preprocess.timeout_s=-.inf", "'preprocess.timeout_s' must be a finite number, got -inf"),
+        ("engine.threads=100000", "'engine.threads' must be in [0, 1024], got 100000"),
+        ("preprocess.workers=5000", "'preprocess.workers' must be in [0, 1024], got 5000"),
+        (
+            "preprocess.video_min_frames=100",
+            "'preprocess.video_min_frames' (100) must not exceed 'preprocess.video_max_frames' (64)",
+        ),
+        ('output.dir=" "', "'output.dir' is empty; name the folder the results go to"),
+        ('input.paths=["a/*.parquet", ""]', "'input.paths' holds an empty path: "),
+    ],
+)
+def test_values_no_run_can_use_are_refused(tmp_path, override, message):
+    assert error_of(tmp_path, MINIMAL, [override]).startswith(message)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from batchvl.config import EngineConfig, job_config_from_dict
+from batchvl.engine.scheduling import kv_budget
 from batchvl.engine.scheduling.activation_peak import largest_step, step_activation_peak
 from batchvl.engine.scheduling.kv_budget import PEAK_HEADROOM, VISION_RESERVE_MB, kv_cache_bytes
 from batchvl.errors import ConfigError, UserError
@@ -139,3 +140,41 @@ def test_the_job_file_takes_auto_or_a_size_and_a_share_up_to_one(tmp_path):
         engine(kv_cache_mb=0)
     with pytest.raises(ConfigError, match=r"'engine.gpu_memory_utilization' must be in \(0, 1\]"):
         engine(gpu_memory_utilization=1.5)
+
+
+def test_a_cache_larger_than_the_machine_is_refused_before_anything_is_made(monkeypatch):
+    monkeypatch.setattr(kv_budget, "machine_memory_bytes", lambda: 16 * 1024 * MB)
+    cpu = torch.device("cpu")
+    kv_budget.check_kv_cache_fits(EngineConfig(kv_cache_mb=16 * 1024), cpu)  # the whole memory: allowed
+    kv_budget.check_kv_cache_fits(EngineConfig(), cpu)  # auto: sized by the engine
+    with pytest.raises(UserError) as info:
+        kv_budget.check_kv_cache_fits(EngineConfig(kv_cache_mb=1e12), cpu)
+    assert str(info.value) == (
+        "engine.kv_cache_mb=1e+12 is more than this machine's memory (16384 MiB); lower it, or set it to auto"
+    )
+
+
+def test_a_cache_without_a_block_names_the_value_the_job_sets_and_the_least_that_runs():
+    block = MB // 8  # an eighth of a MiB a block
+    kv_budget.check_holds_blocks(EngineConfig(kv_cache_mb=0.25), block, engines=2)  # one block each
+    with pytest.raises(UserError) as info:
+        kv_budget.check_holds_blocks(EngineConfig(kv_cache_mb=0.1), block, engines=1)
+    assert str(info.value) == (
+        "engine.kv_cache_mb=0.1 holds no KV block (a block of 16 tokens of this model takes 0.125 MiB); "
+        "raise it to at least 0.125"
+    )
+    with pytest.raises(UserError) as info:  # replicas share the value: the message names the job's
+        kv_budget.check_holds_blocks(EngineConfig(kv_cache_mb=0.2), block, engines=2)
+    assert "kv_cache_mb=0.2 holds fewer KV blocks than its 2 engine replicas need, one each" in str(
+        info.value
+    )
+    assert str(info.value).endswith("raise it to at least 0.25, or set engine.replicas: 1")
+
+
+def test_a_run_whose_replicas_share_too_small_a_cache_is_refused_naming_the_jobs_value(loaded_fp32):
+    from batchvl.engine.builder import build_engine
+
+    tokenizer, eos = loaded_fp32.processor.tokenizer, loaded_fp32.eos_token_ids()
+    config = EngineConfig(kv_cache_mb=0.001, replicas=2)
+    with pytest.raises(UserError, match="engine.kv_cache_mb=0.001 holds fewer KV blocks than its 2"):
+        build_engine(loaded_fp32.adapter, tokenizer, eos, config)

@@ -192,6 +192,13 @@ def test_every_shard_schema_and_prompt_field_is_checked_up_front(tmp_path, tiny_
     budget = {"max_new_tokens_field": "budget"}
     message = refusal(config(tmp_path, tiny_model_dir, ["data/*.parquet"], sampling=budget))
     assert "sampling.max_new_tokens_field: column 'budget' is not in" in message
+    table(tmp_path / "data" / "p0.parquet", question=["q"], budget=[64])
+    table(tmp_path / "data" / "p2.parquet", question=["q"], budget=["64"])  # text, not a number
+    message = refusal(config(tmp_path, tiny_model_dir, ["data/*.parquet"], sampling=budget))
+    assert message == (
+        f"sampling.max_new_tokens_field: column 'budget' of {tmp_path / 'data' / 'p2.parquet'} holds string, "
+        "not numbers; name a column of per-sample token limits"
+    )
     write_images(tmp_path / "photos", ["a.png"])
     message = refusal(config(tmp_path, tiny_model_dir, ["photos"], format="folder", prompts=typo))
     assert "folder input has no fields" in message
@@ -215,7 +222,13 @@ def test_validate_and_run_refuse_the_same_mistakes_before_any_work(
         "input: {paths: [data/*.parquet], key_column: key}\n"
         "output: {dir: out}\n"
     )
+    shutil.copytree(
+        tiny_model_dir, tmp_path / "no-tokenizer", ignore=shutil.ignore_patterns("tokenizer.json")
+    )
     mistakes = [
+        (["--set", "model.path=no-tokenizer"], "has no usable tokenizer"),
+        (["--set", "engine.kv_cache_mb=1e12"], "is more than this machine's memory"),
+        (["--set", "sampling.stop_token_ids=[2, 99999]"], "stop_token_ids holds 99999, outside the model's"),
         ([], "column 'image' is not in"),
         (["--set", "output.dir=a-file/out"], "a-file is not a folder"),
         (["--set", "output.dir=/proc/batchvl-out"], "cannot be written"),

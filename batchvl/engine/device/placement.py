@@ -9,11 +9,10 @@ Asking for a GPU the machine does not have is a mistake in how batchvl is called
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from batchvl.errors import UserError
+from batchvl.utils.environment import env_int
 
 
 def resolve_device(name: str, local_rank: int | None = None) -> torch.device:
@@ -36,13 +35,16 @@ def resolve_device(name: str, local_rank: int | None = None) -> torch.device:
     return torch.device("cuda", index)
 
 
+TORCHRUN_FIX = "it is torchrun's: unset it to run one process"
+
+
 def launched_world_size() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    return env_int("WORLD_SIZE", 1, TORCHRUN_FIX)
 
 
 def launched_local_rank() -> int | None:
     """This process's rank on its machine under torchrun; None in a plain run."""
-    return None if launched_world_size() == 1 else int(os.environ.get("LOCAL_RANK", "0"))
+    return None if launched_world_size() == 1 else env_int("LOCAL_RANK", 0, TORCHRUN_FIX)
 
 
 def process_device(name: str) -> torch.device:
@@ -53,7 +55,7 @@ def process_device(name: str) -> torch.device:
 def shares_its_gpu(name: str, device: torch.device) -> bool:
     """Whether another torchrun rank on this machine runs on this process's GPU: all ranks do under
     `cuda:N`, and some do when there are more ranks than GPUs."""
-    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    ranks_here = env_int("LOCAL_WORLD_SIZE", 1, TORCHRUN_FIX)
     if device.type != "cuda" or ranks_here == 1:
         return False
     return name.startswith("cuda:") or ranks_here > torch.cuda.device_count()

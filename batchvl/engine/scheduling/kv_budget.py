@@ -16,7 +16,7 @@ import torch
 
 from batchvl.config import EngineConfig
 from batchvl.errors import UserError
-from batchvl.utils.memory import MB
+from batchvl.utils.memory import MB, machine_memory_bytes
 
 CPU_KV_CACHE_MB = 1024
 # A vision call's activations, which the measured step leaves out: at 4,096 patches a call, Qwen2-VL's
@@ -32,6 +32,38 @@ def fixed_kv_cache_mb(config: EngineConfig) -> float:
     """`engine.kv_cache_mb` where the GPU's free memory does not decide it: as given, or CPU_KV_CACHE_MB with
     `auto` (also what engine replicas on the CPU share)."""
     return CPU_KV_CACHE_MB if config.kv_cache_mb == "auto" else config.kv_cache_mb
+
+
+def check_kv_cache_fits(config: EngineConfig, device: torch.device) -> None:
+    """Refuse an `engine.kv_cache_mb` larger than the device's whole memory (a typo: 1e12 ended a run in a
+    MemoryError after its output folder was made); whether a smaller one fits beside the model is known
+    only once the model is loaded."""
+    if config.kv_cache_mb == "auto":
+        return
+    if device.type == "cuda":
+        total, where = torch.cuda.get_device_properties(device).total_memory, f"{device}'s memory"
+    else:
+        total, where = machine_memory_bytes(), "this machine's memory"
+    if total and config.kv_cache_mb * MB > total:
+        raise UserError(
+            f"engine.kv_cache_mb={config.kv_cache_mb:g} is more than {where} ({total / MB:.0f} MiB); "
+            "lower it, or set it to auto"
+        )
+
+
+def check_holds_blocks(config: EngineConfig, block_bytes: int, engines: int) -> None:
+    """Refuse a fixed `engine.kv_cache_mb` that gives each of `engines` engines (replicas share it) less
+    than one KV block of `block_bytes`, naming the value the job sets and the least that runs."""
+    if config.kv_cache_mb == "auto" or config.kv_cache_mb * MB >= block_bytes * engines:
+        return
+    block = f"a block of {config.block_size} tokens of this model takes {block_bytes / MB:.3g} MiB"
+    least = f"raise it to at least {block_bytes * engines / MB:.3g}"
+    if engines == 1:
+        raise UserError(f"engine.kv_cache_mb={config.kv_cache_mb:g} holds no KV block ({block}); {least}")
+    raise UserError(
+        f"engine.kv_cache_mb={config.kv_cache_mb:g} holds fewer KV blocks than its {engines} engine replicas "
+        f"need, one each ({block}); {least}, or set engine.replicas: 1"
+    )
 
 
 def vision_reserve_bytes(max_patches: int) -> int:
