@@ -139,7 +139,14 @@ def test_run_from_a_dict_and_read_results(
     for number, part in enumerate((slice(0, 4), slice(4, 6))):
         shard_column = ["ab"[number]] * len(images[part])  # an input column that clashes with `shard`
         pq.write_table(
-            pa.table({"image": images[part], "question": questions[part], "shard": shard_column}),
+            pa.table(
+                {
+                    "image": images[part],
+                    "question": questions[part],
+                    "shard": shard_column,
+                    "input_shard": ["own"] * len(shard_column),  # and with the name it would get
+                }
+            ),
             tmp_path / "data" / f"part-{number}.parquet",
         )
     job = {
@@ -154,7 +161,8 @@ def test_run_from_a_dict_and_read_results(
     assert [(r["shard"], r["sample_index"]) for r in rows] == [("part-0.parquet", i) for i in range(4)] + [
         ("part-1.parquet", i) for i in range(2)
     ]
-    assert [r["input_shard"] for r in rows] == ["a"] * 4 + ["b"] * 2  # an input column named shard
+    assert [r["input_input_shard"] for r in rows] == ["a"] * 4 + ["b"] * 2  # an input column named shard
+    assert [r["input_shard"] for r in rows] == ["own"] * 6
     assert results.output_dir == str(tmp_path / "out")
     assert batchvl.read_results(job).to_list() == rows
     files = [pq.read_table(tmp_path / "out" / f"part-{n}.parquet") for n in range(2)]

@@ -44,14 +44,25 @@ def results_table(outputs: list[ShardOutput]) -> pa.Table:
     tables = []
     for output in outputs:
         table = output.read().replace_schema_metadata(None)
-        if "shard" in table.column_names:  # a pass-through input column: prefixed, as for the others
-            table = table.rename_columns(["input_shard" if c == "shard" else c for c in table.column_names])
+        if "shard" in table.column_names:  # a pass-through input column: prefixed, as the writer prefixes
+            table = table.rename_columns(
+                [_prefixed(table, c) if c == "shard" else c for c in table.column_names]
+            )
         tables.append(
             table.add_column(0, "shard", pa.array([output.shard.shard] * table.num_rows, pa.string()))
         )
     if not tables:
         return RESULT_SCHEMA.empty_table().add_column(0, "shard", pa.array([], pa.string()))
     return pa.concat_tables(with_shared_types(tables), promote_options="permissive")
+
+
+def _prefixed(table: pa.Table, name: str) -> str:
+    """`input_<name>`, prefixed again while the table has a column of that name (an input with both
+    `shard` and `input_shard` columns keeps `input_shard` and gets `input_input_shard`)."""
+    name = f"input_{name}"
+    while name in table.column_names:
+        name = f"input_{name}"
+    return name
 
 
 def with_shared_types(tables: list[pa.Table]) -> list[pa.Table]:
