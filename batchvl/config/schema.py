@@ -505,6 +505,13 @@ def _check_values(cfg: JobConfig) -> None:
     p = cfg.preprocess
     if p.min_pixels is not None and p.max_pixels is not None and p.min_pixels > p.max_pixels:
         raise ConfigError("'preprocess.min_pixels' must not exceed 'preprocess.max_pixels'")
+    if (
+        p.min_pixels is not None and p.min_pixels > p.max_image_pixels
+    ):  # 1e12 enlarged each image to terabytes
+        raise ConfigError(
+            f"'preprocess.min_pixels' ({p.min_pixels}) must not exceed 'preprocess.max_image_pixels' "
+            f"({p.max_image_pixels}): each image would be enlarged past the largest one the job reads"
+        )
     if p.video_min_frames > p.video_max_frames:
         raise ConfigError(
             f"'preprocess.video_min_frames' ({p.video_min_frames}) must not exceed "

@@ -40,7 +40,7 @@ def read_model_config(path: str, trust_remote_code: bool = False):
         )
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except (ValueError, KeyError, TypeError, OSError) as exc:
+    except (ValueError, KeyError, TypeError, OSError, ImportError) as exc:
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UserError(f"model.path '{path}': transformers cannot read config.json: {reason}") from None
     return config
@@ -87,7 +87,7 @@ def check_tokenizer(path: str, trust_remote_code: bool = False) -> None:
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         ids = tokenizer(TOKENIZER_PROBE, add_special_tokens=False)["input_ids"]
-    except (ValueError, KeyError, TypeError, OSError) as exc:
+    except (ValueError, KeyError, TypeError, OSError, ImportError) as exc:
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UserError(f"model.path '{path}': its tokenizer cannot be loaded: {reason}") from None
     if not ids:

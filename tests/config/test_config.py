@@ -399,6 +399,11 @@ def test_an_exponent_without_a_dot_or_a_sign_is_a_number_as_yaml_1_2_reads_it(tm
             "'preprocess.video_min_frames' (100) must not exceed 'preprocess.video_max_frames' (64)",
         ),
         ('output.dir=" "', "'output.dir' is empty; name the folder the results go to"),
+        (
+            "preprocess.min_pixels=1000000000000",
+            "'preprocess.min_pixels' (1000000000000) must not exceed 'preprocess.max_image_pixels' "
+            "(50000000)",
+        ),
         ('input.paths=["a/*.parquet", ""]', "'input.paths' holds an empty path: "),
     ],
 )
