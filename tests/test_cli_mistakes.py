@@ -41,6 +41,7 @@ def refused(monkeypatch, capsys, *args) -> str:
         (["make-sample-data", "data2", "--num-shards", "0"], "Invalid value for '--num-shards'"),
         (["validate", "job.yaml", "--log-level", "loud"], "--log-level must be one of debug, info, warning"),
         (["status", "job.yaml", "--tasks", "0"], "Invalid value for '--tasks'"),
+        (["slurm", "job.yaml", "--array", "0"], "error: --array must be at least 1, got 0"),
         (
             ["slurm", "job.yaml", "--array", "2", "--signal-lead", "-10"],
             "error: --signal-lead must be 0 or more seconds before the time limit, got -10",
