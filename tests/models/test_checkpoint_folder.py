@@ -25,8 +25,8 @@ def refusal(folder) -> str:
     return str(info.value)
 
 
-def test_a_whole_folder_passes_and_gives_its_model_type(model_copy):
-    assert check_model_folder(str(model_copy)) == "qwen2_vl"
+def test_a_whole_folder_passes_and_gives_its_configuration(model_copy):
+    assert check_model_folder(str(model_copy)).model_type == "qwen2_vl"
 
 
 def test_a_config_that_is_not_json_or_not_an_object_or_of_no_known_type_is_named(model_copy):
