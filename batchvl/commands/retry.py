@@ -45,10 +45,10 @@ def _refuse_changed_rows(job: JobConfig, retry: JobConfig) -> None:
         )
 
 
-def retry_work(job: JobConfig, task: TaskSlice | None) -> Work:
+def retry_work(job: JobConfig, task: TaskSlice | None, model_loaded: bool = False) -> Work:
     """The task's committed shards with error rows, each with exactly those (sample, prompt) rows.
     Planning refuses shards written by another config, as a run does."""
-    plan = plan_job(job, task, record=True)
+    plan = plan_job(job, task, record=True, model_loaded=model_loaded)
     graph = plan.graph
     selection = {}
     not_committed = 0
@@ -100,7 +100,7 @@ def retry_failed(
         loaded,
         show_progress,
         task,
-        work=functools.partial(retry_work, job, task),
+        work=functools.partial(retry_work, job, task, loaded is not None),
         commit=MergeIntoShard(job, OutputDir.of(job.output), overrides),
         mode="retry-failed",  # its rows are all former errors: the error budget is the job's
     )

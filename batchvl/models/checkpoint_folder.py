@@ -98,13 +98,15 @@ def check_tokenizer(path: str, trust_remote_code: bool = False) -> None:
         )
 
 
-def check_model_folder(path: str, trust_remote_code: bool = False):
+def check_model_folder(path: str, trust_remote_code: bool = False, loaded: bool = False):
     """Everything a run needs of the folder, checked; the checkpoint's configuration, of a supported
-    family."""
+    family. The weights and the tokenizer are left unread where the run is given the model `loaded`
+    (a benchmark's model built on its device has no weight files)."""
     config = read_model_config(path, trust_remote_code)
     model_family(config.model_type)  # an unsupported model is named before its files are looked at
-    check_weights(path)
-    check_tokenizer(path, trust_remote_code)
+    if not loaded:
+        check_weights(path)
+        check_tokenizer(path, trust_remote_code)
     return config
 
 

@@ -79,14 +79,17 @@ class JobPlan:
     fingerprint: str  # of the output-defining config
 
 
-def plan_job(cfg: JobConfig, task: TaskSlice | None = None, record: bool = False) -> JobPlan:
+def plan_job(
+    cfg: JobConfig, task: TaskSlice | None = None, record: bool = False, model_loaded: bool = False
+) -> JobPlan:
     """Check the job and list its shards. `record` (a run) creates `output.dir` and records new folder
-    shards; without it (validate, status) nothing is written."""
+    shards; without it (validate, status) nothing is written. `model_loaded`: the run is given the model,
+    loaded, so its folder's weight and tokenizer files are not its to read."""
     if cfg.engine.backend == "openai":  # the server runs the model: any model it serves
         check_server(cfg)
         model_type = "server"
     else:
-        model_config = check_model_folder(cfg.model.path, cfg.model.trust_remote_code)
+        model_config = check_model_folder(cfg.model.path, cfg.model.trust_remote_code, model_loaded)
         model_type = model_config.model_type
         check_stop_token_ids(cfg, vocab_size(model_config))
         device = process_device(cfg.model.device)  # refuses a GPU the machine does not have
@@ -140,10 +143,10 @@ class Work:
         return len(self.plan.shards)
 
 
-def job_work(cfg: JobConfig, task: TaskSlice | None) -> Work:
+def job_work(cfg: JobConfig, task: TaskSlice | None, model_loaded: bool = False) -> Work:
     """A run's work: the task's shards that are not committed (all of them with --overwrite); of a shard
     committed with other prompts, only the rows of its changed and added prompts."""
-    plan = plan_job(cfg, task, record=True)
+    plan = plan_job(cfg, task, record=True, model_loaded=model_loaded)
     if plan.resume.num_done:
         logger.info("skipping %d committed shard(s) in %s", plan.resume.num_done, cfg.output.dir)
     if plan.resume.input_changed:

@@ -84,7 +84,7 @@ class JobRunner:
         self.loaded = loaded
         self.show_progress = show_progress
         self.task = task
-        self.plan_work = work or functools.partial(job_work, cfg, task)
+        self.plan_work = work or functools.partial(job_work, cfg, task, loaded is not None)
         self.out = OutputDir.of(cfg.output)
         self.commit = commit  # None: write each shard as a new file, with the plan's fingerprint
         self.stats = RunStats(mode=mode, task=str(task) if task else None)

@@ -77,3 +77,10 @@ def test_a_folder_without_its_tokenizer_files_is_refused(model_copy):
     assert message.endswith(
         "copy the checkpoint's tokenizer files (tokenizer.json, tokenizer_config.json) into it"
     )
+
+
+def test_a_run_given_the_model_loaded_reads_neither_weights_nor_tokenizer(model_copy):
+    (model_copy / "model.safetensors").unlink()  # a model built on its device has no weight files
+    (model_copy / "tokenizer.json").unlink()
+    assert check_model_folder(str(model_copy), loaded=True).model_type == "qwen2_vl"
+    assert "has no .safetensors weights" in refusal(model_copy)
