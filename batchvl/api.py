@@ -232,11 +232,11 @@ def caption(
         "preprocess": dict(preprocess or {}),
         "output": {"dir": str(out), "overwrite": overwrite},
     }
-    job_config_from_dict(job)  # the job's mistakes (a sampling key, a prompt's), before anything is written
+    cfg = job_config_from_dict(job)  # the job's mistakes (a sampling key, a prompt's), before any write
     if loaded is None:
-        check_model_folder(job["model"]["path"])
+        check_model_folder(cfg.model.path)
     stage_dataset(staged, out, rows_per_shard, overwrite)
-    return run(job, model=loaded, progress=progress)
+    return run(cfg, model=loaded, progress=progress)
 
 
 def read_results(job: JobConfig | Mapping[str, Any] | str | Path) -> datasets.Dataset:

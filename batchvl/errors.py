@@ -88,6 +88,13 @@ def error_types_markdown_table() -> str:
     return "\n".join(lines)
 
 
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (its type's name where it has none): a library's
+    multi-line message as the reason in a one-line refusal."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 class UserError(Exception):
     """A mistake in how batchvl was called; the message names the problem and the fix."""
 

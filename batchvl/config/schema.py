@@ -495,19 +495,22 @@ def _check_section(value: Any, cls: type, key: str) -> None:
 def check_model_keys(model: ModelConfig) -> None:
     """The model section's keys, as a job checks them (`load_model` in Python takes them one by one)."""
     _check_section(model, ModelConfig, "model")
-    if not re.fullmatch(r"cpu|auto|cuda(:\d+)?", model.device):
-        raise ConfigError(f"'model.device' must be cpu, cuda, cuda:N or auto; got {model.device!r}")
+    _check_device(model.device)
+
+
+def _check_device(device: str) -> None:
+    if not re.fullmatch(r"cpu|auto|cuda(:\d+)?", device):
+        raise ConfigError(f"'model.device' must be cpu, cuda, cuda:N or auto; got {device!r}")
 
 
 def _check_values(cfg: JobConfig) -> None:
     """What one key's bounds cannot say (each key's own bounds are checked as it is read)."""
-    check_model_keys(cfg.model)
+    _check_device(cfg.model.device)  # the section's keys are checked with every other section's
     p = cfg.preprocess
     if p.min_pixels is not None and p.max_pixels is not None and p.min_pixels > p.max_pixels:
         raise ConfigError("'preprocess.min_pixels' must not exceed 'preprocess.max_pixels'")
-    if (
-        p.min_pixels is not None and p.min_pixels > p.max_image_pixels
-    ):  # 1e12 enlarged each image to terabytes
+    # a min_pixels of 1e12 enlarged each image to terabytes
+    if p.min_pixels is not None and p.min_pixels > p.max_image_pixels:
         raise ConfigError(
             f"'preprocess.min_pixels' ({p.min_pixels}) must not exceed 'preprocess.max_image_pixels' "
             f"({p.max_image_pixels}): each image would be enlarged past the largest one the job reads"

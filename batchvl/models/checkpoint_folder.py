@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from batchvl.errors import UserError
+from batchvl.errors import UserError, first_line
 from batchvl.models.registry import model_family
 
 TOKENIZER_PROBE = "A photo of a cat."
@@ -41,8 +41,9 @@ def read_model_config(path: str, trust_remote_code: bool = False):
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (ValueError, KeyError, TypeError, OSError, ImportError) as exc:
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise UserError(f"model.path '{path}': transformers cannot read config.json: {reason}") from None
+        raise UserError(
+            f"model.path '{path}': transformers cannot read config.json: {first_line(exc)}"
+        ) from None
     return config
 
 
@@ -88,8 +89,7 @@ def check_tokenizer(path: str, trust_remote_code: bool = False) -> None:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         ids = tokenizer(TOKENIZER_PROBE, add_special_tokens=False)["input_ids"]
     except (ValueError, KeyError, TypeError, OSError, ImportError) as exc:
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise UserError(f"model.path '{path}': its tokenizer cannot be loaded: {reason}") from None
+        raise UserError(f"model.path '{path}': its tokenizer cannot be loaded: {first_line(exc)}") from None
     if not ids:
         raise UserError(
             f"model.path '{path}' has no usable tokenizer (the one loaded from it knows {len(tokenizer)} "

@@ -8,7 +8,7 @@ import pyarrow as pa
 
 from batchvl.inputs.types import ShardInfo
 from batchvl.outputs.commit import ShardMarker, read_committed, read_marker
-from batchvl.outputs.writers import RESULT_SCHEMA, json_text_array, output_path
+from batchvl.outputs.writers import RESULT_SCHEMA, input_column_name, json_text_array, output_path
 from batchvl.storage.output_dir import OutputDir
 
 
@@ -46,7 +46,7 @@ def results_table(outputs: list[ShardOutput]) -> pa.Table:
         table = output.read().replace_schema_metadata(None)
         if "shard" in table.column_names:  # a pass-through input column: prefixed, as the writer prefixes
             table = table.rename_columns(
-                [_prefixed(table, c) if c == "shard" else c for c in table.column_names]
+                [input_column_name(c, table.column_names) if c == "shard" else c for c in table.column_names]
             )
         tables.append(
             table.add_column(0, "shard", pa.array([output.shard.shard] * table.num_rows, pa.string()))
@@ -54,15 +54,6 @@ def results_table(outputs: list[ShardOutput]) -> pa.Table:
     if not tables:
         return RESULT_SCHEMA.empty_table().add_column(0, "shard", pa.array([], pa.string()))
     return pa.concat_tables(with_shared_types(tables), promote_options="permissive")
-
-
-def _prefixed(table: pa.Table, name: str) -> str:
-    """`input_<name>`, prefixed again while the table has a column of that name (an input with both
-    `shard` and `input_shard` columns keeps `input_shard` and gets `input_input_shard`)."""
-    name = f"input_{name}"
-    while name in table.column_names:
-        name = f"input_{name}"
-    return name
 
 
 def with_shared_types(tables: list[pa.Table]) -> list[pa.Table]:

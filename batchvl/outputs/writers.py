@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -105,12 +106,19 @@ def pass_through_columns(field_names: list[str]) -> dict[str, str]:
     for name in field_names:
         column = name
         if name in reserved:
-            column = f"input_{name}"
-            while column in taken:
-                column = f"input_{column}"
+            column = input_column_name(name, taken)
             taken.add(column)
         columns[name] = column
     return columns
+
+
+def input_column_name(name: str, taken: Collection[str]) -> str:
+    """An input field's name where a result column has it: `input_<name>`, prefixed again while a name in
+    `taken` has it."""
+    column = f"input_{name}"
+    while column in taken:
+        column = f"input_{column}"
+    return column
 
 
 def pass_through_array(values: list[Any]) -> pa.Array:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import os
 import time
 
 MB = 1 << 20  # a MiB: memory settings (`*_mb`, `*_gb`) count in binary units
@@ -26,14 +25,6 @@ GB = 1 << 30
 
 _libc = None
 _checked = False
-
-
-def machine_memory_bytes() -> int:
-    """The machine's physical memory; 0 where the OS does not say."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 0
 
 
 def load_libc():

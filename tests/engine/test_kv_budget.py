@@ -2,6 +2,8 @@
 a share of what the GPU has free after the model, less the largest step's measured activations and a
 reserve; the GPU's memory is faked, the largest step runs on the CPU."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -143,7 +145,7 @@ def test_the_job_file_takes_auto_or_a_size_and_a_share_up_to_one(tmp_path):
 
 
 def test_a_cache_larger_than_the_machine_is_refused_before_anything_is_made(monkeypatch):
-    monkeypatch.setattr(kv_budget, "machine_memory_bytes", lambda: 16 * 1024 * MB)
+    monkeypatch.setattr(kv_budget.psutil, "virtual_memory", lambda: SimpleNamespace(total=16 * 1024 * MB))
     cpu = torch.device("cpu")
     kv_budget.check_kv_cache_fits(EngineConfig(kv_cache_mb=16 * 1024), cpu)  # the whole memory: allowed
     kv_budget.check_kv_cache_fits(EngineConfig(), cpu)  # auto: sized by the engine

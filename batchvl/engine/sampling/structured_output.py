@@ -19,6 +19,7 @@ from typing import Literal
 
 import torch
 
+from batchvl.errors import first_line
 from batchvl.layers.attention import uploaded
 from batchvl.utils.int_tensors import int64_tensor
 
@@ -68,8 +69,7 @@ class OutputConstraint:
 
 def _xgrammar_reason(exc: Exception) -> str:
     """xgrammar's message without its log prefix ("[12:00:00] /path/file.cc:83: ")."""
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", first)
+    return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", first_line(exc))
 
 
 class GrammarMatchers:

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import psutil
 import torch
 
 from batchvl.config import EngineConfig
 from batchvl.errors import UserError
-from batchvl.utils.memory import MB, machine_memory_bytes
+from batchvl.utils.memory import MB
 
 CPU_KV_CACHE_MB = 1024
 # A vision call's activations, which the measured step leaves out: at 4,096 patches a call, Qwen2-VL's
@@ -43,8 +44,8 @@ def check_kv_cache_fits(config: EngineConfig, device: torch.device) -> None:
     if device.type == "cuda":
         total, where = torch.cuda.get_device_properties(device).total_memory, f"{device}'s memory"
     else:
-        total, where = machine_memory_bytes(), "this machine's memory"
-    if total and config.kv_cache_mb * MB > total:
+        total, where = psutil.virtual_memory().total, "this machine's memory"
+    if config.kv_cache_mb * MB > total:
         raise UserError(
             f"engine.kv_cache_mb={config.kv_cache_mb:g} is more than {where} ({total / MB:.0f} MiB); "
             "lower it, or set it to auto"
