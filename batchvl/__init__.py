@@ -15,10 +15,11 @@ os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "2048")
 if "OMP_WAIT_POLICY" not in os.environ:
     os.environ.setdefault("GOMP_SPINCOUNT", "5000")
 
+from batchvl import errors  # noqa: E402  (light: what a notebook catches, `batchvl.errors.UserError`)
 from batchvl.version import __version__  # noqa: E402  (the environment above is set before any import)
 
 _API = ("Results", "caption", "load_model", "read_labels", "read_results", "run")
-__all__ = ["__version__", *_API]
+__all__ = ["__version__", "errors", *_API]
 
 
 def __getattr__(name: str):

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from batchvl.config import (
     JobConfig,
@@ -122,7 +123,7 @@ def load_model(path: str | Path, dtype: str = "auto", device: str = "auto") -> L
 def run(
     job: JobConfig | Mapping[str, Any] | str | Path,
     *,
-    overrides: Sequence[str] = (),
+    overrides: Sequence[str] | str | None = (),
     model: LoadedModel | None = None,
     progress: bool = True,
     processes: int | None = None,
@@ -135,6 +136,11 @@ def run(
     and `--gpus N` do; each loads the model itself."""
     from batchvl.pipeline.node_places import node_places
 
+    if model is not None and not isinstance(model, LoadedModel):
+        raise UserError(
+            f"run(model=) takes a load_model() result, got {type(model).__name__}; the job's model.path "
+            "names the checkpoint to load (overrides=['model.path=...'] changes it)"
+        )
     places = node_places(processes, None if gpus is None else str(gpus))
     cfg = _job_config(job, overrides)
     if model is not None and os.path.realpath(model.path) != os.path.realpath(cfg.model.path):
@@ -165,6 +171,7 @@ def caption(
     | Sequence[str | Mapping[str, Any]] = "Describe this image.",
     output_dir: str | Path,
     image_column: str = "image",
+    root: str | Path | None = None,
     rows_per_shard: int = 1000,
     sampling: Mapping[str, Any] | None = None,
     engine: Mapping[str, Any] | None = None,
@@ -177,7 +184,9 @@ def caption(
     """Caption (or ask `prompts` about) every row of an in-memory `datasets.Dataset`.
 
     `image_column` holds images (an `Image` feature, bytes, paths or http(s) URLs, or a list of these;
-    `download` holds `input.download` settings for the URLs). `prompts` is one text, `{name: text}`,
+    `download` holds `input.download` settings for the URLs). Paths resolve against `root` (default: the
+    current folder) and must lie under it, as a job's under its `input.root` (`root="/"` takes absolute
+    paths anywhere). `prompts` is one text, `{name: text}`,
     `{name: {text, choices | json_schema | regex, ...}}` with a job file's prompt keys, or a list of
     texts or such mappings with their `name`. Each row's key is its index in `dataset`. Calling again
     with the same `output_dir` resumes; a different dataset there is refused unless `overwrite=True`."""
@@ -202,14 +211,29 @@ def caption(
             f"image_column '{image_column}' is not a column of the dataset (columns: "
             f"{', '.join(dataset.column_names)}); pass image_column="
         )
-    if rows_per_shard <= 0:
-        raise UserError(f"rows_per_shard must be positive, got {rows_per_shard}")
+    if not isinstance(rows_per_shard, int) or isinstance(rows_per_shard, bool) or rows_per_shard <= 0:
+        raise UserError(f"rows_per_shard must be a positive whole number, got {rows_per_shard!r}")
+    if not isinstance(output_dir, str | os.PathLike):
+        raise UserError(f"output_dir= takes a folder's path, got {type(output_dir).__name__}")
+    if root is not None and not Path(root).is_dir():
+        raise UserError(f"root= is the folder the image paths resolve against; '{root}' is not a folder")
+    sections = {
+        name: _section(name, value)
+        for name, value in (
+            ("sampling", sampling),
+            ("engine", engine),
+            ("preprocess", preprocess),
+            ("download", download),
+        )
+    }
     if is_remote(str(output_dir)):
         raise UserError(
             f"caption() keeps a copy of the dataset in output_dir, a local folder; '{output_dir}' is a URL. "
             "To write to an object store, save the dataset as Parquet and run(job) with output.dir there"
         )
     out = Path(output_dir).resolve()
+    # set only where paths are read: a dataset of image bytes keeps its results whatever the current folder
+    paths_root = str(Path(root or ".").resolve()) if holds_paths(dataset.data.column(image_column)) else None
     staged = dataset.add_column(CAPTION_KEY_COLUMN, list(range(dataset.num_rows)))
     input_folder = staged_folder(staged, out)
     loaded = model if isinstance(model, LoadedModel) else None
@@ -224,12 +248,13 @@ def caption(
             "paths": [glob.escape(str(input_folder))],
             "image_column": image_column,
             "key_column": CAPTION_KEY_COLUMN,
-            "download": dict(download or {}),
+            "root": paths_root,
+            "download": sections["download"],
         },
         "prompts": _prompt_list(prompts),
-        "sampling": dict(sampling or {}),
-        "engine": dict(engine or {}),
-        "preprocess": dict(preprocess or {}),
+        "sampling": sections["sampling"],
+        "engine": sections["engine"],
+        "preprocess": sections["preprocess"],
         "output": {"dir": str(out), "overwrite": overwrite},
     }
     cfg = job_config_from_dict(job)  # the job's mistakes (a sampling key, a prompt's), before any write
@@ -237,6 +262,22 @@ def caption(
         check_model_folder(cfg.model.path)
     stage_dataset(staged, out, rows_per_shard, overwrite)
     return run(cfg, model=loaded, progress=progress)
+
+
+def holds_paths(column: pa.ChunkedArray) -> bool:
+    """Whether an image column has cells read from a path: text (a path, or a URL, which ignores the root),
+    or datasets' `Image` struct holding a path and no bytes; through lists of these."""
+    for values in column.chunks:
+        while pa.types.is_list(values.type) or pa.types.is_large_list(values.type):
+            values = values.flatten()
+        if pa.types.is_string(values.type) or pa.types.is_large_string(values.type):
+            if values.null_count < len(values):
+                return True
+        elif pa.types.is_struct(values.type) and {"bytes", "path"} <= {f.name for f in values.type}:
+            without_bytes = pc.and_(pc.is_null(values.field("bytes")), pc.is_valid(values.field("path")))
+            if pc.any(without_bytes).as_py():
+                return True
+    return False
 
 
 def read_results(job: JobConfig | Mapping[str, Any] | str | Path) -> datasets.Dataset:
@@ -322,6 +363,18 @@ def _save_atomically(dataset: datasets.Dataset, folder: Path, num_shards: int) -
     os.replace(temporary, folder)
 
 
+def _section(name: str, value: Mapping[str, Any] | None) -> dict:
+    """A job file section passed as a keyword argument (`sampling={...}`), as a dict."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise UserError(
+            f"{name}= takes a mapping of the job file's {name} keys (e.g. {name}={{...}}), got "
+            f"{type(value).__name__}"
+        )
+    return dict(value)
+
+
 def _prompt_list(prompts) -> list[dict]:
     if isinstance(prompts, str):
         return [{"name": "caption", "text": prompts}]
@@ -354,9 +407,16 @@ def _named_prompt(name: str, prompt) -> dict:
     return {**prompt, "name": name}
 
 
-def _job_config(job, overrides: Sequence[str]) -> JobConfig:
+def _job_config(job, overrides: Sequence[str] | str | None) -> JobConfig:
+    if overrides is None:
+        overrides = ()
     if isinstance(overrides, str):  # one override, not its characters
         overrides = [overrides]
+    if not isinstance(overrides, Sequence) or not all(isinstance(o, str) for o in overrides):
+        raise UserError(
+            f"overrides= takes 'key=value' texts, as --set does (e.g. ['sampling.max_new_tokens=32']); "
+            f"got {overrides!r}"
+        )
     if not isinstance(job, JobConfig | Mapping | str | os.PathLike):
         raise UserError(
             f"a job is a JobConfig, a dict shaped like the job file or a job file's path; got "

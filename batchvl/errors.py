@@ -30,7 +30,8 @@ ERROR_TYPES: dict[str, str] = {
     "extreme_aspect_ratio": "more elongated than 200:1 (e.g. 1x2000)",
     "video_decode_error": "not a video, no video stream, no decodable frame",
     "video_unsupported": "a video where PyAV, which decodes it, is not installed (`pip install av`)",
-    "unsupported_media": "a video given to a family that takes images only",
+    "unsupported_media": "a video given to a family that takes images only, or a media cell batchvl does not "
+    "read as media (a number, an array kept as lists of numbers: cast it to datasets' `Image` feature)",
     "file_not_found": "a media path or object that does not exist",
     "path_outside_root": "a media path that leads outside `input.root` (absolute elsewhere, up with `..`, "
     "or through a symbolic link)",

@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import batchvl
-from batchvl.api import _job_config
+from batchvl.api import _job_config, holds_paths
 from batchvl.errors import UserError
 from tests.conftest import png_bytes, random_image
 
@@ -131,6 +131,42 @@ def test_caption_resumes_and_refuses_another_dataset(tmp_path, loaded_fp32, in_m
     assert len(os.listdir(out / "_batchvl" / "input")) == 2  # dataset.json and the one staged dataset
 
 
+def test_caption_reads_paths_against_the_current_folder_or_root(tmp_path, loaded_fp32, images, monkeypatch):
+    (tmp_path / "nb" / "imgs").mkdir(parents=True)
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "nb" / "imgs" / "a.png").write_bytes(images[0])
+    (tmp_path / "elsewhere" / "b.png").write_bytes(images[1])
+    monkeypatch.chdir(tmp_path / "nb")  # a notebook's folder
+    outside = str(tmp_path / "elsewhere" / "b.png")
+    paths = datasets.Dataset.from_dict(
+        {"image": ["imgs/a.png", str(tmp_path / "nb" / "imgs" / "a.png"), outside]}
+    )
+    options = dict(model=loaded_fp32, sampling={"max_new_tokens": 3}, progress=False)
+    results = batchvl.caption(paths, output_dir="out", **options)
+    assert results.dataset["status"] == ["ok", "ok", "error"]
+    assert results.dataset["text"][0] == results.dataset["text"][1]  # the same file, named two ways
+    assert results.dataset["error_type"][2] == "path_outside_root"
+    assert f"not under input.root '{tmp_path / 'nb'}'" in results.dataset["error_message"][2]
+    anywhere = batchvl.caption(paths.select([2]), output_dir=tmp_path / "anywhere", root="/", **options)
+    assert anywhere.dataset["status"] == ["ok"]
+    # datasets' Image feature over paths (no bytes kept) reads them the same way
+    as_images = datasets.Dataset.from_dict({"image": ["imgs/a.png"]}).cast_column("image", datasets.Image())
+    assert (
+        batchvl.caption(as_images, output_dir="images", **options).dataset["text"]
+        == results.dataset["text"][:1]
+    )
+    with pytest.raises(
+        UserError, match="^root= is the folder the image paths resolve against; 'nope' is not"
+    ):
+        batchvl.caption(paths, output_dir="x", root="nope", **options)
+
+
+def test_only_a_column_that_reads_paths_sets_a_root(in_memory):
+    assert not holds_paths(in_memory.data.column("image"))  # Image feature with bytes: the job's default
+    assert holds_paths(pa.chunked_array([pa.array([["a.png"], ["b.png"]])]))
+    assert not holds_paths(pa.chunked_array([pa.array([None, None], type=pa.string())]))
+
+
 def test_run_from_a_dict_and_read_results(
     tmp_path, tiny_model_dir, loaded_fp32, images, questions, monkeypatch
 ):
@@ -221,12 +257,37 @@ def test_arguments_of_the_wrong_kind_are_user_errors_naming_what_is_taken(tmp_pa
         batchvl.load_model(tmp_path, dtype="fp16")  # refused, not loaded in float32
     with pytest.raises(UserError, match="'model.device' must be cpu, cuda, cuda:N or auto; got 'gpu'"):
         batchvl.load_model(tmp_path, device="gpu")
+    for section in ("sampling", "engine", "preprocess", "download"):
+        with pytest.raises(UserError, match=rf"^{section}= takes a mapping of the job file's {section} keys"):
+            batchvl.caption(in_memory, model=loaded_fp32, output_dir=tmp_path, **{section: 5})
+    with pytest.raises(UserError, match=r"^output_dir= takes a folder's path, got NoneType$"):
+        batchvl.caption(in_memory, model=loaded_fp32, output_dir=None)
+    for rows in ("3", 2.5, 0):
+        with pytest.raises(UserError, match=r"^rows_per_shard must be a positive whole number, got "):
+            batchvl.caption(in_memory, model=loaded_fp32, output_dir=tmp_path, rows_per_shard=rows)
+    job = {"model": {"path": "m"}, "input": {"paths": ["d/*.parquet"]}, "output": {"dir": "o"}}
+    with pytest.raises(UserError, match=r"^run\(model=\) takes a load_model\(\) result, got str; the job's"):
+        batchvl.run(job, model="m")
+    with pytest.raises(UserError, match=r"^overrides= takes 'key=value' texts, as --set does .*; got \[5\]$"):
+        batchvl.run(job, overrides=[5])
+    with pytest.raises(UserError, match=r"^--processes must be a whole number, 1 or more, got '2'$"):
+        batchvl.run(job, processes="2")
     assert not any(tmp_path.iterdir())  # nothing was written
+
+
+def test_errors_are_reachable_from_the_package_as_the_docs_catch_them():
+    done = subprocess.run(
+        [sys.executable, "-c", "import batchvl; print(batchvl.errors.UserError.__name__)"],
+        capture_output=True,
+        text=True,
+    )
+    assert done.stdout.strip() == "UserError", done.stderr
 
 
 def test_one_override_given_as_a_string_is_one_override(tmp_path):
     job = {"model": {"path": "m"}, "input": {"paths": ["d/*.parquet"]}, "output": {"dir": "o"}}
     assert _job_config(job, "sampling.max_new_tokens=7").sampling.max_new_tokens == 7
+    assert _job_config(job, None).sampling == _job_config(job, ()).sampling  # None: no overrides
 
 
 def test_caption_refuses_a_mistake_of_its_job_before_it_writes_the_dataset(

@@ -538,11 +538,19 @@ def _check_values(cfg: JobConfig) -> None:
     if len(set(names)) != len(names):
         raise ConfigError(f"'prompts' names must be unique, got {names}")
     _check_column_names(names)
+    _check_stop_strings(cfg.sampling.stop, "sampling.stop")
     for index, prompt in enumerate(cfg.prompts):
         _check_constraint_keys(prompt)
-        prompt_sampling(cfg.sampling, prompt, f"prompts[{index}].sampling")  # its own keys' mistakes
+        own = prompt_sampling(cfg.sampling, prompt, f"prompts[{index}].sampling")  # its own keys' mistakes
+        _check_stop_strings(own.stop, f"prompts[{index}].sampling.stop")
     _check_server(cfg.engine)
     _check_encoder_cache_dir(cfg.engine)
+
+
+def _check_stop_strings(stop: list[str], key: str) -> None:
+    """An empty stop string is found before any text: it stopped nothing, where the job meant a stop."""
+    if "" in stop:
+        raise ConfigError(f"'{key}' holds an empty string, which stops at no text; remove it")
 
 
 def _check_encoder_cache_dir(engine: EngineConfig) -> None:

@@ -118,4 +118,21 @@ class RowSampler:
                 )
             kind = "video" if cell.lower().endswith(VIDEO_EXTENSIONS) else "image"
             return MediaRef(None, resolve_under_root(cell, root), kind)
-        raise SampleError("missing_image", f"row has no image in column '{self.image_column}'")
+        if cell is None or cell in ("", {}, []):
+            raise SampleError("missing_image", f"row has no image in column '{self.image_column}'")
+        # an array kept as nested lists of numbers, a number: data, but nothing that names an image
+        raise SampleError(
+            "unsupported_media",
+            f"column '{self.image_column}' holds a {_kind_of(cell)}, not an image: it takes image bytes, "
+            "a {bytes, path} struct (datasets' Image feature: cast an array column to it), a path or a URL",
+        )
+
+
+def _kind_of(cell: Any) -> str:
+    """A media cell's kind, as its refusal names it: 'list of ints', 'dict with keys a, b', 'value of type
+    float'."""
+    if isinstance(cell, list):
+        return f"list of {type(cell[0]).__name__}s"
+    if isinstance(cell, dict):
+        return f"dict with keys {', '.join(map(str, cell))}"
+    return f"value of type {type(cell).__name__}"

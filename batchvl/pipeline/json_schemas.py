@@ -98,10 +98,25 @@ def bounded_regex(pattern: str, where: str = ""):
         return re2.compile(pattern, options=options)
     except re2.error as exc:
         reason = exc.args[0].decode() if exc.args and isinstance(exc.args[0], bytes) else str(exc)
+        named = f"the pattern {pattern!r}{' ' + where if where else ''}"
+        if not _python_compiles(pattern):  # a plain mistake, not syntax RE2 lacks: say so
+            raise SchemaRefused(f"{named} is not a valid regular expression ({reason}); correct it") from None
         raise SchemaRefused(
-            f"the pattern {pattern!r}{' ' + where if where else ''} cannot be used ({reason}): lookaround "
+            f"{named} cannot be used ({reason}): lookaround "
             "and backreferences can neither be enforced while generating nor checked in bounded time"
         ) from None
+
+
+def _python_compiles(pattern: str) -> bool:
+    """Whether Python's `re` takes the pattern: RE2 refuses its lookaround and backreferences, which `re`
+    takes, and a mistake (an unclosed group), which neither takes."""
+    import re
+
+    try:
+        re.compile(pattern)
+    except re.error:
+        return False
+    return True
 
 
 def never_valid(schema: Any, where: str = "") -> str | None:

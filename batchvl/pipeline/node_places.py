@@ -42,17 +42,18 @@ def node_places(processes: int | None, gpus: str | None) -> list[Place] | None:
             "--processes and --gpus both given: --gpus N for a process per GPU, else --processes N"
         )
     if processes is not None:
-        if processes < 1:
-            raise UserError(f"--processes must be 1 or more, got {processes}")
+        if not isinstance(processes, int) or isinstance(processes, bool) or processes < 1:
+            raise UserError(f"--processes must be a whole number, 1 or more, got {processes!r}")
         return [Place(i) for i in range(processes)]
     if gpus is None:
         return None
+    asked = None if gpus == "all" else _positive(gpus)  # the spelling first: "x" is no number of GPUs
     import torch
 
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if count == 0:
         raise UserError(f"--gpus {gpus}: no CUDA device is available; on the CPU use --processes N")
-    wanted = count if gpus == "all" else _positive(gpus)
+    wanted = count if asked is None else asked
     if wanted > count:
         raise UserError(
             f"--gpus {gpus}: this machine has {count} CUDA device(s); give {count} or fewer, or all"

@@ -231,9 +231,15 @@ def check_output_location(cfg: JobConfig, out: OutputDir, listing: list[ShardInf
                 f"over or among the inputs; {fix}"
             )
     if cfg.input.root is not None:
+        # The media under the root must not lie among the results; results in a folder of their own under
+        # the root (a project folder holding images/ and captions/, a notebook's folder) read nothing back:
+        # the root confines path cells, it is not listed as input.
         root = os.path.realpath(cfg.input.root)
-        if _inside(where, root) or _inside(root, where):
-            raise UserError(f"output.dir {out.url} overlaps input.root {cfg.input.root}; {fix}")
+        if _inside(root, where):
+            raise UserError(
+                f"output.dir {out.url} holds input.root {cfg.input.root}: the media would lie among the "
+                f"results; {fix}"
+            )
     folders_are_inputs = cfg.input.format in ("folder", "hf_dataset")
     for pattern in cfg.input.paths:
         if folders_are_inputs and glob_matches(pattern, out.url):

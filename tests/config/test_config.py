@@ -405,6 +405,11 @@ def test_an_exponent_without_a_dot_or_a_sign_is_a_number_as_yaml_1_2_reads_it(tm
             "(50000000)",
         ),
         ('input.paths=["a/*.parquet", ""]', "'input.paths' holds an empty path: "),
+        ('sampling.stop=["END", ""]', "'sampling.stop' holds an empty string, which stops at no text"),
+        (
+            'prompts=[{name: a, text: t, sampling: {stop: [""]}}]',
+            "'prompts[0].sampling.stop' holds an empty string, which stops at no text; remove it",
+        ),
     ],
 )
 def test_values_no_run_can_use_are_refused(tmp_path, override, message):

@@ -79,6 +79,19 @@ def test_bytes_struct_list_and_missing_cells(tmp_path):
     assert samples[1].error.error_type == "missing_image"
 
 
+def test_a_cell_of_numbers_is_named_unsupported_not_missing(tmp_path):
+    # an array kept as nested lists: the outer list is read as the row's images, each a list of numbers
+    samples = read_all(write_table(tmp_path / "n.parquet", {"image": [[[1, 2], [3, 4]], [[5]]]}))
+    assert samples[0].error.error_type == "unsupported_media"
+    assert samples[0].error.message == (
+        "column 'image' holds a list of ints, not an image: it takes image bytes, a {bytes, path} struct "
+        "(datasets' Image feature: cast an array column to it), a path or a URL"
+    )
+    samples = read_all(write_table(tmp_path / "i.parquet", {"image": [7]}))
+    assert samples[0].error.error_type == "unsupported_media"
+    assert samples[0].error.message.startswith("column 'image' holds a value of type int, not an image")
+
+
 def root_with_a_link_out(tmp_path):
     """A root `data/` holding img/ok.png and img/link.png, a symbolic link to secret.png beside the root."""
     root = tmp_path / "data"

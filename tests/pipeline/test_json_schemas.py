@@ -80,8 +80,28 @@ def test_schemas_that_can_be_satisfied_are_accepted(schema):
 
 
 def test_a_regex_with_lookaround_is_refused():
-    with pytest.raises(UserError, match=re.escape("prompt 'p': its regex cannot be used")):
+    with pytest.raises(UserError, match=re.escape("prompt 'p': its regex cannot be used")) as refused:
         check(regex="ab(?!c)")
+    assert "lookaround and backreferences can neither" in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "fragment"),
+    [
+        (
+            {"regex": "(ab"},
+            "the pattern '(ab' is not a valid regular expression (missing ): (ab); correct it",
+        ),
+        (
+            {"json_schema": {"type": "string", "pattern": "(["}},
+            "the pattern '([' at the top level is not a valid regular expression (",
+        ),
+    ],
+)
+def test_a_pattern_with_a_mistake_is_named_a_mistake_not_lookaround(prompt, fragment):
+    with pytest.raises(UserError) as refused:
+        check(**prompt)
+    assert fragment in str(refused.value) and "lookaround" not in str(refused.value)
 
 
 def test_a_length_beside_a_pattern_is_warned_about_in_one_line(caplog):

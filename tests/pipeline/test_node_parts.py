@@ -45,6 +45,20 @@ def test_more_gpus_than_the_machine_has_or_no_number_is_refused(two_gpus, gpus, 
         node_places(None, gpus)
 
 
+def test_a_gpus_value_that_is_no_number_is_named_as_such_on_a_machine_without_gpus(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(UserError, match="^--gpus must be a number of GPUs, 1 or more, or all; got 'x'$"):
+        node_places(None, "x")
+    with pytest.raises(UserError, match="^--gpus 2: no CUDA device is available; on the CPU use --processes"):
+        node_places(None, "2")
+
+
+@pytest.mark.parametrize("processes", [0, "2", 2.0, True])
+def test_processes_must_be_a_whole_number_of_one_or_more(processes):
+    with pytest.raises(UserError, match="^--processes must be a whole number, 1 or more, got "):
+        node_places(processes, None)
+
+
 def job(tmp_path, **sections):
     return job_config_from_dict(
         {

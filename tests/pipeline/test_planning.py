@@ -145,10 +145,15 @@ def test_output_dir_over_among_or_inside_the_input_is_refused(tmp_path, tiny_mod
     assert "overlaps the input" in refusal(
         config(tmp_path, tiny_model_dir, [str(data / "*.parquet")], out=str(tmp_path / "link"))
     )
-    message = refusal(
+    for out, root in (("media", "media"), ("media", "media/img")):  # the media would lie among the results
+        message = refusal(
+            config(tmp_path, tiny_model_dir, [str(data / "*.parquet")], out=out, input={"root": root})
+        )
+        assert f"output.dir {tmp_path / 'media'} holds input.root {tmp_path / root}: the media" in message
+    # results in a folder of their own under the root read nothing back: a project's captions/ beside images/
+    plan_job(
         config(tmp_path, tiny_model_dir, [str(data / "*.parquet")], out="media/out", input={"root": "media"})
     )
-    assert "overlaps input.root" in message
     write_images(tmp_path / "photos", ["a.png"])
     message = refusal(config(tmp_path, tiny_model_dir, ["photos"], out="photos/captions", format="folder"))
     assert "overlaps the input" in message
