@@ -32,10 +32,12 @@ ERROR_TYPES: dict[str, str] = {
     "video_unsupported": "a video where PyAV, which decodes it, is not installed (`pip install av`)",
     "unsupported_media": "a video given to a family that takes images only, or a media cell batchvl does not "
     "read as media (a number, an array kept as lists of numbers: cast it to datasets' `Image` feature)",
-    "file_not_found": "a media path or object that does not exist",
+    "file_not_found": "a media path or object that does not exist, or a tar member linking to one the tar "
+    "does not hold",
     "path_outside_root": "a media path that leads outside `input.root` (absolute elsewhere, up with `..`, "
     "or through a symbolic link)",
-    "not_a_file": "a media path that is a directory, a named pipe or a device",
+    "not_a_file": "a media path that is a directory, a named pipe or a device (a tar member that is a pipe "
+    "or a device)",
     "missing_image": "a row or tar sample without media",
     "bad_json": "a WebDataset `json` member that does not parse",
     "truncated_shard": "the last sample read from a damaged tar file (the samples before it are kept)",

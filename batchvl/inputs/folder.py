@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 
 from batchvl.config import InputConfig
 from batchvl.errors import SampleError, UserError
-from batchvl.inputs.paths import glob_base, relative_id, resolve_under_root
+from batchvl.inputs.paths import glob_base, relative_id, resolve_under_root, text_name
 from batchvl.inputs.stamps import folder_stamp
 from batchvl.inputs.types import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, MediaRef, Sample, ShardEnd, ShardInfo
 from batchvl.storage import layout
@@ -141,7 +141,7 @@ class FolderSource:
         for index, relative in enumerate(shard.members):
             if not keep(index):
                 continue
-            sample = Sample(shard.shard, index, relative, [])
+            sample = Sample(shard.shard, index, text_name(relative), [])  # the file is opened by its name
             try:
                 kind = "video" if relative.lower().endswith(VIDEO_EXTENSIONS) else "image"
                 sample.images = [MediaRef(None, resolve_under_root(relative, root), kind)]

@@ -130,4 +130,20 @@ def stream_shards(
 
 
 def relative_id(path: str, base: str) -> str:
-    return os.path.relpath(path, base).replace(os.sep, "/")
+    return text_name(os.path.relpath(path, base).replace(os.sep, "/"))
+
+
+def text_name(name: str) -> str:
+    """A file or tar member name as text that can be written anywhere: bytes of the name that are not
+    UTF-8 (a Latin-1 'café' on Linux), which os and tarfile keep as lone surrogates that neither a Parquet
+    column nor UTF-8 takes, become `\\xNN` escapes (another lone surrogate, `\\udNNN`). A UTF-8 name is
+    returned as it is."""
+    try:
+        name.encode()
+        return name
+    except UnicodeEncodeError:
+        pass
+    try:
+        return name.encode(errors="surrogateescape").decode(errors="backslashreplace")
+    except UnicodeEncodeError:  # a surrogate no undecodable byte gives
+        return name.encode(errors="backslashreplace").decode()

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 
 from batchvl.config import InputConfig
 from batchvl.errors import SampleError
-from batchvl.inputs.paths import stream_shards
+from batchvl.inputs.paths import stream_shards, text_name
 from batchvl.inputs.types import (
     IMAGE_EXTENSIONS,
     VIDEO_EXTENSIONS,
@@ -34,8 +34,8 @@ END_OF_ARCHIVE = 1024  # two zero blocks; a tar cut at a member boundary lacks t
 
 
 def split_name(name: str) -> tuple[str, str]:
-    """'dir/abc.left.jpg' -> ('dir/abc', 'left.jpg')."""
-    folder, _, base = name.rpartition("/")
+    """'dir/abc.left.jpg' -> ('dir/abc', 'left.jpg'); a name that is not UTF-8 as `text_name` writes it."""
+    folder, _, base = text_name(name).rpartition("/")
     stem, _, ext = base.partition(".")
     return (f"{folder}/{stem}" if folder else stem), ext.lower()
 
@@ -44,13 +44,30 @@ class _Group:
     def __init__(self, key: str, index: int):
         self.key = key
         self.index = index
-        self.members: list[tuple[str, bytes]] = []  # (extension, data)
+        self.members: list[tuple[str, bytes | SampleError]] = []  # (extension, data or why it has none)
+
+
+def member_data(tar: tarfile.TarFile, member: tarfile.TarInfo) -> bytes | SampleError:
+    """A member's bytes: a file's, or for a hard or symbolic link the bytes of the member it names in the
+    same tar (`tar cf` stores a file seen twice as a hard link); why there are none, for the sample's error
+    row: a link to what the tar does not hold (the file system is never read), a pipe or a device."""
+    name = text_name(member.name)
+    if not (member.isfile() or member.islnk() or member.issym()):
+        return SampleError("not_a_file", f"member '{name}' is a named pipe or a device, not a file")
+    try:
+        return tar.extractfile(member).read()
+    except KeyError:
+        target = text_name(member.linkname)
+        message = f"member '{name}' links to '{target}', which the tar does not hold"
+        return SampleError("file_not_found", message)
 
 
 def _sample(shard: str, group: _Group) -> Sample:
     sample = Sample(shard, group.index, group.key, [])
     try:
         for ext, data in group.members:
+            if isinstance(data, SampleError):
+                raise data
             last = ext.rsplit(".", 1)[-1]
             if last in IMAGE_EXTENSIONS:
                 sample.images.append(MediaRef(data, None, "image"))
@@ -93,7 +110,7 @@ class WebDatasetSource:
                 tarfile.open(fileobj=stream, mode="r:*") as tar,
             ):
                 for member in tar:
-                    if not member.isfile():
+                    if member.isdir():
                         continue
                     key, ext = split_name(member.name)
                     if group is None or key != group.key:
@@ -102,7 +119,7 @@ class WebDatasetSource:
                         group = _Group(key, count)
                         count += 1
                     if keep(group.index):  # other workers' members are skipped without reading them
-                        group.members.append((ext, tar.extractfile(member).read()))
+                        group.members.append((ext, member_data(tar, member)))
                 uncompressed = not shard.path.endswith((".gz", ".tgz"))
                 size = stream.size if is_remote(shard.path) else os.path.getsize(shard.path)
                 if uncompressed and size - tar.offset < END_OF_ARCHIVE:

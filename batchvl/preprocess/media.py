@@ -30,17 +30,31 @@ class PreparedMedia:
     placeholder: str
     kind: str = "image"  # "image" or "video": which placeholder token and vision entry point
     seconds_per_grid_t: float = 0.0  # video: seconds of video per temporal grid step (Qwen2.5-VL positions)
+    # `pixel_values` as a tensor in shared memory (`in_shared_memory`); None: moved there when pickled
+    shared_pixels: torch.Tensor | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def num_patches(self) -> int:
         return math.prod(self.grid_thw)
 
+    def in_shared_memory(self) -> PreparedMedia:
+        """This media with its pixels moved to shared memory now, in the preprocessing worker's own
+        thread, where a failure (a full /dev/shm, a file size limit) is raised to the caller. Left to the
+        pickler, the move happens in the result queue's feeder thread, which prints the error and drops
+        the sample: the job then waited for it forever. The same one copy either way."""
+        tensor = torch.from_numpy(np.ascontiguousarray(self.pixel_values)).share_memory_()
+        return dataclasses.replace(self, pixel_values=tensor.numpy(), shared_pixels=tensor)
+
     def __reduce__(self):
         """Pickled (to go from a preprocessing worker to the job process), the pixels travel as a torch
-        tensor: torch's multiprocessing pickler moves it to shared memory and the receiver maps those pages,
-        where a numpy array would be copied into the pipe and out of it again."""
-        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "pixel_values"}
-        return (_media_from_tensor, (torch.from_numpy(np.ascontiguousarray(self.pixel_values)), fields))
+        tensor: torch's multiprocessing pickler sends a tensor in shared memory as a handle and the receiver
+        maps those pages, where a numpy array would be copied into the pipe and out of it again."""
+        kept = {f.name for f in dataclasses.fields(self)} - {"pixel_values", "shared_pixels"}
+        fields = {name: getattr(self, name) for name in kept}
+        pixels = self.shared_pixels
+        if pixels is None:
+            pixels = torch.from_numpy(np.ascontiguousarray(self.pixel_values))  # the pickler moves it
+        return (_media_from_tensor, (pixels, fields))
 
 
 def _media_from_tensor(pixels: torch.Tensor, fields: dict) -> PreparedMedia:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import functools
 import logging
 import multiprocessing
@@ -28,11 +29,12 @@ from dataclasses import dataclass
 import psutil
 import torch.utils.data
 
-from batchvl.errors import SampleError, UserError
+from batchvl.errors import SampleError, UserError, first_line
 from batchvl.inputs.fetch_ahead import media_ready
 from batchvl.inputs.sources import Source
 from batchvl.inputs.types import ShardEnd, ShardInfo, ShardSkipped
 from batchvl.outputs.claims import ShardClaims
+from batchvl.preprocess.media import PreparedMedia
 from batchvl.preprocess.sample import PreparedSample, SampleProcessor
 from batchvl.utils.memory import load_libc, release_free_heap
 from batchvl.utils.stats import Counters
@@ -234,6 +236,8 @@ class PreprocessDataset(torch.utils.data.IterableDataset):
                         self.slots.begin(worker, shard_no, item.index)
                     # After `begin`: a download that hangs is this sample's, and the watchdog ends it.
                     prepared = self.processor(media_ready(item))
+                    if info is not None:  # sent to the job process
+                        prepared = in_shared_memory(prepared)
                     if self.slots is not None:
                         self.slots.end(worker)
                     yield prepared
@@ -241,6 +245,21 @@ class PreprocessDataset(torch.utils.data.IterableDataset):
             yield ReaderFailure(str(exc))
         if self.slots is not None:
             self.slots.mark(worker, DONE)  # the loader lets a worker exit once its part is done
+
+
+def in_shared_memory(prepared: PreparedSample) -> PreparedSample:
+    """The sample with its pixels in shared memory, ready to be sent; where they cannot be put there, the
+    sample's error row, which says why (sent as it was, it would be dropped on the way: see
+    `PreparedMedia.in_shared_memory`)."""
+    try:
+        images = [m.in_shared_memory() if isinstance(m, PreparedMedia) else m for m in prepared.images]
+    except (RuntimeError, OSError) as exc:
+        message = (
+            "the prepared sample could not be put in shared memory to reach the job process (a full "
+            f"/dev/shm, or a file size limit such as ulimit -f?): {first_line(exc)}"
+        )
+        return dataclasses.replace(prepared, images=[], error=SampleError("preprocess_error", message))
+    return dataclasses.replace(prepared, images=images)
 
 
 def _identity(item):

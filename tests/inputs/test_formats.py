@@ -127,3 +127,45 @@ def test_folder_keys_shards_and_confinement(tmp_path):
     link = out["photos/part-00002"][0][0]
     assert link.error.error_type == "path_outside_root"
     assert out["photos/part-00000"][0][1].images[0].path == str(root / "b" / "c.PNG")
+
+
+def test_tar_links_are_read_and_what_holds_no_bytes_is_its_samples_error_row(tmp_path):
+    """`tar cf` stores a file seen twice as a hard link: it was skipped, and its sample had no row."""
+    path = tmp_path / "s.tar"
+    with tarfile.open(path, "w") as tar:
+        for name, kind, target in [
+            ("a.png", tarfile.REGTYPE, ""),
+            ("b.png", tarfile.LNKTYPE, "a.png"),  # a hard link
+            ("c.png", tarfile.SYMTYPE, "a.png"),  # a symbolic link, inside the tar
+            ("d.png", tarfile.SYMTYPE, "/etc/passwd"),  # one out of it: the file system is never read
+            ("e.png", tarfile.FIFOTYPE, ""),
+            ("f", tarfile.DIRTYPE, ""),  # a folder holds no sample
+        ]:
+            info = tarfile.TarInfo(name)
+            info.type, info.linkname = kind, target
+            data = png(1) if kind == tarfile.REGTYPE else b""
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    samples, count = read(InputConfig(paths=[str(path)], format="webdataset"))["s.tar"]
+    assert count == 5 and [s.key for s in samples] == ["a", "b", "c", "d", "e"]
+    assert [s.images[0].data for s in samples[:3]] == [png(1)] * 3 and not any(s.error for s in samples[:3])
+    assert samples[3].error.error_type == "file_not_found"
+    assert samples[3].error.message == "member 'd.png' links to '/etc/passwd', which the tar does not hold"
+    assert samples[4].error.error_type == "not_a_file"
+
+
+def test_names_that_are_not_utf8_become_escaped_keys_and_shard_ids(tmp_path):
+    """A Latin-1 file or member name (kept by os and tarfile as lone surrogates) crashed the writer."""
+    latin = os.fsdecode(b"caf\xe9")
+    write_tar(tmp_path / f"{latin}.tar", [(f"{latin}.png", png(1)), ("ok.png", png(2))])
+    out = read(InputConfig(paths=[str(tmp_path / "*.tar")], format="webdataset"))
+    samples, _ = out["caf\\xe9.tar"]
+    assert [s.key for s in samples] == ["caf\\xe9", "ok"] and samples[0].images[0].data == png(1)
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    (photos / f"{latin}.png").write_bytes(png(3))
+    ((sample,), _) = read(InputConfig(paths=[str(photos)], format="folder"))["photos/part-00000"]
+    assert sample.key == "caf\\xe9.png" and sample.error is None
+    with open(sample.images[0].path, "rb") as file:  # the file itself, by its own name
+        assert file.read() == png(3)
+    assert "\0".join([sample.shard, sample.key]).encode()  # what the seeds and the writer take

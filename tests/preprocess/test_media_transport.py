@@ -34,3 +34,15 @@ def test_a_plain_pickle_still_round_trips():
     received = pickle.loads(pickle.dumps(sent))
     assert np.array_equal(received.pixel_values, sent.pixel_values)
     assert received.grid_thw == sent.grid_thw
+
+
+def test_pixels_moved_to_shared_memory_in_the_worker_are_sent_as_they_are():
+    """Moved by the worker itself (where a full /dev/shm is its sample's error row), not again by the
+    pickler: the tensor's pages stay where the move put them."""
+    sent = media().in_shared_memory()
+    pages = sent.shared_pixels.untyped_storage().data_ptr()
+    assert sent.shared_pixels.is_shared() and sent.pixel_values.ctypes.data == pages
+    received = pickle.loads(ForkingPickler.dumps(sent))
+    assert sent.shared_pixels.untyped_storage().data_ptr() == pages
+    assert np.array_equal(received.pixel_values, media().pixel_values) and received.shared_pixels is None
+    assert received.grid_thw == sent.grid_thw and received.content_hash == sent.content_hash

@@ -2,6 +2,7 @@
 
 import io
 import os
+import resource
 import threading
 import time
 
@@ -10,6 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+import batchvl.preprocess.pool as pool_module
 import batchvl.preprocess.qwen_vision as qwen_vision
 from batchvl.config import InputConfig, PromptConfig
 from batchvl.inputs.parquet import ParquetSource
@@ -146,3 +148,32 @@ def test_a_worker_dying_while_it_sends_a_result_does_not_hang_the_pool(loaded_fp
     assert sorted(samples) == [0, 1, 2, 3]
     assert samples[2].error.error_type == "preprocess_crash"
     assert all(samples[i].error is None for i in (0, 1, 3))
+
+
+def test_a_sample_that_cannot_reach_the_job_process_is_its_error_row_not_a_hang(
+    loaded_fp32, shards, monkeypatch
+):
+    """A full /dev/shm or a file size limit (`ulimit -f`) failed the pixels' move to shared memory in the
+    result queue's feeder thread, which printed the error and dropped the sample: the job waited forever."""
+    real_init = pool_module._init_worker
+
+    def limited(*args):
+        real_init(*args)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (8192, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+    monkeypatch.setattr(pool_module, "_init_worker", limited)  # in the workers only: they are forked
+    source, infos = shards
+    found = []
+    reader = threading.Thread(
+        target=lambda: found.append(collect(PreprocessPool(source, infos, processor(loaded_fp32), 2, 2, 60))),
+        daemon=True,
+    )
+    reader.start()
+    reader.join(timeout=120)
+    assert not reader.is_alive(), "the pool waited for samples its workers could not send"
+    ((samples, ends),) = found
+    assert ends == {"a.parquet": 7, "b.parquet": 5} and len(samples) == 12
+    for sample in samples.values():
+        assert sample.error.error_type == "preprocess_error"
+        assert sample.error.message.startswith("the prepared sample could not be put in shared memory")
+        assert "File too large" in sample.error.message and sample.key.startswith("s")
