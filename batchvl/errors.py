@@ -22,7 +22,8 @@ ERROR_TYPES: dict[str, str] = {
     "empty_image": "an image of zero bytes",
     "empty_video": "a video of zero bytes",
     "image_decode_error": "not an image, truncated JPEG/PNG, unreadable data",
-    "image_too_small": "an image with no pixels (a width or height of 0)",
+    "image_too_small": "an image with no pixels (a width or height of 0) that the decoder opens (a PNG "
+    "whose header says 0 is refused by the decoder itself: `image_decode_error`)",
     "image_too_large": "more pixels than `preprocess.max_image_pixels` (checked from the header, before "
     "decoding; Pillow's own decompression-bomb guard follows the same limit), or a downloaded body over "
     "`input.download.max_bytes`",

@@ -88,15 +88,38 @@ def apply_overrides(data: dict, overrides: Sequence[str]) -> dict:
             value = yaml.load(raw, Loader=_UniqueKeyLoader)
         except yaml.YAMLError:
             value = raw
+        except ConfigError as exc:
+            raise ConfigError(f"--set {item}: {exc}") from None
         node = data
         parts = dotted.strip().split(".")
         for part in parts[:-1]:
-            child = node.setdefault(part, {})
+            child = _item(node, part, dotted) if _LIST_ITEM.fullmatch(part) else node.setdefault(part, {})
             if not isinstance(child, dict):
                 raise ConfigError(f"--set {dotted}: '{part}' is not a section")
             node = child
-        node[parts[-1]] = value
+        if _LIST_ITEM.fullmatch(parts[-1]):
+            _item(node, parts[-1], dotted)  # the item exists: replaced, never appended
+            name, index = _LIST_ITEM.fullmatch(parts[-1]).groups()
+            node[name][int(index)] = value
+        else:
+            node[parts[-1]] = value
     return data
+
+
+_LIST_ITEM = re.compile(r"(\w+)\[(\d+)\]")  # `prompts[0]` in `--set prompts[0].text=...`
+
+
+def _item(node: dict, part: str, dotted: str) -> Any:
+    """The list item `part` (`prompts[0]`) names, as the job file lists it."""
+    name, index = _LIST_ITEM.fullmatch(part).groups()
+    items = node.get(name)
+    if not isinstance(items, list):
+        raise ConfigError(
+            f"--set {dotted}: the job file has no list '{name}'; set the whole list: {name}=[...]"
+        )
+    if int(index) >= len(items):
+        raise ConfigError(f"--set {dotted}: '{name}' holds {len(items)} item(s), numbered from 0")
+    return items[int(index)]
 
 
 def job_config_from_dict(
@@ -145,8 +168,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             key = self.construct_object(key_node, deep=True)
             line = key_node.start_mark.line + 1
             if key in first_line:
-                raise ConfigError(
-                    f"{self.name}: key '{key}' is given twice (lines {first_line[key]} and {line}); "
+                raise ConfigError(  # named by the caller: the loader's own name is "<unicode string>"
+                    f"key '{key}' is given twice (lines {first_line[key]} and {line}); "
                     "keep one and merge the values into it"
                 )
             first_line[key] = line
@@ -178,11 +201,17 @@ def _job_file_text(path: Path) -> str:
 
 def load_job_config(path: str | Path, overrides: Sequence[str] = ()) -> JobConfig:
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"{path} is a folder; give the job file (a .yaml file) itself")
+    if path.exists() and not path.is_file():
+        raise ConfigError(f"{path} is not a regular file; give the job file (a .yaml file) itself")
     if not path.is_file():
         raise ConfigError(f"job file not found: {path}")
     text = _job_file_text(path)
     try:
         data = yaml.load(text, Loader=_UniqueKeyLoader)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""

@@ -102,7 +102,8 @@ def match_files(
             for url in matched:
                 found.setdefault(url, relative_id(url.split("://", 1)[1], base))
             continue
-        named = [p for p in glob.glob(pattern, recursive=True) if p.lower().endswith(suffixes)]
+        every = glob.glob(pattern, recursive=True)
+        named = [p for p in every if p.lower().endswith(suffixes)]
         matched = [p for p in named if os.path.isfile(p)]
         for folder in (p for p in named if os.path.isdir(p)):
             inside = os.path.join(folder, "")
@@ -111,6 +112,12 @@ def match_files(
                     f"input.paths: '{folder}' matches '{pattern}' but is a folder (a dataset written as a "
                     f"folder of part files?); name its files, e.g. '{inside}*{suffixes[0]}'"
                 )
+        others = sorted(p for p in every if os.path.isfile(p))
+        if not matched and others:  # `format: webdataset` left over a glob of Parquet files
+            raise UserError(
+                f"input.paths: no {what} match '{pattern}', but {len(others)} other file(s) do, such as "
+                f"'{others[0]}'; set input.format to the reader of those files (docs/inputs.md)"
+            )
         if not matched:
             raise UserError(f"input.paths: no {what} match '{pattern}'; check the path or glob")
         base = glob_base(pattern)

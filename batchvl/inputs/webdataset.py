@@ -125,7 +125,8 @@ class WebDatasetSource:
                 if uncompressed and size - tar.offset < END_OF_ARCHIVE:
                     damage = "the file ends without the end-of-archive marker"
         except (tarfile.TarError, EOFError, OSError) as exc:
-            damage = str(exc) or type(exc).__name__
+            # one line: tarfile lists each compression it tried on a line of its own
+            damage = "; ".join(line.strip("- ") for line in str(exc).splitlines()) or type(exc).__name__
         if group is not None and keep(group.index):
             sample = _sample(shard.shard, group)
             if damage is not None:

@@ -100,6 +100,8 @@ def plan_job(
     check_storage_options("input.storage_options", cfg.input.storage_options, cfg.input.paths)
     check_storage_options("output.storage_options", cfg.output.storage_options, [cfg.output.dir])
     check_cache_folder("input.download.cache_dir", cfg.input.download.cache_dir)
+    if cfg.input.root is not None and not os.path.isdir(cfg.input.root):  # every path cell a missing file
+        raise UserError(f"input.root: {cfg.input.root} is not a folder; point it at the media's folder")
     check_encoder_cache_folder(cfg.engine.encoder_cache_dir, cfg.output.dir)
     out = OutputDir.of(cfg.output)
     out.check_writable(create=False)
@@ -301,6 +303,8 @@ def check_columns(cfg: JobConfig, listing: list[ShardInfo]) -> None:
                 )
         for column in token_fields:
             _check_token_limit_type(shard, column)
+        if inp.key_column is not None:
+            _check_key_type(shard, inp.key_column)
         fields = [c for c in shard.columns if c not in (inp.image_column, inp.key_column)]
         for name, prompt in used.items():
             if name not in fields:
@@ -308,6 +312,23 @@ def check_columns(cfg: JobConfig, listing: list[ShardInfo]) -> None:
                     f"prompt '{prompt}' uses {{{name}}}, which is not a column of {shard.path}"
                     f"{_close(name, fields)}; fields: {', '.join(['key', *fields])}"
                 )
+
+
+def _check_key_type(shard: ShardInfo, column: str) -> None:
+    """A key column holds single values (text, numbers, dates): a key is written in every row and names the
+    sample in the report; one of bytes (the image column named as the key) made megabyte keys of each
+    image's bytes, and a list or struct is no id."""
+    if shard.column_types is None or shard.columns is None:
+        return
+    kind = shard.column_types[shard.columns.index(column)]
+    if pa.types.is_nested(kind) or any(
+        check(kind) for check in (pa.types.is_binary, pa.types.is_large_binary, pa.types.is_fixed_size_binary)
+    ):
+        raise UserError(
+            f"input.key_column: column '{column}' of {shard.path} holds {kind}, not single values such as "
+            "text or numbers; name a column of sample ids, or leave key_column out (each row's index is "
+            "its key)"
+        )
 
 
 def _check_token_limit_type(shard: ShardInfo, column: str) -> None:

@@ -62,7 +62,10 @@ def _earlier(names: tuple[str, ...], index: int, name: str, where: str) -> int:
         )
     used = names.index(name)
     if used == index:
-        raise UserError(f"prompt '{me}': {where} refers to the prompt itself; use an earlier prompt's output")
+        raise UserError(
+            f"prompt '{me}': {where} names the prompt itself (a prompt's name in braces is its output); to "
+            f"use the sample's field '{name}', rename the prompt, or use an earlier prompt's output"
+        )
     if used > index:
         raise UserError(
             f"prompt '{me}': {where} refers to prompt '{name}', which comes later; list '{me}' after '{name}'"

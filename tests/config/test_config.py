@@ -54,9 +54,31 @@ def test_unknown_key_suggests_the_close_one(tmp_path):
 
 def test_a_key_given_twice_is_refused_naming_both_lines(tmp_path):
     message = error_of(tmp_path, MINIMAL + "sampling: {max_new_tokens: 3}\nsampling: {temperature: 1}\n")
-    assert "key 'sampling' is given twice (lines 5 and 6)" in message
+    assert message.startswith(f"{tmp_path / 'job.yaml'}: key 'sampling' is given twice (lines 5 and 6)")
     nested = MINIMAL + "engine:\n  max_num_seqs: 4\n  lookahead: 2\n  max_num_seqs: 8\n"
     assert "key 'max_num_seqs' is given twice (lines 6 and 8)" in error_of(tmp_path, nested)
+
+
+def test_a_list_item_is_set_by_its_number(tmp_path):
+    prompts = MINIMAL + "prompts: [{name: a, text: one}, {name: b, text: two}]\n"
+    cfg = load_job_config(write(tmp_path, prompts), ["prompts[1].text=hi", "prompts[0]={name: c, text: x}"])
+    assert [(p.name, p.text) for p in cfg.prompts] == [("c", "x"), ("b", "hi")]
+    assert error_of(tmp_path, prompts, ["prompts[2].text=hi"]) == (
+        "--set prompts[2].text: 'prompts' holds 2 item(s), numbered from 0"
+    )
+    assert error_of(tmp_path, MINIMAL, ["prompts[0].text=hi"]) == (
+        "--set prompts[0].text: the job file has no list 'prompts'; set the whole list: prompts=[...]"
+    )
+    assert error_of(tmp_path, prompts, ["sampling={a: 1, a: 2}"]).startswith(
+        "--set sampling={a: 1, a: 2}: key 'a' is given twice"
+    )
+
+
+def test_a_folder_or_a_device_given_as_the_job_file_is_named_so(tmp_path):
+    with pytest.raises(ConfigError, match=f"^{tmp_path} is a folder; give the job file"):
+        load_job_config(tmp_path)
+    with pytest.raises(ConfigError, match="^/dev/null is not a regular file; give the job file"):
+        load_job_config("/dev/null")
 
 
 def test_unknown_section_suggests(tmp_path):

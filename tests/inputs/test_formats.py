@@ -169,3 +169,23 @@ def test_names_that_are_not_utf8_become_escaped_keys_and_shard_ids(tmp_path):
     with open(sample.images[0].path, "rb") as file:  # the file itself, by its own name
         assert file.read() == png(3)
     assert "\0".join([sample.shard, sample.key]).encode()  # what the seeds and the writer take
+
+
+def test_a_file_that_is_no_tar_is_one_error_row_whose_message_is_one_line(tmp_path):
+    (tmp_path / "junk.tar").write_bytes(b"garbage")
+    ((sample,), count) = read(InputConfig(paths=[str(tmp_path / "junk.tar")], format="webdataset"))[
+        "junk.tar"
+    ]
+    assert count == 1 and sample.error.error_type == "truncated_shard"
+    assert sample.error.message.startswith("tar file has no readable sample: file could not be opened")
+    assert "\n" not in sample.error.message and "method tar: ReadError" in sample.error.message
+
+
+def test_a_glob_of_another_formats_files_names_them(tmp_path):
+    (tmp_path / "a.parquet").write_bytes(b"x")
+    with pytest.raises(UserError) as refused:
+        read(InputConfig(paths=[str(tmp_path / "*")], format="webdataset"))
+    assert str(refused.value) == (
+        f"input.paths: no tar files match '{tmp_path / '*'}', but 1 other file(s) do, such as "
+        f"'{tmp_path / 'a.parquet'}'; set input.format to the reader of those files (docs/inputs.md)"
+    )

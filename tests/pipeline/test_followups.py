@@ -170,7 +170,7 @@ def prompts_graph(*prompts: dict) -> PromptGraph:
             [{"name": "a", "text": "{b}"}, {"name": "b", "text": "t"}],
             "prompt 'a': {b} refers to prompt 'b', which comes later; list 'a' after 'b'",
         ),
-        ([{"name": "a", "text": "again: {a}"}], "prompt 'a': {a} refers to the prompt itself"),
+        ([{"name": "a", "text": "again: {a}"}], "prompt 'a': {a} names the prompt itself (a prompt's"),
         (
             [{"name": "a", "text": "t"}, {"name": "b", "text": "t", "continue": "z"}],
             "prompt 'b': 'continue' names 'z', which is no prompt of this job ['a', 'b']",

@@ -145,11 +145,14 @@ def test_output_dir_over_among_or_inside_the_input_is_refused(tmp_path, tiny_mod
     assert "overlaps the input" in refusal(
         config(tmp_path, tiny_model_dir, [str(data / "*.parquet")], out=str(tmp_path / "link"))
     )
+    (tmp_path / "media" / "img").mkdir(parents=True)
     for out, root in (("media", "media"), ("media", "media/img")):  # the media would lie among the results
         message = refusal(
             config(tmp_path, tiny_model_dir, [str(data / "*.parquet")], out=out, input={"root": root})
         )
         assert f"output.dir {tmp_path / 'media'} holds input.root {tmp_path / root}: the media" in message
+    message = refusal(config(tmp_path, tiny_model_dir, [str(data / "*.parquet")], input={"root": "nowhere"}))
+    assert message == f"input.root: {tmp_path / 'nowhere'} is not a folder; point it at the media's folder"
     # results in a folder of their own under the root read nothing back: a project's captions/ beside images/
     plan_job(
         config(tmp_path, tiny_model_dir, [str(data / "*.parquet")], out="media/out", input={"root": "media"})
@@ -207,6 +210,17 @@ def test_every_shard_schema_and_prompt_field_is_checked_up_front(tmp_path, tiny_
     write_images(tmp_path / "photos", ["a.png"])
     message = refusal(config(tmp_path, tiny_model_dir, ["photos"], format="folder", prompts=typo))
     assert "folder input has no fields" in message
+    os.remove(tmp_path / "data" / "p2.parquet")
+    for key in ("image", "budget"):  # bytes made megabyte keys of each image; numbers are ids
+        cfg = config(tmp_path, tiny_model_dir, ["data/*.parquet"], input={"key_column": key})
+        if key == "budget":
+            plan_job(cfg)
+            continue
+        assert refusal(cfg) == (
+            f"input.key_column: column 'image' of {tmp_path / 'data' / 'p0.parquet'} holds binary, "
+            "not single values such as text or numbers; name a column of sample ids, or leave key_column "
+            "out (each row's index is its key)"
+        )
 
 
 def cli(*args, cwd):

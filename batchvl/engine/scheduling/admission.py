@@ -71,7 +71,7 @@ def check_fits(
         raise SampleError(
             "kv_cache_too_small",
             f"request needs {needed} tokens of KV cache but engine.kv_cache_mb holds "
-            f"{kv_capacity_tokens}; raise engine.kv_cache_mb",
+            f"{kv_capacity_tokens} tokens; raise engine.kv_cache_mb",
         )
     budget = config.max_num_batched_tokens
     largest = max((span.length for span in spans), default=0)
