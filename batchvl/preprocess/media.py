@@ -30,7 +30,8 @@ class PreparedMedia:
     placeholder: str
     kind: str = "image"  # "image" or "video": which placeholder token and vision entry point
     seconds_per_grid_t: float = 0.0  # video: seconds of video per temporal grid step (Qwen2.5-VL positions)
-    # `pixel_values` as a tensor in shared memory (`in_shared_memory`); None: moved there when pickled
+    # `pixel_values` as a tensor in shared memory, set by `in_shared_memory` just before a worker sends the
+    # media (what is sent; so nothing replaces the pixels after it); None: moved there when pickled
     shared_pixels: torch.Tensor | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
