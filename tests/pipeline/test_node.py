@@ -207,7 +207,7 @@ def test_the_processes_of_a_killed_launcher_end_instead_of_running_on_unwatched(
     [
         (["--gpus", "2"], "--gpus 2: no CUDA device is available; on the CPU use --processes N"),
         (["--gpus", "all"], "--gpus all: no CUDA device is available"),
-        (["--processes", "0"], "--processes must be 1 or more, got 0"),
+        (["--processes", "0"], "--processes must be a whole number, 1 or more, got 0"),
         (["--processes", "2", "--gpus", "1"], "--processes and --gpus both given"),
     ],
 )
