@@ -112,13 +112,13 @@ def match_files(
                     f"input.paths: '{folder}' matches '{pattern}' but is a folder (a dataset written as a "
                     f"folder of part files?); name its files, e.g. '{inside}*{suffixes[0]}'"
                 )
-        others = sorted(p for p in every if os.path.isfile(p))
-        if not matched and others:  # `format: webdataset` left over a glob of Parquet files
-            raise UserError(
-                f"input.paths: no {what} match '{pattern}', but {len(others)} other file(s) do, such as "
-                f"'{others[0]}'; set input.format to the reader of those files (docs/inputs.md)"
-            )
         if not matched:
+            others = sorted(p for p in every if os.path.isfile(p))  # looked at only when it is needed
+            if others:  # `format: webdataset` left over a glob of Parquet files
+                raise UserError(
+                    f"input.paths: no {what} match '{pattern}', but {len(others)} other file(s) do, such as "
+                    f"'{others[0]}'; set input.format to the reader of those files (docs/inputs.md)"
+                )
             raise UserError(f"input.paths: no {what} match '{pattern}'; check the path or glob")
         base = glob_base(pattern)
         for path in matched:
@@ -145,11 +145,6 @@ def text_name(name: str) -> str:
     UTF-8 (a Latin-1 'café' on Linux), which os and tarfile keep as lone surrogates that neither a Parquet
     column nor UTF-8 takes, become `\\xNN` escapes (another lone surrogate, `\\udNNN`). A UTF-8 name is
     returned as it is."""
-    try:
-        name.encode()
-        return name
-    except UnicodeEncodeError:
-        pass
     try:
         return name.encode(errors="surrogateescape").decode(errors="backslashreplace")
     except UnicodeEncodeError:  # a surrogate no undecodable byte gives
