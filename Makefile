@@ -50,7 +50,8 @@ GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
 GPU_WHEELS := xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2 \
 	pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 \
 	jsonschema==4.26.0 referencing==0.37.0 rpds-py==2026.9.1 jsonschema-specifications==2025.9.1 \
-	google-re2==1.1.20251105 pytest-xdist==3.8.0 execnet==2.1.2
+	google-re2==1.1.20251105 pytest-xdist==3.8.0 execnet==2.1.2 \
+	datasets==5.1.0 dill==0.4.1 multiprocess==0.70.19
 gpu-wheels:
 	python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 		--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \

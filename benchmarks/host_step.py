@@ -31,6 +31,8 @@ from pathlib import Path
 import torch
 from workloads import sized_model
 
+STEP_TOKENS = 4096  # engine.max_num_batched_tokens of the timed engine
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -53,13 +55,17 @@ def main() -> None:
     from batchvl.engine.sampling.params import SamplingParams
 
     loaded = sized_model(args.size, args.device, args.family)
-    # Enough new tokens that no request finishes before the timed steps end (the first prefilled decode
-    # while the others prefill, about one step per 4,096 prompt tokens).
-    max_new_tokens = args.requests * args.prompt // 4096 + args.steps + 16 + 10 * args.profile
+    # Enough new tokens that no request finishes before the timed steps end: the first prefilled decode
+    # while the others prefill, a step per 4,096 tokens less the decodes that share it (at 1,024 requests
+    # a quarter of each step; counting 4,096 prompt tokens a step ran the first requests out early).
+    if args.requests >= STEP_TOKENS:
+        raise SystemExit(f"--requests must be under {STEP_TOKENS}, the tokens of a step")
+    prefill_steps = -(-args.requests * args.prompt // (STEP_TOKENS - args.requests))
+    max_new_tokens = prefill_steps + args.steps + 16 + 10 * args.profile
     tokens = args.prompt + max_new_tokens
     config = EngineConfig(
         max_num_seqs=args.requests,
-        max_num_batched_tokens=4096,
+        max_num_batched_tokens=STEP_TOKENS,
         kv_cache_mb=1 + args.requests * tokens * kv_bytes_per_block(loaded.adapter, 1) / 2**20,
         overlap=args.overlap,
         cuda_graphs=args.cuda_graphs,

@@ -24,10 +24,16 @@ class Idefics3Adapter(VLMAdapter):
     def encode(self, kind: str, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]:
         """transformers' `get_image_features` without its search for all-zero padding frames, a boolean
         index and a read of their count (each a wait for the device on a GPU): batchvl's frames are each
-        an image's own, never padding. The frames of the call go through the tower as one batch."""
+        an image's own, never padding. The frames of the call go through the tower as one batch, as its
+        forward runs them but for the attention mask it makes of their patch mask (all patches valid, which
+        it checks by reading the mask back on a GPU): the tower attends without one."""
         model = self.model.model
+        tower = model.vision_model
         frames = pixel_values.to(self.device, self.dtype)  # (all frames, 3, T, T)
-        hidden = model.vision_model(pixel_values=frames, return_dict=True).last_hidden_state
+        patches = (frames.shape[0], frames.shape[2] // tower.patch_size, frames.shape[3] // tower.patch_size)
+        every_patch = torch.ones(patches, dtype=torch.bool, device=self.device)
+        hidden = tower.embeddings(pixel_values=frames, patch_attention_mask=every_patch)
+        hidden = tower.post_layernorm(tower.encoder(inputs_embeds=hidden).last_hidden_state)
         features = model.connector(hidden)  # (frames, image_seq_len, hidden)
         rows_per_frame = features.shape[1]
         return list(features.flatten(0, 1).split((grid_thw[:, 0] * rows_per_frame).tolist()))

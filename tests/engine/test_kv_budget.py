@@ -59,6 +59,22 @@ def test_auto_on_cuda_takes_a_share_of_the_memory_free_after_the_model_and_the_m
     assert kv_cache_bytes(config, GPU, measured(3_000)) == int((60_000 - reserve) * MB * 0.5)
 
 
+def test_each_fast_path_that_holds_memory_beside_a_step_keeps_one_more_step_free(free_on_gpu):
+    """Decode graphs keep their own pool of a decode step's activations, overlapped steps the step in
+    flight's outputs: each keeps the measured step's memory free once more (fused kernels hold none)."""
+    free_on_gpu(60_000)
+    fixed = VISION_RESERVE_MB + 512
+    for options, steps in [
+        ({}, 1),
+        ({"cuda_graphs": True}, 2),
+        ({"overlap": True}, 2),
+        ({"cuda_graphs": True, "overlap": True, "fused_kernels": True}, 3),
+    ]:
+        config = EngineConfig(**options, **SIZED)
+        reserve = 800 * PEAK_HEADROOM * steps + fixed
+        assert kv_cache_bytes(config, GPU, measured(800)) == int((60_000 - reserve) * MB * 0.9), options
+
+
 def test_auto_on_the_cpu_and_a_given_size_anywhere_are_what_they_were(free_on_gpu):
     asked = free_on_gpu(60_000)
     peak = measured(800)

@@ -28,10 +28,14 @@ def test_the_embeddings_equal_transformers_own_features(loaded, kind):
         stock = features(pixels.to(device), grid.to(device), return_dict=True)
     hidden = stock.pooler_output[0].shape[-1]
     assert len(ours) == len(IMAGE_SIZES)
+    # Qwen3-VL's interpolation weights are floats made here by the CPU's arithmetic, by transformers on the
+    # device by the GPU's, which may round their last bit otherwise: equal on the CPU, within it on a GPU
+    exact = device.type == "cpu" or not hasattr(model.visual, "num_grid_per_side")
+    same = torch.equal if exact else lambda a, b: torch.allclose(a, b, rtol=1e-4, atol=1e-5)
     for index, rows in enumerate(ours):
-        assert torch.equal(rows[:, :hidden], stock.pooler_output[index])
+        assert same(rows[:, :hidden], stock.pooler_output[index])
         for layer, deepstack in enumerate(getattr(stock, "deepstack_features", None) or []):
-            assert torch.equal(rows[:, hidden * (layer + 1) : hidden * (layer + 2)], deepstack[index])
+            assert same(rows[:, hidden * (layer + 1) : hidden * (layer + 2)], deepstack[index])
 
 
 def test_the_tower_reads_nothing_back_from_its_tensors(loaded, monkeypatch):
