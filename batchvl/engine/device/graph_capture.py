@@ -46,7 +46,9 @@ class CudaGraphCapture:
         try:
             # thread_local: only this thread's calls are checked while it captures; under the default
             # (global) a CUDA call not allowed during a capture would fail in whatever other thread makes it.
-            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
+            with torch.cuda.graph(
+                graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"
+            ):
                 forward()
         except BaseException:
             # torch ends a failed capture before it restores the stream: every later kernel of this thread
