@@ -454,7 +454,11 @@ def throughput(work: Path, size: str) -> dict:
     return {"ok": result["rc"] == 0, "seconds": result["seconds"], "size": size, "runs": summary}
 
 
-FAST_PATHS = ("cuda_graphs", "overlap", "fused_kernels")  # the engine's GPU fast paths, off by default
+FAST_PATHS = (
+    "cuda_graphs",
+    "overlap",
+    "fused_kernels",
+)  # on CUDA on by default (auto): the baseline names them off
 
 
 def gpu_throughput(

@@ -314,25 +314,26 @@ class EngineConfig:
     disable_chunked_mm_input: bool = job_key(
         False, "Never split an image's placeholder tokens across prefill chunks"
     )
-    overlap: bool = job_key(
-        False,
+    overlap: bool | Literal["auto"] = job_key(
+        "auto",
         "Launch each engine step before reading the previous step's greedy picks, which stay on the device "
         "(the host's work for a step runs while the GPU computes the one before, constrained rows' masks "
-        "and log-probabilities included); serial steps while any request samples at a temperature",
+        "and log-probabilities included); serial steps while any request samples at a temperature. auto: "
+        "on CUDA, off on the CPU",
     )
     vit_parallel: Literal["none", "data"] = job_key(
         "none", "'data': split each encode step's images across torchrun ranks (ViT data parallelism)"
     )
     threads: int = job_key(0, "torch intra-op threads (0: torch's default)", at_least=0, at_most=MOST_CORES)
-    cuda_graphs: bool = job_key(
-        False,
-        "On CUDA, replay steps of decodes only as CUDA graphs, one per row bucket captured on its first step "
-        "(far fewer kernel launches a step); ignored off CUDA",
+    cuda_graphs: bool | Literal["auto"] = job_key(
+        "auto",
+        "On CUDA, replay steps of decodes only as CUDA graphs, one per row bucket, captured as the engine "
+        "starts (far fewer kernel launches a step); ignored off CUDA. auto: on (CUDA)",
     )
-    fused_kernels: bool = job_key(
-        False,
+    fused_kernels: bool | Literal["auto"] = job_key(
+        "auto",
         "On CUDA, RMSNorm, LayerNorm, SiLU*mul, QuickGELU and rotary as one Triton kernel each instead of "
-        "several eager ones (ignored off CUDA)",
+        "several eager ones; ignored off CUDA. auto: on (CUDA)",
     )
     replicas: int | Literal["auto"] = job_key(
         "auto",

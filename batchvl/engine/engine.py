@@ -19,6 +19,7 @@ from batchvl.config import EngineConfig
 from batchvl.engine.adapter import ModelAdapter
 from batchvl.engine.device.host_copy import HostCopy
 from batchvl.engine.encoder_cache.cache import build_encoder_cache
+from batchvl.engine.fast_paths import fast_paths_resolved
 from batchvl.engine.model_runner import ModelRunner, StepLogits, kv_bytes_per_block
 from batchvl.engine.overlap import InFlightPicks, can_overlap, placeholder
 from batchvl.engine.parallel.vit_dp import DataParallelEncoder
@@ -74,7 +75,7 @@ class Engine:
         parallel_encoder: DataParallelEncoder | None = None,
     ):
         self.adapter = adapter
-        self.config = config = step_sizes_for(adapter, config)
+        self.config = config = fast_paths_resolved(step_sizes_for(adapter, config), adapter.device)
         self.stopping = StopChecker(tokenizer, eos_token_ids, adapter.geometry.max_model_len)
         self.grammars = GrammarMatchers(tokenizer, adapter.geometry.vocab_size, eos_token_ids)
         self.choice_tokens = ChoiceTokenizer(tokenizer, eos_token_ids)

@@ -109,7 +109,7 @@ def load_model(
     dtype: str = "auto",
     device: str | torch.device = "auto",
     trust_remote_code: bool = False,
-    fused_kernels: bool = False,
+    fused_kernels: bool | str = False,
 ) -> LoadedModel:
     from transformers import AutoModelForImageTextToText
 
@@ -132,10 +132,11 @@ def prepared_model(
     torch_dtype: torch.dtype,
     torch_device: torch.device,
     trust_remote_code: bool = False,
-    fused_kernels: bool = False,
+    fused_kernels: bool | str = False,
 ) -> LoadedModel:
     """A model already in `torch_dtype` on `torch_device`, with batchvl's layer swaps and attention (with
-    `fused_kernels`, on CUDA, its elementwise passes as Triton kernels), and the processor at `path`. Apart
+    `fused_kernels` True or "auto", as `engine.fused_kernels` takes it, on CUDA, its elementwise passes as
+    Triton kernels), and the processor at `path`. Apart
     from `load_model` so that a model made on its device (the GPU benchmarks' random weights) is handed
     over without a copy through the CPU."""
     from batchvl.layers.attention import PAGED_ATTENTION_NAME, register_paged_attention
@@ -165,7 +166,7 @@ def prepared_model(
     pack_linear_weights(model)
     if family.varlen_vision:
         use_own_vision_attention(model)
-    if fused_kernels and torch_device.type == "cuda":
+    if fused_kernels in (True, "auto") and torch_device.type == "cuda":
         # after the swaps above: the kernels go into the modules they made
         logger.info("fused kernels: %s", use_fused_kernels(model))
     register_paged_attention()

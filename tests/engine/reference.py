@@ -299,7 +299,8 @@ def run_cases(
     if fast_paths:
         engine = with_fast_paths(loaded, limits)
     else:
-        engine = Engine(loaded.adapter, loaded.processor.tokenizer, limits, loaded.eos_token_ids())
+        eager = replace(limits, cuda_graphs=False, overlap=False)  # (`auto` turns them on on a GPU)
+        engine = Engine(loaded.adapter, loaded.processor.tokenizer, eager, loaded.eos_token_ids())
     probe = EngineProbe(engine)
     for case in cases:
         engine.add_request(EngineRequest(case.ids, case.media, sampling, case.tag))

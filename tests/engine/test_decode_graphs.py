@@ -241,8 +241,9 @@ def test_padding_rows_write_only_a_scratch_slot_beyond_the_block_managers(loaded
         ahead.extend(slots.tolist() for slots in written)
         written.clear()
 
-    # a fixed cache: with `auto` on a GPU, the step measured before the cache is sized writes slots too
-    config = EngineConfig(max_num_seqs=8, block_size=4, cuda_graphs=True, kv_cache_mb=64)
+    # fixed sizes: with `auto` on a GPU, the steps measured to choose them write slots too
+    sizes = {"kv_cache_mb": 64, "max_num_batched_tokens": 2048, "max_patches_per_encode": 4096}
+    config = EngineConfig(max_num_seqs=8, block_size=4, cuda_graphs=True, **sizes)
     sampling = SamplingParams(max_new_tokens=3, ignore_eos=True)
     requests = [EngineRequest(list(range(100, 105 + i)), [], sampling, tag=i) for i in range(3)]
     monkeypatch.setattr(KVCache, "write", recording_write)

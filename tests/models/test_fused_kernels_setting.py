@@ -1,4 +1,5 @@
-"""`engine.fused_kernels` reaches the loader, which swaps the kernels in on CUDA only (off by default)."""
+"""`engine.fused_kernels` reaches the loader, which swaps the kernels in on CUDA only (`auto`, the default:
+on CUDA)."""
 
 import pytest
 import torch
@@ -11,8 +12,8 @@ from batchvl.models.registry import model_family
 from batchvl.pipeline import launch
 
 
-def test_the_setting_is_off_by_default():
-    assert EngineConfig().fused_kernels is False
+def test_the_setting_is_auto_by_default():
+    assert EngineConfig().fused_kernels == "auto"
 
 
 @pytest.fixture
@@ -24,7 +25,14 @@ def swaps(monkeypatch) -> list:
 
 
 @pytest.mark.parametrize(
-    "device,setting,swapped", [("cuda", True, True), ("cpu", True, False), ("cuda", False, False)]
+    "device,setting,swapped",
+    [
+        ("cuda", True, True),
+        ("cpu", True, False),
+        ("cuda", False, False),
+        ("cuda", "auto", True),
+        ("cpu", "auto", False),
+    ],
 )
 def test_the_loader_swaps_the_kernels_in_on_cuda_only(tiny_model_dir, swaps, device, setting, swapped):
     # the model stays on the CPU: the loader reads the device it is given, and builds nothing there
@@ -36,7 +44,7 @@ def test_the_loader_swaps_the_kernels_in_on_cuda_only(tiny_model_dir, swaps, dev
     assert swaps == ([loaded.adapter.model] if swapped else [])
 
 
-@pytest.mark.parametrize("setting", [True, False])
+@pytest.mark.parametrize("setting", [True, False, "auto"])
 def test_the_jobs_setting_reaches_the_loader(monkeypatch, tmp_path, setting):
     calls = []
     monkeypatch.setattr(launch, "load_model", lambda *args: calls.append(args) or "loaded")
