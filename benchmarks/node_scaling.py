@@ -10,10 +10,11 @@ processing time, the wall time, and per process its samples and the share of its
 for input (the figure that says whether preprocessing keeps up with the engines).
 
 On a GPU machine, `--device cuda` runs the processes on the job's one GPU (`--processes`: they share it) or,
-with `--gpus`, one per GPU.
+with `--gpus`, one per GPU; `--then-gpus-all` adds, after the rounds, a run of `--gpus all` (a process per
+GPU the machine has), whose rows must equal the first run's as well.
 
     python benchmarks/node_scaling.py [--device cpu] [--counts 1,2] [--samples 96] [--shards 8]
-        [--new-tokens 16] [--rounds 2] [--dtype float32] [--gpus] [--json PATH]
+        [--new-tokens 16] [--rounds 2] [--dtype float32] [--gpus] [--then-gpus-all] [--json PATH]
 """
 
 from __future__ import annotations
@@ -55,11 +56,12 @@ def job(model_dir: Path, data: Path, out: Path, args) -> dict:
     }
 
 
-def run_once(count: int, model_dir: Path, data: Path, out: Path, args) -> tuple[dict, list]:
+def run_once(launch: dict, model_dir: Path, data: Path, out: Path, args) -> tuple[dict, list]:
+    """The job launched as `launch` says (`{"processes": N}` or `{"gpus": N or "all"}`): its run's figures
+    and its rows."""
     import batchvl
 
     shutil.rmtree(out, ignore_errors=True)
-    launch = {"gpus": count} if args.gpus else {"processes": count}
     results = batchvl.run(job(model_dir, data, out, args), progress=False, **launch)
     rows = sorted((row["key"], row["status"], row["text"]) for row in results.dataset.to_list())
     stats = results.stats
@@ -67,7 +69,8 @@ def run_once(count: int, model_dir: Path, data: Path, out: Path, args) -> tuple[
         {"device": args.device, "samples": stats["samples"], "input_wait_share": stats["input_wait_share"]}
     ]
     return {
-        "processes": count,
+        "launch": " ".join(f"--{key} {value}" for key, value in launch.items()),
+        "processes": len(processes),
         "samples_per_s": stats["samples_per_s"],
         "wall_s": stats["wall_s"],
         "processing_s": stats["processing_s"],
@@ -88,6 +91,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--gpus", action="store_true", help="--gpus N (a process per GPU), not --processes N")
+    parser.add_argument(
+        "--then-gpus-all",
+        action="store_true",
+        help="After the rounds, one run with --gpus all (a process per GPU here), its rows checked too",
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     counts = [int(count) for count in args.counts.split(",")]
@@ -104,23 +112,27 @@ def main() -> None:
         runs, reference = [], None
         for number in range(args.rounds):
             order = counts if number % 2 == 0 else counts[::-1]
-            for count in order:
-                run, rows = run_once(count, model_dir, work / "data", work / f"out-{count}", args)
+            launches = [{"gpus": count} if args.gpus else {"processes": count} for count in order]
+            if args.then_gpus_all and number == args.rounds - 1:
+                launches.append({"gpus": "all"})
+            for launch in launches:
+                (value,) = launch.values()
+                run, rows = run_once(launch, model_dir, work / "data", work / f"out-{value}", args)
                 if reference is None:
                     reference = rows
                 if {status for _, status, _ in rows} != {"ok"}:
-                    sys.exit(f"error: {count} process(es) wrote error rows: the workload must run whole")
+                    sys.exit(f"error: {run['launch']} wrote error rows: the workload must run whole")
                 if rows != reference:
-                    sys.exit(f"error: {count} process(es) wrote other rows than the first run")
+                    sys.exit(f"error: {run['launch']} wrote other rows than the first run")
                 runs.append({"round": number, **run})
     finally:
         shutil.rmtree(work, ignore_errors=True)
     capability = torch.backends.cpu.get_cpu_capability()
     print(f"\n{args.device}, CPU capability {capability}, {args.samples} samples in {args.shards} shards")
-    print(f"{'round':<7}{'processes':>10}{'samples/s':>11}{'wall, s':>9}  input-wait share per process")
+    print(f"{'round':<7}{'launch':>15}{'samples/s':>11}{'wall, s':>9}  input-wait share per process")
     for run in runs:
         waits = " ".join(f"{process['input_wait_share']}" for process in run["per_process"])
-        print(f"{run['round']:<7}{run['processes']:>10}{run['samples_per_s']:>11}{run['wall_s']:>9}  {waits}")
+        print(f"{run['round']:<7}{run['launch']:>15}{run['samples_per_s']:>11}{run['wall_s']:>9}  {waits}")
     report = {
         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
         "cpu_capability": capability,

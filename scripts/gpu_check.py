@@ -17,14 +17,18 @@ reported and the next still runs, in the order of what a GPU window must answer 
                    between vision, prefill and decode, with no fast path: the baseline
   gpu_throughput_2b_fast  the same with every fast path on, and the share of samples whose text equals the
                    baseline's
+  vision_call      benchmarks/vision_call.py: one vision call of Qwen2-VL-2B's tower at 4,096 to 32,768
+                   patches, without and with the fused kernels: its wall, its pixels' staging and its
+                   kernels' time, the kernels with the most of it, its TFLOP/s
   fast_paths_parity the engine and family parity tests again with every fast path on
                    (BATCHVL_TEST_FAST_PATHS=1): decode graphs, overlapped steps, the fused kernels
   sampled_job      a job sampling at temperature 0.8 on the device and on the CPU: rows ok on each, and the
                    share of rows whose text is the same (each request's seeded draws run on the CPU)
   constrained_job  a JSON-schema, regex, choices and free-text job in fp32 on the device and on the CPU:
                    rows and texts equal
-  two_processes    benchmarks/node_scaling.py: one engine process, then two sharing the GPU (`--processes 2`):
-                   rows equal, samples/s and each process's input-wait share
+  two_processes    benchmarks/node_scaling.py: one engine process, then two sharing the GPU (`--processes 2`),
+                   then one per GPU (`--gpus all`): rows equal, samples/s and each process's input-wait
+                   share
   vit_dp           the ViT data-parallel job test (two torchrun ranks on the one device) on the device
   host_step        benchmarks/host_step.py on the device at Qwen2-VL-2B's full size (`--size 2b`): host work
                    per step at 256 long decodes, and where it goes (the torch ops and Python functions with
@@ -420,6 +424,19 @@ def cuda_benchmark(work: Path, name: str, timeout_s: int) -> dict:
     return {"ok": result["rc"] == 0, **result, "table": stdout.splitlines()}
 
 
+def vision_call(work: Path) -> dict:
+    """benchmarks/vision_call.py: Qwen2-VL-2B's vision call at 4,096 to 32,768 patches, without and with
+    the fused kernels: its wall, its staging and its kernels' time, the kernels with the most of it and
+    its TFLOP/s (where a 2B job's vision time goes)."""
+    out = work / "vision_call.json"
+    workload = ["--size", "tiny", "--patches", "256,512", "--calls", "2"] if ON_CPU else ["--size", "2b"]
+    command = [sys.executable, "benchmarks/vision_call.py", "--device", DEVICE, "--json", str(out)]
+    result = run([*command, *workload], 150)
+    stdout = result.pop("stdout", "")
+    report = json.loads(out.read_text()) if out.exists() else {}
+    return {"ok": result["rc"] == 0 and bool(report), **result, "table": stdout.splitlines()[-10:], **report}
+
+
 def fused_elementwise(work: Path) -> dict:
     return cuda_benchmark(work, "fused_elementwise", 45)
 
@@ -494,11 +511,13 @@ def gpu_throughput(
 
 def two_processes(work: Path) -> dict:
     """benchmarks/node_scaling.py: the same job by one engine process and by two sharing the device
-    (`--processes 2`), rows equal (the benchmark fails otherwise), samples/s and each process's input wait."""
+    (`--processes 2`), then on a GPU machine by one process per GPU (`--gpus all`), rows equal (the
+    benchmark fails otherwise), samples/s and each process's input wait."""
     out = work / "node_scaling.json"
     workload = ["--samples", "8", "--shards", "4", "--new-tokens", "4"]
     if not ON_CPU:
         workload = ["--samples", "64", "--shards", "8", "--new-tokens", "32", "--dtype", "bfloat16"]
+        workload += ["--then-gpus-all"]
     command = [sys.executable, "benchmarks/node_scaling.py", "--device", DEVICE, "--rounds", "1"]
     result = run([*command, *workload, "--json", str(out)], 150)
     stdout = result.pop("stdout", "")
@@ -514,10 +533,11 @@ STAGES = [
     ("fast_paths_job", fast_paths_job),
     ("gpu_throughput_2b", lambda work: gpu_throughput(work, "2b")),
     ("gpu_throughput_2b_fast", lambda work: gpu_throughput(work, "2b", FAST_PATHS)),
+    ("vision_call", vision_call),  # some 45 s: the 2B tower made on the GPU, 8 call sizes timed
     ("fast_paths_parity", fast_paths_parity),
     ("sampled_job", sampled_job),
     ("constrained_job", constrained_job),
-    ("two_processes", two_processes),  # about a minute: two processes start CUDA and load the model
+    ("two_processes", two_processes),  # about a minute, more with --gpus all: each process starts CUDA
     ("vit_dp", vit_dp),
     ("host_step", host_step),
     ("host_step_1024", lambda work: host_step(work, 1024)),  # some 20 s

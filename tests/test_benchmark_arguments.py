@@ -252,8 +252,9 @@ def test_kernel_time_is_the_union_of_the_traces_kernels(benchmark):
 
 
 def test_the_node_benchmark_fails_when_more_processes_write_other_rows(benchmark, monkeypatch, tmp_path):
-    """A process count's figure stands only beside rows equal to the first run's: one row changed, or one
-    error row, and the benchmark stops naming the count."""
+    """A launch's figure stands only beside rows equal to the first run's: one row changed, or one error
+    row, and the benchmark stops naming the launch; `--then-gpus-all` adds a last run of `--gpus all`,
+    checked the same way."""
     node_scaling = benchmark("node_scaling")
     import batchvl.demo.tiny_model as tiny_model
 
@@ -261,20 +262,41 @@ def test_the_node_benchmark_fails_when_more_processes_write_other_rows(benchmark
     monkeypatch.setattr(node_scaling, "write_shards", lambda *args: None)
     run = {"samples_per_s": 1.0, "wall_s": 1.0, "processing_s": 1.0, "per_process": []}
     ok, other, failed = [("s0", "ok", "a cat")], [("s0", "ok", "other")], [("s0", "error", "a cat")]
-    for answers, named in (({1: ok, 2: other}, "2 process"), ({1: failed, 2: failed}, "1 process")):
-        monkeypatch.setattr(
-            node_scaling,
-            "run_once",
-            lambda count, *args, answers=answers: ({**run, "processes": count}, answers[count]),
-        )
-        monkeypatch.setattr(sys, "argv", ["node_scaling.py", "--counts", "1,2", "--rounds", "1"])
+    launches = []
+
+    def answering(answers: dict):
+        def run_once(launch, *args):
+            launches.append(launch)
+            (value,) = launch.values()
+            label = " ".join(f"--{key} {value}" for key, value in launch.items())
+            return {**run, "launch": label, "processes": value}, answers[value]
+
+        return run_once
+
+    cases = [
+        ({1: ok, 2: other}, [], "--processes 2"),
+        ({1: failed, 2: failed}, [], "--processes 1"),
+        ({1: ok, 2: ok, "all": other}, ["--then-gpus-all"], "--gpus all"),
+    ]
+    for answers, flags, named in cases:
+        monkeypatch.setattr(node_scaling, "run_once", answering(answers))
+        monkeypatch.setattr(sys, "argv", ["node_scaling.py", "--counts", "1,2", "--rounds", "1", *flags])
         with pytest.raises(SystemExit, match=named):
             node_scaling.main()
-    monkeypatch.setattr(node_scaling, "run_once", lambda count, *args: ({**run, "processes": count}, ok))
-    monkeypatch.setattr(sys, "argv", ["node_scaling.py", "--rounds", "2", "--json", str(tmp_path / "r.json")])
+    monkeypatch.setattr(node_scaling, "run_once", answering({1: ok, 2: ok, "all": ok}))
+    launches.clear()
+    argv = ["node_scaling.py", "--rounds", "2", "--then-gpus-all", "--json", str(tmp_path / "r.json")]
+    monkeypatch.setattr(sys, "argv", argv)
     node_scaling.main()
     report = json.loads((tmp_path / "r.json").read_text())
-    assert [run["processes"] for run in report["runs"]] == [1, 2, 2, 1]  # the order alternates by round
+    assert [run["processes"] for run in report["runs"]] == [
+        1,
+        2,
+        2,
+        1,
+        "all",
+    ]  # the order alternates by round
+    assert launches[-1] == {"gpus": "all"} and report["runs"][-1]["launch"] == "--gpus all"
 
 
 # ---- host work per sample (benchmarks/host_per_sample.py) -----------------------------------------------
@@ -300,3 +322,33 @@ def test_host_work_per_sample_is_the_wall_less_the_model_and_the_input_wait(tmp_
     functions = [entry["function"] for entry in row["own_time"]]
     assert any(name.startswith("batchvl/engine/") for name in functions), functions
     assert row["own_time"] == sorted(row["own_time"], key=lambda entry: -entry["own_s"])
+
+
+def test_a_vision_calls_kernels_are_summed_once_where_they_overlap_and_ranked_by_time(benchmark):
+    summary = benchmark("vision_call").kernel_summary
+    kernels = [  # (name, start, duration) in microseconds; a CPU op and a memcpy are not kernels
+        ("gemm", 0, 300),
+        ("gemm", 400, 300),
+        ("layer_norm", 100, 100),  # inside the first gemm: its time counts once
+        ("attention", 800, 500),
+    ]
+    events = [{"cat": "kernel", "ph": "X", "name": n, "ts": t, "dur": d} for n, t, d in kernels]
+    events += [{"cat": "cpu_op", "ph": "X", "name": "aten::mm", "ts": 0, "dur": 5000}]
+    events += [{"cat": "gpu_memcpy", "ph": "X", "name": "Memcpy HtoD", "ts": 2000, "dur": 900}]
+    result = summary(events)
+    assert result["kernel_ms"] == 1.1 and result["kernels"] == 4
+    assert [(k["name"], k["calls"], k["ms"]) for k in result["top_kernels"]] == [
+        ("gemm", 2, 0.6),
+        ("attention", 1, 0.5),
+        ("layer_norm", 1, 0.1),
+    ]
+
+
+def test_the_vision_call_benchmark_refuses_sizes_that_time_nothing_in_one_line(tmp_path):
+    script = str(BENCHMARKS / "vision_call.py")
+    for patches in ("0", ",", "a,b"):
+        out = tmp_path / "result.json"
+        command = [sys.executable, script, "--device", "cpu", "--patches", patches, "--json", str(out)]
+        result = subprocess.run(command, capture_output=True, text=True)
+        assert result.returncode != 0 and not out.exists()
+        assert "--patches" in result.stderr.strip().splitlines()[-1]

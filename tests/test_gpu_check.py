@@ -270,3 +270,30 @@ def test_the_fast_paths_parity_stage_runs_the_parity_tests_with_every_fast_path_
     monkeypatch.setattr(gpu_check, "test_workers", lambda: 1)
     outcome = dict(gpu_check.STAGES)["fast_paths_parity"](tmp_path)
     assert (outcome["ok"], outcome["passed"], outcome["failed"]) == (True, 1, 0), outcome
+
+
+def test_the_vision_call_stage_times_the_2b_tower_on_a_gpu_and_the_tiny_one_on_the_cpu(
+    gpu_check, monkeypatch, tmp_path
+):
+    """On a GPU the stage runs vision_call.py at Qwen2-VL-2B's size and carries its rows; a DEVICE=cpu trial
+    runs the tiny model at two small call sizes. A run that wrote no report is a failed stage."""
+    commands = []
+
+    def fake_run(command, limit_s, **kwargs):
+        commands.append(command)
+        if len(commands) < 3:
+            Path(command[command.index("--json") + 1]).write_text(json.dumps({"rows": [{"wall_ms": 9.0}]}))
+        return {"rc": 0, "stdout": "| table |"}
+
+    monkeypatch.setattr(gpu_check, "run", fake_run)
+    stages = dict(gpu_check.STAGES)
+    monkeypatch.setattr(gpu_check, "ON_CPU", False)
+    on_gpu = stages["vision_call"](tmp_path)
+    monkeypatch.setattr(gpu_check, "ON_CPU", True)
+    on_cpu = stages["vision_call"](tmp_path)
+    assert on_gpu["ok"] and on_gpu["rows"] == [{"wall_ms": 9.0}] and on_cpu["ok"]
+    assert commands[0][commands[0].index("--size") + 1] == "2b" and "--patches" not in commands[0]
+    assert commands[1][commands[1].index("--size") + 1] == "tiny" and "--patches" in commands[1]
+    (tmp_path / "vision_call.json").unlink()
+    assert stages["vision_call"](tmp_path)["ok"] is False
+    assert "vision_call" in [name for name, _ in gpu_check.chosen_stages()]

@@ -11,6 +11,7 @@ import torch
 
 from batchvl.config import EngineConfig
 from batchvl.engine.adapter import ModelAdapter
+from batchvl.engine.device.free_memory import free_cuda_bytes
 from batchvl.engine.encoder_cache.cache import EncodeImages
 from batchvl.engine.engine import Engine, step_sizes_for
 from batchvl.engine.interface import EngineInterface
@@ -18,7 +19,7 @@ from batchvl.engine.model_runner import encode_images, kv_bytes_per_block
 from batchvl.engine.parallel.replicas import EngineReplicas, replica_config, replica_count
 from batchvl.engine.parallel.vit_dp import DataParallelEncoder, DistributedContext
 from batchvl.engine.scheduling.kv_budget import check_holds_blocks
-from batchvl.engine.scheduling.step_sizes import free_cuda_bytes, patches_per_encode
+from batchvl.engine.scheduling.step_sizes import patches_per_encode
 
 logger = logging.getLogger(__name__)
 

@@ -17,6 +17,7 @@ import torch
 
 from batchvl.config import EngineConfig
 from batchvl.engine.adapter import ModelAdapter
+from batchvl.engine.device.free_memory import free_cuda_bytes, total_cuda_bytes
 from batchvl.engine.device.host_copy import HostCopy
 from batchvl.engine.encoder_cache.cache import build_encoder_cache
 from batchvl.engine.fast_paths import fast_paths_resolved
@@ -41,7 +42,7 @@ from batchvl.engine.scheduling.admission import check_fits, media_spans
 from batchvl.engine.scheduling.block_manager import BlockManager
 from batchvl.engine.scheduling.kv_budget import check_holds_blocks, kv_cache_bytes
 from batchvl.engine.scheduling.scheduler import Scheduler, StepPlan
-from batchvl.engine.scheduling.step_sizes import free_cuda_bytes, resolved_step_sizes, total_cuda_bytes
+from batchvl.engine.scheduling.step_sizes import resolved_step_sizes
 from batchvl.engine.stats import EngineStats
 from batchvl.errors import SampleError, UserError
 from batchvl.layers.attention import uploaded

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from batchvl.engine.device.placement import resolve_device
+from batchvl.engine.fast_paths import fast_path_on
 from batchvl.errors import UserError
 from batchvl.models.adapter import VLMAdapter
 from batchvl.models.checkpoint_folder import check_model_folder
@@ -166,7 +167,7 @@ def prepared_model(
     pack_linear_weights(model)
     if family.varlen_vision:
         use_own_vision_attention(model)
-    if fused_kernels in (True, "auto") and torch_device.type == "cuda":
+    if fast_path_on(fused_kernels, torch_device) and torch_device.type == "cuda":
         # after the swaps above: the kernels go into the modules they made
         logger.info("fused kernels: %s", use_fused_kernels(model))
     register_paged_attention()

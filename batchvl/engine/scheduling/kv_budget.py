@@ -16,6 +16,8 @@ import psutil
 import torch
 
 from batchvl.config import EngineConfig
+from batchvl.engine.device.free_memory import free_cuda_bytes
+from batchvl.engine.fast_paths import fast_path_on
 from batchvl.errors import UserError
 from batchvl.utils.memory import MB
 
@@ -67,14 +69,14 @@ def check_holds_blocks(config: EngineConfig, block_bytes: int, engines: int) -> 
     )
 
 
-def steps_held(config: EngineConfig) -> int:
+def steps_held(config: EngineConfig, device: torch.device) -> int:
     """How many times the largest step's activations are kept free: the step itself; with decode graphs,
     their memory pool, which holds the largest decode step's activations (a part of the largest step's)
     apart from the memory eager steps allocate from, captured after the cache is sized; with overlapped
     steps, the step in flight's outputs (its logits, as many rows as the next step's at most) while the next
     one runs. (On an H200 the graphs, captured after a cache that left room for one step, ran the first
     long prefill out of memory.)"""
-    return 1 + config.cuda_graphs + config.overlap
+    return 1 + fast_path_on(config.cuda_graphs, device) + fast_path_on(config.overlap, device)
 
 
 def vision_reserve_bytes(max_patches: int) -> int:
@@ -88,9 +90,8 @@ def kv_cache_bytes(config: EngineConfig, device: torch.device, activation_peak: 
     (called only where the size depends on it: `auto` on CUDA)."""
     if config.kv_cache_mb != "auto" or device.type != "cuda":
         return int(fixed_kv_cache_mb(config) * MB)
-    activations = int(activation_peak() * PEAK_HEADROOM) * steps_held(config)
-    torch.cuda.empty_cache()  # memory torch holds but no tensor uses is free for the cache
-    free, _total = torch.cuda.mem_get_info(device)
+    activations = int(activation_peak() * PEAK_HEADROOM) * steps_held(config, device)
+    free = free_cuda_bytes(device)
     reserve = activations + vision_reserve_bytes(config.max_patches_per_encode) + config.encoder_cache_mb * MB
     budget = int((free - reserve) * config.gpu_memory_utilization)
     if budget < MB:

@@ -42,15 +42,6 @@ GPU_PATCHES_PER_ENCODE = (32768, 16384, 8192)
 ACTIVATION_SHARE = 0.1
 
 
-def free_cuda_bytes(device: torch.device) -> int:
-    torch.cuda.empty_cache()  # memory torch holds but no tensor uses is free
-    return torch.cuda.mem_get_info(device)[0]
-
-
-def total_cuda_bytes(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).total_memory
-
-
 def num_seqs(config: EngineConfig, device: torch.device, total_bytes: Callable[[], int]) -> int:
     """`engine.max_num_seqs`: as given, or for `auto` LARGE_GPU_MAX_NUM_SEQS on a CUDA device whose
     `total_bytes()` (asked only then) are at least LARGE_GPU_BYTES, else CPU_MAX_NUM_SEQS."""

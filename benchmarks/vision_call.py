@@ -1,0 +1,196 @@
+"""One vision call at a real size, taken apart: where a Qwen2-VL tower's call spends its time on a GPU.
+
+The captioning benchmark gives vision calls most of a 2B job's wall time on an H200 (10.7 of 16.6 s with
+every fast path; 63% of the job's FLOPs), at about a quarter of the measured matmul peak. This times the
+engine's own vision call (`model_runner.encode_images`: the pixels staged from the host, the tower, the
+merger) on 448x448 images (1,024 patches each at Qwen2-VL's sizes) in calls of each `--patches` size: per
+call its wall time (synchronized, the median of `--calls`) and that of its staging alone (the pixels into
+one page-locked tensor and onto the device), on CUDA the kernels' summed time within one
+call (torch's profiler, overlaps counted once) and the kernels with the most of it (by name: calls and
+ms), and its TFLOP/s against the tower's FLOPs (`flops.py`). On CUDA each size runs without the fused
+kernels, then with them (`engine.fused_kernels`, swapped into the same model). A wall well above the
+kernels' time says the host bounds the call (launches, staging); kernels' time well above the FLOPs at
+the matmul peak says the kernels do, and the top kernels say which.
+
+    python benchmarks/vision_call.py --device cuda --size 2b [--patches 4096,8192,16384,32768] [--json PATH]
+    python benchmarks/vision_call.py --device cpu --size tiny --patches 256,512   (a trial: no kernel figures)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import torch
+from flops import FlopCounter
+from step_timing import KERNEL, busy_seconds, kernel_intervals
+from workloads import markdown_table
+
+IMAGE_SIDE = 448
+TOP_KERNELS = 12
+
+
+def built_model(size: str, device: str, folder: Path):
+    """Qwen2-VL at `size` on `device` (bf16, made there) or the tiny one (fp32), and its config's folder."""
+    if size == "tiny":
+        from batchvl.demo.tiny_model import build_tiny_model
+        from batchvl.models.loader import load_model
+
+        path = build_tiny_model(folder / "tiny", family="qwen2_vl", size="tiny")
+        return load_model(str(path), dtype="float32", device=device), path
+    from batchvl.demo.device_model import build_on_device
+
+    return build_on_device(folder / size, size, device), folder / size
+
+
+def images(loaded, count: int) -> list:
+    """`count` distinct IMAGE_SIDE-square images of random pixels, prepared as a job's workers do."""
+    from PIL import Image
+
+    from batchvl.preprocess.qwen_vision import QwenVisionSpec, prepare_image
+
+    spec = QwenVisionSpec.from_image_processor(loaded.processor.image_processor)
+    generator = np.random.default_rng(0)
+    shape = (IMAGE_SIDE, IMAGE_SIDE, 3)
+    return [
+        prepare_image(Image.fromarray(generator.integers(0, 256, shape, dtype=np.uint8)), spec)
+        for _ in range(count)
+    ]
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_call(loaded, batch: list, patches: int) -> float:
+    """Seconds of one vision call over `batch`, its kernels done."""
+    from batchvl.engine.model_runner import encode_images
+
+    device = loaded.adapter.device
+    synchronize(device)
+    started = time.perf_counter()
+    encode_images(loaded.adapter, batch, patches)
+    synchronize(device)
+    return time.perf_counter() - started
+
+
+def timed_staging(loaded, batch: list) -> float:
+    """Seconds of the call's first part alone: its pixels copied into one page-locked tensor in the
+    tower's dtype and sent to the device (`stage_pixels`)."""
+    from batchvl.engine.device.pixel_staging import stage_pixels
+
+    adapter = loaded.adapter
+    rows = adapter.vision_call_rows(sum(len(image.pixel_values) for image in batch))
+    synchronize(adapter.device)
+    started = time.perf_counter()
+    stage_pixels([image.pixel_values for image in batch], rows, adapter.dtype, adapter.device)
+    synchronize(adapter.device)
+    return time.perf_counter() - started
+
+
+def kernels_of_one_call(loaded, batch: list, patches: int) -> dict:
+    """The CUDA kernels of one call: their busy time, how many, and the TOP_KERNELS by time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
+        timed_call(loaded, batch, patches)
+    with tempfile.TemporaryDirectory() as folder:
+        trace = Path(folder) / "trace.json"
+        profiler.export_chrome_trace(str(trace))
+        return kernel_summary(json.loads(trace.read_text()).get("traceEvents", []))
+
+
+def kernel_summary(events: list[dict]) -> dict:
+    """Of a profiler's Chrome trace events: the kernels' busy time (overlaps once), their count, and the
+    TOP_KERNELS names by summed time."""
+    kernels = [event for event in events if event.get("cat") == KERNEL and event.get("ph") == "X"]
+    by_name: dict[str, list[float]] = defaultdict(list)
+    for kernel in kernels:
+        by_name[kernel["name"]].append(kernel["dur"])
+    top = sorted(by_name.items(), key=lambda item: sum(item[1]), reverse=True)[:TOP_KERNELS]
+    return {
+        "kernel_ms": round(busy_seconds(kernel_intervals({"traceEvents": kernels})) * 1e3, 3),
+        "kernels": len(kernels),
+        "top_kernels": [
+            {"name": name[:120], "calls": len(durations), "ms": round(sum(durations) / 1e3, 3)}
+            for name, durations in top
+        ],
+    }
+
+
+def measure(loaded, prepared: list, patches: int, calls: int, counter: FlopCounter, fused: bool) -> dict:
+    per_image = prepared[0].num_patches
+    batch = prepared[: max(1, patches // per_image)]
+    timed_call(loaded, batch, patches)  # the warm-up: kernels compiled, the allocator's blocks cached
+    wall = statistics.median(timed_call(loaded, batch, patches) for _ in range(calls))
+    staging = statistics.median(timed_staging(loaded, batch) for _ in range(calls))
+    flops = counter.image(per_image) * len(batch)
+    row = {
+        "patches": per_image * len(batch),
+        "images": len(batch),
+        "fused_kernels": fused,
+        "wall_ms": round(wall * 1e3, 3),
+        "staging_ms": round(staging * 1e3, 3),
+        "tflop_per_s": round(flops / wall / 1e12, 2),
+        "kernel_ms": None,
+        "kernel_share": None,
+        "kernels": None,
+        "top_kernels": None,
+    }
+    if loaded.adapter.device.type == "cuda":
+        row.update(kernels_of_one_call(loaded, batch, patches))
+        row["kernel_share"] = round(row["kernel_ms"] / row["wall_ms"], 3)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--size", choices=("tiny", "2b", "7b"), default="2b")
+    parser.add_argument("--patches", default="4096,8192,16384,32768", help="Patches a call, comma-separated")
+    parser.add_argument("--calls", type=int, default=5, help="Timed calls of each size (their median)")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    try:
+        sizes = [int(value) for value in args.patches.split(",") if value.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1 or args.calls < 1:
+        raise SystemExit("--patches takes whole numbers of 1 or more, comma-separated; --calls 1 or more")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit(f"--device {args.device} but no CUDA device is available; use --device cpu")
+
+    from batchvl.layers.fused_kernels import use_fused_kernels
+
+    with tempfile.TemporaryDirectory() as tmp:
+        loaded, folder = built_model(args.size, args.device, Path(tmp))
+        counter = FlopCounter(str(folder))
+        per_image = images(loaded, 1)[0].num_patches
+        prepared = images(loaded, max(1, max(sizes) // per_image))
+        rows = [measure(loaded, prepared, patches, args.calls, counter, False) for patches in sizes]
+        if loaded.adapter.device.type == "cuda":
+            use_fused_kernels(loaded.adapter.model)
+            rows += [measure(loaded, prepared, patches, args.calls, counter, True) for patches in sizes]
+    table = [{key: value for key, value in row.items() if key != "top_kernels"} for row in rows]
+    print(markdown_table(table))
+    report = {
+        "device": torch.cuda.get_device_name(loaded.adapter.device) if args.device != "cpu" else "cpu",
+        "size": args.size,
+        "dtype": str(loaded.adapter.dtype).removeprefix("torch."),
+        "image_side": IMAGE_SIDE,
+        "calls": args.calls,
+        "rows": rows,
+    }
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
