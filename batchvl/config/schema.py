@@ -412,8 +412,9 @@ class OutputConfig:
     )
     max_error_rate: float | None = job_key(
         None,
-        "Largest share of error rows a run may write (0.05 = 5%); over it the run exits with code 3 after "
-        "committing its shards (null: no limit)",
+        "Largest share of error rows in the job's committed shards (its task's, under --shard or an array), "
+        "earlier runs' included (0.05 = 5%); over it the run exits with code 3 after committing its shards, "
+        "and so does a rerun until the errors are retried (null: no limit)",
         at_least=0,
         at_most=1,
     )

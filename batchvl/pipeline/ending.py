@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from batchvl.errors import ErrorBudgetExceeded, ServerGone, ServerUnavailable, StoppedBySignal
+from batchvl.pipeline.resume import ShardPlan
 from batchvl.utils.stop import StopRequests
 
 
@@ -47,12 +48,29 @@ def raise_if_ended_early(
             128 + int(stop.signum),
             summary,
         )
-    rows = stats["ok"] + stats["errors"] + stats["skipped"]
-    if max_error_rate is not None and rows and stats["errors"] / rows > max_error_rate:
+    # The budget holds for the task's output, not for what this run added: a rerun that finds every shard
+    # committed (or finishes the last few) answers for the error rows of the runs before it too, so that
+    # rerunning the command that exited 3 exits 3 again until the errors are retried.
+    before = stats.get("rows_committed_before") or {}
+    errors = stats["errors"] + before.get("errors", 0)
+    rows = stats["ok"] + stats["errors"] + stats["skipped"] + sum(before.values())
+    if max_error_rate is not None and rows and errors / rows > max_error_rate:
+        earlier = sum(before.values())
         raise ErrorBudgetExceeded(
-            f"{stats['errors']} of {rows} rows are errors ({stats['errors'] / rows:.1%}), over "
-            f"output.max_error_rate={max_error_rate:g}; the shards are committed, error rows show why "
-            "(batchvl status, then batchvl retry-failed)",
+            f"{errors} of {rows} rows are errors ({errors / rows:.1%}), over "
+            f"output.max_error_rate={max_error_rate:g}"
+            + (f" ({earlier} of the rows are of shards committed by earlier runs)" if earlier else "")
+            + "; the shards are committed, error rows show why (batchvl status, then batchvl retry-failed)",
             ErrorBudgetExceeded.EXIT_CODE,
             summary,
         )
+
+
+def rows_committed_before(resume: ShardPlan) -> dict[str, int]:
+    """The rows of the task's shards committed before this run, by status (from their markers)."""
+    done = resume.done.values()
+    return {
+        "ok": sum(marker.ok for marker in done),
+        "errors": sum(marker.errors for marker in done),
+        "skipped": sum(marker.skipped for marker in done),
+    }

@@ -29,7 +29,7 @@ from batchvl.engine.stats import EngineStats
 from batchvl.errors import ProcessDied, UserError
 from batchvl.inputs.download import DownloadStats
 from batchvl.outputs.run_stats import write_run_stats
-from batchvl.pipeline.ending import RunSummary, raise_if_ended_early
+from batchvl.pipeline.ending import RunSummary, raise_if_ended_early, rows_committed_before
 from batchvl.pipeline.ledger import ShardLedger
 from batchvl.pipeline.node_child import run_child
 from batchvl.pipeline.node_places import Place, process_config
@@ -198,6 +198,7 @@ def _summary(cfg, task, work: Work, node: _Node, devices, codes, stop: NodeStop,
     all_finished = all(node.ended) and not stop.requested
     stats["shards_claimed_elsewhere"] = len(work.shards) - stats["shards_committed"] if all_finished else 0
     stats["stopped_by"] = stop.signal_name or None
+    stats["rows_committed_before"] = rows_committed_before(work.plan.resume)
     out = OutputDir.of(cfg.output)
     return RunSummary(out.url, write_run_stats(out, stats), stats)
 

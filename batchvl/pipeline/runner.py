@@ -32,7 +32,7 @@ from batchvl.outputs.dataset_card import DatasetCard
 from batchvl.outputs.run_stats import write_run_stats
 from batchvl.outputs.writers import ResultRow
 from batchvl.pipeline.commit_strategies import WriteShard
-from batchvl.pipeline.ending import RunSummary, raise_if_ended_early
+from batchvl.pipeline.ending import RunSummary, raise_if_ended_early, rows_committed_before
 from batchvl.pipeline.engine_setup import EngineSetup
 from batchvl.pipeline.launch import builtin_engine_setup, load_job_model
 from batchvl.pipeline.ledger import CommitStrategy, ShardLedger
@@ -141,6 +141,7 @@ class JobRunner:
         stats["engine_replicas"] = engine.num_engines if engine else 1  # encode_s, forward_s summed over them
         stats["stopped_by"] = self.stop.signal_name or ("server_gone" if self.server_gone else None)
         stats.update(work.notes)
+        stats["rows_committed_before"] = rows_committed_before(work.plan.resume)
         path = write_run_stats(self.out, stats) if self.write_stats else ""
         return RunSummary(self.out.url, path, stats)
 

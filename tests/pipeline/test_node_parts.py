@@ -173,11 +173,12 @@ def test_the_processes_counts_add_their_times_are_the_longest_and_each_keeps_its
     ]
 
 
-def ended(failures=None, reported=(True, True), errors=0):
+def ended(failures=None, reported=(True, True), errors=0, before=None):
     outcome = node._Node(2)
     outcome.ended = list(reported)
     outcome.failures = failures or {}
     stats = {"shards_committed": 3, "shards_total": 4, "shards_skipped": 0, "rows_not_committed": 0}
+    stats["rows_committed_before"] = before or {"ok": 0, "errors": 0, "skipped": 0}
     summary = RunSummary("out", "stats.json", {**stats, "ok": 10 - errors, "errors": errors, "skipped": 0})
     cfg = SimpleNamespace(output=SimpleNamespace(max_error_rate=0.25))
     return lambda: node._raise_unless_finished(
@@ -198,10 +199,16 @@ def test_a_process_that_failed_is_named_with_its_error():
     assert died.value.exit_code == 1 and died.value.summary.stats["shards_committed"] == 3
 
 
-def test_the_error_budget_is_held_over_the_nodes_rows():
+def test_the_error_budget_is_held_over_the_nodes_rows_and_those_committed_before():
     ended(errors=2)()  # 2 of 10: within 0.25
     with pytest.raises(ErrorBudgetExceeded):
         ended(errors=3)()
+    # 2 of 10 here, 4 of 6 committed by earlier runs: 6 of 16 is over 0.25
+    with pytest.raises(
+        ErrorBudgetExceeded, match=r"^6 of 16 rows .* \(6 of the rows are of shards committed"
+    ):
+        ended(errors=2, before={"ok": 2, "errors": 4, "skipped": 0})()
+    ended(errors=2, before={"ok": 6, "errors": 0, "skipped": 0})()  # 2 of 16: within
 
 
 def test_when_every_process_died_none_is_said_to_have_finished():

@@ -210,6 +210,16 @@ def test_over_the_error_budget_the_run_commits_and_then_fails(job_dir, loaded_fp
         )
     assert info.value.exit_code == 3
     assert rows_of(out) == reference  # everything was committed first
+    # the same command again finds every shard committed and still answers for their error rows
+    with pytest.raises(
+        ErrorBudgetExceeded,
+        match=r"^2 of 42 rows are errors \(4.8%\), over output.max_error_rate=0.01 \(42 of the rows are of "
+        r"shards committed by earlier runs\)",
+    ) as again:
+        run_job(
+            config(job_dir, "budget", "output.max_error_rate=0.01"), loaded=loaded_fp32, show_progress=False
+        )
+    assert again.value.exit_code == 3 and again.value.summary.stats["shards_committed"] == 0
     summary = run_job(
         config(job_dir, "budget2", "output.max_error_rate=0.05"), loaded=loaded_fp32, show_progress=False
     )
