@@ -30,17 +30,18 @@ def raise_if_ended_early(
     """Raise when the run stopped on a signal or because its server went away, or when its share of error
     rows is over `max_error_rate` (None: no budget, as for retry-failed)."""
     stats = summary.stats
+    left = stats["shards_total"] - stats["shards_skipped"] - stats["shards_committed"]
     if server_gone is not None:
-        left = stats["shards_total"] - stats["shards_skipped"] - stats["shards_committed"]
         raise ServerUnavailable(
             f"{server_gone}; {stats['shards_committed']} shard(s) were committed, {left} shard(s) are left "
             "for the next run of the same command once the server answers",
             ServerUnavailable.EXIT_CODE,
             summary,
         )
-    if stop.requested:
-        left = stats["shards_total"] - stats["shards_skipped"] - stats["shards_committed"]
-        lost = stats["rows_not_committed"]
+    lost = stats["rows_not_committed"]
+    # A stop that came after the last shard was committed stopped nothing: the run finished (a scheduler's
+    # SIGTERM at the end of a job that is done must not read as a preempted task to requeue)
+    if stop.requested and (left or lost):
         raise StoppedBySignal(
             f"stopped by {stop.signal_name} after committing {stats['shards_committed']} shard(s); "
             f"{left} shard(s) left for the next run of the same command"

@@ -61,3 +61,36 @@ def test_a_stop_halfway_has_committed_about_half_of_the_shards(tmp_path, tiny_mo
     assert stats["samples"] >= 2 * stats["shards_committed"]
     # The rate is that count over the processing time, as the progress bar shows it.
     assert stats["samples_per_s"] == pytest.approx(stats["samples"] / stats["processing_s"], rel=1e-2)
+
+
+def test_a_stop_after_the_last_commit_ends_the_run_as_finished(tmp_path, tiny_model_dir, loaded_fp32):
+    """A signal that arrives as the last step ends (a scheduler's SIGTERM at the end of a job) stops
+    nothing: every shard is committed, and the run returns as a finished one instead of exiting 128+15."""
+    (tmp_path / "data").mkdir()
+    for number in range(2):
+        images = [png_bytes(random_image(40, 40, seed=number))]
+        pq.write_table(pa.table({"image": images}), tmp_path / "data" / f"part-{number}.parquet")
+    cfg = job_config_from_dict(
+        {
+            "model": {"path": str(tiny_model_dir), "dtype": "float32", "device": "cpu"},
+            "input": {"paths": ["data/*.parquet"]},
+            "prompts": PROMPTS[:1],
+            "sampling": {"max_new_tokens": 2, "ignore_eos": True},
+            "engine": {"replicas": 1},
+            "preprocess": {"workers": 0},
+            "output": {"dir": "out"},
+        },
+        tmp_path,
+    )
+    runner = JobRunner(cfg, loaded_fp32, show_progress=False)
+    step = runner._step
+
+    def step_then_stop_at_the_end(*args):
+        step(*args)
+        if runner.stats.requests == 2:  # every row done: the stop lands after the last one
+            runner.stop.signum = signal.SIGTERM
+
+    runner._step = step_then_stop_at_the_end
+    stats = runner.run().stats
+    assert stats["stopped_by"] == "SIGTERM" and stats["shards_committed"] == 2
+    assert stats["rows_not_committed"] == 0
