@@ -163,14 +163,20 @@ def run(command: list[str], limit_s: float, env: dict | None = None, cwd: Path =
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             stdout, stderr = process.communicate()
-            text = stdout + stderr
+            text = relative(stdout + stderr)
             seconds = round(timeout, 1)
             return {"rc": "timeout", "seconds": seconds, "output_tail": text[-SHOWN:], "stdout": text}
     result = {"rc": process.returncode, "seconds": round(time.monotonic() - started, 1)}
     if process.returncode:
-        result["output_tail"] = (stdout + stderr)[-SHOWN:]
+        result["output_tail"] = relative(stdout + stderr)[-SHOWN:]
     result["stdout"] = stdout
     return result
+
+
+def relative(output: str) -> str:
+    """A stage's output with the checkout's own paths made relative to it (`batchvl/...`): the report is
+    kept in the repository, where the machine it ran on means nothing."""
+    return output.replace(f"{ROOT}/", "").replace(str(ROOT), ".")
 
 
 # ---- stages ----------------------------------------------------------------------------------------

@@ -297,3 +297,13 @@ def test_the_vision_call_stage_times_the_2b_tower_on_a_gpu_and_the_tiny_one_on_t
     (tmp_path / "vision_call.json").unlink()
     assert stages["vision_call"](tmp_path)["ok"] is False
     assert "vision_call" in [name for name, _ in gpu_check.chosen_stages()]
+
+
+def test_a_failed_stages_output_names_the_checkouts_files_relative_to_it(gpu_check):
+    """The report is kept in the repository: a traceback's paths are the checkout's own, not the machine's."""
+    root = gpu_check.ROOT
+    printed = f"File {root}/batchvl/api.py, line 1; rootdir: {root}"
+    script = f"import sys; print({printed!r}); sys.exit(1)"
+    outcome = gpu_check.run([sys.executable, "-c", script], 30)
+    assert outcome["rc"] == 1
+    assert outcome["output_tail"].strip() == "File batchvl/api.py, line 1; rootdir: ."
