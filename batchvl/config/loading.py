@@ -93,14 +93,17 @@ def apply_overrides(data: dict, overrides: Sequence[str]) -> dict:
         node = data
         parts = dotted.strip().split(".")
         for part in parts[:-1]:
-            child = _item(node, part, dotted) if _LIST_ITEM.fullmatch(part) else node.setdefault(part, {})
+            if _LIST_ITEM.fullmatch(part):
+                items, index = _list_slot(node, part, dotted)
+                child = items[index]
+            else:
+                child = node.setdefault(part, {})
             if not isinstance(child, dict):
                 raise ConfigError(f"--set {dotted}: '{part}' is not a section")
             node = child
         if _LIST_ITEM.fullmatch(parts[-1]):
-            _item(node, parts[-1], dotted)  # the item exists: replaced, never appended
-            name, index = _LIST_ITEM.fullmatch(parts[-1]).groups()
-            node[name][int(index)] = value
+            items, index = _list_slot(node, parts[-1], dotted)
+            items[index] = value  # the item exists: replaced, never appended
         else:
             node[parts[-1]] = value
     return data
@@ -109,8 +112,8 @@ def apply_overrides(data: dict, overrides: Sequence[str]) -> dict:
 _LIST_ITEM = re.compile(r"(\w+)\[(\d+)\]")  # `prompts[0]` in `--set prompts[0].text=...`
 
 
-def _item(node: dict, part: str, dotted: str) -> Any:
-    """The list item `part` (`prompts[0]`) names, as the job file lists it."""
+def _list_slot(node: dict, part: str, dotted: str) -> tuple[list, int]:
+    """The list and the index of the item `part` (`prompts[0]`) names, as the job file lists it."""
     name, index = _LIST_ITEM.fullmatch(part).groups()
     items = node.get(name)
     if not isinstance(items, list):
@@ -119,7 +122,7 @@ def _item(node: dict, part: str, dotted: str) -> Any:
         )
     if int(index) >= len(items):
         raise ConfigError(f"--set {dotted}: '{name}' holds {len(items)} item(s), numbered from 0")
-    return items[int(index)]
+    return items, int(index)
 
 
 def job_config_from_dict(
