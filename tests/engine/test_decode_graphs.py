@@ -264,6 +264,7 @@ def run_classifying_steps(loaded, monkeypatch, config, requests, graph_rows):
     """The job with graphs of at most `graph_rows` rows, against the eager job: the tokens are the same,
     and a step replays a graph exactly where it is decodes only and no more rows than that. Returns each
     step's (rows, decodes only)."""
+    config = replace(config, cuda_graphs=False, overlap=False)  # `auto` turns both on on a GPU
     eager = run_job(loaded, config, requests)
     monkeypatch.setattr(model_runner, "graph_capture", lambda device: FakeGraphCapture())
     steps = spy_on_steps(monkeypatch)
@@ -354,7 +355,7 @@ def text_requests(count: int) -> list[EngineRequest]:
 
 
 def graphed_against_eager(loaded, monkeypatch) -> tuple[dict, dict, FakeGraphCapture]:
-    config = EngineConfig(max_num_seqs=8, block_size=4, kv_cache_mb=1)
+    config = EngineConfig(max_num_seqs=8, block_size=4, kv_cache_mb=1, cuda_graphs=False, overlap=False)
     eager = run_job(loaded, config, text_requests(5))
     fake = FakeGraphCapture()
     monkeypatch.setattr(model_runner, "graph_capture", lambda device: fake)

@@ -156,11 +156,12 @@ def greedy_arrivals(cases, join_at: list[int]) -> dict[int, list[EngineRequest]]
     return arrivals
 
 
+# serial steps, named so: `auto` would overlap them on a GPU (the overlapped runs replace it)
 LIMITS = {
-    "one-step": EngineConfig(max_num_batched_tokens=4096, max_num_seqs=64),
-    "budget37-seqs3": EngineConfig(max_num_batched_tokens=37, max_num_seqs=3),
-    "preempt": EngineConfig(max_num_batched_tokens=64, max_num_seqs=64, kv_cache_mb=0.08),  # preempts
-    "prefix-cache": EngineConfig(max_num_batched_tokens=37, block_size=4),
+    "one-step": EngineConfig(max_num_batched_tokens=4096, max_num_seqs=64, overlap=False),
+    "budget37-seqs3": EngineConfig(max_num_batched_tokens=37, max_num_seqs=3, overlap=False),
+    "preempt": EngineConfig(max_num_batched_tokens=64, max_num_seqs=64, kv_cache_mb=0.08, overlap=False),
+    "prefix-cache": EngineConfig(max_num_batched_tokens=37, block_size=4, overlap=False),
 }
 
 
