@@ -131,11 +131,31 @@ def caption_job(
                 "engine": engine_keys,
             }
         )
+    before = allocator_counts(device)
     with timer.installed() if timer else contextlib.nullcontext():
         stats = run_job(job, loaded=loaded, show_progress=False).stats
+    after = allocator_counts(device)
     paths = sorted((root / "out" / name).glob("*.parquet"))
     rows = [row for path in paths for row in pq.read_table(path).to_pylist()]
-    return {"stats": stats, "rows": rows, "engine": job.engine}
+    allocator = {key: round(after[key] - before[key], 3) for key in after}
+    return {"stats": stats, "rows": rows, "engine": job.engine, "allocator": allocator}
+
+
+def allocator_counts(device: str) -> dict[str, float]:
+    """torch's CUDA allocator counters that mean a wait for the device: its retries after an allocation
+    failed (every cached block freed, the device synchronized) and its cudaMalloc/cudaFree calls; and the
+    page-locked host allocator's new allocations and their milliseconds (pixels and picks are staged in
+    page-locked memory). Empty on the CPU."""
+    if device == "cpu":
+        return {}
+    stats = torch.cuda.memory_stats(device)
+    counts = {
+        key: float(stats.get(key, 0)) for key in ("num_alloc_retries", "num_device_alloc", "num_device_free")
+    }
+    host = torch.cuda.host_memory_stats() if hasattr(torch.cuda, "host_memory_stats") else {}
+    counts["num_host_alloc"] = float(host.get("num_host_alloc", 0))
+    counts["host_alloc_ms"] = float(host.get("host_alloc_time.total", 0)) / 1e3  # recorded in microseconds
+    return counts
 
 
 def workload_limits(counter: FlopCounter, rows: list[dict], patches: dict, max_num_seqs: int) -> dict:
@@ -246,6 +266,16 @@ def measure(args, work: Path) -> dict:
             "decode_steps": round(timer.seconds["decode"], 2),
         },
         "split_steps": timer.steps,
+        # the host's time in the engine's steps by what it did, and the job's processing time outside them
+        # (taking inputs, writing rows): with overlapped steps, little time waiting for picks says the host
+        # bounds the job (`step_timing.py`)
+        "host_split_s": {key: round(value, 2) for key, value in timer.host_split.items()},
+        "outside_steps_s": (  # (the CPU's engine replicas step in threads: their seconds are summed)
+            round(stats["processing_s"] - sum(timer.host_split.values()), 2)
+            if stats["engine_replicas"] == 1
+            else None
+        ),
+        "allocator": run["allocator"],
         # the host's time capturing decode graphs in the measured job (its wall time includes it)
         "graph_capture_s": graph_capture_seconds(timer.engine),
         # overlapped steps are not waited for: their vision, prefill and decode seconds are launch times
@@ -311,9 +341,12 @@ def main() -> None:
     parser.add_argument("--size", choices=SIZES, default="2b")
     parser.add_argument("--samples", type=int, default=1000)
     parser.add_argument(
-        "--profile-after", type=int, default=100, help="Engine steps before the kernel window"
+        "--profile-after",
+        type=int,
+        default=10,
+        help="Engine steps before the kernel window (at 1,000 samples the first 60 or so hold prompts)",
     )
-    parser.add_argument("--profile-steps", type=int, default=50, help="Engine steps in the kernel window")
+    parser.add_argument("--profile-steps", type=int, default=20, help="Engine steps in the kernel window")
     parser.add_argument(
         "--labels",
         action="store_true",

@@ -9,6 +9,12 @@ bracketing a step count the GPU's idle gaps inside it as busy. The profiler's ow
 window's host work a little slower, so the share is if anything low.
 
 After that window, a second one (`audit_steps`) counts where the host waited for the GPU (`sync_audit`).
+
+Over the whole job, the host's time in each engine step is split by what it was doing (`host_split`):
+scheduling, the vision calls (launched, or run to their end where a step is serial), the forwards (the
+same), waiting for a step's picks to reach the host, and the rest of the step (committing, finishing
+requests, the grammar's masks). With overlapped steps, a host that seldom waits for picks is what bounds
+the job: the GPU idles while the host works; one that waits most of the time is bound by the GPU.
 """
 
 from __future__ import annotations
@@ -16,11 +22,14 @@ from __future__ import annotations
 import contextlib
 import json
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 from sync_audit import SyncAudit
 
+# what the host did in an engine step (see the module docstring), in the order a step does it
+HOST_PHASES = ("schedule", "vision", "forward", "picks_read", "rest_of_step")
 KERNEL = "kernel"  # a CUDA kernel's category in the profiler's trace (copies: gpu_memcpy, gpu_memset)
 
 
@@ -36,6 +45,8 @@ class StepTimer:
         self._audit: SyncAudit | None = None
         self.seconds = {"prefill": 0.0, "decode": 0.0}  # steps with prompt chunks, steps of decodes only
         self.steps = {"prefill": 0, "decode": 0}
+        self.host_split = dict.fromkeys(HOST_PHASES, 0.0)  # seconds of every engine step, by what it did
+        self._in_step = threading.local()  # the split's seconds so far in the step this thread runs
         self.engine_steps = 0
         self.engine = None  # the engine of the steps (its config with `auto` sizes resolved), once one ran
         self.window: dict | None = None  # the profiled window's figures, once it is over
@@ -44,8 +55,10 @@ class StepTimer:
 
     @contextlib.contextmanager
     def installed(self):
+        from batchvl.engine.device.host_copy import HostCopy
         from batchvl.engine.engine import Engine
         from batchvl.engine.model_runner import ModelRunner
+        from batchvl.engine.scheduling.scheduler import Scheduler
 
         step, execute = Engine.step, ModelRunner.execute
         timer = self
@@ -53,9 +66,13 @@ class StepTimer:
         def timed_step(engine):
             timer.engine = engine
             timer._before_step()
+            started = time.perf_counter()
+            timer._in_step.seconds = 0.0  # per thread: the CPU's engine replicas step in threads of their own
             try:
                 return step(engine)
             finally:
+                elapsed = time.perf_counter() - started
+                timer.host_split["rest_of_step"] += elapsed - timer._in_step.seconds
                 timer._after_step()
 
         def timed_execute(runner, chunks, *args, **kwargs):
@@ -67,16 +84,44 @@ class StepTimer:
                 decodes_only = all(chunk.num_tokens == 1 and chunk.is_generated for chunk in chunks)
                 kind = "decode" if decodes_only else "prefill"
                 # the forward synchronizes, but for an overlapped step's: then its launch alone
-                timer.seconds[kind] += time.perf_counter() - started
+                elapsed = time.perf_counter() - started
+                timer.seconds[kind] += elapsed
+                timer._add("forward", elapsed)
                 timer.steps[kind] += 1
 
+        phases = [
+            (Scheduler, "schedule", "schedule"),
+            (Engine, "_encode", "vision"),
+            (HostCopy, "tolist", "picks_read"),
+        ]
+        originals = [(owner, name, getattr(owner, name)) for owner, name, _ in phases]
+        for (owner, name, phase), (_, _, original) in zip(phases, originals, strict=True):
+            setattr(owner, name, self._timed(original, phase))
         Engine.step, ModelRunner.execute = timed_step, timed_execute
         try:
             yield self
         finally:
             Engine.step, ModelRunner.execute = step, execute
+            for owner, name, original in originals:
+                setattr(owner, name, original)
             self._stop_profile()  # a run shorter than the window: what it covered
             self._stop_audit()
+
+    def _timed(self, function, phase: str):
+        """`function`, its seconds added to the host split's `phase`."""
+
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self._add(phase, time.perf_counter() - started)
+
+        return timed
+
+    def _add(self, phase: str, seconds: float) -> None:
+        self.host_split[phase] += seconds
+        self._in_step.seconds = getattr(self._in_step, "seconds", 0.0) + seconds
 
     def _before_step(self) -> None:
         if self.profile_steps and self.engine_steps == self.profile_after and self.window is None:

@@ -4,13 +4,13 @@ The captioning benchmark gives vision calls most of a 2B job's wall time on an H
 every fast path; 63% of the job's FLOPs), at about a quarter of the measured matmul peak. This times the
 engine's own vision call (`model_runner.encode_images`: the pixels staged from the host, the tower, the
 merger) on 448x448 images (1,024 patches each at Qwen2-VL's sizes) in calls of each `--patches` size: per
-call its wall time (synchronized, the median of `--calls`) and that of its staging alone (the pixels into
-one page-locked tensor and onto the device), on CUDA the kernels' summed time within one
-call (torch's profiler, overlaps counted once) and the kernels with the most of it (by name: calls and
-ms), and its TFLOP/s against the tower's FLOPs (`flops.py`). On CUDA each size runs without the fused
-kernels, then with them (`engine.fused_kernels`, swapped into the same model). A wall well above the
-kernels' time says the host bounds the call (launches, staging); kernels' time well above the FLOPs at
-the matmul peak says the kernels do, and the top kernels say which.
+call its wall time (synchronized, the median of `--calls`) and that of its staging alone and its two
+halves (the pixels into one page-locked tensor in the tower's dtype, then onto the device), on CUDA the
+kernels' summed time within one call (torch's profiler, overlaps counted once) and the kernels with the
+most of it (by name: calls and ms), and its TFLOP/s against the tower's FLOPs (`flops.py`). On CUDA each
+size runs without the fused kernels, then with them (`engine.fused_kernels`, swapped into the same model).
+A wall well above the kernels' time says the host bounds the call (launches, staging); kernels' time well
+above the FLOPs at the matmul peak says the kernels do, and the top kernels say which.
 
     python benchmarks/vision_call.py --device cuda --size 2b [--patches 4096,8192,16384,32768] [--json PATH]
     python benchmarks/vision_call.py --device cpu --size tiny --patches 256,512   (a trial: no kernel figures)
@@ -81,18 +81,20 @@ def timed_call(loaded, batch: list, patches: int) -> float:
     return time.perf_counter() - started
 
 
-def timed_staging(loaded, batch: list) -> float:
-    """Seconds of the call's first part alone: its pixels copied into one page-locked tensor in the
-    tower's dtype and sent to the device (`stage_pixels`)."""
-    from batchvl.engine.device.pixel_staging import stage_pixels
+def timed_staging(loaded, batch: list) -> tuple[float, float]:
+    """Seconds of the call's first part alone, in its two halves: its pixels copied into one page-locked
+    tensor in the tower's dtype (`stacked_pixels`), then sent to the device."""
+    from batchvl.engine.device.pixel_staging import stacked_pixels
 
     adapter = loaded.adapter
     rows = adapter.vision_call_rows(sum(len(image.pixel_values) for image in batch))
     synchronize(adapter.device)
     started = time.perf_counter()
-    stage_pixels([image.pixel_values for image in batch], rows, adapter.dtype, adapter.device)
+    stacked = stacked_pixels([image.pixel_values for image in batch], rows, adapter.dtype, adapter.device)
+    stacked_at = time.perf_counter()
+    stacked.to(adapter.device, non_blocking=True)
     synchronize(adapter.device)
-    return time.perf_counter() - started
+    return stacked_at - started, time.perf_counter() - stacked_at
 
 
 def kernels_of_one_call(loaded, batch: list, patches: int) -> dict:
@@ -130,14 +132,18 @@ def measure(loaded, prepared: list, patches: int, calls: int, counter: FlopCount
     batch = prepared[: max(1, patches // per_image)]
     timed_call(loaded, batch, patches)  # the warm-up: kernels compiled, the allocator's blocks cached
     wall = statistics.median(timed_call(loaded, batch, patches) for _ in range(calls))
-    staging = statistics.median(timed_staging(loaded, batch) for _ in range(calls))
+    stagings = [timed_staging(loaded, batch) for _ in range(calls)]
+    stacking, upload = (statistics.median(times) for times in zip(*stagings, strict=True))
     flops = counter.image(per_image) * len(batch)
     row = {
         "patches": per_image * len(batch),
         "images": len(batch),
         "fused_kernels": fused,
         "wall_ms": round(wall * 1e3, 3),
-        "staging_ms": round(staging * 1e3, 3),
+        "staging_ms": round((stacking + upload) * 1e3, 3),
+        # its halves: the pixels into one page-locked tensor in the tower's dtype on the host, the upload
+        "staging_host_ms": round(stacking * 1e3, 3),
+        "staging_upload_ms": round(upload * 1e3, 3),
         "tflop_per_s": round(flops / wall / 1e12, 2),
         "kernel_ms": None,
         "kernel_share": None,

@@ -21,14 +21,22 @@ def stage_pixels(
     """The items stacked along their first axis, then zeros up to `rows` rows, in `dtype` on `device`.
     Items already on a device (a serving rank's share under ViT data parallelism over NCCL) are stacked
     there."""
+    return stacked_pixels(items, rows, dtype, device).to(device, non_blocking=True)
+
+
+def stacked_pixels(
+    items: list[np.ndarray | torch.Tensor], rows: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """`stage_pixels`' tensor before its upload: where the items are, page-locked when they are on the host
+    and go to a GPU."""
     tensors = [torch.as_tensor(item) for item in items]
     source = tensors[0].device
     stacked = torch.empty(
         (rows, *tensors[0].shape[1:]),
         dtype=dtype,
         device=source,
-        # page-locked: the upload below then runs without the host waiting for it, and torch's allocator
-        # keeps the pages from reuse until it is done
+        # page-locked: the upload then runs without the host waiting for it, and torch's allocator keeps
+        # the pages from reuse until it is done
         pin_memory=source.type == "cpu" and device.type == "cuda",
     )
     offset = 0
@@ -36,4 +44,4 @@ def stage_pixels(
         stacked[offset : offset + len(tensor)].copy_(tensor)
         offset += len(tensor)
     stacked[offset:].zero_()
-    return stacked.to(device, non_blocking=True)
+    return stacked
