@@ -327,8 +327,9 @@ class EngineConfig:
     threads: int = job_key(0, "torch intra-op threads (0: torch's default)", at_least=0, at_most=MOST_CORES)
     cuda_graphs: bool | Literal["auto"] = job_key(
         "auto",
-        "On CUDA, replay steps of decodes only as CUDA graphs, one per row bucket, captured as the engine "
-        "starts (far fewer kernel launches a step); ignored off CUDA. auto: on (CUDA)",
+        "On CUDA, replay steps of decodes only as CUDA graphs, one per row bucket (the largest captured as "
+        "the engine starts, another the second time a step needs it): far fewer kernel launches a step; "
+        "ignored off CUDA. auto: on (CUDA)",
     )
     fused_kernels: bool | Literal["auto"] = job_key(
         "auto",

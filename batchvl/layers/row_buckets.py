@@ -27,11 +27,3 @@ def bucket_rows(rows: int) -> int:
         return max(SMALL_STEP, -(-rows // SMALL_STEP) * SMALL_STEP)
     step = (1 << ((rows - 1).bit_length() - 1)) // STEPS_PER_DOUBLING
     return -(-rows // step) * step
-
-
-def buckets_up_to(rows: int) -> list[int]:
-    """Every bucket up to the one holding `rows` rows, smallest first."""
-    buckets = [SMALL_STEP]
-    while buckets[-1] < rows:
-        buckets.append(bucket_rows(buckets[-1] + 1))
-    return buckets

@@ -3,7 +3,7 @@
 On the CPU the graphs are `FakeGraphCapture`'s: the captured step is called again over the same static
 buffers, under a guard that fails on any host synchronisation. With BATCHVL_TEST_DEVICE=cuda they are
 real CUDA graphs (the guard cannot run there: the capture itself fails on a synchronisation, and a test
-below requires every bucket to have been captured)."""
+below requires the buckets a job needs twice to have been captured)."""
 
 import logging
 from dataclasses import replace
@@ -22,6 +22,7 @@ from batchvl.engine.model_runner import ModelRunner
 from batchvl.engine.request import EngineRequest
 from batchvl.engine.sampling.params import SamplingParams
 from batchvl.layers.attention import KVCache
+from batchvl.layers.row_buckets import bucket_rows
 from batchvl.preprocess.prompts import PromptRenderer
 from batchvl.preprocess.qwen_vision import QwenVisionSpec, prepare_image
 from tests.conftest import TEST_DEVICE, random_image
@@ -106,6 +107,15 @@ def test_decode_steps_replayed_as_graphs_give_the_eager_tokens(
 ):
     steps = spy_on_steps(monkeypatch)
     graphs, ahead = [], []
+    needed: dict[int, list[bool]] = {}  # per bucket, whether each decode step that needed it replayed it
+    run = DecodeGraphs.run
+
+    def run_by_bucket(self, chunks, *args):
+        logits = run(self, chunks, *args)
+        needed.setdefault(bucket_rows(len(chunks)), []).append(logits is not None)
+        return logits
+
+    monkeypatch.setattr(DecodeGraphs, "run", run_by_bucket)
 
     def started(engine):
         graphs.append(engine.runner.decode_graphs)
@@ -113,9 +123,16 @@ def test_decode_steps_replayed_as_graphs_give_the_eager_tokens(
 
     outputs = run_job(loaded_fp32, GRAPHED, workload(loaded_fp32), started)
     assert outputs == eager_outputs
-    # every bucket captured as the engine started, the largest first, and none since
-    assert [rows for rows, _, _ in ahead] == [48, 32, 16] and graphs[0].captured == ahead
-    assert graphs[0].capture_s > 0
+    # the largest bucket captured as the engine started and replayed from the first step that needed it;
+    # each other one run eagerly the first time, captured the second and replayed from then on
+    assert [rows for rows, _, _ in ahead] == [48] and graphs[0].capture_s > 0
+    assert needed[48] and all(needed[48])
+    later = [rows for rows in needed if rows != 48]
+    assert later and all(needed[rows] == [False] + [True] * (len(needed[rows]) - 1) for rows in later)
+    assert any(len(needed[rows]) > 1 for rows in later)  # some captured on the way
+    assert sorted(rows for rows, _, _ in graphs[0].captured[1:]) == sorted(
+        rows for rows in later if len(needed[rows]) > 1
+    )
     graphed_rows = {rows for rows, graphed, _ in steps if graphed}
     assert graphed_rows - {16, 32, 48}  # steps whose rows fall short of their bucket
     assert sum(graphed for _, graphed, _ in steps) > 15  # most steps replay a graph captured before

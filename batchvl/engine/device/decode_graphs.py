@@ -1,4 +1,4 @@
-"""Steps of decodes only, replayed as graphs: one per row bucket, captured on its first step.
+"""Steps of decodes only, replayed as graphs: one per row bucket that steps keep coming back to.
 
 On CUDA a decoder layer launches some 34 kernels: at Qwen2-VL-2B's 28 layers a decode step is ~960
 launches, tens of ms of host work against ~2 ms of GPU work. A step whose chunks are all single-token
@@ -21,19 +21,25 @@ kernels would divide 0 by 0.
 The buckets are the eager path's row buckets (`row_buckets.bucket_rows`: 16, 32, ... 128, then eight per
 doubling): a graph runs the step at the shapes the eager path runs it at, so its matmuls are the same
 kernels, and at 16 rows or fewer a decode step reads the weights once whatever its rows, so the padding
-costs next to nothing. Every bucket's graph is captured when the engine starts (`capture_ahead`), the
-largest first, over rows that are all padding, as vLLM captures its own: the graphs share one memory pool,
-which the largest sizes once for all of them, and a job's first steps at each size do not stop for a
-capture (an estimated 50-100 ms each at a 2B model's depth, not yet measured). A graph for a
-decode split count other than the usual one (long contexts over few rows, on CUDA) is captured on the
-first step that needs it, with that step's inputs: the warm-up runs compute the step itself (writing the
-same K/V to the same slots again changes nothing).
+costs next to nothing.
+
+The largest bucket's graph is captured when the engine starts (`capture_ahead`), over rows that are all
+padding: the graphs share one memory pool, which that capture sizes once for all of them, and a full
+batch's steps, the most of a large job's, replay it from the first. Every other bucket is captured on
+the second step that needs it (`CAPTURE_ON_NEED`), with that step's inputs: the warm-up runs compute the
+step itself (writing the same K/V to the same slots again changes nothing); the first runs eagerly. On an
+H200 a capture at Qwen2-VL-2B's depth took 67 ms, against some 20 ms of host work for the eager step:
+capturing all 32 buckets up to 1,024 rows ahead, as vLLM captures its own, took 2.1 s, 14% of a 1,000-sample
+job's wall time, and most of those graphs replayed once if at all, since a job's last requests end in
+waves and its steps pass each smaller bucket once on the way down. A graph for a decode split count other
+than the usual one (long contexts over few rows, on CUDA) follows the same rule.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Protocol
 
@@ -46,11 +52,12 @@ from batchvl.engine.overlap import with_picks
 from batchvl.engine.request import ScheduledChunk
 from batchvl.layers import triton_attention
 from batchvl.layers.attention import InPlaceDecodes, KVCache, PagedAttentionMetadata, decode_splits, uploaded
-from batchvl.layers.row_buckets import bucket_rows, buckets_up_to
+from batchvl.layers.row_buckets import bucket_rows
 
 logger = logging.getLogger(__name__)
 
 MAX_POSITION_AXES = 4  # 1-D rope, M-RoPE's 3 axes, and a text axis before them where a family adds one
+CAPTURE_ON_NEED = 2  # a graph not captured ahead is captured on the step that needs it this many times
 
 
 class GraphCapture(Protocol):
@@ -98,6 +105,7 @@ class DecodeGraphs:
         self.logits = torch.zeros(self.largest, adapter.geometry.vocab_size, device=device)
         # (rows, position axes, the grouped decode kernel's splits) -> replay
         self._replays: dict[tuple[int, int, int | None], Callable[[], None]] = {}
+        self._needs: Counter[tuple[int, int, int | None]] = Counter()  # steps that needed each graph
         # Triton's decode kernels read the cache on CUDA (the native ones on the CPU, which have no splits)
         self.splits_matter = triton_attention.takes(kv_cache.layers[0])
         self._failed = False
@@ -110,15 +118,13 @@ class DecodeGraphs:
 
     @torch.inference_mode()  # as the steps run: their graphs are captured inside `ModelRunner.execute`
     def capture_ahead(self, axes: int) -> None:
-        """Capture each bucket's graph for steps of `axes` position axes and one decode split (or none),
-        the largest bucket first, over padding rows (see the module docstring)."""
+        """Capture the largest bucket's graph for steps of `axes` position axes and one decode split (or
+        none), over padding rows (see the module docstring)."""
         if axes > MAX_POSITION_AXES:  # its steps run eagerly (`takes`)
             return
-        for rows in reversed(buckets_up_to(self.largest)):
-            self._load([], rows, axes)
-            if self._replay(rows, axes, 1 if self.splits_matter else None) is None:
-                return
-        logger.info("decode graphs: %d captured in %.1f s", len(self._replays), self.capture_s)
+        self._load([], self.largest, axes)
+        if self._replay(self.largest, axes, 1 if self.splits_matter else None) is not None:
+            logger.info("decode graphs: %d rows captured in %.2f s", self.largest, self.capture_s)
 
     def takes(self, chunks: list[ScheduledChunk]) -> bool:
         """Whether the step runs as a graph: decodes only, no more rows than the largest bucket, and no
@@ -135,14 +141,20 @@ class DecodeGraphs:
         self, chunks: list[ScheduledChunk], picks_in_flight: torch.Tensor | None = None
     ) -> torch.Tensor | None:
         """The float32 logits (one row per chunk, in order) of a step `takes` took, from its bucket's graph,
-        valid until the next step; None where the graph could not be captured (said once; the caller runs
-        the step eagerly, and every later step too). An overlapped step's placeholders are swapped for the
-        previous step's picks in the token buffer, on the device, before the replay (outside the graph: the
-        picks are a new tensor each step)."""
+        valid until the next step; None where the caller runs the step eagerly: the first time a graph
+        not captured ahead is needed, and wherever a capture failed (said once, and every later step
+        too). An overlapped step's placeholders are swapped for the previous step's picks in the token
+        buffer, on the device, before the replay (outside the graph: the picks are a new tensor each
+        step)."""
         rows = bucket_rows(len(chunks))
         axes = chunks[0].request.positions.prompt.shape[0]
         lengths = self._load(chunks, rows, axes)
         splits = self._splits(lengths)
+        key = (rows, axes, splits)
+        if key not in self._replays:
+            self._needs[key] += 1
+            if self._needs[key] < CAPTURE_ON_NEED:
+                return None  # run eagerly: a graph replayed once would not repay its capture
         if picks_in_flight is not None:
             token_ids = self.buffers["token_ids"][:rows]
             token_ids.copy_(with_picks(token_ids, picks_in_flight))
