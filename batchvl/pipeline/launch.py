@@ -16,6 +16,7 @@ from batchvl.inputs.download import DownloadCache
 from batchvl.models.loader import LoadedModel, load_model
 from batchvl.pipeline.engine_setup import EngineSetup
 from batchvl.pipeline.prompt_graph import PromptGraph
+from batchvl.preprocess.media import PixelsInDtype
 from batchvl.preprocess.prompts import PromptRenderer
 from batchvl.preprocess.sample import SampleProcessor
 
@@ -38,6 +39,7 @@ def builtin_engine_setup(
     the preprocessing workers run per sample: the family's media preparation and the prompts)."""
     renderer = PromptRenderer(loaded.processor)
     media = loaded.family.media_preparer(loaded.processor, loaded.adapter.model.config, cfg.preprocess)
+    media = PixelsInDtype(media, loaded.adapter.dtype)  # cast in the workers, not the engine's thread
     cache = DownloadCache.of(cfg.input.download)
     samples = SampleProcessor(renderer, media, cfg.prompts, graph.follow_ups, cache)
     tokenizer, eos = loaded.processor.tokenizer, loaded.eos_token_ids()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,8 +23,9 @@ class PreparedMedia:
     `num_tokens` embedding rows fill in order.
     """
 
-    # (a serving rank of ViT data parallelism over NCCL receives them as a tensor on its GPU: vit_dp.py)
-    pixel_values: np.ndarray
+    # A numpy array as the family's preparation makes it (float32); a torch tensor once cast to a dtype
+    # numpy lacks (bfloat16: `in_dtype`), and on a serving rank of ViT data parallelism (vit_dp.py)
+    pixel_values: np.ndarray | torch.Tensor
     grid_thw: tuple[int, int, int]  # patch grid: (frames / tiles, rows, columns); its product is the cost
     content_hash: str
     num_tokens: int
@@ -38,13 +40,24 @@ class PreparedMedia:
     def num_patches(self) -> int:
         return math.prod(self.grid_thw)
 
+    def in_dtype(self, dtype: torch.dtype) -> PreparedMedia:
+        """This media with floating-point pixels cast to `dtype`, the vision tower's, as the engine would
+        cast them on the way to the tower (the same rounding, so the same embeddings): done here, in a
+        preprocessing worker, the job process's engine thread copies half the bytes of float32 pixels into
+        a bfloat16 call, and half as many cross shared memory. The content hash stays that of the
+        prepared pixels."""
+        pixels = torch.as_tensor(self.pixel_values)
+        if not pixels.is_floating_point() or pixels.dtype == dtype:
+            return self
+        return dataclasses.replace(self, pixel_values=host_pixels(pixels.to(dtype)))
+
     def in_shared_memory(self) -> PreparedMedia:
         """This media with its pixels moved to shared memory now, in the preprocessing worker's own
         thread, where a failure (a full /dev/shm, a file size limit) is raised to the caller. Left to the
         pickler, the move happens in the result queue's feeder thread, which prints the error and drops
         the sample: the job then waited for it forever. The same one copy either way."""
-        tensor = torch.from_numpy(np.ascontiguousarray(self.pixel_values)).share_memory_()
-        return dataclasses.replace(self, pixel_values=tensor.numpy(), shared_pixels=tensor)
+        tensor = torch.as_tensor(self.pixel_values).contiguous().share_memory_()
+        return dataclasses.replace(self, pixel_values=host_pixels(tensor), shared_pixels=tensor)
 
     def __reduce__(self):
         """Pickled (to go from a preprocessing worker to the job process), the pixels travel as a torch
@@ -54,12 +67,32 @@ class PreparedMedia:
         fields = {name: getattr(self, name) for name in kept}
         pixels = self.shared_pixels
         if pixels is None:
-            pixels = torch.from_numpy(np.ascontiguousarray(self.pixel_values))  # the pickler moves it
+            pixels = torch.as_tensor(self.pixel_values).contiguous()  # the pickler moves it
         return (_media_from_tensor, (pixels, fields))
 
 
 def _media_from_tensor(pixels: torch.Tensor, fields: dict) -> PreparedMedia:
-    return PreparedMedia(pixel_values=pixels.numpy(), **fields)
+    return PreparedMedia(pixel_values=host_pixels(pixels), **fields)
+
+
+def host_pixels(pixels: torch.Tensor) -> np.ndarray | torch.Tensor:
+    """Host pixels as `PreparedMedia` holds them: a numpy array sharing the tensor's memory, or the tensor
+    itself where numpy has no such dtype (bfloat16)."""
+    return pixels if pixels.dtype == torch.bfloat16 else pixels.numpy()
+
+
+@dataclass(frozen=True)
+class PixelsInDtype:
+    """A media preparation whose prepared pixels come out cast to `dtype` (`PreparedMedia.in_dtype`);
+    other results (a media URL for a server) as they are. A class, not a closure: a preprocessing worker
+    started by spawning receives it pickled."""
+
+    prepare: Callable[[object], object]
+    dtype: torch.dtype
+
+    def __call__(self, ref: object) -> object:
+        media = self.prepare(ref)
+        return media.in_dtype(self.dtype) if isinstance(media, PreparedMedia) else media
 
 
 def content_hash(pixel_values: np.ndarray, grid_thw: tuple[int, int, int], kind: str = "image") -> str:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from batchvl.engine.device.pixel_staging import stage_pixels
+from batchvl.preprocess.media import PreparedMedia
 from tests.conftest import TEST_DEVICE
 
 
@@ -45,3 +46,14 @@ def test_a_later_call_does_not_overwrite_what_an_earlier_one_staged():
     for seed in range(3, 8):
         stage_pixels(items(seed), 56, torch.bfloat16, device)
     assert torch.equal(first.cpu(), torch.from_numpy(np.concatenate(items(2))).to(torch.bfloat16))
+
+
+def test_items_cast_in_the_workers_stage_as_the_float32_ones_do():
+    """Pixels a preprocessing worker cast to the tower's bfloat16 (`PreparedMedia.in_dtype`, tensors)
+    stage to the same values as float32 pixels cast here: the tower's input does not depend on where."""
+    arrays = items(9)
+    cast = [PreparedMedia(a, (1, 1, len(a)), "h", 1, "<image>").in_dtype(torch.bfloat16) for a in arrays]
+    device = torch.device(TEST_DEVICE)
+    from_workers = stage_pixels([media.pixel_values for media in cast], 64, torch.bfloat16, device)
+    assert all(media.pixel_values.dtype == torch.bfloat16 for media in cast)
+    assert torch.equal(from_workers.cpu(), stage_pixels(arrays, 64, torch.bfloat16, device).cpu())

@@ -1,7 +1,7 @@
 """An encode round of ViT data parallelism between two real processes (gloo): every image reaches the rank
-that encodes it with its pixels intact (shapes and dtypes of several kinds, a rank with no image), the
-embeddings come back in the images' order, and the pickled messages carry no pixels (they travel as one
-tensor per rank)."""
+that encodes it with its pixels intact (shapes and dtypes of several kinds, bfloat16 tensors among them, a
+rank with no image), the embeddings come back in the images' order, and the pickled messages carry no
+pixels (they travel as one tensor per rank)."""
 
 import pickle
 
@@ -38,6 +38,9 @@ def images() -> list[PreparedMedia]:
     for i, (shape, dtype) in enumerate(shapes):
         pixels = (rng.standard_normal(shape) * 50).astype(dtype)
         out.append(PreparedMedia(pixels, (1, 1, shape[0]), f"hash{i}", 1, "<image>"))
+    # bfloat16, cast in the preprocessing workers, is a tensor (numpy has no such dtype)
+    bf16 = torch.from_numpy(rng.standard_normal((60, 96)).astype(np.float32)).to(torch.bfloat16)
+    out.append(PreparedMedia(bf16, (1, 1, 60), "hash-bf16", 1, "<image>"))
     return out
 
 
@@ -88,3 +91,14 @@ def test_the_pickled_messages_carry_no_pixels(round_results):
     smallest = min(image.pixel_values.nbytes for image in images())
     assert smallest >= 10_000
     assert sizes and max(sizes) < 4_000
+
+
+def test_pixels_after_an_odd_number_of_bytes_are_cut_out_whole():
+    """A share's items follow each other byte for byte: an item of wider pixels may start at an offset no
+    multiple of their size (after 10,500 uint8 ones), where a tensor view cannot start."""
+    shares = [images()[3], images()[4], images()[6]]  # uint8 (3, 50, 70), float64, bfloat16
+    described = [vit_dp._described(image) for image in shares]
+    received = torch.cat([vit_dp._bytes_of(image.pixel_values) for image in shares])
+    for image, got in zip(shares, vit_dp._images_from_bytes(described, received), strict=True):
+        expected = torch.as_tensor(image.pixel_values)
+        assert got.pixel_values.dtype == expected.dtype and torch.equal(got.pixel_values, expected)

@@ -1,12 +1,14 @@
 """A vision call's pixels, put where and how its tower takes them in one copy of each item.
 
-The items' pixel arrays arrive as the preprocessing workers made them: float32, in shared-memory pages
-that the job process maps. Stacked with `torch.cat` and then cast (and padded, where the family pads a
-call) on the way to the tower, each call's float32 pixels were written twice on the host before the
-tower saw them; on a GPU they also crossed as float32 from pageable memory, a copy the host waits for.
-Here each item is copied once, straight into the call's tensor in the tower's dtype (the cast the tower
-would make itself, so its input is the same), followed by the call's zero padding rows; towards a GPU
-that tensor is page-locked and sent without waiting (in bf16, half the bytes).
+The items' pixels arrive as the preprocessing workers sent them, in shared-memory pages that the job
+process maps: already in the tower's dtype where that is narrower than float32 (the workers cast them,
+`PreparedMedia.in_dtype`: half the bytes to map and copy here), else float32. Stacked with `torch.cat`
+and then cast (and padded, where the family pads a call) on the way to the tower, each call's pixels were
+written twice on the host before the tower saw them; on a GPU they also crossed from pageable memory, a
+copy the host waits for. Here each item is copied once, straight into the call's tensor in the tower's
+dtype (the cast the tower would make itself, where the workers did not, so its input is the same),
+followed by the call's zero padding rows; towards a GPU that tensor is page-locked and sent without
+waiting.
 """
 
 from __future__ import annotations

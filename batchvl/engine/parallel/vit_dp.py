@@ -129,9 +129,9 @@ def serve_encode_rounds(local_encode: LocalEncode, device: torch.device) -> int:
 _NO_PIXELS = np.empty(0, dtype=np.uint8)
 
 
-def _described(image: PreparedMedia) -> tuple[PreparedMedia, tuple[int, ...], str]:
-    pixels = image.pixel_values
-    return dataclasses.replace(image, pixel_values=_NO_PIXELS), pixels.shape, pixels.dtype.str
+def _described(image: PreparedMedia) -> tuple[PreparedMedia, tuple[int, ...], torch.dtype]:
+    pixels = torch.as_tensor(image.pixel_values)  # (bfloat16 pixels are a tensor already: media.py)
+    return dataclasses.replace(image, pixel_values=_NO_PIXELS), tuple(pixels.shape), pixels.dtype
 
 
 def _transport_device(device: torch.device) -> torch.device:
@@ -141,7 +141,9 @@ def _transport_device(device: torch.device) -> torch.device:
     return device if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
-def _scatter_pixels(pixels: list[list[np.ndarray]], longest: int, device: torch.device) -> None:
+def _scatter_pixels(
+    pixels: list[list[np.ndarray | torch.Tensor]], longest: int, device: torch.device
+) -> None:
     """Rank 0: each serving rank's pixels (ranks 1, 2, ...), as one byte tensor padded to `longest`, in one
     scatter; rank 0's own slot is an unread buffer of that size."""
     import torch.distributed as dist
@@ -150,32 +152,43 @@ def _scatter_pixels(pixels: list[list[np.ndarray]], longest: int, device: torch.
     own = torch.empty(longest, dtype=torch.uint8, device=transport)
     padded = [own]
     for share in pixels:
-        buffer = np.zeros(longest, dtype=np.uint8)
+        buffer = torch.zeros(longest, dtype=torch.uint8)
         if share:
-            flat = np.concatenate([np.ascontiguousarray(array).reshape(-1).view(np.uint8) for array in share])
-            buffer[: flat.size] = flat
-        padded.append(torch.from_numpy(buffer).to(transport))
+            flat = torch.cat([_bytes_of(array) for array in share])
+            buffer[: flat.numel()] = flat
+        padded.append(buffer.to(transport))
     dist.scatter(own, padded, src=0)
 
 
+def _bytes_of(pixels: np.ndarray | torch.Tensor) -> torch.Tensor:
+    """The pixels' bytes, flat, as uint8."""
+    return torch.as_tensor(pixels).contiguous().reshape(-1).view(torch.uint8)
+
+
 def _receive_pixels(
-    described: list[tuple[PreparedMedia, tuple[int, ...], str]], longest: int, device: torch.device
+    described: list[tuple[PreparedMedia, tuple[int, ...], torch.dtype]], longest: int, device: torch.device
 ) -> list[PreparedMedia]:
-    """A serving rank: its share's pixels from `_scatter_pixels`, put back into its images (numpy arrays
-    from gloo; over NCCL, tensors already on this rank's GPU, which the vision tower takes as they are)."""
+    """A serving rank: its share's pixels from `_scatter_pixels`, put back into its images as tensors (on
+    the host from gloo; over NCCL, already on this rank's GPU), which the vision tower takes as they are."""
     import torch.distributed as dist
 
     received = torch.empty(longest, dtype=torch.uint8, device=_transport_device(device))
     dist.scatter(received, None, src=0)
+    return _images_from_bytes(described, received)
+
+
+def _images_from_bytes(
+    described: list[tuple[PreparedMedia, tuple[int, ...], torch.dtype]], received: torch.Tensor
+) -> list[PreparedMedia]:
+    """The described images with their pixels cut from `received`, their bytes one after another."""
     images, offset = [], 0
     for image, shape, dtype in described:
-        size = math.prod(shape) * np.dtype(dtype).itemsize
+        size = math.prod(shape) * dtype.itemsize
         piece = received[offset : offset + size]
+        if offset % dtype.itemsize:  # a view as `dtype` must start at a multiple of its size
+            piece = piece.clone()
+        pixels = piece.view(dtype).view(shape)
         offset += size
-        if piece.is_cuda:
-            pixels = piece.view(torch.from_numpy(np.empty(0, dtype=dtype)).dtype).view(shape)
-        else:
-            pixels = piece.numpy().view(dtype).reshape(shape)
         images.append(dataclasses.replace(image, pixel_values=pixels))
     return images
 
