@@ -43,6 +43,10 @@ reported and the next still runs, in the order of what a GPU window must answer 
   decode_attention benchmarks/decode_attention.py: the per-head and the grouped Triton decode kernels per
                    call at Qwen2-VL-2B's and 7B's heads (256 sequences of 600 and 2,000 keys, 8 of 16,384),
                    and their outputs' difference; refused on the CPU (reported as skipped)
+  prefill_attention benchmarks/prefill_attention.py: a step of prompt chunks at Qwen2-VL-2B's heads by the
+                   paged Triton kernel against torch's flash varlen one, and a vision call's attention by
+                   torch's flash varlen kernel against SDPA's backends on images batched by size, per call;
+                   refused on the CPU (reported as skipped)
   throughput_small benchmarks/throughput.py: transformers `generate` on padded batches of 8 against batchvl
                    in bf16 on the `small` model
   optional, run only when GPU_CHECK_STAGES names them: gpu_throughput_2b_cuda_graphs, _overlap and
@@ -452,6 +456,10 @@ def decode_attention(work: Path) -> dict:
     return cuda_benchmark(work, "decode_attention", 60)
 
 
+def prefill_attention(work: Path) -> dict:
+    return cuda_benchmark(work, "prefill_attention", 90)
+
+
 def throughput(work: Path, size: str) -> dict:
     out = work / f"throughput-{size}.json"
     dtype = "float32" if ON_CPU else "bfloat16"
@@ -551,6 +559,7 @@ STAGES = [
     ("host_step_1024_fast", lambda work: host_step(work, 1024, fast=True)),  # the same, and the captures
     ("fused_elementwise", fused_elementwise),  # some 10-30 s: compiling the kernels, 36 timed ops
     ("decode_attention", decode_attention),  # some 10-30 s: 6 cases of two kernels, 50 calls each
+    ("prefill_attention", prefill_attention),  # some 20-40 s: 8 prompt cases, 8 vision ones, 50 calls each
     ("throughput_small", lambda work: throughput(work, "small")),
     *(
         (f"gpu_throughput_2b_{path}", lambda work, path=path: gpu_throughput(work, "2b", (path,)))

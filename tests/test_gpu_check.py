@@ -184,15 +184,16 @@ def test_the_fused_kernels_benchmark_is_skipped_on_the_cpu_in_one_line(gpu_check
     assert "fused_elementwise" in [name for name, _ in gpu_check.STAGES]
 
 
-def test_the_decode_kernels_benchmark_is_skipped_on_the_cpu_in_one_line(gpu_check, monkeypatch, tmp_path):
+@pytest.mark.parametrize("name", ["decode_attention", "prefill_attention"])
+def test_the_attention_kernels_benchmarks_are_skipped_on_the_cpu_in_one_line(
+    gpu_check, monkeypatch, tmp_path, name
+):
     monkeypatch.setattr(gpu_check, "ON_CPU", True)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    outcome = gpu_check.decode_attention(tmp_path)
+    outcome = getattr(gpu_check, name)(tmp_path)
     assert outcome["ok"] is True and outcome["rc"] == 2
-    assert (
-        outcome["skipped"] == "decode_attention.py times Triton kernels on a CUDA device: no CUDA device here"
-    )
-    assert "decode_attention" in [name for name, _ in gpu_check.chosen_stages()]
+    assert outcome["skipped"] == f"{name}.py times Triton kernels on a CUDA device: no CUDA device here"
+    assert name in [stage for stage, _ in gpu_check.chosen_stages()]
 
 
 def test_optional_stages_run_only_when_named(gpu_check, monkeypatch):
