@@ -3,7 +3,9 @@ query head, each KV head read once per query head of its group) against the grou
 sequence and KV head, its keys split over programs when sequences are few), per call of one layer, at
 Qwen2-VL-2B's heads (12 query, 2 KV, head size 128) and 7B's (28/4/128), in a paged bf16 cache of 16-slot
 pages. Each case also gives the grouped kernel's splits, the KV bytes it reads per second, and the largest
-difference between the two kernels' outputs.
+difference between the two kernels' outputs; and the grouped kernel's time at each split count up to 8
+forced, whose fastest says whether `split_count`'s choice (no split while the step's programs fill the
+GPU) leaves bandwidth unused.
 
     python benchmarks/decode_attention.py [--json out.json] [--dtype bfloat16]
 """
@@ -20,7 +22,8 @@ from cuda_timing import per_call_us, require_cuda, write_report
 SHAPES = {"2b": (12, 2, 128), "7b": (28, 4, 128)}  # query heads, KV heads, head size
 # (sequences, keys each): a decode step at 256 sequences of short and long captions' contexts, and few
 # sequences of long contexts, where the grouped kernel splits the keys
-CASES = [(256, 600), (256, 2000), (8, 16384)]
+CASES = [(256, 600), (256, 2000), (1024, 600), (8, 16384)]  # 1,024: `max_num_seqs: auto` on a large GPU
+FORCED_SPLITS = (1, 2, 4, 8)
 PAGE_SIZE = 16
 
 
@@ -58,6 +61,10 @@ def main() -> None:
             per_head = functools.partial(per_head_decode_attention, outputs[0], *arguments)
             grouped = functools.partial(grouped_decode_attention, outputs[1], *arguments)
             per_head_us, grouped_us = per_call_us(per_head), per_call_us(grouped)
+            forced = {
+                splits: round(per_call_us(functools.partial(grouped, splits=splits)), 1)
+                for splits in FORCED_SPLITS
+            }
             kv_bytes = 2 * kv_heads * sequences * keys * head_dim * kv.element_size()
             row = {
                 "shape": shape,
@@ -69,12 +76,14 @@ def main() -> None:
                 "grouped_splits": split_count(sequences, kv_heads, -(-keys // PAGE_SIZE) * PAGE_SIZE),
                 "grouped_kv_gb_per_s": round(kv_bytes / grouped_us / 1e3, 1),
                 "max_abs_diff": (outputs[0].float() - outputs[1].float()).abs().max().item(),
+                "grouped_us_by_splits": forced,
+                "fastest_splits": min(forced, key=forced.get),
             }
             results.append(row)
             print(
                 f"{shape} {sequences:4} seqs x {keys:6} keys  per-head {per_head_us:9.1f} us  grouped "
                 f"{grouped_us:9.1f} us ({row['grouped_splits']} splits, {row['grouped_kv_gb_per_s']} GB/s)  "
-                f"x{row['speedup']}  diff {row['max_abs_diff']:.2e}"
+                f"x{row['speedup']}  diff {row['max_abs_diff']:.2e}  forced splits {forced}"
             )
     write_report(args.json, args.dtype, results, page_size=PAGE_SIZE)
 

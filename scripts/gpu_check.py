@@ -41,8 +41,9 @@ reported and the next still runs, in the order of what a GPU window must answer 
                    transformers ops, per call and their outputs' differences, at Qwen2-VL-2B's widths;
                    refused on the CPU (reported as skipped)
   decode_attention benchmarks/decode_attention.py: the per-head and the grouped Triton decode kernels per
-                   call at Qwen2-VL-2B's and 7B's heads (256 sequences of 600 and 2,000 keys, 8 of 16,384),
-                   and their outputs' difference; refused on the CPU (reported as skipped)
+                   call at Qwen2-VL-2B's and 7B's heads (256 sequences of 600 and 2,000 keys, 1,024 of 600,
+                   8 of 16,384), their outputs' difference, and the grouped one at 1 to 8 splits forced;
+                   refused on the CPU (reported as skipped)
   prefill_attention benchmarks/prefill_attention.py: a step of prompt chunks at Qwen2-VL-2B's heads by the
                    paged Triton kernel against torch's flash varlen one, and a vision call's attention by
                    torch's flash varlen kernel against SDPA's backends on images batched by size, per call;
@@ -453,7 +454,7 @@ def fused_elementwise(work: Path) -> dict:
 
 
 def decode_attention(work: Path) -> dict:
-    return cuda_benchmark(work, "decode_attention", 60)
+    return cuda_benchmark(work, "decode_attention", 90)
 
 
 def prefill_attention(work: Path) -> dict:
@@ -558,7 +559,8 @@ STAGES = [
     ("host_step_1024", lambda work: host_step(work, 1024)),  # some 20 s
     ("host_step_1024_fast", lambda work: host_step(work, 1024, fast=True)),  # the same, and the captures
     ("fused_elementwise", fused_elementwise),  # some 10-30 s: compiling the kernels, 36 timed ops
-    ("decode_attention", decode_attention),  # some 10-30 s: 6 cases of two kernels, 50 calls each
+    # some 20-50 s: 8 cases of two kernels and four split counts (each compiled), 50 calls each
+    ("decode_attention", decode_attention),
     ("prefill_attention", prefill_attention),  # some 20-40 s: 8 prompt cases, 8 vision ones, 50 calls each
     ("throughput_small", lambda work: throughput(work, "small")),
     *(
