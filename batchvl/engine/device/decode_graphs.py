@@ -109,7 +109,7 @@ class DecodeGraphs:
         # Triton's decode kernels read the cache on CUDA (the native ones on the CPU, which have no splits)
         self.splits_matter = triton_attention.takes(kv_cache.layers[0])
         self._failed = False
-        self.capture_s = 0.0  # the host's time in captures, ahead and on first need
+        self.capture_s = 0.0  # the host's time in captures, ahead and when steps came to need them
 
     @property
     def captured(self) -> list[tuple[int, int, int | None]]:
