@@ -21,6 +21,10 @@ reported and the next still runs, in the order of what a GPU window must answer 
   vision_call      benchmarks/vision_call.py: one vision call of Qwen2-VL-2B's tower at 4,096 to 32,768
                    patches, without and with the fused kernels: its wall, its pixels' staging and its
                    kernels' time, the kernels with the most of it, its TFLOP/s
+  prefill_attention benchmarks/prefill_attention.py: a step of prompt chunks at Qwen2-VL-2B's heads by the
+                   paged Triton kernel against torch's flash varlen one, and a vision call's attention by
+                   torch's flash varlen kernel against SDPA's backends on images batched by size, per call;
+                   refused on the CPU (reported as skipped)
   fast_paths_parity the engine and family parity tests again with every fast path on
                    (BATCHVL_TEST_FAST_PATHS=1): decode graphs, overlapped steps, the fused kernels
   sampled_job      a job sampling at temperature 0.8 on the device and on the CPU: rows ok on each, and the
@@ -43,10 +47,6 @@ reported and the next still runs, in the order of what a GPU window must answer 
   decode_attention benchmarks/decode_attention.py: the per-head and the grouped Triton decode kernels per
                    call at Qwen2-VL-2B's and 7B's heads (256 sequences of 600 and 2,000 keys, 1,024 of 600,
                    8 of 16,384), their outputs' difference, and the grouped one at 1 to 8 splits forced;
-                   refused on the CPU (reported as skipped)
-  prefill_attention benchmarks/prefill_attention.py: a step of prompt chunks at Qwen2-VL-2B's heads by the
-                   paged Triton kernel against torch's flash varlen one, and a vision call's attention by
-                   torch's flash varlen kernel against SDPA's backends on images batched by size, per call;
                    refused on the CPU (reported as skipped)
   throughput_small benchmarks/throughput.py: transformers `generate` on padded batches of 8 against batchvl
                    in bf16 on the `small` model
@@ -550,6 +550,9 @@ STAGES = [
     ("gpu_throughput_2b", lambda work: gpu_throughput(work, "2b")),
     ("gpu_throughput_2b_fast", lambda work: gpu_throughput(work, "2b", FAST_PATHS)),
     ("vision_call", vision_call),  # some 45 s: the 2B tower made on the GPU, 8 call sizes timed
+    # some 20-40 s: 8 prompt cases, 8 vision ones, 50 calls each; what the 2B runs' prefill and vision
+    # time may go to, measured beside them
+    ("prefill_attention", prefill_attention),
     ("fast_paths_parity", fast_paths_parity),
     ("sampled_job", sampled_job),
     ("constrained_job", constrained_job),
@@ -561,7 +564,6 @@ STAGES = [
     ("fused_elementwise", fused_elementwise),  # some 10-30 s: compiling the kernels, 36 timed ops
     # some 20-50 s: 8 cases of two kernels and four split counts (each compiled), 50 calls each
     ("decode_attention", decode_attention),
-    ("prefill_attention", prefill_attention),  # some 20-40 s: 8 prompt cases, 8 vision ones, 50 calls each
     ("throughput_small", lambda work: throughput(work, "small")),
     *(
         (f"gpu_throughput_2b_{path}", lambda work, path=path: gpu_throughput(work, "2b", (path,)))
