@@ -5,12 +5,14 @@ every fast path; 63% of the job's FLOPs), at about a quarter of the measured mat
 engine's own vision call (`model_runner.encode_images`: the pixels staged from the host, the tower, the
 merger) on 448x448 images (1,024 patches each at Qwen2-VL's sizes) in calls of each `--patches` size: per
 call its wall time (synchronized, the median of `--calls`) and that of its staging alone and its two
-halves (the pixels into one page-locked tensor in the tower's dtype, then onto the device), on CUDA the
-kernels' summed time within one call (torch's profiler, overlaps counted once) and the kernels with the
-most of it (by name: calls and ms), and its TFLOP/s against the tower's FLOPs (`flops.py`). On CUDA each
-size runs without the fused kernels, then with them (`engine.fused_kernels`, swapped into the same model).
-A wall well above the kernels' time says the host bounds the call (launches, staging); kernels' time well
-above the FLOPs at the matmul peak says the kernels do, and the top kernels say which.
+halves (the pixels, cast to the tower's dtype by the preprocessing workers as in a job, into one
+page-locked tensor, then onto the device) and the staging of the same pixels in float32, as before the
+workers cast them, on CUDA the kernels' summed time within one call (torch's profiler, overlaps counted
+once) and the kernels with the most of it (by name: calls and ms), and its TFLOP/s against the tower's
+FLOPs (`flops.py`). On CUDA each size runs without the fused kernels, then with them
+(`engine.fused_kernels`, swapped into the same model). A wall well above the kernels' time says the host
+bounds the call (launches, staging); kernels' time well above the FLOPs at the matmul peak says the
+kernels do, and the top kernels say which.
 
     python benchmarks/vision_call.py --device cuda --size 2b [--patches 4096,8192,16384,32768] [--json PATH]
     python benchmarks/vision_call.py --device cpu --size tiny --patches 256,512   (a trial: no kernel figures)
@@ -128,12 +130,17 @@ def kernel_summary(events: list[dict]) -> dict:
 
 
 def measure(loaded, prepared: list, patches: int, calls: int, counter: FlopCounter, fused: bool) -> dict:
+    """One call size's row. The call's images are as a job's preprocessing workers send them, cast to the
+    tower's dtype (`PreparedMedia.in_dtype`); their staging from float32, as before the workers cast them,
+    is timed beside it."""
     per_image = prepared[0].num_patches
-    batch = prepared[: max(1, patches // per_image)]
+    float32_batch = prepared[: max(1, patches // per_image)]
+    batch = [image.in_dtype(loaded.adapter.dtype) for image in float32_batch]
     timed_call(loaded, batch, patches)  # the warm-up: kernels compiled, the allocator's blocks cached
     wall = statistics.median(timed_call(loaded, batch, patches) for _ in range(calls))
     stagings = [timed_staging(loaded, batch) for _ in range(calls)]
     stacking, upload = (statistics.median(times) for times in zip(*stagings, strict=True))
+    from_float32 = statistics.median(sum(timed_staging(loaded, float32_batch)) for _ in range(calls))
     flops = counter.image(per_image) * len(batch)
     row = {
         "patches": per_image * len(batch),
@@ -144,6 +151,7 @@ def measure(loaded, prepared: list, patches: int, calls: int, counter: FlopCount
         # its halves: the pixels into one page-locked tensor in the tower's dtype on the host, the upload
         "staging_host_ms": round(stacking * 1e3, 3),
         "staging_upload_ms": round(upload * 1e3, 3),
+        "staging_from_float32_ms": round(from_float32 * 1e3, 3),
         "tflop_per_s": round(flops / wall / 1e12, 2),
         "kernel_ms": None,
         "kernel_share": None,
