@@ -113,18 +113,8 @@ def prompt_rows() -> list[dict]:
             # without context both attend to the same keys; with it, torch's attends to the chunk alone
             diff = (flash_out.float() - out.float()).abs().max().item() if context == 0 else None
             # torch's kernel does the chunk's own work: its TFLOP/s are counted on that
-            rows.append(
-                prompt_row(
-                    "torch_flash_varlen",
-                    chunk,
-                    0,
-                    count,
-                    flash_us,
-                    causal_flops(count, chunk, 0, heads, dim),
-                    diff,
-                )
-            )
-            rows[-1]["context"] = context
+            own_flops = causal_flops(count, chunk, 0, heads, dim)
+            rows.append(prompt_row("torch_flash_varlen", chunk, context, count, flash_us, own_flops, diff))
     return rows
 
 
