@@ -12,7 +12,9 @@ and decode, counted from the model's layers) and its memory traffic (each decode
 token's KV write, and the decode weights read once a step for `max_num_seqs` sequences) against the
 datasheet's bf16 peak and bandwidth, and against the matmul peak measured here; the share of that limit
 reached; the GPU's kernel time over wall time on a window of steps (`step_timing.py` says how), and where
-the host waited for the GPU in the steps after it (`sync_audit.py`); and the split between vision (the
+the host waited for the GPU in the steps after it (`sync_audit.py`), both from a second run of the same job
+up to the end of those windows (the profiler costs the host so much that the timed job runs without it);
+and the split between vision (the
 vision calls' synchronized time), steps with prompt chunks, and steps of decodes only, in seconds and in
 FLOPs. The engine's settings and which fast paths were on are recorded with it.
 
@@ -47,7 +49,7 @@ from constrained import SCHEMA
 from flops import FlopCounter
 from matmul_probe import matmul_peak
 from PIL import Image
-from step_timing import StepTimer
+from step_timing import StepTimer, WindowsDone
 
 SIZES = ("tiny", "small", "2b", "7b")
 NEW_TOKENS = 64
@@ -102,6 +104,28 @@ def write_images(folder: Path, samples: int, first: int = 0) -> list[tuple[int, 
     return sizes
 
 
+def job_config(root: Path, name: str, loaded, device: str, engine_keys: dict, labels: bool, output: Path):
+    """The job over `root/name` into `output` with `engine_keys` in its engine section (with `labels`, the
+    JSON-schema prompt instead of the caption)."""
+    from batchvl.config import job_config_from_dict
+
+    model = {"path": loaded.path, "dtype": "bfloat16", "device": device}
+    if not labels:
+        return batchvl_job(root / name, ["caption"], output, model, engine_keys)
+    # batchvl_job holds each caption to its budget, EOS ignored; a label ends by its grammar
+    prompt = {"name": "labels", "text": "Describe the image as JSON.", "json_schema": SCHEMA}
+    return job_config_from_dict(
+        {
+            "model": model,
+            "input": {"paths": [str(root / name / "*.parquet")], "key_column": "key"},
+            "prompts": [prompt],
+            "sampling": {"max_new_tokens": LABEL_MAX_TOKENS},
+            "output": {"dir": str(output), "overwrite": True},
+            "engine": engine_keys,
+        }
+    )
+
+
 def caption_job(
     root: Path,
     name: str,
@@ -113,24 +137,9 @@ def caption_job(
 ) -> dict:
     """The job over `root/name` with `engine_keys` in its engine section (with `labels`, the JSON-schema
     prompt instead of the caption); its stats and rows."""
-    from batchvl.config import job_config_from_dict
     from batchvl.pipeline.runner import run_job
 
-    model = {"path": loaded.path, "dtype": "bfloat16", "device": device}
-    if not labels:
-        job = batchvl_job(root / name, ["caption"], root / "out" / name, model, engine_keys)
-    else:  # batchvl_job holds each caption to its budget, EOS ignored; a label ends by its grammar
-        prompt = {"name": "labels", "text": "Describe the image as JSON.", "json_schema": SCHEMA}
-        job = job_config_from_dict(
-            {
-                "model": model,
-                "input": {"paths": [str(root / name / "*.parquet")], "key_column": "key"},
-                "prompts": [prompt],
-                "sampling": {"max_new_tokens": LABEL_MAX_TOKENS},
-                "output": {"dir": str(root / "out" / name), "overwrite": True},
-                "engine": engine_keys,
-            }
-        )
+    job = job_config(root, name, loaded, device, engine_keys, labels, root / "out" / name)
     before = allocator_counts(device)
     with timer.installed() if timer else contextlib.nullcontext():
         stats = run_job(job, loaded=loaded, show_progress=False).stats
@@ -139,6 +148,18 @@ def caption_job(
     rows = [row for path in paths for row in pq.read_table(path).to_pylist()]
     allocator = {key: round(after[key] - before[key], 3) for key in after}
     return {"stats": stats, "rows": rows, "engine": job.engine, "allocator": allocator}
+
+
+def profiled_job(
+    root: Path, name: str, loaded, device: str, engine_keys: dict, timer: StepTimer, labels: bool
+) -> None:
+    """The job over `root/name` again under a profiling `timer`, up to the end of its windows."""
+    from batchvl.pipeline.runner import run_job
+
+    job = job_config(root, name, loaded, device, engine_keys, labels, root / "out" / f"{name}-profiled")
+    # (a job too short for the windows ends by itself)
+    with timer.installed(), contextlib.suppress(WindowsDone):
+        run_job(job, loaded=loaded, show_progress=False)
 
 
 def allocator_counts(device: str) -> dict[str, float]:
@@ -191,8 +212,12 @@ def measure(args, work: Path) -> dict:
         "max_num_seqs": args.max_num_seqs,
     }
     caption_job(work, "warmup", loaded, args.device, engine_keys, labels=args.labels)
-    timer = StepTimer(args.profile_after, args.profile_steps if on_gpu else 0, args.audit_steps)
+    # timed without the profiler, whose costs would be the job's (`step_timing.py`), then profiled apart
+    timer = StepTimer(args.profile_after, args.profile_steps)
     run = caption_job(work, "data", loaded, args.device, engine_keys, timer, labels=args.labels)
+    profiled = StepTimer(args.profile_after, args.profile_steps, args.audit_steps, profiling=True)
+    if on_gpu and args.profile_steps:
+        profiled_job(work, "data", loaded, args.device, engine_keys, profiled, args.labels)
     stats, rows, engine = run["stats"], run["rows"], run["engine"]
     resolved = timer.engine.config if timer.engine is not None else engine
     # A label may be generated in full and still fail JSON's parse: xgrammar admits the byte tokens of raw
@@ -228,7 +253,11 @@ def measure(args, work: Path) -> dict:
         return round(args.samples / max(total_flops / peak, work_done["bytes"] / sheet[1]), 1)
 
     limits = {"datasheet": limit(sheet[0] if sheet else None), "measured_matmul_peak": limit(measured_peak)}
-    window = timer.window
+    window = profiled.window
+    if window is not None and timer.window is not None:
+        # the same steps of the timed job, without the profiler: its share of their wall is an estimate
+        # (input arrives at other moments in the two jobs, so their steps may differ a little)
+        window["wall_s_unprofiled"] = timer.window["wall_s"]
     return {
         "device": name,
         "size": args.size,
@@ -258,8 +287,13 @@ def measure(args, work: Path) -> dict:
             key: round(samples_per_s / value, 4) if value else None for key, value in limits.items()
         },
         "kernel_time_share": round(window["kernel_s"] / window["wall_s"], 4) if window else None,
+        "kernel_time_share_of_unprofiled_wall": (
+            round(window["kernel_s"] / window["wall_s_unprofiled"], 4)
+            if window and "wall_s_unprofiled" in window
+            else None
+        ),
         "kernel_window": window,
-        "host_waits": timer.audit,
+        "host_waits": profiled.audit,
         "split_s": {
             "vision": round(stats["encode_s"], 2),
             "prefill_steps": round(timer.seconds["prefill"], 2),

@@ -5,10 +5,16 @@ Kernel time is the sum of the CUDA kernels' own durations from torch's profiler 
 CUPTI on the GPU's clock), merged where kernels overlap, over a window of consecutive engine steps; its share
 is that over the window's wall time, the gaps between steps included (the GPU is idle there too). Neither
 the forwards' Python time nor CUDA events are used: a forward's wall time includes its launches, and events
-bracketing a step count the GPU's idle gaps inside it as busy. The profiler's own cost per launch makes the
-window's host work a little slower, so the share is if anything low.
+bracketing a step count the GPU's idle gaps inside it as busy.
 
 After that window, a second one (`audit_steps`) counts where the host waited for the GPU (`sync_audit`).
+
+Both cost the host dearly: on an H200, eager steps of some 1,000 decodes (969 launches a step) took 146 ms
+each under the profiler, where one took 23 ms without it, and starting it, reading its trace and the
+audit's stacks take seconds more. A job they run in is not the job to time: the benchmark times a job
+with the timer's cheap counters alone (`profiling=False`: the window's wall without the profiler, for
+comparison), then runs the same job again with the profiler and the audit, which ends it once they are
+done (`WindowsDone`).
 
 Over the whole job, the host's time in each engine step is split by what it was doing (`host_split`):
 scheduling, the vision calls (launched, or run to their end where a step is serial), the forwards (the
@@ -33,14 +39,23 @@ HOST_PHASES = ("schedule", "vision", "forward", "picks_read", "rest_of_step")
 KERNEL = "kernel"  # a CUDA kernel's category in the profiler's trace (copies: gpu_memcpy, gpu_memset)
 
 
-class StepTimer:
-    """Installed around one job: times `ModelRunner.execute` per step by its chunks, profiles steps
-    `profile_after` to `profile_after + profile_steps` of `Engine.step` (none where `profile_steps` is 0),
-    and audits the host's waits over the `audit_steps` steps after those (on a GPU only)."""
+class WindowsDone(Exception):
+    """Raised out of the step that ends a profiling timer's windows: the rest of that job is not needed."""
 
-    def __init__(self, profile_after: int = 0, profile_steps: int = 0, audit_steps: int = 0):
+
+class StepTimer:
+    """Installed around one job: times `ModelRunner.execute` per step by its chunks and the window of steps
+    `profile_after` to `profile_after + profile_steps` of `Engine.step` (none where `profile_steps` is 0).
+    With `profiling` (on a GPU only), the window is profiled, the host's waits are audited over the
+    `audit_steps` steps after it, and the job ends there (`WindowsDone`); without, the window's wall alone
+    is taken."""
+
+    def __init__(
+        self, profile_after: int = 0, profile_steps: int = 0, audit_steps: int = 0, profiling: bool = False
+    ):
         self.profile_after, self.profile_steps = profile_after, profile_steps
-        self.audit_steps = audit_steps if profile_steps else 0
+        self.profiling = profiling and profile_steps > 0
+        self.audit_steps = audit_steps if self.profiling else 0
         self.audit: dict | None = None  # the audited window's waits, once it is over
         self._audit: SyncAudit | None = None
         self.seconds = {"prefill": 0.0, "decode": 0.0}  # steps with prompt chunks, steps of decodes only
@@ -125,17 +140,21 @@ class StepTimer:
 
     def _before_step(self) -> None:
         if self.profile_steps and self.engine_steps == self.profile_after and self.window is None:
-            from torch.profiler import ProfilerActivity, profile
+            if self.profiling:
+                from torch.profiler import ProfilerActivity, profile
 
-            self._profiler = profile(activities=[ProfilerActivity.CUDA])
-            self._profiler.start()
+                self._profiler = profile(activities=[ProfilerActivity.CUDA])
+                self._profiler.start()
             self._window_started = time.perf_counter()
 
     def _after_step(self) -> None:
         self.engine_steps += 1
         audit_from = self.profile_after + self.profile_steps
-        if self._profiler is not None and self.engine_steps == audit_from:
-            self._stop_profile()
+        if self.engine_steps == audit_from and self.window is None and self.profile_steps:
+            if self.profiling:
+                self._stop_profile()
+            else:
+                self.window = {"steps": self.profile_steps, "wall_s": self._window_wall()}
         if self.audit_steps and self.engine_steps == audit_from and self.audit is None:
             import torch
 
@@ -143,6 +162,11 @@ class StepTimer:
             self._audit.start()
         elif self._audit is not None and self.engine_steps == audit_from + self.audit_steps:
             self._stop_audit()
+        if self.profiling and self.engine_steps == audit_from + self.audit_steps:
+            raise WindowsDone
+
+    def _window_wall(self) -> float:
+        return round(time.perf_counter() - self._window_started, 4)
 
     def _stop_audit(self) -> None:
         if self._audit is None:
@@ -157,8 +181,8 @@ class StepTimer:
         import torch
 
         torch.cuda.synchronize()  # the window's last kernels are in it
+        wall = self._window_wall()
         self._profiler.stop()
-        wall = time.perf_counter() - self._window_started
         steps = self.engine_steps - self.profile_after
         with tempfile.TemporaryDirectory() as folder:
             trace = Path(folder) / "trace.json"
@@ -167,7 +191,7 @@ class StepTimer:
         self._profiler = None
         self.window = {
             "steps": steps,
-            "wall_s": round(wall, 4),
+            "wall_s": wall,
             "kernel_s": round(busy_seconds(kernels), 4),
             "kernels": len(kernels),
             "kernels_per_step": round(len(kernels) / max(steps, 1), 1),

@@ -2,6 +2,7 @@
 CPU over a tiny engine: every phase counted, and the phases adding up to the steps' own time."""
 
 import importlib
+import json
 import time
 from pathlib import Path
 
@@ -61,3 +62,88 @@ def test_the_host_split_names_each_phase_and_adds_up_to_the_steps(step_timing, l
     assert split["forward"] == pytest.approx(sum(timer.seconds.values()))
     assert sum(split.values()) == pytest.approx(stepped, rel=0.05)
     assert sum(split.values()) <= stepped
+
+
+class FakeProfiler:
+    """torch's profiler as the timer uses it: one kernel of 2 ms a step that ran under it."""
+
+    def __init__(self, steps_seen: list[int]):
+        self.steps_seen = steps_seen
+        self.started_at = None
+
+    def start(self):
+        self.started_at = len(self.steps_seen)
+
+    def stop(self):
+        self.kernels = len(self.steps_seen) - self.started_at
+
+    def export_chrome_trace(self, path):
+        events = [{"cat": "kernel", "ph": "X", "ts": 10_000 * i, "dur": 2_000} for i in range(self.kernels)]
+        Path(path).write_text(json.dumps({"traceEvents": events}))
+
+
+class FakeAudit:
+    started = stopped = 0
+
+    def __init__(self, cuda):
+        pass
+
+    def start(self):
+        FakeAudit.started += 1
+
+    def stop(self):
+        FakeAudit.stopped += 1
+
+    def report(self, steps):
+        return {"steps": steps}
+
+
+def run_steps(monkeypatch, timer, steps: int) -> int:
+    """`steps` engine steps of a stand-in engine under `timer`; how many began."""
+    from batchvl.engine import engine as engine_module
+
+    begun = []
+    monkeypatch.setattr(engine_module.Engine, "step", lambda self: begun.append(self) or [])
+    with timer.installed():
+        for _ in range(steps):
+            engine_module.Engine.step(None)
+    return len(begun)
+
+
+def test_the_timed_job_takes_its_windows_wall_without_the_profiler(step_timing, monkeypatch):
+    """The job whose wall gives samples/s runs no profiler and no audit (each would cost its host time
+    inside that wall), keeps every step, and times the window's steps for the profiled window's share."""
+    monkeypatch.setattr("torch.profiler.profile", lambda **kwargs: pytest.fail("profiled the timed job"))
+    monkeypatch.setattr(step_timing, "SyncAudit", lambda cuda: pytest.fail("audited the timed job"))
+    timer = step_timing.StepTimer(profile_after=2, profile_steps=3, audit_steps=2)
+    assert run_steps(monkeypatch, timer, 9) == 9
+    assert timer.window["steps"] == 3 and timer.window["wall_s"] >= 0
+    assert "kernel_s" not in timer.window and timer.audit is None
+
+
+def test_the_profiled_job_profiles_its_window_audits_the_steps_after_and_ends_there(step_timing, monkeypatch):
+    steps_seen: list[int] = []
+    profilers = []
+
+    def profile(**kwargs):
+        profilers.append(FakeProfiler(steps_seen))
+        return profilers[-1]
+
+    monkeypatch.setattr("torch.profiler.profile", profile)
+    monkeypatch.setattr("torch.cuda.synchronize", lambda *args: None)
+    monkeypatch.setattr(step_timing, "SyncAudit", FakeAudit)
+    timer = step_timing.StepTimer(profile_after=2, profile_steps=3, audit_steps=2, profiling=True)
+    original = step_timing.StepTimer._after_step
+
+    def after_step(self):
+        steps_seen.append(self.engine_steps)
+        original(self)
+
+    monkeypatch.setattr(step_timing.StepTimer, "_after_step", after_step)
+    with pytest.raises(step_timing.WindowsDone):
+        run_steps(monkeypatch, timer, 20)
+    # the window: steps 2, 3 and 4, one kernel each; the audit: steps 5 and 6, and no step after them
+    assert len(steps_seen) == 7 and len(profilers) == 1
+    assert timer.window["steps"] == 3 and timer.window["kernels"] == 3
+    assert timer.window["kernel_s"] == pytest.approx(0.006)
+    assert timer.audit == {"steps": 2} and (FakeAudit.started, FakeAudit.stopped) == (1, 1)
