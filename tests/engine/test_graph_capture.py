@@ -1,5 +1,6 @@
 """CUDA graph capture as torch documents it, checked against a recording stand-in for `torch.cuda`: the step
-warmed up on a side stream that waits for the current one, then recorded once, every graph in one pool."""
+warmed up on a side stream that waits for the current one, then recorded once, every graph in one pool,
+without a wait for the device or an emptied cache (a capture can come in the middle of a job)."""
 
 import pytest
 import torch
@@ -24,6 +25,14 @@ class RecordingCuda:
                 cuda.events.append(f"{self.name} waits for {other.name}")
 
         class CUDAGraph:
+            def capture_begin(self, pool, capture_error_mode):
+                cuda.events.append(f"capture into pool {pool} on {cuda.in_stream} ({capture_error_mode})")
+                cuda.capturing = True
+
+            def capture_end(self):
+                cuda.events.append(f"captured on {cuda.in_stream}")
+                cuda.capturing = False
+
             def replay(self):
                 cuda.events.append("replay")
 
@@ -46,19 +55,11 @@ class RecordingCuda:
 
             return Context(enter, leave)
 
-        def graph(recorded, pool, stream, capture_error_mode):
-            def enter():
-                cuda.events.append(f"capture into pool {pool} on {stream.name} ({capture_error_mode})")
-                cuda.in_stream = stream.name
+        def stall(name):
+            def call(*args):
+                cuda.events.append(name)
 
-            def leave():
-                cuda.in_stream = None
-                cuda.events.append("captured")
-
-            return Context(enter, leave)
-
-        def set_stream(chosen):
-            cuda.events.append(f"set stream {chosen.name}")
+            return call
 
         made = []
 
@@ -66,9 +67,12 @@ class RecordingCuda:
             made.append(device)
             return Stream(f"stream {len(made)}")  # named by the capture, which makes its own
 
-        self.Stream, self.set_stream = new_stream, set_stream
+        self.Stream = new_stream
         self.current_stream = lambda device: Stream("current")
-        self.stream, self.graph, self.CUDAGraph = stream, graph, CUDAGraph
+        self.stream, self.CUDAGraph = stream, CUDAGraph
+        self.capturing = False
+        # what `torch.cuda.graph` does before a capture: here recorded, and no event may name them
+        self.synchronize, self.empty_cache = stall("synchronize"), stall("empty_cache")
         self.graph_pool_handle = lambda: 7
         self.streams_made_on = made
 
@@ -93,7 +97,7 @@ def test_a_step_is_warmed_up_on_a_side_stream_then_recorded_once_in_the_shared_p
         "current waits for side",
         "capture into pool 7 on capture (thread_local)",
         "forward on capture",
-        "captured",
+        "captured on capture",
     ]
     assert cuda.events == one_capture * 2
     replays[0]()
@@ -104,20 +108,22 @@ def test_a_step_is_warmed_up_on_a_side_stream_then_recorded_once_in_the_shared_p
     assert cuda.streams_made_on == [torch.device("cuda", 0)] * 2
 
 
-def test_a_failed_capture_gives_the_thread_its_stream_back(monkeypatch):
-    """torch ends a failed capture before it restores the stream: the capture restores it itself, or every
-    later kernel of the thread would go to the capture's stream."""
+def test_a_failed_capture_is_ended_and_gives_the_thread_its_stream_back(monkeypatch):
+    """A forward that fails while captured: the capture ends (the stream would stay in capture mode) on
+    the capture's stream, and the thread is back on its own stream (or every later kernel of the thread
+    would go to the capture's stream), with the forward's error raised."""
     cuda = RecordingCuda()
     monkeypatch.setattr(graph_capture_module.torch, "cuda", cuda)
     capture = named_streams(CudaGraphCapture(torch.device("cuda", 0)))
 
     def forward():
-        if cuda.in_stream == "capture":
+        if cuda.capturing:
             raise RuntimeError("operation not permitted when stream is capturing")
 
     with pytest.raises(RuntimeError, match="not permitted"):
         capture.capture(forward)
-    assert cuda.events[-2:] == ["captured", "set stream current"]
+    assert cuda.events[-1] == "captured on capture" and not cuda.capturing
+    assert cuda.in_stream is None
 
 
 def test_graphs_are_captured_on_cuda_only():

@@ -31,10 +31,10 @@ step itself (writing the same K/V to the same slots again changes nothing); the 
 H200 a capture at Qwen2-VL-2B's depth took 67 ms, against 23 ms for a step of 1,024 decodes run eagerly:
 capturing all 32 buckets up to 1,024 rows ahead, as vLLM captures its own, took 2.1 s, 14% of a 1,000-sample
 job's wall time, and most of those graphs replayed once if at all, since a job's last requests end in
-waves and its steps pass each smaller bucket once on the way down. A capture in the middle of a job costs
-more than its own time: `torch.cuda.graph` waits for the device and empties torch's device and page-locked
-caches first, which the steps after it fill again. A graph for a decode split count other than the usual
-one (long contexts over few rows, on CUDA) follows the same rule.
+waves and its steps pass each smaller bucket once on the way down. A capture in the middle of a job neither
+waits for the device nor empties torch's caches (`graph_capture.py`: `torch.cuda.graph` would do both, and
+the steps after it would allocate their memory anew). A graph for a decode split count other than the
+usual one (long contexts over few rows, on CUDA) follows the same rule.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Recording a step's kernels once and replaying them: CUDA graphs, as torch documents their capture.
+"""Recording a step's kernels once and replaying them: CUDA graphs, captured as torch documents it.
 
 A captured callable reads and writes only tensors that outlive it (static buffers): a replay launches the
 recorded kernels over whatever those buffers hold then, without running any Python.
@@ -43,18 +43,18 @@ class CudaGraphCapture:
                 forward()
         current.wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        try:
+        # Begun and ended here, not by `torch.cuda.graph`, which first waits for the device and empties
+        # torch's device and page-locked caches: a graph captured in the middle of a job would stall the
+        # step in flight and make the steps after it allocate their activations and staging buffers anew.
+        # A capture runs nothing, so the work queued on other streams needs no wait.
+        with torch.cuda.stream(self.stream):  # (restores this thread's stream however the capture ends)
             # thread_local: only this thread's calls are checked while it captures; under the default
             # (global) a CUDA call not allowed during a capture would fail in whatever other thread makes it.
-            with torch.cuda.graph(
-                graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"
-            ):
+            graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+            try:
                 forward()
-        except BaseException:
-            # torch ends a failed capture before it restores the stream: every later kernel of this thread
-            # would go to the capture's stream, unordered with the others'
-            torch.cuda.set_stream(current)
-            raise
+            finally:
+                graph.capture_end()  # (a failed forward's capture ends too, and its error is raised)
         return graph.replay
 
 
