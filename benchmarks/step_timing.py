@@ -30,12 +30,14 @@ import json
 import tempfile
 import threading
 import time
+from collections import defaultdict
 from pathlib import Path
 
 from sync_audit import SyncAudit
 
 # what the host did in an engine step (see the module docstring), in the order a step does it
 HOST_PHASES = ("schedule", "vision", "forward", "picks_read", "rest_of_step")
+TOP_KERNELS = 12  # the kernels named in a summary, by their summed time
 KERNEL = "kernel"  # a CUDA kernel's category in the profiler's trace (copies: gpu_memcpy, gpu_memset)
 
 
@@ -187,14 +189,15 @@ class StepTimer:
         with tempfile.TemporaryDirectory() as folder:
             trace = Path(folder) / "trace.json"
             self._profiler.export_chrome_trace(str(trace))
-            kernels = kernel_intervals(json.loads(trace.read_text()))
+            summary = kernel_summary(json.loads(trace.read_text()).get("traceEvents", []))
         self._profiler = None
         self.window = {
             "steps": steps,
             "wall_s": wall,
-            "kernel_s": round(busy_seconds(kernels), 4),
-            "kernels": len(kernels),
-            "kernels_per_step": round(len(kernels) / max(steps, 1), 1),
+            "kernel_s": round(summary["kernel_ms"] / 1e3, 4),
+            "kernels": summary["kernels"],
+            "kernels_per_step": round(summary["kernels"] / max(steps, 1), 1),
+            "top_kernels": summary["top_kernels"],  # where the window's GPU time went
         }
 
 
@@ -215,3 +218,21 @@ def busy_seconds(intervals: list[tuple[float, float]]) -> float:
             busy += end - max(start, reach)
             reach = end
     return busy / 1e6
+
+
+def kernel_summary(events: list[dict]) -> dict:
+    """Of a profiler's Chrome trace events: the kernels' busy time (overlaps once), their count, and the
+    TOP_KERNELS names by summed time."""
+    kernels = [event for event in events if event.get("cat") == KERNEL and event.get("ph") == "X"]
+    by_name: dict[str, list[float]] = defaultdict(list)
+    for kernel in kernels:
+        by_name[kernel["name"]].append(kernel["dur"])
+    top = sorted(by_name.items(), key=lambda item: sum(item[1]), reverse=True)[:TOP_KERNELS]
+    return {
+        "kernel_ms": round(busy_seconds(kernel_intervals({"traceEvents": kernels})) * 1e3, 3),
+        "kernels": len(kernels),
+        "top_kernels": [
+            {"name": name[:120], "calls": len(durations), "ms": round(sum(durations) / 1e3, 3)}
+            for name, durations in top
+        ],
+    }

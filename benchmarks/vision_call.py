@@ -25,17 +25,15 @@ import json
 import statistics
 import tempfile
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
 import torch
 from flops import FlopCounter
-from step_timing import KERNEL, busy_seconds, kernel_intervals
+from step_timing import kernel_summary
 from workloads import markdown_table
 
 IMAGE_SIDE = 448
-TOP_KERNELS = 12
 
 
 def built_model(size: str, device: str, folder: Path):
@@ -109,24 +107,6 @@ def kernels_of_one_call(loaded, batch: list, patches: int) -> dict:
         trace = Path(folder) / "trace.json"
         profiler.export_chrome_trace(str(trace))
         return kernel_summary(json.loads(trace.read_text()).get("traceEvents", []))
-
-
-def kernel_summary(events: list[dict]) -> dict:
-    """Of a profiler's Chrome trace events: the kernels' busy time (overlaps once), their count, and the
-    TOP_KERNELS names by summed time."""
-    kernels = [event for event in events if event.get("cat") == KERNEL and event.get("ph") == "X"]
-    by_name: dict[str, list[float]] = defaultdict(list)
-    for kernel in kernels:
-        by_name[kernel["name"]].append(kernel["dur"])
-    top = sorted(by_name.items(), key=lambda item: sum(item[1]), reverse=True)[:TOP_KERNELS]
-    return {
-        "kernel_ms": round(busy_seconds(kernel_intervals({"traceEvents": kernels})) * 1e3, 3),
-        "kernels": len(kernels),
-        "top_kernels": [
-            {"name": name[:120], "calls": len(durations), "ms": round(sum(durations) / 1e3, 3)}
-            for name, durations in top
-        ],
-    }
 
 
 def measure(loaded, prepared: list, patches: int, calls: int, counter: FlopCounter, fused: bool) -> dict:

@@ -324,8 +324,8 @@ def test_host_work_per_sample_is_the_wall_less_the_model_and_the_input_wait(tmp_
     assert row["own_time"] == sorted(row["own_time"], key=lambda entry: -entry["own_s"])
 
 
-def test_a_vision_calls_kernels_are_summed_once_where_they_overlap_and_ranked_by_time(benchmark):
-    summary = benchmark("vision_call").kernel_summary
+def test_kernels_are_summed_once_where_they_overlap_and_ranked_by_time(benchmark):
+    summary = benchmark("step_timing").kernel_summary
     kernels = [  # (name, start, duration) in microseconds; a CPU op and a memcpy are not kernels
         ("gemm", 0, 300),
         ("gemm", 400, 300),

@@ -78,7 +78,10 @@ class FakeProfiler:
         self.kernels = len(self.steps_seen) - self.started_at
 
     def export_chrome_trace(self, path):
-        events = [{"cat": "kernel", "ph": "X", "ts": 10_000 * i, "dur": 2_000} for i in range(self.kernels)]
+        events = [
+            {"cat": "kernel", "ph": "X", "name": "gemm", "ts": 10_000 * i, "dur": 2_000}
+            for i in range(self.kernels)
+        ]
         Path(path).write_text(json.dumps({"traceEvents": events}))
 
 
@@ -146,4 +149,5 @@ def test_the_profiled_job_profiles_its_window_audits_the_steps_after_and_ends_th
     assert len(steps_seen) == 7 and len(profilers) == 1
     assert timer.window["steps"] == 3 and timer.window["kernels"] == 3
     assert timer.window["kernel_s"] == pytest.approx(0.006)
+    assert timer.window["top_kernels"] == [{"name": "gemm", "calls": 3, "ms": 6.0}]
     assert timer.audit == {"steps": 2} and (FakeAudit.started, FakeAudit.stopped) == (1, 1)
