@@ -9,8 +9,8 @@ rounded to bf16 is rounded here too), so bf16 outputs are the module's but for t
 and the last bit of exp and rsqrt; float32 ones differ by about one float32 rounding step.
 
 The engine runs them on CUDA with `engine.fused_kernels` (`fused_kernels` swaps them in). They are tested
-on CPU tensors by Triton's interpreter (TRITON_INTERPRET=1, tests/layers/triton_elementwise_checks.py)
-and timed against the eager ops by benchmarks/fused_elementwise.py on a GPU, which decides whether they
+on CPU tensors by Triton's interpreter (TRITON_INTERPRET=1, tests/layers/triton_elementwise_checks.py),
+by the same checks compiled on a GPU (where a bf16 rounding is a cast, not bit arithmetic), and timed against the eager ops by benchmarks/fused_elementwise.py on a GPU, which decides whether they
 pay.
 
 They are compiled without contracting a product and a sum into one fused multiply-add
@@ -20,6 +20,7 @@ They are compiled without contracting a product and a sum into one fused multipl
 from __future__ import annotations
 
 import functools
+import os
 from types import SimpleNamespace
 
 import torch
@@ -28,16 +29,26 @@ BLOCK_COLUMNS = 1024  # columns per program of the purely elementwise kernels
 EAGER_ROUNDING = {"enable_fp_fusion": False}  # a launch's compile option (ignored by the interpreter)
 
 
+def casts_round() -> bool:
+    """Whether the kernels' casts to bf16 round to nearest: compiled for a GPU they do, Triton's
+    interpreter (TRITON_INTERPRET=1, read as Triton reads it when a kernel is defined) truncates."""
+    return os.environ.get("TRITON_INTERPRET") != "1"
+
+
 @functools.cache
 def _kernels() -> SimpleNamespace:
     import triton
     import triton.language as tl
 
+    CASTS_ROUND = tl.constexpr(casts_round())
+
     @triton.jit
     def rounded(x, dtype: tl.constexpr):
-        """float32 x rounded to `dtype` (to nearest, ties to even) and held in float32. bf16 by its bits:
-        Triton's interpreter truncates a cast to bf16 where a GPU rounds it; both run this the same."""
-        if dtype == tl.bfloat16:
+        """float32 x rounded to `dtype` (to nearest, ties to even) and held in float32. On a GPU by a
+        cast, one conversion instruction; under Triton's interpreter, which truncates a cast to bf16,
+        bf16 by its bits (five integer operations: QuickGELU rounds four times an element, and its
+        kernel is bound by its arithmetic more than by its bytes)."""
+        if dtype == tl.bfloat16 and not CASTS_ROUND:
             bits = x.to(tl.uint32, bitcast=True)
             bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
             return bits.to(tl.float32, bitcast=True)
@@ -45,8 +56,8 @@ def _kernels() -> SimpleNamespace:
             return x.to(dtype).to(tl.float32)
 
     # Triton 3.2 compiles a kernel with only its module's globals in scope (see triton_attention): the
-    # kernels find `tl` and `rounded` there.
-    globals().update(tl=tl, rounded=rounded)
+    # kernels find `tl`, `rounded` and `CASTS_ROUND` there.
+    globals().update(tl=tl, rounded=rounded, CASTS_ROUND=CASTS_ROUND)
 
     @triton.jit
     def rms_norm_kernel(

@@ -3,7 +3,11 @@ against the transformers modules and functions they replace, computed as transfo
 the same dtype: float32 within 1e-6 relative (LayerNorm: of its rows' largest output), bf16 within one
 bf16 rounding step, at Qwen2-VL-2B's widths and odd ones, with a row count no power of two.
 
-Run in a process of their own with TRITON_INTERPRET=1 by tests/layers/test_triton_elementwise.py."""
+Run in a process of their own with TRITON_INTERPRET=1 by tests/layers/test_triton_elementwise.py, and on a
+GPU, compiled, by the GPU check (where the kernels round by a cast, not by the bits as interpreted):
+
+    BATCHVL_TEST_DEVICE=cuda python -m pytest -q tests/layers/triton_elementwise_checks.py
+"""
 
 import os
 
@@ -19,16 +23,22 @@ from transformers.models.qwen2_vl.modeling_qwen2_vl import (
 )
 
 from batchvl.layers import triton_elementwise
+from tests.conftest import TEST_DEVICE
 
-if os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("run by test_triton_elementwise.py, under Triton's interpreter", allow_module_level=True)
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+if not INTERPRETED and not TEST_DEVICE.startswith("cuda"):
+    pytest.skip(
+        "run by test_triton_elementwise.py under Triton's interpreter, or with BATCHVL_TEST_DEVICE=cuda",
+        allow_module_level=True,
+    )
+DEVICE = "cpu" if INTERPRETED else TEST_DEVICE
 
 ROWS = 37  # no power of two: the last block of rows and columns is partial
 DTYPES = [torch.float32, torch.bfloat16]
 
 
 def random(*shape, dtype, seed: int) -> torch.Tensor:
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(DEVICE, dtype)
 
 
 def bf16_steps(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -91,7 +101,7 @@ def test_quick_gelu_with_its_bias_equals_transformers(dtype, width, with_bias):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("width", [1280, 80])
 def test_layer_norm_equals_torchs(dtype, width):
-    norm = torch.nn.LayerNorm(width, eps=1e-6).to(dtype)
+    norm = torch.nn.LayerNorm(width, eps=1e-6).to(DEVICE, dtype)
     norm.weight.data = random(width, dtype=dtype, seed=7)
     norm.bias.data = random(width, dtype=dtype, seed=8)
     x = random(ROWS, width, dtype=dtype, seed=9) * 3 + 1  # off-centre rows
@@ -114,9 +124,9 @@ def test_rotary_of_queries_and_keys_equals_the_text_models(dtype, heads, kv_head
         num_key_value_heads=kv_heads,
         rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": section},
     )
-    positions = torch.randint(0, 3000, (3, 1, ROWS), generator=torch.Generator().manual_seed(10))
+    positions = torch.randint(0, 3000, (3, 1, ROWS), generator=torch.Generator().manual_seed(10)).to(DEVICE)
     qkv = random(ROWS, heads + 2 * kv_heads, head_dim, dtype=dtype, seed=11)
-    cos, sin = Qwen2VLRotaryEmbedding(config)(qkv, positions)  # (1, rows, head dim) in qkv's dtype
+    cos, sin = Qwen2VLRotaryEmbedding(config).to(DEVICE)(qkv, positions)  # (1, rows, head dim) in qkv's dtype
     query, key = (
         part.transpose(0, 1)[None] for part in qkv[:, : heads + kv_heads].split([heads, kv_heads], 1)
     )
