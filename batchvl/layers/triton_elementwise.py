@@ -10,8 +10,8 @@ and the last bit of exp and rsqrt; float32 ones differ by about one float32 roun
 
 The engine runs them on CUDA with `engine.fused_kernels` (`fused_kernels` swaps them in). They are tested
 on CPU tensors by Triton's interpreter (TRITON_INTERPRET=1, tests/layers/triton_elementwise_checks.py),
-by the same checks compiled on a GPU (where a bf16 rounding is a cast, not bit arithmetic), and timed against the eager ops by benchmarks/fused_elementwise.py on a GPU, which decides whether they
-pay.
+by the same checks compiled on a GPU (where a bf16 rounding is a cast, not bit arithmetic), and timed
+against the eager ops by benchmarks/fused_elementwise.py on a GPU, which decides whether they pay.
 
 They are compiled without contracting a product and a sum into one fused multiply-add
 (`enable_fp_fusion=False`): eager, the product and the sum are two kernels, each rounded.
