@@ -49,7 +49,7 @@ from constrained import SCHEMA
 from flops import FlopCounter
 from matmul_probe import matmul_peak
 from PIL import Image
-from step_timing import StepTimer, WindowsDone
+from step_timing import TRACE_COLUMNS, StepTimer, WindowsDone
 
 SIZES = ("tiny", "small", "2b", "7b")
 NEW_TOKENS = 64
@@ -300,6 +300,8 @@ def measure(args, work: Path) -> dict:
             "decode_steps": round(timer.seconds["decode"], 2),
         },
         "split_steps": timer.steps,
+        # the timed job's steps one by one: how the job ramps up, how full its steps are, where they wait
+        "step_trace": {"columns": list(TRACE_COLUMNS), "rows": timer.trace},
         # the host's time in the engine's steps by what it did, and the job's processing time outside them
         # (taking inputs, writing rows): with overlapped steps, little time waiting for picks says the host
         # bounds the job (`step_timing.py`)

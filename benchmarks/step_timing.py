@@ -37,6 +37,7 @@ from sync_audit import SyncAudit
 
 # what the host did in an engine step (see the module docstring), in the order a step does it
 HOST_PHASES = ("schedule", "vision", "forward", "picks_read", "rest_of_step")
+TRACE_COLUMNS = ("start_s", "wall_ms", "prompt_tokens", "decodes", "patches")  # a step's row in `trace`
 TOP_KERNELS = 12  # the kernels named in a summary, by their summed time
 KERNEL = "kernel"  # a CUDA kernel's category in the profiler's trace (copies: gpu_memcpy, gpu_memset)
 
@@ -64,6 +65,10 @@ class StepTimer:
         self.steps = {"prefill": 0, "decode": 0}
         self.host_split = dict.fromkeys(HOST_PHASES, 0.0)  # seconds of every engine step, by what it did
         self._in_step = threading.local()  # the split's seconds so far in the step this thread runs
+        # every step of the job in order, a row of TRACE_COLUMNS: when it began (seconds from the first
+        # step's start), its wall, its prompt tokens, its decodes and the patches its vision calls encoded
+        self.trace: list[list[float]] = []
+        self._first_step_at: float | None = None
         self.engine_steps = 0
         self.engine = None  # the engine of the steps (its config with `auto` sizes resolved), once one ran
         self.window: dict | None = None  # the profiled window's figures, once it is over
@@ -85,15 +90,20 @@ class StepTimer:
             timer._before_step()
             started = time.perf_counter()
             timer._in_step.seconds = 0.0  # per thread: the CPU's engine replicas step in threads of their own
+            timer._in_step.tokens = (0, 0)
+            patches = engine.encoder_cache.patches_encoded
             try:
                 return step(engine)
             finally:
                 elapsed = time.perf_counter() - started
                 timer.host_split["rest_of_step"] += elapsed - timer._in_step.seconds
+                timer._trace(started, elapsed, engine.encoder_cache.patches_encoded - patches)
                 timer._after_step()
 
         def timed_execute(runner, chunks, *args, **kwargs):
             started = time.perf_counter()
+            decodes = sum(chunk.is_generated for chunk in chunks)
+            timer._in_step.tokens = (sum(c.num_tokens for c in chunks if not c.is_generated), decodes)
             try:
                 return execute(runner, chunks, *args, **kwargs)
             finally:
@@ -135,6 +145,13 @@ class StepTimer:
                 self._add(phase, time.perf_counter() - started)
 
         return timed
+
+    def _trace(self, started: float, elapsed: float, patches: int) -> None:
+        if self._first_step_at is None:
+            self._first_step_at = started
+        prompt_tokens, decodes = self._in_step.tokens
+        since_first = round(started - self._first_step_at, 4)
+        self.trace.append([since_first, round(elapsed * 1e3, 2), prompt_tokens, decodes, patches])
 
     def _add(self, phase: str, seconds: float) -> None:
         self.host_split[phase] += seconds

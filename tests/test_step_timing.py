@@ -5,6 +5,7 @@ import importlib
 import json
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -62,6 +63,19 @@ def test_the_host_split_names_each_phase_and_adds_up_to_the_steps(step_timing, l
     assert split["forward"] == pytest.approx(sum(timer.seconds.values()))
     assert sum(split.values()) == pytest.approx(stepped, rel=0.05)
     assert sum(split.values()) <= stepped
+    # the trace: a row a step, in order, whose prompt tokens, decodes and patches are the job's
+    trace = [dict(zip(step_timing.TRACE_COLUMNS, row, strict=True)) for row in timer.trace]
+    assert len(trace) == timer.engine_steps and trace[0]["start_s"] == 0
+    ends = [row["start_s"] + row["wall_ms"] / 1e3 for row in trace]
+    assert all(end <= row["start_s"] + 1e-4 for end, row in zip(ends, trace[1:], strict=False))
+    assert sum(row["wall_ms"] for row in trace) / 1e3 == pytest.approx(stepped, rel=0.05)
+    prompts = requests(loaded_fp32)
+    computed = sum(len(r.prompt_token_ids) for r in prompts) - engine.scheduler.num_prefix_cached_tokens
+    assert sum(row["prompt_tokens"] for row in trace) == computed
+    # each request's first token comes from its prompt's last chunk, the other 5 from decodes; overlapped,
+    # one more decode a request, whose token is dropped once the step after reads that it had ended
+    assert sum(row["decodes"] for row in trace) == (5 + overlap) * len(prompts)
+    assert sum(row["patches"] for row in trace) == engine.encoder_cache.patches_encoded > 0
 
 
 class FakeProfiler:
@@ -107,9 +121,10 @@ def run_steps(monkeypatch, timer, steps: int) -> int:
 
     begun = []
     monkeypatch.setattr(engine_module.Engine, "step", lambda self: begun.append(self) or [])
+    engine = SimpleNamespace(encoder_cache=SimpleNamespace(patches_encoded=0))
     with timer.installed():
         for _ in range(steps):
-            engine_module.Engine.step(None)
+            engine_module.Engine.step(engine)
     return len(begun)
 
 
