@@ -319,6 +319,9 @@ def measure(args, work: Path) -> dict:
         "engine_replicas": stats["engine_replicas"],  # the CPU's replicas' seconds are summed
         "split_flops_share": {key: round(value / total_flops, 4) for key, value in flops.items()},
         "input_wait_s": round(stats["input_wait_s"], 2),
+        # the input's capacity, workers over a sample's preprocessing: above samples/s, input is no bound
+        "preprocess_workers": stats["preprocess_workers"],
+        "preprocess_ms_per_sample": round(1e3 * stats["preprocess_s"] / args.samples, 2),
         "engine": {
             # as the engine resolved `auto` on this device
             "max_num_seqs": resolved.max_num_seqs,
