@@ -136,9 +136,10 @@ def test_the_audit_window_follows_the_kernel_window(benchmark, monkeypatch, tmp_
     monkeypatch.setattr(torch.profiler, "profile", Profile)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     monkeypatch.setattr(step_timing, "SyncAudit", Audit)
-    timer = step_timing.StepTimer(profile_after=2, profile_steps=3, audit_steps=4)
-    for _ in range(12):
-        timer._before_step()
-        timer._after_step()
+    timer = step_timing.StepTimer(profile_after=2, profile_steps=3, audit_steps=4, profiling=True)
+    with pytest.raises(step_timing.WindowsDone):  # the profiled job ends with its windows
+        for _ in range(12):
+            timer._before_step()
+            timer._after_step()
     assert events == [("profile", 2), ("profile end", 5), ("audit", 5), ("audit end", 9)]
     assert timer.window["steps"] == 3 and timer.audit == {"steps": 4}
