@@ -32,6 +32,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from batchvl.config import (
+    EngineConfig,
     JobConfig,
     ModelConfig,
     check_model_keys,
@@ -105,7 +106,8 @@ class Results:
 
 
 def load_model(path: str | Path, dtype: str = "auto", device: str = "auto") -> LoadedModel:
-    """Load a checkpoint once, to pass as `model=` to several `run` / `caption` calls."""
+    """Load a checkpoint once, to pass as `model=` to several `run` / `caption` calls: as a job with the
+    default engine settings loads it (on CUDA the fused kernels, `engine.fused_kernels: auto`)."""
     from transformers.utils import logging as hf_logging
 
     if not isinstance(path, str | os.PathLike):
@@ -114,7 +116,9 @@ def load_model(path: str | Path, dtype: str = "auto", device: str = "auto") -> L
     bar_was_enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # the job's bar is the one worth a line in a notebook
     try:
-        return _load_model(str(Path(path).resolve()), dtype, device)
+        engine = EngineConfig()  # the settings a loaded model holds, at a job's defaults
+        folder = str(Path(path).resolve())
+        return _load_model(folder, dtype, device, False, engine.fused_kernels, engine.vision_attention)
     finally:
         if bar_was_enabled:
             hf_logging.enable_progress_bar()

@@ -202,7 +202,13 @@ def measure(args, work: Path) -> dict:
 
     on_gpu = args.device != "cpu"
     started = _clock(args.device)
-    loaded = build_on_device(work / "model", args.size, args.device, fused_kernels=args.fused_kernels)
+    loaded = build_on_device(
+        work / "model",
+        args.size,
+        args.device,
+        fused_kernels=args.fused_kernels,
+        vision_attention=args.vision_attention,
+    )
     build_s = _clock(args.device) - started
     write_images(work / "warmup", min(WARMUP_SAMPLES, args.samples), first=args.samples)
     sizes = write_images(work / "data", args.samples)
@@ -210,6 +216,7 @@ def measure(args, work: Path) -> dict:
         "cuda_graphs": args.cuda_graphs,
         "overlap": args.overlap,
         "max_num_seqs": args.max_num_seqs,
+        "vision_attention": args.vision_attention,  # (the model is made with it: recorded in the job too)
     }
     caption_job(work, "warmup", loaded, args.device, engine_keys, labels=args.labels)
     # timed without the profiler, whose costs would be the job's (`step_timing.py`), then profiled apart
@@ -332,6 +339,7 @@ def measure(args, work: Path) -> dict:
             "cuda_graphs": engine.cuda_graphs,
             "overlap": engine.overlap,
             "fused_kernels": has_fused_kernels(loaded.adapter.model),
+            "vision_attention": engine.vision_attention,
             "decode_kernel": decode_kernel(loaded, on_gpu),
         },
     }
@@ -414,6 +422,12 @@ def main() -> None:
         action=argparse.BooleanOptionalAction,
         default=False,
         help="RMSNorm, LayerNorm, SiLU*mul, QuickGELU and rotary as Triton kernels (engine.fused_kernels)",
+    )
+    parser.add_argument(
+        "--vision-attention",
+        choices=("auto", "flash_varlen", "sdpa"),
+        default="auto",
+        help="engine.vision_attention: the tower's attention by one flash varlen call a layer, or by SDPA",
     )
     parser.add_argument(
         "--max-num-seqs",

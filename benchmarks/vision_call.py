@@ -10,7 +10,9 @@ page-locked tensor, then onto the device) and the staging of the same pixels in 
 workers cast them, on CUDA the kernels' summed time within one call (torch's profiler, overlaps counted
 once) and the kernels with the most of it (by name: calls and ms), and its TFLOP/s against the tower's
 FLOPs (`flops.py`). On CUDA each size runs without the fused kernels, then with them
-(`engine.fused_kernels`, swapped into the same model). A wall well above the kernels' time says the host
+(`engine.fused_kernels`, swapped into the same model), then with them and the tower's attention by SDPA
+over each size's images, cuDNN's kernel first (`engine.vision_attention: sdpa`), instead of one flash
+varlen call a layer. A wall well above the kernels' time says the host
 bounds the call (launches, staging); kernels' time well above the FLOPs at the matmul peak says the
 kernels do, and the top kernels say which.
 
@@ -109,7 +111,9 @@ def kernels_of_one_call(loaded, batch: list, patches: int) -> dict:
         return kernel_summary(json.loads(trace.read_text()).get("traceEvents", []))
 
 
-def measure(loaded, prepared: list, patches: int, calls: int, counter: FlopCounter, fused: bool) -> dict:
+def measure(
+    loaded, prepared: list, patches: int, calls: int, counter: FlopCounter, fused: bool, attention: str
+) -> dict:
     """One call size's row. The call's images are as a job's preprocessing workers send them, cast to the
     tower's dtype (`PreparedMedia.in_dtype`); their staging from float32, as before the workers cast them,
     is timed beside it."""
@@ -126,6 +130,7 @@ def measure(loaded, prepared: list, patches: int, calls: int, counter: FlopCount
         "patches": per_image * len(batch),
         "images": len(batch),
         "fused_kernels": fused,
+        "vision_attention": attention,
         "wall_ms": round(wall * 1e3, 3),
         "staging_ms": round((stacking + upload) * 1e3, 3),
         # its halves: the pixels into one page-locked tensor in the tower's dtype on the host, the upload
@@ -142,6 +147,17 @@ def measure(loaded, prepared: list, patches: int, calls: int, counter: FlopCount
         row.update(kernels_of_one_call(loaded, batch, patches))
         row["kernel_share"] = round(row["kernel_ms"] / row["wall_ms"], 3)
     return row
+
+
+def attend_by_sdpa(model: torch.nn.Module) -> None:
+    """The tower's attention by SDPA over each size's images from now on, as `engine.vision_attention: sdpa`
+    makes it."""
+    from batchvl.layers.qwen_vision_attention import QwenVisionAttention
+    from batchvl.layers.vision_attention import VARLEN_ATTRIBUTE
+
+    for module in model.modules():
+        if isinstance(module, QwenVisionAttention):
+            setattr(module, VARLEN_ATTRIBUTE, False)
 
 
 def main() -> None:
@@ -168,10 +184,16 @@ def main() -> None:
         counter = FlopCounter(str(folder))
         per_image = images(loaded, 1)[0].num_patches
         prepared = images(loaded, max(1, max(sizes) // per_image))
-        rows = [measure(loaded, prepared, patches, args.calls, counter, False) for patches in sizes]
+
+        def rows_of(fused: bool, attention: str) -> list[dict]:
+            return [measure(loaded, prepared, n, args.calls, counter, fused, attention) for n in sizes]
+
+        rows = rows_of(False, "flash_varlen")
         if loaded.adapter.device.type == "cuda":
             use_fused_kernels(loaded.adapter.model)
-            rows += [measure(loaded, prepared, patches, args.calls, counter, True) for patches in sizes]
+            rows += rows_of(True, "flash_varlen")
+            attend_by_sdpa(loaded.adapter.model)
+            rows += rows_of(True, "sdpa")
     table = [{key: value for key, value in row.items() if key != "top_kernels"} for row in rows]
     print(markdown_table(table))
     report = {

@@ -21,8 +21,9 @@ reported and the next still runs, in the order of what a GPU window must answer 
   gpu_throughput_2b_fast  the same with every fast path on, and the share of samples whose text equals the
                    baseline's
   vision_call      benchmarks/vision_call.py: one vision call of Qwen2-VL-2B's tower at 4,096 to 32,768
-                   patches, without and with the fused kernels: its wall, its pixels' staging and its
-                   kernels' time, the kernels with the most of it, its TFLOP/s
+                   patches, without and with the fused kernels, then with them and its attention by SDPA
+                   (cuDNN first): its wall, its pixels' staging and its kernels' time, the kernels with
+                   the most of it, its TFLOP/s
   prefill_attention benchmarks/prefill_attention.py: a step of prompt chunks at Qwen2-VL-2B's heads by the
                    paged Triton kernel against torch's flash varlen one, and a vision call's attention by
                    torch's flash varlen kernel against SDPA's backends on images batched by size, per call;
@@ -55,6 +56,8 @@ reported and the next still runs, in the order of what a GPU window must answer 
   optional, run only when GPU_CHECK_STAGES names them: gpu_throughput_2b_cuda_graphs, _overlap and
                    _fused_kernels (one fast path alone, to tell their gains apart), gpu_throughput_2b_256_seqs
                    (no fast path, 256 sequences a step where `auto` gives a large GPU 1,024),
+                   gpu_throughput_2b_fast_sdpa_vision (every fast path, the tower's attention by SDPA
+                   over each size's images, cuDNN's kernel first: `engine.vision_attention: sdpa`),
                    gpu_throughput_2b_labels and _labels_overlap (a JSON-schema labeling workload, its
                    grammar's masks filled between serial steps, then while overlapped steps run),
                    throughput_wide (the same as throughput_small at Qwen2-VL-2B's widths) and
@@ -441,15 +444,15 @@ def cuda_benchmark(work: Path, name: str, timeout_s: int) -> dict:
 
 def vision_call(work: Path) -> dict:
     """benchmarks/vision_call.py: Qwen2-VL-2B's vision call at 4,096 to 32,768 patches, without and with
-    the fused kernels: its wall, its staging and its kernels' time, the kernels with the most of it and
-    its TFLOP/s (where a 2B job's vision time goes)."""
+    the fused kernels, then with them and its attention by SDPA: its wall, its staging and its kernels'
+    time, the kernels with the most of it and its TFLOP/s (where a 2B job's vision time goes)."""
     out = work / "vision_call.json"
     workload = ["--size", "tiny", "--patches", "256,512", "--calls", "2"] if ON_CPU else ["--size", "2b"]
     command = [sys.executable, "benchmarks/vision_call.py", "--device", DEVICE, "--json", str(out)]
     result = run([*command, *workload], 150)
     stdout = result.pop("stdout", "")
     report = json.loads(out.read_text()) if out.exists() else {}
-    return {"ok": result["rc"] == 0 and bool(report), **result, "table": stdout.splitlines()[-10:], **report}
+    return {"ok": result["rc"] == 0 and bool(report), **result, "table": stdout.splitlines()[-14:], **report}
 
 
 def fused_elementwise(work: Path) -> dict:
@@ -503,6 +506,7 @@ def gpu_throughput(
     fast_paths: tuple[str, ...] = (),
     max_num_seqs: int | None = None,
     labels: bool = False,
+    vision_attention: str | None = None,
 ) -> dict:
     """The captioning benchmark (with `labels`, its JSON-schema labeling workload) at a real size, with the
     engine's `fast_paths` on; its whole row is the stage's report, with the share of samples whose text
@@ -510,18 +514,23 @@ def gpu_throughput(
     at the 13 samples/s batchvl's eager engine reached at Qwen2-VL-2B's widths on an H200, about 75 s of the
     stage's 240 (the model is made in seconds; the rest is the warm-up job and the FLOP count)."""
     base = f"gpu_throughput-{size}" + ("-labels" if labels else "")
-    name = "-".join([base, *fast_paths, *([f"{max_num_seqs}seqs"] if max_num_seqs else [])])
+    named = [
+        *([f"{max_num_seqs}seqs"] if max_num_seqs else []),
+        *([f"{vision_attention}-vision"] if vision_attention else []),
+    ]
+    name = "-".join([base, *fast_paths, *named])
     out, texts = work / f"{name}.json", work / f"{name}.texts"  # (not *.json: not kept beside the report)
     workload = ["--size", "tiny", "--samples", "8"] if ON_CPU else ["--size", size, "--samples", "1000"]
     command = [sys.executable, "benchmarks/gpu_throughput.py", "--device", DEVICE, "--json", str(out)]
     command += ["--texts", str(texts), *(f"--{path.replace('_', '-')}" for path in fast_paths)]
     command += ["--max-num-seqs", str(max_num_seqs)] if max_num_seqs else []
     command += ["--labels"] if labels else []
+    command += ["--vision-attention", vision_attention] if vision_attention else []
     result = run([*command, *workload], 240 if size == "2b" else 300)
     result.pop("stdout", None)
     row = json.loads(out.read_text()) if out.exists() else {}
     eager = work / f"{base}.texts"
-    if (fast_paths or max_num_seqs) and texts.exists() and eager.exists():
+    if (fast_paths or max_num_seqs or vision_attention) and texts.exists() and eager.exists():
         mine, theirs = json.loads(texts.read_text()), json.loads(eager.read_text())
         same = sum(mine.get(key) == text for key, text in theirs.items())
         row["same_text_share_vs_eager"] = round(same / max(len(theirs), 1), 4)
@@ -552,7 +561,7 @@ STAGES = [
     ("fast_paths_job", fast_paths_job),
     ("gpu_throughput_2b", lambda work: gpu_throughput(work, "2b")),
     ("gpu_throughput_2b_fast", lambda work: gpu_throughput(work, "2b", FAST_PATHS)),
-    ("vision_call", vision_call),  # some 45 s: the 2B tower made on the GPU, 8 call sizes timed
+    ("vision_call", vision_call),  # some 60 s: the 2B tower made on the GPU, 12 calls' sizes and kernels
     # some 20-40 s: 8 prompt cases, 8 vision ones, 50 calls each; what the 2B runs' prefill and vision
     # time may go to, measured beside them
     ("prefill_attention", prefill_attention),
@@ -574,6 +583,11 @@ STAGES = [
     ),
     # the same with the CPU's 256 sequences a step, against the 1,024 `auto` gives a large GPU
     ("gpu_throughput_2b_256_seqs", lambda work: gpu_throughput(work, "2b", max_num_seqs=256)),
+    # every fast path, the tower's attention by SDPA over each size's images (cuDNN's kernel first)
+    (
+        "gpu_throughput_2b_fast_sdpa_vision",
+        lambda work: gpu_throughput(work, "2b", FAST_PATHS, vision_attention="sdpa"),
+    ),
     # a labeling workload (a JSON schema's grammar masks every row): serial steps, then overlapped ones
     ("gpu_throughput_2b_labels", lambda work: gpu_throughput(work, "2b", labels=True)),
     ("gpu_throughput_2b_labels_overlap", lambda work: gpu_throughput(work, "2b", ("overlap",), labels=True)),
@@ -586,6 +600,7 @@ OPTIONAL = {
     "throughput_wide",
     "gpu_throughput_7b",
     "gpu_throughput_2b_256_seqs",
+    "gpu_throughput_2b_fast_sdpa_vision",
     "gpu_throughput_2b_labels",
     "gpu_throughput_2b_labels_overlap",
     *(f"gpu_throughput_2b_{path}" for path in FAST_PATHS),

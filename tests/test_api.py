@@ -301,3 +301,18 @@ def test_caption_refuses_a_mistake_of_its_job_before_it_writes_the_dataset(
     with pytest.raises(UserError, match="config.json is not valid JSON"):
         batchvl.caption(in_memory, model=broken, output_dir=tmp_path / "out")
     assert sorted(path.name for path in tmp_path.iterdir()) == ["model"]  # no copy of the dataset
+
+
+def test_a_notebooks_model_is_loaded_with_a_jobs_default_engine_settings(monkeypatch, tmp_path):
+    """load_model() has no engine section to read: the model gets what a job's defaults give it (on CUDA
+    the fused kernels), not the loader's own plain defaults, under which a notebook's GPU would run without
+    them while the same job from the command line ran with them."""
+    import batchvl.api as api
+
+    calls = []
+    monkeypatch.setattr(api, "_load_model", lambda *args: calls.append(args))
+    monkeypatch.setattr(api, "check_model_keys", lambda model: None)
+    batchvl.load_model(tmp_path, dtype="float32", device="cpu")
+    ((path, dtype, device, trust_remote_code, fused_kernels, vision_attention),) = calls
+    assert (path, dtype, device, trust_remote_code) == (str(tmp_path.resolve()), "float32", "cpu", False)
+    assert (fused_kernels, vision_attention) == ("auto", "auto")

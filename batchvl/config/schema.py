@@ -331,6 +331,12 @@ class EngineConfig:
         "the engine starts, another the second time a step needs it): far fewer kernel launches a step; "
         "ignored off CUDA. auto: on (CUDA)",
     )
+    vision_attention: Literal["auto", "flash_varlen", "sdpa"] = job_key(
+        "auto",
+        "The Qwen-VL vision towers' attention on CUDA: flash_varlen, every image of a vision call in one "
+        "FlashAttention-2 varlen call per layer; sdpa, the images of each size batched through torch's SDPA, "
+        "cuDNN's kernel first. auto: flash_varlen",
+    )
     fused_kernels: bool | Literal["auto"] = job_key(
         "auto",
         "On CUDA, RMSNorm, LayerNorm, SiLU*mul, QuickGELU and rotary as one Triton kernel each instead of "

@@ -26,9 +26,11 @@ def build_on_device(
     dtype: torch.dtype = torch.bfloat16,
     seed: int = 0,
     fused_kernels: bool = False,
+    vision_attention: str = "auto",
 ):
     """A `LoadedModel` of Qwen2-VL at `size` with seeded random weights made on `device` in `dtype` (with
-    `fused_kernels`, on CUDA, its elementwise passes as Triton kernels), and its small files in out_dir."""
+    `fused_kernels`, on CUDA, its elementwise passes as Triton kernels; its tower's attention by
+    `vision_attention`, as `engine.vision_attention` takes it), and its small files in out_dir."""
     from batchvl.models.loader import prepared_model
     from batchvl.models.registry import model_family
 
@@ -50,7 +52,15 @@ def build_on_device(
     generation.save_pretrained(out)
     parts.processor.save_pretrained(out)
     family = model_family(FAMILY)
-    return prepared_model(model, str(out), family, dtype, torch_device, fused_kernels=fused_kernels)
+    return prepared_model(
+        model,
+        str(out),
+        family,
+        dtype,
+        torch_device,
+        fused_kernels=fused_kernels,
+        vision_attention=vision_attention,
+    )
 
 
 def _constructed(parts, device: torch.device, dtype: torch.dtype):

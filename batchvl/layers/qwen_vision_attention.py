@@ -37,7 +37,7 @@ def rotate_queries_and_keys(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
 class QwenVisionAttention(torch.nn.Module):
     """Drop-in for a Qwen-VL vision attention module, holding its `qkv` and `proj` layers."""
 
-    def __init__(self, stock: torch.nn.Module):
+    def __init__(self, stock: torch.nn.Module, flash_varlen: bool = True):
         super().__init__()
         self.qkv = stock.qkv
         self.proj = stock.proj
@@ -46,6 +46,8 @@ class QwenVisionAttention(torch.nn.Module):
         # queries and keys (S, 2, heads, D) and float32 cos/sin (S, D) -> rotated; a GPU's in-place Triton
         # kernel where `fused_kernels` sets it
         self.rotate = rotate_queries_and_keys
+        # on CUDA, one flash varlen call a layer over the call's images, or SDPA over each size's images
+        setattr(self, vision_attention.VARLEN_ATTRIBUTE, flash_varlen)
 
     def forward(
         self,
@@ -65,10 +67,12 @@ class QwenVisionAttention(torch.nn.Module):
         return self.proj(out.reshape(rows, -1))
 
 
-def use_own_vision_attention(model: torch.nn.Module) -> int:
-    """Replace the model's Qwen-VL vision attention modules with `QwenVisionAttention`; returns how many."""
+def use_own_vision_attention(model: torch.nn.Module, flash_varlen: bool = True) -> int:
+    """Replace the model's Qwen-VL vision attention modules with `QwenVisionAttention`, attending on CUDA by
+    one flash varlen call a layer (`engine.vision_attention`: flash_varlen, auto) or by SDPA over each
+    size's images (sdpa); returns how many."""
     return replace_children(
         model,
         lambda child: type(child).__name__ in QWEN_VISION_ATTENTION_CLASSES and hasattr(child, "qkv"),
-        QwenVisionAttention,
+        lambda stock: QwenVisionAttention(stock, flash_varlen),
     )

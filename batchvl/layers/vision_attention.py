@@ -3,8 +3,8 @@
 transformers hands a vision attention function the packed patches of all images plus `cu_seqlens` only
 when the implementation's name contains "flash"; under that name this function runs:
 - flash-attn's varlen kernel on CUDA when the package is installed, else torch's own flash varlen kernel
-  (`torch_flash_varlen`), in fp16 or bf16 on Ampere or newer (elsewhere, or once it has failed, the SDPA
-  path below);
+  (`torch_flash_varlen`), in fp16 or bf16 on Ampere or newer (elsewhere, once it has failed, or where
+  `engine.vision_attention` is `sdpa` (`VARLEN_ATTRIBUTE` off on the calling module), the SDPA path below);
 - in bf16 on a CPU with bf16 dot products, batchvl's native kernel, all sequences in one call
   (`cpu_attention.native_attention`);
 - otherwise attention on slices of the packed rows: consecutive sequences of equal length (images of one
@@ -12,7 +12,9 @@ when the implementation's name contains "flash"; under that name this function r
   its own. Slices and equal-length batches are views of the packed layout: nothing is copied or
   padded, and no key is masked. (Padding neighbours of similar length into one masked call measured
   about 10% slower: the padded scores and the copies in and out cost more than the calls saved.)
-  Each call is torch's SDPA in float32, and `cpu_attention.blocked_attention` in bf16 on CPU.
+  Each call is torch's SDPA in float32, and `cpu_attention.blocked_attention` in bf16 on CPU. On CUDA
+  SDPA is asked for cuDNN's kernel first (`CUDA_SDPA_ORDER`), then its FlashAttention-2, memory-efficient
+  and math ones, each where it takes the inputs: torch would try cuDNN's last.
 
 The linear layers around the attention see every image of the call at once, whatever their sizes: one
 vision forward per encode call instead of one per size class.
@@ -20,12 +22,14 @@ vision forward per encode call instead of one per size class.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from batchvl.layers.cpu_attention import (
     blocked_attention,
@@ -40,6 +44,16 @@ BATCHED_VISION_ATTENTION_NAME = "batchvl_vision"  # towers that attend (B, H, N,
 
 logger = logging.getLogger(__name__)
 
+
+# A module attribute: where it is False (`engine.vision_attention: sdpa`), the tower's calls skip the flash
+# varlen kernel for the SDPA path
+VARLEN_ATTRIBUTE = "flash_varlen"
+CUDA_SDPA_ORDER = [
+    SDPBackend.CUDNN_ATTENTION,
+    SDPBackend.FLASH_ATTENTION,
+    SDPBackend.EFFICIENT_ATTENTION,
+    SDPBackend.MATH,
+]
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)  # flash-attn raises RuntimeError for any other
 _flash_refusals: list[str] = []  # why flash-attn failed in this process, once: SDPA from then on
@@ -113,8 +127,16 @@ def _run_attention(query, key, value, count: int, scaling):
     )
     if use_blocked_attention(q):
         return blocked_attention(q, k, v, scaling).reshape(1, total, heads, head_dim)
-    out = F.scaled_dot_product_attention(q, k, v, scale=scaling)
+    with sdpa_order(q.device):
+        out = F.scaled_dot_product_attention(q, k, v, scale=scaling)
     return out.transpose(1, 2).reshape(1, total, heads, head_dim)
+
+
+def sdpa_order(device: torch.device):
+    """SDPA's backends in `CUDA_SDPA_ORDER` on CUDA (by their priority); torch's own choice elsewhere."""
+    return (
+        sdpa_kernel(CUDA_SDPA_ORDER, set_priority=True) if device.type == "cuda" else contextlib.nullcontext()
+    )
 
 
 def _attention_per_run(query, key, value, lengths: list[int], scaling):
@@ -177,7 +199,7 @@ def varlen_vision_attention(
     if cu_seq_lens_q is None:
         raise RuntimeError("varlen vision attention needs cu_seqlens (use it for vision_config only)")
     lengths = sequence_lengths(cu_seq_lens_q)
-    if query.is_cuda and _flash_takes(query):
+    if query.is_cuda and getattr(module, VARLEN_ATTRIBUTE, True) and _flash_takes(query):
         try:
             return _flash_varlen(query, key, value, cu_seq_lens_q, max(lengths), scaling), None
         except torch.OutOfMemoryError:

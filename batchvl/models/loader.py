@@ -111,6 +111,7 @@ def load_model(
     device: str | torch.device = "auto",
     trust_remote_code: bool = False,
     fused_kernels: bool | str = False,
+    vision_attention: str = "auto",
 ) -> LoadedModel:
     from transformers import AutoModelForImageTextToText
 
@@ -122,7 +123,14 @@ def load_model(
         path, dtype=torch_dtype, trust_remote_code=trust_remote_code, use_safetensors=True
     )
     return prepared_model(
-        model.to(torch_device), path, family, torch_dtype, torch_device, trust_remote_code, fused_kernels
+        model.to(torch_device),
+        path,
+        family,
+        torch_dtype,
+        torch_device,
+        trust_remote_code,
+        fused_kernels,
+        vision_attention,
     )
 
 
@@ -134,10 +142,12 @@ def prepared_model(
     torch_device: torch.device,
     trust_remote_code: bool = False,
     fused_kernels: bool | str = False,
+    vision_attention: str = "auto",
 ) -> LoadedModel:
     """A model already in `torch_dtype` on `torch_device`, with batchvl's layer swaps and attention (with
     `fused_kernels` True or "auto", as `engine.fused_kernels` takes it, on CUDA, its elementwise passes as
-    Triton kernels), and the processor at `path`. Apart
+    Triton kernels; a Qwen-VL tower's attention by `vision_attention`, as `engine.vision_attention` takes
+    it), and the processor at `path`. Apart
     from `load_model` so that a model made on its device (the GPU benchmarks' random weights) is handed
     over without a copy through the CPU."""
     from batchvl.layers.attention import PAGED_ATTENTION_NAME, register_paged_attention
@@ -166,7 +176,7 @@ def prepared_model(
     use_native_rms_norms(model)
     pack_linear_weights(model)
     if family.varlen_vision:
-        use_own_vision_attention(model)
+        use_own_vision_attention(model, flash_varlen=vision_attention != "sdpa")
     if fast_path_on(fused_kernels, torch_device) and torch_device.type == "cuda":
         # after the swaps above: the kernels go into the modules they made
         logger.info("fused kernels: %s", use_fused_kernels(model))

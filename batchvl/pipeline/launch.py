@@ -28,7 +28,8 @@ def load_job_model(cfg: JobConfig) -> tuple[LoadedModel, float]:
     started = time.perf_counter()
     m = cfg.model
     device = process_device(m.device)  # under torchrun, this rank's GPU
-    loaded = load_model(m.path, m.dtype, device, m.trust_remote_code, cfg.engine.fused_kernels)
+    e = cfg.engine
+    loaded = load_model(m.path, m.dtype, device, m.trust_remote_code, e.fused_kernels, e.vision_attention)
     return loaded, time.perf_counter() - started
 
 

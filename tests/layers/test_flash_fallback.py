@@ -142,3 +142,38 @@ def test_a_failure_of_the_kernel_is_taken_once_and_an_out_of_memory_is_not_hidde
     flash_attn(monkeypatch, out_of_memory)
     with pytest.raises(torch.OutOfMemoryError):
         on_gpu(*tensors)
+
+
+class SdpaTower:
+    """A tower's attention module set to SDPA over each size's images (`engine.vision_attention: sdpa`)."""
+
+    flash_varlen = False
+
+
+def test_a_tower_set_to_sdpa_skips_the_flash_kernel_for_sdpa_with_cudnns_kernel_first(monkeypatch):
+    """On a Hopper GPU with flash-attn installed, a module whose attention is set to SDPA runs the SDPA path
+    (images of one size in one call, the same values as a GPU without flash-attn gets), each call asking
+    for cuDNN's kernel first; a module not set runs the flash kernel."""
+    gpu(monkeypatch, 9)
+    calls = flash_attn(monkeypatch, lambda q, *args, **kwargs: torch.ones_like(q))
+    orders = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def recording(*args, **kwargs):
+        orders.append(torch._C._get_sdp_priority_order())
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+    tensors = packed(torch.bfloat16)
+    q, k, v, cu = (on_fake_cuda(t) for t in tensors)
+    out = varlen_vision_attention(SdpaTower(), q, k, v, None, scaling=0.25, cu_seq_lens_q=cu)[0].cpu()
+    assert calls == []
+    reference = sdpa_path(*tensors[:3])  # (its own SDPA calls, on the CPU, under torch's own order)
+    assert torch.equal(out, reference)
+    # (torch appends the backends not named after them)
+    firsts = [order[: len(vision_attention.CUDA_SDPA_ORDER)] for order in orders]
+    cudnn_first = [int(backend) for backend in vision_attention.CUDA_SDPA_ORDER]
+    assert firsts[:2] == [cudnn_first, cudnn_first]  # two runs: the two images of one size, then the other
+    assert firsts[2:] and all(order != cudnn_first for order in firsts[2:])
+    on_gpu(*tensors)  # a module not set (None: transformers' own, or an engine's default)
+    assert calls == [torch.bfloat16]

@@ -164,3 +164,15 @@ def test_bf16_queries_and_keys_rotate_within_bf16_rounding_of_transformers():
 def test_the_loaded_qwen_tower_runs_its_own_attention_module(loaded_fp32):
     blocks = loaded_fp32.adapter.model.model.visual.blocks
     assert all(type(block.attn) is QwenVisionAttention for block in blocks)
+
+
+@pytest.mark.parametrize("setting,flash_varlen", [("auto", True), ("flash_varlen", True), ("sdpa", False)])
+def test_the_towers_attention_is_loaded_as_engine_vision_attention_sets_it(
+    tiny_model_dir, setting, flash_varlen
+):
+    from batchvl.models.loader import load_model
+
+    loaded = load_model(str(tiny_model_dir), dtype="float32", device="cpu", vision_attention=setting)
+    modules = [m for m in loaded.adapter.model.modules() if isinstance(m, QwenVisionAttention)]
+    assert len(modules) == loaded.adapter.model.config.vision_config.depth
+    assert all(getattr(m, vision_attention.VARLEN_ATTRIBUTE) is flash_varlen for m in modules)
