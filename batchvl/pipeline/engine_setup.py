@@ -1,6 +1,11 @@
 """What a run drives, chosen by `engine.backend`: the engine, how prompts are rendered for it, and how the
 preprocessing workers prepare a sample for it.
 
+The engine is started after the workers (`start_engine`): building it (its KV cache, its decode graphs,
+the steps that size its steps) or starting a server takes a while, in which the workers start (each a fork
+of the job process, slower the more memory that holds) and prepare the first samples. A job on a GPU
+waited some 0.4 s for its first sample when the workers started after the engine.
+
 - `batchvl`: the model is loaded and the engine built over it (`launch.py`); prompts are token ids, images
   pixel arrays.
 - `openai`: no model; prompts are chat messages, images PNG data URLs, and the engine is a server's
@@ -9,6 +14,7 @@ preprocessing workers prepare a sample for it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from batchvl.engine.interface import EngineInterface
@@ -17,6 +23,6 @@ from batchvl.preprocess.sample import PromptBuilder, SampleProcessor
 
 @dataclass
 class EngineSetup:
-    engine: EngineInterface
     prompts: PromptBuilder
     samples: SampleProcessor
+    start_engine: Callable[[], EngineInterface]  # builds the engine, or starts its server: once, when called

@@ -4,6 +4,7 @@ over it (assembled by `engine/builder.py`). Under torchrun every rank loads the 
 
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
@@ -44,5 +45,5 @@ def builtin_engine_setup(
     cache = DownloadCache.of(cfg.input.download)
     samples = SampleProcessor(renderer, media, cfg.prompts, graph.follow_ups, cache)
     tokenizer, eos = loaded.processor.tokenizer, loaded.eos_token_ids()
-    engine = build_engine(loaded.adapter, tokenizer, eos, cfg.engine, context)
-    return EngineSetup(engine, renderer, samples)
+    start = functools.partial(build_engine, loaded.adapter, tokenizer, eos, cfg.engine, context)
+    return EngineSetup(renderer, samples, start)

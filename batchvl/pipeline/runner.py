@@ -96,6 +96,7 @@ class JobRunner:
         self.claims = ShardClaims(self.out, Holder.of_process(os.getpid()))
         self.card = DatasetCard(self.out)
         self.server_gone: ServerGone | None = None  # the openai backend's server went away mid-run
+        self.engine: EngineInterface | None = None  # once started, after the preprocessing workers
 
     def run(self) -> RunSummary:
         keep_freed_memory()  # process-wide; the engine's steps reuse their activations' memory
@@ -123,19 +124,20 @@ class JobRunner:
         work = self.plan_work()  # every check runs even when every shard is done
         self.stats.shards_total = work.num_task_shards
         self.stats.shards_skipped = work.num_task_shards - len(work.shards)
-        engine, pool_stats = None, PoolStats()
+        pool_stats = PoolStats()
         if work.shards and not self.stop.requested:
             if self.cfg.engine.backend == "openai":
                 setup = server_engine_setup(self.cfg, self.out, self.task, work.plan.graph)
             else:
                 setup = builtin_engine_setup(self.cfg, self._load(), context, work.plan.graph)
-            engine = setup.engine
             try:
                 pool_stats = self._process(work, setup)
             finally:
-                engine.close()  # a launched server is stopped on every way out
+                if self.engine is not None:
+                    self.engine.close()  # a launched server is stopped on every way out
         self._remove_left_behind()
         self.stats.wall_s = round(time.perf_counter() - start, 3)
+        engine = self.engine
         stats = self.stats.to_dict(engine.stats if engine else EngineStats(), pool_stats, self.downloads)
         stats["vit_parallel_ranks"] = context.world_size if context else 1
         stats["engine_replicas"] = engine.num_engines if engine else 1  # encode_s, forward_s summed over them
@@ -161,7 +163,6 @@ class JobRunner:
         workers = default_workers() if pre.workers is None else pre.workers
         self.stats.preprocess_workers = workers
         ledger = ShardLedger(work.shards, work.selection, len(self.cfg.prompts))
-        engine = setup.engine
         self.flow = SampleFlow(self.cfg, work.plan.graph, setup.prompts)
         if self.commit is None:
             plan = work.plan
@@ -179,11 +180,12 @@ class JobRunner:
             self.claims,
             work.committed_elsewhere,
         )
-        bar = samples_bar(ledger, work.shards, self.show_progress)
-        feed = BackgroundIterator(pool, maxsize=max(4, workers * 2))
+        feed = BackgroundIterator(pool, maxsize=max(4, workers * 2))  # the workers start (`engine_setup.py`)
         started = time.perf_counter()
         try:
-            with bar:
+            self.engine = engine = setup.start_engine()
+            started = time.perf_counter()  # processing: from the engine's start on
+            with samples_bar(ledger, work.shards, self.show_progress) as bar:
                 self._feed_and_step(feed, engine, ledger, bar)
         except ServerGone as gone:
             self.server_gone = gone  # the rows of the shards in flight are left for the next run

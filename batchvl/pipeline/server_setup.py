@@ -9,6 +9,7 @@ model is refused like any changed config.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -155,12 +156,11 @@ def server_engine_setup(
     cfg: JobConfig, out: OutputDir, task: TaskSlice | None, graph: PromptGraph
 ) -> EngineSetup:
     """What a run with the openai backend drives: prompts as chat messages, images as PNG data URLs."""
-    engine = server_engine(cfg, out, task)
     media = DataURLPreparer(cfg.preprocess.max_image_pixels)
     cache = DownloadCache.of(cfg.input.download)
     messages = ChatMessages()
     samples = SampleProcessor(messages, media, cfg.prompts, graph.follow_ups, cache)
-    return EngineSetup(engine, messages, samples)
+    return EngineSetup(messages, samples, functools.partial(server_engine, cfg, out, task))
 
 
 def server_engine(cfg: JobConfig, out: OutputDir, task: TaskSlice | None) -> ServerEngine:

@@ -1,0 +1,73 @@
+"""The preprocessing workers start before the engine is built, so that the first samples are prepared while
+it is (`pipeline/engine_setup.py`); an engine that cannot be built still stops them and lets go of the
+shards they claimed."""
+
+import multiprocessing
+import threading
+
+import pytest
+
+import batchvl.pipeline.launch as launch
+from batchvl.config import load_job_config
+from batchvl.errors import UserError
+from batchvl.pipeline.runner import run_job
+from batchvl.utils.background import BackgroundIterator
+from tests.conftest import caption_job_yaml, output_rows, write_image_shards
+
+SHARD_SIZES = [2, 2]
+FIRST_SAMPLE_WAIT_S = 60.0
+
+
+@pytest.fixture
+def job(tmp_path, tiny_model_dir):
+    write_image_shards(tmp_path / "data", SHARD_SIZES)
+    (tmp_path / "job.yaml").write_text(caption_job_yaml(tiny_model_dir))
+    return load_job_config(tmp_path / "job.yaml", [f"output.dir={tmp_path / 'out'}", "preprocess.workers=2"])
+
+
+def first_item_arrives(monkeypatch) -> threading.Event:
+    """Set once the job process receives its first prepared item from the workers."""
+    arrived = threading.Event()
+    put = BackgroundIterator._put
+
+    def recording(self, item):
+        arrived.set()
+        return put(self, item)
+
+    monkeypatch.setattr(BackgroundIterator, "_put", recording)
+    return arrived
+
+
+def test_the_first_samples_are_prepared_while_the_engine_is_built(job, monkeypatch, tmp_path):
+    arrived = first_item_arrives(monkeypatch)
+    build = launch.build_engine
+    seen_before_build = []
+
+    def waiting_build(*args, **kwargs):
+        # workers started after the engine would prepare nothing in this wait
+        seen_before_build.append(arrived.wait(FIRST_SAMPLE_WAIT_S))
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(launch, "build_engine", waiting_build)
+    summary = run_job(job, show_progress=False)
+    assert seen_before_build == [True]
+    assert [row["status"] for row in output_rows(tmp_path / "out", len(SHARD_SIZES))] == ["ok"] * 4
+    # processing counts from the engine's start: the wait above is not in it
+    assert summary.stats["processing_s"] < summary.stats["wall_s"]
+
+
+def test_an_engine_that_cannot_be_built_stops_the_workers_and_releases_their_claims(
+    job, monkeypatch, tmp_path
+):
+    arrived = first_item_arrives(monkeypatch)
+
+    def failing_build(*args, **kwargs):
+        assert arrived.wait(FIRST_SAMPLE_WAIT_S)  # the workers are running, and have claimed a shard
+        raise UserError("engine.kv_cache_mb is auto, but cpu leaves 0 MiB for the KV cache")
+
+    monkeypatch.setattr(launch, "build_engine", failing_build)
+    with pytest.raises(UserError, match="leaves 0 MiB"):
+        run_job(job, show_progress=False)
+    assert multiprocessing.active_children() == []
+    out = tmp_path / "out"
+    assert not list(out.rglob("*.lock")) and not list(out.glob("*.parquet"))
