@@ -327,9 +327,9 @@ class EngineConfig:
     threads: int = job_key(0, "torch intra-op threads (0: torch's default)", at_least=0, at_most=MOST_CORES)
     cuda_graphs: bool | Literal["auto"] = job_key(
         "auto",
-        "On CUDA, replay steps of decodes only as CUDA graphs, one per row bucket (the largest captured as "
-        "the engine starts, another the second time a step needs it): far fewer kernel launches a step; "
-        "ignored off CUDA. auto: on (CUDA)",
+        "On CUDA, replay steps of decodes only as CUDA graphs (the largest row bucket's captured as the "
+        "engine starts, a smaller bucket's step padded into it until steps have needed that bucket often): "
+        "far fewer kernel launches a step; ignored off CUDA. auto: on (CUDA)",
     )
     vision_attention: Literal["auto", "flash_varlen", "sdpa"] = job_key(
         "auto",

@@ -15,6 +15,7 @@ from torch.overrides import TorchFunctionMode
 
 import batchvl.engine.model_runner as model_runner
 from batchvl.config import EngineConfig
+from batchvl.engine.device import decode_graphs
 from batchvl.engine.device.decode_graphs import DecodeGraphs
 from batchvl.engine.device.graph_capture import graph_capture
 from batchvl.engine.engine import Engine
@@ -102,41 +103,76 @@ def spy_on_steps(monkeypatch) -> list[list]:
     return steps
 
 
-def test_decode_steps_replayed_as_graphs_give_the_eager_tokens(
-    loaded_fp32, eager_outputs, capture, monkeypatch
-):
-    steps = spy_on_steps(monkeypatch)
-    graphs, ahead = [], []
-    needed: dict[int, list[bool]] = {}  # per bucket, whether each decode step that needed it replayed it
-    run = DecodeGraphs.run
+def spy_on_replays(monkeypatch) -> dict[int, list[tuple[int, int]]]:
+    """Per bucket of a decode step's rows, for each such step: the rows of the graph it replayed (0: none,
+    eager), and the fewest rows of the larger graphs captured when it began (0: none)."""
+    replayed: dict[int, list[tuple[int, int]]] = {}
+    run, replay = DecodeGraphs.run, DecodeGraphs._replay
+    chosen = []
 
-    def run_by_bucket(self, chunks, *args):
+    def recording_replay(self, rows, *key):
+        chosen.append(rows)
+        return replay(self, rows, *key)
+
+    def recording_run(self, chunks, *args):
+        chosen.clear()
+        bucket = bucket_rows(len(chunks))
+        larger = min((rows for rows, _, _ in self.captured if rows > bucket), default=0)
         logits = run(self, chunks, *args)
-        needed.setdefault(bucket_rows(len(chunks)), []).append(logits is not None)
+        replayed.setdefault(bucket, []).append((chosen[-1] if logits is not None else 0, larger))
         return logits
 
-    monkeypatch.setattr(DecodeGraphs, "run", run_by_bucket)
+    monkeypatch.setattr(DecodeGraphs, "_replay", recording_replay)
+    monkeypatch.setattr(DecodeGraphs, "run", recording_run)
+    return replayed
+
+
+def graphed_job(loaded, monkeypatch) -> tuple[dict, dict[int, list[int]], DecodeGraphs, list]:
+    """The workload with graphs: its outputs, the graphs each bucket's steps replayed, the engine's graphs
+    and those captured as it started."""
+    replayed = spy_on_replays(monkeypatch)
+    graphs, ahead = [], []
 
     def started(engine):
         graphs.append(engine.runner.decode_graphs)
         ahead.extend(engine.runner.decode_graphs.captured)
 
-    outputs = run_job(loaded_fp32, GRAPHED, workload(loaded_fp32), started)
+    outputs = run_job(loaded, GRAPHED, workload(loaded), started)
+    return outputs, replayed, graphs[0], ahead
+
+
+def test_decode_steps_replayed_as_graphs_give_the_eager_tokens(
+    loaded_fp32, eager_outputs, capture, monkeypatch
+):
+    """The largest bucket's graph is captured as the engine starts; every decode step replays it, those of
+    smaller buckets over padding rows, and no other bucket is needed often enough to be captured."""
+    steps = spy_on_steps(monkeypatch)
+    outputs, replayed, graphs, ahead = graphed_job(loaded_fp32, monkeypatch)
     assert outputs == eager_outputs
-    # the largest bucket captured as the engine started and replayed from the first step that needed it;
-    # each other one run eagerly the first time, captured the second and replayed from then on
-    assert [rows for rows, _, _ in ahead] == [48] and graphs[0].capture_s > 0
-    assert needed[48] and all(needed[48])
-    later = [rows for rows in needed if rows != 48]
-    assert later and all(needed[rows] == [False] + [True] * (len(needed[rows]) - 1) for rows in later)
-    assert any(len(needed[rows]) > 1 for rows in later)  # some captured on the way
-    assert sorted(rows for rows, _, _ in graphs[0].captured[1:]) == sorted(
-        rows for rows in later if len(needed[rows]) > 1
-    )
-    graphed_rows = {rows for rows, graphed, _ in steps if graphed}
-    assert graphed_rows - {16, 32, 48}  # steps whose rows fall short of their bucket
-    assert sum(graphed for _, graphed, _ in steps) > 15  # most steps replay a graph captured before
-    assert any(not graphed for _, graphed, _ in steps)  # and the prefill steps ran eagerly
+    assert [rows for rows, _, _ in ahead] == [48] and graphs.capture_s > 0
+    assert graphs.captured == ahead
+    assert set(replayed) > {48}
+    assert all(graph == 48 for steps in replayed.values() for graph, _ in steps)
+    assert {rows for rows, graphed, _ in steps if graphed} - {16, 32, 48}  # rows short of their bucket
+    assert sum(graphed for _, graphed, _ in steps) > 15
+    assert any(not graphed for _, graphed, _ in steps)  # the prefill steps ran eagerly
+
+
+def test_a_bucket_that_steps_keep_needing_is_captured_and_replayed_from_then_on(
+    loaded_fp32, eager_outputs, capture, monkeypatch
+):
+    """A bucket needed CAPTURE_OVER_PADDING times gets its own graph, which its steps replay from then on
+    instead of the smallest larger one captured (here after 3 needs, which this workload's buckets
+    reach)."""
+    monkeypatch.setattr(decode_graphs, "CAPTURE_OVER_PADDING", 3)
+    outputs, replayed, graphs, ahead = graphed_job(loaded_fp32, monkeypatch)
+    assert outputs == eager_outputs
+    smaller = {bucket: rows for bucket, rows in replayed.items() if bucket != 48}
+    assert smaller and all(len(rows) >= 3 for rows in smaller.values())
+    for bucket, steps in smaller.items():
+        assert [graph for graph, larger in steps[:2]] == [larger for _, larger in steps[:2]]  # padded
+        assert [graph for graph, _ in steps[2:]] == [bucket] * (len(steps) - 2)
+    assert sorted(rows for rows, _, _ in graphs.captured) == sorted([48, *smaller])
 
 
 def test_overlapped_decode_steps_replay_graphs_with_the_picks_swapped_in_on_the_device(

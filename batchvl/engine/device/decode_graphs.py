@@ -19,22 +19,28 @@ the torch decode path reads it, masked, as its own padding, and it must stay fin
 kernels would divide 0 by 0.
 
 The buckets are the eager path's row buckets (`row_buckets.bucket_rows`: 16, 32, ... 128, then eight per
-doubling): a graph runs the step at the shapes the eager path runs it at, so its matmuls are the same
-kernels, and at 16 rows or fewer a decode step reads the weights once whatever its rows, so the padding
+doubling), and at 16 rows or fewer a decode step reads the weights once whatever its rows, so the padding
 costs next to nothing.
 
 The largest bucket's graph is captured when the engine starts (`capture_ahead`), over rows that are all
 padding: the graphs share one memory pool, which that capture sizes once for all of them, and a full
-batch's steps, the most of a large job's, replay it from the first. Every other bucket is captured on
-the second step that needs it (`CAPTURE_ON_NEED`), with that step's inputs: the warm-up runs compute the
-step itself (writing the same K/V to the same slots again changes nothing); the first runs eagerly. On an
-H200 a capture at Qwen2-VL-2B's depth took 67 ms, against 23 ms for a step of 1,024 decodes run eagerly:
-capturing all 32 buckets up to 1,024 rows ahead, as vLLM captures its own, took 2.1 s, 14% of a 1,000-sample
-job's wall time, and most of those graphs replayed once if at all, since a job's last requests end in
-waves and its steps pass each smaller bucket once on the way down. A capture in the middle of a job neither
-waits for the device nor empties torch's caches (`graph_capture.py`: `torch.cuda.graph` would do both, and
-the steps after it would allocate their memory anew). A graph for a decode split count other than the
-usual one (long contexts over few rows, on CUDA) follows the same rule.
+batch's steps, the most of a large job's, replay it from the first. A step of a bucket with no graph of
+its own replays the smallest captured graph of more rows (with its position axes and decode splits), its
+rows past the step's padding: a replay launches nothing per layer, where an eager step of a 2B model
+launches some 960 kernels (some 15 ms of an H200 host's time, against 5-8 ms of GPU work for 1,024 rows),
+so that even a few rows padded to the largest bucket take less time than run eagerly. A bucket is captured
+once steps have needed it `CAPTURE_OVER_PADDING` times (the step that needs it then, with its inputs: the
+warm-up runs compute the step itself, and writing the same K/V to the same slots again changes nothing),
+or, with no larger graph to pad into, `CAPTURE_ON_NEED` times (the first runs eagerly). On an H200 a
+capture at Qwen2-VL-2B's depth took 67 ms: capturing all 32 buckets up to 1,024 rows ahead, as vLLM captures
+its own, took 2.1 s, 14% of a 1,000-sample job's wall time, and a job's last requests end in waves, its
+steps passing each smaller bucket a few times on their way down, where a capture would not repay itself:
+those steps replay the largest graph padded. A padded step's matmuls run at the larger graph's rows, where
+the eager step runs them at its own bucket's: each row's values may differ from the eager step's in the
+last bits where the GPU's matmul library picks another kernel for the other shape (the CPU's give the
+same values). A capture in the middle of a job neither waits for the device nor empties torch's caches
+(`graph_capture.py`: `torch.cuda.graph` would do both, and the steps after it would allocate their memory
+anew).
 """
 
 from __future__ import annotations
@@ -59,7 +65,11 @@ from batchvl.layers.row_buckets import bucket_rows
 logger = logging.getLogger(__name__)
 
 MAX_POSITION_AXES = 4  # 1-D rope, M-RoPE's 3 axes, and a text axis before them where a family adds one
-CAPTURE_ON_NEED = 2  # a graph not captured ahead is captured on the step that needs it this many times
+# A graph not captured ahead is captured on the step that needs it this many times, where no larger graph
+# replays the step padded (the steps before run eagerly), and where one does: a bucket needed that often
+# is one that steps keep coming back to, not one that a job's last requests pass on their way out
+CAPTURE_ON_NEED = 2
+CAPTURE_OVER_PADDING = 16
 
 
 class GraphCapture(Protocol):
@@ -142,29 +152,38 @@ class DecodeGraphs:
     def run(
         self, chunks: list[ScheduledChunk], picks_in_flight: torch.Tensor | None = None
     ) -> torch.Tensor | None:
-        """The float32 logits (one row per chunk, in order) of a step `takes` took, from its bucket's graph,
-        valid until the next step; None where the caller runs the step eagerly: the first time a graph
-        not captured ahead is needed, and wherever a capture failed (said once, and every later step
-        too). An overlapped step's placeholders are swapped for the previous step's picks in the token
-        buffer, on the device, before the replay (outside the graph: the picks are a new tensor each
-        step)."""
-        rows = bucket_rows(len(chunks))
+        """The float32 logits (one row per chunk, in order) of a step `takes` took, from a graph, valid
+        until the next step: its bucket's, else (until that is captured) the smallest captured one of more
+        rows with its position axes and decode splits, over padding rows; None where the caller runs the
+        step eagerly: no such graph yet, or a capture failed (said once, and every later step too). An
+        overlapped step's placeholders are swapped for the previous step's picks in the token buffer, on
+        the device, before the replay (outside the graph: the picks are a new tensor each step)."""
         axes = chunks[0].request.positions.prompt.shape[0]
-        lengths = self._load(chunks, rows, axes)
+        lengths = np.fromiter((chunk.start + 1 for chunk in chunks), dtype=np.int64, count=len(chunks))
         splits = self._splits(lengths)
-        key = (rows, axes, splits)
+        key = (bucket_rows(len(chunks)), axes, splits)
         if key not in self._replays:
             self._needs[key] += 1
-            if self._needs[key] < CAPTURE_ON_NEED:
+            padded = self._padded(*key)
+            if padded is not None and self._needs[key] < CAPTURE_OVER_PADDING:
+                key = padded
+            elif padded is None and self._needs[key] < CAPTURE_ON_NEED:
                 return None  # run eagerly: a graph replayed once would not repay its capture
+        rows = key[0]
+        self._load(chunks, rows, axes)
         if picks_in_flight is not None:
             token_ids = self.buffers["token_ids"][:rows]
             token_ids.copy_(with_picks(token_ids, picks_in_flight))
-        replay = self._replay(rows, axes, splits)
+        replay = self._replay(*key)
         if replay is None:
             return None
         replay()
         return self.logits[: len(chunks)]  # read before the next step's replay rewrites them
+
+    def _padded(self, rows: int, axes: int, splits: int | None) -> tuple[int, int, int | None] | None:
+        """The key of the smallest captured graph of more than `rows` rows with these axes and splits."""
+        larger = [key for key in self._replays if key[0] > rows and key[1:] == (axes, splits)]
+        return min(larger) if larger else None
 
     def _replay(self, rows: int, axes: int, splits: int | None) -> Callable[[], None] | None:
         """The graph of (rows, axes, splits), captured over the buffers' present contents if it is new;
@@ -191,9 +210,9 @@ class DecodeGraphs:
             return None
         return decode_splits(self.kv_cache.layers[0].shape[1], lengths, self.block_size)
 
-    def _load(self, chunks: list[ScheduledChunk], rows: int, axes: int) -> np.ndarray:
-        """Fill the static buffers with the step's inputs, the padding rows' after them (all of the rows
-        without chunks); the step's lengths (keys per real row)."""
+    def _load(self, chunks: list[ScheduledChunk], rows: int, axes: int) -> None:
+        """Fill the static buffers with the step's inputs, the padding rows' after them up to `rows` (all of
+        the rows without chunks)."""
         padding = rows - len(chunks)
         token_ids, starts, deltas, table_rows = [], [], [], []
         for chunk in chunks:
@@ -220,7 +239,6 @@ class DecodeGraphs:
         ]
         for buffer, values in zip(self.buffers.values(), uploaded(step, self.adapter.device), strict=True):
             buffer[: values.numel()].copy_(values.reshape(-1))
-        return lengths
 
     def _forward(self, rows: int, axes: int, splits: int | None) -> Callable[[], None]:
         """The bucket's step over the static buffers: what its graph records."""
