@@ -12,9 +12,10 @@ when the implementation's name contains "flash"; under that name this function r
   its own. Slices and equal-length batches are views of the packed layout: nothing is copied or
   padded, and no key is masked. (Padding neighbours of similar length into one masked call measured
   about 10% slower: the padded scores and the copies in and out cost more than the calls saved.)
-  Each call is torch's SDPA in float32, and `cpu_attention.blocked_attention` in bf16 on CPU. On CUDA
-  SDPA is asked for cuDNN's kernel first (`CUDA_SDPA_ORDER`), then its FlashAttention-2, memory-efficient
-  and math ones, each where it takes the inputs: torch would try cuDNN's last.
+  Each call is torch's SDPA in float32, and `cpu_attention.blocked_attention` in bf16 on CPU. Under
+  `engine.vision_attention: sdpa`, on CUDA SDPA is asked for cuDNN's kernel first (`CUDA_SDPA_ORDER`),
+  then its FlashAttention-2, memory-efficient and math ones, each where it takes the inputs: torch would
+  try cuDNN's last.
 
 The linear layers around the attention see every image of the call at once, whatever their sizes: one
 vision forward per encode call instead of one per size class.
@@ -118,7 +119,7 @@ def equal_runs(lengths: list[int]) -> list[tuple[int, int]]:
     return runs
 
 
-def _run_attention(query, key, value, count: int, scaling):
+def _run_attention(query, key, value, count: int, scaling, cudnn_first: bool = False):
     """`count` equal-length sequences packed in (1, H, T, D) views -> (1, T, H, D). Splitting T into
     (count, length) is a view of the packed layout, so the batch needs neither a copy nor a mask."""
     _, heads, total, head_dim = query.shape
@@ -127,28 +128,24 @@ def _run_attention(query, key, value, count: int, scaling):
     )
     if use_blocked_attention(q):
         return blocked_attention(q, k, v, scaling).reshape(1, total, heads, head_dim)
-    with sdpa_order(q.device):
+    with sdpa_kernel(CUDA_SDPA_ORDER, set_priority=True) if cudnn_first else contextlib.nullcontext():
         out = F.scaled_dot_product_attention(q, k, v, scale=scaling)
     return out.transpose(1, 2).reshape(1, total, heads, head_dim)
 
 
-def sdpa_order(device: torch.device):
-    """SDPA's backends in `CUDA_SDPA_ORDER` on CUDA (by their priority); torch's own choice elsewhere."""
-    return (
-        sdpa_kernel(CUDA_SDPA_ORDER, set_priority=True) if device.type == "cuda" else contextlib.nullcontext()
-    )
-
-
-def _attention_per_run(query, key, value, lengths: list[int], scaling):
+def _attention_per_run(query, key, value, lengths: list[int], scaling, cudnn_first: bool = False):
+    """Each run of equal-length sequences in one call; with `cudnn_first` (CUDA, `engine.vision_attention:
+    sdpa`), SDPA asked for its backends in `CUDA_SDPA_ORDER`, else left to torch's own order."""
     runs = equal_runs(lengths)
     if len(runs) == 1:
-        return _run_attention(query, key, value, len(lengths), scaling)
+        return _run_attention(query, key, value, len(lengths), scaling, cudnn_first)
     _, heads, total, head_dim = query.shape
     out = query.new_empty((1, total, heads, head_dim))
     start = 0
     for first, count in runs:
         rows = slice(start, start + lengths[first] * count)
-        out[:, rows] = _run_attention(query[:, :, rows], key[:, :, rows], value[:, :, rows], count, scaling)
+        q, k, v = (t[:, :, rows] for t in (query, key, value))
+        out[:, rows] = _run_attention(q, k, v, count, scaling, cudnn_first)
         start = rows.stop
     return out
 
@@ -199,7 +196,8 @@ def varlen_vision_attention(
     if cu_seq_lens_q is None:
         raise RuntimeError("varlen vision attention needs cu_seqlens (use it for vision_config only)")
     lengths = sequence_lengths(cu_seq_lens_q)
-    if query.is_cuda and getattr(module, VARLEN_ATTRIBUTE, True) and _flash_takes(query):
+    varlen = getattr(module, VARLEN_ATTRIBUTE, True)
+    if query.is_cuda and varlen and _flash_takes(query):
         try:
             return _flash_varlen(query, key, value, cu_seq_lens_q, max(lengths), scaling), None
         except torch.OutOfMemoryError:
@@ -215,7 +213,7 @@ def varlen_vision_attention(
         # (1, H, T, D) views of (T, H, D) rows: the kernel reads and writes the rows' own layout
         q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
         return native_attention(q, k, v, cu_seq_lens_q, scaling)[None], None
-    return _attention_per_run(query, key, value, lengths, scaling), None
+    return _attention_per_run(query, key, value, lengths, scaling, query.is_cuda and not varlen), None
 
 
 def batched_vision_attention(

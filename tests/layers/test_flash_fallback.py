@@ -144,6 +144,19 @@ def test_a_failure_of_the_kernel_is_taken_once_and_an_out_of_memory_is_not_hidde
         on_gpu(*tensors)
 
 
+def sdpa_orders(monkeypatch) -> list[list[int]]:
+    """SDPA's backend priority order at each of its calls, as they come."""
+    orders = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def recording(*args, **kwargs):
+        orders.append(torch._C._get_sdp_priority_order())
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+    return orders
+
+
 class SdpaTower:
     """A tower's attention module set to SDPA over each size's images (`engine.vision_attention: sdpa`)."""
 
@@ -156,14 +169,7 @@ def test_a_tower_set_to_sdpa_skips_the_flash_kernel_for_sdpa_with_cudnns_kernel_
     for cuDNN's kernel first; a module not set runs the flash kernel."""
     gpu(monkeypatch, 9)
     calls = flash_attn(monkeypatch, lambda q, *args, **kwargs: torch.ones_like(q))
-    orders = []
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-
-    def recording(*args, **kwargs):
-        orders.append(torch._C._get_sdp_priority_order())
-        return sdpa(*args, **kwargs)
-
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+    orders = sdpa_orders(monkeypatch)
     tensors = packed(torch.bfloat16)
     q, k, v, cu = (on_fake_cuda(t) for t in tensors)
     out = varlen_vision_attention(SdpaTower(), q, k, v, None, scaling=0.25, cu_seq_lens_q=cu)[0].cpu()
@@ -177,3 +183,14 @@ def test_a_tower_set_to_sdpa_skips_the_flash_kernel_for_sdpa_with_cudnns_kernel_
     assert firsts[2:] and all(order != cudnn_first for order in firsts[2:])
     on_gpu(*tensors)  # a module not set (None: transformers' own, or an engine's default)
     assert calls == [torch.bfloat16]
+
+
+def test_the_sdpa_path_a_refused_flash_kernel_leaves_takes_torchs_own_order(monkeypatch):
+    """cuDNN's kernel first is `engine.vision_attention: sdpa`'s choice, not the fallback's where flash
+    refuses a GPU before Ampere: that path runs SDPA as it did before the setting."""
+    gpu(monkeypatch, 7)
+    flash_attn(monkeypatch, refuses("FlashAttention only supports Ampere GPUs or newer."))
+    orders = sdpa_orders(monkeypatch)
+    before = torch._C._get_sdp_priority_order()
+    on_gpu(*packed(torch.bfloat16))
+    assert orders == [before, before]
