@@ -20,7 +20,6 @@ from batchvl.config import EngineConfig
 from batchvl.engine.engine import Engine
 from batchvl.engine.request import EngineRequest, EngineResult
 from batchvl.engine.sampling.params import SamplingParams
-from batchvl.layers.row_buckets import bucket_rows
 from batchvl.preprocess.media import PreparedMedia
 from tests.conftest import TEST_DEVICE, TEST_FAST_PATHS
 from tests.engine.fake_graphs import FakeGraphCapture
@@ -208,7 +207,9 @@ class EngineProbe:
         def recording_run(chunks, *args):
             logits = run(chunks, *args)
             if logits is not None:
-                rows, axes = bucket_rows(len(chunks)), chunks[0].request.positions.prompt.shape[0]
+                # (the graph's rows: a step padded into a larger graph than its own bucket's lays out its
+                # positions by that graph's)
+                rows, axes = graphs.replayed_rows, chunks[0].request.positions.prompt.shape[0]
                 replayed.append(graphs.buffers["positions"][: axes * rows].view(axes, rows).clone())
                 self.graphed_steps += 1
             return logits

@@ -122,6 +122,7 @@ class DecodeGraphs:
         self.splits_matter = triton_attention.takes(kv_cache.layers[0])
         self._failed = False
         self.capture_s = 0.0  # the host's time in captures, ahead and when steps came to need them
+        self.replayed_rows = 0  # the rows of the graph the last step replayed: its buffers' layout
 
     @property
     def captured(self) -> list[tuple[int, int, int | None]]:
@@ -178,6 +179,7 @@ class DecodeGraphs:
         if replay is None:
             return None
         replay()
+        self.replayed_rows = rows
         return self.logits[: len(chunks)]  # read before the next step's replay rewrites them
 
     def _padded(self, rows: int, axes: int, splits: int | None) -> tuple[int, int, int | None] | None:
