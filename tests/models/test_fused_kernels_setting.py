@@ -44,8 +44,11 @@ def test_the_loader_swaps_the_kernels_in_on_cuda_only(tiny_model_dir, swaps, dev
     assert swaps == ([loaded.adapter.model] if swapped else [])
 
 
-@pytest.mark.parametrize("setting", [True, False, "auto"])
-def test_the_jobs_setting_reaches_the_loader(monkeypatch, tmp_path, setting):
+@pytest.mark.parametrize(
+    "setting,vision_attention", [(True, "auto"), (False, "sdpa"), ("auto", "flash_varlen")]
+)
+def test_the_jobs_setting_reaches_the_loader(monkeypatch, tmp_path, setting, vision_attention):
+    """`engine.fused_kernels` and `engine.vision_attention`, both applied as the model is loaded."""
     calls = []
     monkeypatch.setattr(launch, "load_model", lambda *args: calls.append(args) or "loaded")
     job = job_config_from_dict(
@@ -54,8 +57,8 @@ def test_the_jobs_setting_reaches_the_loader(monkeypatch, tmp_path, setting):
             "input": {"paths": [str(tmp_path / "*.parquet")]},
             "prompts": [{"name": "caption", "text": "Describe."}],
             "output": {"dir": str(tmp_path / "out")},
-            "engine": {"fused_kernels": setting},
+            "engine": {"fused_kernels": setting, "vision_attention": vision_attention},
         }
     )
     assert launch.load_job_model(job)[0] == "loaded"
-    assert calls[0][-1] is setting
+    assert calls[0][-2] is setting and calls[0][-1] == vision_attention
