@@ -384,7 +384,8 @@ class PreprocessConfig:
     )
     workers: int | None = job_key(
         None,
-        "Preprocessing worker processes (0: in the main process; null: half the CPU cores, 1 to 8)",
+        "Preprocessing worker processes (0: in the main process; null: half the CPU cores the run may use, "
+        "a Slurm task's or a container's, 1 to 8; more than those cores is warned of)",
         at_least=0,
         at_most=MOST_CORES,
     )

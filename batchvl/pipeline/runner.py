@@ -41,7 +41,7 @@ from batchvl.pipeline.rows import prompt_of, result_row
 from batchvl.pipeline.sample_flow import Progress, SampleFlow
 from batchvl.pipeline.server_setup import server_engine_setup
 from batchvl.pipeline.tasks import TaskSlice
-from batchvl.preprocess.pool import PoolStats, PreprocessPool, default_workers
+from batchvl.preprocess.pool import PoolStats, PreprocessPool, default_workers, warn_if_oversubscribed
 from batchvl.preprocess.sample import PreparedSample
 from batchvl.storage import layout
 from batchvl.storage.output_dir import LocalDir, OutputDir
@@ -161,6 +161,8 @@ class JobRunner:
     def _process(self, work: Work, setup: EngineSetup) -> PoolStats:
         pre = self.cfg.preprocess
         workers = default_workers() if pre.workers is None else pre.workers
+        if pre.workers is not None:  # (the default is half the usable cores)
+            warn_if_oversubscribed(workers)
         self.stats.preprocess_workers = workers
         ledger = ShardLedger(work.shards, work.selection, len(self.cfg.prompts))
         self.flow = SampleFlow(self.cfg, work.plan.graph, setup.prompts)

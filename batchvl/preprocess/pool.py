@@ -64,9 +64,36 @@ def _init_worker(parent_pid: int, _worker_id: int) -> None:
 MOST_WORKERS = 8
 
 
+def usable_cores() -> int:
+    """The CPU cores this process may run on: its affinity's (a Slurm task's, a container's cpuset), which
+    may be far fewer than the machine's."""
+    if hasattr(os, "sched_getaffinity"):  # (Linux)
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def default_workers(cores: int | None = None) -> int:
-    """Preprocessing workers for `cores` CPU cores (the machine's by default): half of them, at most 8."""
-    return max(1, min(MOST_WORKERS, (cores or os.cpu_count() or 2) // 2))
+    """Preprocessing workers for `cores` CPU cores (those this process may use by default): half of them,
+    at most 8."""
+    return max(1, min(MOST_WORKERS, (cores or usable_cores()) // 2))
+
+
+def warn_if_oversubscribed(workers: int, cores: int | None = None) -> bool:
+    """Say so where `preprocess.workers` asks for more workers than the cores this process may run on
+    (`usable_cores`, by default): they would share them with each other and with the engine's threads,
+    each switch between them costing time and none preparing samples faster. Returns whether it said so."""
+    usable = cores if cores is not None else usable_cores()
+    if workers <= usable:
+        return False
+    logger.warning(
+        "preprocess.workers is %d, more than the %d CPU core(s) this run may use: the workers share them "
+        "with each other and the engine; set preprocess.workers to %d or fewer (or leave it unset: half "
+        "the cores)",
+        workers,
+        usable,
+        usable,
+    )
+    return True
 
 
 @dataclass
