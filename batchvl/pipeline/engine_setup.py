@@ -2,9 +2,11 @@
 preprocessing workers prepare a sample for it.
 
 The engine is started after the workers (`start_engine`): building it (its KV cache, its decode graphs,
-the steps that size its steps) or starting a server takes a while, in which the workers start (each a fork
-of the job process, slower the more memory that holds) and prepare the first samples. A job on a GPU
-waited some 0.4 s for its first sample when the workers started after the engine.
+the steps that size its steps) or starting a server takes a while, in which the workers prepare the first
+samples. A job on a GPU waited some 0.4 s for its first sample when the workers started after the engine.
+The start waits until every worker is forked (`PreprocessPool.forked`): a fork made while it launched a
+subprocess (a server, a kernel compiler) would hold that subprocess's exec-status pipe open, and the start
+would wait on it forever.
 
 - `batchvl`: the model is loaded and the engine built over it (`launch.py`); prompts are token ids, images
   pixel arrays.

@@ -185,6 +185,7 @@ class JobRunner:
         feed = BackgroundIterator(pool, maxsize=max(4, workers * 2))  # the workers start (`engine_setup.py`)
         started = time.perf_counter()
         try:
+            pool.forked.wait()  # before the engine's start launches any subprocess (`PreprocessPool.forked`)
             self.engine = engine = setup.start_engine()
             started = time.perf_counter()  # processing: from the engine's start on
             with samples_bar(ledger, work.shards, self.show_progress) as bar:

@@ -442,8 +442,19 @@ class PreprocessPool:
         # fork: workers start at once and share the tokenizer without pickling; they never run torch ops.
         self.context = multiprocessing.get_context("fork" if "fork" in start_methods else "spawn")
         self.decisions = ClaimDecisions(self.context, shards, claims, is_committed) if claims else None
+        # Set once the first workers are forked (or will not be: none asked for, or the iteration failed).
+        # A fork copies every open descriptor: one made while another thread starts a subprocess keeps the
+        # pipe through which that subprocess reports its exec open, and the thread waits on it forever (a
+        # launched server's start did). Whoever starts subprocesses beside the pool waits for this first.
+        self.forked = threading.Event()
 
     def __iter__(self) -> Iterator[PreparedSample | ShardEnd | ShardSkipped]:
+        try:
+            yield from self._iterate()
+        finally:
+            self.forked.set()  # (an iteration that failed before its forks)
+
+    def _iterate(self) -> Iterator[PreparedSample | ShardEnd | ShardSkipped]:
         delivered: set[tuple[str, int]] = set()
         sizes: dict[str, int] = {}  # shard -> number of samples, known from its ShardEnd
         failed: dict[tuple[str, int], SampleError] = {}
@@ -467,6 +478,7 @@ class PreprocessPool:
                 self.decisions,
             )
             if slots is None:
+                self.forked.set()  # no worker to fork
                 yield from self._checked(iter(dataset), delivered, sizes)
                 return
             # Forked workers tokenize; the Rust tokenizer's thread pool must not be inherited mid-use.
@@ -488,7 +500,8 @@ class PreprocessPool:
                 # would be copied on the engine's first write to each after the fork (about 1 s of system
                 # time on the throughput workload); handed back first, they come back as fresh pages.
                 release_free_heap()
-                items = iter(loader)
+                items = iter(loader)  # the workers are forked here
+                self.forked.set()
                 _unregister_from_sigchld(items)
                 _close_parent_write_end(items)
             watchdog = Watchdog(slots, self.timeout_s)

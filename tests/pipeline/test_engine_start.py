@@ -1,11 +1,13 @@
 """The preprocessing workers start before the engine is built, so that the first samples are prepared while
-it is (`pipeline/engine_setup.py`); an engine that cannot be built still stops them and lets go of the
-shards they claimed."""
+it is (`pipeline/engine_setup.py`), but are all forked before the engine's start launches a subprocess; an
+engine that cannot be built still stops them and lets go of the shards they claimed."""
 
 import multiprocessing
 import threading
+import time
 
 import pytest
+import torch.utils.data
 
 import batchvl.pipeline.launch as launch
 from batchvl.config import load_job_config
@@ -71,3 +73,26 @@ def test_an_engine_that_cannot_be_built_stops_the_workers_and_releases_their_cla
     assert multiprocessing.active_children() == []
     out = tmp_path / "out"
     assert not list(out.rglob("*.lock")) and not list(out.glob("*.parquet"))
+
+
+def test_the_engine_starts_once_every_worker_is_forked(job, monkeypatch):
+    """A worker forked while the engine's start launches a subprocess (a server, a kernel compiler) would
+    hold the pipe through which that subprocess reports its exec, and the start would wait on it forever:
+    the engine starts only once the workers are forked, however late the input thread forks them."""
+    iterate = torch.utils.data.DataLoader.__iter__
+
+    def late(self):
+        time.sleep(1.0)
+        return iterate(self)
+
+    monkeypatch.setattr(torch.utils.data.DataLoader, "__iter__", late)
+    build = launch.build_engine
+    children_at_build = []
+
+    def counting_build(*args, **kwargs):
+        children_at_build.append(len(multiprocessing.active_children()))
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(launch, "build_engine", counting_build)
+    run_job(job, show_progress=False)
+    assert children_at_build == [2]  # both workers (preprocess.workers=2)
