@@ -135,7 +135,7 @@ class DecodeGraphs:
         none), over padding rows (see the module docstring)."""
         if axes > MAX_POSITION_AXES:  # its steps run eagerly (`takes`)
             return
-        self._load([], self.largest, axes)
+        self._load([], np.empty(0, dtype=np.int64), self.largest, axes)
         if self._replay(self.largest, axes, 1 if self.splits_matter else None) is not None:
             logger.info("decode graphs: %d rows captured in %.2f s", self.largest, self.capture_s)
 
@@ -171,7 +171,7 @@ class DecodeGraphs:
             elif padded is None and self._needs[key] < CAPTURE_ON_NEED:
                 return None  # run eagerly: a graph replayed once would not repay its capture
         rows = key[0]
-        self._load(chunks, rows, axes)
+        self._load(chunks, lengths, rows, axes)
         if picks_in_flight is not None:
             token_ids = self.buffers["token_ids"][:rows]
             token_ids.copy_(with_picks(token_ids, picks_in_flight))
@@ -212,19 +212,17 @@ class DecodeGraphs:
             return None
         return decode_splits(self.kv_cache.layers[0].shape[1], lengths, self.block_size)
 
-    def _load(self, chunks: list[ScheduledChunk], rows: int, axes: int) -> None:
-        """Fill the static buffers with the step's inputs, the padding rows' after them up to `rows` (all of
-        the rows without chunks)."""
+    def _load(self, chunks: list[ScheduledChunk], lengths: np.ndarray, rows: int, axes: int) -> None:
+        """Fill the static buffers with the step's inputs (`lengths`: each chunk's keys, its start + 1), the
+        padding rows' after them up to `rows` (all of the rows without chunks)."""
         padding = rows - len(chunks)
-        token_ids, starts, deltas, table_rows = [], [], [], []
+        token_ids, deltas, table_rows = [], [], []
         for chunk in chunks:
-            request, start = chunk.request, chunk.start
-            token_ids.append(request.output_token_ids[start - len(request.prompt_token_ids)])
-            starts.append(start)
+            request = chunk.request
+            token_ids.append(request.output_token_ids[chunk.start - len(request.prompt_token_ids)])
             deltas.append(request.positions.delta)
             table_rows.append(request.table_row)
-        starts, table_rows = np.array(starts, dtype=np.int64), np.array(table_rows, dtype=np.int64)
-        lengths = starts + 1
+        starts, table_rows = lengths - 1, np.array(table_rows, dtype=np.int64)
         table = self.block_table
 
         def padded(values, pad: int) -> torch.Tensor:
