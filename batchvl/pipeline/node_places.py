@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from batchvl.config import JobConfig
 from batchvl.errors import UserError
-from batchvl.preprocess.pool import default_workers
+from batchvl.preprocess.pool import default_workers, usable_cores
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,7 @@ def _positive(gpus: str) -> int:
 
 def process_config(cfg: JobConfig, place: Place, num_processes: int) -> JobConfig:
     """The job as process `place` runs it: its device, its workers and threads out of its share of cores."""
-    share = max(1, len(os.sched_getaffinity(0)) // num_processes)
+    share = max(1, usable_cores() // num_processes)
     workers = cfg.preprocess.workers
     if workers is None:
         workers = default_workers(share)
