@@ -37,7 +37,10 @@ from sync_audit import SyncAudit
 
 # what the host did in an engine step (see the module docstring), in the order a step does it
 HOST_PHASES = ("schedule", "vision", "forward", "picks_read", "rest_of_step")
-TRACE_COLUMNS = ("start_s", "wall_ms", "prompt_tokens", "decodes", "patches")  # a step's row in `trace`
+# A step's row in `trace`. `waiting`: the requests added and not yet admitted as it began, which the job
+# tops up to `engine.lookahead` before each step from the input ready: below it while prompts are still to
+# come, the input did not keep up with the engine.
+TRACE_COLUMNS = ("start_s", "wall_ms", "prompt_tokens", "decodes", "patches", "waiting")
 TOP_KERNELS = 12  # the kernels named in a summary, by their summed time
 KERNEL = "kernel"  # a CUDA kernel's category in the profiler's trace (copies: gpu_memcpy, gpu_memset)
 
@@ -66,7 +69,8 @@ class StepTimer:
         self.host_split = dict.fromkeys(HOST_PHASES, 0.0)  # seconds of every engine step, by what it did
         self._in_step = threading.local()  # the split's seconds so far in the step this thread runs
         # every step of the job in order, a row of TRACE_COLUMNS: when it began (seconds from the first
-        # step's start), its wall, its prompt tokens, its decodes and the patches its vision calls encoded
+        # step's start), its wall, its prompt tokens, its decodes, the patches its vision calls encoded and
+        # the requests waiting as it began
         self.trace: list[list[float]] = []
         self._first_step_at: float | None = None
         self.engine_steps = 0
@@ -91,13 +95,13 @@ class StepTimer:
             started = time.perf_counter()
             timer._in_step.seconds = 0.0  # per thread: the CPU's engine replicas step in threads of their own
             timer._in_step.tokens = (0, 0)
-            patches = engine.encoder_cache.patches_encoded
+            patches, waiting = engine.encoder_cache.patches_encoded, engine.num_waiting
             try:
                 return step(engine)
             finally:
                 elapsed = time.perf_counter() - started
                 timer.host_split["rest_of_step"] += elapsed - timer._in_step.seconds
-                timer._trace(started, elapsed, engine.encoder_cache.patches_encoded - patches)
+                timer._trace(started, elapsed, engine.encoder_cache.patches_encoded - patches, waiting)
                 timer._after_step()
 
         def timed_execute(runner, chunks, *args, **kwargs):
@@ -146,12 +150,12 @@ class StepTimer:
 
         return timed
 
-    def _trace(self, started: float, elapsed: float, patches: int) -> None:
+    def _trace(self, started: float, elapsed: float, patches: int, waiting: int) -> None:
         if self._first_step_at is None:
             self._first_step_at = started
         prompt_tokens, decodes = self._in_step.tokens
         since_first = round(started - self._first_step_at, 4)
-        self.trace.append([since_first, round(elapsed * 1e3, 2), prompt_tokens, decodes, patches])
+        self.trace.append([since_first, round(elapsed * 1e3, 2), prompt_tokens, decodes, patches, waiting])
 
     def _add(self, phase: str, seconds: float) -> None:
         self.host_split[phase] += seconds

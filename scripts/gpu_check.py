@@ -20,6 +20,10 @@ reported and the next still runs, in the order of what a GPU window must answer 
                    host's waits for the GPU after it
   gpu_throughput_2b_fast  the same with every fast path on, and the share of samples whose text equals the
                    baseline's
+  input_rate       benchmarks/input_rate.py on the host: prepared samples a second reaching an engine thread
+                   idle and busy in Python (as a GPU engine's is), with the job's input settings (pixels
+                   sent as shared-memory files opened by name, GIL handoffs every 1 ms) and with torch's
+                   and Python's defaults
   vision_call      benchmarks/vision_call.py: one vision call of Qwen2-VL-2B's tower at 4,096 to 32,768
                    patches, without and with the fused kernels, then with them and its attention by SDPA
                    (cuDNN first): its wall, its pixels' staging and its kernels' time, the kernels with
@@ -455,6 +459,18 @@ def vision_call(work: Path) -> dict:
     return {"ok": result["rc"] == 0 and bool(report), **result, "table": stdout.splitlines()[-14:], **report}
 
 
+def input_rate(work: Path) -> dict:
+    """benchmarks/input_rate.py on this machine's host: the samples a second its preprocessing workers get
+    to an engine thread that is idle and to one busy in Python, as a GPU engine's thread is, with the job's
+    input settings and with the defaults: whether the input bounds a job here."""
+    out = work / "input_rate.json"
+    samples = "60" if ON_CPU else "300"
+    result = run([sys.executable, "benchmarks/input_rate.py", "--samples", samples, "--json", str(out)], 120)
+    stdout = result.pop("stdout", "")
+    report = json.loads(out.read_text()) if out.exists() else {}
+    return {"ok": result["rc"] == 0 and bool(report), **result, "table": stdout.splitlines()[-4:], **report}
+
+
 def fused_elementwise(work: Path) -> dict:
     return cuda_benchmark(work, "fused_elementwise", 45)
 
@@ -561,6 +577,8 @@ STAGES = [
     ("fast_paths_job", fast_paths_job),
     ("gpu_throughput_2b", lambda work: gpu_throughput(work, "2b")),
     ("gpu_throughput_2b_fast", lambda work: gpu_throughput(work, "2b", FAST_PATHS)),
+    # some 30 s on the host alone: whether the input keeps up with a busy engine thread
+    ("input_rate", input_rate),
     ("vision_call", vision_call),  # some 60 s: the 2B tower made on the GPU, 12 calls' sizes and kernels
     # some 20-40 s: 8 prompt cases, 8 vision ones, 50 calls each; what the 2B runs' prefill and vision
     # time may go to, measured beside them

@@ -76,6 +76,9 @@ def test_the_host_split_names_each_phase_and_adds_up_to_the_steps(step_timing, l
     # one more decode a request, whose token is dropped once the step after reads that it had ended
     assert sum(row["decodes"] for row in trace) == (5 + overlap) * len(prompts)
     assert sum(row["patches"] for row in trace) == engine.encoder_cache.patches_encoded > 0
+    # every request was added before the first step: waiting, then admitted, none of them again
+    waiting = [row["waiting"] for row in trace]
+    assert waiting[0] == len(prompts) and waiting[-1] == 0 and waiting == sorted(waiting, reverse=True)
 
 
 class FakeProfiler:
@@ -121,7 +124,7 @@ def run_steps(monkeypatch, timer, steps: int) -> int:
 
     begun = []
     monkeypatch.setattr(engine_module.Engine, "step", lambda self: begun.append(self) or [])
-    engine = SimpleNamespace(encoder_cache=SimpleNamespace(patches_encoded=0))
+    engine = SimpleNamespace(encoder_cache=SimpleNamespace(patches_encoded=0), num_waiting=0)
     with timer.installed():
         for _ in range(steps):
             engine_module.Engine.step(engine)

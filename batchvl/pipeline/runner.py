@@ -45,7 +45,7 @@ from batchvl.preprocess.pool import PoolStats, PreprocessPool, default_workers, 
 from batchvl.preprocess.sample import PreparedSample
 from batchvl.storage import layout
 from batchvl.storage.output_dir import LocalDir, OutputDir
-from batchvl.utils.background import END, BackgroundIterator
+from batchvl.utils.background import END, BackgroundIterator, prompt_handoffs
 from batchvl.utils.memory import HeapTrimmer, keep_freed_memory
 from batchvl.utils.stats import RunStats
 from batchvl.utils.stop import StopRequests
@@ -188,7 +188,8 @@ class JobRunner:
             pool.forked.wait()  # before the engine's start launches any subprocess (`PreprocessPool.forked`)
             self.engine = engine = setup.start_engine()
             started = time.perf_counter()  # processing: from the engine's start on
-            with samples_bar(ledger, work.shards, self.show_progress) as bar:
+            # (the input thread's handoffs of the GIL: `background.py`)
+            with samples_bar(ledger, work.shards, self.show_progress) as bar, prompt_handoffs():
                 self._feed_and_step(feed, engine, ledger, bar)
         except ServerGone as gone:
             self.server_gone = gone  # the rows of the shards in flight are left for the next run

@@ -11,6 +11,9 @@ import numpy as np
 import torch
 import xxhash
 
+from batchvl.preprocess import shared_pixels
+from batchvl.preprocess.shared_pixels import SharedPixels
+
 
 @dataclass(frozen=True)
 class PreparedMedia:
@@ -32,9 +35,12 @@ class PreparedMedia:
     placeholder: str
     kind: str = "image"  # "image" or "video": which placeholder token and vision entry point
     seconds_per_grid_t: float = 0.0  # video: seconds of video per temporal grid step (Qwen2.5-VL positions)
-    # `pixel_values` as a tensor in shared memory, set by `in_shared_memory` just before a worker sends the
-    # media (what is sent; so nothing replaces the pixels after it); None: moved there when pickled
-    shared_pixels: torch.Tensor | None = dataclasses.field(default=None, repr=False, compare=False)
+    # `pixel_values` in shared memory, set by `in_shared_memory` just before a worker sends the media (what
+    # is sent; so nothing replaces the pixels after it): a file named in the message (`shared_pixels.py`),
+    # else a tensor sent torch's way; None: moved there when pickled
+    shared_pixels: SharedPixels | torch.Tensor | None = dataclasses.field(
+        default=None, repr=False, compare=False
+    )
 
     @property
     def num_patches(self) -> int:
@@ -55,17 +61,25 @@ class PreparedMedia:
         """This media with its pixels moved to shared memory now, in the preprocessing worker's own
         thread, where a failure (a full /dev/shm, a file size limit) is raised to the caller. Left to the
         pickler, the move happens in the result queue's feeder thread, which prints the error and drops
-        the sample: the job then waited for it forever. The same one copy either way."""
-        tensor = torch.as_tensor(self.pixel_values).contiguous().share_memory_()
+        the sample: the job then waited for it forever. The same one copy either way. In a pool's worker
+        the pixels go to a file the message names (`shared_pixels.py`), elsewhere torch's way."""
+        tensor = torch.as_tensor(self.pixel_values).contiguous()
+        if shared_pixels.writes_files():
+            shared = shared_pixels.write(tensor)
+            return dataclasses.replace(self, pixel_values=host_pixels(shared.tensor), shared_pixels=shared)
+        tensor.share_memory_()
         return dataclasses.replace(self, pixel_values=host_pixels(tensor), shared_pixels=tensor)
 
     def __reduce__(self):
-        """Pickled (to go from a preprocessing worker to the job process), the pixels travel as a torch
-        tensor: torch's multiprocessing pickler sends a tensor in shared memory as a handle and the receiver
-        maps those pages, where a numpy array would be copied into the pipe and out of it again."""
+        """Pickled (to go from a preprocessing worker to the job process), the pixels travel as the name of
+        the file that holds them, or as a torch tensor: torch's multiprocessing pickler sends a tensor in
+        shared memory as a handle and the receiver maps those pages, where a numpy array would be copied
+        into the pipe and out of it again."""
         kept = {f.name for f in dataclasses.fields(self)} - {"pixel_values", "shared_pixels"}
         fields = {name: getattr(self, name) for name in kept}
         pixels = self.shared_pixels
+        if isinstance(pixels, SharedPixels):
+            return (_media_from_file, (pixels.message(), fields))
         if pixels is None:
             pixels = torch.as_tensor(self.pixel_values).contiguous()  # the pickler moves it
         return (_media_from_tensor, (pixels, fields))
@@ -73,6 +87,10 @@ class PreparedMedia:
 
 def _media_from_tensor(pixels: torch.Tensor, fields: dict) -> PreparedMedia:
     return PreparedMedia(pixel_values=host_pixels(pixels), **fields)
+
+
+def _media_from_file(message: tuple, fields: dict) -> PreparedMedia:
+    return PreparedMedia(pixel_values=host_pixels(shared_pixels.receive(*message)), **fields)
 
 
 def host_pixels(pixels: torch.Tensor) -> np.ndarray | torch.Tensor:

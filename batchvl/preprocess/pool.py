@@ -34,6 +34,7 @@ from batchvl.inputs.fetch_ahead import media_ready
 from batchvl.inputs.sources import Source
 from batchvl.inputs.types import ShardEnd, ShardInfo, ShardSkipped
 from batchvl.outputs.claims import ShardClaims
+from batchvl.preprocess import shared_pixels
 from batchvl.preprocess.media import PreparedMedia
 from batchvl.preprocess.sample import PreparedSample, SampleProcessor
 from batchvl.utils.memory import load_libc, release_free_heap
@@ -49,11 +50,13 @@ SLOT_FIELDS = 5  # pid, state, shard number, sample index, start time
 PR_SET_PDEATHSIG = 1  # prctl option, from linux/prctl.h
 
 
-def _init_worker(parent_pid: int, _worker_id: int) -> None:
+def _init_worker(parent_pid: int, pixels_prefix: str | None, _worker_id: int) -> None:
     """Ignore Ctrl-C, which a terminal sends to the whole process group: the job process decides how to
     stop, and a worker that died of it would look like a crash. Have the kernel kill this worker when the
     job process dies (Linux): without it a worker of a SIGKILLed job (the OOM killer, `kill -9`) lives on,
-    blocked forever on a queue nobody reads."""
+    blocked forever on a queue nobody reads. Send pixels as shared-memory files named after
+    `pixels_prefix` (`shared_pixels.py`; None: torch's way)."""
+    shared_pixels.write_as(pixels_prefix)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if sys.platform.startswith("linux") and (libc := load_libc()) is not None:
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -447,8 +450,11 @@ class PreprocessPool:
         # pipe through which that subprocess reports its exec open, and the thread waits on it forever (a
         # launched server's start did). Whoever starts subprocesses beside the pool waits for this first.
         self.forked = threading.Event()
+        self.pixels_prefix = shared_pixels.pool_prefix()  # the workers' pixel files' (`shared_pixels.py`)
 
     def __iter__(self) -> Iterator[PreparedSample | ShardEnd | ShardSkipped]:
+        if self.pixels_prefix is not None:
+            shared_pixels.remove_left_behind()  # by job processes killed before they could
         try:
             yield from self._iterate()
         finally:
@@ -494,7 +500,7 @@ class PreprocessPool:
                     collate_fn=_identity,
                     multiprocessing_context=self.context,
                     in_order=False,
-                    worker_init_fn=functools.partial(_init_worker, os.getpid()),
+                    worker_init_fn=functools.partial(_init_worker, os.getpid(), self.pixels_prefix),
                 )
                 # Forked workers share the job process's pages copy-on-write: heap pages kept free for reuse
                 # would be copied on the engine's first write to each after the fork (about 1 s of system
@@ -524,6 +530,8 @@ class PreprocessPool:
                 logger.warning("restarting preprocessing workers after: %s", exc)
             finally:
                 del items  # shuts the workers down
+                if self.pixels_prefix is not None:  # what they sent that was never received
+                    shared_pixels.remove_unreceived(self.pixels_prefix)
 
     @staticmethod
     def _count(delivered: set[tuple[str, int]], shard: str) -> int:

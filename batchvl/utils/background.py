@@ -2,15 +2,40 @@
 
 The consumer can then poll without blocking (the engine keeps stepping while input is not ready) and
 measure how long it truly waited. Exceptions in the producer are re-raised in the consumer.
+
+The producer thread and the consumer share the GIL. Each item the producer takes from a preprocessing
+worker crosses several blocking calls (the queue's poll, its message's length and body, its pixels' file:
+`preprocess/shared_pixels.py`), and after each it must get the GIL back from the consumer; a consumer busy
+in Python (an engine launching a GPU's kernels, which holds the GIL between them) lets go of it only when
+the interpreter asks it to, by default every 5 ms. Behind such a consumer a worker's samples arrived at 17
+a second where it prepared 130 (`benchmarks/input_rate.py`, with torch's descriptors for the pixels): the
+job's input, not its engine, set its rate. `prompt_handoffs` shortens the interval while the consumer
+runs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import queue
+import sys
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 END = object()  # returned by get() once the iterator is exhausted
+# The longest a thread that waits for the GIL waits while a job's input runs beside its engine
+HANDOFF_INTERVAL_S = 0.001
+
+
+@contextlib.contextmanager
+def prompt_handoffs(interval_s: float = HANDOFF_INTERVAL_S) -> Iterator[None]:
+    """The interpreter's thread switch interval at most `interval_s` inside the block, restored after it
+    (a process-wide setting: a notebook's own threads get it back as they had it)."""
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(min(previous, interval_s))
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(previous)
 
 
 class BackgroundIterator:

@@ -16,6 +16,7 @@ import batchvl.preprocess.qwen_vision as qwen_vision
 from batchvl.config import InputConfig, PromptConfig
 from batchvl.inputs.parquet import ParquetSource
 from batchvl.inputs.types import ShardEnd
+from batchvl.preprocess import shared_pixels
 from batchvl.preprocess.pool import PreprocessPool
 from batchvl.preprocess.prompts import PromptRenderer
 from batchvl.preprocess.qwen_vision import QwenMediaPreparer, QwenVisionSpec
@@ -103,6 +104,22 @@ def test_crashing_and_hanging_samples_cost_only_themselves(loaded_fp32, shards, 
     assert "preprocess.timeout_s=2" in samples[("b.parquet", 1)].error.message
     assert pool.stats.worker_restarts in (1, 2)  # both may be noticed in the same restart
     assert (pool.stats.samples_crashed, pool.stats.samples_timed_out) == (1, 1)
+
+
+def test_samples_sent_and_never_received_leave_no_pixel_files(loaded_fp32, shards):
+    """A job that stops while its workers have samples on the way: their pixels' files go with the pool."""
+    source, infos = shards
+    pool = PreprocessPool(source, infos, processor(loaded_fp32), workers=2, prefetch=2, timeout_s=60)
+    items = iter(pool)
+    next(items)
+    in_flight = list(shared_pixels.SHM_DIR.glob(f"{pool.pixels_prefix}-*"))
+    deadline = time.monotonic() + 30
+    while not in_flight:  # the workers prepare the next samples and send them
+        assert time.monotonic() < deadline, "no sample was sent after the first"
+        time.sleep(0.01)
+        in_flight = list(shared_pixels.SHM_DIR.glob(f"{pool.pixels_prefix}-*"))
+    items.close()  # the job stops reading
+    assert list(shared_pixels.SHM_DIR.glob(f"{pool.pixels_prefix}-*")) == []
 
 
 def is_gone(process: psutil.Process) -> bool:

@@ -1,0 +1,156 @@
+"""Pixels on their way from a preprocessing worker to the job process: a file in shared memory (`/dev/shm`)
+that the worker writes and names in its message, and that the job process maps and removes at once.
+
+torch's own sharing sends a tensor's file descriptor, which the receiver then fetches from the sender over a
+socket: a connection, an authentication handshake, the descriptor. In the job process the input thread does
+this, and after each of those blocking calls it waits for the GIL, which the engine's thread holds between
+the kernels it launches (`utils/background.py`): behind such an engine, a worker's samples arrived at a
+fifth of the rate they arrive by name (`benchmarks/input_rate.py`). torch's `file_system` sharing opens
+them by name too, but through a manager process per worker that inherits the job's standard output and
+error and, under `--processes`, the pipe by which the launcher learns that a process ended: it held both
+some 2 s past the job's end, and a killed process's shard claims looked alive to its siblings meanwhile.
+
+A file holds the pixels and after them a nonce that the message carries too, so that a file which is not
+the one written (removed, then made anew, empty, by the mapping) is refused rather than read as zeros.
+The files of one pool are named `batchvl-pixels-<job pid>-<pool token>-<worker pid>-<n>`. The job process
+removes each as it receives it; when the pool ends it removes those of its own never received (a sample
+sent by a worker that was then killed, or waiting in the queue when the job stopped), and when a pool
+starts, those that a job process no longer alive left behind (killed before its own removal) once they are
+old enough that no job could still be receiving them.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import secrets
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import torch
+
+SHM_DIR = Path("/dev/shm")
+PREFIX = "batchvl-pixels"
+NONCE_BYTES = 8
+# A file of a job process that is gone is removed once it is this old: a job receives its files within
+# seconds, and another container's job (another pid namespace, its pids not seen here) may share /dev/shm
+LEFT_BEHIND_AFTER_S = 600.0
+
+_writer: _Writer | None = None  # set in a preprocessing worker by `write_as`
+
+
+@dataclass
+class _Writer:
+    prefix: str
+    count: int = 0
+
+    def next_path(self) -> Path:
+        self.count += 1
+        return SHM_DIR / f"{self.prefix}-{os.getpid()}-{self.count}"
+
+
+@dataclass(frozen=True)
+class SharedPixels:
+    """Pixels written to a file of shared memory, mapped here (`tensor`), and what a message names them by."""
+
+    path: str
+    nonce: int
+    tensor: torch.Tensor
+
+    def message(self) -> tuple:
+        """What the receiver needs to map them: `receive`'s arguments."""
+        return (self.path, tuple(self.tensor.shape), self.tensor.dtype, self.nonce)
+
+
+def pool_prefix() -> str | None:
+    """A new pool's file prefix, or None where there is no shared-memory folder to name files in (the
+    workers then send torch's way)."""
+    if not SHM_DIR.is_dir() or not os.access(SHM_DIR, os.W_OK):
+        return None
+    return f"{PREFIX}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def write_as(prefix: str | None) -> None:
+    """In a preprocessing worker: send pixels as files named after `prefix` (None: torch's way)."""
+    global _writer
+    _writer = _Writer(prefix) if prefix is not None else None
+
+
+def writes_files() -> bool:
+    return _writer is not None
+
+
+def write(pixels: torch.Tensor) -> SharedPixels:
+    """`pixels` copied into a new file of this worker's. Raises OSError where the file cannot be made
+    whole (a full /dev/shm: the space is reserved first, not found missing by a write that would kill the
+    worker; a file size limit)."""
+    assert _writer is not None, "write_as was not called in this process"
+    path = _writer.next_path()
+    nbytes = pixels.numel() * pixels.element_size()
+    descriptor = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.posix_fallocate(descriptor, 0, nbytes + NONCE_BYTES)
+    except OSError:
+        os.unlink(path)
+        raise
+    finally:
+        os.close(descriptor)
+    storage = torch.UntypedStorage.from_file(str(path), True, nbytes + NONCE_BYTES)
+    mapped = _view(storage, tuple(pixels.shape), pixels.dtype)
+    mapped.copy_(pixels)
+    nonce = secrets.randbits(63)
+    _trailer(storage, nbytes).copy_(_nonce_bytes(nonce))
+    return SharedPixels(str(path), nonce, mapped)
+
+
+def receive(path: str, shape: tuple[int, ...], dtype: torch.dtype, nonce: int) -> torch.Tensor:
+    """The pixels a worker wrote to `path`, mapped; the file removed (its pages go with the mapping)."""
+    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    storage = torch.UntypedStorage.from_file(path, True, nbytes + NONCE_BYTES)
+    os.unlink(path)
+    if not torch.equal(_trailer(storage, nbytes), _nonce_bytes(nonce)):
+        raise RuntimeError(f"{path} is not the file its preprocessing worker wrote (removed meanwhile?)")
+    return _view(storage, shape, dtype)
+
+
+def remove_unreceived(prefix: str) -> int:
+    """Remove the files of the pool with `prefix` that nobody received; how many there were."""
+    return sum(_removed(path) for path in SHM_DIR.glob(f"{prefix}-*"))
+
+
+def remove_left_behind(now: float | None = None) -> int:
+    """Remove the files that job processes no longer alive left behind, once old enough; how many."""
+    now = time.time() if now is None else now
+    removed = 0
+    for path in SHM_DIR.glob(f"{PREFIX}-*"):
+        pid = path.name[len(PREFIX) + 1 :].split("-", 1)[0]
+        try:
+            old = now - path.stat().st_mtime > LEFT_BEHIND_AFTER_S
+        except FileNotFoundError:
+            continue  # received meanwhile
+        if old and pid.isdigit() and not psutil.pid_exists(int(pid)):
+            removed += _removed(path)
+    return removed
+
+
+def _removed(path: Path) -> bool:
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        return False  # received meanwhile
+    return True
+
+
+def _view(storage: torch.UntypedStorage, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """The storage's first bytes as a tensor of `shape` and `dtype`."""
+    return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
+
+
+def _trailer(storage: torch.UntypedStorage, nbytes: int) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8).set_(storage, nbytes, (NONCE_BYTES,))
+
+
+def _nonce_bytes(nonce: int) -> torch.Tensor:
+    return torch.tensor(list(nonce.to_bytes(NONCE_BYTES, "little")), dtype=torch.uint8)

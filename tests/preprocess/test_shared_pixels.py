@@ -1,0 +1,114 @@
+"""Pixels cross from a preprocessing worker to the job process as shared-memory files the message names: the
+receiver maps and removes each, refuses a file that is not the one written, and no file outlives its job."""
+
+import os
+import pickle
+import subprocess
+import sys
+import time
+from multiprocessing.reduction import ForkingPickler
+
+import numpy as np
+import pytest
+import torch
+
+from batchvl.preprocess import shared_pixels
+from batchvl.preprocess.media import PreparedMedia
+
+pytestmark = pytest.mark.skipif(shared_pixels.pool_prefix() is None, reason="no writable /dev/shm")
+
+
+@pytest.fixture
+def writing():
+    """This process writes pixel files, as a pool's worker does, under a prefix of its own."""
+    prefix = shared_pixels.pool_prefix()
+    shared_pixels.write_as(prefix)
+    yield prefix
+    shared_pixels.write_as(None)
+    shared_pixels.remove_unreceived(prefix)
+
+
+def files(prefix: str) -> list:
+    return sorted(shared_pixels.SHM_DIR.glob(f"{prefix}-*"))
+
+
+def media(dtype=np.float32) -> PreparedMedia:
+    pixels = np.random.default_rng(0).standard_normal((300, 1176)).astype(dtype)
+    return PreparedMedia(pixels, (1, 15, 20), "hash", 75, "<image>")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pixels_arrive_equal_by_the_files_name_and_the_file_is_gone(writing, dtype):
+    prepared = media().in_dtype(dtype)
+    sent = prepared.in_shared_memory()
+    (path,) = files(writing)
+    assert sent.shared_pixels.path == str(path)
+    message = bytes(ForkingPickler.dumps(sent))
+    assert len(message) < 10_000 and b"_media_from_file" in message  # the name, not the pixels
+    received = pickle.loads(message)
+    assert files(writing) == []  # mapped, then removed: its pages live as long as the mapping
+    expected = torch.as_tensor(prepared.pixel_values)
+    got = torch.as_tensor(received.pixel_values)
+    assert got.dtype == dtype and torch.equal(got, expected)
+    assert (received.grid_thw, received.content_hash, received.shared_pixels) == ((1, 15, 20), "hash", None)
+
+
+def test_a_file_that_is_not_the_one_written_is_refused_not_read_as_zeros(writing):
+    sent = media().in_shared_memory()
+    os.unlink(sent.shared_pixels.path)  # removed meanwhile: the mapping would make an empty one
+    with pytest.raises(RuntimeError, match="is not the file its preprocessing worker wrote"):
+        pickle.loads(ForkingPickler.dumps(sent))
+    assert files(writing) == []
+
+
+def test_outside_a_pools_worker_pixels_go_torchs_way():
+    sent = media().in_shared_memory()
+    assert isinstance(sent.shared_pixels, torch.Tensor) and sent.shared_pixels.is_shared()
+    assert np.array_equal(pickle.loads(ForkingPickler.dumps(sent)).pixel_values, media().pixel_values)
+
+
+def test_a_pools_files_never_received_are_removed_and_no_other(writing):
+    kept = shared_pixels.pool_prefix()
+    shared_pixels.write_as(kept)
+    other = media().in_shared_memory()
+    shared_pixels.write_as(writing)
+    for _ in range(3):
+        media().in_shared_memory()
+    assert shared_pixels.remove_unreceived(writing) == 3 and files(writing) == []
+    assert [str(path) for path in files(kept)] == [other.shared_pixels.path]
+    pickle.loads(ForkingPickler.dumps(other))  # received: removed by its receiver
+    assert files(kept) == []
+
+
+def a_gone_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_files_a_gone_job_left_are_removed_once_old_and_no_others():
+    gone, alive = a_gone_pid(), os.getpid()
+    old = time.time() - shared_pixels.LEFT_BEHIND_AFTER_S - 60
+    paths = {}
+    for name, pid, mtime in (("gone_old", gone, old), ("gone_new", gone, None), ("alive_old", alive, old)):
+        path = shared_pixels.SHM_DIR / f"{shared_pixels.PREFIX}-{pid}-{name}-1-1"
+        path.write_bytes(b"x")
+        if mtime is not None:
+            os.utime(path, (mtime, mtime))
+        paths[name] = path
+    try:
+        shared_pixels.remove_left_behind()
+        assert {name for name, path in paths.items() if path.exists()} == {"gone_new", "alive_old"}
+    finally:
+        for path in paths.values():
+            path.unlink(missing_ok=True)
+
+
+def test_a_file_that_cannot_be_made_whole_raises_and_is_not_left(writing, monkeypatch):
+    def full(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(OSError, match="No space left"):
+        media().in_shared_memory()
+    assert files(writing) == []
