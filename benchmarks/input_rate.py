@@ -6,10 +6,10 @@ takes every sample ready and then either sleeps 1 ms (`idle`: what the workers a
 deliver) or spins in Python for `--busy-ms` (`busy`: a GPU engine's thread, which holds the GIL while it
 launches kernels, between each launch). Each runs with the job's input settings (the workers' pixels sent
 as shared-memory files opened by name, GIL handoffs every 1 ms: `preprocess/shared_pixels.py`,
-`utils/background.py`) and with torch's and Python's defaults (file descriptors fetched from the workers,
-5 ms), so that the table says what the settings buy where the engine is busy. The rate is taken over the
-second half of the samples: the first fill the queues between the workers and the engine thread (some 80
-with 8 workers) while the workers start, which is not the input's rate.
+`utils/background.py`), with the handoffs alone, and with torch's and Python's defaults (file descriptors
+fetched from the workers, 5 ms), so that the table says what each buys where the engine is busy. The rate
+is taken over the second half of the samples: the first fill the queues between the workers and the engine
+thread (some 80 with 8 workers) while the workers start, which is not the input's rate.
 
 `transport` rows send the first sample's media again for every sample, prepared once: the workers then cost
 next to nothing, and the rate is what the transport and the engine thread's GIL allow.
@@ -47,6 +47,8 @@ from batchvl.preprocess.sample import PreparedSample, SampleProcessor
 from batchvl.utils.background import END, BackgroundIterator, prompt_handoffs
 
 PREFETCH = PreprocessConfig().prefetch
+# (name, pixels as files opened by name, GIL handoffs every 1 ms): the job's, the handoffs alone, neither
+SETTINGS = (("job", True, True), ("handoffs_only", False, True), ("defaults", False, False))
 
 
 def sample_processor(size: str) -> SampleProcessor:
@@ -88,17 +90,17 @@ def spin(seconds: float) -> None:
 
 
 def delivery_rate(
-    data: Path, processor: SampleProcessor, workers: int, busy_s: float, job_settings: bool
+    data: Path, processor: SampleProcessor, workers: int, busy_s: float, files: bool, handoffs: bool
 ) -> dict:
     """Samples a second taken by the stand-in engine thread, over the second half of them."""
     source = ParquetSource(InputConfig(paths=[str(data / "*.parquet")], key_column="key"))
     shards = source.list_shards()
     pool = PreprocessPool(source, shards, processor, workers, PREFETCH, 120.0)
-    if not job_settings:
+    if not files:
         pool.pixels_prefix = None  # the workers send torch's way
     feed = BackgroundIterator(pool, maxsize=max(4, workers * 2))  # as the job's runner makes it
     try:
-        with prompt_handoffs() if job_settings else contextlib.nullcontext():
+        with prompt_handoffs() if handoffs else contextlib.nullcontext():
             times = consume(feed, busy_s)
     finally:
         feed.close()
@@ -140,11 +142,10 @@ def main() -> None:
         write_images(data, args.samples)
         for workload, preparing in (("samples", processor), ("transport", PreparedOnce(processor))):
             for engine, busy_s in (("idle", 0.0), ("busy", args.busy_ms / 1e3)):
-                for job_settings in (True, False):
-                    measured = delivery_rate(data, preparing, workers, busy_s, job_settings)
-                    settings = "job" if job_settings else "defaults"
+                for settings, files, handoffs in SETTINGS:
+                    measured = delivery_rate(data, preparing, workers, busy_s, files, handoffs)
                     rows.append({"workload": workload, "engine": engine, "settings": settings, **measured})
-                    print(f"{workload:9} {engine:5} {settings:8} {measured['samples_per_s']:8.1f} samples/s")
+                    print(f"{workload:9} {engine:5} {settings:13} {measured['samples_per_s']:8.1f} samples/s")
     result = {
         "size": args.size,
         "workers": workers,

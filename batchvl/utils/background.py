@@ -7,8 +7,8 @@ The producer thread and the consumer share the GIL. Each item the producer takes
 worker crosses several blocking calls (the queue's poll, its message's length and body, its pixels' file:
 `preprocess/shared_pixels.py`), and after each it must get the GIL back from the consumer; a consumer busy
 in Python (an engine launching a GPU's kernels, which holds the GIL between them) lets go of it only when
-the interpreter asks it to, by default every 5 ms. Behind such a consumer a worker's samples arrived at 17
-a second where it prepared 130 (`benchmarks/input_rate.py`, with torch's descriptors for the pixels): the
+the interpreter asks it to, by default every 5 ms. Behind such a consumer a worker's samples arrived at 16
+a second where it prepared 126 (`benchmarks/input_rate.py`, with torch's descriptors for the pixels): the
 job's input, not its engine, set its rate. `prompt_handoffs` shortens the interval while the consumer
 runs.
 """

@@ -3,6 +3,8 @@
 import io
 import os
 import resource
+import subprocess
+import sys
 import threading
 import time
 
@@ -120,6 +122,21 @@ def test_samples_sent_and_never_received_leave_no_pixel_files(loaded_fp32, shard
         in_flight = list(shared_pixels.SHM_DIR.glob(f"{pool.pixels_prefix}-*"))
     items.close()  # the job stops reading
     assert list(shared_pixels.SHM_DIR.glob(f"{pool.pixels_prefix}-*")) == []
+
+
+def test_a_pool_removes_the_pixel_files_a_killed_job_left_behind(loaded_fp32, shards):
+    killed = subprocess.Popen([sys.executable, "-c", "pass"])
+    killed.wait()
+    left = shared_pixels.SHM_DIR / f"{shared_pixels.PREFIX}-{killed.pid}-0badf00d-1-1"
+    left.write_bytes(b"pixels")
+    old = time.time() - shared_pixels.LEFT_BEHIND_AFTER_S - 60
+    os.utime(left, (old, old))
+    source, infos = shards
+    try:
+        collect(PreprocessPool(source, infos, processor(loaded_fp32), workers=1, prefetch=2, timeout_s=60))
+        assert not left.exists()
+    finally:
+        left.unlink(missing_ok=True)
 
 
 def is_gone(process: psutil.Process) -> bool:
