@@ -497,8 +497,9 @@ def make_tiny_model(
     size: Annotated[
         str,
         typer.Option(
-            help="tiny (tests, seconds), small (~90M params, benchmarks), wide (Qwen2-VL-2B's widths), "
-            "2b or 7b (Qwen2-VL-2B's or -7B's whole configuration: 2.2B or 8.3B parameters, gigabytes)."
+            help="tiny (tests, seconds), thin (tiny's layers, the real images' sizes), small (~90M params, "
+            "benchmarks), wide (Qwen2-VL-2B's widths), 2b or 7b (Qwen2-VL-2B's or -7B's whole "
+            "configuration: 2.2B or 8.3B parameters, gigabytes)."
         ),
     ] = "tiny",
     seed: Annotated[int, typer.Option(help="Seed for tokenizer corpus and weights.")] = 0,

@@ -1,7 +1,9 @@
 """Captioning throughput at the real sizes on a GPU, against the workload's own limit.
 
 The model: Qwen2-VL at `--size 2b` or `7b` (the real configurations, vocabularies of 151,936 and 152,064),
-random weights made on the device in bf16 (`batchvl.demo.device_model`: no checkpoint written or read).
+random weights made on the device in bf16 (`batchvl.demo.device_model`: no checkpoint written or read);
+`--size thin` is the tiny model's layers with the real pixel limits (the 2B's patches and prompt tokens,
+every kernel small): its rate is what the host allows for this workload.
 The workload: `--samples` images (1,000 by default), each unique, 448x448 with every fifth one 896x672,
 one short prompt, 64 new tokens with EOS ignored, through a `batchvl run` job on the engine's default
 settings (the fused elementwise kernels with `--fused-kernels`); a job of a few samples runs first, so
@@ -51,7 +53,7 @@ from matmul_probe import matmul_peak
 from PIL import Image
 from step_timing import TRACE_COLUMNS, StepTimer, WindowsDone
 
-SIZES = ("tiny", "small", "2b", "7b")
+SIZES = ("tiny", "thin", "small", "2b", "7b")
 NEW_TOKENS = 64
 LABEL_MAX_TOKENS = 256  # above the longest compact JSON the schema allows: the grammar ends each answer
 BASE_SIDE, LARGE = 448, (896, 672)  # 1,024 patches (256 image tokens); every fifth image 3,072

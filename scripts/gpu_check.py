@@ -20,6 +20,9 @@ reported and the next still runs, in the order of what a GPU window must answer 
                    host's waits for the GPU after it
   gpu_throughput_2b_fast  the same with every fast path on, and the share of samples whose text equals the
                    baseline's
+  gpu_throughput_thin_fast  the same job with every fast path on the tiny model's layers at the real
+                   images' sizes (`--size thin`: the 2B's patches and prompt tokens, every kernel small):
+                   the samples/s the host allows this workload, its input, scheduling and launches
   input_rate       benchmarks/input_rate.py on the host: prepared samples a second reaching an engine thread
                    idle and busy in Python (as a GPU engine's is), with the job's input settings (pixels
                    sent as shared-memory files opened by name, GIL handoffs every 1 ms) and with torch's
@@ -542,7 +545,7 @@ def gpu_throughput(
     command += ["--max-num-seqs", str(max_num_seqs)] if max_num_seqs else []
     command += ["--labels"] if labels else []
     command += ["--vision-attention", vision_attention] if vision_attention else []
-    result = run([*command, *workload], 240 if size == "2b" else 300)
+    result = run([*command, *workload], {"thin": 120, "2b": 240}.get(size, 300))
     result.pop("stdout", None)
     row = json.loads(out.read_text()) if out.exists() else {}
     eager = work / f"{base}.texts"
@@ -577,7 +580,10 @@ STAGES = [
     ("fast_paths_job", fast_paths_job),
     ("gpu_throughput_2b", lambda work: gpu_throughput(work, "2b")),
     ("gpu_throughput_2b_fast", lambda work: gpu_throughput(work, "2b", FAST_PATHS)),
-    # some 30 s on the host alone: whether the input keeps up with a busy engine thread
+    # some 30 s: the same job on the tiny model's layers at the real images' sizes, every kernel small: the
+    # rate the host allows this workload (input, scheduling, launches)
+    ("gpu_throughput_thin_fast", lambda work: gpu_throughput(work, "thin", FAST_PATHS)),
+    # some 60 s on the host alone: whether the input keeps up with a busy engine thread
     ("input_rate", input_rate),
     ("vision_call", vision_call),  # some 60 s: the 2B tower made on the GPU, 12 calls' sizes and kernels
     # some 20-40 s: 8 prompt cases, 8 vision ones, 50 calls each; what the 2B runs' prefill and vision

@@ -8,7 +8,7 @@ checkpoint folder. A random model writes meaningless text; only the shapes are r
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from batchvl.demo import chat_templates
@@ -140,6 +140,10 @@ SIZES = {
         tokenizer_vocab=32768,
     ),
 }
+# The tiny model's layers with the real image processor's pixel limits: a 448x448 image is 1,024 patches and
+# 256 prompt tokens, as for Qwen2-VL-2B, while every kernel is small. A job's rate on it is what its host
+# allows (input, scheduling, launches) at a real workload's shapes; for GPU benchmarks.
+SIZES["thin"] = replace(SIZES["tiny"], merged_patches=SIZES["2b"].merged_patches)
 
 
 def _qwen_text_config(spec: TinySize, vocab_size: int, ids: dict[str, int], interleaved: bool) -> dict:
