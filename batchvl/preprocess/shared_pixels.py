@@ -129,7 +129,7 @@ def remove_left_behind(now: float | None = None) -> int:
         pid = path.name[len(PREFIX) + 1 :].split("-", 1)[0]
         try:
             old = now - path.stat().st_mtime > LEFT_BEHIND_AFTER_S
-        except FileNotFoundError:
+        except OSError:
             continue  # received meanwhile
         if old and pid.isdigit() and not psutil.pid_exists(int(pid)):
             removed += _removed(path)
@@ -139,8 +139,8 @@ def remove_left_behind(now: float | None = None) -> int:
 def _removed(path: Path) -> bool:
     try:
         path.unlink()
-    except FileNotFoundError:
-        return False  # received meanwhile
+    except OSError:  # received meanwhile, or another user's in a shared /dev/shm: not this job's to remove
+        return False
     return True
 
 

@@ -104,6 +104,27 @@ def test_files_a_gone_job_left_are_removed_once_old_and_no_others():
             path.unlink(missing_ok=True)
 
 
+def test_a_file_not_ours_to_remove_is_left_without_an_error(monkeypatch):
+    """Another user's file in a shared /dev/shm: the sticky folder refuses its removal to this job."""
+    path = shared_pixels.SHM_DIR / f"{shared_pixels.PREFIX}-{a_gone_pid()}-0badf00d-1-1"
+    path.write_bytes(b"x")
+    old = time.time() - shared_pixels.LEFT_BEHIND_AFTER_S - 60
+    os.utime(path, (old, old))
+    unlink = type(path).unlink
+
+    def refused(self, *args, **kwargs):
+        if self == path:
+            raise PermissionError(1, "Operation not permitted")
+        return unlink(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(path), "unlink", refused)
+    try:
+        assert shared_pixels.remove_left_behind() == 0 and path.exists()
+    finally:
+        monkeypatch.undo()
+        path.unlink(missing_ok=True)
+
+
 def test_a_file_that_cannot_be_made_whole_raises_and_is_not_left(writing, monkeypatch):
     def full(*args):
         raise OSError(28, "No space left on device")
