@@ -4,12 +4,12 @@ that the worker writes and names in its message, and that the job process maps a
 torch's own sharing sends a tensor's file descriptor, which the receiver then fetches from the sender over a
 socket: a connection, an authentication handshake, the descriptor. In the job process the input thread does
 this, and after each of those blocking calls it waits for the GIL, which the engine's thread holds between
-the kernels it launches (`utils/background.py`): behind such an engine, with the GIL handed over every 1
-ms, samples sent that way arrived at 76 a second where by name they arrive at 176 (`benchmarks/input_rate.py`,
-its transport rows). torch's `file_system` sharing opens
-them by name too, but through a manager process per worker that inherits the job's standard output and
-error and, under `--processes`, the pipe by which the launcher learns that a process ended: it held both
-some 2 s past the job's end, and a killed process's shard claims looked alive to its siblings meanwhile.
+the kernels it launches (`utils/background.py`): behind such an engine, with the GIL handed over every
+1 ms, samples sent that way arrived at 76 a second where by name they arrive at 176
+(`benchmarks/input_rate.py`, its transport rows). torch's `file_system` sharing opens them by name too,
+but through a manager process per worker that inherits the job's standard output and error and, under
+`--processes`, the pipe by which the launcher learns that a process ended: it held both some 2 s past the
+job's end, and a killed process's shard claims looked alive to its siblings meanwhile.
 
 A file holds the pixels and after them a nonce that the message carries too, so that a file which is not
 the one written (removed, then made anew, empty, by the mapping) is refused rather than read as zeros.
