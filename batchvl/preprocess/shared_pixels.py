@@ -14,10 +14,11 @@ job's end, and a killed process's shard claims looked alive to its siblings mean
 A file holds the pixels and after them a nonce that the message carries too, so that a file which is not
 the one written (removed, then made anew, empty, by the mapping) is refused rather than read as zeros.
 The files of one pool are named `batchvl-pixels-<job pid>-<pool token>-<worker pid>-<n>`. The job process
-removes each as it receives it; when the pool ends it removes those of its own never received (a sample
-sent by a worker that was then killed, or waiting in the queue when the job stopped), and when a pool
-starts, those that a job process no longer alive left behind (killed before its own removal) once they are
-old enough that no job could still be receiving them.
+removes each as it receives it; whenever the pool's workers stop (the pool's end, or their restart after
+a worker failed) it removes those of its own never received (a sample sent by a worker that was then
+killed, or waiting in the queue when the job stopped); and when a pool starts, those that a job process no
+longer alive left behind (killed before its own removal), once they are old enough that no job could still
+be receiving them.
 """
 
 from __future__ import annotations
@@ -121,9 +122,9 @@ def remove_unreceived(prefix: str) -> int:
     return sum(_removed(path) for path in SHM_DIR.glob(f"{prefix}-*"))
 
 
-def remove_left_behind(now: float | None = None) -> int:
+def remove_left_behind() -> int:
     """Remove the files that job processes no longer alive left behind, once old enough; how many."""
-    now = time.time() if now is None else now
+    now = time.time()
     removed = 0
     for path in SHM_DIR.glob(f"{PREFIX}-*"):
         pid = path.name[len(PREFIX) + 1 :].split("-", 1)[0]

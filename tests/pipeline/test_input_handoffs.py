@@ -11,11 +11,10 @@ import pytest
 from batchvl.config import load_job_config
 from batchvl.engine.engine import Engine
 from batchvl.pipeline.runner import run_job
-from batchvl.preprocess import shared_pixels
 from batchvl.preprocess.pool import PreprocessPool
 from batchvl.utils.background import HANDOFF_INTERVAL_S, prompt_handoffs
 from tests.conftest import caption_job_yaml, output_rows, write_image_shards
-from tests.preprocess.test_pool import collect, processor, shards  # noqa: F401 (a fixture)
+from tests.preprocess.test_pool import collect, pixel_files, processor, shards  # noqa: F401 (a fixture)
 
 SHARD_SIZES = [3, 2]
 
@@ -43,7 +42,7 @@ def test_the_workers_pixels_arrive_as_shared_memory_files_opened_by_name(loaded_
     sent = [message for message in messages if b"batchvl.preprocess.media" in message]
     assert len(sent) == 12 and all(b"_media_from_file" in message for message in sent)
     assert not any(b"rebuild_storage" in message for message in sent)  # no torch tensor in them
-    assert list(shared_pixels.SHM_DIR.glob(f"{pool.pixels_prefix}-*")) == []  # each removed as received
+    assert pixel_files(pool) == []  # each removed as received
 
 
 @pytest.fixture

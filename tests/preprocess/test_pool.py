@@ -3,8 +3,6 @@
 import io
 import os
 import resource
-import subprocess
-import sys
 import threading
 import time
 
@@ -25,6 +23,7 @@ from batchvl.preprocess.qwen_vision import QwenMediaPreparer, QwenVisionSpec
 from batchvl.preprocess.sample import PreparedSample, SampleProcessor
 from batchvl.preprocess.video import FrameSampling
 from tests.conftest import random_image
+from tests.preprocess.test_shared_pixels import a_gone_pid
 
 
 def png(seed: int) -> bytes:
@@ -108,26 +107,27 @@ def test_crashing_and_hanging_samples_cost_only_themselves(loaded_fp32, shards, 
     assert (pool.stats.samples_crashed, pool.stats.samples_timed_out) == (1, 1)
 
 
+def pixel_files(pool: PreprocessPool) -> list:
+    """The files of the pool's workers' pixels that are still in shared memory."""
+    return list(shared_pixels.SHM_DIR.glob(f"{pool.pixels_prefix}-*"))
+
+
 def test_samples_sent_and_never_received_leave_no_pixel_files(loaded_fp32, shards):
     """A job that stops while its workers have samples on the way: their pixels' files go with the pool."""
     source, infos = shards
     pool = PreprocessPool(source, infos, processor(loaded_fp32), workers=2, prefetch=2, timeout_s=60)
     items = iter(pool)
     next(items)
-    in_flight = list(shared_pixels.SHM_DIR.glob(f"{pool.pixels_prefix}-*"))
     deadline = time.monotonic() + 30
-    while not in_flight:  # the workers prepare the next samples and send them
+    while not pixel_files(pool):  # the workers prepare the next samples and send them
         assert time.monotonic() < deadline, "no sample was sent after the first"
         time.sleep(0.01)
-        in_flight = list(shared_pixels.SHM_DIR.glob(f"{pool.pixels_prefix}-*"))
     items.close()  # the job stops reading
-    assert list(shared_pixels.SHM_DIR.glob(f"{pool.pixels_prefix}-*")) == []
+    assert pixel_files(pool) == []
 
 
 def test_a_pool_removes_the_pixel_files_a_killed_job_left_behind(loaded_fp32, shards):
-    killed = subprocess.Popen([sys.executable, "-c", "pass"])
-    killed.wait()
-    left = shared_pixels.SHM_DIR / f"{shared_pixels.PREFIX}-{killed.pid}-0badf00d-1-1"
+    left = shared_pixels.SHM_DIR / f"{shared_pixels.PREFIX}-{a_gone_pid()}-0badf00d-1-1"
     left.write_bytes(b"pixels")
     old = time.time() - shared_pixels.LEFT_BEHIND_AFTER_S - 60
     os.utime(left, (old, old))
