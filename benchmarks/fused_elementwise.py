@@ -1,10 +1,13 @@
 """The elementwise Triton kernels (`batchvl/layers/triton_elementwise.py`) against the eager transformers
 ops they would replace, per call on a CUDA device, at Qwen2-VL-2B's widths: the decoder (hidden 1,536,
 intermediate 8,960, 12 query and 2 KV heads of 128) and the vision tower (embed 1,280, MLP 5,120, 16
-heads of 80), at 1, 256 and 4,096 rows. Each op's outputs are compared too (the largest difference and
-the share of equal elements), since a kernel only goes into the engine where it pays and keeps parity.
+heads of 80), at 1, 256 and 4,096 rows, and at 32,768, a 2B vision call's patches. Each op's outputs are
+compared too (the largest difference and the share of equal elements), since a kernel only goes into the
+engine where it pays and keeps parity. `fused_gb_per_s` is the bytes the timed fused call reads and writes
+(each tensor once; the in-place rotations' copy of their input included) over its time: set against the
+device's bandwidth, it says how far a kernel is from the most it could do at that size.
 
-    python benchmarks/fused_elementwise.py [--json out.json] [--rows 1,256,4096] [--dtype bfloat16]
+    python benchmarks/fused_elementwise.py [--json out.json] [--rows 1,256,4096,32768] [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ VISION_EMBED, VISION_MLP, VISION_HEADS, VISION_HEAD_DIM = 1280, 5120, 16, 80
 
 
 def cases(rows: int, dtype: torch.dtype):
-    """(name, eager, fused): each a function of no arguments returning its outputs."""
+    """(name, eager, fused, bytes the timed fused call moves): the two each a function of no arguments
+    returning its outputs."""
     from batchvl.layers import triton_elementwise as fused
 
     def randn(*shape, scale=1.0):
@@ -78,26 +82,54 @@ def cases(rows: int, dtype: torch.dtype):
     quick_gelu = QuickGELUActivation()
     layer_norm = torch.nn.LayerNorm(VISION_EMBED, eps=1e-6).to("cuda", dtype)
     layer_norm.weight.data, layer_norm.bias.data = randn(VISION_EMBED), randn(VISION_EMBED)
-    patch_rows = randn(rows, VISION_EMBED, scale=3)
+    patch_rows, attended = randn(rows, VISION_EMBED, scale=3), randn(rows, VISION_EMBED)
+
+    def eager_layer_norm_residual():
+        summed = patch_rows + attended
+        return layer_norm(summed), summed
+
+    norm_parameters = (layer_norm.weight, layer_norm.bias, layer_norm.eps)
+    size = torch.finfo(dtype).bits // 8
+    qk_heads = HEADS + KV_HEADS
 
     return [
         (
             "rms_norm_residual",
             eager_norm,
             lambda: fused.rms_norm(hidden, norm.weight, norm.variance_epsilon, residual),
+            4 * rows * HIDDEN * size,
         ),
-        ("silu_and_mul", eager_silu, lambda: fused.silu_and_mul(gate_up)),
-        ("rotary_q_k", eager_rotary, fused_rotary),
-        ("vision_rotary_q_k", eager_vision_rotary, fused_vision_rotary),
+        ("silu_and_mul", eager_silu, lambda: fused.silu_and_mul(gate_up), 3 * rows * INTERMEDIATE * size),
+        (
+            "rotary_q_k",
+            eager_rotary,
+            fused_rotary,
+            (2 * qkv.numel() + 2 * rows * qk_heads * HEAD_DIM + 2 * rows * HEAD_DIM) * size,
+        ),
+        (
+            "vision_rotary_q_k",
+            eager_vision_rotary,
+            fused_vision_rotary,
+            2 * patches.numel() * size
+            + rows * (4 * VISION_HEADS * VISION_HEAD_DIM * size + 2 * VISION_HEAD_DIM * 4),
+        ),
         (
             "quick_gelu_bias",
             lambda: quick_gelu(fc1_out + fc1_bias),
             lambda: fused.quick_gelu(fc1_out, fc1_bias),
+            2 * rows * VISION_MLP * size,
         ),
         (
             "layer_norm",
             lambda: layer_norm(patch_rows),
-            lambda: fused.layer_norm(patch_rows, layer_norm.weight, layer_norm.bias, layer_norm.eps),
+            lambda: fused.layer_norm(patch_rows, *norm_parameters)[0],
+            2 * rows * VISION_EMBED * size,
+        ),
+        (
+            "layer_norm_residual",
+            eager_layer_norm_residual,
+            lambda: fused.layer_norm(attended, *norm_parameters, patch_rows),
+            4 * rows * VISION_EMBED * size,
         ),
     ]
 
@@ -112,7 +144,7 @@ def compared(eager, fused) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", default="1,256,4096")
+    parser.add_argument("--rows", default="1,256,4096,32768")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
@@ -122,15 +154,19 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     results = []
     for rows in (int(r) for r in args.rows.split(",")):
-        for name, eager, fused in cases(rows, dtype):
+        for name, eager, fused, moved in cases(rows, dtype):
             parity = compared(eager, fused)
             eager_us, fused_us = per_call_us(eager, warmup=5), per_call_us(fused, warmup=5)
             speedup = round(eager_us / fused_us, 2)
+            gb_per_s = round(moved / fused_us / 1e3, 1)
             results.append(
                 {"op": name, "rows": rows, "eager_us": round(eager_us, 1), "fused_us": round(fused_us, 1)}
-                | {"speedup": speedup, **parity}
+                | {"speedup": speedup, "fused_gb_per_s": gb_per_s, **parity}
             )
-            print(f"{name:18} {rows:5} rows  eager {eager_us:8.1f} us  fused {fused_us:8.1f} us  x{speedup}")
+            print(
+                f"{name:19} {rows:5} rows  eager {eager_us:8.1f} us  fused {fused_us:8.1f} us  x{speedup}"
+                f"  {gb_per_s:7.1f} GB/s"
+            )
     write_report(args.json, args.dtype, results)
 
 

@@ -1,12 +1,13 @@
 """`engine.fused_kernels`: on CUDA, a model's elementwise passes as one Triton kernel each
 (`triton_elementwise`), where eager PyTorch runs several kernels, each reading and writing the whole
-activation again: RMSNorm (seven or eight kernels eager; Qwen3-VL's per-head q/k norms too), with the
-residual add before a decoder layer's second norm (`residual_norm`), the MLP's SiLU(gate) * up, the vision
-towers' LayerNorm and QuickGELU, and the rotary embedding of queries and keys in batchvl's own attention
-modules, every family's text attention and the Qwen-VL vision towers' (five to seven kernels per tensor
-eager). Each kernel rounds where the module it replaces rounds.
+activation again: RMSNorm (seven or eight kernels eager; Qwen3-VL's per-head q/k norms too), the MLP's
+SiLU(gate) * up, the vision towers' LayerNorm and QuickGELU, each norm with the residual add before a
+layer's second norm (decoder layers, vision encoder layers and blocks: `residual_norm`), and the rotary
+embedding of queries and keys in batchvl's own attention modules, every family's text attention and the
+Qwen-VL vision towers' (five to seven kernels per tensor eager). Each kernel rounds where the module it
+replaces rounds.
 
-Left eager: the residual add that ends a decoder layer (see `residual_norm`), the GELUs (GELU-tanh in
+Left eager: the residual add that ends a layer (see `residual_norm`), the GELUs (GELU-tanh in
 SigLIP's and Qwen3-VL's vision MLPs, the exact GELU in LLaVA's projector and the Qwen-VL mergers: torch runs
 each as one kernel already, so a Triton one could only take in the bias add before it, which would round a
 bf16 matmul's output twice) and, for that reason, the bias before QuickGELU (see `TritonQuickGELU`).
@@ -23,7 +24,7 @@ from batchvl.layers import triton_elementwise
 from batchvl.layers.fused_projections import FusedQKVAttention, GatedMLP, is_silu
 from batchvl.layers.module_swap import replace_children
 from batchvl.layers.qwen_vision_attention import QwenVisionAttention
-from batchvl.layers.residual_norm import fuse_residual_norms
+from batchvl.layers.residual_norm import fuse_residual_norms, fused_residual_norm
 from batchvl.layers.rms_norm import STOCK_RMS_NORMS
 from batchvl.layers.triton_modules import (
     TritonLayerNorm,
@@ -71,5 +72,8 @@ def use_fused_kernels(model: torch.nn.Module) -> dict[str, int]:
         elif isinstance(module, QwenVisionAttention):
             module.rotate = rotate_vision_rows
             counts["vision_rotary"] += 1
-    counts["residual_rms_norm"] = fuse_residual_norms(model)  # where the RMSNorms above are Triton's
+    fuse_residual_norms(model)  # where the norms above are Triton's
+    norms = [fused_residual_norm(module) for module in model.modules()]
+    counts["residual_rms_norm"] = sum(isinstance(norm, TritonRMSNorm) for norm in norms)
+    counts["residual_layer_norm"] = sum(isinstance(norm, TritonLayerNorm) for norm in norms)
     return counts

@@ -1,6 +1,6 @@
 """The elementwise passes of a decoder layer and a vision block on CUDA, each one Triton kernel: RMSNorm
-with the residual add before it, SiLU(gate) * up, rotary embedding of queries and keys, QuickGELU with
-its bias, and LayerNorm.
+and LayerNorm, each with the residual add before it, SiLU(gate) * up, rotary embedding of queries and
+keys, and QuickGELU with its bias.
 
 Eager, transformers' RMSNorm is seven or eight kernels, rotary five to seven per tensor, QuickGELU three:
 each reads and writes the whole activation again. These kernels read their inputs once and write their
@@ -111,11 +111,20 @@ def _kernels() -> SimpleNamespace:
         tl.store(out + row * stride_o + cols, rounded(h * gate, dtype).to(dtype), mask=inside)
 
     @triton.jit
-    def layer_norm_kernel(out, x, weight, bias, eps, width, stride_o, stride_x, BLOCK: tl.constexpr):
+    def layer_norm_kernel(
+        out, new_residual, x, residual, weight, bias, eps, width,
+        stride_o, stride_n, stride_x, stride_r,
+        HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         inside = cols < width
         h = tl.load(x + row * stride_x + cols, mask=inside, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            # a vision block's `hidden_states + attn(...)`, rounded to their dtype before the norm reads it
+            r = tl.load(residual + row * stride_r + cols, mask=inside, other=0.0)
+            h = rounded(h + r.to(tl.float32), x.dtype.element_ty)
+            tl.store(new_residual + row * stride_n + cols, h.to(x.dtype.element_ty), mask=inside)
         mean = tl.sum(h, axis=0) / width
         centered = tl.where(inside, h - mean, 0.0)
         variance = tl.sum(centered * centered, axis=0) / width  # two passes: no cancellation
@@ -226,15 +235,26 @@ def quick_gelu(x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tenso
     return out.view(x.shape)
 
 
-def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
-    """torch.nn.LayerNorm over the last dimension, with its weight and bias, in x's dtype."""
+def layer_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch.nn.LayerNorm over the last dimension, with its weight and bias, in x's dtype, of `x + residual`
+    or of x where there is no residual: (the normalized rows, x + residual for the next residual add, or
+    x)."""
     rows = _rows(x)
     out = torch.empty_like(rows)
+    summed = torch.empty_like(rows) if residual is not None else rows
+    other = _rows(residual) if residual is not None else rows
     _kernels().layer_norm[(rows.shape[0],)](
-        out, rows, weight, bias, eps, rows.shape[1], out.stride(0), rows.stride(0),
-        BLOCK=_covering(rows.shape[1]), **EAGER_ROUNDING,
+        out, summed, rows, other, weight, bias, eps, rows.shape[1],
+        out.stride(0), summed.stride(0), rows.stride(0), other.stride(0),
+        HAS_RESIDUAL=residual is not None, BLOCK=_covering(rows.shape[1]), **EAGER_ROUNDING,
     )  # fmt: skip
-    return out.view(x.shape)
+    return out.view(x.shape), summed.view(x.shape)
 
 
 def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, vision: bool = False) -> torch.Tensor:

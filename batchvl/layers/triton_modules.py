@@ -1,5 +1,6 @@
 """Drop-ins for the models' norms and activation on CUDA, each one Triton kernel of `triton_elementwise`
-(transformers' RMSNorm, torch's LayerNorm, QuickGELU), with the roundings of the modules they replace."""
+(transformers' RMSNorm, torch's LayerNorm, QuickGELU), with the roundings of the modules they replace; the
+norms also add a layer's residual before they normalize (`residual_norm`)."""
 
 from __future__ import annotations
 
@@ -40,7 +41,16 @@ class TritonLayerNorm(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != self.weight.dtype:  # torch's mixed-dtype LayerNorm: not the kernel's (one dtype)
             return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
-        return triton_elementwise.layer_norm(x, self.weight, self.bias, self.eps)
+        return triton_elementwise.layer_norm(x, self.weight, self.bias, self.eps)[0]
+
+    def add_and_norm(
+        self, hidden_states: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the norm of `residual + hidden_states`, that sum) in one kernel (see `residual_norm`)."""
+        if hidden_states.dtype != self.weight.dtype or residual.dtype != hidden_states.dtype:
+            summed = residual + hidden_states
+            return self(summed), summed
+        return triton_elementwise.layer_norm(hidden_states, self.weight, self.bias, self.eps, residual)
 
 
 def replaces_layer_norm(module: torch.nn.Module) -> bool:

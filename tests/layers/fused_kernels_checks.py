@@ -15,6 +15,7 @@ import pytest
 import torch
 from transformers import AttentionInterface, AutoModelForImageTextToText
 from transformers.activations import ACT2FN, QuickGELUActivation
+from transformers.models.clip.modeling_clip import CLIPEncoderLayer, CLIPVisionConfig
 from transformers.models.llama.modeling_llama import LlamaConfig, LlamaMLP
 from transformers.models.qwen2.modeling_qwen2 import (
     Qwen2Config,
@@ -22,7 +23,13 @@ from transformers.models.qwen2.modeling_qwen2 import (
     Qwen2RMSNorm,
     Qwen2RotaryEmbedding,
 )
-from transformers.models.qwen2_vl.modeling_qwen2_vl import apply_rotary_pos_emb, apply_rotary_pos_emb_vision
+from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLVisionBlock, Qwen2_5_VLVisionConfig
+from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
+from transformers.models.qwen2_vl.modeling_qwen2_vl import (
+    Qwen2VLVisionBlock,
+    apply_rotary_pos_emb,
+    apply_rotary_pos_emb_vision,
+)
 
 from batchvl.config import EngineConfig
 from batchvl.demo.tiny_model import build_tiny_model
@@ -39,7 +46,7 @@ from batchvl.layers import (
 from batchvl.layers.fused_kernels import rotate_text_rows, rotate_vision_rows, use_fused_kernels
 from batchvl.layers.fused_projections import FusedQKVAttention, GatedMLP
 from batchvl.layers.native_kernels import DISABLE_VARIABLE, native_ops
-from batchvl.layers.residual_norm import add_and_norm_forward, fuse_residual_norms
+from batchvl.layers.residual_norm import add_and_norm_forward, fuse_residual_norms, fused_residual_norm
 from batchvl.layers.rms_norm import STOCK_RMS_NORMS
 from batchvl.layers.triton_modules import TritonLayerNorm, TritonQuickGELU, TritonRMSNorm
 from batchvl.models.loader import load_model
@@ -62,8 +69,8 @@ DTYPES = [torch.float32, torch.bfloat16]
 ROWS = 13
 NEW_TOKENS = 4
 PROMPT = "Describe this image."
-# each kernel as it is counted: the rotary of the text model and of the vision tower apart, and the RMSNorm
-# that adds the residual before it (one per decoder layer) apart from the others
+# each kernel as it is counted: the rotary of the text model and of the vision tower apart, and the norms
+# that add the residual before them (one per layer) apart from the others
 KERNELS = (
     "rms_norm",
     "layer_norm",
@@ -72,15 +79,26 @@ KERNELS = (
     "text_rotary",
     "vision_rotary",
     "residual_rms_norm",
+    "residual_layer_norm",
 )
 # what each family has for each kernel to take: RMSNorms, LayerNorms, QuickGELUs, SiLU MLPs, text and
-# vision attention modules rotating queries and keys, decoder layers adding their residual in a norm
+# vision attention modules rotating queries and keys, layers adding their residual in an RMSNorm and in a
+# LayerNorm (decoder layers, vision blocks and encoder layers)
 SWAPPED = {
-    "qwen2_vl": (5, 5, 2, 2, 2, 2, 2),  # 2 text layers, 2 vision blocks, the merger's LayerNorm
-    "qwen2_5_vl": (10, 0, 0, 4, 2, 2, 2),  # its vision blocks' norms are RMSNorms, its vision MLPs SiLU-gated
-    "qwen3_vl": (9, 7, 0, 2, 2, 2, 2),  # and the per-head q/k norms of its 2 text layers
-    "llava": (5, 8, 3, 2, 2, 0, 2),  # CLIP with one layer more than it uses
-    "idefics3": (5, 5, 0, 2, 2, 0, 2),  # SigLIP's MLP is GELU-tanh
+    "qwen2_vl": (5, 5, 2, 2, 2, 2, 2, 2),  # 2 text layers, 2 vision blocks, the merger's LayerNorm
+    "qwen2_5_vl": (
+        10,
+        0,
+        0,
+        4,
+        2,
+        2,
+        4,
+        0,
+    ),  # its vision blocks' norms are RMSNorms, its vision MLPs SiLU-gated
+    "qwen3_vl": (9, 7, 0, 2, 2, 2, 2, 2),  # and the per-head q/k norms of its 2 text layers
+    "llava": (5, 8, 3, 2, 2, 0, 2, 3),  # CLIP with one layer more than it uses
+    "idefics3": (5, 5, 0, 2, 2, 0, 2, 2),  # SigLIP's MLP is GELU-tanh
 }
 
 
@@ -186,6 +204,62 @@ def test_a_decoder_layer_adding_its_residual_in_the_norm_gives_the_layers_bits(d
     assert not torch.equal(fused, x + layer.mlp(layer.post_attention_layernorm(x)))  # the layer did work
 
 
+def vision_layer(kind: str, dtype: torch.dtype) -> tuple[torch.nn.Module, tuple, dict]:
+    """(a vision layer of `kind`, the arguments its tower's loop passes it by position and by keyword)."""
+    torch.manual_seed(0)
+    cu_seqlens = torch.tensor([0, 5, ROWS], dtype=torch.int32)  # two images
+    angles = random(ROWS, 6, dtype=torch.float32, seed=14) * 20
+    position_embeddings = (torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1))
+    by_keyword = {"cu_seqlens": cu_seqlens, "position_embeddings": position_embeddings}
+    if kind == "qwen2_vl_block":  # LayerNorms, QuickGELU
+        config = Qwen2VLVisionConfig(embed_dim=48, num_heads=4, mlp_ratio=2, depth=1)
+        config._attn_implementation = "eager"
+        return Qwen2VLVisionBlock(config), (), by_keyword
+    if kind == "qwen2_5_vl_block":  # RMSNorms, a SiLU-gated MLP
+        config = Qwen2_5_VLVisionConfig(hidden_size=48, num_heads=4, intermediate_size=64, depth=1)
+        config._attn_implementation = "eager"
+        return Qwen2_5_VLVisionBlock(config), (), by_keyword
+    config = CLIPVisionConfig(hidden_size=48, intermediate_size=64, num_attention_heads=4)
+    config._attn_implementation = "eager"
+    # the attention mask by position, as CLIP's encoder passes it: the last keys masked, so that a mask
+    # lost on the way changes the output
+    mask = torch.zeros(1, 1, ROWS, ROWS)
+    mask[..., -3:] = torch.finfo(dtype).min
+    return CLIPEncoderLayer(config), (mask.to(dtype),), {}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "kind,norm",
+    [("qwen2_vl_block", TritonLayerNorm), ("qwen2_5_vl_block", TritonRMSNorm), ("clip", TritonLayerNorm)],
+)
+def test_a_vision_layer_adding_its_residual_in_the_norm_gives_the_layers_bits(dtype, kind, norm):
+    layer, by_position, by_keyword = vision_layer(kind, dtype)
+    layer = layer.to(dtype).eval()
+    norms = [module for module in layer.modules() if "norm" in type(module).__name__.lower()]
+    for i, module in enumerate(norms):
+        module.weight.data = random(48, dtype=dtype, seed=15 + i) + 1
+    counts = use_fused_kernels(layer)
+    assert fused_residual_norm(layer) is not None and isinstance(fused_residual_norm(layer), norm)
+    assert counts["residual_layer_norm" if norm is TritonLayerNorm else "residual_rms_norm"] == 1
+    x = random(ROWS, 48, dtype=dtype, seed=13) * 3
+    if kind == "clip":
+        x = x[None]
+    with torch.inference_mode():
+        fused = layer(x, *by_position, **by_keyword)
+        stock = type(layer).forward(layer, x, *by_position, **by_keyword)
+    assert torch.equal(fused, stock)
+    second = fused_residual_norm(layer)
+    assert not torch.equal(fused, x + layer.mlp(second(x)))  # the attention did work
+
+
+def test_a_layer_given_more_arguments_by_position_than_its_loop_passes_says_so():
+    layer, _, _ = vision_layer("clip", torch.float32)
+    use_fused_kernels(layer)
+    with pytest.raises(TypeError, match="CLIPEncoderLayer takes 1 arguments by position"):
+        layer(random(1, ROWS, 48, dtype=torch.float32, seed=13), None, None)
+
+
 def test_only_layers_with_the_kernels_norm_add_their_residual_in_it():
     config = Qwen2Config(hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1)
     layer = Qwen2DecoderLayer(config, layer_idx=0)
@@ -261,7 +335,8 @@ def kernels_in(model: torch.nn.Module) -> tuple[int, ...]:
         sum(getattr(m, "silu_and_mul", None) is triton_elementwise.silu_and_mul for m in modules),
         sum(getattr(m, "rotate", None) is rotate_text_rows for m in modules),
         sum(getattr(m, "rotate", None) is rotate_vision_rows for m in modules),
-        sum(getattr(vars(m).get("forward"), "func", None) is add_and_norm_forward for m in modules),
+        sum(isinstance(fused_residual_norm(m), TritonRMSNorm) for m in modules),
+        sum(isinstance(fused_residual_norm(m), TritonLayerNorm) for m in modules),
     )
 
 
@@ -307,6 +382,8 @@ def kernel_calls(monkeypatch) -> collections.Counter:
                 calls["vision_rotary" if kwargs.get("vision") else "text_rotary"] += 1
             elif _name == "rms_norm" and len(args) > 3:
                 calls["residual_rms_norm"] += 1
+            elif _name == "layer_norm" and len(args) > 4:
+                calls["residual_layer_norm"] += 1
             else:
                 calls[_name] += 1
             return _kernel(*args, **kwargs)

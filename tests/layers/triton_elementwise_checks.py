@@ -100,13 +100,17 @@ def test_quick_gelu_with_its_bias_equals_transformers(dtype, width, with_bias):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("width", [1280, 80])
-def test_layer_norm_equals_torchs(dtype, width):
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_layer_norm_with_the_residual_add_equals_torchs(dtype, width, with_residual):
     norm = torch.nn.LayerNorm(width, eps=1e-6).to(DEVICE, dtype)
     norm.weight.data = random(width, dtype=dtype, seed=7)
     norm.bias.data = random(width, dtype=dtype, seed=8)
     x = random(ROWS, width, dtype=dtype, seed=9) * 3 + 1  # off-centre rows
-    out = triton_elementwise.layer_norm(x, norm.weight, norm.bias, norm.eps)
-    expected = norm(x)
+    residual = random(ROWS, width, dtype=dtype, seed=10) if with_residual else None
+    out, new_residual = triton_elementwise.layer_norm(x, norm.weight, norm.bias, norm.eps, residual)
+    expected_residual = x + residual if with_residual else x  # the vision block's add
+    assert torch.equal(new_residual, expected_residual)
+    expected = norm(expected_residual)
     assert_close(out, expected, scale=expected.abs().amax(-1, keepdim=True))
 
 
