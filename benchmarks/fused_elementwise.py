@@ -5,7 +5,10 @@ heads of 80), at 1, 256 and 4,096 rows, and at 32,768, a 2B vision call's patche
 compared too (the largest difference and the share of equal elements), since a kernel only goes into the
 engine where it pays and keeps parity. `fused_gb_per_s` is the bytes the timed fused call reads and writes
 (each tensor once; the in-place rotations' copy of their input included) over its time: set against the
-device's bandwidth, it says how far a kernel is from the most it could do at that size.
+device's bandwidth, it says how far a kernel is from the most it could do at that size. At the largest
+row count the norms and the purely elementwise kernels are timed again under other launch settings
+(`SWEEP`: columns and warps a program, `triton_elementwise`'s settings, read at each launch), each row with
+its `launch` and its speed against the default's: the settings that pay can then become the defaults.
 
     python benchmarks/fused_elementwise.py [--json out.json] [--rows 1,256,4096,32768] [--dtype bfloat16]
 """
@@ -23,6 +26,21 @@ from transformers.models.qwen2_vl.modeling_qwen2_vl import apply_rotary_pos_emb,
 
 HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM = 1536, 8960, 12, 2, 128
 VISION_EMBED, VISION_MLP, VISION_HEADS, VISION_HEAD_DIM = 1280, 5120, 16, 80
+# launch settings timed beside the defaults at the largest row count, by op
+ELEMENTWISE_LAUNCHES = (
+    {"BLOCK_COLUMNS": 2048, "ELEMENTWISE_WARPS": 4},
+    {"BLOCK_COLUMNS": 2048, "ELEMENTWISE_WARPS": 8},
+    {"BLOCK_COLUMNS": 4096, "ELEMENTWISE_WARPS": 8},
+    {"BLOCK_COLUMNS": 4096, "ELEMENTWISE_WARPS": 16},
+)
+NORM_LAUNCHES = ({"NORM_WARPS": 2}, {"NORM_WARPS": 8}, {"NORM_WARPS": 16})
+SWEEP = {
+    "silu_and_mul": ELEMENTWISE_LAUNCHES,
+    "quick_gelu_bias": ELEMENTWISE_LAUNCHES,
+    "rms_norm_residual": NORM_LAUNCHES,
+    "layer_norm": NORM_LAUNCHES,
+    "layer_norm_residual": NORM_LAUNCHES,
+}
 
 
 def cases(rows: int, dtype: torch.dtype):
@@ -153,7 +171,8 @@ def main() -> None:
     torch.set_grad_enabled(False)  # as the engine runs the model: no autograd records on the eager ops
     dtype = getattr(torch, args.dtype)
     results = []
-    for rows in (int(r) for r in args.rows.split(",")):
+    row_counts = [int(r) for r in args.rows.split(",")]
+    for rows in row_counts:
         for name, eager, fused, moved in cases(rows, dtype):
             parity = compared(eager, fused)
             eager_us, fused_us = per_call_us(eager, warmup=5), per_call_us(fused, warmup=5)
@@ -167,7 +186,35 @@ def main() -> None:
                 f"{name:19} {rows:5} rows  eager {eager_us:8.1f} us  fused {fused_us:8.1f} us  x{speedup}"
                 f"  {gb_per_s:7.1f} GB/s"
             )
+            if rows == max(row_counts):
+                results += launch_sweep(name, eager, fused, moved, rows, fused_us)
     write_report(args.json, args.dtype, results)
+
+
+def launch_sweep(name: str, eager, fused, moved: int, rows: int, default_us: float) -> list[dict]:
+    """The fused op timed under each of its `SWEEP` launch settings (set on the kernels' module and put
+    back): its time, bytes a second and outputs against eager, and its speed against the defaults'."""
+    from batchvl.layers import triton_elementwise
+
+    swept = []
+    for launch in SWEEP.get(name, ()):
+        defaults = {key: getattr(triton_elementwise, key) for key in launch}
+        for key, value in launch.items():
+            setattr(triton_elementwise, key, value)
+        try:
+            parity = compared(eager, fused)
+            fused_us = per_call_us(fused, warmup=5)
+        finally:
+            for key, value in defaults.items():
+                setattr(triton_elementwise, key, value)
+        gb_per_s = round(moved / fused_us / 1e3, 1)
+        speedup = round(default_us / fused_us, 2)
+        swept.append(
+            {"op": name, "rows": rows, "launch": launch, "fused_us": round(fused_us, 1)}
+            | {"speedup_over_default_launch": speedup, "fused_gb_per_s": gb_per_s, **parity}
+        )
+        print(f"  {name:19} {rows:5} rows  {launch}  fused {fused_us:8.1f} us  x{speedup}  {gb_per_s} GB/s")
+    return swept
 
 
 if __name__ == "__main__":

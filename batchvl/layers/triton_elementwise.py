@@ -25,7 +25,13 @@ from types import SimpleNamespace
 
 import torch
 
+# How the kernels are launched (Triton's defaults: four warps a program). On an H200 the LayerNorm and
+# QuickGELU kernels moved some 2.4-2.5 TB/s at a vision call's 32,768 rows, where torch's own elementwise
+# kernels moved 4.4 (docs/benchmarks.md): `benchmarks/fused_elementwise.py` times other settings beside
+# these, read at each launch, so that the ones that pay can take their place.
 BLOCK_COLUMNS = 1024  # columns per program of the purely elementwise kernels
+ELEMENTWISE_WARPS = 4  # their warps per program
+NORM_WARPS = 4  # warps per row of the norms
 EAGER_ROUNDING = {"enable_fp_fusion": False}  # a launch's compile option (ignored by the interpreter)
 
 
@@ -204,7 +210,8 @@ def rms_norm(
     _kernels().rms_norm[(rows.shape[0],)](
         out, summed, rows, other, weight, eps, rows.shape[1],
         out.stride(0), summed.stride(0), rows.stride(0), other.stride(0),
-        HAS_RESIDUAL=residual is not None, BLOCK=_covering(rows.shape[1]), **EAGER_ROUNDING,
+        HAS_RESIDUAL=residual is not None, BLOCK=_covering(rows.shape[1]), num_warps=NORM_WARPS,
+        **EAGER_ROUNDING,
     )  # fmt: skip
     return out.view(x.shape), summed.view(x.shape)
 
@@ -216,8 +223,9 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = rows.new_empty((rows.shape[0], width))
     grid = (rows.shape[0], -(-width // BLOCK_COLUMNS))
     _kernels().silu_and_mul[grid](
-        out, rows, width, out.stride(0), rows.stride(0), BLOCK=BLOCK_COLUMNS, **EAGER_ROUNDING
-    )
+        out, rows, width, out.stride(0), rows.stride(0),
+        BLOCK=BLOCK_COLUMNS, num_warps=ELEMENTWISE_WARPS, **EAGER_ROUNDING,
+    )  # fmt: skip
     return out.view(*gate_up.shape[:-1], width)
 
 
@@ -230,7 +238,7 @@ def quick_gelu(x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tenso
     grid = (rows.shape[0], -(-rows.shape[1] // BLOCK_COLUMNS))
     _kernels().quick_gelu[grid](
         out, rows, bias if bias is not None else rows, rows.shape[1], out.stride(0), rows.stride(0),
-        HAS_BIAS=bias is not None, BLOCK=BLOCK_COLUMNS, **EAGER_ROUNDING,
+        HAS_BIAS=bias is not None, BLOCK=BLOCK_COLUMNS, num_warps=ELEMENTWISE_WARPS, **EAGER_ROUNDING,
     )  # fmt: skip
     return out.view(x.shape)
 
@@ -252,7 +260,8 @@ def layer_norm(
     _kernels().layer_norm[(rows.shape[0],)](
         out, summed, rows, other, weight, bias, eps, rows.shape[1],
         out.stride(0), summed.stride(0), rows.stride(0), other.stride(0),
-        HAS_RESIDUAL=residual is not None, BLOCK=_covering(rows.shape[1]), **EAGER_ROUNDING,
+        HAS_RESIDUAL=residual is not None, BLOCK=_covering(rows.shape[1]), num_warps=NORM_WARPS,
+        **EAGER_ROUNDING,
     )  # fmt: skip
     return out.view(x.shape), summed.view(x.shape)
 

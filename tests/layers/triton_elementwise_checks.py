@@ -98,6 +98,18 @@ def test_quick_gelu_with_its_bias_equals_transformers(dtype, width, with_bias):
     assert_close(triton_elementwise.quick_gelu(x, bias), expected)
 
 
+@pytest.mark.parametrize("block_columns", [2048, 4096])
+def test_the_elementwise_kernels_with_wider_programs_equal_transformers(block_columns, monkeypatch):
+    # the launch settings `benchmarks/fused_elementwise.py` times beside the defaults: 5,120 and 8,960
+    # columns end in a partial program at each
+    monkeypatch.setattr(triton_elementwise, "BLOCK_COLUMNS", block_columns)
+    x = random(ROWS, 5120, dtype=torch.bfloat16, seed=5) * 4
+    assert_close(triton_elementwise.quick_gelu(x), QuickGELUActivation()(x))
+    gate_up = random(ROWS, 2 * 8960, dtype=torch.bfloat16, seed=4) * 4
+    gate, up = gate_up.split(8960, dim=-1)
+    assert_close(triton_elementwise.silu_and_mul(gate_up), ACT2FN["silu"](gate) * up)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("width", [1280, 80])
 @pytest.mark.parametrize("with_residual", [True, False])
