@@ -321,6 +321,14 @@ def measure(args, work: Path) -> dict:
             else None
         ),
         "allocator": run["allocator"],
+        # the job's wall outside its processing, and in it the wait for the workers' forks and the engine's
+        # build, by part (`step_timing.START_PHASES`: the last two are parts of `engine_build`)
+        "outside_processing_s": round(wall - stats["processing_s"], 2),
+        "start_s": {
+            "workers": stats["workers_start_s"],
+            "engine": stats["engine_start_s"],
+            **{key: round(value, 3) for key, value in timer.start_split.items()},
+        },
         # the host's time capturing decode graphs in the measured job (its wall time includes it)
         "graph_capture_s": graph_capture_seconds(timer.engine),
         # overlapped steps are not waited for: their vision, prefill and decode seconds are launch times

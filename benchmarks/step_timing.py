@@ -21,6 +21,10 @@ scheduling, the vision calls (launched, or run to their end where a step is seri
 same), waiting for a step's picks to reach the host, and the rest of the step (committing, finishing
 requests, the grammar's masks). With overlapped steps, a host that seldom waits for picks is what bounds
 the job: the GPU idles while the host works; one that waits most of the time is bound by the GPU.
+
+The engine's start is split too (`start_split`, outside the job's processing time): resolving its step
+sizes (on a GPU with a probe step), the rest of building the engine, of which sizing its KV cache by the
+largest step's activations (a second probe) and capturing the largest decode graph ahead.
 """
 
 from __future__ import annotations
@@ -37,6 +41,9 @@ from sync_audit import SyncAudit
 
 # what the host did in an engine step (see the module docstring), in the order a step does it
 HOST_PHASES = ("schedule", "vision", "forward", "picks_read", "rest_of_step")
+# what the engine's start did (see the module docstring): the first two add up to it, the last two are parts
+# of the second
+START_PHASES = ("step_sizes", "engine_build", "kv_cache_sizing", "decode_graphs_ahead")
 # A step's row in `trace`. `waiting`: the requests added and not yet admitted as it began, which the job
 # tops up to `engine.lookahead` before each step from the input ready: below it while prompts are still to
 # come, the input did not keep up with the engine.
@@ -67,6 +74,7 @@ class StepTimer:
         self.seconds = {"prefill": 0.0, "decode": 0.0}  # steps with prompt chunks, steps of decodes only
         self.steps = {"prefill": 0, "decode": 0}
         self.host_split = dict.fromkeys(HOST_PHASES, 0.0)  # seconds of every engine step, by what it did
+        self.start_split = dict.fromkeys(START_PHASES, 0.0)  # seconds of the engine's start, by what it did
         self._in_step = threading.local()  # the split's seconds so far in the step this thread runs
         # every step of the job in order, a row of TRACE_COLUMNS: when it began (seconds from the first
         # step's start), its wall, its prompt tokens, its decodes, the patches its vision calls encoded and
@@ -81,6 +89,8 @@ class StepTimer:
 
     @contextlib.contextmanager
     def installed(self):
+        from batchvl.engine import builder, engine
+        from batchvl.engine.device.decode_graphs import DecodeGraphs
         from batchvl.engine.device.host_copy import HostCopy
         from batchvl.engine.engine import Engine
         from batchvl.engine.model_runner import ModelRunner
@@ -125,9 +135,17 @@ class StepTimer:
             (Engine, "_encode", "vision"),
             (HostCopy, "tolist", "picks_read"),
         ]
-        originals = [(owner, name, getattr(owner, name)) for owner, name, _ in phases]
-        for (owner, name, phase), (_, _, original) in zip(phases, originals, strict=True):
+        starting = [
+            (builder, "step_sizes_for", "step_sizes"),
+            (Engine, "__init__", "engine_build"),
+            (engine, "kv_cache_bytes", "kv_cache_sizing"),
+            (DecodeGraphs, "capture_ahead", "decode_graphs_ahead"),
+        ]
+        originals = [(owner, name, getattr(owner, name)) for owner, name, _ in phases + starting]
+        for (owner, name, phase), (_, _, original) in zip(phases, originals, strict=False):
             setattr(owner, name, self._timed(original, phase))
+        for (owner, name, phase), (_, _, original) in zip(starting, originals[len(phases) :], strict=True):
+            setattr(owner, name, self._timed(original, phase, self.start_split))
         Engine.step, ModelRunner.execute = timed_step, timed_execute
         try:
             yield self
@@ -138,15 +156,19 @@ class StepTimer:
             self._stop_profile()  # a run shorter than the window: what it covered
             self._stop_audit()
 
-    def _timed(self, function, phase: str):
-        """`function`, its seconds added to the host split's `phase`."""
+    def _timed(self, function, phase: str, split: dict | None = None):
+        """`function`, its seconds added to the host split's `phase` (or to that of `split`)."""
 
         def timed(*args, **kwargs):
             started = time.perf_counter()
             try:
                 return function(*args, **kwargs)
             finally:
-                self._add(phase, time.perf_counter() - started)
+                seconds = time.perf_counter() - started
+                if split is None:
+                    self._add(phase, seconds)
+                else:
+                    split[phase] += seconds
 
         return timed
 

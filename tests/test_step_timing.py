@@ -81,6 +81,39 @@ def test_the_host_split_names_each_phase_and_adds_up_to_the_steps(step_timing, l
     assert waiting[0] == len(prompts) and waiting[-1] == 0 and waiting == sorted(waiting, reverse=True)
 
 
+def test_the_start_split_times_the_engines_build_by_part_and_puts_the_parts_back(step_timing, loaded_fp32):
+    from batchvl.engine import builder
+    from batchvl.engine import engine as engine_module
+    from batchvl.engine.device.decode_graphs import DecodeGraphs
+
+    def parts():
+        return (
+            builder.step_sizes_for,
+            Engine.__init__,
+            engine_module.kv_cache_bytes,
+            DecodeGraphs.capture_ahead,
+        )
+
+    originals = parts()
+    timer = step_timing.StepTimer()
+    with timer.installed():
+        started = time.perf_counter()
+        builder.build_engine(
+            loaded_fp32.adapter,
+            loaded_fp32.processor.tokenizer,
+            loaded_fp32.eos_token_ids(),
+            EngineConfig(replicas=1),
+        )
+        built = time.perf_counter() - started
+    split = timer.start_split
+    assert list(split) == ["step_sizes", "engine_build", "kv_cache_sizing", "decode_graphs_ahead"]
+    assert split["step_sizes"] > 0 and split["kv_cache_sizing"] > 0
+    assert split["kv_cache_sizing"] < split["engine_build"]
+    assert split["step_sizes"] + split["engine_build"] <= built
+    assert split["decode_graphs_ahead"] == 0  # no decode graphs on the CPU
+    assert parts() == originals
+
+
 class FakeProfiler:
     """torch's profiler as the timer uses it: one kernel of 2 ms a step that ran under it."""
 

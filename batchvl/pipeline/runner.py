@@ -186,8 +186,11 @@ class JobRunner:
         started = time.perf_counter()
         try:
             pool.forked.wait()  # before the engine's start launches any subprocess (`PreprocessPool.forked`)
+            forked = time.perf_counter()
+            self.stats.workers_start_s = round(forked - started, 3)
             self.engine = engine = setup.start_engine()
             started = time.perf_counter()  # processing: from the engine's start on
+            self.stats.engine_start_s = round(started - forked, 3)
             # (the input thread's handoffs of the GIL: `background.py`)
             with samples_bar(ledger, work.shards, self.show_progress) as bar, prompt_handoffs():
                 self._feed_and_step(feed, engine, ledger, bar)

@@ -18,6 +18,7 @@ from tests.conftest import caption_job_yaml, output_rows, write_image_shards
 
 SHARD_SIZES = [2, 2]
 FIRST_SAMPLE_WAIT_S = 60.0
+FORKS_DELAY_S, BUILD_DELAY_S = 0.6, 1.5  # apart enough that one counted as the other fails
 
 
 @pytest.fixture
@@ -56,6 +57,28 @@ def test_the_first_samples_are_prepared_while_the_engine_is_built(job, monkeypat
     assert [row["status"] for row in output_rows(tmp_path / "out", len(SHARD_SIZES))] == ["ok"] * 4
     # processing counts from the engine's start: the wait above is not in it
     assert summary.stats["processing_s"] < summary.stats["wall_s"]
+
+
+def test_the_stats_give_the_workers_and_the_engines_start_apart_from_processing(job, monkeypatch):
+    iterate, build = torch.utils.data.DataLoader.__iter__, launch.build_engine
+
+    def late_forks(self):
+        time.sleep(FORKS_DELAY_S)
+        return iterate(self)
+
+    def slow_build(*args, **kwargs):
+        time.sleep(BUILD_DELAY_S)
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(torch.utils.data.DataLoader, "__iter__", late_forks)
+    monkeypatch.setattr(launch, "build_engine", slow_build)
+    started = time.perf_counter()
+    stats = run_job(job, show_progress=False).stats
+    wall = time.perf_counter() - started
+    assert FORKS_DELAY_S <= stats["workers_start_s"] < FORKS_DELAY_S + BUILD_DELAY_S
+    assert BUILD_DELAY_S <= stats["engine_start_s"] < BUILD_DELAY_S + FORKS_DELAY_S
+    starts = stats["workers_start_s"] + stats["engine_start_s"]
+    assert stats["processing_s"] + starts <= stats["wall_s"] <= wall
 
 
 def test_an_engine_that_cannot_be_built_stops_the_workers_and_releases_their_claims(
