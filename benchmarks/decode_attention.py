@@ -5,7 +5,10 @@ Qwen2-VL-2B's heads (12 query, 2 KV, head size 128) and 7B's (28/4/128), in a pa
 pages. Each case also gives the grouped kernel's splits, the KV bytes it reads per second, and the largest
 difference between the two kernels' outputs; and the grouped kernel's time at each split count up to 8
 forced, whose fastest says whether `split_count`'s choice (no split while the step's programs fill the
-GPU) leaves bandwidth unused.
+GPU) leaves bandwidth unused. At `SWEPT_CASES`, the grouped kernel is timed again under other launch
+settings (`LAUNCHES`: keys a block, warps and pipelining stages a program, `triton_grouped_decode`'s
+settings read at each launch), each row with its `launch`, its time against the default's and its output's
+difference from the per-head kernel's: the settings that pay can then become the defaults.
 
     python benchmarks/decode_attention.py [--json out.json] [--dtype bfloat16]
 """
@@ -24,6 +27,16 @@ SHAPES = {"2b": (12, 2, 128), "7b": (28, 4, 128)}  # query heads, KV heads, head
 # sequences of long contexts, where the grouped kernel splits the keys
 CASES = [(256, 600), (256, 2000), (1024, 600), (8, 16384)]  # 1,024: `max_num_seqs: auto` on a large GPU
 FORCED_SPLITS = (1, 2, 4, 8)
+# launch settings timed beside the defaults, at a captioning job's decode steps of 2B's heads
+SWEPT_CASES = {("2b", 256, 600), ("2b", 1024, 600)}
+LAUNCHES = (
+    {"BLOCK_KEYS": 32},
+    {"BLOCK_KEYS": 128},
+    {"DECODE_WARPS": 8},
+    {"BLOCK_KEYS": 128, "DECODE_WARPS": 8},
+    {"DECODE_STAGES": 2},
+    {"DECODE_STAGES": 4},
+)
 PAGE_SIZE = 16
 
 
@@ -80,12 +93,41 @@ def main() -> None:
                 "fastest_splits": min(forced, key=forced.get),
             }
             results.append(row)
+            if (shape, sequences, keys) in SWEPT_CASES:
+                results += launch_sweep(row, grouped, outputs, kv_bytes)
             print(
                 f"{shape} {sequences:4} seqs x {keys:6} keys  per-head {per_head_us:9.1f} us  grouped "
                 f"{grouped_us:9.1f} us ({row['grouped_splits']} splits, {row['grouped_kv_gb_per_s']} GB/s)  "
                 f"x{row['speedup']}  diff {row['max_abs_diff']:.2e}  forced splits {forced}"
             )
     write_report(args.json, args.dtype, results, page_size=PAGE_SIZE)
+
+
+def launch_sweep(row: dict, grouped, outputs: list[torch.Tensor], kv_bytes: int) -> list[dict]:
+    """The grouped call timed under each of `LAUNCHES` (set on the kernel's module and put back): its time,
+    the KV bytes it reads a second, its speed against the defaults' and its output against the per-head
+    kernel's (`outputs[0]`; the grouped call writes `outputs[1]`)."""
+    from batchvl.layers import triton_grouped_decode
+
+    swept = []
+    for launch in LAUNCHES:
+        defaults = {key: getattr(triton_grouped_decode, key) for key in launch}
+        for key, value in launch.items():
+            setattr(triton_grouped_decode, key, value)
+        try:
+            grouped_us = per_call_us(grouped)
+        finally:
+            for key, value in defaults.items():
+                setattr(triton_grouped_decode, key, value)
+        difference = (outputs[0].float() - outputs[1].float()).abs().max().item()
+        speedup = round(row["grouped_us"] / grouped_us, 2)
+        swept.append(
+            {key: row[key] for key in ("shape", "sequences", "keys")}
+            | {"launch": launch, "grouped_us": round(grouped_us, 1), "speedup_over_default_launch": speedup}
+            | {"grouped_kv_gb_per_s": round(kv_bytes / grouped_us / 1e3, 1), "max_abs_diff": difference}
+        )
+        print(f"  {launch}  grouped {grouped_us:9.1f} us  x{speedup}  diff {difference:.2e}")
+    return swept
 
 
 if __name__ == "__main__":

@@ -58,8 +58,9 @@ reported and the next still runs, in the order of what a GPU window must answer 
                    refused on the CPU (reported as skipped)
   decode_attention benchmarks/decode_attention.py: the per-head and the grouped Triton decode kernels per
                    call at Qwen2-VL-2B's and 7B's heads (256 sequences of 600 and 2,000 keys, 1,024 of 600,
-                   8 of 16,384), their outputs' difference, and the grouped one at 1 to 8 splits forced;
-                   refused on the CPU (reported as skipped)
+                   8 of 16,384), their outputs' difference, the grouped one at 1 to 8 splits forced, and
+                   at 2B's 256 and 1,024 sequences of 600 keys under other launch settings; refused on the
+                   CPU (reported as skipped)
   throughput_small benchmarks/throughput.py: transformers `generate` on padded batches of 8 against batchvl
                    in bf16 on the `small` model
   optional, run only when GPU_CHECK_STAGES names them: gpu_throughput_2b_cuda_graphs, _overlap and
@@ -602,7 +603,8 @@ STAGES = [
     ("host_step_1024_fast", lambda work: host_step(work, 1024, fast=True)),  # the same, and the captures
     # some 20-60 s: compiling the kernels, 56 timed ops and 17 other launch settings
     ("fused_elementwise", fused_elementwise),
-    # some 20-50 s: 8 cases of two kernels and four split counts (each compiled), 50 calls each
+    # some 25-60 s: 8 cases of two kernels and four split counts (each compiled), 50 calls each, and 12
+    # launch settings
     ("decode_attention", decode_attention),
     ("throughput_small", lambda work: throughput(work, "small")),
     *(

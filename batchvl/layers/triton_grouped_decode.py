@@ -16,6 +16,11 @@ import functools
 import torch
 
 BLOCK_KEYS = 64  # keys per block of the online softmax
+# The split kernel's warps and software-pipelining stages a program (Triton's defaults). On an H200 it read
+# the KV cache at 1.9-2.9 TB/s of the 4.8 at 256 sequences (docs/benchmarks.md): `benchmarks/
+# decode_attention.py` times other settings beside these and `BLOCK_KEYS`, all read at each launch.
+DECODE_WARPS = 4
+DECODE_STAGES = 3
 LEAST_DOT_ROWS = 16  # the fewest rows a Triton dot takes: a group of fewer query heads is padded to it
 # Split a sequence's keys only while there are fewer programs than this (a few per SM of an H100/H200, 132),
 # and never into splits of fewer keys than MIN_SPLIT_KEYS, whose merge would cost more than it saves
@@ -157,6 +162,7 @@ def grouped_decode_attention(
         GROUP=group, GROUP_PADDED=max(LEAST_DOT_ROWS, 1 << (group - 1).bit_length()), HEAD_DIM=head_dim,
         BLOCK_D=block_d, BLOCK_N=BLOCK_KEYS, SPLITS=splits,
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        num_warps=DECODE_WARPS, num_stages=DECODE_STAGES,
     )  # fmt: skip
     if splits > 1:
         merge_kernel[(sequences, heads)](

@@ -73,6 +73,17 @@ def test_grouped_decodes_attend_their_paged_keys_as_torch_attends_them_gathered(
     assert_attends_as_torch(out, query, kv, arguments[0], slots, scale, dtype)
 
 
+@pytest.mark.parametrize("block_keys", [32, 128])
+def test_grouped_decodes_with_other_key_blocks_attend_as_torch(block_keys, monkeypatch):
+    # the launch settings `benchmarks/decode_attention.py` times beside the defaults: 65 and 300 keys end in
+    # a partial block at each, over two splits
+    monkeypatch.setattr(triton_grouped_decode, "BLOCK_KEYS", block_keys)
+    kv, query, arguments, slots = paged_decodes(6, 2, 128, 16, torch.bfloat16, seed=block_keys)
+    out = torch.full((6, 12, 128), float("nan"), dtype=torch.bfloat16)
+    triton_grouped_decode.grouped_decode_attention(out, query, kv, *arguments, 128**-0.5, 16, 2)
+    assert_attends_as_torch(out, query, kv, arguments[0], slots, 128**-0.5, torch.bfloat16)
+
+
 @pytest.mark.parametrize("group,kernel", [(6, "grouped"), (1, "per_head")])
 def test_the_engine_s_decode_call_takes_the_kernel_of_its_heads(group, kernel, monkeypatch):
     """Through `paged_decode_attention` (its splits chosen from the pages): grouped heads go to the grouped
