@@ -1,15 +1,16 @@
 """What a run drives, chosen by `engine.backend`: the engine, how prompts are rendered for it, and how the
 preprocessing workers prepare a sample for it.
 
-The engine is started after the workers (`start_engine`): building it (its KV cache, its decode graphs,
-the steps that size its steps) or starting a server takes a while, in which the workers prepare the first
-samples. A job on a GPU waited some 0.4 s for its first sample when the workers started after the engine.
+The engine is started after the workers (`start_engine`): loading the model's weights and building the
+engine (its KV cache, its decode graphs, the steps that size its steps), or starting a server, takes a
+while, in which the workers prepare the first samples. A job on a GPU waited some 0.4 s for its first
+sample when the workers started after the engine.
 The start waits until every worker is forked (`PreprocessPool.forked`): a fork made while it launched a
 subprocess (a server, a kernel compiler) would hold that subprocess's exec-status pipe open, and the start
 would wait on it forever.
 
-- `batchvl`: the model is loaded and the engine built over it (`launch.py`); prompts are token ids, images
-  pixel arrays.
+- `batchvl`: the model's weights are loaded and the engine built over them (`launch.py`); prompts are
+  token ids, images pixel arrays, both prepared from the model's parts alone.
 - `openai`: no model; prompts are chat messages, images PNG data URLs, and the engine is a server's
   (`server_setup.py`), which `close` stops where batchvl launched it.
 """

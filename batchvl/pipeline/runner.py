@@ -26,7 +26,7 @@ from batchvl.engine.stats import EngineStats
 from batchvl.errors import ServerGone
 from batchvl.inputs.download import DownloadStats
 from batchvl.inputs.types import ShardEnd, ShardInfo, ShardSkipped
-from batchvl.models.loader import LoadedModel
+from batchvl.models.loader import LoadedModel, ModelParts
 from batchvl.outputs.claims import Holder, ShardClaims
 from batchvl.outputs.dataset_card import DatasetCard
 from batchvl.outputs.run_stats import write_run_stats
@@ -34,7 +34,7 @@ from batchvl.outputs.writers import ResultRow
 from batchvl.pipeline.commit_strategies import WriteShard
 from batchvl.pipeline.ending import RunSummary, raise_if_ended_early, rows_committed_before
 from batchvl.pipeline.engine_setup import EngineSetup
-from batchvl.pipeline.launch import builtin_engine_setup, load_job_model
+from batchvl.pipeline.launch import builtin_engine_setup, job_model_parts, load_job_model
 from batchvl.pipeline.ledger import CommitStrategy, ShardLedger
 from batchvl.pipeline.plan import Work, job_work
 from batchvl.pipeline.rows import prompt_of, result_row
@@ -102,11 +102,15 @@ class JobRunner:
         keep_freed_memory()  # process-wide; the engine's steps reuse their activations' memory
         return in_launched_processes(self.cfg.engine, self.cfg.model.device, self._drive, self._serve)
 
-    def _load(self) -> LoadedModel:
+    def _load(self, parts: ModelParts | None = None) -> LoadedModel:
         if self.loaded is None:
-            self.loaded, seconds = load_job_model(self.cfg)
+            self.loaded, seconds = load_job_model(self.cfg, parts)
             self.stats.model_load_s = round(seconds, 3)
         return self.loaded
+
+    def _model_parts(self) -> ModelParts:
+        """What the preprocessing needs of the model: read from its folder, or from the model given."""
+        return job_model_parts(self.cfg) if self.loaded is None else ModelParts.of(self.loaded)
 
     def _serve(self, context: DistributedContext) -> RunSummary:
         rounds = serve_rank(self._load().adapter, self.cfg.engine, context)
@@ -129,7 +133,9 @@ class JobRunner:
             if self.cfg.engine.backend == "openai":
                 setup = server_engine_setup(self.cfg, self.out, self.task, work.plan.graph)
             else:
-                setup = builtin_engine_setup(self.cfg, self._load(), context, work.plan.graph)
+                parts = self._model_parts()  # the weights load as the engine starts, after the workers'
+                load = functools.partial(self._load, parts)
+                setup = builtin_engine_setup(self.cfg, parts, load, context, work.plan.graph)
             try:
                 pool_stats = self._process(work, setup)
             finally:
@@ -188,9 +194,9 @@ class JobRunner:
             pool.forked.wait()  # before the engine's start launches any subprocess (`PreprocessPool.forked`)
             forked = time.perf_counter()
             self.stats.workers_start_s = round(forked - started, 3)
-            self.engine = engine = setup.start_engine()
+            self.engine = engine = setup.start_engine()  # (it loads the model, where the run loads it)
             started = time.perf_counter()  # processing: from the engine's start on
-            self.stats.engine_start_s = round(started - forked, 3)
+            self.stats.engine_start_s = round(started - forked - self.stats.model_load_s, 3)
             # (the input thread's handoffs of the GIL: `background.py`)
             with samples_bar(ledger, work.shards, self.show_progress) as bar, prompt_handoffs():
                 self._feed_and_step(feed, engine, ledger, bar)

@@ -60,8 +60,8 @@ class RunStats:  # not Counters: its mode and task name the run
     errors_by_type: Counter = field(default_factory=Counter)
     wall_s: float = 0.0
     model_load_s: float = 0.0
-    workers_start_s: float = 0.0  # waiting for the preprocessing workers' forks, before the engine starts
-    engine_start_s: float = 0.0  # building the engine: its step sizes, KV cache, graphs captured ahead
+    workers_start_s: float = 0.0  # waiting for the preprocessing workers' forks, before the weights load
+    engine_start_s: float = 0.0  # building the engine (the weights loaded): step sizes, KV cache, graphs
     processing_s: float = 0.0  # from the engine's start to the last commit: what the rates divide by
     rows_not_committed: int = 0  # rows of shards a stop left unfinished; the next run redoes them
     rows_kept: int = 0  # committed rows of unchanged prompts, kept in the shards written again

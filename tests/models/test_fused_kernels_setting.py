@@ -61,4 +61,4 @@ def test_the_jobs_setting_reaches_the_loader(monkeypatch, tmp_path, setting, vis
         }
     )
     assert launch.load_job_model(job)[0] == "loaded"
-    assert calls[0][-2] is setting and calls[0][-1] == vision_attention
+    assert calls[0][-3] is setting and calls[0][-2] == vision_attention

@@ -10,8 +10,10 @@ import pytest
 import torch.utils.data
 
 import batchvl.pipeline.launch as launch
+import batchvl.pipeline.runner as runner
 from batchvl.config import load_job_config
 from batchvl.errors import UserError
+from batchvl.models.loader import ModelParts
 from batchvl.pipeline.runner import run_job
 from batchvl.utils.background import BackgroundIterator
 from tests.conftest import caption_job_yaml, output_rows, write_image_shards
@@ -57,6 +59,27 @@ def test_the_first_samples_are_prepared_while_the_engine_is_built(job, monkeypat
     assert [row["status"] for row in output_rows(tmp_path / "out", len(SHARD_SIZES))] == ["ok"] * 4
     # processing counts from the engine's start: the wait above is not in it
     assert summary.stats["processing_s"] < summary.stats["wall_s"]
+
+
+def test_the_workers_prepare_the_first_samples_while_the_weights_load(job, monkeypatch, tmp_path):
+    """The workers need the model's parts alone (its processor, config and dtype): they are forked before
+    the weights load, from a process without them, and deliver while they load."""
+    arrived = first_item_arrives(monkeypatch)
+    load, seen_before_load, parts_given = launch.load_model, [], []
+
+    def slow_load(*args):
+        seen_before_load.append(arrived.wait(FIRST_SAMPLE_WAIT_S))
+        parts_given.append(args[-1])
+        time.sleep(BUILD_DELAY_S)
+        return load(*args)
+
+    monkeypatch.setattr(launch, "load_model", slow_load)
+    stats = run_job(job, show_progress=False).stats
+    assert seen_before_load == [True]
+    assert [row["status"] for row in output_rows(tmp_path / "out", len(SHARD_SIZES))] == ["ok"] * 4
+    assert isinstance(parts_given[0], ModelParts)  # the processor read once, not again with the weights
+    # the weights' load is the model's, neither the engine's build nor processing
+    assert stats["model_load_s"] >= BUILD_DELAY_S > stats["engine_start_s"]
 
 
 def test_the_stats_give_the_workers_and_the_engines_start_apart_from_processing(job, monkeypatch):
@@ -109,13 +132,15 @@ def test_the_engine_starts_once_every_worker_is_forked(job, monkeypatch):
         return iterate(self)
 
     monkeypatch.setattr(torch.utils.data.DataLoader, "__iter__", late)
-    build = launch.build_engine
-    children_at_build = []
+    forks, start = [], multiprocessing.process.BaseProcess.start
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", lambda p: forks.append(p) or start(p))
+    load, forks_at_start = runner.load_job_model, []
 
-    def counting_build(*args, **kwargs):
-        children_at_build.append(len(multiprocessing.active_children()))
-        return build(*args, **kwargs)
+    def counting_load(*args, **kwargs):  # the engine's start begins by loading the model
+        forks_at_start.append(len(forks))
+        return load(*args, **kwargs)
 
-    monkeypatch.setattr(launch, "build_engine", counting_build)
+    monkeypatch.setattr(runner, "load_job_model", counting_load)
     run_job(job, show_progress=False)
-    assert children_at_build == [2]  # both workers (preprocess.workers=2)
+    # both workers (preprocess.workers=2), counted as forked (a worker whose samples are done may have left)
+    assert forks_at_start == [2]

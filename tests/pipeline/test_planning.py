@@ -302,7 +302,7 @@ def test_an_encoder_cache_dir_that_cannot_be_made_is_refused_before_the_model_lo
     table(tmp_path / "data" / "a.parquet")
     (tmp_path / "a-file").write_text("")
     loads = []
-    monkeypatch.setattr(runner, "load_job_model", lambda cfg: (loads.append(cfg), (loaded_fp32, 0.0))[1])
+    monkeypatch.setattr(runner, "load_job_model", lambda cfg, *_: (loads.append(cfg), (loaded_fp32, 0.0))[1])
     refused = {
         "a-file/cache": f"{tmp_path / 'a-file'} is a file, not a folder; point it at a folder",
         "/proc/batchvl-cache": "/proc cannot be written; point it at a folder you own",
