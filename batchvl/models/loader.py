@@ -68,15 +68,14 @@ def load_model_parts(
     path: str, dtype: str = "auto", device: str | torch.device = "auto", trust_remote_code: bool = False
 ) -> ModelParts:
     """The checkpoint's `ModelParts`, its weights left unread."""
-    from transformers import AutoConfig
-
     check_library_versions()  # the Python API's way in: before the model's files are read
-    family = model_family(check_model_folder(path, trust_remote_code).model_type)
+    config = check_model_folder(path, trust_remote_code)
+    family = model_family(config.model_type)
     torch_device = device if isinstance(device, torch.device) else resolve_device(device)
     return ModelParts(
         processor=load_processor(path, family.model_type, trust_remote_code),
         family=family,
-        config=AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code),
+        config=config,
         dtype=resolve_dtype(dtype, torch_device),
         device=torch_device,
         path=path,
