@@ -3,6 +3,7 @@ it is (`pipeline/engine_setup.py`), but are all forked before the engine's start
 engine that cannot be built still stops them and lets go of the shards they claimed."""
 
 import multiprocessing
+import signal
 import threading
 import time
 
@@ -12,7 +13,7 @@ import torch.utils.data
 import batchvl.pipeline.launch as launch
 import batchvl.pipeline.runner as runner
 from batchvl.config import load_job_config
-from batchvl.errors import UserError
+from batchvl.errors import StoppedBySignal, UserError
 from batchvl.models.loader import ModelParts
 from batchvl.pipeline.runner import run_job
 from batchvl.utils.background import BackgroundIterator
@@ -80,6 +81,27 @@ def test_the_workers_prepare_the_first_samples_while_the_weights_load(job, monke
     assert isinstance(parts_given[0], ModelParts)  # the processor read once, not again with the weights
     # the weights' load is the model's, neither the engine's build nor processing
     assert stats["model_load_s"] >= BUILD_DELAY_S > stats["engine_start_s"]
+
+
+def test_a_stop_while_the_weights_load_ends_the_run_with_nothing_lost(job, monkeypatch, tmp_path):
+    """The workers run while the weights load: a stop then ends the run once the engine is up, its claims
+    released and its workers gone, and the rerun does every sample."""
+    runner_ = runner.JobRunner(job, show_progress=False)
+    load = launch.load_model
+
+    def stopped_load(*args):
+        runner_.stop.signum = signal.SIGTERM  # as the signal handler records it
+        return load(*args)
+
+    monkeypatch.setattr(launch, "load_model", stopped_load)
+    with pytest.raises(StoppedBySignal):
+        runner_.run()
+    assert multiprocessing.active_children() == []
+    out = tmp_path / "out"
+    assert not list(out.rglob("*.lock"))
+    monkeypatch.setattr(launch, "load_model", load)
+    run_job(job, show_progress=False)
+    assert [row["status"] for row in output_rows(out, len(SHARD_SIZES))] == ["ok"] * 4
 
 
 def test_the_stats_give_the_workers_and_the_engines_start_apart_from_processing(job, monkeypatch):
