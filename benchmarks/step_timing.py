@@ -130,22 +130,19 @@ class StepTimer:
                 timer._add("forward", elapsed)
                 timer.steps[kind] += 1
 
-        phases = [
-            (Scheduler, "schedule", "schedule"),
-            (Engine, "_encode", "vision"),
-            (HostCopy, "tolist", "picks_read"),
+        # (owner, function, phase, the split it counts in: None for the host split of the steps)
+        timed = [
+            (Scheduler, "schedule", "schedule", None),
+            (Engine, "_encode", "vision", None),
+            (HostCopy, "tolist", "picks_read", None),
+            (builder, "step_sizes_for", "step_sizes", self.start_split),
+            (Engine, "__init__", "engine_build", self.start_split),
+            (engine, "kv_cache_bytes", "kv_cache_sizing", self.start_split),
+            (DecodeGraphs, "capture_ahead", "decode_graphs_ahead", self.start_split),
         ]
-        starting = [
-            (builder, "step_sizes_for", "step_sizes"),
-            (Engine, "__init__", "engine_build"),
-            (engine, "kv_cache_bytes", "kv_cache_sizing"),
-            (DecodeGraphs, "capture_ahead", "decode_graphs_ahead"),
-        ]
-        originals = [(owner, name, getattr(owner, name)) for owner, name, _ in phases + starting]
-        for (owner, name, phase), (_, _, original) in zip(phases, originals, strict=False):
-            setattr(owner, name, self._timed(original, phase))
-        for (owner, name, phase), (_, _, original) in zip(starting, originals[len(phases) :], strict=True):
-            setattr(owner, name, self._timed(original, phase, self.start_split))
+        originals = [(owner, name, getattr(owner, name)) for owner, name, _, _ in timed]
+        for owner, name, phase, split in timed:
+            setattr(owner, name, self._timed(getattr(owner, name), phase, split))
         Engine.step, ModelRunner.execute = timed_step, timed_execute
         try:
             yield self
