@@ -452,6 +452,17 @@ def cuda_benchmark(work: Path, name: str, timeout_s: int) -> dict:
     return {"ok": result["rc"] == 0, **result, "table": stdout.splitlines()}
 
 
+def reported_run(command: list[str], out: Path, limit_s: float, table_lines: int | None = None) -> dict:
+    """A benchmark that writes its report to `out`, `run`: its result and its report, and the last
+    `table_lines` lines of the table it printed (all of them with None); ok where it exited 0 and wrote
+    a report."""
+    result = run(command, limit_s)
+    table = result.pop("stdout", "").splitlines()
+    report = json.loads(out.read_text()) if out.exists() else {}
+    table = table[-table_lines:] if table_lines else table
+    return {"ok": result["rc"] == 0 and bool(report), **result, "table": table, **report}
+
+
 def vision_call(work: Path) -> dict:
     """benchmarks/vision_call.py: Qwen2-VL-2B's vision call at 4,096 to 32,768 patches, without and with
     the fused kernels, then with them and its attention by SDPA: its wall, its staging and its kernels'
@@ -459,10 +470,7 @@ def vision_call(work: Path) -> dict:
     out = work / "vision_call.json"
     workload = ["--size", "tiny", "--patches", "256,512", "--calls", "2"] if ON_CPU else ["--size", "2b"]
     command = [sys.executable, "benchmarks/vision_call.py", "--device", DEVICE, "--json", str(out)]
-    result = run([*command, *workload], 150)
-    stdout = result.pop("stdout", "")
-    report = json.loads(out.read_text()) if out.exists() else {}
-    return {"ok": result["rc"] == 0 and bool(report), **result, "table": stdout.splitlines()[-14:], **report}
+    return reported_run([*command, *workload], out, 150, table_lines=14)
 
 
 def input_rate(work: Path) -> dict:
@@ -471,11 +479,8 @@ def input_rate(work: Path) -> dict:
     input settings, the GIL handoffs alone and the defaults: whether the input bounds a job here."""
     out = work / "input_rate.json"
     samples = "60" if ON_CPU else "300"
-    result = run([sys.executable, "benchmarks/input_rate.py", "--samples", samples, "--json", str(out)], 120)
-    stdout = result.pop("stdout", "")
-    report = json.loads(out.read_text()) if out.exists() else {}
-    # (its whole table: a row per workload, engine thread and settings)
-    return {"ok": result["rc"] == 0 and bool(report), **result, "table": stdout.splitlines(), **report}
+    command = [sys.executable, "benchmarks/input_rate.py", "--samples", samples, "--json", str(out)]
+    return reported_run(command, out, 120)  # its whole table: a row per workload, engine thread and settings
 
 
 def fused_elementwise(work: Path) -> dict:
@@ -570,10 +575,7 @@ def two_processes(work: Path) -> dict:
         workload = ["--samples", "64", "--shards", "8", "--new-tokens", "32", "--dtype", "bfloat16"]
         workload += ["--then-gpus-all"]
     command = [sys.executable, "benchmarks/node_scaling.py", "--device", DEVICE, "--rounds", "1"]
-    result = run([*command, *workload, "--json", str(out)], 150)
-    stdout = result.pop("stdout", "")
-    report = json.loads(out.read_text()) if out.exists() else {}
-    return {"ok": result["rc"] == 0 and bool(report), **result, "table": stdout.splitlines()[-4:], **report}
+    return reported_run([*command, *workload, "--json", str(out)], out, 150, table_lines=4)
 
 
 # Correctness first, then speed: where the budget runs short, the throughput runs (the longest stages) are
