@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import argparse
 import io
-import json
 import tempfile
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
-from workloads import markdown_table, mixed_size_images
+from workloads import markdown_table, mixed_size_images, write_json
 
 SCHEMA = {
     "type": "object",
@@ -154,7 +153,7 @@ def main() -> None:
             "scored_over_generated_choices": round(scoring, 4),
         }
         result["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
-        args.json.write_text(json.dumps(result, indent=2))
+        write_json(args.json, result)
 
 
 if __name__ == "__main__":

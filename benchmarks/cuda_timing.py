@@ -3,11 +3,11 @@ calls between two CUDA events, and their report's common fields."""
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import torch
+from workloads import write_json
 
 CALLS = 50
 
@@ -46,6 +46,4 @@ def write_report(path: Path | None, dtype: str, results: list[dict], **settings)
         "calls": CALLS,
         "results": results,
     }
-    if path:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(report, indent=2) + "\n")
+    write_json(path, report)

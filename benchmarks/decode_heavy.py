@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import argparse
 import io
-import json
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 from PIL import Image
-from workloads import tiny_model
+from workloads import tiny_model, write_json
 
 
 def main() -> None:
@@ -78,9 +77,7 @@ def main() -> None:
         f"(forward {stats.forward_s:.2f} s, encode {stats.encode_s:.2f} s, {steps} steps, host "
         f"{result['host_ms_per_step']} ms a step)"
     )
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2))
+    write_json(args.json, result)
 
 
 if __name__ == "__main__":

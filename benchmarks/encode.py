@@ -17,14 +17,13 @@ all three ways alike.
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
-from workloads import mixed_size_images
+from workloads import mixed_size_images, write_json
 
 
 def timed(fn, repeats: int) -> float:
@@ -49,8 +48,7 @@ def main() -> None:
 
     keep_freed_memory()
     results = [measure(dtype, args.images, args.repeats) for dtype in args.dtypes.split(",")]
-    if args.json:
-        args.json.write_text(json.dumps({"images": args.images, "results": results}, indent=2))
+    write_json(args.json, {"images": args.images, "results": results})
 
 
 def measure(dtype_name: str, count: int, repeats: int) -> dict:

@@ -52,6 +52,7 @@ from flops import FlopCounter
 from matmul_probe import matmul_peak
 from PIL import Image
 from step_timing import TRACE_COLUMNS, StepTimer, WindowsDone
+from workloads import write_json
 
 SIZES = ("tiny", "thin", "small", "2b", "7b")
 NEW_TOKENS = 64
@@ -455,9 +456,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="batchvl-gpu-throughput-") as folder:
         row = measure(args, Path(folder))
     print(json.dumps(row, indent=2))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(row, indent=2))
+    write_json(args.json, row)
 
 
 if __name__ == "__main__":

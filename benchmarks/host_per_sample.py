@@ -20,13 +20,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
-import json
 import pstats
 import tempfile
 from pathlib import Path
 
 import torch
 from gpu_throughput import caption_job, write_images
+from workloads import write_json
 
 WARMUP_SAMPLES = 16
 PROFILE_ROWS = 15
@@ -88,9 +88,7 @@ def main() -> None:
     print(" ".join(f"{result[name]:>18}" for name in columns))
     for row in result.get("own_time", []):
         print(f"  {row['own_s']:>8.3f} s {row['calls']:>7} calls  {row['function']}")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2))
+    write_json(args.json, result)
 
 
 if __name__ == "__main__":

@@ -23,13 +23,12 @@ wait; set against the serial run's forward, it says whether the host or the devi
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
 
 import torch
-from workloads import sized_model
+from workloads import sized_model, write_json
 
 STEP_TOKENS = 4096  # engine.max_num_batched_tokens of the timed engine
 
@@ -122,9 +121,7 @@ def main() -> None:
             print(f"{kind}, own host time per step:")
             for row in rows:
                 print(f"{row['ms']:>9.3f} ms {row['calls']:>8.1f} calls  {row['name']}")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2))
+    write_json(args.json, result)
 
 
 class PhaseTimes:

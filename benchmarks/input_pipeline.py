@@ -31,6 +31,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import yaml
 from PIL import Image
+from workloads import write_json
 
 SHARD_SIZE = 50
 
@@ -143,8 +144,7 @@ def main() -> None:
         f"\npeak RSS (main process), {large_run['samples']} vs {small_run['samples']} samples: x{growth:.2f}"
     )
     results["peak_rss_growth_10x"] = round(growth, 3)
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
+    write_json(args.json, results)
 
 
 if __name__ == "__main__":

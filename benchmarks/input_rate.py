@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
 import os
 import queue
 import tempfile
@@ -35,6 +34,7 @@ from pathlib import Path
 
 import torch
 from gpu_throughput import write_images
+from workloads import write_json
 
 from batchvl.config import InputConfig, PreprocessConfig, PromptConfig
 from batchvl.demo.tiny_model import SIZES, qwen_parts
@@ -154,9 +154,7 @@ def main() -> None:
         "torch": torch.__version__,
         "rows": rows,
     }
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2))
+    write_json(args.json, result)
 
 
 if __name__ == "__main__":

@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import argparse
 import io
-import json
 import tempfile
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
-from workloads import markdown_table, mixed_size_images
+from workloads import markdown_table, mixed_size_images, write_json
 
 PROMPTS = {
     "caption": "Describe this image in one sentence.",
@@ -114,8 +113,7 @@ def main() -> None:
             "changed_with_disk_cache_over_first": round(cached_ratio, 3),
             "encoder_disk_hits": with_cache.get("encoder_disk_hits", 0),
         }
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2))
+        write_json(args.json, report)
 
 
 if __name__ == "__main__":

@@ -20,14 +20,13 @@ import batchvl  # noqa: F401  (its OpenMP and oneDNN defaults apply only if set 
 # isort: split
 import argparse
 import itertools
-import json
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
-from workloads import markdown_table
+from workloads import markdown_table, write_json
 
 from batchvl.layers.attention import (
     KVCache,
@@ -219,7 +218,7 @@ def main() -> None:
             "cpu_amx": has_amx(),
             "rows": rows,
         }
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        write_json(args.json, report)
 
 
 if __name__ == "__main__":

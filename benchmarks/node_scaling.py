@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import io
-import json
 import shutil
 import sys
 import tempfile
@@ -29,7 +28,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from workloads import mixed_size_images
+from workloads import mixed_size_images, write_json
 
 
 def write_shards(folder: Path, samples: int, shards: int) -> None:
@@ -144,9 +143,7 @@ def main() -> None:
         "rows_equal": True,
         "runs": runs,
     }
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2))
+    write_json(args.json, report)
 
 
 if __name__ == "__main__":

@@ -16,12 +16,13 @@ chooses its kernels as there too). The silicon stays this machine's: its cores, 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
 import tempfile
 from pathlib import Path
+
+from workloads import write_json  # (numpy and Pillow: nothing that reads the settings below)
 
 # Read by torch and oneDNN when they load: set before anything imports torch.
 ISA_ENVIRONMENT = {
@@ -50,9 +51,7 @@ def main() -> None:
         report = measure(args, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2))
+    write_json(args.json, report)
 
 
 def measure(args, work: Path) -> dict:

@@ -63,6 +63,7 @@ from server_method import run_bare_client, run_batchvl_on_server
 from throughput_workload import check_rows, expected_rows, write_workload
 from transformers_method import run_transformers
 from vllm_cpu import VLLM_SETTINGS, VLLM_VENV
+from workloads import write_json
 
 METHODS = {
     "a": "transformers loop, batch 1",
@@ -215,9 +216,7 @@ def main() -> None:
     from batchvl.layers.cpu_features import has_amx  # imported late: see processes.PEER_ENV
 
     report["cpu_amx"] = has_amx()  # the capability string says AVX512 on AMX CPUs too
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2))
+    write_json(args.json, report)
 
 
 def device_problem(device: str, methods: list[str]) -> str | None:

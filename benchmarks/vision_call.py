@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from flops import FlopCounter
 from step_timing import kernel_summary
-from workloads import markdown_table
+from workloads import markdown_table, write_json
 
 IMAGE_SIDE = 448
 
@@ -204,8 +204,7 @@ def main() -> None:
         "calls": args.calls,
         "rows": rows,
     }
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2))
+    write_json(args.json, report)
 
 
 if __name__ == "__main__":

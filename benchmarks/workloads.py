@@ -1,7 +1,10 @@
-"""Synthetic workloads shared by the benchmarks (random pixels: no download, same on every machine), and
-the table they print."""
+"""Synthetic workloads shared by the benchmarks (random pixels: no download, same on every machine), the
+table they print, and the JSON report they write."""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import numpy as np
 from PIL import Image
@@ -54,3 +57,11 @@ def markdown_table(rows: list[dict]) -> str:
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(str(row[c]) for c in columns) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def write_json(path: Path | None, report) -> None:
+    """The benchmark's report as indented JSON at `path` (its folder made), where a path is given."""
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
