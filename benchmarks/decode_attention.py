@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import functools
 from pathlib import Path
+from unittest import mock
 
 import torch
 from cuda_timing import per_call_us, require_cuda, write_report
@@ -111,14 +112,8 @@ def launch_sweep(row: dict, grouped, outputs: list[torch.Tensor], kv_bytes: int)
 
     swept = []
     for launch in LAUNCHES:
-        defaults = {key: getattr(triton_grouped_decode, key) for key in launch}
-        for key, value in launch.items():
-            setattr(triton_grouped_decode, key, value)
-        try:
+        with mock.patch.multiple(triton_grouped_decode, **launch):
             grouped_us = per_call_us(grouped)
-        finally:
-            for key, value in defaults.items():
-                setattr(triton_grouped_decode, key, value)
         difference = (outputs[0].float() - outputs[1].float()).abs().max().item()
         speedup = round(row["grouped_us"] / grouped_us, 2)
         swept.append(

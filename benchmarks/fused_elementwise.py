@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from unittest import mock
 
 import torch
 from cuda_timing import per_call_us, require_cuda, write_report
@@ -198,15 +199,9 @@ def launch_sweep(name: str, eager, fused, moved: int, rows: int, default_us: flo
 
     swept = []
     for launch in SWEEP.get(name, ()):
-        defaults = {key: getattr(triton_elementwise, key) for key in launch}
-        for key, value in launch.items():
-            setattr(triton_elementwise, key, value)
-        try:
+        with mock.patch.multiple(triton_elementwise, **launch):
             parity = compared(eager, fused)
             fused_us = per_call_us(fused, warmup=5)
-        finally:
-            for key, value in defaults.items():
-                setattr(triton_elementwise, key, value)
         gb_per_s = round(moved / fused_us / 1e3, 1)
         speedup = round(default_us / fused_us, 2)
         swept.append(
