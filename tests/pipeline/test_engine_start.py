@@ -44,6 +44,17 @@ def first_item_arrives(monkeypatch) -> threading.Event:
     return arrived
 
 
+def fork_late(monkeypatch, seconds: float) -> None:
+    """The pool's workers forked `seconds` late (their loader's iteration starts that late)."""
+    iterate = torch.utils.data.DataLoader.__iter__
+
+    def late(self):
+        time.sleep(seconds)
+        return iterate(self)
+
+    monkeypatch.setattr(torch.utils.data.DataLoader, "__iter__", late)
+
+
 def test_the_first_samples_are_prepared_while_the_engine_is_built(job, monkeypatch, tmp_path):
     arrived = first_item_arrives(monkeypatch)
     build = launch.build_engine
@@ -105,17 +116,13 @@ def test_a_stop_while_the_weights_load_ends_the_run_with_nothing_lost(job, monke
 
 
 def test_the_stats_give_the_workers_and_the_engines_start_apart_from_processing(job, monkeypatch):
-    iterate, build = torch.utils.data.DataLoader.__iter__, launch.build_engine
-
-    def late_forks(self):
-        time.sleep(FORKS_DELAY_S)
-        return iterate(self)
+    build = launch.build_engine
 
     def slow_build(*args, **kwargs):
         time.sleep(BUILD_DELAY_S)
         return build(*args, **kwargs)
 
-    monkeypatch.setattr(torch.utils.data.DataLoader, "__iter__", late_forks)
+    fork_late(monkeypatch, FORKS_DELAY_S)
     monkeypatch.setattr(launch, "build_engine", slow_build)
     started = time.perf_counter()
     stats = run_job(job, show_progress=False).stats
@@ -147,13 +154,7 @@ def test_the_engine_starts_once_every_worker_is_forked(job, monkeypatch):
     """A worker forked while the engine's start launches a subprocess (a server, a kernel compiler) would
     hold the pipe through which that subprocess reports its exec, and the start would wait on it forever:
     the engine starts only once the workers are forked, however late the input thread forks them."""
-    iterate = torch.utils.data.DataLoader.__iter__
-
-    def late(self):
-        time.sleep(1.0)
-        return iterate(self)
-
-    monkeypatch.setattr(torch.utils.data.DataLoader, "__iter__", late)
+    fork_late(monkeypatch, 1.0)
     forks, start = [], multiprocessing.process.BaseProcess.start
     monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", lambda p: forks.append(p) or start(p))
     load, forks_at_start = runner.load_job_model, []
