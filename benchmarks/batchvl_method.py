@@ -27,8 +27,16 @@ SUMMED_STATS = (
 )
 
 
-def batchvl_job(data: Path, names: list[str], out: Path, model: dict, engine: dict | None = None):
-    """The job of one part of the workload; `model`: its model section (path, dtype, device)."""
+def batchvl_job(
+    data: Path,
+    names: list[str],
+    out: Path,
+    model: dict,
+    engine: dict | None = None,
+    sampling: dict | None = None,
+):
+    """The job of one part of the workload; `model`: its model section (path, dtype, device); `sampling`:
+    keys added to its sampling section (greedy without)."""
     from batchvl.config import job_config_from_dict
 
     return job_config_from_dict(
@@ -36,7 +44,7 @@ def batchvl_job(data: Path, names: list[str], out: Path, model: dict, engine: di
             "model": model,
             "input": {"paths": [str(data / "*.parquet")], "key_column": "key"},
             "prompts": [{"name": name, "text": PROMPTS[name]} for name in names],
-            "sampling": {"max_new_tokens_field": "budget", "ignore_eos": True},
+            "sampling": {"max_new_tokens_field": "budget", "ignore_eos": True, **(sampling or {})},
             "output": {"dir": str(out), "overwrite": True},
             **({"engine": engine} if engine else {}),
         }

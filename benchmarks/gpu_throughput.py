@@ -20,6 +20,9 @@ and the split between vision (the
 vision calls' synchronized time), steps with prompt chunks, and steps of decodes only, in seconds and in
 FLOPs. The engine's settings and which fast paths were on are recorded with it.
 
+`--temperature` (with `--top-p`) samples each caption instead of choosing greedily: the draws are made on
+the device, so that a sampled job's steps overlap as a greedy one's do.
+
 `--labels` makes it a labeling workload instead: the same images, each with `constrained.py`'s five-field
 JSON-schema prompt generated under its grammar (up to 256 tokens; the grammar ends each answer), so that
 the grammar's host work per step (a bitmask a step for every row, filled on the host) is measured with
@@ -28,7 +31,8 @@ overlapped steps and without.
 On a CPU (`--device cpu`, e.g. `--size tiny --samples 8`) the same runs, with the GPU's figures null.
 
     python benchmarks/gpu_throughput.py --device cuda --size 2b [--samples 1000] [--labels] [--cuda-graphs]
-        [--overlap] [--fused-kernels] [--max-num-seqs N] [--json PATH] [--texts PATH]
+        [--overlap] [--fused-kernels] [--max-num-seqs N] [--temperature T [--top-p P]] [--json PATH]
+        [--texts PATH]
 """
 
 from __future__ import annotations
@@ -107,14 +111,16 @@ def write_images(folder: Path, samples: int, first: int = 0) -> list[tuple[int, 
     return sizes
 
 
-def job_config(root: Path, name: str, loaded, device: str, engine_keys: dict, labels: bool, output: Path):
-    """The job over `root/name` into `output` with `engine_keys` in its engine section (with `labels`, the
-    JSON-schema prompt instead of the caption)."""
+def job_config(
+    root: Path, name: str, loaded, device: str, engine_keys: dict, labels: bool, output: Path, sampling: dict
+):
+    """The job over `root/name` into `output` with `engine_keys` in its engine section and `sampling` in
+    its sampling section (with `labels`, the JSON-schema prompt instead of the caption)."""
     from batchvl.config import job_config_from_dict
 
     model = {"path": loaded.path, "dtype": "bfloat16", "device": device}
     if not labels:
-        return batchvl_job(root / name, ["caption"], output, model, engine_keys)
+        return batchvl_job(root / name, ["caption"], output, model, engine_keys, sampling)
     # batchvl_job holds each caption to its budget, EOS ignored; a label ends by its grammar
     prompt = {"name": "labels", "text": "Describe the image as JSON.", "json_schema": SCHEMA}
     return job_config_from_dict(
@@ -122,44 +128,32 @@ def job_config(root: Path, name: str, loaded, device: str, engine_keys: dict, la
             "model": model,
             "input": {"paths": [str(root / name / "*.parquet")], "key_column": "key"},
             "prompts": [prompt],
-            "sampling": {"max_new_tokens": LABEL_MAX_TOKENS},
+            "sampling": {"max_new_tokens": LABEL_MAX_TOKENS, **sampling},
             "output": {"dir": str(output), "overwrite": True},
             "engine": engine_keys,
         }
     )
 
 
-def caption_job(
-    root: Path,
-    name: str,
-    loaded,
-    device: str,
-    engine_keys: dict,
-    timer: StepTimer | None = None,
-    labels: bool = False,
-) -> dict:
-    """The job over `root/name` with `engine_keys` in its engine section (with `labels`, the JSON-schema
-    prompt instead of the caption); its stats and rows."""
+def caption_job(job, loaded, device: str, timer: StepTimer | None = None) -> dict:
+    """The job (`job_config`'s) run on `loaded`, timed by `timer` where given: its stats, rows, engine
+    settings and the allocator's counts over it."""
     from batchvl.pipeline.runner import run_job
 
-    job = job_config(root, name, loaded, device, engine_keys, labels, root / "out" / name)
     before = allocator_counts(device)
     with timer.installed() if timer else contextlib.nullcontext():
         stats = run_job(job, loaded=loaded, show_progress=False).stats
     after = allocator_counts(device)
-    paths = sorted((root / "out" / name).glob("*.parquet"))
+    paths = sorted(Path(job.output.dir).glob("*.parquet"))
     rows = [row for path in paths for row in pq.read_table(path).to_pylist()]
     allocator = {key: round(after[key] - before[key], 3) for key in after}
     return {"stats": stats, "rows": rows, "engine": job.engine, "allocator": allocator}
 
 
-def profiled_job(
-    root: Path, name: str, loaded, device: str, engine_keys: dict, timer: StepTimer, labels: bool
-) -> None:
-    """The job over `root/name` again under a profiling `timer`, up to the end of its windows."""
+def profiled_job(job, loaded, timer: StepTimer) -> None:
+    """The job run again under a profiling `timer`, up to the end of its windows."""
     from batchvl.pipeline.runner import run_job
 
-    job = job_config(root, name, loaded, device, engine_keys, labels, root / "out" / f"{name}-profiled")
     # (a job too short for the windows ends by itself)
     with timer.installed(), contextlib.suppress(WindowsDone):
         run_job(job, loaded=loaded, show_progress=False)
@@ -221,13 +215,20 @@ def measure(args, work: Path) -> dict:
         "max_num_seqs": args.max_num_seqs,
         "vision_attention": args.vision_attention,  # (the model is made with it: recorded in the job too)
     }
-    caption_job(work, "warmup", loaded, args.device, engine_keys, labels=args.labels)
+    sampling = sampling_keys(args)
+
+    def job(data: str, output: str):
+        return job_config(
+            work, data, loaded, args.device, engine_keys, args.labels, work / "out" / output, sampling
+        )
+
+    caption_job(job("warmup", "warmup"), loaded, args.device)
     # timed without the profiler, whose costs would be the job's (`step_timing.py`), then profiled apart
     timer = StepTimer(args.profile_after, args.profile_steps)
-    run = caption_job(work, "data", loaded, args.device, engine_keys, timer, labels=args.labels)
+    run = caption_job(job("data", "data"), loaded, args.device, timer)
     profiled = StepTimer(args.profile_after, args.profile_steps, args.audit_steps, profiling=True)
     if on_gpu and args.profile_steps:
-        profiled_job(work, "data", loaded, args.device, engine_keys, profiled, args.labels)
+        profiled_job(job("data", "data-profiled"), loaded, profiled)
     stats, rows, engine = run["stats"], run["rows"], run["engine"]
     resolved = timer.engine.config if timer.engine is not None else engine
     # A label may be generated in full and still fail JSON's parse: xgrammar admits the byte tokens of raw
@@ -278,6 +279,7 @@ def measure(args, work: Path) -> dict:
             f"{LARGE[0]}x{LARGE[1]}": args.samples // LARGE_EVERY,
         },  # fmt: skip
         "workload": "labels" if args.labels else "captions",
+        "sampling": sampling_keys(args) or "greedy",
         # captions: each its 64 tokens; labels: as many as the grammar took
         "new_tokens_per_sample": round(stats["output_tokens"] / args.samples, 1),
         "grammar_s": round(stats["grammar_s"], 2),
@@ -378,6 +380,14 @@ def _clock(device: str) -> float:
     return time.perf_counter()
 
 
+def sampling_keys(args) -> dict:
+    """The job's sampling keys beside its token budget: greedy, or `--temperature` with `--top-p` (each
+    request's generator seeded from the job's seed, its shard, key and prompt)."""
+    if not args.temperature:
+        return {}
+    return {"temperature": args.temperature, "top_p": args.top_p}
+
+
 def argument_problem(args) -> str | None:
     """What is wrong with the arguments, in one line with its fix; None when nothing is."""
     if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
@@ -388,6 +398,10 @@ def argument_problem(args) -> str | None:
         return f"--samples {args.samples} runs nothing; give 1 or more"
     if args.max_num_seqs != "auto" and args.max_num_seqs < 1:
         return f"--max-num-seqs {args.max_num_seqs} runs nothing; give 1 or more, or auto"
+    if args.temperature < 0 or not 0 < args.top_p <= 1:
+        return (
+            f"--temperature {args.temperature} --top-p {args.top_p}: give a temperature >= 0, top-p in (0, 1]"
+        )
     return None
 
 
@@ -446,6 +460,13 @@ def main() -> None:
         default="auto",
         help="engine.max_num_seqs (auto: the engine's choice, 1024 on a GPU of 70 GiB or more)",
     )
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="Sample at this temperature (0: greedy), each request from its own seeded generator",
+    )
+    parser.add_argument("--top-p", type=float, default=1.0, help="With --temperature: top-p (1: all tokens)")
     parser.add_argument("--json", type=Path, help="Write the row here.")
     parser.add_argument("--texts", type=Path, help="Write each sample's output text here (JSON, by key).")
     args = parser.parse_args()

@@ -38,7 +38,7 @@ reported and the next still runs, in the order of what a GPU window must answer 
   fast_paths_parity the engine and family parity tests again with every fast path on
                    (BATCHVL_TEST_FAST_PATHS=1): decode graphs, overlapped steps, the fused kernels
   sampled_job      a job sampling at temperature 0.8 on the device and on the CPU: rows ok on each, and the
-                   share of rows whose text is the same (each request's seeded draws run on the CPU)
+                   share of rows whose text is the same (a seed's draws are the same on each device)
   constrained_job  a JSON-schema, regex, choices and free-text job in fp32 on the device and on the CPU:
                    rows and texts equal
   two_processes    benchmarks/node_scaling.py: one engine process, then two sharing the GPU (`--processes 2`),
@@ -61,6 +61,9 @@ reported and the next still runs, in the order of what a GPU window must answer 
                    8 of 16,384), their outputs' difference, the grouped one at 1 to 8 splits forced, and
                    at 2B's 256 and 1,024 sequences of 600 keys under other launch settings; refused on the
                    CPU (reported as skipped)
+  sampling         benchmarks/sampling.py: a step's sampled picks at a 151,936-token vocabulary, 1 to 1,024
+                   rows at temperature 0.8 alone and with top-p 0.9, drawn on the device against row by row
+                   on the host (as `generate` draws)
   throughput_small benchmarks/throughput.py: transformers `generate` on padded batches of 8 against batchvl
                    in bf16 on the `small` model
   optional, run only when GPU_CHECK_STAGES names them: gpu_throughput_2b_cuda_graphs, _overlap and
@@ -68,6 +71,8 @@ reported and the next still runs, in the order of what a GPU window must answer 
                    (no fast path, 256 sequences a step where `auto` gives a large GPU 1,024),
                    gpu_throughput_2b_fast_sdpa_vision (every fast path, the tower's attention by SDPA
                    over each size's images, cuDNN's kernel first: `engine.vision_attention: sdpa`),
+                   gpu_throughput_2b_fast_sampled (every fast path, each caption sampled at temperature
+                   0.8 and top-p 0.9, drawn on the device),
                    gpu_throughput_2b_labels and _labels_overlap (a JSON-schema labeling workload, its
                    grammar's masks filled between serial steps, then while overlapped steps run),
                    throughput_wide (the same as throughput_small at Qwen2-VL-2B's widths) and
@@ -491,6 +496,15 @@ def decode_attention(work: Path) -> dict:
     return cuda_benchmark(work, "decode_attention", 90)
 
 
+def sampling(work: Path) -> dict:
+    """benchmarks/sampling.py on DEVICE: a step's sampled picks drawn on the device against one by one on
+    the host (on the CPU, a few rows)."""
+    out = work / "sampling.json"
+    rows = ["--rows", "1,4"] if ON_CPU else []
+    command = [sys.executable, "benchmarks/sampling.py", "--device", DEVICE, *rows, "--json", str(out)]
+    return reported_run(command, out, 90, table_lines=9)
+
+
 def prefill_attention(work: Path) -> dict:
     return cuda_benchmark(work, "prefill_attention", 90)
 
@@ -526,6 +540,8 @@ FAST_PATHS = (
     "overlap",
     "fused_kernels",
 )  # on CUDA on by default (auto): the baseline names them off
+# a sampled captioning job's settings (`gpu_throughput_2b_fast_sampled`)
+SAMPLED_TEMPERATURE, SAMPLED_TOP_P = 0.8, 0.9
 
 
 def gpu_throughput(
@@ -535,6 +551,7 @@ def gpu_throughput(
     max_num_seqs: int | None = None,
     labels: bool = False,
     vision_attention: str | None = None,
+    sampled: bool = False,
 ) -> dict:
     """The captioning benchmark (with `labels`, its JSON-schema labeling workload) at a real size, with the
     engine's `fast_paths` on; its whole row is the stage's report, with the share of samples whose text
@@ -545,6 +562,7 @@ def gpu_throughput(
     named = [
         *([f"{max_num_seqs}seqs"] if max_num_seqs else []),
         *([f"{vision_attention}-vision"] if vision_attention else []),
+        *(["sampled"] if sampled else []),
     ]
     name = "-".join([base, *fast_paths, *named])
     out, texts = work / f"{name}.json", work / f"{name}.texts"  # (not *.json: not kept beside the report)
@@ -554,11 +572,12 @@ def gpu_throughput(
     command += ["--max-num-seqs", str(max_num_seqs)] if max_num_seqs else []
     command += ["--labels"] if labels else []
     command += ["--vision-attention", vision_attention] if vision_attention else []
+    command += ["--temperature", str(SAMPLED_TEMPERATURE), "--top-p", str(SAMPLED_TOP_P)] if sampled else []
     result = run([*command, *workload], {"thin": 120, "2b": 240}.get(size, 300))
     result.pop("stdout", None)
     row = json.loads(out.read_text()) if out.exists() else {}
     eager = work / f"{base}.texts"
-    if (fast_paths or max_num_seqs or vision_attention) and texts.exists() and eager.exists():
+    if (fast_paths or max_num_seqs or vision_attention) and not sampled and texts.exists() and eager.exists():
         mine, theirs = json.loads(texts.read_text()), json.loads(eager.read_text())
         same = sum(mine.get(key) == text for key, text in theirs.items())
         row["same_text_share_vs_eager"] = round(same / max(len(theirs), 1), 4)
@@ -608,6 +627,7 @@ STAGES = [
     # some 25-60 s: 8 cases of two kernels and four split counts (each compiled), 50 calls each, and 12
     # launch settings
     ("decode_attention", decode_attention),
+    ("sampling", sampling),  # some 15 s: 24 steps of picks on the device, 12 drawn on the host
     ("throughput_small", lambda work: throughput(work, "small")),
     *(
         (f"gpu_throughput_2b_{path}", lambda work, path=path: gpu_throughput(work, "2b", (path,)))
@@ -619,6 +639,12 @@ STAGES = [
     (
         "gpu_throughput_2b_fast_sdpa_vision",
         lambda work: gpu_throughput(work, "2b", FAST_PATHS, vision_attention="sdpa"),
+    ),
+    # every fast path, each caption sampled (temperature 0.8, top-p 0.9: a sort of every row's vocabulary a
+    # step) where the others are greedy: the draws on the device, steps overlapped
+    (
+        "gpu_throughput_2b_fast_sampled",
+        lambda work: gpu_throughput(work, "2b", FAST_PATHS, sampled=True),
     ),
     # a labeling workload (a JSON schema's grammar masks every row): serial steps, then overlapped ones
     ("gpu_throughput_2b_labels", lambda work: gpu_throughput(work, "2b", labels=True)),
@@ -633,6 +659,7 @@ OPTIONAL = {
     "gpu_throughput_7b",
     "gpu_throughput_2b_256_seqs",
     "gpu_throughput_2b_fast_sdpa_vision",
+    "gpu_throughput_2b_fast_sampled",
     "gpu_throughput_2b_labels",
     "gpu_throughput_2b_labels_overlap",
     *(f"gpu_throughput_2b_{path}" for path in FAST_PATHS),

@@ -1,7 +1,7 @@
 """A CPU tensor that behaves as a CUDA tensor where the engine's device logic looks, for tests on machines
-without a GPU: it says it is on `cuda:0`, every op on it stays "on the GPU", copying it to the CPU gives a
-plain CPU tensor, and `torch.multinomial` refuses a generator of another device as PyTorch does for real
-CUDA tensors. Its values are the CPU tensor's, so results can be compared bit for bit with the CPU path.
+without a GPU: it says it is on `cuda:0`, every op on it stays "on the GPU", and copying it to the CPU
+gives a plain CPU tensor. Its values are the CPU tensor's, so results can be compared bit for bit with the
+CPU path.
 """
 
 from __future__ import annotations
@@ -22,13 +22,6 @@ class FakeCudaTensor(torch.Tensor):
         if func in (torch.Tensor.to, torch.Tensor.cpu) and _target_is_cpu(func, args, kwargs):
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs).as_subclass(torch.Tensor)
-        if func is torch.multinomial:
-            generator = kwargs.get("generator")
-            if generator is not None and generator.device.type != "cuda":
-                # PyTorch's own refusal for a CUDA tensor drawn with a CPU generator
-                raise RuntimeError(
-                    f"Expected a 'cuda' device type for generator but found '{generator.device}'"
-                )
         return super().__torch_function__(func, types, args, kwargs)
 
 

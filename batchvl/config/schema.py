@@ -316,10 +316,9 @@ class EngineConfig:
     )
     overlap: bool | Literal["auto"] = job_key(
         "auto",
-        "Launch each engine step before reading the previous step's greedy picks, which stay on the device "
-        "(the host's work for a step runs while the GPU computes the one before, constrained rows' masks "
-        "and log-probabilities included); serial steps while any request samples at a temperature. auto: "
-        "on CUDA, off on the CPU",
+        "Launch each engine step before reading the previous step's picks, greedy or sampled, which stay on "
+        "the device (the host's work for a step runs while the GPU computes the one before, constrained "
+        "rows' masks and log-probabilities included). auto: on CUDA, off on the CPU",
     )
     vit_parallel: Literal["none", "data"] = job_key(
         "none", "'data': split each encode step's images across torchrun ranks (ViT data parallelism)"

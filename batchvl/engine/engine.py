@@ -22,7 +22,7 @@ from batchvl.engine.device.host_copy import HostCopy
 from batchvl.engine.encoder_cache.cache import build_encoder_cache
 from batchvl.engine.fast_paths import fast_paths_resolved
 from batchvl.engine.model_runner import ModelRunner, StepLogits, kv_bytes_per_block
-from batchvl.engine.overlap import InFlightPicks, can_overlap, placeholder
+from batchvl.engine.overlap import InFlightPicks, placeholder
 from batchvl.engine.parallel.vit_dp import DataParallelEncoder
 from batchvl.engine.request import (
     EngineRequest,
@@ -33,8 +33,8 @@ from batchvl.engine.request import (
     ScheduledChunk,
 )
 from batchvl.engine.sampling.choice_scoring import ChoiceGroup, ChoiceTokenizer, StepScores
-from batchvl.engine.sampling.logprobs import TokenLogprobs, keeps_logprobs, kept_logprobs, logprob_fields
-from batchvl.engine.sampling.sampler import greedy_picks, make_generator, rows_on_host, sample_tokens
+from batchvl.engine.sampling.logprobs import TokenLogprobs, kept_logprobs, logprob_fields
+from batchvl.engine.sampling.sampler import make_generator, step_picks
 from batchvl.engine.sampling.stopping import StopChecker
 from batchvl.engine.sampling.structured_output import GrammarMatchers
 from batchvl.engine.scheduling.activation_peak import step_activation_peak
@@ -45,8 +45,6 @@ from batchvl.engine.scheduling.scheduler import Scheduler, StepPlan
 from batchvl.engine.scheduling.step_sizes import resolved_step_sizes
 from batchvl.engine.stats import EngineStats
 from batchvl.errors import SampleError, UserError
-from batchvl.layers.attention import uploaded
-from batchvl.utils.int_tensors import int64_tensor
 from batchvl.utils.memory import MB
 
 logger = logging.getLogger(__name__)
@@ -62,6 +60,11 @@ def step_sizes_for(adapter: ModelAdapter, config: EngineConfig) -> EngineConfig:
         lambda: free_cuda_bytes(adapter.device),
         lambda: total_cuda_bytes(adapter.device),
     )
+
+
+def picks_of(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """The next token of each request, row i of (rows, vocab) `logits` being requests[i]'s, on the device."""
+    return step_picks(logits, [r.sampling for r in requests], [r.generator for r in requests])
 
 
 class Engine:
@@ -228,18 +231,15 @@ class Engine:
 
     def step(self) -> list[EngineResult]:
         """Run one step (schedule, run, postprocess); returns the requests that finished or were rejected.
-        With `engine.overlap`, while every unfinished request can be overlapped (see `overlap.py`), the
-        step is launched before the previous step's picks are read, and a request finishes a step later."""
+        With `engine.overlap` (see `overlap.py`), the step is launched before the previous step's picks are
+        read, and a request finishes a step later."""
         results, self._rejected = self._rejected, []
-        overlapped = self.config.overlap and all(map(can_overlap, self.scheduler.requests))
-        if not overlapped and self._in_flight is not None:
-            results += self._read_in_flight()  # a serial step starts from every token on the host
         plan = self.scheduler.schedule()
         self.encoder_cache.drop(plan.freed)
         if not plan.chunks:
             return results + self._read_in_flight()
-        self._encode(plan, wait=not overlapped)
-        if overlapped:
+        self._encode(plan, wait=not self.config.overlap)
+        if self.config.overlap:
             return results + self._overlapped(plan.chunks)
         logits = self.runner.execute(plan.chunks, self.encoder_cache.embeddings)
         self.scheduler.commit(plan.chunks)
@@ -267,7 +267,7 @@ class Engine:
         # and its log-probabilities are not taken (None)
         taken = [None if request.request_id in ending else request for request in sampling]
         self.grammars.mask(logits.sampled, [None if r is None else r.grammar for r in taken])
-        picks = greedy_picks(logits.sampled)
+        picks = picks_of(logits.sampled, sampling)
         host = HostCopy(picks)
         keep, logprobs = kept_logprobs(logits.sampled, taken, picks)
         scores = StepScores(chunks, logits.scored)
@@ -331,27 +331,20 @@ class Engine:
         )
 
     def _sample(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> list[EngineResult]:
+        """Pick the next token of each request whose chunk reached its end, read the picks and the
+        log-probabilities kept (computed on the device, as an overlapped step does), and finish the requests
+        that are done."""
         sampling = [chunk.request for chunk in chunks if chunk.samples_next_token]
-        params = [request.sampling for request in sampling]
-        drawn = [not p.is_greedy for p in params]
         self.grammars.mask(logits, [request.grammar for request in sampling])
-        # The rows drawn from (on the CPU), read from the device at once
-        on_host = rows_on_host(logits, drawn)
-        tokens = sample_tokens(logits, params, [request.generator for request in sampling], on_host, drawn)
+        picks = picks_of(logits, sampling)
+        keep, logprobs = kept_logprobs(logits, sampling, picks)
+        tokens = picks.tolist()
+        kept = dict(zip(keep, logprobs.read(), strict=True)) if logprobs is not None else {}
         self._stats.output_tokens += len(tokens)
-        # A greedy token's log-probabilities are computed on the device, as an overlapped step does
-        greedy = [None if draws else request for request, draws in zip(sampling, drawn, strict=True)]
-        kept = {}
-        if any(map(keeps_logprobs, greedy)):
-            (picked,) = uploaded([int64_tensor(tokens)], logits.device)
-            keep, logprobs = kept_logprobs(logits, greedy, picked)
-            kept = dict(zip(keep, logprobs.read(), strict=True))
         finished = []
         for row, (request, token) in enumerate(zip(sampling, tokens, strict=True)):
             if row in kept:
                 request.logprobs.append(*kept[row], request.sampling)
-            elif request.logprobs is not None:
-                request.logprobs.add(on_host[row], request.sampling, token)
             request.output_token_ids.append(token)
             reason = self._finish_reason(request)
             if reason is not None:

@@ -1,33 +1,27 @@
 """Overlapped steps (`engine.overlap`): step n+1 is scheduled, built and launched before the host reads
 step n's picks, so that on a GPU the host's work for a step runs while the device computes the one before.
 
-An overlapped step keeps its greedy picks on the device. Each request that sampled in it gets a
-placeholder as its newest output token, `placeholder(row)`, naming the row of its pick. The scheduler
-counts the placeholder as a token, so the request's next decode is scheduled at once; the runner packs
-the placeholder and the device swaps the pick in (`with_picks`); only once that next forward is launched
-does the host read the picks (`InFlightPicks.read`), write them over the placeholders and apply the stop
-rules. A request those picks end has been run one step too far: that step's pick is dropped (it gets no
-placeholder), and its KV blocks and images are freed once that step is launched, which is safe because
-whatever reuses them is a later forward, queued behind it on the same stream. Nothing else in the step
-waits for the device either: the images it encodes are not waited for (the forward reads their
-embeddings behind the vision call on the same stream), and a Qwen-VL vision call reads nothing back
-(`models/qwen_vision_inputs.py`).
+An overlapped step keeps its picks on the device, greedy or sampled (a sampled row's draw needs one number
+from its request's generator, not its logits: `sampling/sampler.py`). Each request that sampled in it gets a
+placeholder as its newest output token, `placeholder(row)`, naming the row of its pick. The scheduler counts
+the placeholder as a token, so the request's next decode is scheduled at once; the runner packs the
+placeholder and the device swaps the pick in (`with_picks`); only once that next forward is launched does
+the host read the picks (`InFlightPicks.read`), write them over the placeholders and apply the stop rules. A
+request those picks end has been run one step too far: that step's pick is dropped (it gets no placeholder),
+and its KV blocks and images are freed once that step is launched, which is safe because whatever reuses
+them is a later forward, queued behind it on the same stream. Nothing else in the step waits for the device
+either: the images it encodes are not waited for (the forward reads their embeddings behind the vision call
+on the same stream), and a Qwen-VL vision call reads nothing back (`models/qwen_vision_inputs.py`).
 
-A constrained greedy request is overlapped too: its grammar takes the picks when they are read, and the
+A constrained request is overlapped too: its grammar takes the picks when they are read, and the
 mask for its row of the step just launched is filled on the host then, while the device runs that step's
 forward, and applied on the device before that step's picks are made: a labeling job's grammar work,
 every row's mask every step, runs beside the device instead of between its steps. The log-probabilities
-of a greedy request that keeps them, and a scored choice's, are computed on the device from the step's
+of a request that keeps them, and a scored choice's, are computed on the device from the step's
 logits and copied without waiting (`RowLogprobs`); the host reads them with the picks, and a scoring
 request's group is answered then, a step after its request ended (`Engine.num_unfinished` counts it
 until then). A serial step computes them the same way and reads them at once, so the two give the same
 values for the same logits.
-
-Only a request that samples at a temperature keeps steps serial while it is unfinished: its token is drawn
-on the CPU from its own seeded generator, which must see its logits before the next step can be built.
-Keeping such requests out of steps while a pick is in flight would also work, but it would split the batch
-and run them every other step, and a job's prompts mostly share one sampling (captions and labels:
-greedy), so the fallback costs nothing in the common case and keeps the host-side rules on one path.
 """
 
 from __future__ import annotations
@@ -42,11 +36,6 @@ from batchvl.engine.sampling.choice_scoring import StepScores
 from batchvl.engine.sampling.logprobs import RowLogprobs
 
 
-def can_overlap(request: Request) -> bool:
-    """Whether the request's next token may stay on the device while the next step is launched."""
-    return request.sampling.is_greedy or request.score_from is not None  # a scoring request samples nothing
-
-
 def placeholder(row: int) -> int:
     """The output token standing for the pick of `row` of the step in flight (token ids are >= 0)."""
     return -1 - row
@@ -59,7 +48,7 @@ def with_picks(token_ids: torch.Tensor, picks: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class InFlightPicks:
-    """A launched step's results, not yet read: its greedy picks (`requests[i]`'s newest output token is the
+    """A launched step's results, not yet read: its picks (`requests[i]`'s newest output token is the
     placeholder of row `rows[i]`), the log-probabilities of those picks whose requests keep them (in
     `logprob_requests`' order), and its scored choices' log-probabilities."""
 

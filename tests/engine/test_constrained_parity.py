@@ -1,8 +1,9 @@
 """Constrained decoding equals transformers `generate` with xgrammar's own transformers logits processor
 (fp32, the tiny model): the same tokens and raw logits at every generated position, greedy and seeded
 sampling, for a JSON schema, a regular expression and choices, several constrained prompts of one sample
-sharing steps with an unconstrained one, and token budgets that cut some outputs short; greedy both with
-serial steps and with overlapped ones (`engine.overlap`), where each grammar takes its pick a step late.
+sharing steps with an unconstrained one, and token budgets that cut some outputs short; both with serial
+steps and with overlapped ones (`engine.overlap`), where each grammar takes its pick a step late. Sampled
+tokens are compared with `generate` drawing by the engine's rule from the same seed (`seeded_draws.py`).
 
 The reference compiles its grammars through xgrammar's own entry points (`compile_json_schema`,
 `compile_regex`, an EBNF written here), not through batchvl's `OutputConstraint`. The engine's grammar time
@@ -32,6 +33,7 @@ from tests.engine.reference import (
     launches_fed_picks_in_flight,
     logits_tolerance,
 )
+from tests.engine.seeded_draws import generate_draws_by_seed
 
 SCHEMA = {
     "type": "object",
@@ -64,7 +66,7 @@ SAMPLINGS = {
     "sampled": dict(temperature=1.3, top_k=0, top_p=1.0, seed=1234),
 }
 # (sampling, engine.overlap): greedy constrained requests are overlapped too (see `overlap.py`)
-RUNS = [("greedy", False), ("greedy", True), ("sampled", False)]
+RUNS = [("greedy", False), ("greedy", True), ("sampled", False), ("sampled", True)]
 
 
 @pytest.fixture(scope="module")
@@ -100,10 +102,11 @@ def samples(tiny_model_dir, loaded_fp32):
 
 def generate_constrained(model, inputs, compiled, max_new_tokens: int, sampling: dict) -> Expected:
     options = {"logits_processor": [LogitsProcessor(compiled)] if compiled is not None else []}
-    if sampling["temperature"] > 0:
-        torch.manual_seed(sampling["seed"])  # generate draws from the global generator
-        options.update(do_sample=True, temperature=sampling["temperature"], top_k=0, top_p=1.0)
-    return generate_reference(model, inputs, max_new_tokens, **options)
+    if sampling["temperature"] == 0:
+        return generate_reference(model, inputs, max_new_tokens, **options)
+    options.update(do_sample=True, temperature=sampling["temperature"], top_k=0, top_p=1.0)
+    with generate_draws_by_seed(sampling["seed"]):  # drawn by the engine's rule, from the same seed
+        return generate_reference(model, inputs, max_new_tokens, **options)
 
 
 @pytest.mark.parametrize("sampling_name, overlap", RUNS, ids=[f"{s}-overlap" if o else s for s, o in RUNS])

@@ -1,9 +1,11 @@
 """`sampling.logprobs` and `top_logprobs` equal what transformers reports for the same generation:
 `compute_transition_scores(..., normalize_logits=True)` over `generate`'s scores for each chosen token,
 and the log-softmax of those scores for the most likely tokens (fp32, the tiny model; greedy, seeded
-sampling with top-k, and a constrained prompt whose scores are masked; the greedy ones with serial steps
-and with overlapped ones, which compute them on the device and read them a step later)."""
+sampling with top-k, drawn in `generate` by the engine's rule from the same seed (`seeded_draws.py`), and a
+constrained prompt whose scores are masked; each with serial steps and with overlapped ones, which compute
+them on the device and read them a step later)."""
 
+import contextlib
 import json
 
 import pytest
@@ -21,6 +23,7 @@ from batchvl.preprocess.prompts import PromptRenderer
 from batchvl.preprocess.qwen_vision import QwenVisionSpec, prepare_image
 from tests.conftest import random_image, reference_processor
 from tests.engine.reference import EngineProbe, launches_fed_picks_in_flight
+from tests.engine.seeded_draws import generate_draws_by_seed
 
 SCHEMA = {
     "type": "object",
@@ -35,7 +38,7 @@ CASES = {
     "greedy-constrained": (dict(temperature=0.0), True),
 }
 # (case, engine.overlap): greedy requests keep their log-probabilities in overlapped steps too
-RUNS = [(case, False) for case in CASES] + [("greedy", True), ("greedy-constrained", True)]
+RUNS = [(case, False) for case in CASES] + [(case, True) for case in CASES]
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +60,9 @@ def prompt(tiny_model_dir, loaded_fp32):
 
 def transformers_logprobs(model, loaded, inputs, sampling: dict, constrained: bool, max_new_tokens: int):
     options = {"do_sample": False}
+    draws = contextlib.nullcontext()
     if sampling["temperature"] > 0:
-        torch.manual_seed(sampling["seed"])
+        draws = generate_draws_by_seed(sampling["seed"])  # drawn by the engine's rule, from the same seed
         options = dict(
             do_sample=True, temperature=sampling["temperature"], top_k=sampling["top_k"], top_p=1.0
         )
@@ -72,9 +76,14 @@ def transformers_logprobs(model, loaded, inputs, sampling: dict, constrained: bo
             json.dumps(SCHEMA), any_whitespace=False, separators=(",", ":")
         )
         options["logits_processor"] = [LogitsProcessor(grammar)]
-    out = model.generate(
-        **inputs, max_new_tokens=max_new_tokens, output_scores=True, return_dict_in_generate=True, **options
-    )
+    with draws:
+        out = model.generate(
+            **inputs,
+            max_new_tokens=max_new_tokens,
+            output_scores=True,
+            return_dict_in_generate=True,
+            **options,
+        )
     chosen = model.compute_transition_scores(out.sequences, out.scores, normalize_logits=True)[0]
     top = [torch.topk(torch.log_softmax(scores[0].float(), -1), TOP) for scores in out.scores]
     tokens = out.sequences[0, inputs["input_ids"].shape[1] :].tolist()

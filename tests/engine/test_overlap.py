@@ -1,11 +1,11 @@
-"""Overlapped steps (`engine.overlap`): the engine launches step n+1 before it reads step n's greedy picks,
-and still gives transformers `generate`'s tokens and logits (fp32) and the serial engine's results, for
-mixed token budgets, end-of-sequence tokens, stop strings, requests joining between steps, preemption and
-prefix caching, with half of the requests keeping their tokens' log-probabilities; a job that mixes in
-sampled requests falls back to serial steps while they run and answers as the serial engine does
-(constrained, logprob and scored-choice requests overlap: their parity with transformers is in
-`test_constrained_parity.py`, `test_logprobs.py` and `test_choice_scoring.py`). The probe checks the
-bookkeeping after every step and that each request is answered exactly once."""
+"""Overlapped steps (`engine.overlap`): the engine launches step n+1 before it reads step n's picks, and
+still gives transformers `generate`'s tokens and logits (fp32) and the serial engine's results, for mixed
+token budgets, end-of-sequence tokens, stop strings, requests joining between steps, preemption and prefix
+caching, with half of the requests keeping their tokens' log-probabilities; sampled requests, and a job
+that mixes sampled, constrained, logprob and scored-choice requests, answer as the serial engine does
+(their parity with transformers is in `test_constrained_parity.py`, `test_logprobs.py` and
+`test_choice_scoring.py`). The probe checks the bookkeeping after every step and that each request is
+answered exactly once."""
 
 from dataclasses import replace
 
@@ -17,7 +17,7 @@ from batchvl.config import EngineConfig
 from batchvl.engine import model_runner, overlap
 from batchvl.engine.encoder_cache import cache as encoder_cache_module
 from batchvl.engine.engine import Engine
-from batchvl.engine.request import EngineRequest, Request
+from batchvl.engine.request import EngineRequest
 from batchvl.engine.sampling.params import SamplingParams
 from batchvl.engine.sampling.structured_output import OutputConstraint
 from batchvl.preprocess.prompts import PromptRenderer
@@ -194,6 +194,41 @@ def test_overlapped_steps_equal_generate_and_the_serial_engine(loaded_fp32, case
         assert overlapped.engine.stats.prefix_cache_hit_tokens > 0
 
 
+def sampled_arrivals(cases, join_at: list[int]) -> dict[int, list[EngineRequest]]:
+    """`greedy_arrivals`' requests, each sampling with its own seed, with top-k, top-p, both or neither."""
+    warpers = [dict(), dict(top_k=20), dict(top_p=0.8), dict(top_k=50, top_p=0.9)]
+    arrivals = greedy_arrivals(cases, join_at)
+    for i, request in enumerate(request for step in sorted(arrivals) for request in arrivals[step]):
+        sampling = replace(request.sampling, temperature=0.7 + 0.2 * i, seed=100 + i, **warpers[i % 4])
+        request.sampling = sampling
+    return arrivals
+
+
+@pytest.mark.parametrize("limits_name", list(LIMITS))
+def test_overlapped_sampled_steps_equal_the_serial_engine(loaded_fp32, cases, limits_name):
+    """Sampled requests overlap as greedy ones do, and draw what serial steps draw: the same draws of each
+    request's generator, whatever the steps in flight, with preemption and prefix caching, and with an
+    end-of-sequence token sampled by one of them (its pick a step past its end is dropped)."""
+    limits = LIMITS[limits_name]
+    join_at = [0, 0, 0, 0, 2, 5]
+    first = Run(loaded_fp32, limits)(sampled_arrivals(cases, join_at))
+    eos_token = first[cases[2].tag].result.output_token_ids[4]  # ends case 2 at its fifth token (or before)
+
+    serial = Run(loaded_fp32, limits, (eos_token,))
+    serial_observed = serial(sampled_arrivals(cases, join_at))
+    overlapped = Run(loaded_fp32, replace(limits, overlap=True), (eos_token,))
+    observed = overlapped(sampled_arrivals(cases, join_at))
+
+    assert_same_results(observed, serial_observed)
+    assert len(observed[cases[2].tag].result.output_token_ids) <= 5 < BUDGETS[2]
+    assert any(observed[case.tag].result.output_token_ids != case.expected.tokens[:3] for case in cases)
+    assert overlapped.engine.stats.output_tokens == serial.engine.stats.output_tokens  # no pick past an end
+    assert not any(serial.launched)
+    assert sum(overlapped.launched) >= len(overlapped.launched) // 2  # most steps fed the picks in flight
+    if limits_name == "preempt":
+        assert overlapped.engine.stats.preemptions > 0, overlapped.engine.stats.preemptions
+
+
 def test_each_step_is_launched_before_the_previous_picks_are_read(loaded_fp32, cases, monkeypatch):
     """The order of work: launch step 1, then every step launches before it reads the step before's picks,
     and no step waits for the device's whole queue; the last step's picks (each of them past its request's
@@ -278,8 +313,8 @@ SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required"
 
 
 def test_a_mixed_job_answers_as_the_serial_engine(loaded_fp32, cases):
-    """Greedy requests overlap until a sampled one joins (with a constrained, a logprob and a scored-choice
-    one); steps are serial while it is unfinished, and overlap again once it is done."""
+    """Greedy requests, then a sampled, a constrained, a logprob and a scored-choice one joining them: every
+    step with a request running since the step before is fed that step's picks in flight."""
     greedy = [EngineRequest(c.ids, c.media, SamplingParams(MAX_NEW_TOKENS), ("greedy", c.tag)) for c in cases]
     ids, media = cases[0].ids, cases[0].media
     others = [
@@ -296,22 +331,7 @@ def test_a_mixed_job_answers_as_the_serial_engine(loaded_fp32, cases):
     assert_same_results(observed, serial)
     for i, case in enumerate(cases):
         assert observed[("greedy", case.tag)].result.output_token_ids == case.expected.tokens, i
-    # overlapped at the start and at the end, serial while the others ran
-    assert run.launched[1:3] == [True, True] and run.launched[-1] is True
-    assert run.launched[3:7] == [False] * 4
-
-
-def request(sampling: SamplingParams, **fields) -> Request:
-    return Request(0, [1, 2, 3], [], sampling, **fields)
-
-
-def test_only_a_request_that_samples_at_a_temperature_keeps_steps_serial():
-    assert overlap.can_overlap(request(SamplingParams(4)))
-    assert overlap.can_overlap(request(SamplingParams(4), grammar=object()))
-    assert overlap.can_overlap(request(SamplingParams(4), logprobs=object()))
-    assert overlap.can_overlap(request(SamplingParams(4), score_from=2))
-    assert overlap.can_overlap(request(SamplingParams(4, temperature=0.7), score_from=2))  # draws nothing
-    assert not overlap.can_overlap(request(SamplingParams(4, temperature=0.7)))
+    assert run.launched[1:7] == [True] * 6 and run.launched[-1] is True
 
 
 def test_placeholders_take_the_pick_of_their_row():

@@ -1,9 +1,11 @@
-"""Choosing the next tokens of a step: greedy rows in one argmax, sampled rows each from its own
-generator, in any mix; and what temperature, top-k and top-p leave to sample from, checked against
-transformers' warpers as `generate` builds and orders them (an independent reference), and the tokens
-drawn against generate's own draw from those warpers' scores."""
+"""Choosing the next tokens of a step: greedy rows in one argmax, sampled rows each by its own generator,
+in any mix, on the logits' device without reading anything back; what temperature, top-k and top-p leave
+to sample from, checked against transformers' warpers as `generate` builds and orders them (an independent
+reference); and the tokens drawn, against the draw rule written apart in numpy (`seeded_draws.py`) over
+those warpers' probabilities, and against their frequencies."""
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -15,15 +17,10 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from batchvl.engine.sampling import sampler
 from batchvl.engine.sampling.params import SamplingParams
-from batchvl.engine.sampling.sampler import (
-    filtered_logits,
-    greedy_tokens,
-    make_generator,
-    rows_on_host,
-    sample_token,
-    sample_tokens,
-)
+from batchvl.engine.sampling.sampler import SAMPLED_ELEMENTS, filtered_logits, make_generator, step_picks
+from tests.engine.seeded_draws import inverse_cdf_draw
 from tests.fake_cuda import on_fake_cuda
 
 
@@ -51,11 +48,18 @@ def assert_same_as_generate(logits: torch.Tensor, params: SamplingParams) -> tor
     return theirs
 
 
-def generate_draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """The token `generate` draws for this (vocab,) row with `generator`: its warped scores' softmax, one
-    multinomial draw from the (batch, vocab) probabilities."""
-    probs = torch.softmax(hf_warped(logits, params), -1)[None]
-    return int(torch.multinomial(probs, 1, generator=generator))
+def reference_draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """The token drawn for this (vocab,) row by `generator`'s next number: generate's warped scores'
+    softmax, drawn from by the rule written apart (`inverse_cdf_draw`)."""
+    return inverse_cdf_draw(torch.softmax(hf_warped(logits, params), -1), generator)
+
+
+def picks(logits: torch.Tensor, params: list[SamplingParams], generators: list) -> list[int]:
+    return step_picks(logits, params, generators).tolist()
+
+
+def generators_of(params: list[SamplingParams]) -> list:
+    return [None if p.is_greedy else make_generator(p.seed) for p in params]
 
 
 def seeded(seed: int) -> torch.Generator:
@@ -72,17 +76,17 @@ def test_a_mixed_step_picks_what_each_row_would_pick_alone():
     sampled = SamplingParams(temperature=0.8, top_p=0.9, top_k=40, seed=3)
     other = SamplingParams(temperature=1.3, seed=4)
     params = [greedy, greedy, sampled, greedy, other]
-    generators = [None if p.is_greedy else make_generator(p.seed) for p in params]
-    references = {2: seeded(sampled.seed), 4: seeded(other.seed)}  # what generate draws for rows 2 and 4
+    generators = generators_of(params)
+    references = {2: seeded(sampled.seed), 4: seeded(other.seed)}  # the rule's draws for rows 2 and 4
     for _ in range(10):  # steps: each sampled row's draws go on from its own generator's state
         logits = torch.randn(5, 300)
         logits[1, 7] = logits[1, 250] = 50.0  # a tie: the first index wins, as in generate
-        tokens = sample_tokens(logits, params, generators)
+        tokens = picks(logits, params, generators)
         for i in (0, 1, 3):
             assert tokens[i] == int(logits[i].argmax())
         assert tokens[1] == 7
         for i, reference in references.items():
-            assert tokens[i] == generate_draw(logits[i], params[i], reference)
+            assert tokens[i] == reference_draw(logits[i], params[i], reference)
 
 
 def test_greedy_rows_pick_what_argmax_picks_at_vocabulary_size():
@@ -95,7 +99,7 @@ def test_greedy_rows_pick_what_argmax_picks_at_vocabulary_size():
     logits[7] = 1.0
     logits[8, 32767] = 1e9
     greedy = SamplingParams()
-    tokens = sample_tokens(logits, [greedy] * 96, [None] * 96)
+    tokens = picks(logits, [greedy] * 96, [None] * 96)
     assert tokens == torch.argmax(logits, dim=-1).tolist()
     assert tokens[3:9] == [100, 5, 0, 7, 0, 32767]
 
@@ -105,20 +109,19 @@ def test_greedy_rows_of_other_dtypes_pick_what_argmax_picks(dtype):
     logits = torch.randn(8, 500, generator=torch.Generator().manual_seed(2)).to(dtype)
     logits[1, 3] = logits[1, 400] = 50.0
     logits[2, 9] = float("nan")
-    assert greedy_tokens(logits) == torch.argmax(logits.float(), dim=-1).tolist()
-    assert greedy_tokens(logits)[1:3] == [3, 9]
+    tokens = picks(logits, [SamplingParams()] * 8, [None] * 8)
+    assert tokens == torch.argmax(logits.float(), dim=-1).tolist()
+    assert tokens[1:3] == [3, 9]
 
 
 def test_an_all_sampled_step_needs_no_argmax(monkeypatch):
-    import batchvl.engine.sampling.sampler as sampler
-
-    monkeypatch.setattr(sampler, "greedy_tokens", lambda *a: (_ for _ in ()).throw(AssertionError("argmax")))
+    monkeypatch.setattr(sampler, "greedy_picks", lambda *a: (_ for _ in ()).throw(AssertionError("argmax")))
     sampled = SamplingParams(temperature=1.0, seed=1)
     logits = torch.randn(2, 10, generator=torch.Generator().manual_seed(8))
-    tokens = sample_tokens(logits, [sampled, sampled], [make_generator(1), make_generator(2)])
+    tokens = picks(logits, [sampled, sampled], [make_generator(1), make_generator(2)])
     assert tokens == [
-        generate_draw(logits[0], sampled, seeded(1)),
-        generate_draw(logits[1], sampled, seeded(2)),
+        reference_draw(logits[0], sampled, seeded(1)),
+        reference_draw(logits[1], sampled, seeded(2)),
     ]
 
 
@@ -196,13 +199,35 @@ def test_temperature_top_k_and_top_p_together_in_generate_order(temperature, top
     assert_same_as_generate(logits, SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p))
 
 
-def test_a_seeded_draw_is_generates_draw_for_the_same_rng_state():
-    logits = torch.randn(200, generator=torch.Generator().manual_seed(6)) * 2
-    params = SamplingParams(temperature=0.9, top_k=50, top_p=0.9)
+@pytest.mark.parametrize(
+    ("vocab", "params"),
+    [
+        (200, SamplingParams(temperature=0.9, top_k=50, top_p=0.9)),
+        (151936, SamplingParams(temperature=1.0)),  # Qwen2-VL's vocabulary, all of it kept
+    ],
+)
+def test_a_seeded_draw_is_the_rules_draw_from_generates_distribution(vocab, params):
+    logits = torch.randn(vocab, generator=torch.Generator().manual_seed(6)) * 2
     for seed in range(20):
-        assert sample_token(logits, params, make_generator(seed)) == generate_draw(
-            logits, params, seeded(seed)
-        )
+        assert picks(logits[None], [params], [make_generator(seed)]) == [
+            reference_draw(logits, params, seeded(seed))
+        ]
+
+
+def test_rows_beyond_what_a_draw_takes_at_once_draw_as_alone():
+    """A step's sampled rows go SAMPLED_ELEMENTS logits at a time, and rows of other warpers apart: each row
+    still gets its own draw, whichever piece it is in."""
+    vocab = 4096
+    rows = 2 * SAMPLED_ELEMENTS // vocab + 5  # three pieces of the first warpers
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(12)) * 3
+    params = [
+        SamplingParams(temperature=0.7, seed=i)
+        if i % 7
+        else SamplingParams(temperature=1.1, top_p=0.8, seed=i)
+        for i in range(rows)
+    ]
+    tokens = picks(logits, params, generators_of(params))
+    assert tokens == [reference_draw(logits[i], p, seeded(p.seed)) for i, p in enumerate(params)]
 
 
 def test_sampled_frequencies_follow_generates_distribution():
@@ -213,7 +238,7 @@ def test_sampled_frequencies_follow_generates_distribution():
     draws = 10_000  # ~1 s; a standard error of at most 0.005
     generator = make_generator(7)
     counts = torch.bincount(
-        torch.tensor([sample_token(logits, params, generator) for _ in range(draws)]), minlength=8
+        torch.tensor([picks(logits[None], [params], [generator])[0] for _ in range(draws)]), minlength=8
     ).tolist()
     for token, (count, p) in enumerate(zip(counts, expected, strict=True)):
         if p == 0.0:
@@ -234,7 +259,7 @@ def test_a_temperature_too_small_to_divide_by_picks_the_argmax(temperature):
     logits = torch.randn(3, 300, generator=torch.Generator().manual_seed(8)) * 3
     logits[1, 40] = logits[1, 200] = 20.0  # tied maxima: the first, as greedy picks it
     params = [SamplingParams(temperature=temperature, seed=i) for i in range(3)]
-    tokens = sample_tokens(logits, params, [make_generator(i) for i in range(3)])
+    tokens = picks(logits, params, [make_generator(i) for i in range(3)])
     assert tokens == torch.argmax(logits, dim=-1).tolist()
     assert tokens[1] == 40
 
@@ -244,25 +269,29 @@ def test_a_temperature_of_1e_5_still_samples_as_generate_does():
     assert_same_as_generate(logits, SamplingParams(temperature=1e-5))  # refused if it were greedy
 
 
-def test_sampled_rows_of_cuda_logits_draw_on_the_cpu_the_tokens_cpu_logits_give():
-    # A request's generator is a CPU one; PyTorch refuses it for CUDA logits (the fake CUDA tensor
-    # refuses it the same way), so each sampled row is drawn from its copy on the CPU: a seed gives the
-    # same tokens whichever device ran the model.
+def test_a_step_on_a_gpu_reads_nothing_back_and_picks_what_the_cpu_picks(monkeypatch):
+    """A seed gives the same tokens whichever device ran the model (for the same logits), a step's draws
+    cross to the device in one copy, and its picks stay there: an overlapped step feeds them to the next
+    forward."""
     logits = torch.randn(6, 500, generator=torch.Generator().manual_seed(10)) * 2
     params = [
         SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=i) if i % 3 else SamplingParams()
         for i in range(6)
     ]
+    params[4] = replace(params[4], top_k=0)  # other warpers: a piece of their own, in the same copy
+    uploads = []
 
-    def generators():
-        return [None if p.is_greedy else make_generator(p.seed) for p in params]
+    def fake_upload(tensors, device):
+        uploads.append(device)
+        return [on_fake_cuda(tensor) for tensor in tensors]
 
-    on_cpu = sample_tokens(logits, params, generators())
-    assert sample_tokens(on_fake_cuda(logits), params, generators()) == on_cpu
-    row = SamplingParams(temperature=1.3, seed=5)
-    assert sample_token(on_fake_cuda(logits[2]), row, make_generator(5)) == sample_token(
-        logits[2], row, make_generator(5)
-    )
+    monkeypatch.setattr(sampler, "uploaded", fake_upload)
+    copies = HostCopies()
+    with copies:
+        on_gpu = step_picks(on_fake_cuda(logits), params, generators_of(params))
+    assert copies.count == 0 and on_gpu.device.type == "cuda"
+    assert uploads == [torch.device("cuda", 0)]
+    assert on_gpu.tolist() == picks(logits, params, generators_of(params))
 
 
 class HostCopies(TorchFunctionMode):
@@ -274,24 +303,17 @@ class HostCopies(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is torch.Tensor.cpu or (
+        if func in (torch.Tensor.cpu, torch.Tensor.tolist, torch.Tensor.item) or (
             func is torch.Tensor.to and torch._C._nn._parse_to(*args[1:], **kwargs)[0] == torch.device("cpu")
         ):
             self.count += 1
         return func(*args, **kwargs)
 
 
-def test_a_steps_sampled_rows_leave_the_gpu_in_one_copy():
-    logits = torch.randn(6, 500, generator=torch.Generator().manual_seed(11))
-    params = [SamplingParams(temperature=0.7, seed=i) if i % 2 else SamplingParams() for i in range(6)]
-    generators = [None if p.is_greedy else make_generator(p.seed) for p in params]
-    copies = HostCopies()
-    with copies:
-        on_gpu = sample_tokens(on_fake_cuda(logits), params, generators)
-    assert copies.count == 1  # the three sampled rows together, not one copy each
-    generators = [None if p.is_greedy else make_generator(p.seed) for p in params]
-    assert on_gpu == sample_tokens(logits, params, generators)
-    with copies:
-        rows = rows_on_host(on_fake_cuda(logits), [True, False, True, False, False, True])
-    assert copies.count == 2 and list(rows) == [0, 2, 5]
-    assert all(torch.equal(rows[i], logits[i]) and rows[i].device.type == "cpu" for i in rows)
+def test_a_draw_at_the_top_of_the_range_never_picks_a_removed_token(monkeypatch):
+    """u times the total may round up to the total (about once in 2**53 draws): the search then lands past
+    the last token kept, on a removed one, and the most probable token stands in."""
+    monkeypatch.setattr(sampler, "draw_bits", lambda generator: 2**sampler.DRAW_BITS)  # u = 1
+    logits = torch.tensor([[0.5, 3.0, 1.0, 2.0, -1.0, -2.0]])
+    tokens = picks(logits, [SamplingParams(temperature=1.0, top_k=3)], [make_generator(0)])
+    assert tokens == [1]

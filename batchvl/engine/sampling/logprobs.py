@@ -13,7 +13,7 @@ import torch
 
 from batchvl.engine.device.host_copy import HostCopy
 from batchvl.engine.sampling.params import SamplingParams
-from batchvl.engine.sampling.sampler import filtered_logits
+from batchvl.engine.sampling.sampler import by_warpers, filtered_logits
 from batchvl.layers.attention import uploaded
 from batchvl.utils.int_tensors import int64_tensor
 
@@ -28,15 +28,6 @@ class TokenLogprobs:
     chosen: list[float] = field(default_factory=list)
     top: list[TopTokens] = field(default_factory=list)
 
-    def add(self, logits: torch.Tensor, params: SamplingParams, token: int) -> None:
-        """Record a sampled token from its (vocab,) float32 logits row (already masked by a constraint)."""
-        logprobs = torch.log_softmax(filtered_logits(logits, params), dim=-1)
-        top = []
-        if params.top_logprobs:
-            values, ids = torch.topk(logprobs, min(params.top_logprobs, logprobs.shape[-1]))
-            top = list(zip(ids.tolist(), values.tolist(), strict=True))
-        self.append(float(logprobs[token]), top, params)
-
     def append(self, chosen: float, top: TopTokens, params: SamplingParams) -> None:
         self.chosen.append(chosen)
         if params.top_logprobs:
@@ -48,8 +39,7 @@ class RowLogprobs:
     the logits' device for all rows at once and read to the host without waiting for the device's other
     work (`HostCopy`): a serial step reads them at once, an overlapped one when it reads its picks.
 
-    Greedy tokens and scored choices take this path; a sampled token's comes from its filtered row on the
-    CPU (`TokenLogprobs.add`). Each request's most likely tokens are the first of the step's largest
+    Each request's most likely tokens are the first of the step's largest
     `top`: `torch.topk` returns them largest first."""
 
     def __init__(self, logits: torch.Tensor, tokens: torch.Tensor, top: int):
@@ -85,9 +75,22 @@ def kept_logprobs(
     rows = [row for row, request in enumerate(requests) if keeps_logprobs(request)]
     if not rows:
         return rows, None
-    top = max(requests[row].sampling.top_logprobs for row in rows)
+    params = [requests[row].sampling for row in rows]
+    top = max(p.top_logprobs for p in params)
     (index,) = uploaded([int64_tensor(rows)], logits.device)
-    return rows, RowLogprobs(logits.index_select(0, index), tokens.index_select(0, index), top)
+    chosen = tokens.index_select(0, index)
+    return rows, RowLogprobs(warped(logits.index_select(0, index), params), chosen, top)
+
+
+def warped(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """(rows, vocab) logits, row i's request sampling with params[i], with each sampled row replaced, in
+    place, by its `filtered_logits`: what its token was drawn from (a greedy row's are its logits)."""
+    groups = list(by_warpers(params).values())
+    if groups:
+        indices = uploaded([int64_tensor(rows) for rows in groups], logits.device)
+        for rows, index in zip(groups, indices, strict=True):
+            logits.index_copy_(0, index, filtered_logits(logits.index_select(0, index), params[rows[0]]))
+    return logits
 
 
 def logprob_fields(record: TokenLogprobs | None, params: SamplingParams, tokenizer) -> dict:

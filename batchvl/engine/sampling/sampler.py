@@ -1,13 +1,22 @@
-"""Next-token choice: greedy, or temperature / top-k / top-p with a per-request seeded generator.
+"""Next-token choice: greedy, or temperature / top-k / top-p with a per-request seeded generator, for all
+of a step's rows at once on the logits' device.
 
 A temperature below `SAMPLING_EPS` (1e-5) is greedy: dividing logits by it would overflow to inf.
 
-Each request draws from its own generator, so a sampled output does not depend on which other requests
-shared its batch.
-
 The filtering is transformers' `TemperatureLogitsWarper`, `TopKLogitsWarper` and `TopPLogitsWarper`,
-applied in `generate`'s order and computed the same way, op for op: outputs must equal `generate`'s, and
-a rule that is only mathematically equal differs at the top-p boundary (float rounding) and on ties.
+applied in `generate`'s order and computed the same way, op for op: what a row samples from must equal
+what `generate` samples from, and a rule that is only mathematically equal differs at the top-p boundary
+(float rounding) and on ties.
+
+The draw itself is the inverse of that distribution's CDF at a uniform number u: the first token, in
+vocabulary order, whose cumulative probability exceeds u times the total. u comes from the request's own
+generator, seeded by its `seed`, one draw a token: a sampled output then depends on its seed alone, not on
+which other requests shared its batch, nor on the device, nor on whether steps overlap. It is not the token
+`generate` draws for the same seed: `generate`'s `torch.multinomial` takes a whole vocabulary of
+exponential variates from the generator for each token (2.4 ms a token at a 152k vocabulary on a CPU), which
+no GPU can reproduce; drawn so, each sampled token was a copy of its row to the host and a filter and draw
+there (3 to 16 ms on a CPU), and a job with one sampled request ran its steps serially. The draw needs only
+u from the host, so that a sampled step, like a greedy one, leaves its picks on the device.
 """
 
 from __future__ import annotations
@@ -15,71 +24,88 @@ from __future__ import annotations
 import torch
 
 from batchvl.engine.sampling.params import SamplingParams
+from batchvl.layers.attention import uploaded
+from batchvl.utils.int_tensors import int64_tensor
+
+DRAW_BITS = 53  # u = draw / 2**53: every float64 multiple of 2**-53 in [0, 1), as likely as each other
+# The logits a draw takes at once (rows times vocabulary): at Qwen2-VL's 151,936 tokens, 55 rows, whose sort
+# (top-p), float64 CDF and masks take some 200 MB beside a step
+SAMPLED_ELEMENTS = 2**23
 
 
-def sample_tokens(
-    logits: torch.Tensor,
-    params: list[SamplingParams],
-    generators: list[torch.Generator | None],
-    host_rows: dict[int, torch.Tensor] | None = None,
-    drawn: list[bool] | None = None,
-) -> list[int]:
-    """One token per row of (rows, vocab) float32 logits. Greedy rows share one argmax call (see
-    `greedy_tokens`): one per row cost about 35 us each, a millisecond or more per decode step. Sampled
-    rows are drawn from their copies on the CPU: `host_rows` where the caller made them (see
-    `rows_on_host`), else made here. `drawn`: which rows sample at a temperature, where the caller has it."""
-    if not params:
-        return []
-    if drawn is None:
-        drawn = [not p.is_greedy for p in params]
-    if not any(drawn):
-        return greedy_tokens(logits)  # (most steps: no call per row)
-    greedy = greedy_tokens(logits) if not all(drawn) else []
-    if host_rows is None:
-        host_rows = rows_on_host(logits, drawn)
-    return [
-        sample_token(host_rows[i], p, generator) if draws else greedy[i]
-        for i, (p, generator, draws) in enumerate(zip(params, generators, drawn, strict=True))
+def step_picks(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+) -> torch.Tensor:
+    """Each row's next token as an int64 tensor on the logits' device, for (rows, vocab) float32 logits:
+    the argmax for a greedy row (`greedy_picks`), for a row that samples a draw from its warped distribution
+    (`draw_sampled`) at the next number of its generator (`generators[i]`, None for a greedy row). Nothing
+    is read back: an overlapped step feeds the picks to the next step's forward on the device."""
+    sampled = [row for row, p in enumerate(params) if not p.is_greedy]
+    if sampled and len(sampled) == len(params):  # (a step that samples every row makes no argmax)
+        picks = torch.empty(len(params), dtype=torch.long, device=logits.device)
+    else:
+        picks = greedy_picks(logits)
+    if sampled:
+        draws = [draw_bits(generators[row]) for row in sampled]
+        draw_sampled(logits, picks, sampled, [params[row] for row in sampled], draws)
+    return picks
+
+
+def draw_bits(generator: torch.Generator) -> int:
+    """The next draw of a request's generator: DRAW_BITS random bits, one draw a token."""
+    return int(torch.randint(0, 2**DRAW_BITS, (), generator=generator))
+
+
+def draw_sampled(
+    logits: torch.Tensor, picks: torch.Tensor, rows: list[int], params: list[SamplingParams], draws: list[int]
+) -> None:
+    """Write into `picks` the token of each of `rows` (its params and draw beside it): the first token whose
+    cumulative probability, summed in float64 in vocabulary order over the softmax of its
+    `filtered_logits`, exceeds u times the total, u = draw / 2**DRAW_BITS. Rows with the same warpers go
+    together, SAMPLED_ELEMENTS logits at a time."""
+    vocab = logits.shape[-1]
+    at_once = max(1, SAMPLED_ELEMENTS // vocab)
+    pieces = [
+        members[start : start + at_once]
+        for members in by_warpers(params).values()
+        for start in range(0, len(members), at_once)
     ]
+    # every piece's rows and draws in one copy to the device
+    uploads = uploaded(
+        [int64_tensor([rows[i] for i in piece]) for piece in pieces]
+        + [int64_tensor([draws[i] for i in piece]) for piece in pieces],
+        logits.device,
+    )
+    for piece, index, bits in zip(pieces, uploads[: len(pieces)], uploads[len(pieces) :], strict=True):
+        probs = torch.softmax(filtered_logits(logits.index_select(0, index), params[piece[0]]), dim=-1)
+        cdf = probs.double().cumsum_(dim=-1)
+        target = bits.double().mul_(2.0**-DRAW_BITS).mul_(cdf[:, -1])
+        tokens = torch.searchsorted(cdf, target[:, None], right=True).squeeze(1).clamp_(max=vocab - 1)
+        # u times the total rounds up to the total about once in 2**53 draws: the search then lands past the
+        # last token kept, and the most probable token stands in (a removed token is never drawn)
+        kept = probs.gather(1, tokens[:, None]).squeeze(1) > 0
+        picks.index_copy_(0, index, torch.where(kept, tokens, probs.argmax(dim=-1)))
 
 
-def greedy_tokens(logits: torch.Tensor) -> list[int]:
-    """Each row's argmax, as `torch.argmax` picks it: the first of tied maxima, the first NaN where there is
-    one. On the CPU numpy's argmax, which picks the same index: torch's CPU argmax and `max(dim)` reduce
-    without vectors, and at 256 rows of a 32,768-token vocabulary took 16-25 ms a decode step, numpy's 3.4 ms
-    (one thread; 0.04 ms against 0.5-0.8 ms at 1,024 tokens). On a GPU, torch's `max(dim)`."""
-    return greedy_picks(logits).tolist()
+def by_warpers(params: list[SamplingParams]) -> dict[tuple, list[int]]:
+    """The indices of the params that sample, by their warpers (temperature, top-k, top-p): rows with the
+    same ones are filtered in one call."""
+    groups: dict[tuple, list[int]] = {}
+    for i, p in enumerate(params):
+        if not p.is_greedy:
+            groups.setdefault((p.temperature, p.top_k, p.top_p), []).append(i)
+    return groups
 
 
 def greedy_picks(logits: torch.Tensor) -> torch.Tensor:
-    """`greedy_tokens` as an int64 tensor on the logits' device: an overlapped step feeds it to the next
-    step's forward without reading it to the host first."""
+    """Each row's argmax as an int64 tensor on the logits' device, as `torch.argmax` picks it: the first of
+    tied maxima, the first NaN where there is one. On the CPU numpy's argmax, which picks the same index:
+    torch's CPU argmax and `max(dim)` reduce without vectors, and at 256 rows of a 32,768-token vocabulary
+    took 16-25 ms a decode step, numpy's 3.4 ms (one thread; 0.04 ms against 0.5-0.8 ms at 1,024 tokens).
+    On a GPU, torch's `max(dim)`."""
     if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
         return torch.from_numpy(logits.numpy().argmax(axis=-1))
     return torch.max(logits, dim=-1).indices
-
-
-def rows_on_host(logits: torch.Tensor, wanted: list[bool]) -> dict[int, torch.Tensor]:
-    """The wanted rows of (rows, vocab) logits on the CPU, by row: from a GPU in one copy for all of them
-    (a copy per row waits for the device each time: a sync per sampled row every step); on the CPU the rows
-    themselves."""
-    indices = [i for i, want in enumerate(wanted) if want]
-    if logits.device.type == "cpu" or not indices:
-        return {i: logits[i] for i in indices}
-    return dict(zip(indices, logits[indices].cpu(), strict=True))
-
-
-def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """Draw one token from a (vocab,) float32 logits row (sampling params; greedy rows take the step's
-    shared argmax in `sample_tokens`).
-
-    The row is filtered and drawn from on its generator's device, the CPU (`make_generator`): PyTorch
-    refuses a CPU generator for CUDA logits, and drawing on the CPU gives a seed the same tokens whatever
-    device ran the model (one row of the vocabulary copied per sampled request)."""
-    if generator is not None and logits.device != generator.device:
-        logits = logits.to(generator.device)
-    probs = torch.softmax(filtered_logits(logits, params), dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
 
 
 def filtered_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -109,7 +135,8 @@ def filtered_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
 
 
 def make_generator(seed: int) -> torch.Generator:
-    """A request's own generator, on the CPU whatever the model's device (see `sample_token`)."""
+    """A request's own generator, on the CPU whatever the model's device: it gives the request's draws
+    (`draw_bits`), a number a token, which cross to the device with the step's other small uploads."""
     generator = torch.Generator()
     generator.manual_seed(seed)
     return generator
