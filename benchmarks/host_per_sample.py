@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from gpu_throughput import caption_job, write_images
+from gpu_throughput import caption_job, job_config, write_images
 from workloads import write_json
 
 WARMUP_SAMPLES = 16
@@ -61,10 +61,14 @@ def main() -> None:
         write_images(work / "warmup", WARMUP_SAMPLES, first=args.samples)
         write_images(work / "data", args.samples)
         engine = {"replicas": 1}  # one engine, as on a GPU
-        caption_job(work, "warmup", loaded, "cpu", engine)
+
+        def job(name: str):
+            return job_config(work, name, loaded, "cpu", engine, False, work / "out" / name, sampling={})
+
+        caption_job(job("warmup"), loaded, "cpu")
         profile = cProfile.Profile() if args.profile else None
         with profile if profile else contextlib.nullcontext():
-            run = caption_job(work, "data", loaded, "cpu", engine)
+            run = caption_job(job("data"), loaded, "cpu")
     stats = run["stats"]
     if sum(row["status"] == "ok" for row in run["rows"]) != args.samples:
         raise SystemExit(f"not every one of the {args.samples} rows is ok; no figure")
