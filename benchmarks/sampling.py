@@ -36,28 +36,33 @@ HOST_ROWS = 64
 WIDTHS = (12, 6, 11, 10, 12, 10, 7)
 
 
-def host_draws(logits: torch.Tensor, params: SamplingParams, generators: list[torch.Generator]) -> list[int]:
-    """`generate`'s draw, row by row on the CPU, after one copy of the rows there."""
+def host_draws(logits: torch.Tensor, params: SamplingParams, seeds: list[int]) -> list[int]:
+    """`generate`'s draw, row by row on the CPU, after one copy of the rows there, each by a torch
+    generator of its own."""
     rows = logits.cpu()
     return [
-        int(torch.multinomial(torch.softmax(filtered_logits(row, params), -1), 1, generator=generator))
-        for row, generator in zip(rows, generators, strict=True)
+        int(torch.multinomial(torch.softmax(filtered_logits(row, params), -1), 1, generator=seeded(seed)))
+        for row, seed in zip(rows, seeds, strict=True)
     ]
 
 
-def engine_draws(logits: torch.Tensor, params: SamplingParams, generators: list[torch.Generator]) -> list:
-    return step_picks(logits, [params] * len(generators), generators).tolist()
+def seeded(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def engine_draws(logits: torch.Tensor, params: SamplingParams, seeds: list[int]) -> list:
+    return step_picks(logits, [params] * len(seeds), list(map(make_generator, seeds))).tolist()
 
 
 def step_ms(draw, logits: torch.Tensor, params: SamplingParams) -> float:
     """The median wall time of a step's draws, in ms."""
-    generators = [make_generator(i) for i in range(len(logits))]
+    seeds = list(range(len(logits)))
     times = []
     for _ in range(STEPS + 1):
         if logits.is_cuda:
             torch.cuda.synchronize()
         started = time.perf_counter()
-        draw(logits, params, generators)
+        draw(logits, params, seeds)
         if logits.is_cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - started)

@@ -7,6 +7,7 @@ recompute after preemption are the same state machine over these counters.
 
 from __future__ import annotations
 
+import random
 import time
 from dataclasses import dataclass, field
 from enum import Enum
@@ -90,7 +91,7 @@ class Request:
     # Its prompt's positions (a small CPU tensor; the runner's large tensors, the KV cache and image
     # embeddings, are shared between requests and stay in the runner, keyed by slot and content hash)
     positions: RequestPositions | None = None
-    generator: torch.Generator | None = None  # a sampling request's own seeded generator
+    generator: random.Random | None = None  # a sampling request's own seeded generator (`make_generator`)
     logprobs: Any = None  # its TokenLogprobs record, when it asked for its tokens' log-probabilities
     grammar: Any = None  # the xgrammar matcher of its output constraint (see `GrammarMatchers`)
     start_time: float = field(default_factory=time.perf_counter)

@@ -1,7 +1,7 @@
 """The rule a sampled token is drawn by (`batchvl/engine/sampling/sampler.py`), written again apart from
-the engine's code, in numpy: from a request's generator seeded with its seed, 53 random bits a token make
-u = bits / 2**53, and the token is the first, in vocabulary order, whose cumulative probability (float64,
-summed in order) exceeds u times the total.
+the engine's code, in numpy: a request's generator is Python's `random.Random` seeded with its seed, and
+for each token its next `random()` is u, and the token is the first, in vocabulary order, whose
+cumulative probability (float64, summed in order) exceeds u times the total.
 
 `generate_draws_by_seed` gives transformers' `generate` that draw in place of its `torch.multinomial`, so
 that a test compares the engine's sampled tokens with `generate`'s: its warpers, its logits processors
@@ -10,17 +10,18 @@ that a test compares the engine's sampled tokens with `generate`'s: its warpers,
 from __future__ import annotations
 
 import contextlib
+import random
 from unittest import mock
 
 import numpy as np
 import torch
 
 
-def inverse_cdf_draw(probs: torch.Tensor, generator: torch.Generator) -> int:
-    """The token drawn from a (vocab,) row of probabilities by the generator's next 53 bits."""
-    bits = int(torch.randint(0, 2**53, (), generator=generator))
+def inverse_cdf_draw(probs: torch.Tensor, generator: random.Random) -> int:
+    """The token drawn from a (vocab,) row of probabilities by the generator's next number."""
+    u = generator.random()
     cdf = np.cumsum(probs.double().cpu().numpy())
-    token = int(np.searchsorted(cdf, bits * 2.0**-53 * cdf[-1], side="right"))
+    token = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
     assert token < len(cdf) and probs[token] > 0
     return token
 
@@ -30,7 +31,7 @@ def generate_draws_by_seed(seed: int):
     """Within it, `torch.multinomial(probs, 1)` (what `generate(do_sample=True)` draws with) draws each row
     of `probs` by `inverse_cdf_draw` from one generator seeded with `seed`: for a batch of one, the draws of
     a request of that seed, a token each."""
-    generator = torch.Generator().manual_seed(seed)
+    generator = random.Random(seed)
 
     def multinomial(probs: torch.Tensor, num_samples: int, *args, **kwargs) -> torch.Tensor:
         assert num_samples == 1 and not args and not kwargs

@@ -5,6 +5,7 @@ reference); and the tokens drawn, against the draw rule written apart in numpy (
 those warpers' probabilities, and against their frequencies."""
 
 import math
+import random
 from dataclasses import replace
 
 import pytest
@@ -48,7 +49,7 @@ def assert_same_as_generate(logits: torch.Tensor, params: SamplingParams) -> tor
     return theirs
 
 
-def reference_draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+def reference_draw(logits: torch.Tensor, params: SamplingParams, generator: random.Random) -> int:
     """The token drawn for this (vocab,) row by `generator`'s next number: generate's warped scores'
     softmax, drawn from by the rule written apart (`inverse_cdf_draw`)."""
     return inverse_cdf_draw(torch.softmax(hf_warped(logits, params), -1), generator)
@@ -62,8 +63,9 @@ def generators_of(params: list[SamplingParams]) -> list:
     return [None if p.is_greedy else make_generator(p.seed) for p in params]
 
 
-def seeded(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
+def seeded(seed: int) -> random.Random:
+    """The reference's generator for a seed, made apart from `make_generator`."""
+    return random.Random(seed)
 
 
 def kept(warped: torch.Tensor) -> set[int]:
