@@ -13,12 +13,13 @@ One JSON row: samples/s (over the job's wall time); the workload's limit, its FL
 and decode, counted from the model's layers) and its memory traffic (each decode's KV reads and every
 token's KV write, and the decode weights read once a step for `max_num_seqs` sequences) against the
 datasheet's bf16 peak and bandwidth, and against the matmul peak measured here; the share of that limit
-reached; the GPU's kernel time over wall time on a window of steps (`step_timing.py` says how), and where
-the host waited for the GPU in the steps after it (`sync_audit.py`), both from a second run of the same job
-up to the end of those windows (the profiler costs the host so much that the timed job runs without it);
-and the split between vision (the
-vision calls' synchronized time), steps with prompt chunks, and steps of decodes only, in seconds and in
-FLOPs. The engine's settings and which fast paths were on are recorded with it.
+reached; the GPU's idle time between steps and its time in each over the whole timed job, from two CUDA
+events a step (`gpu_timeline.py`); the GPU's kernel time over wall time on a window of steps
+(`step_timing.py` says how), and where the host waited for the GPU in the steps after it (`sync_audit.py`),
+both from a second run of the same job up to the end of those windows (the profiler costs the host so much
+that the timed job runs without it); and the split between vision (the vision calls' synchronized time),
+steps with prompt chunks, and steps of decodes only, in seconds and in FLOPs. The engine's settings and
+which fast paths were on are recorded with it.
 
 `--temperature` (with `--top-p`) samples each caption instead of choosing greedily: the draws are made on
 the device, so that a sampled job's steps overlap as a greedy one's do.
@@ -53,6 +54,7 @@ import torch
 from batchvl_method import batchvl_job
 from constrained import SCHEMA
 from flops import FlopCounter
+from gpu_timeline import GpuTimeline
 from matmul_probe import matmul_peak
 from PIL import Image
 from step_timing import TRACE_COLUMNS, StepTimer, WindowsDone
@@ -224,7 +226,8 @@ def measure(args, work: Path) -> dict:
 
     caption_job(job("warmup", "warmup"), loaded, args.device)
     # timed without the profiler, whose costs would be the job's (`step_timing.py`), then profiled apart
-    timer = StepTimer(args.profile_after, args.profile_steps)
+    timeline = GpuTimeline(torch.device(args.device)) if on_gpu else None
+    timer = StepTimer(args.profile_after, args.profile_steps, timeline=timeline)
     run = caption_job(job("data", "data"), loaded, args.device, timer)
     profiled = StepTimer(args.profile_after, args.profile_steps, args.audit_steps, profiling=True)
     if on_gpu and args.profile_steps:
@@ -314,6 +317,8 @@ def measure(args, work: Path) -> dict:
         "split_steps": timer.steps,
         # the timed job's steps one by one: how the job ramps up, how full its steps are, where they wait
         "step_trace": {"columns": list(TRACE_COLUMNS), "rows": timer.trace},
+        # the GPU's idle time between steps and its time in them, per step too (`gpu_timeline.py`)
+        "gpu_timeline": timeline.figures() if timeline is not None else None,
         # the host's time in the engine's steps by what it did, and the job's processing time outside them
         # (taking inputs, writing rows): with overlapped steps, little time waiting for picks says the host
         # bounds the job (`step_timing.py`)

@@ -22,6 +22,9 @@ same), waiting for a step's picks to reach the host, and the rest of the step (c
 requests, the grammar's masks). With overlapped steps, a host that seldom waits for picks is what bounds
 the job: the GPU idles while the host works; one that waits most of the time is bound by the GPU.
 
+On a GPU the timed job also records two CUDA events a step (`gpu_timeline.py`): the GPU's idle time
+between steps, its time in each step, and how far behind the host it was as each began.
+
 The engine's start is split too (`start_split`, outside the job's processing time): resolving its step
 sizes (on a GPU with a probe step), the rest of building the engine, of which sizing its KV cache by the
 largest step's activations (a second probe) and capturing the largest decode graph ahead.
@@ -37,6 +40,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+from gpu_timeline import GpuTimeline
 from sync_audit import SyncAudit
 
 # what the host did in an engine step (see the module docstring), in the order a step does it
@@ -64,9 +68,15 @@ class StepTimer:
     is taken."""
 
     def __init__(
-        self, profile_after: int = 0, profile_steps: int = 0, audit_steps: int = 0, profiling: bool = False
+        self,
+        profile_after: int = 0,
+        profile_steps: int = 0,
+        audit_steps: int = 0,
+        profiling: bool = False,
+        timeline: GpuTimeline | None = None,
     ):
         self.profile_after, self.profile_steps = profile_after, profile_steps
+        self.timeline = timeline  # every step's events on the GPU, where given (`gpu_timeline.py`)
         self.profiling = profiling and profile_steps > 0
         self.audit_steps = audit_steps if self.profiling else 0
         self.audit: dict | None = None  # the audited window's waits, once it is over
@@ -106,9 +116,13 @@ class StepTimer:
             timer._in_step.seconds = 0.0  # per thread: the CPU's engine replicas step in threads of their own
             timer._in_step.tokens = (0, 0)
             patches, waiting = engine.encoder_cache.patches_encoded, engine.num_waiting
+            if timer.timeline is not None:
+                timer.timeline.begin()
             try:
                 return step(engine)
             finally:
+                if timer.timeline is not None:
+                    timer.timeline.end(timer._step_kind())
                 elapsed = time.perf_counter() - started
                 timer.host_split["rest_of_step"] += elapsed - timer._in_step.seconds
                 timer._trace(started, elapsed, engine.encoder_cache.patches_encoded - patches, waiting)
@@ -175,6 +189,11 @@ class StepTimer:
         prompt_tokens, decodes = self._in_step.tokens
         since_first = round(started - self._first_step_at, 4)
         self.trace.append([since_first, round(elapsed * 1e3, 2), prompt_tokens, decodes, patches, waiting])
+
+    def _step_kind(self) -> str:
+        """What the step this thread runs ran: prompt tokens ("prefill"), decodes alone, or nothing."""
+        prompt_tokens, decodes = self._in_step.tokens
+        return "prefill" if prompt_tokens else "decode" if decodes else "none"
 
     def _add(self, phase: str, seconds: float) -> None:
         self.host_split[phase] += seconds

@@ -14,8 +14,9 @@ reported and the next still runs, in the order of what a GPU window must answer 
                    device against the CPU's eager run: texts equal
   gpu_throughput_2b  benchmarks/gpu_throughput.py: 1,000 captions by Qwen2-VL-2B (made on the GPU in bf16):
                    samples/s, the share of the workload's limit, the split between vision, prefill and
-                   decode, the host's time in the steps by what it did and the allocators' waits, with no
-                   fast path: the baseline; then the same job again, profiled, up to the end of a window of
+                   decode, the host's time in the steps by what it did, the GPU's idle time between steps
+                   and its time in each (two CUDA events a step) and the allocators' waits, with no fast
+                   path: the baseline; then the same job again, profiled, up to the end of a window of
                    steps that hold prompts: the GPU's kernel-time share there and its top kernels, and the
                    host's waits for the GPU after it
   gpu_throughput_2b_fast  the same with every fast path on, and the share of samples whose text equals the
