@@ -37,10 +37,9 @@ class TokenLogprobs:
 class RowLogprobs:
     """Per logits row, the log-probability of a given token and the `top` most likely tokens, computed on
     the logits' device for all rows at once and read to the host without waiting for the device's other
-    work (`HostCopy`): a serial step reads them at once, an overlapped one when it reads its picks.
-
-    Each request's most likely tokens are the first of the step's largest
-    `top`: `torch.topk` returns them largest first."""
+    work (`HostCopy`): a serial step reads them at once, an overlapped one when it reads its picks. Each
+    request's most likely tokens are the first of the step's largest `top`: `torch.topk` returns them
+    largest first."""
 
     def __init__(self, logits: torch.Tensor, tokens: torch.Tensor, top: int):
         """`logits` (rows, vocab) float32 and `tokens` (rows,) int64 on the same device."""

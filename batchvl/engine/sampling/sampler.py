@@ -15,7 +15,8 @@ which other requests shared its batch, nor on the device, nor on whether steps o
 `generate` draws for the same seed: `generate`'s `torch.multinomial` takes a whole vocabulary of
 exponential variates from the generator for each token (2.4 ms a token at a 152k vocabulary on a CPU), which
 no GPU can reproduce; drawn so, each sampled token was a copy of its row to the host and a filter and draw
-there (3 to 16 ms on a CPU), and a job with one sampled request ran its steps serially. The draw needs only
+there (2.4 ms with a temperature alone, 13.5 ms with top-p, on a 2-core CPU: `benchmarks/sampling.py`), and
+a job with one sampled request ran its steps serially. The draw needs only
 u from the host, so that a sampled step, like a greedy one, leaves its picks on the device.
 """
 
