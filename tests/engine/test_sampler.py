@@ -21,6 +21,7 @@ from transformers.generation.logits_process import (
 from batchvl.engine.sampling import sampler
 from batchvl.engine.sampling.params import SamplingParams
 from batchvl.engine.sampling.sampler import SAMPLED_ELEMENTS, filtered_logits, make_generator, step_picks
+from tests.conftest import TEST_DEVICE
 from tests.engine.seeded_draws import inverse_cdf_draw
 from tests.fake_cuda import on_fake_cuda
 
@@ -319,3 +320,19 @@ def test_a_draw_at_the_top_of_the_range_never_picks_a_removed_token(monkeypatch)
     logits = torch.tensor([[0.5, 3.0, 1.0, 2.0, -1.0, -2.0]])
     tokens = picks(logits, [SamplingParams(temperature=1.0, top_k=3)], [make_generator(0)])
     assert tokens == [1]
+
+
+def test_a_seed_draws_the_same_tokens_on_the_test_device_as_on_the_cpu():
+    """On a GPU (BATCHVL_TEST_DEVICE=cuda) its softmax, sort and float64 sums round otherwise than the
+    CPU's: a draw differs only where u falls within that rounding (some 1e-7 of the total) of a token's
+    boundary, about once in millions of draws. On the CPU the two runs are one path."""
+    logits = torch.randn(64, 151936, generator=torch.Generator().manual_seed(13)) * 2
+    params = [
+        SamplingParams(temperature=0.8, seed=i)
+        if i % 2
+        else SamplingParams(temperature=0.8, top_p=0.9, seed=i)
+        for i in range(64)
+    ]
+    on_device = step_picks(logits.to(TEST_DEVICE), params, generators_of(params))
+    assert on_device.device.type == torch.device(TEST_DEVICE).type
+    assert on_device.tolist() == picks(logits, params, generators_of(params))
