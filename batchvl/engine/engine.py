@@ -56,7 +56,8 @@ def step_sizes_for(adapter: ModelAdapter, config: EngineConfig) -> EngineConfig:
     return resolved_step_sizes(
         config,
         adapter.device,
-        lambda probe: step_activation_peak(adapter, probe),
+        # the forward's activations, scaled to larger steps: not the draw's, bounded by a piece's size
+        lambda probe: step_activation_peak(adapter, probe, draws=False),
         lambda: free_cuda_bytes(adapter.device),
         lambda: total_cuda_bytes(adapter.device),
     )

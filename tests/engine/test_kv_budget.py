@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from batchvl.config import EngineConfig, job_config_from_dict
-from batchvl.engine.scheduling import kv_budget
+from batchvl.engine.scheduling import activation_peak, kv_budget
 from batchvl.engine.scheduling.activation_peak import largest_step, step_activation_peak
 from batchvl.engine.scheduling.kv_budget import PEAK_HEADROOM, VISION_RESERVE_MB, kv_cache_bytes
 from batchvl.errors import ConfigError, UserError
@@ -122,7 +122,8 @@ def test_every_family_runs_the_largest_step(family_models, family):
 
 
 def test_the_peak_is_what_the_step_allocates_beyond_what_was_allocated_before(loaded_fp32, monkeypatch):
-    """The CUDA allocator's counters, faked: the step must run between the reset and the reading."""
+    """The CUDA allocator's counters, faked: the step must run between the reset and the reading, its
+    rows drawn as top-p sampled ones (the sampler's largest buffers)."""
     events = []
     allocated = {"now": 1000, "peak": 1000}
     forward = loaded_fp32.adapter.forward
@@ -136,15 +137,21 @@ def test_the_peak_is_what_the_step_allocates_beyond_what_was_allocated_before(lo
         events.append("reset")
         allocated["peak"] = allocated["now"]
 
+    def draw(logits, params, generators):
+        # the sampler's buffers (a top-p sort of each row) beside the logits: more than the forward's here
+        events.append(f"draw {len(params)} rows, top-p {params[0].top_p}")
+        allocated["peak"] = max(allocated["peak"], allocated["now"] + 9876)
+
     monkeypatch.setattr(loaded_fp32.adapter, "forward", step_forward)
+    monkeypatch.setattr(activation_peak, "step_picks", draw)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda _device=None: None)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: events.append("empty_cache"))
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda _device: allocated["now"])
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda _device: allocated["peak"])
     config = EngineConfig(max_num_batched_tokens=64, max_num_seqs=4)
-    assert step_activation_peak(loaded_fp32.adapter, config) == 4321
-    assert events == ["reset", "forward", "empty_cache"]
+    assert step_activation_peak(loaded_fp32.adapter, config) == 9876
+    assert events == ["reset", "forward", "draw 4 rows, top-p 0.5", "empty_cache"]
 
 
 def test_the_job_file_takes_auto_or_a_size_and_a_share_up_to_one(tmp_path):
@@ -199,3 +206,31 @@ def test_a_run_whose_replicas_share_too_small_a_cache_is_refused_naming_the_jobs
     config = EngineConfig(kv_cache_mb=0.001, replicas=2)
     with pytest.raises(UserError, match="engine.kv_cache_mb=0.001 holds fewer KV blocks than its 2"):
         build_engine(loaded_fp32.adapter, tokenizer, eos, config)
+
+
+def test_the_step_size_probe_measures_the_forward_alone(loaded_fp32, monkeypatch):
+    """The probe that chooses the step sizes scales its figure with the tokens: the draw's buffers, bounded
+    by a piece's size whatever the step, would be scaled with them. The KV budget's probe draws."""
+    from batchvl.engine import engine as engine_module
+
+    probes = []
+    monkeypatch.setattr(
+        engine_module,
+        "step_activation_peak",
+        lambda adapter, config, draws=True: probes.append(draws) or 1,
+    )
+    monkeypatch.setattr(
+        engine_module,
+        "resolved_step_sizes",
+        lambda config, device, step_peak, *_: step_peak(config) and config,
+    )
+    engine_module.step_sizes_for(loaded_fp32.adapter, EngineConfig())
+    assert probes == [False]
+    drawn = []
+    monkeypatch.setattr(
+        activation_peak, "step_picks", lambda logits, params, generators: drawn.append(params)
+    )
+    largest_step(loaded_fp32.adapter, EngineConfig(max_num_batched_tokens=8, max_num_seqs=2), draws=False)()
+    assert drawn == []
+    largest_step(loaded_fp32.adapter, EngineConfig(max_num_batched_tokens=8, max_num_seqs=2))()
+    assert drawn == [[activation_peak.PROBE_SAMPLING] * 2]

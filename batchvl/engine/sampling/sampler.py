@@ -31,9 +31,12 @@ from batchvl.layers.attention import uploaded
 from batchvl.utils.int_tensors import int64_tensor
 
 DRAW_BITS = 53  # u = draw / 2**53: every float64 multiple of 2**-53 in [0, 1), as likely as each other
-# The logits a draw takes at once (rows times vocabulary): at Qwen2-VL's 151,936 tokens, 55 rows, whose sort
-# (top-p), float64 CDF and masks take some 200 MB beside a step
+# The logits a draw takes at once (rows times vocabulary), whose sort (top-p), float64 CDF and masks take 26
+# bytes a logit beside the step's logits (12 without top-p; measured on a CPU): on a CPU 2**23 (55 rows at
+# Qwen2-VL's 151,936 tokens, 220 MB); on a GPU 2**25 (220 rows, 870 MB: 5 pieces of some 25 ops for 1,024
+# rows where 19 would launch 475), which the KV budget keeps free (the largest step's probe draws its rows so)
 SAMPLED_ELEMENTS = 2**23
+GPU_SAMPLED_ELEMENTS = 2**25
 
 
 def step_picks(
@@ -66,9 +69,9 @@ def draw_sampled(
     """Write into `picks` the token of each of `rows` (its params and draw beside it): the first token whose
     cumulative probability, summed in float64 in vocabulary order over the softmax of its
     `filtered_logits`, exceeds u times the total, u = draw / 2**DRAW_BITS. Rows with the same warpers go
-    together, SAMPLED_ELEMENTS logits at a time."""
+    together, SAMPLED_ELEMENTS logits at a time (GPU_SAMPLED_ELEMENTS on a GPU)."""
     vocab = logits.shape[-1]
-    at_once = max(1, SAMPLED_ELEMENTS // vocab)
+    at_once = max(1, (GPU_SAMPLED_ELEMENTS if logits.is_cuda else SAMPLED_ELEMENTS) // vocab)
     pieces = [
         members[start : start + at_once]
         for members in by_warpers(params).values()
