@@ -336,3 +336,21 @@ def test_a_seed_draws_the_same_tokens_on_the_test_device_as_on_the_cpu():
     on_device = step_picks(logits.to(TEST_DEVICE), params, generators_of(params))
     assert on_device.device.type == torch.device(TEST_DEVICE).type
     assert on_device.tolist() == picks(logits, params, generators_of(params))
+
+
+def test_a_gpu_draws_more_rows_at_once_than_a_cpu(monkeypatch):
+    monkeypatch.setattr(sampler, "SAMPLED_ELEMENTS", 1000)
+    monkeypatch.setattr(sampler, "GPU_SAMPLED_ELEMENTS", 4000)
+    monkeypatch.setattr(sampler, "uploaded", lambda tensors, device: [on_fake_cuda(t) for t in tensors])
+    filtered = []
+    filter_rows = sampler.filtered_logits
+    monkeypatch.setattr(
+        sampler, "filtered_logits", lambda rows, p: filtered.append(len(rows)) or filter_rows(rows, p)
+    )
+    logits = torch.randn(16, 500, generator=torch.Generator().manual_seed(14))
+    params = [SamplingParams(temperature=0.9, seed=i) for i in range(16)]
+    on_cpu = picks(logits, params, generators_of(params))
+    assert filtered == [2] * 8  # 1,000 logits at a time: two rows of 500
+    filtered.clear()
+    assert step_picks(on_fake_cuda(logits), params, generators_of(params)).tolist() == on_cpu
+    assert filtered == [8] * 2

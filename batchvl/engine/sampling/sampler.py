@@ -48,7 +48,7 @@ def step_picks(
     is read back: an overlapped step feeds the picks to the next step's forward on the device."""
     sampled = [row for row, p in enumerate(params) if not p.is_greedy]
     if sampled and len(sampled) == len(params):  # (a step that samples every row makes no argmax)
-        picks = torch.empty(len(params), dtype=torch.long, device=logits.device)
+        picks = logits.new_empty(len(params), dtype=torch.long)
     else:
         picks = greedy_picks(logits)
     if sampled:
