@@ -282,7 +282,7 @@ def measure(args, work: Path) -> dict:
             f"{LARGE[0]}x{LARGE[1]}": args.samples // LARGE_EVERY,
         },  # fmt: skip
         "workload": "labels" if args.labels else "captions",
-        "sampling": sampling_keys(args) or "greedy",
+        "sampling": sampling or "greedy",
         # captions: each its 64 tokens; labels: as many as the grammar took
         "new_tokens_per_sample": round(stats["output_tokens"] / args.samples, 1),
         "grammar_s": round(stats["grammar_s"], 2),

@@ -115,20 +115,25 @@ class StepTimer:
             started = time.perf_counter()
             timer._in_step.seconds = 0.0  # per thread: the CPU's engine replicas step in threads of their own
             timer._in_step.tokens = (0, 0)
+            timer._in_step.kind = "none"  # a step that ran no forward
+            timer._in_step.stepping = True
             patches, waiting = engine.encoder_cache.patches_encoded, engine.num_waiting
             if timer.timeline is not None:
                 timer.timeline.begin()
             try:
                 return step(engine)
             finally:
+                timer._in_step.stepping = False
                 if timer.timeline is not None:
-                    timer.timeline.end(timer._step_kind())
+                    timer.timeline.end(timer._in_step.kind)  # split's kind: `timed_execute`
                 elapsed = time.perf_counter() - started
                 timer.host_split["rest_of_step"] += elapsed - timer._in_step.seconds
                 timer._trace(started, elapsed, engine.encoder_cache.patches_encoded - patches, waiting)
                 timer._after_step()
 
         def timed_execute(runner, chunks, *args, **kwargs):
+            if not getattr(timer._in_step, "stepping", False):  # a probe of the engine's start, not a step
+                return execute(runner, chunks, *args, **kwargs)
             started = time.perf_counter()
             decodes = sum(chunk.is_generated for chunk in chunks)
             timer._in_step.tokens = (sum(c.num_tokens for c in chunks if not c.is_generated), decodes)
@@ -137,7 +142,7 @@ class StepTimer:
             finally:
                 # the runner's own test for a decode: one generated token
                 decodes_only = all(chunk.num_tokens == 1 and chunk.is_generated for chunk in chunks)
-                kind = "decode" if decodes_only else "prefill"
+                kind = timer._in_step.kind = "decode" if decodes_only else "prefill"
                 # the forward synchronizes, but for an overlapped step's: then its launch alone
                 elapsed = time.perf_counter() - started
                 timer.seconds[kind] += elapsed
@@ -189,11 +194,6 @@ class StepTimer:
         prompt_tokens, decodes = self._in_step.tokens
         since_first = round(started - self._first_step_at, 4)
         self.trace.append([since_first, round(elapsed * 1e3, 2), prompt_tokens, decodes, patches, waiting])
-
-    def _step_kind(self) -> str:
-        """What the step this thread runs ran: prompt tokens ("prefill"), decodes alone, or nothing."""
-        prompt_tokens, decodes = self._in_step.tokens
-        return "prefill" if prompt_tokens else "decode" if decodes else "none"
 
     def _add(self, phase: str, seconds: float) -> None:
         self.host_split[phase] += seconds

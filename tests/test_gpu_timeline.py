@@ -123,3 +123,5 @@ def test_the_step_timer_marks_every_engine_step_by_what_it_ran(gpu_timeline, loa
         "prefill" if p else "decode" if d else "none" for p, d in zip(prompt_tokens, decodes, strict=True)
     ]
     assert kinds.count("prefill") >= 3 and kinds.count("decode") >= 3  # budgets of 8 tokens: chunked
+    # the split's own kinds: a step is counted alike in both
+    assert {kind: kinds.count(kind) for kind in ("prefill", "decode")} == timer.steps

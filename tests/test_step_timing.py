@@ -114,6 +114,18 @@ def test_the_start_split_times_the_engines_build_by_part_and_puts_the_parts_back
     assert parts() == originals
 
 
+def test_a_forward_outside_the_steps_is_not_counted_as_one(step_timing, loaded_fp32):
+    """The probes that size a GPU engine's steps and KV cache run forwards as it is built: those are its
+    start's (`start_split`), not steps of the job."""
+    from batchvl.engine.scheduling.activation_peak import largest_step
+
+    timer = step_timing.StepTimer()
+    with timer.installed():
+        largest_step(loaded_fp32.adapter, EngineConfig(max_num_batched_tokens=16, max_num_seqs=2))()
+    assert timer.steps == {"prefill": 0, "decode": 0} and timer.seconds == {"prefill": 0.0, "decode": 0.0}
+    assert timer.host_split["forward"] == 0.0
+
+
 class FakeProfiler:
     """torch's profiler as the timer uses it: one kernel of 2 ms a step that ran under it."""
 
