@@ -37,6 +37,10 @@ LAUNCHES = (
     {"BLOCK_KEYS": 128, "DECODE_WARPS": 8},
     {"DECODE_STAGES": 2},
     {"DECODE_STAGES": 4},
+    # fewer buffered blocks or warps a program: more programs resident on an SM at once
+    {"DECODE_STAGES": 1},
+    {"DECODE_WARPS": 2},
+    {"BLOCK_KEYS": 32, "DECODE_STAGES": 2},
 )
 PAGE_SIZE = 16
 

@@ -201,12 +201,14 @@ def measure(args, work: Path) -> dict:
 
     on_gpu = args.device != "cpu"
     started = _clock(args.device)
+    build_phases: dict[str, float] = {}
     loaded = build_on_device(
         work / "model",
         args.size,
         args.device,
         fused_kernels=args.fused_kernels,
         vision_attention=args.vision_attention,
+        phases_s=build_phases,
     )
     build_s = _clock(args.device) - started
     write_images(work / "warmup", min(WARMUP_SAMPLES, args.samples), first=args.samples)
@@ -288,6 +290,8 @@ def measure(args, work: Path) -> dict:
         "grammar_s": round(stats["grammar_s"], 2),
         "rows_invalid_output": invalid,
         "model_build_s": round(build_s, 2),
+        # (the second window's 2B builds took 17-19 s of a stage's minute: where they go)
+        "model_build_phases_s": {phase: round(seconds, 2) for phase, seconds in build_phases.items()},
         "wall_s": round(wall, 2),
         "samples_per_s": round(samples_per_s, 3),
         "samples_per_s_processing": round(args.samples / stats["processing_s"], 3),

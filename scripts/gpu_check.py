@@ -21,6 +21,7 @@ reported and the next still runs, in the order of what a GPU window must answer 
                    host's waits for the GPU after it
   gpu_throughput_2b_fast  the same with every fast path on, and the share of samples whose text equals the
                    baseline's
+  gpu_throughput_7b_fast  the same job by Qwen2-VL-7B (made on the GPU in bf16) with every fast path on
   gpu_throughput_thin_fast  the same job with every fast path on the tiny model's layers at the real
                    images' sizes (`--size thin`: the 2B's patches and prompt tokens, every kernel small):
                    the samples/s the host allows this workload, its input, scheduling and launches
@@ -77,7 +78,7 @@ reported and the next still runs, in the order of what a GPU window must answer 
                    gpu_throughput_2b_labels and _labels_overlap (a JSON-schema labeling workload, its
                    grammar's masks filled between serial steps, then while overlapped steps run),
                    throughput_wide (the same as throughput_small at Qwen2-VL-2B's widths) and
-                   gpu_throughput_7b (Qwen2-VL-7B)
+                   gpu_throughput_7b (Qwen2-VL-7B with no fast path, the baseline of its fast run)
 
 A GPU window's first call runs the check as it is; where its budget ran short, the second names the stages
 left (GPU_CHECK_STAGES=sampled_job,constrained_job,...).
@@ -606,6 +607,10 @@ STAGES = [
     ("fast_paths_job", fast_paths_job),
     ("gpu_throughput_2b", lambda work: gpu_throughput(work, "2b")),
     ("gpu_throughput_2b_fast", lambda work: gpu_throughput(work, "2b", FAST_PATHS)),
+    # some 2-3 min: the goal's second model, as users run it (every fast path on by default), after its
+    # baseline where a call names that (optional: a minute or two more)
+    ("gpu_throughput_7b", lambda work: gpu_throughput(work, "7b")),
+    ("gpu_throughput_7b_fast", lambda work: gpu_throughput(work, "7b", FAST_PATHS)),
     # some 30 s: the same job on the tiny model's layers at the real images' sizes, every kernel small: the
     # rate the host allows this workload (input, scheduling, launches)
     ("gpu_throughput_thin_fast", lambda work: gpu_throughput(work, "thin", FAST_PATHS)),
@@ -625,8 +630,8 @@ STAGES = [
     ("host_step_1024_fast", lambda work: host_step(work, 1024, fast=True)),  # the same, and the captures
     # some 20-60 s: compiling the kernels, 56 timed ops and 17 other launch settings
     ("fused_elementwise", fused_elementwise),
-    # some 25-60 s: 8 cases of two kernels and four split counts (each compiled), 50 calls each, and 12
-    # launch settings
+    # some 25-70 s: 8 cases of two kernels and four split counts (each compiled), 50 calls each, and 18
+    # launch settings (9 at each of two cases)
     ("decode_attention", decode_attention),
     ("sampling", sampling),  # some 15 s: 24 steps of picks on the device, 12 drawn on the host
     ("throughput_small", lambda work: throughput(work, "small")),
@@ -651,7 +656,6 @@ STAGES = [
     ("gpu_throughput_2b_labels", lambda work: gpu_throughput(work, "2b", labels=True)),
     ("gpu_throughput_2b_labels_overlap", lambda work: gpu_throughput(work, "2b", ("overlap",), labels=True)),
     ("throughput_wide", lambda work: throughput(work, "wide")),
-    ("gpu_throughput_7b", lambda work: gpu_throughput(work, "7b")),
 ]
 # Run only when GPU_CHECK_STAGES names them: the whole check's minutes go to the 2B runs without and with
 # every fast path first; one fast path alone, to tell their gains apart, is a later call's

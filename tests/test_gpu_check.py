@@ -203,6 +203,15 @@ def test_optional_stages_run_only_when_named(gpu_check, monkeypatch):
     assert [name for name, _ in gpu_check.chosen_stages()] == ["gpu_throughput_7b"]
 
 
+def test_the_7b_runs_with_every_fast_path_by_default_after_its_baseline_where_named(gpu_check, monkeypatch):
+    """The goal's second model is measured in a window's first call, right after the 2B runs; a call naming
+    its baseline too runs that first, so that the fast run's texts are set against it."""
+    names = [name for name, _ in gpu_check.chosen_stages()]
+    assert names[names.index("gpu_throughput_2b_fast") + 1] == "gpu_throughput_7b_fast"
+    monkeypatch.setenv("GPU_CHECK_STAGES", "gpu_throughput_7b_fast,gpu_throughput_7b")
+    assert [name for name, _ in gpu_check.chosen_stages()] == ["gpu_throughput_7b", "gpu_throughput_7b_fast"]
+
+
 def test_a_fast_paths_run_says_how_many_texts_equal_the_baselines(gpu_check, monkeypatch, tmp_path):
     """The 2B run with fast paths is set against the run without them: the share of samples whose text is
     the baseline's (the benchmark is faked here: its flags and files as the stage passes them)."""

@@ -44,7 +44,9 @@ def test_a_model_made_on_its_device_is_seeded_in_its_dtype_with_no_weight_files(
     assert {p.dtype for p in parameters} == {torch.bfloat16}
     assert {p.device.type for p in parameters} == {"cpu"}
     assert (tmp_path / "m" / "config.json").is_file() and not list((tmp_path / "m").glob("*.safetensors"))
-    again = build_on_device(tmp_path / "again", "tiny", "cpu", dtype=torch.bfloat16)
+    phases: dict[str, float] = {}
+    again = build_on_device(tmp_path / "again", "tiny", "cpu", dtype=torch.bfloat16, phases_s=phases)
+    assert set(phases) == {"processor", "weights", "prepare"} and min(phases.values()) >= 0
     first = next(loaded.adapter.model.parameters())
     assert torch.equal(first, next(again.adapter.model.parameters()))  # seeded
     assert loaded.eos_token_ids()
