@@ -17,7 +17,8 @@ next to nothing, and the rate is what the transport and the engine thread's GIL 
 On a GPU machine's host (`make gpu-check`'s `input_rate` stage) it says whether the input bounds a job:
 where a busy engine's thread gets fewer samples a second than the GPU could caption, the input does.
 
-    python benchmarks/input_rate.py [--samples 300] [--workers N] [--busy-ms 20] [--json PATH]
+    python benchmarks/input_rate.py [--samples 300] [--workers N] [--busy-ms 20] [--settings job,...]
+                                    [--json PATH]
 """
 
 from __future__ import annotations
@@ -132,8 +133,18 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=None, help="Preprocessing workers (a job's default)")
     parser.add_argument("--busy-ms", type=float, default=20.0, help="The busy engine thread's step, in ms")
     parser.add_argument("--size", choices=("2b", "7b"), default="2b", help="Whose image processor")
+    parser.add_argument(
+        "--settings",
+        type=lambda text: [name.strip() for name in text.split(",")],
+        default=[name for name, *_ in SETTINGS],
+        help=f"Which of the settings to run, comma-separated ({', '.join(name for name, *_ in SETTINGS)})",
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    unknown = set(args.settings) - {name for name, *_ in SETTINGS}
+    if unknown:
+        parser.error(f"--settings: no setting {', '.join(sorted(unknown))}")
+    chosen = [setting for setting in SETTINGS if setting[0] in args.settings]
     workers = default_workers() if args.workers is None else args.workers
     processor = sample_processor(args.size)
     rows = []
@@ -142,7 +153,7 @@ def main() -> None:
         write_images(data, args.samples)
         for workload, preparing in (("samples", processor), ("transport", PreparedOnce(processor))):
             for engine, busy_s in (("idle", 0.0), ("busy", args.busy_ms / 1e3)):
-                for settings, files, handoffs in SETTINGS:
+                for settings, files, handoffs in chosen:
                     measured = delivery_rate(data, preparing, workers, busy_s, files, handoffs)
                     rows.append({"workload": workload, "engine": engine, "settings": settings, **measured})
                     print(f"{workload:9} {engine:5} {settings:13} {measured['samples_per_s']:8.1f} samples/s")

@@ -27,8 +27,8 @@ reported and the next still runs, in the order of what a GPU window must answer 
                    the samples/s the host allows this workload, its input, scheduling and launches
   input_rate       benchmarks/input_rate.py on the host: prepared samples a second reaching an engine thread
                    idle and busy in Python (as a GPU engine's is), with the job's input settings (pixels
-                   sent as shared-memory files opened by name, GIL handoffs every 1 ms), with the
-                   handoffs alone and with torch's and Python's defaults
+                   sent as shared-memory files opened by name, GIL handoffs every 1 ms) and with torch's
+                   and Python's defaults
   vision_call      benchmarks/vision_call.py: one vision call of Qwen2-VL-2B's tower at 4,096 to 32,768
                    patches, without and with the fused kernels, then with them and its attention by SDPA
                    (cuDNN first): its wall, its pixels' staging and its kernels' time, the kernels with
@@ -483,10 +483,12 @@ def vision_call(work: Path) -> dict:
 def input_rate(work: Path) -> dict:
     """benchmarks/input_rate.py on this machine's host: the samples a second its preprocessing workers get
     to an engine thread that is idle and to one busy in Python, as a GPU engine's thread is, with the job's
-    input settings, the GIL handoffs alone and the defaults: whether the input bounds a job here."""
+    input settings and with torch's and Python's defaults (the handoffs alone, which the CPU measured between
+    them, left out for the window's minutes): whether the input bounds a job here."""
     out = work / "input_rate.json"
     samples = "60" if ON_CPU else "300"
-    command = [sys.executable, "benchmarks/input_rate.py", "--samples", samples, "--json", str(out)]
+    command = [sys.executable, "benchmarks/input_rate.py", "--samples", samples, "--settings", "job,defaults"]
+    command += ["--json", str(out)]
     return reported_run(command, out, 120)  # its whole table: a row per workload, engine thread and settings
 
 

@@ -352,3 +352,12 @@ def test_the_vision_call_benchmark_refuses_sizes_that_time_nothing_in_one_line(t
         result = subprocess.run(command, capture_output=True, text=True)
         assert result.returncode != 0 and not out.exists()
         assert "--patches" in result.stderr.strip().splitlines()[-1]
+
+
+def test_the_input_rate_benchmark_refuses_a_setting_it_does_not_have_before_any_work(tmp_path):
+    out = tmp_path / "rate.json"
+    script = str(BENCHMARKS / "input_rate.py")
+    command = [sys.executable, script, "--settings", "job,fastest", "--json", str(out)]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=BENCHMARKS)
+    assert result.returncode == 2 and not out.exists()
+    assert "--settings: no setting fastest" in result.stderr
