@@ -24,6 +24,9 @@ which fast paths were on are recorded with it.
 `--temperature` (with `--top-p`) samples each caption instead of choosing greedily: the draws are made on
 the device, so that a sampled job's steps overlap as a greedy one's do.
 
+`--launch-settings` runs the job with kernel launch settings other than the defaults (`launch_settings.py`:
+what a window's kernel benchmarks found faster, before they become the defaults).
+
 `--labels` makes it a labeling workload instead: the same images, each with `constrained.py`'s five-field
 JSON-schema prompt generated under its grammar (up to 256 tokens; the grammar ends each answer), so that
 the grammar's host work per step (a bitmask a step for every row, filled on the host) is measured with
@@ -32,8 +35,8 @@ overlapped steps and without.
 On a CPU (`--device cpu`, e.g. `--size tiny --samples 8`) the same runs, with the GPU's figures null.
 
     python benchmarks/gpu_throughput.py --device cuda --size 2b [--samples 1000] [--labels] [--cuda-graphs]
-        [--overlap] [--fused-kernels] [--max-num-seqs N] [--temperature T [--top-p P]] [--json PATH]
-        [--texts PATH]
+        [--overlap] [--fused-kernels] [--max-num-seqs N] [--temperature T [--top-p P]]
+        [--launch-settings JSON] [--json PATH] [--texts PATH]
 """
 
 from __future__ import annotations
@@ -55,6 +58,8 @@ from batchvl_method import batchvl_job
 from constrained import SCHEMA
 from flops import FlopCounter
 from gpu_timeline import GpuTimeline
+from launch_settings import applied
+from launch_settings import problem as launch_problem
 from matmul_probe import matmul_peak
 from PIL import Image
 from step_timing import TRACE_COLUMNS, StepTimer, WindowsDone
@@ -363,6 +368,7 @@ def measure(args, work: Path) -> dict:
             "fused_kernels": has_fused_kernels(loaded.adapter.model),
             "vision_attention": engine.vision_attention,
             "decode_kernel": decode_kernel(loaded, on_gpu),
+            "launch_settings": args.launch_settings,  # beside the kernels' defaults
         },
     }
 
@@ -397,6 +403,13 @@ def sampling_keys(args) -> dict:
     return {"temperature": args.temperature, "top_p": args.top_p}
 
 
+def json_argument(text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not JSON ({error})") from None
+
+
 def argument_problem(args) -> str | None:
     """What is wrong with the arguments, in one line with its fix; None when nothing is."""
     if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
@@ -407,6 +420,8 @@ def argument_problem(args) -> str | None:
         return f"--samples {args.samples} runs nothing; give 1 or more"
     if args.max_num_seqs != "auto" and args.max_num_seqs < 1:
         return f"--max-num-seqs {args.max_num_seqs} runs nothing; give 1 or more, or auto"
+    if (problem := launch_problem(args.launch_settings)) is not None:
+        return problem
     if args.temperature < 0 or not 0 < args.top_p <= 1:
         return (
             f"--temperature {args.temperature} --top-p {args.top_p}: give a temperature >= 0, top-p in (0, 1]"
@@ -476,6 +491,13 @@ def main() -> None:
         help="Sample at this temperature (0: greedy), each request from its own seeded generator",
     )
     parser.add_argument("--top-p", type=float, default=1.0, help="With --temperature: top-p (1: all tokens)")
+    parser.add_argument(
+        "--launch-settings",
+        type=json_argument,
+        default={},
+        help="Kernel launch settings beside the defaults, as JSON (launch_settings.py), e.g. "
+        '{"triton_grouped_decode": {"BLOCK_KEYS": 128}}',
+    )
     parser.add_argument("--json", type=Path, help="Write the row here.")
     parser.add_argument("--texts", type=Path, help="Write each sample's output text here (JSON, by key).")
     args = parser.parse_args()
@@ -483,7 +505,10 @@ def main() -> None:
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         raise SystemExit(2)
-    with tempfile.TemporaryDirectory(prefix="batchvl-gpu-throughput-") as folder:
+    with (
+        tempfile.TemporaryDirectory(prefix="batchvl-gpu-throughput-") as folder,
+        applied(args.launch_settings),
+    ):
         row = measure(args, Path(folder))
     print(json.dumps(row, indent=2))
     write_json(args.json, row)

@@ -77,6 +77,9 @@ reported and the next still runs, in the order of what a GPU window must answer 
                    0.8 and top-p 0.9, drawn on the device),
                    gpu_throughput_2b_labels and _labels_overlap (a JSON-schema labeling workload, its
                    grammar's masks filled between serial steps, then while overlapped steps run),
+                   gpu_throughput_2b_tuned (every fast path with the launch settings and vision attention
+                   that fused_elementwise, decode_attention and vision_call, named before it in the same
+                   call, found faster than the defaults: benchmarks/launch_settings.py),
                    throughput_wide (the same as throughput_small at Qwen2-VL-2B's widths) and
                    gpu_throughput_7b (Qwen2-VL-7B with no fast path, the baseline of its fast run)
 
@@ -556,17 +559,21 @@ def gpu_throughput(
     labels: bool = False,
     vision_attention: str | None = None,
     sampled: bool = False,
+    launch_settings: dict | None = None,
 ) -> dict:
     """The captioning benchmark (with `labels`, its JSON-schema labeling workload) at a real size, with the
-    engine's `fast_paths` on; its whole row is the stage's report, with the share of samples whose text
-    equals the same workload's run without fast paths (where that ran before in this check). 1,000 samples:
-    at the 13 samples/s batchvl's eager engine reached at Qwen2-VL-2B's widths on an H200, about 75 s of the
-    stage's 240 (the model is made in seconds; the rest is the warm-up job and the FLOP count)."""
+    engine's `fast_paths` on (and the kernels' `launch_settings` beside their defaults); its whole row is the
+    stage's report, with the share of samples whose text equals the same workload's run without fast paths
+    and, for other launch settings or vision attention, with every fast path and the defaults (where those
+    ran before in this check). 1,000 samples: at the 13 samples/s batchvl's eager engine reached at
+    Qwen2-VL-2B's widths on an H200, about 75 s of the stage's 240 (the model is made in seconds; the rest is
+    the warm-up job and the FLOP count)."""
     base = f"gpu_throughput-{size}" + ("-labels" if labels else "")
     named = [
         *([f"{max_num_seqs}seqs"] if max_num_seqs else []),
         *([f"{vision_attention}-vision"] if vision_attention else []),
         *(["sampled"] if sampled else []),
+        *(["tuned"] if launch_settings else []),
     ]
     name = "-".join([base, *fast_paths, *named])
     out, texts = work / f"{name}.json", work / f"{name}.texts"  # (not *.json: not kept beside the report)
@@ -577,15 +584,67 @@ def gpu_throughput(
     command += ["--labels"] if labels else []
     command += ["--vision-attention", vision_attention] if vision_attention else []
     command += ["--temperature", str(SAMPLED_TEMPERATURE), "--top-p", str(SAMPLED_TOP_P)] if sampled else []
+    command += ["--launch-settings", json.dumps(launch_settings)] if launch_settings else []
     result = run([*command, *workload], {"thin": 120, "2b": 240}.get(size, 300))
     result.pop("stdout", None)
     row = json.loads(out.read_text()) if out.exists() else {}
-    eager = work / f"{base}.texts"
-    if (fast_paths or max_num_seqs or vision_attention) and not sampled and texts.exists() and eager.exists():
-        mine, theirs = json.loads(texts.read_text()), json.loads(eager.read_text())
-        same = sum(mine.get(key) == text for key, text in theirs.items())
-        row["same_text_share_vs_eager"] = round(same / max(len(theirs), 1), 4)
+    baselines = {}
+    if (fast_paths or named) and not sampled:
+        baselines["same_text_share_vs_eager"] = work / f"{base}.texts"
+    if vision_attention or launch_settings:
+        baselines["same_text_share_vs_default_launch"] = work / ("-".join([base, *FAST_PATHS]) + ".texts")
+    for key, baseline in baselines.items():
+        if (share := same_text_share(texts, baseline)) is not None:
+            row[key] = share
     return {"ok": result["rc"] == 0 and bool(row), **result, **row}
+
+
+def same_text_share(texts: Path, other: Path) -> float | None:
+    """The share of `other`'s samples whose text `texts` has too (JSON files by key); None where either is
+    missing."""
+    if not (texts.exists() and other.exists()):
+        return None
+    mine, theirs = json.loads(texts.read_text()), json.loads(other.read_text())
+    same = sum(mine.get(key) == text for key, text in theirs.items())
+    return round(same / max(len(theirs), 1), 4)
+
+
+def gpu_throughput_tuned(work: Path) -> dict:
+    """The 2B job with every fast path, the fastest launch settings `fused_elementwise` and
+    `decode_attention` timed and the tower's attention `vision_call` found fastest, each where it beat the
+    defaults (`benchmarks/launch_settings.py`; the stages run before it in the same call); skipped where
+    nothing did, or none of them ran."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from launch_settings import (
+        DECODE_CASE,
+        DECODE_TIME,
+        ELEMENTWISE_CASE,
+        ELEMENTWISE_TIME,
+        fastest_launches,
+        fastest_vision_attention,
+    )
+
+    def report(name: str) -> dict | None:
+        path = work / f"{name}.json"
+        return json.loads(path.read_text()) if path.exists() else None
+
+    found = {name: report(name) for name in ("fused_elementwise", "decode_attention", "vision_call")}
+    readings = [name for name, content in found.items() if content is not None]
+    launches = {
+        module: chosen
+        for module, name, case, time_key in (
+            ("triton_elementwise", "fused_elementwise", ELEMENTWISE_CASE, ELEMENTWISE_TIME),
+            ("triton_grouped_decode", "decode_attention", DECODE_CASE, DECODE_TIME),
+        )
+        if found[name] and (chosen := fastest_launches(found[name], case, time_key))
+    }
+    attention = fastest_vision_attention(found["vision_call"]) if found["vision_call"] else None
+    if not launches and attention is None:
+        where = ", ".join(readings) or "no kernel benchmark of this check (run them before it)"
+        return {"ok": True, "skipped": f"nothing beat the defaults in {where}"}
+    tuned = {"launch_settings": launches, "vision_attention": attention, "tuned_from": readings}
+    outcome = gpu_throughput(work, "2b", FAST_PATHS, vision_attention=attention, launch_settings=launches)
+    return {**tuned, **outcome}
 
 
 def two_processes(work: Path) -> dict:
@@ -636,6 +695,9 @@ STAGES = [
     # launch settings (9 at each of two cases)
     ("decode_attention", decode_attention),
     ("sampling", sampling),  # some 15 s: 24 steps of picks on the device, 12 drawn on the host
+    # every fast path with what the three kernel benchmarks above found faster than the defaults, where they
+    # ran before it in the same call: what their winners give a whole job
+    ("gpu_throughput_2b_tuned", gpu_throughput_tuned),
     ("throughput_small", lambda work: throughput(work, "small")),
     *(
         (f"gpu_throughput_2b_{path}", lambda work, path=path: gpu_throughput(work, "2b", (path,)))
@@ -669,6 +731,7 @@ OPTIONAL = {
     "gpu_throughput_2b_fast_sampled",
     "gpu_throughput_2b_labels",
     "gpu_throughput_2b_labels_overlap",
+    "gpu_throughput_2b_tuned",
     *(f"gpu_throughput_2b_{path}" for path in FAST_PATHS),
 }
 MIN_STAGE_S = 20  # a stage started with less time left could not finish

@@ -146,6 +146,12 @@ def test_the_gpu_benchmarks_arguments_are_checked_in_one_line_before_any_work(tm
     assert gpu_throughput_run(tmp_path, "--size", "9b").returncode == 2  # argparse's choices
     refused = gpu_throughput_run(tmp_path, "--device", "cpu", "--max-num-seqs", "0")
     assert refused.stderr == "error: --max-num-seqs 0 runs nothing; give 1 or more, or auto\n"
+    refused = gpu_throughput_run(tmp_path, "--device", "cpu", "--launch-settings", '{"triton_x": {}}')
+    assert refused.returncode == 2 and refused.stderr.startswith(
+        "error: --launch-settings: no kernels' module"
+    )
+    refused = gpu_throughput_run(tmp_path, "--device", "cpu", "--launch-settings", "{BLOCK_KEYS: 128}")
+    assert refused.returncode == 2 and "--launch-settings: not JSON" in refused.stderr
 
 
 def test_the_gpu_benchmark_runs_on_the_cpu_with_the_gpus_figures_null(tmp_path):
@@ -160,10 +166,14 @@ def test_the_gpu_benchmark_runs_on_the_cpu_with_the_gpus_figures_null(tmp_path):
         "--cuda-graphs",
         "--overlap",
         "--fused-kernels",
+        "--launch-settings",
+        '{"triton_grouped_decode": {"BLOCK_KEYS": 128}}',
     )
     assert done.returncode == 0, done.stderr[-2000:]
     row = json.loads((tmp_path / "r.json").read_text())
     assert (row["device"], row["size"], row["samples"]) == ("cpu", "tiny", 6)
+    assert row["engine"]["launch_settings"] == {"triton_grouped_decode": {"BLOCK_KEYS": 128}}
+    assert set(row["model_build_phases_s"]) == {"processor", "weights", "prepare"}
     assert row["samples_per_s"] > 0 and row["workload_tflop_per_sample"] > 0
     for gpu_only in ("kernel_time_share", "measured_matmul_peak_tflops", "datasheet_bf16_tflops"):
         assert row[gpu_only] is None

@@ -317,3 +317,45 @@ def test_a_failed_stages_output_names_the_checkouts_files_relative_to_it(gpu_che
     outcome = gpu_check.run([sys.executable, "-c", script], 30)
     assert outcome["rc"] == 1
     assert outcome["output_tail"].strip() == "File batchvl/api.py, line 1; rootdir: ."
+
+
+def test_the_tuned_run_takes_what_the_kernel_benchmarks_found_faster(gpu_check, monkeypatch, tmp_path):
+    """The kernel benchmarks' reports, as they leave them in the check's folder, choose the tuned 2B run's
+    launch settings and vision attention; its texts are set against the default fast run's too (the
+    benchmark is faked: its flags and files as the stage passes them)."""
+    assert gpu_check.gpu_throughput_tuned(tmp_path)["skipped"] == (
+        "nothing beat the defaults in no kernel benchmark of this check (run them before it)"
+    )
+    decode = [{"shape": "2b", "sequences": 1024, "keys": 600, "grouped_us": 100.0}]
+    decode.append({**decode[0], "launch": {"BLOCK_KEYS": 128}, "grouped_us": 80.0})
+    (tmp_path / "decode_attention.json").write_text(json.dumps({"results": decode}))
+    vision = [
+        {"patches": 32768, "fused_kernels": True, "vision_attention": "flash_varlen", "wall_ms": 100.0},
+        {"patches": 32768, "fused_kernels": True, "vision_attention": "sdpa", "wall_ms": 99.0},
+    ]
+    (tmp_path / "vision_call.json").write_text(json.dumps({"rows": vision}))
+    fast_texts = tmp_path / "gpu_throughput-2b-cuda_graphs-overlap-fused_kernels.texts"
+    fast_texts.write_text(json.dumps({"a": "a cat", "b": "a dog"}))
+    commands = []
+
+    def fake_run(command, limit_s, **kwargs):
+        commands.append(command)
+        Path(command[command.index("--json") + 1]).write_text(json.dumps({"samples_per_s": 2.0}))
+        Path(command[command.index("--texts") + 1]).write_text(json.dumps({"a": "a cat", "b": "a bat"}))
+        return {"rc": 0, "seconds": 1.0, "stdout": ""}
+
+    monkeypatch.setattr(gpu_check, "run", fake_run)
+    tuned = gpu_check.gpu_throughput_tuned(tmp_path)
+    assert tuned["ok"] and tuned["samples_per_s"] == 2.0
+    assert tuned["launch_settings"] == {"triton_grouped_decode": {"BLOCK_KEYS": 128}}
+    assert tuned["vision_attention"] is None  # 1% faster: within the noise
+    assert tuned["tuned_from"] == ["decode_attention", "vision_call"]
+    (command,) = commands
+    passed = json.loads(command[command.index("--launch-settings") + 1])
+    assert passed == {"triton_grouped_decode": {"BLOCK_KEYS": 128}} and "--vision-attention" not in command
+    assert {"--cuda-graphs", "--overlap", "--fused-kernels"} <= set(command)
+    assert tuned["same_text_share_vs_default_launch"] == 0.5 and "same_text_share_vs_eager" not in tuned
+    assert Path(command[command.index("--json") + 1]).name == (
+        "gpu_throughput-2b-cuda_graphs-overlap-fused_kernels-tuned.json"
+    )
+    assert "gpu_throughput_2b_tuned" in gpu_check.OPTIONAL
