@@ -33,7 +33,7 @@ from batchvl.engine.request import (
     ScheduledChunk,
 )
 from batchvl.engine.sampling.choice_scoring import ChoiceGroup, ChoiceTokenizer, StepScores
-from batchvl.engine.sampling.logprobs import TokenLogprobs, kept_logprobs, logprob_fields
+from batchvl.engine.sampling.logprobs import TokenLogprobs, keeps_logprobs, kept_logprobs, logprob_fields
 from batchvl.engine.sampling.sampler import make_generator, step_picks
 from batchvl.engine.sampling.stopping import StopChecker
 from batchvl.engine.sampling.structured_output import GrammarMatchers
@@ -63,9 +63,12 @@ def step_sizes_for(adapter: ModelAdapter, config: EngineConfig) -> EngineConfig:
     )
 
 
-def picks_of(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-    """The next token of each request, row i of (rows, vocab) `logits` being requests[i]'s, on the device."""
-    return step_picks(logits, [r.sampling for r in requests], [r.generator for r in requests])
+def picks_of(logits: torch.Tensor, requests: list[Request], taken: list[Request | None]) -> torch.Tensor:
+    """The next token of each request, row i of (rows, vocab) `logits` being requests[i]'s, on the device;
+    the sampled rows whose log-probabilities are taken (`taken[i]`, None where not) left warped in `logits`,
+    as `kept_logprobs` takes them."""
+    warped = {row for row, request in enumerate(taken) if keeps_logprobs(request)}
+    return step_picks(logits, [r.sampling for r in requests], [r.generator for r in requests], warped)
 
 
 class Engine:
@@ -268,7 +271,7 @@ class Engine:
         # and its log-probabilities are not taken (None)
         taken = [None if request.request_id in ending else request for request in sampling]
         self.grammars.mask(logits.sampled, [None if r is None else r.grammar for r in taken])
-        picks = picks_of(logits.sampled, sampling)
+        picks = picks_of(logits.sampled, sampling, taken)
         host = HostCopy(picks)
         keep, logprobs = kept_logprobs(logits.sampled, taken, picks)
         scores = StepScores(chunks, logits.scored)
@@ -337,7 +340,7 @@ class Engine:
         that are done."""
         sampling = [chunk.request for chunk in chunks if chunk.samples_next_token]
         self.grammars.mask(logits, [request.grammar for request in sampling])
-        picks = picks_of(logits, sampling)
+        picks = picks_of(logits, sampling, sampling)
         keep, logprobs = kept_logprobs(logits, sampling, picks)
         tokens = picks.tolist()
         kept = dict(zip(keep, logprobs.read(), strict=True)) if logprobs is not None else {}

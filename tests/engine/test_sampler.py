@@ -354,3 +354,22 @@ def test_a_gpu_draws_more_rows_at_once_than_a_cpu(monkeypatch):
     filtered.clear()
     assert step_picks(on_fake_cuda(logits), params, generators_of(params)).tolist() == on_cpu
     assert filtered == [8] * 2
+
+
+def test_rows_asked_for_are_left_as_they_were_drawn_from_and_the_others_as_they_were():
+    """A sampled row whose log-probabilities are kept is left warped by its draw (its filtered logits over
+    its own), so that they are not filtered a second time; the other rows are untouched and every pick is
+    the one made without it."""
+    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(7)) * 3
+    top_p, temperature = SamplingParams(temperature=0.7, top_p=0.8), SamplingParams(temperature=1.3)
+    params = [top_p, SamplingParams(), top_p, temperature]
+    expected = {row: filtered_logits(logits[row], params[row]) for row in (0, 2, 3)}
+    untouched = logits.clone()
+    picks = step_picks(untouched.clone(), params, generators_of(params)).tolist()
+    warped = logits.clone()
+    # row 2 is the second of its warpers' rows: its filtered row is found by its place among them
+    assert step_picks(warped, params, generators_of(params), warped_rows={1, 2, 3}).tolist() == picks
+    assert torch.equal(warped[2], expected[2]) and torch.equal(warped[3], expected[3])
+    assert torch.equal(warped[1], untouched[1])  # greedy: its logits are what it picked from
+    assert torch.equal(warped[0], untouched[0])  # sampled, but not asked for
+    assert not torch.equal(expected[0], untouched[0])  # (top-p removes tokens: a warp would show)

@@ -13,7 +13,6 @@ import torch
 
 from batchvl.engine.device.host_copy import HostCopy
 from batchvl.engine.sampling.params import SamplingParams
-from batchvl.engine.sampling.sampler import by_warpers, filtered_logits
 from batchvl.layers.attention import uploaded
 from batchvl.utils.int_tensors import int64_tensor
 
@@ -70,26 +69,16 @@ def kept_logprobs(
 ) -> tuple[list[int], RowLogprobs | None]:
     """The rows of (rows, vocab) `logits` whose request keeps its tokens' log-probabilities (`requests[i]`
     is row i's; None: not taken), and those rows' `RowLogprobs` for their tokens in `tokens` (an int64
-    tensor over all the rows, on the logits' device), as many most likely tokens as the most asked for."""
+    tensor over all the rows, on the logits' device), as many most likely tokens as the most asked for.
+    `logits` as the step's picks left them (`sampler.step_picks` with these rows as its `warped_rows`): a
+    sampled row warped, a greedy one as the model gave it."""
     rows = [row for row, request in enumerate(requests) if keeps_logprobs(request)]
     if not rows:
         return rows, None
-    params = [requests[row].sampling for row in rows]
-    top = max(p.top_logprobs for p in params)
+    top = max(requests[row].sampling.top_logprobs for row in rows)
     (index,) = uploaded([int64_tensor(rows)], logits.device)
     chosen = tokens.index_select(0, index)
-    return rows, RowLogprobs(warped(logits.index_select(0, index), params), chosen, top)
-
-
-def warped(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """(rows, vocab) logits, row i's request sampling with params[i], with each sampled row replaced, in
-    place, by its `filtered_logits`: what its token was drawn from (a greedy row's are its logits)."""
-    groups = list(by_warpers(params).values())
-    if groups:
-        indices = uploaded([int64_tensor(rows) for rows in groups], logits.device)
-        for rows, index in zip(groups, indices, strict=True):
-            logits.index_copy_(0, index, filtered_logits(logits.index_select(0, index), params[rows[0]]))
-    return logits
+    return rows, RowLogprobs(logits.index_select(0, index), chosen, top)
 
 
 def logprob_fields(record: TokenLogprobs | None, params: SamplingParams, tokenizer) -> dict:

@@ -23,6 +23,7 @@ u from the host, so that a sampled step, like a greedy one, leaves its picks on 
 from __future__ import annotations
 
 import random
+from collections.abc import Collection
 
 import torch
 
@@ -39,13 +40,19 @@ SAMPLED_ELEMENTS = 2**23
 GPU_SAMPLED_ELEMENTS = 2**25
 
 
+@torch.inference_mode()  # (the logits are the forward's: written in place where rows are left warped)
 def step_picks(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[random.Random | None]
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[random.Random | None],
+    warped_rows: Collection[int] = (),
 ) -> torch.Tensor:
     """Each row's next token as an int64 tensor on the logits' device, for (rows, vocab) float32 logits:
     the argmax for a greedy row (`greedy_picks`), for a row that samples a draw from its warped distribution
     (`draw_sampled`) at the next number of its generator (`generators[i]`, None for a greedy row). Nothing
-    is read back: an overlapped step feeds the picks to the next step's forward on the device."""
+    is read back: an overlapped step feeds the picks to the next step's forward on the device. The sampled
+    rows among `warped_rows` are left as they were drawn from: their `filtered_logits` written over their
+    logits, which their log-probabilities are then taken of (`logprobs.py`) without filtering them again."""
     sampled = [row for row, p in enumerate(params) if not p.is_greedy]
     if sampled and len(sampled) == len(params):  # (a step that samples every row makes no argmax)
         picks = logits.new_empty(len(params), dtype=torch.long)
@@ -53,7 +60,7 @@ def step_picks(
         picks = greedy_picks(logits)
     if sampled:
         draws = [draw_bits(generators[row]) for row in sampled]
-        draw_sampled(logits, picks, sampled, [params[row] for row in sampled], draws)
+        draw_sampled(logits, picks, sampled, [params[row] for row in sampled], draws, warped_rows)
     return picks
 
 
@@ -64,12 +71,18 @@ def draw_bits(generator: random.Random) -> int:
 
 
 def draw_sampled(
-    logits: torch.Tensor, picks: torch.Tensor, rows: list[int], params: list[SamplingParams], draws: list[int]
+    logits: torch.Tensor,
+    picks: torch.Tensor,
+    rows: list[int],
+    params: list[SamplingParams],
+    draws: list[int],
+    warped_rows: Collection[int] = (),
 ) -> None:
     """Write into `picks` the token of each of `rows` (its params and draw beside it): the first token whose
     cumulative probability, summed in float64 in vocabulary order over the softmax of its
-    `filtered_logits`, exceeds u times the total, u = draw / 2**DRAW_BITS. Rows with the same warpers go
-    together, SAMPLED_ELEMENTS logits at a time (GPU_SAMPLED_ELEMENTS on a GPU)."""
+    `filtered_logits`, exceeds u times the total, u = draw / 2**DRAW_BITS; and over the logits of those of
+    `rows` in `warped_rows`, their `filtered_logits`. Rows with the same warpers go together,
+    SAMPLED_ELEMENTS logits at a time (GPU_SAMPLED_ELEMENTS on a GPU)."""
     vocab = logits.shape[-1]
     at_once = max(1, (GPU_SAMPLED_ELEMENTS if logits.is_cuda else SAMPLED_ELEMENTS) // vocab)
     pieces = [
@@ -77,14 +90,22 @@ def draw_sampled(
         for members in by_warpers(params).values()
         for start in range(0, len(members), at_once)
     ]
-    # every piece's rows and draws in one copy to the device
+    # per piece, where its warped rows are in it and in the logits
+    warped = [[(at, rows[i]) for at, i in enumerate(piece) if rows[i] in warped_rows] for piece in pieces]
+    # every piece's rows, draws and warped rows in one copy to the device
     uploads = uploaded(
         [int64_tensor([rows[i] for i in piece]) for piece in pieces]
-        + [int64_tensor([draws[i] for i in piece]) for piece in pieces],
+        + [int64_tensor([draws[i] for i in piece]) for piece in pieces]
+        + [int64_tensor([at for at, _ in kept]) for kept in warped]
+        + [int64_tensor([row for _, row in kept]) for kept in warped],
         logits.device,
     )
-    for piece, index, bits in zip(pieces, uploads[: len(pieces)], uploads[len(pieces) :], strict=True):
-        probs = torch.softmax(filtered_logits(logits.index_select(0, index), params[piece[0]]), dim=-1)
+    count = len(pieces)
+    indices, bits_of, positions, targets = (uploads[n * count : (n + 1) * count] for n in range(4))
+    for p, piece in enumerate(pieces):
+        index, bits = indices[p], bits_of[p]
+        filtered = filtered_logits(logits.index_select(0, index), params[piece[0]])
+        probs = torch.softmax(filtered, dim=-1)
         cdf = probs.double().cumsum_(dim=-1)
         target = bits.double().mul_(2.0**-DRAW_BITS).mul_(cdf[:, -1])
         tokens = torch.searchsorted(cdf, target[:, None], right=True).squeeze(1).clamp_(max=vocab - 1)
@@ -92,6 +113,8 @@ def draw_sampled(
         # last token kept, and the most probable token stands in (a removed token is never drawn)
         kept = probs.gather(1, tokens[:, None]).squeeze(1) > 0
         picks.index_copy_(0, index, torch.where(kept, tokens, probs.argmax(dim=-1)))
+        if warped[p]:
+            logits.index_copy_(0, targets[p], filtered.index_select(0, positions[p]))
 
 
 def by_warpers(params: list[SamplingParams]) -> dict[tuple, list[int]]:
