@@ -691,8 +691,8 @@ STAGES = [
     ("host_step_1024_fast", lambda work: host_step(work, 1024, fast=True)),  # the same, and the captures
     # some 20-60 s: compiling the kernels, 56 timed ops and 17 other launch settings
     ("fused_elementwise", fused_elementwise),
-    # some 25-70 s: 8 cases of two kernels and four split counts (each compiled), 50 calls each, and 18
-    # launch settings (9 at each of two cases)
+    # some 25-70 s: 8 cases of two kernels and four split counts (each compiled), 50 calls each, and 16
+    # launch settings (8 at each of two cases)
     ("decode_attention", decode_attention),
     ("sampling", sampling),  # some 15 s: 24 steps of picks on the device, 12 drawn on the host
     # every fast path with what the three kernel benchmarks above found faster than the defaults, where they

@@ -1,0 +1,68 @@
+"""The engine's Triton kernels compiled for a Hopper GPU on a machine without one
+(benchmarks/kernel_resources.py): through their own launch functions, so that Triton specializes their
+arguments as a launch does, at the defaults and at every launch setting the GPU check's sweeps time; what
+each takes of an SM; and Triton's driver and launches as they were afterwards."""
+
+import importlib
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def resources():
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(BENCHMARKS))
+        yield importlib.import_module("kernel_resources")
+
+
+@pytest.fixture(scope="module")
+def hopper_rows(resources):
+    return resources.measure(90)
+
+
+def test_every_kernel_compiles_at_its_defaults_and_at_every_swept_setting(resources, hopper_rows):
+    from decode_attention import LAUNCHES
+    from fused_elementwise import SWEEP
+
+    launches = {}
+    for row in hopper_rows:
+        launches.setdefault(row["case"], []).append(row["launch"])
+    assert launches["decode_2b"] == launches["decode_7b"] == [{}, *LAUNCHES]
+    assert launches["prefill_2b"] == [{}]
+    for op in resources.elementwise_launches():
+        assert launches[op] == [{}, *SWEEP.get(op, ())]
+
+
+def test_no_kernel_spills_its_registers_at_its_defaults(hopper_rows):
+    """Compiled from its signature alone, without a launch's specialization, the decode kernel spilled (a
+    728-byte stack, scalar loads): the launch functions' own arguments are what a GPU compiles."""
+    defaults = [row for row in hopper_rows if not row["launch"]]
+    assert len(defaults) == 9
+    assert all(row["spill_stack_bytes"] == 0 and row["registers"] > 0 for row in defaults)
+    attention = [row for row in defaults if row["case"] in ("decode_2b", "decode_7b", "prefill_2b")]
+    assert all(row["programs_per_sm"] >= 2 for row in attention)
+
+
+def test_what_an_sm_holds_is_bound_by_registers_threads_and_shared_memory(resources):
+    # 168 registers a thread, 4 warps: 5,376 a warp, 21,504 a program: 3 of 65,536
+    assert resources.programs_per_sm(168, 4, 40960, 90) == 3
+    # 170 a thread: 5,440 a warp, given in units of 256, 5,632: 2 programs where 21,760 would fit 3
+    assert resources.programs_per_sm(170, 4, 0, 90) == 2
+    assert resources.programs_per_sm(32, 4, 0, 90) == 16  # 2,048 threads an SM
+    assert resources.programs_per_sm(32, 4, 83456, 80) == 1  # an A100's 164 KB of shared memory
+    assert resources.programs_per_sm(16, 1, 0, 90) == 32  # at most 32 programs
+
+
+def test_compiling_offline_leaves_triton_as_it_was(resources):
+    from triton.runtime import driver
+    from triton.runtime.jit import JITFunction
+
+    before = (driver._active, JITFunction.__getitem__)
+    with resources.compiling_for(90) as compiled:
+        resources.elementwise_launches()["silu_and_mul"]()
+    ((name, kernel),) = compiled
+    assert name == "silu_and_mul_kernel" and kernel.metadata.target.arch == 90
+    assert (driver._active, JITFunction.__getitem__) == before
