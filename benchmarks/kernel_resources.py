@@ -114,7 +114,18 @@ def resources(kernel) -> dict:
         "shared_bytes": kernel.metadata.shared + int(found["SHARED"]),
         "warps": kernel.metadata.num_warps,
         "stages": kernel.metadata.num_stages,
+        "scalar_16bit_accesses": scalar_16bit_accesses(kernel.asm["ptx"]),
     }
+
+
+def scalar_16bit_accesses(ptx: str) -> int:
+    """The loads and stores of global memory in a kernel's PTX that move one 16-bit element each: where
+    Triton could not prove a tensor's elements contiguous and aligned (an unspecialized stride, a mask that
+    varies along the contiguous axis), a bf16 tile is read an element at a time instead of 16 bytes at a
+    time."""
+    accesses = re.findall(r"\b(?:ld|st)\.global[\w.:]*", ptx)
+    scalar = [op for op in accesses if not re.search(r"\.v\d", op)]
+    return sum(bool(re.search(r"\.(?:b16|u16|s16|f16|bf16)$", op)) for op in scalar)
 
 
 def programs_per_sm(registers: int, warps: int, shared_bytes: int, arch: int) -> int:
@@ -214,11 +225,13 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     rows = measure(args.arch)
-    print(f"{'case':21} {'kernel':22} {'launch':45} regs stack shared  warps stages programs/SM")
+    print(f"{'case':21} {'kernel':22} {'launch':45} regs stack shared  warps stages programs/SM 2-byte")
     for row in rows:
         launch = ", ".join(f"{key}={value}" for key, value in row["launch"].items()) or "defaults"
         usage = f"{row['registers']:4} {row['spill_stack_bytes']:5} {row['shared_bytes']:6}"
-        shape = f"{row['warps']:6} {row['stages']:6} {row['programs_per_sm']:11}"
+        shape = (
+            f"{row['warps']:6} {row['stages']:6} {row['programs_per_sm']:11} {row['scalar_16bit_accesses']:6}"
+        )
         print(f"{row['case']:21} {row['kernel']:22} {launch:45} {usage} {shape}")
     write_json(args.json, {"arch": args.arch, "triton": __import__("triton").__version__, "rows": rows})
 

@@ -42,8 +42,23 @@ def test_no_kernel_spills_its_registers_at_its_defaults(hopper_rows):
     defaults = [row for row in hopper_rows if not row["launch"]]
     assert len(defaults) == 9
     assert all(row["spill_stack_bytes"] == 0 and row["registers"] > 0 for row in defaults)
+    # and every kernel, at every setting, reads and writes its bf16 tiles in vectors
+    assert all(row["scalar_16bit_accesses"] == 0 for row in hopper_rows)
     attention = [row for row in defaults if row["case"] in ("decode_2b", "decode_7b", "prefill_2b")]
     assert all(row["programs_per_sm"] >= 2 for row in attention)
+
+
+def test_an_element_at_a_time_is_told_from_vectors_in_the_ptx(resources):
+    ptx = """
+        ld.global.b16 %rs1, [%rd1];
+        @%p2 ld.global.L1::evict_last.b16 { %rs2 }, [ %rd2 + 0 ];
+        ld.global.v4.b32 { %r1, %r2, %r3, %r4 }, [ %rd3 + 0 ];
+        ld.global.v2.b16 { %rs3, %rs4 }, [ %rd4 + 0 ];
+        ld.global.b64 %rd5, [ %rd6 + 0 ];
+        st.global.b16 [ %rd7 + 0 ], { %rs5 };
+        st.global.v4.b32 [ %rd8 + 0 ], { %r5, %r6, %r7, %r8 };
+    """
+    assert resources.scalar_16bit_accesses(ptx) == 3
 
 
 def test_what_an_sm_holds_is_bound_by_registers_threads_and_shared_memory(resources):
