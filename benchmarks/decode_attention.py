@@ -44,15 +44,17 @@ LAUNCHES = (
 PAGE_SIZE = 16
 
 
-def decode_step(heads: int, kv_heads: int, head_dim: int, sequences: int, keys: int, dtype: torch.dtype):
+def decode_step(
+    heads: int, kv_heads: int, head_dim: int, sequences: int, keys: int, dtype: torch.dtype, device="cuda"
+):
     """A cache layer whose sequences' pages are scattered, their queries, and the decode call's arguments."""
     pages_each = -(-keys // PAGE_SIZE)
-    kv = torch.randn(2, kv_heads, sequences * pages_each * PAGE_SIZE, head_dim, device="cuda", dtype=dtype)
-    pages = torch.randperm(sequences * pages_each, device="cuda")
-    starts = torch.arange(sequences, device="cuda") * pages_each
-    lengths = torch.full((sequences,), keys, device="cuda")
-    rows = torch.arange(sequences, device="cuda")
-    query = torch.randn(heads, sequences, head_dim, device="cuda", dtype=dtype)
+    kv = torch.randn(2, kv_heads, sequences * pages_each * PAGE_SIZE, head_dim, device=device, dtype=dtype)
+    pages = torch.randperm(sequences * pages_each, device=device)
+    starts = torch.arange(sequences, device=device) * pages_each
+    lengths = torch.full((sequences,), keys, device=device)
+    rows = torch.arange(sequences, device=device)
+    query = torch.randn(heads, sequences, head_dim, device=device, dtype=dtype)
     return query, kv, (rows, pages, starts, lengths)
 
 

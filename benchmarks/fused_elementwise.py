@@ -44,15 +44,15 @@ SWEEP = {
 }
 
 
-def cases(rows: int, dtype: torch.dtype):
+def cases(rows: int, dtype: torch.dtype, device: str = "cuda"):
     """(name, eager, fused, bytes the timed fused call moves): the two each a function of no arguments
-    returning its outputs."""
+    returning its outputs, on `device`."""
     from batchvl.layers import triton_elementwise as fused
 
     def randn(*shape, scale=1.0):
-        return (torch.randn(*shape, device="cuda") * scale).to(dtype)
+        return (torch.randn(*shape, device=device) * scale).to(dtype)
 
-    norm = Qwen2RMSNorm(HIDDEN).to("cuda", dtype)
+    norm = Qwen2RMSNorm(HIDDEN).to(device, dtype)
     norm.weight.data = randn(HIDDEN)
     hidden, residual = randn(rows, HIDDEN), randn(rows, HIDDEN)
 
@@ -68,7 +68,7 @@ def cases(rows: int, dtype: torch.dtype):
         return silu(gate) * up
 
     qkv = randn(rows, HEADS + 2 * KV_HEADS, HEAD_DIM)
-    angles = torch.rand(rows, HEAD_DIM // 2, device="cuda") * 1000
+    angles = torch.rand(rows, HEAD_DIM // 2, device=device) * 1000
     cos, sin = (torch.cat([f, f], dim=-1).to(dtype) for f in (angles.cos(), angles.sin()))
     rotated = qkv.clone()
 
@@ -84,7 +84,7 @@ def cases(rows: int, dtype: torch.dtype):
         ]
 
     patches = randn(rows, 3 * VISION_HEADS, VISION_HEAD_DIM)
-    vision_angles = torch.rand(rows, VISION_HEAD_DIM // 2, device="cuda") * 100
+    vision_angles = torch.rand(rows, VISION_HEAD_DIM // 2, device=device) * 100
     vision_cos, vision_sin = (torch.cat([f, f], dim=-1) for f in (vision_angles.cos(), vision_angles.sin()))
     vision_rotated = patches.clone()
 
@@ -99,7 +99,7 @@ def cases(rows: int, dtype: torch.dtype):
 
     fc1_out, fc1_bias = randn(rows, VISION_MLP, scale=4), randn(VISION_MLP)
     quick_gelu = QuickGELUActivation()
-    layer_norm = torch.nn.LayerNorm(VISION_EMBED, eps=1e-6).to("cuda", dtype)
+    layer_norm = torch.nn.LayerNorm(VISION_EMBED, eps=1e-6).to(device, dtype)
     layer_norm.weight.data, layer_norm.bias.data = randn(VISION_EMBED), randn(VISION_EMBED)
     patch_rows, attended = randn(rows, VISION_EMBED, scale=3), randn(rows, VISION_EMBED)
 

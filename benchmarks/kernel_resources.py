@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import re
 import subprocess
 import tempfile
@@ -41,13 +40,12 @@ REGISTER_UNIT = 256  # registers are given to a warp in these units
 SHARED_PER_SM = {90: 228 * 1024, 80: 164 * 1024}  # bytes; each program also holds 1 KB for the system
 RESERVED_SHARED = 1024
 
-# A decode step of 2B's and 7B's heads: 256 sequences of 600 keys in pages of 16
-DECODE_SHAPES = {"2b": (12, 2, 128), "7b": (28, 4, 128)}
-SEQUENCES, KEYS, PAGE_SIZE = 256, 600, 16
-# The 2B's widths for the elementwise kernels (decoder hidden and MLP, vision embed and MLP)
-HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM = 1536, 8960, 12, 2, 128
-VISION_EMBED, VISION_MLP = 1280, 5120
-ROWS = 4096
+# The shapes compiled: a decode step of 2B's and 7B's heads (`decode_attention.py`'s), a step of 2B's prompt
+# chunks (`prefill_attention.py`'s) and the elementwise ops at 2B's widths (`fused_elementwise.py`'s); the
+# rows of a call change its grid, not its code
+DECODE_SEQUENCES, DECODE_KEYS = 256, 600
+PROMPT_CHUNK, PROMPT_CONTEXT = 256, 256
+ELEMENTWISE_ROWS = 16
 
 
 class _OfflineDriver:
@@ -138,56 +136,36 @@ def programs_per_sm(registers: int, warps: int, shared_bytes: int, arch: int) ->
 
 
 def decode_launch(shape: str) -> Callable[[], None]:
-    """The grouped decode call of a step of `shape`'s heads, on CPU tensors."""
+    """The grouped decode call of `decode_attention.py`'s step of `shape`'s heads, on CPU tensors."""
+    from decode_attention import PAGE_SIZE, SHAPES, decode_step
+
     from batchvl.layers.triton_grouped_decode import grouped_decode_attention
 
-    heads, kv_heads, head_dim = DECODE_SHAPES[shape]
-    pages_each = -(-KEYS // PAGE_SIZE)
-    bf16 = functools.partial(torch.zeros, dtype=torch.bfloat16)
-    kv = bf16(2, kv_heads, SEQUENCES * pages_each * PAGE_SIZE, head_dim)
-    query, out = bf16(heads, SEQUENCES, head_dim), bf16(SEQUENCES, heads, head_dim)
-    rows, starts = torch.arange(SEQUENCES), torch.arange(SEQUENCES) * pages_each
-    pages, lengths = torch.arange(SEQUENCES * pages_each), torch.full((SEQUENCES,), KEYS)
-    scale = head_dim**-0.5
-    return lambda: grouped_decode_attention(out, query, kv, rows, pages, starts, lengths, scale, PAGE_SIZE)
+    heads, kv_heads, head_dim = SHAPES[shape]
+    step = decode_step(heads, kv_heads, head_dim, DECODE_SEQUENCES, DECODE_KEYS, torch.bfloat16, "cpu")
+    query, kv, metadata = step
+    out = torch.zeros(DECODE_SEQUENCES, heads, head_dim, dtype=torch.bfloat16)
+    return lambda: grouped_decode_attention(out, query, kv, *metadata, head_dim**-0.5, PAGE_SIZE)
 
 
 def prefill_launch() -> Callable[[], None]:
-    """A step of 2B's prompt chunks by the paged prefill kernel: 16 chunks of 256 new tokens after 256
-    cached."""
+    """The paged prefill call of `prefill_attention.py`'s step of 2B's prompt chunks, on CPU tensors."""
+    from prefill_attention import LM_HEADS, prompt_chunks
+
     from batchvl.layers.triton_attention import paged_prefill_attention
 
-    chunks, new, cached = 16, 256, 256
-    bf16 = functools.partial(torch.zeros, dtype=torch.bfloat16)
-    kv = bf16(2, KV_HEADS, chunks * (new + cached), HEAD_DIM)
-    query, out = bf16(HEADS, chunks * new, HEAD_DIM), bf16(chunks * new, HEADS, HEAD_DIM)
-    starts, counts = torch.arange(chunks) * new, torch.full((chunks,), new)
-    slots = torch.arange(chunks * (new + cached)).view(chunks, -1)
-    lengths = torch.full((chunks,), new + cached)
-    scale = HEAD_DIM**-0.5
-    return lambda: paged_prefill_attention(out, query, kv, starts, counts, slots, lengths, scale, new)
+    heads, _, dim = LM_HEADS
+    step = prompt_chunks(PROMPT_CHUNK, PROMPT_CONTEXT, "cpu")
+    out = torch.zeros(step["count"] * PROMPT_CHUNK, heads, dim, dtype=torch.bfloat16)
+    arguments = [step[name] for name in ("query", "kv", "starts", "counts", "slots", "lengths")]
+    return lambda: paged_prefill_attention(out, *arguments, dim**-0.5, PROMPT_CHUNK)
 
 
 def elementwise_launches() -> dict[str, Callable[[], None]]:
-    """`fused_elementwise.py`'s ops at the 2B's widths, on CPU tensors, by its names."""
-    from batchvl.layers import triton_elementwise as fused
+    """`fused_elementwise.py`'s fused ops at the 2B's widths, on CPU tensors, by its names."""
+    from fused_elementwise import cases
 
-    def bf16(*shape):
-        return torch.zeros(*shape, dtype=torch.bfloat16)
-
-    hidden, weight = bf16(ROWS, HIDDEN), bf16(HIDDEN)
-    patches, vision_weight = bf16(ROWS, VISION_EMBED), bf16(VISION_EMBED)
-    qkv, cos = bf16(ROWS, HEADS + 2 * KV_HEADS, HEAD_DIM), bf16(ROWS, HEAD_DIM)
-    return {
-        "rms_norm_residual": lambda: fused.rms_norm(hidden, weight, 1e-6, bf16(ROWS, HIDDEN)),
-        "silu_and_mul": lambda: fused.silu_and_mul(bf16(ROWS, 2 * INTERMEDIATE)),
-        "rotary_q_k": lambda: fused.rotary_(qkv[:, : HEADS + KV_HEADS], cos, cos),
-        "quick_gelu_bias": lambda: fused.quick_gelu(bf16(ROWS, VISION_MLP), bf16(VISION_MLP)),
-        "layer_norm": lambda: fused.layer_norm(patches, vision_weight, vision_weight, 1e-6),
-        "layer_norm_residual": lambda: fused.layer_norm(
-            patches, vision_weight, vision_weight, 1e-6, bf16(ROWS, VISION_EMBED)
-        ),
-    }
+    return {name: fused for name, _, fused, _ in cases(ELEMENTWISE_ROWS, torch.bfloat16, "cpu")}
 
 
 def rows_of(case: str, launch: Callable[[], None], settings: dict, module: str, arch: int) -> list[dict]:
@@ -205,11 +183,11 @@ def rows_of(case: str, launch: Callable[[], None], settings: dict, module: str, 
 
 def measure(arch: int) -> list[dict]:
     """Every kernel at its defaults and at the launch settings its benchmark sweeps."""
-    from decode_attention import LAUNCHES
+    from decode_attention import LAUNCHES, SHAPES
     from fused_elementwise import SWEEP
 
     rows = []
-    for shape in DECODE_SHAPES:
+    for shape in SHAPES:
         for settings in ({}, *LAUNCHES):
             rows += rows_of(f"decode_{shape}", decode_launch(shape), settings, "triton_grouped_decode", arch)
     rows += rows_of("prefill_2b", prefill_launch(), {}, "triton_attention", arch)

@@ -41,27 +41,27 @@ VISION_PATCHES = 32768
 VISION_IMAGES = (1024, 4096)  # patches an image
 
 
-def prompt_chunks(chunk: int, context: int) -> dict:
+def prompt_chunks(chunk: int, context: int, device: str = DEVICE) -> dict:
     """A step of prompt chunks of `chunk` tokens after `context` cached keys each, in a paged cache whose
     pages are scattered: the Triton kernel's arguments and the chunks' own q/k/v for torch's."""
     heads, kv_heads, dim = LM_HEADS
     count = STEP_TOKENS // chunk
     keys_each = context + chunk
     pages_each = -(-keys_each // PAGE_SIZE)
-    pages = torch.randperm(count * pages_each, device=DEVICE).view(count, pages_each)
-    offsets = torch.arange(keys_each, device=DEVICE)
+    pages = torch.randperm(count * pages_each, device=device).view(count, pages_each)
+    offsets = torch.arange(keys_each, device=device)
     slots = pages[:, offsets // PAGE_SIZE] * PAGE_SIZE + offsets % PAGE_SIZE  # (count, keys_each)
-    kv = torch.randn(2, kv_heads, count * pages_each * PAGE_SIZE, dim, device=DEVICE, dtype=torch.bfloat16)
-    query = torch.randn(heads, count * chunk, dim, device=DEVICE, dtype=torch.bfloat16)
+    kv = torch.randn(2, kv_heads, count * pages_each * PAGE_SIZE, dim, device=device, dtype=torch.bfloat16)
+    query = torch.randn(heads, count * chunk, dim, device=device, dtype=torch.bfloat16)
     own = slots[:, context:].reshape(-1)  # the chunks' own keys, in packed order
     return {
         "count": count,
         "query": query,
         "kv": kv,
-        "starts": torch.arange(count, device=DEVICE) * chunk,
-        "counts": torch.full((count,), chunk, device=DEVICE),
+        "starts": torch.arange(count, device=device) * chunk,
+        "counts": torch.full((count,), chunk, device=device),
         "slots": slots,
-        "lengths": torch.full((count,), keys_each, device=DEVICE),
+        "lengths": torch.full((count,), keys_each, device=device),
         "keys": kv[0][:, own].transpose(0, 1).contiguous(),  # (T, KV heads, D)
         "values": kv[1][:, own].transpose(0, 1).contiguous(),
     }
