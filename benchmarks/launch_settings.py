@@ -29,6 +29,11 @@ MARGIN = 0.03  # a setting is kept where it takes at least 3% less time than the
 # What identifies a timed case in each kernel benchmark's rows, and its time
 ELEMENTWISE_CASE, ELEMENTWISE_TIME = ("op", "rows"), "fused_us"
 DECODE_CASE, DECODE_TIME = ("shape", "sequences", "keys"), "grouped_us"
+# Each kernels' module: the benchmark whose report times its launch settings, and that report's cases
+SWEPT_BY = {
+    "triton_elementwise": ("fused_elementwise", ELEMENTWISE_CASE, ELEMENTWISE_TIME),
+    "triton_grouped_decode": ("decode_attention", DECODE_CASE, DECODE_TIME),
+}
 
 
 def problem(settings: object) -> str | None:
@@ -94,6 +99,18 @@ def fastest_launches(report: dict, case_keys: tuple[str, ...], time_key: str) ->
         best = min(launches, key=lambda launch: sum(swept[launch].values()))
         if sum(swept[best].values()) < (1 - MARGIN) * default_us:
             chosen.update(best)
+    return chosen
+
+
+def fastest_of(reports: dict[str, dict | None]) -> dict[str, dict[str, int]]:
+    """Per kernels' module, the settings (`fastest_launches`) its benchmark's report found faster than the
+    defaults, from `reports` by benchmark name; a module whose report is missing, or found none, is left
+    out."""
+    chosen = {}
+    for module, (benchmark, case_keys, time_key) in SWEPT_BY.items():
+        report = reports.get(benchmark)
+        if report and (launches := fastest_launches(report, case_keys, time_key)):
+            chosen[module] = launches
     return chosen
 
 

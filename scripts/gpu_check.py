@@ -615,14 +615,7 @@ def gpu_throughput_tuned(work: Path) -> dict:
     defaults (`benchmarks/launch_settings.py`; the stages run before it in the same call); skipped where
     nothing did, or none of them ran."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from launch_settings import (
-        DECODE_CASE,
-        DECODE_TIME,
-        ELEMENTWISE_CASE,
-        ELEMENTWISE_TIME,
-        fastest_launches,
-        fastest_vision_attention,
-    )
+    from launch_settings import fastest_of, fastest_vision_attention
 
     def report(name: str) -> dict | None:
         path = work / f"{name}.json"
@@ -630,14 +623,7 @@ def gpu_throughput_tuned(work: Path) -> dict:
 
     found = {name: report(name) for name in ("fused_elementwise", "decode_attention", "vision_call")}
     readings = [name for name, content in found.items() if content is not None]
-    launches = {
-        module: chosen
-        for module, name, case, time_key in (
-            ("triton_elementwise", "fused_elementwise", ELEMENTWISE_CASE, ELEMENTWISE_TIME),
-            ("triton_grouped_decode", "decode_attention", DECODE_CASE, DECODE_TIME),
-        )
-        if found[name] and (chosen := fastest_launches(found[name], case, time_key))
-    }
+    launches = fastest_of(found)
     attention = fastest_vision_attention(found["vision_call"]) if found["vision_call"] else None
     if not launches and attention is None:
         where = ", ".join(readings) or "no kernel benchmark of this check (run them before it)"

@@ -127,3 +127,12 @@ def test_settings_are_the_kernels_inside_the_block_and_their_defaults_after_it(s
         raise RuntimeError("the job failed")
     after = (triton_grouped_decode.BLOCK_KEYS, triton_elementwise.NORM_WARPS)
     assert after == defaults
+
+
+def test_each_kernels_module_takes_what_its_own_benchmark_found(settings):
+    chosen = settings.fastest_of({"fused_elementwise": elementwise_report(), "decode_attention": None})
+    assert chosen == {"triton_elementwise": {"BLOCK_COLUMNS": 4096, "ELEMENTWISE_WARPS": 8}}
+    decode = [{"shape": "2b", "sequences": 256, "keys": 600, "grouped_us": 100.0}]
+    decode.append({**decode[0], "launch": {"DECODE_WARPS": 2}, "grouped_us": 90.0})
+    chosen = settings.fastest_of({"decode_attention": {"results": decode}, "fused_elementwise": None})
+    assert chosen == {"triton_grouped_decode": {"DECODE_WARPS": 2}}
