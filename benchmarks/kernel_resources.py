@@ -11,9 +11,9 @@ setting that does not compile, that spills registers, or that leaves an SM few p
 before a GPU window times it. What an SM holds is counted from its registers, threads and shared memory
 alone (CUDA's occupancy rules; no other limit).
 
-Compiled without the specialization of a launch (the signature alone, as the kernels' compile tests do),
-the grouped decode kernel used 255 registers and a 728-byte spill stack with scalar 2-byte loads; through
-its launch function, 168 registers, no spill, and its keys and values copied by pipelined 16-byte loads.
+The specialization matters: compiled once from its signature alone (as the kernels' compile tests compile
+it, a one-off, not kept here), the grouped decode kernel spilled registers and read its cache with scalar
+2-byte loads; through its launch function it uses 168 registers, no spill, and pipelined 16-byte loads.
 
     python benchmarks/kernel_resources.py [--arch 90] [--json PATH]
 """
