@@ -1,11 +1,11 @@
 """The input's rate: prepared samples a second that reach a job's engine thread from the preprocessing pool.
 
-The samples are `gpu_throughput.py`'s (unique 448x448 images, every fifth 896x672, prepared by Qwen2-VL-2B's
-processor into bfloat16 pixels, as a 2B job's workers prepare them). The engine thread is a stand-in that
-takes every sample ready and then either sleeps 1 ms (`idle`: what the workers and the transport can
-deliver) or spins in Python for `--busy-ms` (`busy`: a GPU engine's thread, which holds the GIL while it
-launches kernels, between each launch). Each runs with the job's input settings (the workers' pixels sent
-as shared-memory files opened by name, GIL handoffs every 1 ms: `preprocess/shared_pixels.py`,
+The samples are `gpu_throughput.py`'s (unique 448x448 images, every fifth 896x672, prepared as a Qwen2-VL-2B
+job's workers prepare them: 8-bit patch rows, normalized later by the vision call). The engine thread is a
+stand-in that takes every sample ready and then either sleeps 1 ms (`idle`: what the workers and the
+transport can deliver) or spins in Python for `--busy-ms` (`busy`: a GPU engine's thread, which holds the
+GIL while it launches kernels, between each launch). Each runs with the job's input settings (the workers'
+pixels sent as shared-memory files opened by name, GIL handoffs every 1 ms: `preprocess/shared_pixels.py`,
 `utils/background.py`), with the handoffs alone, and with torch's and Python's defaults (file descriptors
 fetched from the workers, 5 ms), so that the table says what each buys where the engine is busy. The rate
 is taken over the second half of the samples: the first fill the queues between the workers and the engine
@@ -33,6 +33,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from gpu_throughput import write_images
 from workloads import write_json
@@ -41,7 +42,6 @@ from batchvl.config import InputConfig, PreprocessConfig, PromptConfig
 from batchvl.demo.tiny_model import SIZES, qwen_parts
 from batchvl.inputs.parquet import ParquetSource
 from batchvl.models.registry import model_family
-from batchvl.preprocess.media import PixelsInDtype
 from batchvl.preprocess.pool import PreprocessPool, default_workers
 from batchvl.preprocess.prompts import PromptRenderer
 from batchvl.preprocess.sample import PreparedSample, SampleProcessor
@@ -53,11 +53,10 @@ SETTINGS = (("job", True, True), ("handoffs_only", False, True), ("defaults", Fa
 
 
 def sample_processor(size: str) -> SampleProcessor:
-    """What a job's workers run per sample for Qwen2-VL at `size`: its media in bfloat16, one caption."""
+    """What a job's workers run per sample for Qwen2-VL at `size`: its media, one caption."""
     parts = qwen_parts("qwen2_vl", SIZES[size], seed=0)
     family = model_family("qwen2_vl")
-    prepare = family.media_preparer(parts.processor, parts.config, PreprocessConfig())
-    media = PixelsInDtype(prepare, torch.bfloat16)
+    media = family.media_preparer(parts.processor, parts.config, PreprocessConfig())
     prompts = [PromptConfig("caption", "Describe this image in one sentence.")]
     return SampleProcessor(PromptRenderer(parts.processor), media, prompts)
 
@@ -75,7 +74,7 @@ class PreparedOnce:
             self.first = self.processor(sample)
         # pixels of their own, as every sample has: torch's sharing would send one tensor once, then a handle
         # the receiver has seen
-        images = [dataclasses.replace(m, pixel_values=m.pixel_values.clone()) for m in self.first.images]
+        images = [dataclasses.replace(m, pixel_values=np.copy(m.pixel_values)) for m in self.first.images]
         return dataclasses.replace(
             self.first, shard=sample.shard, index=sample.index, key=sample.key, images=images
         )

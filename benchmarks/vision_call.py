@@ -4,17 +4,17 @@ The captioning benchmark gives vision calls most of a 2B job's wall time on an H
 every fast path; 63% of the job's FLOPs), at about a quarter of the measured matmul peak. This times the
 engine's own vision call (`model_runner.encode_images`: the pixels staged from the host, the tower, the
 merger) on 448x448 images (1,024 patches each at Qwen2-VL's sizes) in calls of each `--patches` size: per
-call its wall time (synchronized, the median of `--calls`) and that of its staging alone and its two
-halves (the pixels, cast to the tower's dtype by the preprocessing workers as in a job, into one
-page-locked tensor, then onto the device) and the staging of the same pixels in float32, as before the
-workers cast them, on CUDA the kernels' summed time within one call (torch's profiler, overlaps counted
-once) and the kernels with the most of it (by name: calls and ms), and its TFLOP/s against the tower's
-FLOPs (`flops.py`). On CUDA each size runs without the fused kernels, then with them
+call its wall time (synchronized, the median of `--calls`) and that of its staging alone and its three
+steps (the 8-bit pixels the preprocessing workers send in a job into one page-locked tensor, onto the
+device, normalized there into the tower's input) and the staging of the tower's input itself in its
+dtype, as the workers sent it before; on CUDA the kernels' summed time within one call (torch's profiler,
+overlaps counted once) and the kernels with the most of it (by name: calls and ms), and its TFLOP/s
+against the tower's FLOPs (`flops.py`). On CUDA each size runs without the fused kernels, then with them
 (`engine.fused_kernels`, swapped into the same model), then with them and the tower's attention by SDPA
 over each size's images, cuDNN's kernel first (`engine.vision_attention: sdpa`), instead of one flash
-varlen call a layer. A wall well above the kernels' time says the host
-bounds the call (launches, staging); kernels' time well above the FLOPs at the matmul peak says the
-kernels do, and the top kernels say which.
+varlen call a layer. A wall well above the kernels' time says the host bounds the call (launches,
+staging); kernels' time well above the FLOPs at the matmul peak says the kernels do, and the top kernels
+say which.
 
     python benchmarks/vision_call.py --device cuda --size 2b [--patches 4096,8192,16384,32768] [--json PATH]
     python benchmarks/vision_call.py --device cpu --size tiny --patches 256,512   (a trial: no kernel figures)
@@ -23,6 +23,7 @@ kernels do, and the top kernels say which.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import tempfile
@@ -83,20 +84,54 @@ def timed_call(loaded, batch: list, patches: int) -> float:
     return time.perf_counter() - started
 
 
-def timed_staging(loaded, batch: list) -> tuple[float, float]:
-    """Seconds of the call's first part alone, in its two halves: its pixels copied into one page-locked
-    tensor in the tower's dtype (`stacked_pixels`), then sent to the device."""
+def timed_staging(loaded, batch: list) -> tuple[float, float, float]:
+    """Seconds of the call's first part alone, in its three steps: its 8-bit pixels copied into one
+    page-locked tensor (`stacked_pixels`), sent to the device, and normalized there into the tower's input
+    (`normalized_pixels`: the normalization, a still image's repeat, the cast, the padding rows). Items that
+    are the tower's input already (no normalization) are stacked in its dtype and sent: no third step."""
     from batchvl.engine.device.pixel_staging import stacked_pixels
+    from batchvl.preprocess.pixel_normalization import normalized_pixels
 
     adapter = loaded.adapter
-    rows = adapter.vision_call_rows(sum(len(image.pixel_values) for image in batch))
+    count = sum(len(image.pixel_values) for image in batch)
+    rows = adapter.vision_call_rows(count)
+    normalization = batch[0].normalization
     synchronize(adapter.device)
     started = time.perf_counter()
-    stacked = stacked_pixels([image.pixel_values for image in batch], rows, adapter.dtype, adapter.device)
+    pixels = [image.pixel_values for image in batch]
+    if normalization is None:
+        stacked = stacked_pixels(pixels, rows, adapter.dtype, adapter.device)
+    else:
+        stacked = stacked_pixels(pixels, count, torch.uint8, adapter.device)
     stacked_at = time.perf_counter()
-    stacked.to(adapter.device, non_blocking=True)
+    sent = stacked.to(adapter.device, non_blocking=True)
     synchronize(adapter.device)
-    return stacked_at - started, time.perf_counter() - stacked_at
+    sent_at = time.perf_counter()
+    if normalization is not None:
+        normalized_pixels(sent, normalization, adapter.dtype, rows)
+        synchronize(adapter.device)
+    return stacked_at - started, sent_at - stacked_at, time.perf_counter() - sent_at
+
+
+def as_tower_input(loaded, batch: list) -> list:
+    """`batch` with each item's pixels the tower's input itself, in its dtype (no normalization left): what
+    the preprocessing workers sent before they sent 8-bit pixels."""
+    from batchvl.engine.device.pixel_staging import stage_pixels
+
+    adapter = loaded.adapter
+    inputs = stage_pixels(
+        batch, sum(len(image.pixel_values) for image in batch), adapter.dtype, torch.device("cpu")
+    )
+    items, offset = [], 0
+    for image in batch:
+        rows = len(image.pixel_values)
+        items.append(
+            dataclasses.replace(
+                image, pixel_values=inputs[offset : offset + rows].clone(), normalization=None
+            )
+        )
+        offset += rows
+    return items
 
 
 def kernels_of_one_call(loaded, batch: list, patches: int) -> dict:
@@ -114,17 +149,17 @@ def kernels_of_one_call(loaded, batch: list, patches: int) -> dict:
 def measure(
     loaded, prepared: list, patches: int, calls: int, counter: FlopCounter, fused: bool, attention: str
 ) -> dict:
-    """One call size's row. The call's images are as a job's preprocessing workers send them, cast to the
-    tower's dtype (`PreparedMedia.in_dtype`); their staging from float32, as before the workers cast them,
-    is timed beside it."""
+    """One call size's row. The call's images are as a job's preprocessing workers send them (8-bit, the
+    call normalizes them); the staging of the tower's input itself, in its dtype, as the workers sent it
+    before, is timed beside it."""
     per_image = prepared[0].num_patches
-    float32_batch = prepared[: max(1, patches // per_image)]
-    batch = [image.in_dtype(loaded.adapter.dtype) for image in float32_batch]
+    batch = prepared[: max(1, patches // per_image)]
     timed_call(loaded, batch, patches)  # the warm-up: kernels compiled, the allocator's blocks cached
     wall = statistics.median(timed_call(loaded, batch, patches) for _ in range(calls))
     stagings = [timed_staging(loaded, batch) for _ in range(calls)]
-    stacking, upload = (statistics.median(times) for times in zip(*stagings, strict=True))
-    from_float32 = statistics.median(sum(timed_staging(loaded, float32_batch)) for _ in range(calls))
+    stacking, upload, normalizing = (statistics.median(times) for times in zip(*stagings, strict=True))
+    tower_input = as_tower_input(loaded, batch)
+    of_tower_input = statistics.median(sum(timed_staging(loaded, tower_input)) for _ in range(calls))
     flops = counter.image(per_image) * len(batch)
     row = {
         "patches": per_image * len(batch),
@@ -132,11 +167,16 @@ def measure(
         "fused_kernels": fused,
         "vision_attention": attention,
         "wall_ms": round(wall * 1e3, 3),
-        "staging_ms": round((stacking + upload) * 1e3, 3),
-        # its halves: the pixels into one page-locked tensor in the tower's dtype on the host, the upload
+        "staging_ms": round((stacking + upload + normalizing) * 1e3, 3),
+        # its steps: the 8-bit pixels into one page-locked tensor on the host, the upload, the normalization
+        # into the tower's input on the device
         "staging_host_ms": round(stacking * 1e3, 3),
         "staging_upload_ms": round(upload * 1e3, 3),
-        "staging_from_float32_ms": round(from_float32 * 1e3, 3),
+        "staging_normalize_ms": round(normalizing * 1e3, 3),
+        "staged_mb": round(sum(image.pixel_values.nbytes for image in batch) / 1e6, 2),
+        # the tower's input itself staged in its dtype, as the workers sent it before (normalized there)
+        "staging_of_tower_input_ms": round(of_tower_input * 1e3, 3),
+        "staged_mb_of_tower_input": round(sum(image.pixel_values.nbytes for image in tower_input) / 1e6, 2),
         "tflop_per_s": round(flops / wall / 1e12, 2),
         "kernel_ms": None,
         "kernel_share": None,

@@ -130,6 +130,18 @@ def family_models(tmp_path_factory):
     return get
 
 
+def tower_pixels(media) -> np.ndarray:
+    """The float32 tower input of prepared media (one item, or a vision call's list), made as a vision call
+    stages it (normalized where it has a normalization), on the CPU."""
+    import torch
+
+    from batchvl.engine.device.pixel_staging import stage_pixels
+
+    items = media if isinstance(media, list) else [media]
+    rows = sum(len(item.pixel_values) for item in items)
+    return stage_pixels(items, rows, torch.float32, torch.device("cpu")).numpy()
+
+
 def png_bytes(image: Image.Image) -> bytes:
     import io
 

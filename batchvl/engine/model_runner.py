@@ -78,8 +78,7 @@ def encode_images(adapter: ModelAdapter, images: list[PreparedMedia], max_patche
     out: list[torch.Tensor | None] = [None] * len(images)
     for batch in encode_batches(images, max_patches):
         rows = sum(len(img.pixel_values) for img in batch)
-        pixels = [img.pixel_values for img in batch]
-        pixel_values = stage_pixels(pixels, adapter.vision_call_rows(rows), adapter.dtype, adapter.device)
+        pixel_values = stage_pixels(batch, adapter.vision_call_rows(rows), adapter.dtype, adapter.device)
         grid = torch.tensor([img.grid_thw for img in batch], dtype=torch.long)
         for img, embedding in zip(batch, adapter.encode(batch[0].kind, pixel_values, grid), strict=True):
             out[position[id(img)]] = embedding

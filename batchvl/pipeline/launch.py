@@ -23,7 +23,6 @@ from batchvl.inputs.download import DownloadCache
 from batchvl.models.loader import LoadedModel, ModelParts, load_model, load_model_parts
 from batchvl.pipeline.engine_setup import EngineSetup
 from batchvl.pipeline.prompt_graph import PromptGraph
-from batchvl.preprocess.media import PixelsInDtype
 from batchvl.preprocess.prompts import PromptRenderer
 from batchvl.preprocess.sample import SampleProcessor
 
@@ -61,7 +60,6 @@ def builtin_engine_setup(
     `parts`: the family's media preparation and the prompts)."""
     renderer = PromptRenderer(parts.processor)
     media = parts.family.media_preparer(parts.processor, parts.config, cfg.preprocess)
-    media = PixelsInDtype(media, parts.dtype)  # cast in the workers, not the engine's thread
     cache = DownloadCache.of(cfg.input.download)
     samples = SampleProcessor(renderer, media, cfg.prompts, graph.follow_ups, cache)
 

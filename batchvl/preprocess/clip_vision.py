@@ -1,9 +1,10 @@
 """LLaVA-1.5-style preprocessing (CLIP image processor) without transformers: one fixed-size crop per image.
 
 The CLIP rule: optionally pad to a square with the mean colour (LLaVA's `do_pad`), resize so the
-shortest edge is `shortest_edge` (bicubic, long edge truncated), centre-crop to `crop_size`, rescale and
-normalize. Every image becomes the same (3, H, W) crop and the same number of placeholder tokens, so
-encode calls are plain batches. Checked against the model's Hugging Face image processor by a test.
+shortest edge is `shortest_edge` (bicubic, long edge truncated), centre-crop to `crop_size`; rescaling
+and normalizing are the vision call's, on the tower's device (`pixel_normalization.py`). Every image
+becomes the same (3, H, W) crop and the same number of placeholder tokens, so encode calls are plain
+batches. Checked against the model's Hugging Face image processor by a test.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ import numpy as np
 from PIL import Image
 
 from batchvl.config import PreprocessConfig
-from batchvl.preprocess.image import ImagePreparer, check_aspect_ratio, normalize
+from batchvl.preprocess.image import ImagePreparer, channels_first, check_aspect_ratio
 from batchvl.preprocess.media import PreparedMedia, content_hash
+from batchvl.preprocess.pixel_normalization import PixelNormalization
 
 
 @dataclass(frozen=True)
@@ -96,12 +98,14 @@ def prepare_clip_image(image: Image.Image, spec: ClipVisionSpec) -> PreparedMedi
     if spec.pad_to_square:
         image = square_pad(image, spec.image_mean)
     crop = center_crop(np.asarray(resize_shortest_edge(image, spec)), spec.crop_height, spec.crop_width)
-    pixel_values = np.ascontiguousarray(normalize(crop, spec)[None])  # (1, 3, H, W)
+    pixel_values = np.ascontiguousarray(channels_first(crop)[None])  # (1, 3, H, W)
     grid = (1, spec.crop_height // spec.patch_size, spec.crop_width // spec.patch_size)
+    normalization = PixelNormalization.of(spec)
     return PreparedMedia(
         pixel_values,
         grid,
-        content_hash(pixel_values, grid),
+        content_hash(pixel_values, grid, normalization=normalization),
         spec.num_image_tokens,
         spec.image_token * spec.num_image_tokens,
+        normalization=normalization,
     )

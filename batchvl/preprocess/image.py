@@ -98,13 +98,10 @@ def check_aspect_ratio(height: int, width: int) -> None:
         )
 
 
-def normalize(frames: np.ndarray, spec) -> np.ndarray:
-    """uint8 (..., H, W, C) -> float32 (..., C, H, W), rescaled and normalized per channel; `spec` is a
-    family's preprocessing spec (its `rescale_factor`, `image_mean`, `image_std`)."""
-    pixels = frames.astype(np.float32) * np.float32(spec.rescale_factor)
-    pixels -= np.asarray(spec.image_mean, dtype=np.float32)
-    pixels /= np.asarray(spec.image_std, dtype=np.float32)
-    return np.moveaxis(pixels, -1, -3)
+def channels_first(frames: np.ndarray) -> np.ndarray:
+    """8-bit (..., H, W, C) -> (..., C, H, W), a view: the towers' layout, normalized where the vision call is
+    staged (`pixel_normalization.py`)."""
+    return np.moveaxis(frames, -1, -3)
 
 
 @dataclass(frozen=True)

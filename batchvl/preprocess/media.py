@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -12,6 +11,7 @@ import torch
 import xxhash
 
 from batchvl.preprocess import shared_pixels
+from batchvl.preprocess.pixel_normalization import PixelNormalization
 from batchvl.preprocess.shared_pixels import SharedPixels
 
 
@@ -19,15 +19,17 @@ from batchvl.preprocess.shared_pixels import SharedPixels
 class PreparedMedia:
     """A preprocessed image (or video clip) in its family's layout, and how it appears in the prompt.
 
-    `pixel_values` is what the family's vision tower takes for this one item, stacked along axis 0 with
-    other items of an encode call (Qwen: patch rows; CLIP-style towers: whole (3, H, W) crops or tiles).
+    `pixel_values` holds what the family's vision tower takes for this one item, stacked along axis 0 with
+    other items of an encode call (Qwen: patch rows; CLIP-style towers: whole (3, H, W) crops or tiles),
+    before its normalization, which the vision call makes on the tower's device (`pixel_normalization.py`).
     `placeholder` replaces the item's single placeholder token in the chat-template text; it holds
     `num_tokens` placeholder tokens (possibly in several runs, with text between), which the item's
     `num_tokens` embedding rows fill in order.
     """
 
-    # A numpy array as the family's preparation makes it (float32); a torch tensor once cast to a dtype
-    # numpy lacks (bfloat16: `in_dtype`), and on a serving rank of ViT data parallelism (vit_dp.py)
+    # 8-bit pixels as the family's preparation leaves them before its normalization (`normalization`), a
+    # numpy array; or the tower's input itself (normalization None), as a model's own processor or a test
+    # gives it; a torch tensor on a serving rank of ViT data parallelism (vit_dp.py)
     pixel_values: np.ndarray | torch.Tensor
     grid_thw: tuple[int, int, int]  # patch grid: (frames / tiles, rows, columns); its product is the cost
     content_hash: str
@@ -35,6 +37,8 @@ class PreparedMedia:
     placeholder: str
     kind: str = "image"  # "image" or "video": which placeholder token and vision entry point
     seconds_per_grid_t: float = 0.0  # video: seconds of video per temporal grid step (Qwen2.5-VL positions)
+    # what makes the tower's input of the 8-bit `pixel_values`, where the vision call is staged
+    normalization: PixelNormalization | None = None
     # `pixel_values` in shared memory, set by `in_shared_memory` just before a worker sends the media (what
     # is sent; so nothing replaces the pixels after it): a file named in the message (`shared_pixels.py`),
     # else a tensor sent torch's way; None: moved there when pickled
@@ -45,17 +49,6 @@ class PreparedMedia:
     @property
     def num_patches(self) -> int:
         return math.prod(self.grid_thw)
-
-    def in_dtype(self, dtype: torch.dtype) -> PreparedMedia:
-        """This media with floating-point pixels cast to `dtype`, the vision tower's, as the engine would
-        cast them on the way to the tower (the same rounding, so the same embeddings): done here, in a
-        preprocessing worker, the job process's engine thread copies half the bytes of float32 pixels into
-        a bfloat16 call, and half as many cross shared memory. The content hash stays that of the
-        prepared pixels."""
-        pixels = torch.as_tensor(self.pixel_values)
-        if not pixels.is_floating_point() or pixels.dtype == dtype:
-            return self
-        return dataclasses.replace(self, pixel_values=host_pixels(pixels.to(dtype)))
 
     def in_shared_memory(self) -> PreparedMedia:
         """This media with its pixels moved to shared memory now, in the preprocessing worker's own
@@ -99,24 +92,18 @@ def host_pixels(pixels: torch.Tensor) -> np.ndarray | torch.Tensor:
     return pixels if pixels.dtype == torch.bfloat16 else pixels.numpy()
 
 
-@dataclass(frozen=True)
-class PixelsInDtype:
-    """A media preparation whose prepared pixels come out cast to `dtype` (`PreparedMedia.in_dtype`);
-    other results (a media URL for a server) as they are. A class, not a closure: a preprocessing worker
-    started by spawning receives it pickled."""
-
-    prepare: Callable[[object], object]
-    dtype: torch.dtype
-
-    def __call__(self, ref: object) -> object:
-        media = self.prepare(ref)
-        return media.in_dtype(self.dtype) if isinstance(media, PreparedMedia) else media
-
-
-def content_hash(pixel_values: np.ndarray, grid_thw: tuple[int, int, int], kind: str = "image") -> str:
-    """xxh3-128 of the preprocessed pixels, grid and kind: equal for identical media after preprocessing."""
+def content_hash(
+    pixel_values: np.ndarray,
+    grid_thw: tuple[int, int, int],
+    kind: str = "image",
+    normalization: PixelNormalization | None = None,
+) -> str:
+    """xxh3-128 of the preprocessed pixels, grid, kind and normalization: equal for identical media after
+    preprocessing (for equal tower inputs)."""
     digest = xxhash.xxh3_128()
     digest.update(kind.encode())
+    if normalization is not None:
+        digest.update(normalization.digest_bytes())
     digest.update(np.ascontiguousarray(pixel_values))  # read in place: no copy of the pixels
     digest.update(np.asarray(grid_thw, dtype=np.int64).tobytes())
     return digest.hexdigest()

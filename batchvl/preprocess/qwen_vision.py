@@ -1,8 +1,11 @@
-"""Qwen-VL image and video preprocessing without transformers or torchvision: resize, normalize, patchify.
+"""Qwen-VL image and video preprocessing without transformers or torchvision: resize, then patchify.
 
 It reproduces the model's own image processor (checked by a parity test against it) with numpy and
 Pillow only, so it runs in worker processes that never import torch models, and on machines where
-torchvision is missing. Everything it needs from the processor is copied into a small, picklable spec.
+torchvision is missing; up to the normalization, which the vision call makes on the tower's device
+(`pixel_normalization.py`): a still image's patch rows hold its one frame, repeated there into the
+temporal patch (the model's processor repeats the frame first). Everything it needs from the processor
+is copied into a small, picklable spec.
 Qwen2-VL, Qwen2.5-VL and Qwen3-VL share it; they differ in the spec's numbers (patch 14 or 16, the
 normalization) and in how a video appears in the prompt (Qwen3-VL puts a timestamp before each frame).
 """
@@ -17,8 +20,9 @@ from PIL import Image
 
 from batchvl.config import PreprocessConfig
 from batchvl.inputs.types import MediaRef
-from batchvl.preprocess.image import check_aspect_ratio, decode_image, normalize
+from batchvl.preprocess.image import channels_first, check_aspect_ratio, decode_image
 from batchvl.preprocess.media import PreparedMedia, content_hash
+from batchvl.preprocess.pixel_normalization import PixelNormalization
 from batchvl.preprocess.video import DecodedVideo, FrameSampling, decode_video
 
 
@@ -107,11 +111,15 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     return h_bar, w_bar
 
 
-def patchify(frames: np.ndarray, spec: QwenVisionSpec) -> tuple[np.ndarray, tuple[int, int, int]]:
-    """(T, C, H, W) float32 with T a multiple of the temporal patch -> (t*h*w, C*tp*p*p) rows in the
-    order the vision tower expects: merge windows contiguous, so merged tokens follow row-major order."""
+def patchify(
+    frames: np.ndarray, spec: QwenVisionSpec, temporal: int | None = None
+) -> tuple[np.ndarray, tuple[int, int, int]]:
+    """(T, C, H, W) with T a multiple of `temporal` (default: the temporal patch) -> (t*h*w, C*tp*p*p) rows
+    in the order the vision tower expects: merge windows contiguous, so merged tokens follow row-major
+    order."""
     num_frames, channels, height, width = frames.shape
-    p, m, tp = spec.patch_size, spec.merge_size, spec.temporal_patch_size
+    p, m = spec.patch_size, spec.merge_size
+    tp = spec.temporal_patch_size if temporal is None else temporal
     grid_t, grid_h, grid_w = num_frames // tp, height // p, width // p
     patches = frames.reshape(grid_t, tp, channels, grid_h // m, m, p, grid_w // m, m, p)
     patches = patches.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
@@ -123,13 +131,18 @@ def prepare_image(image: Image.Image, spec: QwenVisionSpec) -> PreparedMedia:
     """An RGB PIL image -> the model's pixel_values rows, grid and content hash."""
     height, width = smart_resize(image.height, image.width, spec.factor, spec.min_pixels, spec.max_pixels)
     resized = image.resize((width, height), resample=spec.resample)
-    frame = normalize(np.asarray(resized), spec)
-    # A still image is its own temporal neighbour: repeat it to fill the temporal patch.
-    frames = np.broadcast_to(frame, (spec.temporal_patch_size, *frame.shape))
-    pixel_values, grid = patchify(frames, spec)
+    frame = channels_first(np.asarray(resized))[None]
+    pixel_values, grid = patchify(frame, spec, temporal=1)
+    # A still image is its own temporal neighbour: its rows repeat the frame to fill the temporal patch.
+    normalization = PixelNormalization.of(spec, repeat=spec.temporal_patch_size)
     num_tokens = spec.num_image_tokens(grid)
     return PreparedMedia(
-        pixel_values, grid, content_hash(pixel_values, grid), num_tokens, spec.image_token * num_tokens
+        pixel_values,
+        grid,
+        content_hash(pixel_values, grid, normalization=normalization),
+        num_tokens,
+        spec.image_token * num_tokens,
+        normalization=normalization,
     )
 
 
@@ -152,15 +165,17 @@ def prepare_video(video: DecodedVideo, spec: QwenVisionSpec, video_max_pixels: i
             for f in frames
         ]
     )
-    pixel_values, grid = patchify(normalize(resized, spec), spec)
+    pixel_values, grid = patchify(channels_first(resized), spec)
+    normalization = PixelNormalization.of(spec)
     return PreparedMedia(
         pixel_values,
         grid,
-        content_hash(pixel_values, grid, "video"),
+        content_hash(pixel_values, grid, "video", normalization),
         spec.num_image_tokens(grid),
         spec.video_placeholder(grid, video),
         kind="video",
         seconds_per_grid_t=spec.temporal_patch_size / video.sampled_fps,
+        normalization=normalization,
     )
 
 

@@ -1,8 +1,9 @@
 """One sample -> everything the engine needs, computed in a worker process and never raising.
 
-Decode and convert each image, resize/normalize/patchify it, hash it, then fill, render and tokenize
-each prompt with placeholders expanded. Whatever goes wrong becomes an error on the sample (bad media)
-or on one prompt (a template field the sample lacks); the result is plain data that pickles cheaply.
+Decode and convert each image, resize/crop/patchify it (its normalization is the vision call's), hash
+it, then fill, render and tokenize each prompt with placeholders expanded. Whatever goes wrong becomes an
+error on the sample (bad media) or on one prompt (a template field the sample lacks); the result is plain
+data that pickles cheaply.
 """
 
 from __future__ import annotations

@@ -20,8 +20,9 @@ import numpy as np
 from PIL import Image
 
 from batchvl.config import PreprocessConfig
-from batchvl.preprocess.image import ImagePreparer, check_aspect_ratio, normalize
+from batchvl.preprocess.image import ImagePreparer, channels_first, check_aspect_ratio
 from batchvl.preprocess.media import PreparedMedia, content_hash
+from batchvl.preprocess.pixel_normalization import PixelNormalization
 
 MAX_SIDE = 4096  # the processor caps the resized longest edge here
 
@@ -131,13 +132,15 @@ def prepare_tiled_image(image: Image.Image, spec: TiledVisionSpec) -> PreparedMe
         height, width = longest_edge_size(image.height, image.width, spec.longest_edge)
         image = image.resize((width, height), resample=spec.resample)
     frames, rows, cols = split_into_tiles(image, spec)
-    pixel_values = np.ascontiguousarray(normalize(np.stack(frames), spec))  # (frames, 3, T, T)
+    pixel_values = np.ascontiguousarray(channels_first(np.stack(frames)))  # (frames, 3, T, T)
     side = spec.tile // spec.patch_size
     grid = (len(frames), side, side)
+    normalization = PixelNormalization.of(spec)
     return PreparedMedia(
         pixel_values,
         grid,
-        content_hash(pixel_values, grid),
+        content_hash(pixel_values, grid, normalization=normalization),
         len(frames) * spec.image_seq_len,
         spec.placeholder(rows, cols),
+        normalization=normalization,
     )

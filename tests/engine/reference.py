@@ -21,7 +21,7 @@ from batchvl.engine.engine import Engine
 from batchvl.engine.request import EngineRequest, EngineResult
 from batchvl.engine.sampling.params import SamplingParams
 from batchvl.preprocess.media import PreparedMedia
-from tests.conftest import TEST_DEVICE, TEST_FAST_PATHS
+from tests.conftest import TEST_DEVICE, TEST_FAST_PATHS, tower_pixels
 from tests.engine.fake_graphs import FakeGraphCapture
 
 # Largest difference allowed between the engine's and generate's logits at a position, relative to the
@@ -102,7 +102,7 @@ def inputs_for(model, ids: list[int], media: list[PreparedMedia]) -> dict:
     ):
         chosen = [m for m in media if m.kind == kind]
         if chosen:
-            inputs[pixels_key] = torch.cat([torch.from_numpy(m.pixel_values) for m in chosen])
+            inputs[pixels_key] = torch.from_numpy(tower_pixels(chosen))
             inputs[grid_key] = torch.tensor([m.grid_thw for m in chosen])
     if model.config.model_type == "qwen2_5_vl":
         seconds = [m.seconds_per_grid_t for m in media if m.kind == "video"]

@@ -13,7 +13,7 @@ from batchvl.config import EngineConfig, PreprocessConfig
 from batchvl.engine.sampling.params import SamplingParams
 from batchvl.inputs.types import MediaRef
 from batchvl.preprocess.prompts import PromptRenderer
-from tests.conftest import NEW_FAMILIES, png_bytes, random_image
+from tests.conftest import NEW_FAMILIES, png_bytes, random_image, tower_pixels
 from tests.engine.reference import assert_matches_reference, make_case, run_cases
 
 MAX_NEW_TOKENS = 8
@@ -52,7 +52,7 @@ def family_cases(request, family_models):
             inputs = processor(text=[rendered], images=group, return_tensors="pt")
             # the preprocessing gate: same prompt ids and pixels as the family's own processor
             assert inputs["input_ids"][0].tolist() == ids
-            ours = np.concatenate([p.pixel_values for p in prepared])
+            ours = tower_pixels(prepared)
             # (tiled families batch the frames of a sample as (1, frames, 3, H, W))
             theirs = inputs["pixel_values"].numpy().reshape(ours.shape)
             np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-5)
@@ -103,5 +103,6 @@ def test_preprocessing_matches_the_processor_on_odd_sizes_and_modes(family_model
         (prepared,) = prepare(loaded, [image])
         inputs = processor(text=[rendered], images=[image], return_tensors="np")
         assert renderer.token_ids(rendered, [prepared]) == inputs["input_ids"][0].tolist(), image.size
-        theirs = inputs["pixel_values"].reshape(prepared.pixel_values.shape)
-        np.testing.assert_allclose(prepared.pixel_values, theirs, rtol=0, atol=1e-5, err_msg=str(image.size))
+        ours = tower_pixels(prepared)
+        theirs = inputs["pixel_values"].reshape(ours.shape)
+        np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-5, err_msg=str(image.size))

@@ -20,7 +20,7 @@ from batchvl.layers.row_buckets import bucket_rows
 from batchvl.models.adapter import VLMAdapter
 from batchvl.preprocess.prompts import PromptRenderer
 from batchvl.preprocess.qwen_vision import QwenVisionSpec, prepare_image
-from tests.conftest import random_image, reference_processor
+from tests.conftest import random_image, reference_processor, tower_pixels
 from tests.engine.reference import (
     EngineProbe,
     assert_matches_reference,
@@ -56,7 +56,7 @@ def cases(tiny_model_dir, loaded_fp32, reference):
             inputs = processor(text=[rendered], images=[image], return_tensors="pt")
             assert inputs["input_ids"][0].tolist() == ids  # same prompt as the model's own processor
             # and the same pixels: a reference computed from other pixels differs by its input
-            pixels = torch.as_tensor(prepared.pixel_values)
+            pixels = torch.from_numpy(tower_pixels(prepared))
             torch.testing.assert_close(pixels, inputs["pixel_values"], rtol=0, atol=1e-5)
             out.append(make_case(reference, (i, j), ids, [prepared], inputs, MAX_NEW_TOKENS))
     return out

@@ -11,7 +11,7 @@ from batchvl.layers.row_buckets import bucket_rows
 from batchvl.preprocess.media import PreparedMedia
 from batchvl.preprocess.qwen_vision import QwenVisionSpec, prepare_image, prepare_video
 from batchvl.preprocess.video import FrameSampling, decode_video
-from tests.conftest import random_image, video_bytes
+from tests.conftest import random_image, tower_pixels, video_bytes
 
 SIZES = [(60, 60), (60, 60), (120, 80), (30, 300), (200, 150), (60, 60), (90, 90)]
 
@@ -33,7 +33,7 @@ def stock(tiny_model_dir):
 def stock_features(stock, item: PreparedMedia) -> torch.Tensor:
     features = stock.model.get_video_features if item.kind == "video" else stock.model.get_image_features
     with torch.inference_mode():
-        out = features(torch.from_numpy(item.pixel_values), torch.tensor([item.grid_thw]), return_dict=True)
+        out = features(torch.from_numpy(tower_pixels(item)), torch.tensor([item.grid_thw]), return_dict=True)
     return out.pooler_output[0]
 
 

@@ -4,9 +4,9 @@ import pickle
 from multiprocessing.reduction import ForkingPickler
 
 import numpy as np
-import torch
 
-from batchvl.preprocess.media import PixelsInDtype, PreparedMedia
+from batchvl.preprocess.media import PreparedMedia
+from batchvl.preprocess.pixel_normalization import PixelNormalization
 
 
 def media() -> PreparedMedia:
@@ -49,32 +49,15 @@ def test_pixels_moved_to_shared_memory_in_the_worker_are_sent_as_they_are():
     assert received.grid_thw == sent.grid_thw and received.content_hash == sent.content_hash
 
 
-def test_pixels_cast_to_the_towers_bfloat16_in_the_worker_cross_as_bfloat16():
-    """Cast as the engine would cast them (the same rounding), a bfloat16 tensor (numpy has no bfloat16)
-    crosses in shared memory at half the bytes, its content hash that of the prepared float32 pixels."""
-    prepared = media()
-    cast = prepared.in_dtype(torch.bfloat16)
-    expected = torch.from_numpy(prepared.pixel_values).to(torch.bfloat16)
-    assert isinstance(cast.pixel_values, torch.Tensor) and torch.equal(cast.pixel_values, expected)
-    assert cast.content_hash == prepared.content_hash
-    sent = cast.in_shared_memory()
-    assert sent.shared_pixels.is_shared() and sent.pixel_values.data_ptr() == sent.shared_pixels.data_ptr()
+def test_8_bit_pixels_cross_as_they_are_with_their_normalization():
+    """A worker's 8-bit pixels cross in shared memory as 8-bit values, and the normalization that makes
+    the tower's input of them comes with them."""
+    rows = np.random.default_rng(1).integers(0, 256, (1000, 588), dtype=np.uint8)
+    normalization = PixelNormalization(1 / 255, (0.5, 0.4, 0.3), (0.2, 0.25, 0.3), repeat=2)
+    prepared = PreparedMedia(rows, (1, 20, 50), "hash", 250, "<image>", normalization=normalization)
+    sent = prepared.in_shared_memory()
     data = ForkingPickler.dumps(sent)
     assert len(data) < 10_000
     received = pickle.loads(data)
-    assert received.pixel_values.dtype == torch.bfloat16 and torch.equal(received.pixel_values, expected)
-    assert received.pixel_values.nbytes == prepared.pixel_values.nbytes // 2
-
-
-def test_pixels_the_tower_takes_as_they_are_are_not_cast():
-    prepared = media()
-    assert prepared.in_dtype(torch.float32) is prepared  # a float32 tower: nothing to do
-    frames = PreparedMedia(np.zeros((1, 3, 8, 8), dtype=np.uint8), (1, 1, 1), "h", 1, "<image>")
-    assert frames.in_dtype(torch.bfloat16) is frames  # not floating point: the tower's own to convert
-
-
-def test_a_preparation_in_a_dtype_casts_prepared_media_and_passes_the_rest():
-    prepare = PixelsInDtype(lambda ref: media() if ref == "image" else ref, torch.bfloat16)
-    assert prepare("image").pixel_values.dtype == torch.bfloat16
-    assert prepare("https://example.com/a.jpg") == "https://example.com/a.jpg"  # a media URL for a server
-    assert pickle.loads(pickle.dumps(PixelsInDtype(np.asarray, torch.float16))).dtype == torch.float16
+    assert received.pixel_values.dtype == np.uint8 and np.array_equal(received.pixel_values, rows)
+    assert received.normalization == normalization

@@ -1,6 +1,7 @@
 """Pixels cross from a preprocessing worker to the job process as shared-memory files the message names: the
 receiver maps and removes each, refuses a file that is not the one written, and no file outlives its job."""
 
+import dataclasses
 import os
 import pickle
 import subprocess
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from batchvl.preprocess import shared_pixels
-from batchvl.preprocess.media import PreparedMedia
+from batchvl.preprocess.media import PreparedMedia, host_pixels
 
 pytestmark = pytest.mark.skipif(shared_pixels.pool_prefix() is None, reason="no writable /dev/shm")
 
@@ -37,9 +38,11 @@ def media(dtype=np.float32) -> PreparedMedia:
     return PreparedMedia(pixels, (1, 15, 20), "hash", 75, "<image>")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8])
 def test_pixels_arrive_equal_by_the_files_name_and_the_file_is_gone(writing, dtype):
-    prepared = media().in_dtype(dtype)
+    prepared = media()
+    pixels = torch.from_numpy(prepared.pixel_values * 50).to(dtype)
+    prepared = dataclasses.replace(prepared, pixel_values=host_pixels(pixels))
     sent = prepared.in_shared_memory()
     (path,) = files(writing)
     assert sent.shared_pixels.path == str(path)

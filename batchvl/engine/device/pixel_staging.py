@@ -1,14 +1,13 @@
 """A vision call's pixels, put where and how its tower takes them in one copy of each item.
 
 The items' pixels arrive as the preprocessing workers sent them, in shared-memory pages that the job
-process maps: already in the tower's dtype where that is narrower than float32 (the workers cast them,
-`PreparedMedia.in_dtype`: half the bytes to map and copy here), else float32. Stacked with `torch.cat`
-and then cast (and padded, where the family pads a call) on the way to the tower, each call's pixels were
-written twice on the host before the tower saw them; on a GPU they also crossed from pageable memory, a
-copy the host waits for. Here each item is copied once, straight into the call's tensor in the tower's
-dtype (the cast the tower would make itself, where the workers did not, so its input is the same),
-followed by the call's zero padding rows; towards a GPU that tensor is page-locked and sent without
-waiting.
+process maps: 8-bit, before their family's normalization (`preprocess/pixel_normalization.py`), a quarter
+of the bytes of bfloat16 pixels (an eighth for a Qwen-VL still image, its frame not yet repeated into the
+temporal patch). Each item is copied once, straight into the call's stack; towards a GPU the stack is
+page-locked and sent without waiting, and the normalization, the repeat, the cast to the tower's dtype and
+the call's zero padding rows are made there, from the quarter of the bytes. Items that are the tower's
+input already (no normalization: a test's, or a model processor's float pixels) are stacked in the tower's
+dtype (the cast the tower would make itself), then the padding, as they are.
 """
 
 from __future__ import annotations
@@ -16,21 +15,32 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from batchvl.preprocess.media import PreparedMedia
+from batchvl.preprocess.pixel_normalization import normalized_pixels
+
 
 def stage_pixels(
-    items: list[np.ndarray | torch.Tensor], rows: int, dtype: torch.dtype, device: torch.device
+    items: list[PreparedMedia], rows: int, dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
-    """The items stacked along their first axis, then zeros up to `rows` rows, in `dtype` on `device`.
-    Items already on a device (a serving rank's share under ViT data parallelism over NCCL) are stacked
-    there."""
-    return stacked_pixels(items, rows, dtype, device).to(device, non_blocking=True)
+    """The items' tower input stacked along its first axis, then zeros up to `rows` rows, in `dtype` on
+    `device`. Items already on a device (a serving rank's share under ViT data parallelism over NCCL) are
+    stacked there. The items of one call share one normalization (one family's, one kind of media)."""
+    normalization = items[0].normalization
+    if any(item.normalization != normalization for item in items):
+        raise ValueError("a vision call's items must share one normalization (one family, one kind of media)")
+    pixels = [item.pixel_values for item in items]
+    if normalization is None:
+        return stacked_pixels(pixels, rows, dtype, device).to(device, non_blocking=True)
+    count = sum(len(item) for item in pixels)
+    raw = stacked_pixels(pixels, count, torch.uint8, device).to(device, non_blocking=True)
+    return normalized_pixels(raw, normalization, dtype, rows)
 
 
 def stacked_pixels(
     items: list[np.ndarray | torch.Tensor], rows: int, dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
-    """`stage_pixels`' tensor before its upload: where the items are, page-locked when they are on the host
-    and go to a GPU."""
+    """`items` stacked, then zeros up to `rows` rows, in `dtype`, where the items are: page-locked when they
+    are on the host and go to a GPU (`stage_pixels`' stack before its upload)."""
     tensors = [torch.as_tensor(item) for item in items]
     source = tensors[0].device
     stacked = torch.empty(
