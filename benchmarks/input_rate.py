@@ -38,16 +38,18 @@ import torch
 from gpu_throughput import write_images
 from workloads import write_json
 
-from batchvl.config import InputConfig, PreprocessConfig, PromptConfig
+from batchvl.config import EngineConfig, InputConfig, PreprocessConfig, PromptConfig
 from batchvl.demo.tiny_model import SIZES, qwen_parts
 from batchvl.inputs.parquet import ParquetSource
 from batchvl.models.registry import model_family
+from batchvl.pipeline.runner import feed_size
 from batchvl.preprocess.pool import PreprocessPool, default_workers
 from batchvl.preprocess.prompts import PromptRenderer
 from batchvl.preprocess.sample import PreparedSample, SampleProcessor
 from batchvl.utils.background import END, BackgroundIterator, prompt_handoffs
 
 PREFETCH = PreprocessConfig().prefetch
+LOOKAHEAD = EngineConfig().lookahead  # the engine's input window, which the job's feed holds
 # (name, pixels as files opened by name, GIL handoffs every 1 ms): the job's, the handoffs alone, neither
 SETTINGS = (("job", True, True), ("handoffs_only", False, True), ("defaults", False, False))
 
@@ -98,7 +100,7 @@ def delivery_rate(
     pool = PreprocessPool(source, shards, processor, workers, PREFETCH, 120.0)
     if not files:
         pool.pixels_prefix = None  # the workers send torch's way
-    feed = BackgroundIterator(pool, maxsize=max(4, workers * 2))  # as the job's runner makes it
+    feed = BackgroundIterator(pool, maxsize=feed_size(workers, LOOKAHEAD))  # as the job's runner makes it
     try:
         with prompt_handoffs() if handoffs else contextlib.nullcontext():
             times = consume(feed, busy_s)

@@ -308,7 +308,8 @@ class EngineConfig:
     )
     lookahead: int = job_key(
         64,
-        "Requests waiting in the engine, admitted cheapest image first (1: strict arrival order)",
+        "Requests waiting in the engine, admitted cheapest image first (1: strict arrival order); the run "
+        "holds as many prepared samples ready for it",
         above=0,
     )
     disable_chunked_mm_input: bool = job_key(

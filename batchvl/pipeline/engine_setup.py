@@ -29,3 +29,6 @@ class EngineSetup:
     prompts: PromptBuilder
     samples: SampleProcessor
     start_engine: Callable[[], EngineInterface]  # builds the engine, or starts its server: once, when called
+    # the most requests the engine takes in between two steps (`wants_requests`): its look-ahead window, or
+    # the server's requests in flight; the run's feed holds as many prepared samples (`runner.feed_size`)
+    input_window: int

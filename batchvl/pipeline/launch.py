@@ -68,4 +68,4 @@ def builtin_engine_setup(
         tokenizer, eos = loaded.processor.tokenizer, loaded.eos_token_ids()
         return build_engine(loaded.adapter, tokenizer, eos, cfg.engine, context)
 
-    return EngineSetup(renderer, samples, start)
+    return EngineSetup(renderer, samples, start, cfg.engine.lookahead)

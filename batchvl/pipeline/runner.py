@@ -60,6 +60,15 @@ IDLE_POLL_S = 0.5  # how long an idle run waits for input before looking at stop
 NOTHING = object()  # no prepared input was ready
 
 
+def feed_size(workers: int, input_window: int) -> int:
+    """Prepared samples the run's input thread holds for the engine: at least the engine's input window, so
+    that one pass between two steps can fill it. The run takes every ready sample, then steps while the
+    input thread refills the feed: a feed of fewer hands the engine at most about that many new samples a
+    step (a GPU job with 8 workers and a feed of 16 admitted about 16 new requests a step, where its steps
+    had room for some 40). And two a worker, at least 4."""
+    return max(4, 2 * workers, input_window)
+
+
 class JobRunner:
     """Runs a job's work: `work` plans it (by default, the task's uncommitted shards) and `commit` writes
     each complete shard (by default, as a new file); `mode` names the run in its stats, and only a
@@ -188,7 +197,8 @@ class JobRunner:
             self.claims,
             work.committed_elsewhere,
         )
-        feed = BackgroundIterator(pool, maxsize=max(4, workers * 2))  # the workers start (`engine_setup.py`)
+        # the workers start (`engine_setup.py`)
+        feed = BackgroundIterator(pool, maxsize=feed_size(workers, setup.input_window))
         started = time.perf_counter()
         try:
             pool.forked.wait()  # before the engine's start launches any subprocess (`PreprocessPool.forked`)

@@ -160,7 +160,8 @@ def server_engine_setup(
     cache = DownloadCache.of(cfg.input.download)
     messages = ChatMessages()
     samples = SampleProcessor(messages, media, cfg.prompts, graph.follow_ups, cache)
-    return EngineSetup(messages, samples, functools.partial(server_engine, cfg, out, task))
+    start = functools.partial(server_engine, cfg, out, task)
+    return EngineSetup(messages, samples, start, cfg.engine.server.max_concurrency)
 
 
 def server_engine(cfg: JobConfig, out: OutputDir, task: TaskSlice | None) -> ServerEngine:

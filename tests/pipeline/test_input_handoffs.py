@@ -5,6 +5,7 @@ the input thread and the engine's every 1 ms, not Python's 5 (`utils/background.
 
 import multiprocessing.queues as queues
 import sys
+import time
 
 import pytest
 
@@ -81,3 +82,42 @@ def test_handoffs_restore_the_interval_after_an_error_and_never_lengthen_it():
             assert sys.getswitchinterval() == 0.0005  # a shorter one the process set is kept
     finally:
         sys.setswitchinterval(before)
+
+
+def test_between_two_steps_the_engine_gets_a_look_ahead_window_of_samples_not_a_workers_few(
+    tmp_path, tiny_model_dir, monkeypatch
+):
+    """The run takes every ready sample, then steps while its input thread refills the feed: the feed holds
+    the engine's look-ahead window (`runner.feed_size`), so that a slow step (a GPU's, with vision calls)
+    is followed by as many new requests as the window has room for, not two a worker's."""
+    write_image_shards(tmp_path / "data", [96])
+    (tmp_path / "job.yaml").write_text(caption_job_yaml(tiny_model_dir))
+    overrides = [
+        f"output.dir={tmp_path / 'out'}",
+        "preprocess.workers=1",
+        "engine.replicas=1",
+        "engine.lookahead=32",
+        "sampling.max_new_tokens=1",  # a request done in its first step: the window empties each step
+    ]
+    job = load_job_config(tmp_path / "job.yaml", overrides)
+    events = []
+    step, add_request = Engine.step, Engine.add_request
+
+    def slow_step(self):
+        events.append("step")
+        time.sleep(0.5)  # the worker prepares more samples meanwhile
+        return step(self)
+
+    def counted(self, request):
+        events.append("request")
+        return add_request(self, request)
+
+    monkeypatch.setattr(Engine, "step", slow_step)
+    monkeypatch.setattr(Engine, "add_request", counted)
+    run_job(job, show_progress=False)
+    assert events.count("request") == 96
+    between_steps = [len(run) for run in "".join("s" if e == "step" else "r" for e in events).split("s")]
+    # the first window filled before the first step, and refilled whole after a step: a feed of two a
+    # worker's (4) handed it 4 to 16 a step
+    assert sum(count >= 28 for count in between_steps) >= 2, between_steps
+    assert [row["status"] for row in output_rows(tmp_path / "out", 1)] == ["ok"] * 96
