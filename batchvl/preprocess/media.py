@@ -28,8 +28,8 @@ class PreparedMedia:
     """
 
     # 8-bit pixels as the family's preparation leaves them before its normalization (`normalization`), a
-    # numpy array; or the tower's input itself (normalization None), as a model's own processor or a test
-    # gives it; a torch tensor on a serving rank of ViT data parallelism (vit_dp.py)
+    # numpy array; or the tower's input itself (normalization None: media made by hand, as tests make it);
+    # a torch tensor on a serving rank of ViT data parallelism (vit_dp.py)
     pixel_values: np.ndarray | torch.Tensor
     grid_thw: tuple[int, int, int]  # patch grid: (frames / tiles, rows, columns); its product is the cost
     content_hash: str

@@ -6,8 +6,8 @@ of the bytes of bfloat16 pixels (an eighth for a Qwen-VL still image, its frame 
 temporal patch). Each item is copied once, straight into the call's stack; towards a GPU the stack is
 page-locked and sent without waiting, and the normalization, the repeat, the cast to the tower's dtype and
 the call's zero padding rows are made there, from the quarter of the bytes. Items that are the tower's
-input already (no normalization: a test's, or a model processor's float pixels) are stacked in the tower's
-dtype (the cast the tower would make itself), then the padding, as they are.
+input already (no normalization: media made by hand, as tests make it) are stacked in the tower's dtype
+(the cast the tower would make itself), then the padding.
 """
 
 from __future__ import annotations

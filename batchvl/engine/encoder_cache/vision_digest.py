@@ -1,6 +1,7 @@
 """What an image's embedding depends on besides its pixels, as one digest: the key of the encoder disk
 cache's entries is this digest with the image's content hash (which already covers the preprocessed
-pixels, the patch grid and the media kind, so every preprocessing setting that changes pixels).
+pixels, their normalization, the patch grid and the media kind, so every preprocessing setting that changes
+the tower's input).
 
 The digest covers the vision tower's weights (every parameter and buffer of the model outside its
 language model and token embeddings: the tower and the projector into the decoder), read from memory
