@@ -86,30 +86,23 @@ def timed_call(loaded, batch: list, patches: int) -> float:
 
 def timed_staging(loaded, batch: list) -> tuple[float, float, float]:
     """Seconds of the call's first part alone, in its three steps: its 8-bit pixels copied into one
-    page-locked tensor (`stacked_pixels`), sent to the device, and normalized there into the tower's input
-    (`normalized_pixels`: the normalization, a still image's repeat, the cast, the padding rows). Items that
-    are the tower's input already (no normalization) are stacked in its dtype and sent: no third step."""
-    from batchvl.engine.device.pixel_staging import stacked_pixels
-    from batchvl.preprocess.pixel_normalization import normalized_pixels
+    page-locked tensor (`host_stack`), sent to the device, and normalized there into the tower's input
+    (`tower_input`: the normalization, a still image's repeat, the cast, the padding rows). Items that are
+    the tower's input already (no normalization) are stacked in its dtype and sent: nothing is left for the
+    third step."""
+    from batchvl.engine.device.pixel_staging import host_stack, tower_input
 
     adapter = loaded.adapter
-    count = sum(len(image.pixel_values) for image in batch)
-    rows = adapter.vision_call_rows(count)
-    normalization = batch[0].normalization
+    rows = adapter.vision_call_rows(sum(len(image.pixel_values) for image in batch))
     synchronize(adapter.device)
     started = time.perf_counter()
-    pixels = [image.pixel_values for image in batch]
-    if normalization is None:
-        stacked = stacked_pixels(pixels, rows, adapter.dtype, adapter.device)
-    else:
-        stacked = stacked_pixels(pixels, count, torch.uint8, adapter.device)
+    stacked = host_stack(batch, rows, adapter.dtype, adapter.device)
     stacked_at = time.perf_counter()
     sent = stacked.to(adapter.device, non_blocking=True)
     synchronize(adapter.device)
     sent_at = time.perf_counter()
-    if normalization is not None:
-        normalized_pixels(sent, normalization, adapter.dtype, rows)
-        synchronize(adapter.device)
+    tower_input(sent, batch, rows, adapter.dtype)
+    synchronize(adapter.device)
     return stacked_at - started, sent_at - stacked_at, time.perf_counter() - sent_at
 
 

@@ -25,22 +25,39 @@ def stage_pixels(
     """The items' tower input stacked along its first axis, then zeros up to `rows` rows, in `dtype` on
     `device`. Items already on a device (a serving rank's share under ViT data parallelism over NCCL) are
     stacked there. The items of one call share one normalization (one family's, one kind of media)."""
+    sent = host_stack(items, rows, dtype, device).to(device, non_blocking=True)
+    return tower_input(sent, items, rows, dtype)
+
+
+def host_stack(
+    items: list[PreparedMedia], rows: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """`stage_pixels`' stack before its upload, where the items are: their 8-bit pixels as sent where they
+    have a normalization (the padding rows are made after it, on the device), else in `dtype` with the zero
+    padding rows up to `rows`."""
     normalization = items[0].normalization
     if any(item.normalization != normalization for item in items):
         raise ValueError("a vision call's items must share one normalization (one family, one kind of media)")
     pixels = [item.pixel_values for item in items]
     if normalization is None:
-        return stacked_pixels(pixels, rows, dtype, device).to(device, non_blocking=True)
-    count = sum(len(item) for item in pixels)
-    raw = stacked_pixels(pixels, count, torch.uint8, device).to(device, non_blocking=True)
-    return normalized_pixels(raw, normalization, dtype, rows)
+        return _stacked_pixels(pixels, rows, dtype, device)
+    return _stacked_pixels(pixels, sum(len(item) for item in pixels), torch.uint8, device)
 
 
-def stacked_pixels(
+def tower_input(
+    sent: torch.Tensor, items: list[PreparedMedia], rows: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """The tower's input of `host_stack`'s stack once on the device: normalized there, with the zero
+    padding rows up to `rows`, where the items have a normalization; else the stack as it is."""
+    normalization = items[0].normalization
+    return sent if normalization is None else normalized_pixels(sent, normalization, dtype, rows)
+
+
+def _stacked_pixels(
     items: list[np.ndarray | torch.Tensor], rows: int, dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
     """`items` stacked, then zeros up to `rows` rows, in `dtype`, where the items are: page-locked when they
-    are on the host and go to a GPU (`stage_pixels`' stack before its upload)."""
+    are on the host and go to a GPU."""
     tensors = [torch.as_tensor(item) for item in items]
     source = tensors[0].device
     stacked = torch.empty(
