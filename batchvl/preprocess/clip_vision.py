@@ -18,7 +18,7 @@ from PIL import Image
 
 from batchvl.config import PreprocessConfig
 from batchvl.preprocess.image import ImagePreparer, channels_first, check_aspect_ratio
-from batchvl.preprocess.media import PreparedMedia, content_hash
+from batchvl.preprocess.media import PreparedMedia, prepared_media
 from batchvl.preprocess.pixel_normalization import PixelNormalization
 
 
@@ -100,12 +100,5 @@ def prepare_clip_image(image: Image.Image, spec: ClipVisionSpec) -> PreparedMedi
     crop = center_crop(np.asarray(resize_shortest_edge(image, spec)), spec.crop_height, spec.crop_width)
     pixel_values = np.ascontiguousarray(channels_first(crop)[None])  # (1, 3, H, W)
     grid = (1, spec.crop_height // spec.patch_size, spec.crop_width // spec.patch_size)
-    normalization = PixelNormalization.of(spec)
-    return PreparedMedia(
-        pixel_values,
-        grid,
-        content_hash(pixel_values, grid, normalization=normalization),
-        spec.num_image_tokens,
-        spec.image_token * spec.num_image_tokens,
-        normalization=normalization,
-    )
+    placeholder = spec.image_token * spec.num_image_tokens
+    return prepared_media(pixel_values, grid, spec.num_image_tokens, placeholder, PixelNormalization.of(spec))

@@ -92,6 +92,29 @@ def host_pixels(pixels: torch.Tensor) -> np.ndarray | torch.Tensor:
     return pixels if pixels.dtype == torch.bfloat16 else pixels.numpy()
 
 
+def prepared_media(
+    pixel_values: np.ndarray,
+    grid_thw: tuple[int, int, int],
+    num_tokens: int,
+    placeholder: str,
+    normalization: PixelNormalization,
+    kind: str = "image",
+    seconds_per_grid_t: float = 0.0,
+) -> PreparedMedia:
+    """A family's prepared media: its 8-bit pixels with the normalization that makes the tower's input of
+    them, keyed by the content hash of both (with the grid and the kind)."""
+    return PreparedMedia(
+        pixel_values,
+        grid_thw,
+        content_hash(pixel_values, grid_thw, kind, normalization),
+        num_tokens,
+        placeholder,
+        kind,
+        seconds_per_grid_t,
+        normalization,
+    )
+
+
 def content_hash(
     pixel_values: np.ndarray,
     grid_thw: tuple[int, int, int],

@@ -21,7 +21,7 @@ from PIL import Image
 from batchvl.config import PreprocessConfig
 from batchvl.inputs.types import MediaRef
 from batchvl.preprocess.image import channels_first, check_aspect_ratio, decode_image
-from batchvl.preprocess.media import PreparedMedia, content_hash
+from batchvl.preprocess.media import PreparedMedia, prepared_media
 from batchvl.preprocess.pixel_normalization import PixelNormalization
 from batchvl.preprocess.video import DecodedVideo, FrameSampling, decode_video
 
@@ -136,14 +136,7 @@ def prepare_image(image: Image.Image, spec: QwenVisionSpec) -> PreparedMedia:
     # A still image is its own temporal neighbour: its rows repeat the frame to fill the temporal patch.
     normalization = PixelNormalization.of(spec, repeat=spec.temporal_patch_size)
     num_tokens = spec.num_image_tokens(grid)
-    return PreparedMedia(
-        pixel_values,
-        grid,
-        content_hash(pixel_values, grid, normalization=normalization),
-        num_tokens,
-        spec.image_token * num_tokens,
-        normalization=normalization,
-    )
+    return prepared_media(pixel_values, grid, num_tokens, spec.image_token * num_tokens, normalization)
 
 
 def video_frame_max_pixels(spec: QwenVisionSpec, video_max_pixels: int, num_frames: int) -> int:
@@ -166,16 +159,14 @@ def prepare_video(video: DecodedVideo, spec: QwenVisionSpec, video_max_pixels: i
         ]
     )
     pixel_values, grid = patchify(channels_first(resized), spec)
-    normalization = PixelNormalization.of(spec)
-    return PreparedMedia(
+    return prepared_media(
         pixel_values,
         grid,
-        content_hash(pixel_values, grid, "video", normalization),
         spec.num_image_tokens(grid),
         spec.video_placeholder(grid, video),
+        PixelNormalization.of(spec),
         kind="video",
         seconds_per_grid_t=spec.temporal_patch_size / video.sampled_fps,
-        normalization=normalization,
     )
 
 

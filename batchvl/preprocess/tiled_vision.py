@@ -21,7 +21,7 @@ from PIL import Image
 
 from batchvl.config import PreprocessConfig
 from batchvl.preprocess.image import ImagePreparer, channels_first, check_aspect_ratio
-from batchvl.preprocess.media import PreparedMedia, content_hash
+from batchvl.preprocess.media import PreparedMedia, prepared_media
 from batchvl.preprocess.pixel_normalization import PixelNormalization
 
 MAX_SIDE = 4096  # the processor caps the resized longest edge here
@@ -135,12 +135,7 @@ def prepare_tiled_image(image: Image.Image, spec: TiledVisionSpec) -> PreparedMe
     pixel_values = np.ascontiguousarray(channels_first(np.stack(frames)))  # (frames, 3, T, T)
     side = spec.tile // spec.patch_size
     grid = (len(frames), side, side)
-    normalization = PixelNormalization.of(spec)
-    return PreparedMedia(
-        pixel_values,
-        grid,
-        content_hash(pixel_values, grid, normalization=normalization),
-        len(frames) * spec.image_seq_len,
-        spec.placeholder(rows, cols),
-        normalization=normalization,
+    num_tokens = len(frames) * spec.image_seq_len
+    return prepared_media(
+        pixel_values, grid, num_tokens, spec.placeholder(rows, cols), PixelNormalization.of(spec)
     )
