@@ -35,7 +35,7 @@ overlapped steps and without.
 On a CPU (`--device cpu`, e.g. `--size tiny --samples 8`) the same runs, with the GPU's figures null.
 
     python benchmarks/gpu_throughput.py --device cuda --size 2b [--samples 1000] [--labels] [--cuda-graphs]
-        [--overlap] [--fused-kernels] [--max-num-seqs N] [--temperature T [--top-p P]]
+        [--overlap] [--fused-kernels] [--vision-graphs] [--max-num-seqs N] [--temperature T [--top-p P]]
         [--launch-settings JSON] [--json PATH] [--texts PATH]
 """
 
@@ -221,6 +221,7 @@ def measure(args, work: Path) -> dict:
     engine_keys = {
         "cuda_graphs": args.cuda_graphs,
         "overlap": args.overlap,
+        "vision_graphs": args.vision_graphs,
         "max_num_seqs": args.max_num_seqs,
         "vision_attention": args.vision_attention,  # (the model is made with it: recorded in the job too)
     }
@@ -236,6 +237,7 @@ def measure(args, work: Path) -> dict:
     timeline = GpuTimeline(torch.device(args.device)) if on_gpu else None
     timer = StepTimer(args.profile_after, args.profile_steps, timeline=timeline)
     run = caption_job(job("data", "data"), loaded, args.device, timer)
+    vision_graphs = vision_graph_counts(loaded.adapter)  # the timed job's, before the profiled one's
     profiled = StepTimer(args.profile_after, args.profile_steps, args.audit_steps, profiling=True)
     if on_gpu and args.profile_steps:
         profiled_job(job("data", "data-profiled"), loaded, profiled)
@@ -348,6 +350,7 @@ def measure(args, work: Path) -> dict:
         },
         # the host's time capturing decode graphs in the measured job (its wall time includes it)
         "graph_capture_s": graph_capture_seconds(timer.engine),
+        "vision_graph_use": vision_graphs,  # the shapes captured, their capture time, the calls replayed
         # overlapped steps are not waited for: their vision, prefill and decode seconds are launch times
         "split_s_is_launch_time": engine.overlap,
         "engine_replicas": stats["engine_replicas"],  # the CPU's replicas' seconds are summed
@@ -366,11 +369,22 @@ def measure(args, work: Path) -> dict:
             "cuda_graphs": engine.cuda_graphs,
             "overlap": engine.overlap,
             "fused_kernels": has_fused_kernels(loaded.adapter.model),
+            "vision_graphs": engine.vision_graphs,
             "vision_attention": engine.vision_attention,
             "decode_kernel": decode_kernel(loaded, on_gpu),
             "launch_settings": args.launch_settings,  # beside the kernels' defaults
         },
     }
+
+
+def vision_graph_counts(adapter) -> dict | None:
+    """The timed job's vision graphs (`engine.vision_graphs`): the shapes captured, the host's seconds in
+    their captures, the calls replayed; None without them."""
+    graphs = getattr(adapter, "vision_graphs", None)
+    if graphs is None:
+        return None
+    captured, capture_s = len(graphs.captured), round(graphs.capture_s, 2)
+    return {"shapes": captured, "capture_s": capture_s, "replays": graphs.replays}
 
 
 def graph_capture_seconds(engine) -> float | None:
@@ -471,6 +485,12 @@ def main() -> None:
         action=argparse.BooleanOptionalAction,
         default=False,
         help="RMSNorm, LayerNorm, SiLU*mul, QuickGELU and rotary as Triton kernels (engine.fused_kernels)",
+    )
+    parser.add_argument(
+        "--vision-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="Replay Qwen2-VL's vision calls as CUDA graphs (engine.vision_graphs; ignored on the CPU)",
     )
     parser.add_argument(
         "--vision-attention",

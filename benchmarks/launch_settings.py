@@ -116,8 +116,11 @@ def fastest_of(reports: dict[str, dict | None]) -> dict[str, dict[str, int]]:
 
 def fastest_vision_attention(report: dict) -> str | None:
     """`vision_call.py`'s choice for the tower's attention: "sdpa" where SDPA's call (with the fused kernels)
-    at its largest size beats the flash varlen one's wall by more than MARGIN, else None (the default)."""
-    rows = [row for row in report.get("rows", []) if row.get("fused_kernels")]
+    at its largest size beats the flash varlen one's wall by more than MARGIN, else None (the default). The
+    calls replayed as graphs are not among them: SDPA's calls run eagerly."""
+    rows = [
+        row for row in report.get("rows", []) if row.get("fused_kernels") and not row.get("vision_graphs")
+    ]
     if not rows:
         return None
     largest = max(row["patches"] for row in rows)

@@ -10,11 +10,12 @@ device, normalized there into the tower's input) and the staging of the tower's 
 dtype, as the workers sent it before; on CUDA the kernels' summed time within one call (torch's profiler,
 overlaps counted once) and the kernels with the most of it (by name: calls and ms), and its TFLOP/s
 against the tower's FLOPs (`flops.py`). On CUDA each size runs without the fused kernels, then with them
-(`engine.fused_kernels`, swapped into the same model), then with them and the tower's attention by SDPA
-over each size's images, cuDNN's kernel first (`engine.vision_attention: sdpa`), instead of one flash
-varlen call a layer. A wall well above the kernels' time says the host bounds the call (launches,
-staging); kernels' time well above the FLOPs at the matmul peak says the kernels do, and the top kernels
-say which.
+(`engine.fused_kernels`, swapped into the same model), then with them and the call replayed as a CUDA graph
+(`engine.vision_graphs`: its rows padded to the graph's, captured before the timed calls), then with the
+fused kernels and the tower's attention by SDPA over each size's images, cuDNN's kernel first
+(`engine.vision_attention: sdpa`), instead of one flash varlen call a layer. A wall well above the kernels'
+time says the host bounds the call (launches, staging); kernels' time well above the FLOPs at the matmul
+peak says the kernels do, and the top kernels say which.
 
     python benchmarks/vision_call.py --device cuda --size 2b [--patches 4096,8192,16384,32768] [--json PATH]
     python benchmarks/vision_call.py --device cpu --size tiny --patches 256,512   (a trial: no kernel figures)
@@ -37,6 +38,9 @@ from step_timing import kernel_summary
 from workloads import markdown_table, write_json
 
 IMAGE_SIDE = 448
+# Untimed calls of each size first: the first compiles and caches; with vision graphs it runs eagerly at
+# the graph's shape and the second captures the graph (`qwen_vision_graphs.CAPTURE_ON_NEED`)
+WARMUP_CALLS = 2
 
 
 def built_model(size: str, device: str, folder: Path):
@@ -140,14 +144,22 @@ def kernels_of_one_call(loaded, batch: list, patches: int) -> dict:
 
 
 def measure(
-    loaded, prepared: list, patches: int, calls: int, counter: FlopCounter, fused: bool, attention: str
+    loaded,
+    prepared: list,
+    patches: int,
+    calls: int,
+    counter: FlopCounter,
+    fused: bool,
+    attention: str,
+    graphs: bool = False,
 ) -> dict:
     """One call size's row. The call's images are as a job's preprocessing workers send them (8-bit, the
     call normalizes them); the staging of the tower's input itself, in its dtype, as the workers sent it
     before, is timed beside it."""
     per_image = prepared[0].num_patches
     batch = prepared[: max(1, patches // per_image)]
-    timed_call(loaded, batch, patches)  # the warm-up: kernels compiled, the allocator's blocks cached
+    for _ in range(WARMUP_CALLS):  # kernels compiled, the allocator's blocks cached, a graph captured
+        timed_call(loaded, batch, patches)
     wall = statistics.median(timed_call(loaded, batch, patches) for _ in range(calls))
     stagings = [timed_staging(loaded, batch) for _ in range(calls)]
     stacking, upload, normalizing = (statistics.median(times) for times in zip(*stagings, strict=True))
@@ -159,6 +171,7 @@ def measure(
         "images": len(batch),
         "fused_kernels": fused,
         "vision_attention": attention,
+        "vision_graphs": graphs,
         "wall_ms": round(wall * 1e3, 3),
         "staging_ms": round((stacking + upload + normalizing) * 1e3, 3),
         # its steps: the 8-bit pixels into one page-locked tensor on the host, the upload, the normalization
@@ -210,6 +223,7 @@ def main() -> None:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit(f"--device {args.device} but no CUDA device is available; use --device cpu")
 
+    from batchvl.engine.device.graph_capture import graph_capture
     from batchvl.layers.fused_kernels import use_fused_kernels
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -218,13 +232,18 @@ def main() -> None:
         per_image = images(loaded, 1)[0].num_patches
         prepared = images(loaded, max(1, max(sizes) // per_image))
 
-        def rows_of(fused: bool, attention: str) -> list[dict]:
-            return [measure(loaded, prepared, n, args.calls, counter, fused, attention) for n in sizes]
+        def rows_of(fused: bool, attention: str, graphs: bool = False) -> list[dict]:
+            return [
+                measure(loaded, prepared, n, args.calls, counter, fused, attention, graphs) for n in sizes
+            ]
 
         rows = rows_of(False, "flash_varlen")
         if loaded.adapter.device.type == "cuda":
             use_fused_kernels(loaded.adapter.model)
             rows += rows_of(True, "flash_varlen")
+            if loaded.adapter.use_vision_graphs(graph_capture(loaded.adapter.device), max(sizes)):
+                rows += rows_of(True, "flash_varlen", graphs=True)
+            loaded.adapter.use_vision_graphs(None, 0)
             attend_by_sdpa(loaded.adapter.model)
             rows += rows_of(True, "sdpa")
     table = [{key: value for key, value in row.items() if key != "top_kernels"} for row in rows]

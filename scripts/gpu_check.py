@@ -134,6 +134,7 @@ PARITY_TESTS = [
     "tests/models/test_idefics3_vision.py",  # nor Idefics3's tower
     "tests/models/test_llava_vision.py",  # nor LLaVA's
     "tests/engine/test_pixel_staging.py",  # vision calls' pixels sent from page-locked memory, not waited for
+    "tests/models/test_qwen_vision_graphs.py",  # vision calls as CUDA graphs, replays equal to eager calls
     "tests/engine/test_structured_output.py",  # a step's grammar bitmask sent the same way
 ]
 FAST_PATHS_PARITY_TESTS = ["tests/engine/test_parity.py", "tests/engine/test_family_parity.py"]
@@ -591,7 +592,7 @@ def gpu_throughput(
     baselines = {}
     if (fast_paths or named) and not sampled:
         baselines["same_text_share_vs_eager"] = work / f"{base}.texts"
-    if vision_attention or launch_settings:
+    if vision_attention or launch_settings or set(fast_paths) - set(FAST_PATHS):
         baselines["same_text_share_vs_default_launch"] = work / ("-".join([base, *FAST_PATHS]) + ".texts")
     for key, baseline in baselines.items():
         if (share := same_text_share(texts, baseline)) is not None:
@@ -696,6 +697,12 @@ STAGES = [
         "gpu_throughput_2b_fast_sdpa_vision",
         lambda work: gpu_throughput(work, "2b", FAST_PATHS, vision_attention="sdpa"),
     ),
+    # every fast path and the vision calls replayed as CUDA graphs (`engine.vision_graphs`, off by default
+    # until this has measured it)
+    (
+        "gpu_throughput_2b_fast_vision_graphs",
+        lambda work: gpu_throughput(work, "2b", (*FAST_PATHS, "vision_graphs")),
+    ),
     # every fast path, each caption sampled (temperature 0.8, top-p 0.9: a sort of every row's vocabulary a
     # step) where the others are greedy: the draws on the device, steps overlapped
     (
@@ -714,6 +721,7 @@ OPTIONAL = {
     "gpu_throughput_7b",
     "gpu_throughput_2b_256_seqs",
     "gpu_throughput_2b_fast_sdpa_vision",
+    "gpu_throughput_2b_fast_vision_graphs",
     "gpu_throughput_2b_fast_sampled",
     "gpu_throughput_2b_labels",
     "gpu_throughput_2b_labels_overlap",

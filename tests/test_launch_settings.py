@@ -82,6 +82,14 @@ def vision_rows(sdpa_ms: float) -> dict:
         {"patches": 32768, "fused_kernels": False, "vision_attention": "flash_varlen", "wall_ms": 200.0},
         {"patches": 32768, "fused_kernels": True, "vision_attention": "flash_varlen", "wall_ms": 100.0},
         {"patches": 32768, "fused_kernels": True, "vision_attention": "sdpa", "wall_ms": sdpa_ms},
+        # a replayed graph's call, which SDPA's eager one is not set against
+        {
+            "patches": 32768,
+            "fused_kernels": True,
+            "vision_attention": "flash_varlen",
+            "vision_graphs": True,
+            "wall_ms": 60.0,
+        },
         {"patches": 4096, "fused_kernels": True, "vision_attention": "flash_varlen", "wall_ms": 40.0},
         {"patches": 4096, "fused_kernels": True, "vision_attention": "sdpa", "wall_ms": 20.0},
     ]

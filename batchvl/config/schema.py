@@ -331,6 +331,13 @@ class EngineConfig:
         "engine starts, a smaller bucket's step padded into it until steps have needed that bucket often): "
         "far fewer kernel launches a step; ignored off CUDA. auto: on (CUDA)",
     )
+    vision_graphs: bool | Literal["auto"] = job_key(
+        "auto",
+        "On CUDA, replay Qwen2-VL's vision calls as CUDA graphs, their rows, images and longest image "
+        "rounded up to a few shapes (each captured the second time a call needs it): one launch a call, "
+        "not some 400; ignored off CUDA and for the other families' towers. auto: off until measured on a "
+        "GPU",
+    )
     vision_attention: Literal["auto", "flash_varlen", "sdpa"] = job_key(
         "auto",
         "The Qwen-VL vision towers' attention on CUDA: flash_varlen, every image of a vision call in one "

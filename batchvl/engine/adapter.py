@@ -40,6 +40,12 @@ class ModelAdapter(Protocol):
         the family pads its calls, the rows after the items' being zeros."""
         ...
 
+    def use_vision_graphs(self, graph_capture, max_patches: int) -> bool:
+        """From now on, replay vision calls of up to `max_patches` patches as graphs `graph_capture` records
+        (`engine.vision_graphs`) where the family's tower can, or (`graph_capture` None) run them eagerly;
+        whether they replay graphs."""
+        ...
+
     def prompt_positions(
         self, prompt_token_ids: list[int], media: list[PreparedMedia]
     ) -> tuple[torch.Tensor, int]:

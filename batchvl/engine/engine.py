@@ -109,6 +109,7 @@ class Engine:
             self.block_manager,
             parallel_encoder,
             decode_graph_rows=config.max_num_seqs if config.cuda_graphs else 0,
+            vision_graph_patches=config.max_patches_per_encode if config.vision_graphs else 0,
         )
         self.encoder_cache = build_encoder_cache(
             config,

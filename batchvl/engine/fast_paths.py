@@ -19,15 +19,23 @@ import torch
 from batchvl.config import EngineConfig
 
 FAST_PATHS = ("cuda_graphs", "overlap", "fused_kernels")
+# Fast paths whose `auto` is off until a GPU run has measured them against the path they replace
+UNMEASURED_PATHS = ("vision_graphs",)
 
 
-def fast_path_on(setting: bool | str, device: torch.device) -> bool:
-    """A fast path's setting on `device`: as given, or for `auto`, whether `device` is a CUDA device."""
-    return device.type == "cuda" if setting == "auto" else bool(setting)
+def fast_path_on(setting: bool | str, device: torch.device, measured: bool = True) -> bool:
+    """A fast path's setting on `device`: as given, or for `auto`, whether `device` is a CUDA device (and
+    the path `measured`: off otherwise)."""
+    return measured and device.type == "cuda" if setting == "auto" else bool(setting)
+
+
+def path_on(config: EngineConfig, name: str, device: torch.device) -> bool:
+    """Whether the fast path `name` (of FAST_PATHS or UNMEASURED_PATHS) of `config` is on on `device`."""
+    return fast_path_on(getattr(config, name), device, measured=name not in UNMEASURED_PATHS)
 
 
 def fast_paths_resolved(config: EngineConfig, device: torch.device) -> EngineConfig:
     """`config` with each fast path a bool for `device`."""
     return dataclasses.replace(
-        config, **{name: fast_path_on(getattr(config, name), device) for name in FAST_PATHS}
+        config, **{name: path_on(config, name, device) for name in FAST_PATHS + UNMEASURED_PATHS}
     )

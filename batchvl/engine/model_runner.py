@@ -92,18 +92,26 @@ class ModelRunner:
         block_manager: BlockManager,
         parallel_encoder: DataParallelEncoder | None = None,
         decode_graph_rows: int = 0,
+        vision_graph_patches: int = 0,
     ):
-        """A runner over the cache `block_manager` hands out. `decode_graph_rows`: the most rows of a decode
-        step replayed as a graph, on a device that captures them (CUDA); 0: none."""
+        """A runner over the cache `block_manager` hands out. On a device that captures graphs (CUDA):
+        `decode_graph_rows`, the most rows of a decode step replayed as a graph, and `vision_graph_patches`,
+        the most patches of a vision call replayed as one, where the family's tower can; 0: none. The two
+        kinds share one capture, whose memory pool holds whichever graph replays (one at a time)."""
         self.adapter = adapter
         self.block_manager = block_manager
         self.parallel_encoder = parallel_encoder
         geo = adapter.geometry
         num_blocks, block_size = block_manager.num_blocks, block_manager.block_size
-        capture = graph_capture(adapter.device) if decode_graph_rows else None
+        any_graphs = graph_capture(adapter.device) if decode_graph_rows or vision_graph_patches else None
+        capture = any_graphs if decode_graph_rows else None
+        # whether this runner's vision calls replay graphs (a runner without them turns the adapter's off)
+        self.vision_graphs = adapter.use_vision_graphs(
+            any_graphs if vision_graph_patches else None, vision_graph_patches
+        )
         self.kv_cache = KVCache.allocate(
             geo.num_layers,
-            # with graphs, one block more: the padding rows' scratch block, which no request is given
+            # with decode graphs, one block more: the padding rows' scratch block, which no request is given
             (num_blocks + (capture is not None)) * block_size,
             geo.num_kv_heads,
             geo.head_dim,

@@ -61,8 +61,17 @@ class QwenVisionAttention(torch.nn.Module):
         rotated = self.rotate(qkv[:, :2], *position_embeddings)
         # (rows, heads, D) -> (1, heads, rows, D): the layout the attention function takes
         query, key, value = (t.transpose(0, 1)[None] for t in (rotated[:, 0], rotated[:, 1], qkv[:, 2]))
+        # the tower passes each block the longest of its sequences (transformers' `max_seqlen`): a bound the
+        # varlen kernel takes as it is, where reading the lengths would wait for the device
         out, _ = vision_attention.varlen_vision_attention(
-            self, query, key, value, None, scaling=self.scaling, cu_seq_lens_q=cu_seqlens
+            self,
+            query,
+            key,
+            value,
+            None,
+            scaling=self.scaling,
+            cu_seq_lens_q=cu_seqlens,
+            max_length_q=kwargs.get("max_seqlen"),
         )
         return self.proj(out.reshape(rows, -1))
 

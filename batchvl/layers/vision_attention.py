@@ -85,15 +85,16 @@ def _ampere_or_newer(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 8
 
 
-def _flash_takes(query: torch.Tensor) -> bool:
-    """Whether the varlen kernel runs this CUDA query. Its known refusals (fp32, GPUs before Ampere) are
-    checked before the call instead of raised in every layer; fp32 vision towers then run SDPA as without
-    it."""
+def flash_varlen_runs(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the varlen kernel runs a vision call in `dtype` on `device`: on CUDA only. Its known refusals
+    (fp32, GPUs before Ampere) are checked before the call instead of raised in every layer; fp32 vision
+    towers then run SDPA as without it."""
     return (
-        not _flash_refusals
-        and query.dtype in FLASH_DTYPES
+        device.type == "cuda"
+        and not _flash_refusals
+        and dtype in FLASH_DTYPES
         and _varlen_kernel() is not None
-        and _ampere_or_newer(query.device)
+        and _ampere_or_newer(device)
     )
 
 
@@ -192,14 +193,17 @@ def varlen_vision_attention(
     max_length_q: int | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """q/k/v (1, H, T, D) packed over sequences given by cu_seq_lens_q; returns (1, T, H, D)."""
+    """q/k/v (1, H, T, D) packed over sequences given by cu_seq_lens_q; returns (1, T, H, D).
+    `max_length_q`, where given, bounds the sequences' lengths for the varlen kernel, which then reads
+    nothing of them on the host: a vision call replayed as a graph (`qwen_vision_graphs`) passes its shape's
+    bound, and sequences of no rows pad its count."""
     if cu_seq_lens_q is None:
         raise RuntimeError("varlen vision attention needs cu_seqlens (use it for vision_config only)")
-    lengths = sequence_lengths(cu_seq_lens_q)
     varlen = getattr(module, VARLEN_ATTRIBUTE, True)
-    if query.is_cuda and varlen and _flash_takes(query):
+    if varlen and flash_varlen_runs(query.dtype, query.device):
+        longest = max_length_q if max_length_q is not None else max(sequence_lengths(cu_seq_lens_q))
         try:
-            return _flash_varlen(query, key, value, cu_seq_lens_q, max(lengths), scaling), None
+            return _flash_varlen(query, key, value, cu_seq_lens_q, longest, scaling), None
         except torch.OutOfMemoryError:
             raise  # SDPA would need more memory, not less
         except (RuntimeError, TypeError) as exc:
@@ -213,6 +217,7 @@ def varlen_vision_attention(
         # (1, H, T, D) views of (T, H, D) rows: the kernel reads and writes the rows' own layout
         q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
         return native_attention(q, k, v, cu_seq_lens_q, scaling)[None], None
+    lengths = sequence_lengths(cu_seq_lens_q)
     return _attention_per_run(query, key, value, lengths, scaling, query.is_cuda and not varlen), None
 
 

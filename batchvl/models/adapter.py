@@ -49,6 +49,10 @@ class VLMAdapter:
         """See `ModelAdapter.vision_call_rows`. Default: no padding."""
         return rows
 
+    def use_vision_graphs(self, graph_capture, max_patches: int) -> bool:
+        """See `ModelAdapter.use_vision_graphs`. Default: the tower runs eagerly."""
+        return False
+
     def prompt_positions(
         self, prompt_token_ids: list[int], media: list[PreparedMedia]
     ) -> tuple[torch.Tensor, int]:

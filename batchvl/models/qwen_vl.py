@@ -14,9 +14,12 @@ import functools
 
 import numpy as np
 import torch
+from transformers.modeling_outputs import BaseModelOutputWithPooling
 
+from batchvl.engine.device.graph_capture import GraphCapture
 from batchvl.layers.row_buckets import bucket_rows
 from batchvl.models.adapter import VLMAdapter
+from batchvl.models.qwen_vision_graphs import VisionGraphs, graphable, padded_rows
 from batchvl.models.qwen_vision_inputs import grid_inputs, on_device
 from batchvl.preprocess.media import PreparedMedia
 
@@ -42,12 +45,40 @@ class Qwen2VLAdapter(VLMAdapter):
         self.placeholder_token_ids = {"image": config.image_token_id, "video": config.video_token_id}
         # bounded: a job whose prompts all differ in layout (free-form questions) keeps the last ones
         self._positions_of_layout = functools.lru_cache(maxsize=4096)(self._layout_positions)
+        self.vision_graphs: VisionGraphs | None = None  # `use_vision_graphs`
+
+    def use_vision_graphs(self, graph_capture: GraphCapture | None, max_patches: int) -> bool:
+        """See `ModelAdapter.use_vision_graphs`: where the tower can (`qwen_vision_graphs.graphable`), its
+        calls of up to `max_patches` patches, padded, replay graphs from now on."""
+        visual = self.model.model.visual
+        self.vision_graphs = None
+        if graph_capture is None or not graphable(visual, self.dtype, self.device):
+            return False
+
+        @torch.inference_mode()
+        def tower(pixels, positions, boundaries, longest: int) -> torch.Tensor:
+            # what the tower derives from the grid, given; the grid itself is read by nothing then
+            return visual(
+                pixels,
+                None,
+                return_dict=True,
+                position_ids=positions,
+                cu_seqlens=boundaries,
+                max_seqlen=longest,
+            ).pooler_output
+
+        self.vision_graphs = VisionGraphs(tower, graph_capture, padded_rows(max_patches), self.device)
+        return True
 
     def vision_call_rows(self, rows: int) -> int:
-        """On the CPU, the row bucket (`row_buckets`): every linear layer of the tower would otherwise copy
-        its input into a padded tensor of its own (about a tenth of encoding, measured on a CPU with AMX),
-        where the call's rows cost at most an eighth more. A GPU's matmuls take any row count: no padding,
-        whose rows would only add work there."""
+        """With vision graphs, a graph's rows (`qwen_vision_graphs.padded_rows`) where one takes the call.
+        Otherwise on the CPU, the row bucket (`row_buckets`): every linear layer of the tower would otherwise
+        copy its input into a padded tensor of its own (about a tenth of encoding, measured on a CPU with
+        AMX), where the call's rows cost at most an eighth more; a GPU's matmuls take any row count: no
+        padding, whose rows would only add work there."""
+        graphs = self.vision_graphs
+        if graphs is not None and graphs.takes(padded_rows(rows)):
+            return padded_rows(rows)
         return bucket_rows(rows) if self.device.type == "cpu" else rows
 
     @torch.inference_mode()
@@ -64,9 +95,15 @@ class Qwen2VLAdapter(VLMAdapter):
         merge_size = visual.spatial_merge_size
         pixels = pixel_values.to(self.device, self.dtype)  # as staged for the call: no copy
         grid = with_blank_image(grid_thw, len(pixels), merge_size)
+        sizes = (grid.prod(-1) // merge_size**2).tolist()
+        graphs = self.vision_graphs
+        if graphs is not None and graphs.takes(len(pixels)):
+            inputs = grid_inputs(visual, grid)
+            merged = graphs(pixels, inputs["position_ids"], inputs["cu_seqlens"])
+            return BaseModelOutputWithPooling(pooler_output=merged.split(sizes))
         inputs = on_device({**grid_inputs(visual, grid), "grid_thw": grid}, self.device)
         out = visual(pixels, return_dict=True, **inputs)
-        out.pooler_output = out.pooler_output.split((grid.prod(-1) // merge_size**2).tolist())
+        out.pooler_output = out.pooler_output.split(sizes)
         return out
 
     def prompt_positions(

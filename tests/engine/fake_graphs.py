@@ -86,11 +86,13 @@ class FakeGraphCapture:
     def __init__(self):
         self.captures = 0
         self.replays = 0
+        self.warmups: list[int] = []  # the warm-up runs each capture asked for
 
-    def capture(self, forward: Callable[[], None]) -> Callable[[], None]:
+    def capture(self, forward: Callable[[], None], warmups: int = 2) -> Callable[[], None]:
         with NoHostSync():
-            forward()  # the warm-up: a CUDA capture runs the step before recording it
+            forward()  # the recording: a CUDA capture runs the callable's Python once, its kernels not
         self.captures += 1
+        self.warmups.append(warmups)
 
         def replay() -> None:
             self.replays += 1

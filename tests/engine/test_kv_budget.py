@@ -78,6 +78,15 @@ def test_each_fast_path_that_holds_memory_beside_a_step_keeps_one_more_step_free
         assert kv_cache_bytes(config, GPU, measured(800)) == int((60_000 - reserve) * MB * 0.9), options
 
 
+def test_vision_graphs_keep_a_vision_calls_memory_free_once_more(free_on_gpu):
+    """Their pool holds the largest graphed call's activations apart from eager calls' memory."""
+    free_on_gpu(60_000)
+    for options, calls in [({}, 1), ({"vision_graphs": False}, 1), ({"vision_graphs": True}, 2)]:
+        config = EngineConfig(**options, **SIZED, **EAGER)
+        reserve = 800 * PEAK_HEADROOM + VISION_RESERVE_MB * calls + 512
+        assert kv_cache_bytes(config, GPU, measured(800)) == int((60_000 - reserve) * MB * 0.9), options
+
+
 def test_auto_on_the_cpu_and_a_given_size_anywhere_are_what_they_were(free_on_gpu):
     asked = free_on_gpu(60_000)
     peak = measured(800)

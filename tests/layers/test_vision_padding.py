@@ -27,9 +27,15 @@ def test_rows_with_no_padding_get_no_blank_image():
     assert with_blank_image(grid, 128, 2) is grid
 
 
-def test_only_the_cpu_pads_a_call():
-    assert Qwen2VLAdapter.vision_call_rows(SimpleNamespace(device=torch.device("cpu")), 100) == 112
-    assert Qwen2VLAdapter.vision_call_rows(SimpleNamespace(device=torch.device("cuda", 0)), 100) == 100
+def test_only_the_cpu_pads_a_call_where_no_vision_graph_takes_it():
+    def rows(device: torch.device, graphs=None, given: int = 100) -> int:
+        return Qwen2VLAdapter.vision_call_rows(SimpleNamespace(device=device, vision_graphs=graphs), given)
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    assert (rows(cpu), rows(gpu)) == (112, 100)
+    # with vision graphs, the graphs' rows (multiples of 1,024) up to their largest
+    graphs = SimpleNamespace(takes=lambda padded: padded <= 2048)
+    assert (rows(gpu, graphs), rows(gpu, graphs, 1025), rows(gpu, graphs, 2049)) == (1024, 2048, 2049)
 
 
 def stock_embeddings(model_dir, family: str, pixels, grid) -> list[torch.Tensor]:

@@ -46,16 +46,15 @@ anew).
 from __future__ import annotations
 
 import logging
-import time
 from collections import Counter
 from collections.abc import Callable
-from typing import Protocol
 
 import numpy as np
 import torch
 
 from batchvl.engine.adapter import ModelAdapter
 from batchvl.engine.device.device_block_table import DeviceBlockTable
+from batchvl.engine.device.graph_capture import GraphCapture, capture_or_none
 from batchvl.engine.overlap import with_picks
 from batchvl.engine.request import ScheduledChunk
 from batchvl.layers import triton_attention
@@ -70,12 +69,6 @@ MAX_POSITION_AXES = 4  # 1-D rope, M-RoPE's 3 axes, and a text axis before them 
 # is one that steps keep coming back to, not one that a job's last requests pass on their way out
 CAPTURE_ON_NEED = 2
 CAPTURE_OVER_PADDING = 16
-
-
-class GraphCapture(Protocol):
-    def capture(self, forward: Callable[[], None]) -> Callable[[], None]:
-        """Record `forward`, which reads and writes only static buffers; returns its replay."""
-        ...
 
 
 def is_graphable(chunks: list[ScheduledChunk]) -> bool:
@@ -192,15 +185,12 @@ class DecodeGraphs:
         None where the capture failed (said once, and no graph runs from then on)."""
         replay = self._replays.get((rows, axes, splits))
         if replay is None:
-            started = time.perf_counter()
-            try:
-                replay = self.graph_capture.capture(self._forward(rows, axes, splits))
-            except Exception as exc:  # a model whose forward cannot be captured still runs, eagerly
-                logger.warning("decode steps run eagerly: capturing one as a graph failed (%s)", exc)
+            forward = self._forward(rows, axes, splits)
+            replay, seconds = capture_or_none(self.graph_capture, forward, "decode steps")
+            self.capture_s += seconds
+            if replay is None:
                 self._failed = True
                 return None
-            finally:
-                self.capture_s += time.perf_counter() - started
             self._replays[rows, axes, splits] = replay
         return replay
 

@@ -6,13 +6,39 @@ recorded kernels over whatever those buffers hold then, without running any Pyth
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 # Runs before the capture: the first calls compile Triton's kernels and create cuBLAS's handles and
 # workspaces, neither of which may happen while a stream is being captured (vLLM runs two as well).
 WARMUP_RUNS = 2
+
+
+class GraphCapture(Protocol):
+    def capture(self, forward: Callable[[], None], warmups: int = ...) -> Callable[[], None]:
+        """Record `forward`, which reads and writes only static buffers, after `warmups` runs (the
+        backend's default where not given); returns its replay."""
+        ...
+
+
+def capture_or_none(
+    graph_capture: GraphCapture, forward: Callable[[], None], what: str, **options
+) -> tuple[Callable[[], None] | None, float]:
+    """`forward` captured (`options` as `capture` takes them), and the host's seconds in the capture; the
+    replay None where the capture failed, which is logged as `what` running eagerly from then on (the
+    caller captures nothing more): a model whose steps cannot be captured still runs."""
+    started = time.perf_counter()
+    try:
+        return graph_capture.capture(forward, **options), time.perf_counter() - started
+    except Exception as exc:
+        logger.warning("%s run eagerly: capturing one as a graph failed (%s)", what, exc)
+        return None, time.perf_counter() - started
 
 
 class CudaGraphCapture:
@@ -33,15 +59,17 @@ class CudaGraphCapture:
         self.stream = torch.cuda.Stream(device)
         self.warmup_stream = torch.cuda.Stream(device)  # one as well: the warm-ups' memory is reused likewise
 
-    def capture(self, forward: Callable[[], None]) -> Callable[[], None]:
-        """`forward` run `WARMUP_RUNS` times on a side stream, then recorded; returns its replay."""
-        current = torch.cuda.current_stream(self.device)
-        side = self.warmup_stream
-        side.wait_stream(current)  # the warm-up reads inputs the current stream copied in
-        with torch.cuda.stream(side):
-            for _ in range(WARMUP_RUNS):
-                forward()
-        current.wait_stream(side)
+    def capture(self, forward: Callable[[], None], warmups: int = WARMUP_RUNS) -> Callable[[], None]:
+        """`forward` run `warmups` times on a side stream, then recorded; returns its replay. (None where
+        the same shapes have run eagerly before, as a vision call's have: `qwen_vision_graphs`.)"""
+        if warmups:
+            current = torch.cuda.current_stream(self.device)
+            side = self.warmup_stream
+            side.wait_stream(current)  # the warm-up reads inputs the current stream copied in
+            with torch.cuda.stream(side):
+                for _ in range(warmups):
+                    forward()
+            current.wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         # Begun and ended here, not by `torch.cuda.graph`, which first waits for the device and empties
         # torch's device and page-locked caches: a graph captured in the middle of a job would stall the

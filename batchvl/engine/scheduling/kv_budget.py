@@ -17,7 +17,7 @@ import torch
 
 from batchvl.config import EngineConfig
 from batchvl.engine.device.free_memory import free_cuda_bytes
-from batchvl.engine.fast_paths import fast_path_on
+from batchvl.engine.fast_paths import path_on
 from batchvl.errors import UserError
 from batchvl.utils.memory import MB
 
@@ -76,7 +76,13 @@ def steps_held(config: EngineConfig, device: torch.device) -> int:
     steps, the step in flight's outputs (its logits, as many rows as the next step's at most) while the next
     one runs. (On an H200 the graphs, captured after a cache that left room for one step, ran the first
     long prefill out of memory.)"""
-    return 1 + fast_path_on(config.cuda_graphs, device) + fast_path_on(config.overlap, device)
+    return 1 + path_on(config, "cuda_graphs", device) + path_on(config, "overlap", device)
+
+
+def vision_calls_held(config: EngineConfig, device: torch.device) -> int:
+    """How many times a vision call's activations are kept free: the call itself; with vision graphs, their
+    memory pool, which holds the largest graphed call's apart from the memory eager calls allocate from."""
+    return 1 + path_on(config, "vision_graphs", device)
 
 
 def vision_reserve_bytes(max_patches: int) -> int:
@@ -92,7 +98,8 @@ def kv_cache_bytes(config: EngineConfig, device: torch.device, activation_peak: 
         return int(fixed_kv_cache_mb(config) * MB)
     activations = int(activation_peak() * PEAK_HEADROOM) * steps_held(config, device)
     free = free_cuda_bytes(device)
-    reserve = activations + vision_reserve_bytes(config.max_patches_per_encode) + config.encoder_cache_mb * MB
+    vision = vision_reserve_bytes(config.max_patches_per_encode) * vision_calls_held(config, device)
+    reserve = activations + vision + config.encoder_cache_mb * MB
     budget = int((free - reserve) * config.gpu_memory_utilization)
     if budget < MB:
         raise UserError(
