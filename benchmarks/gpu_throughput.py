@@ -490,7 +490,7 @@ def main() -> None:
         "--vision-graphs",
         action=argparse.BooleanOptionalAction,
         default=False,
-        help="Replay Qwen2-VL's vision calls as CUDA graphs (engine.vision_graphs; ignored on the CPU)",
+        help="The Qwen-VL towers' vision calls as CUDA graphs (engine.vision_graphs; ignored on the CPU)",
     )
     parser.add_argument(
         "--vision-attention",

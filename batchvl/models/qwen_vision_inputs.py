@@ -26,6 +26,10 @@ from transformers.vision_utils import (
 from batchvl.layers.attention import uploaded
 from batchvl.layers.vision_attention import remember_lengths
 
+# The inputs that cut a call's rows into the sequences the tower attends within (its images; Qwen2.5-VL's
+# windows), each with the input of its longest sequence's rows
+BOUNDARIES = {"cu_seqlens": "max_seqlen", "cu_window_seqlens": "max_window_seqlen"}
+
 
 def grid_inputs(visual: torch.nn.Module, grid: torch.Tensor) -> dict:
     """The keyword inputs a Qwen2-VL or Qwen3-VL tower (`visual`) derives from a CPU `grid`, as its forward
@@ -72,7 +76,7 @@ def on_device(inputs: dict, device: torch.device) -> dict:
         elif isinstance(value, torch.Tensor) and torch.device(device).type != "cpu":
             value = value.pin_memory().to(device, non_blocking=True)
         placed[key] = value
-    for key in ("cu_seqlens", "cu_window_seqlens"):
+    for key in BOUNDARIES:
         if key in inputs:
             remember_lengths(placed[key], inputs[key].diff().tolist())
     return placed

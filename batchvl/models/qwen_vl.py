@@ -11,10 +11,10 @@ bucket with one blank image, so that the tower's packed linear layers take them 
 from __future__ import annotations
 
 import functools
+from types import SimpleNamespace
 
 import numpy as np
 import torch
-from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from batchvl.engine.device.graph_capture import GraphCapture
 from batchvl.layers.row_buckets import bucket_rows
@@ -56,16 +56,10 @@ class Qwen2VLAdapter(VLMAdapter):
             return False
 
         @torch.inference_mode()
-        def tower(pixels, positions, boundaries, longest: int) -> torch.Tensor:
+        def tower(pixels: torch.Tensor, inputs: dict) -> list[torch.Tensor]:
             # what the tower derives from the grid, given; the grid itself is read by nothing then
-            return visual(
-                pixels,
-                None,
-                return_dict=True,
-                position_ids=positions,
-                cu_seqlens=boundaries,
-                max_seqlen=longest,
-            ).pooler_output
+            out = visual(pixels, None, return_dict=True, **inputs)
+            return [out.pooler_output, *(getattr(out, "deepstack_features", None) or [])]
 
         self.vision_graphs = VisionGraphs(tower, graph_capture, padded_rows(max_patches), self.device)
         return True
@@ -98,9 +92,8 @@ class Qwen2VLAdapter(VLMAdapter):
         sizes = (grid.prod(-1) // merge_size**2).tolist()
         graphs = self.vision_graphs
         if graphs is not None and graphs.takes(len(pixels)):
-            inputs = grid_inputs(visual, grid)
-            merged = graphs(pixels, inputs["position_ids"], inputs["cu_seqlens"])
-            return BaseModelOutputWithPooling(pooler_output=merged.split(sizes))
+            merged, *deepstack = graphs(pixels, grid_inputs(visual, grid))
+            return SimpleNamespace(pooler_output=merged.split(sizes), deepstack_features=deepstack)
         inputs = on_device({**grid_inputs(visual, grid), "grid_thw": grid}, self.device)
         out = visual(pixels, return_dict=True, **inputs)
         out.pooler_output = out.pooler_output.split(sizes)

@@ -22,7 +22,7 @@ from batchvl.engine.request import EngineRequest
 from batchvl.engine.sampling.params import SamplingParams
 from batchvl.layers import vision_attention
 from batchvl.models import qwen_vision_graphs
-from batchvl.models.qwen_vision_graphs import ROWS_STEP, CallShape
+from batchvl.models.qwen_vision_graphs import ROWS_STEP, CallShape, Cut
 from batchvl.preprocess.prompts import PromptRenderer
 from batchvl.preprocess.qwen_vision import QwenVisionSpec, prepare_image
 from tests.conftest import TEST_DEVICE, random_image
@@ -48,14 +48,32 @@ def reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=None):
 bounds_seen: list[int] = []
 
 
+DTYPE = "float32" if ON_CPU else "bfloat16"  # (the varlen kernel takes no fp32)
+
+
 @pytest.fixture(scope="module")
 def loaded(tiny_model_dir):
     """The tiny Qwen2-VL of its own (its adapter's graphs are this module's): fp32 on the CPU, bf16 on a
-    GPU (the varlen kernel takes no fp32)."""
+    GPU."""
     from batchvl.models.loader import load_model
 
-    dtype = "float32" if ON_CPU else "bfloat16"
-    return load_model(str(tiny_model_dir), dtype=dtype, device=TEST_DEVICE)
+    return load_model(str(tiny_model_dir), dtype=DTYPE, device=TEST_DEVICE)
+
+
+@pytest.fixture(scope="module")
+def other_family(family_models):
+    """family -> the tiny model of that family, as `loaded` (the shared fp32 one on the CPU)."""
+    from batchvl.models.loader import load_model
+
+    loaded_in = {}
+
+    def get(family: str):
+        if family not in loaded_in:
+            path, fp32 = family_models(family)
+            loaded_in[family] = fp32 if ON_CPU else load_model(str(path), dtype=DTYPE, device=TEST_DEVICE)
+        return loaded_in[family]
+
+    return get
 
 
 @pytest.fixture
@@ -92,7 +110,7 @@ def embeddings(loaded, media: list, max_patches: int = MAX_PATCHES) -> list[torc
 # buffers that one of its copies missed would give the other call's values.
 TWO_IMAGES = [(224, 224), (112, 224)]
 THREE_IMAGES = [(224, 112), (112, 112), (168, 112)]
-CALL_SHAPE = CallShape(rows=ROWS_STEP, sequences=8, longest=1024)
+CALL_SHAPE = CallShape(rows=ROWS_STEP, cuts=(Cut("cu_seqlens", sequences=8, longest=1024),))
 
 
 def test_a_replay_gives_the_call_run_eagerly_at_its_shape_bit_for_bit(loaded, capture):
@@ -232,18 +250,50 @@ def test_auto_is_off_until_measured(loaded):
     assert fast_paths_resolved(EngineConfig(vision_graphs=True), cuda).vision_graphs is True
 
 
-def test_towers_with_other_inputs_or_attention_take_no_graphs(loaded, family_models, varlen_kernel):
-    """Qwen2.5-VL's windows, Qwen3-VL's interpolated position embeddings, LLaVA's tower; and Qwen2-VL's
-    attending by SDPA (`engine.vision_attention: sdpa`)."""
-    for family in ("qwen2_5_vl", "qwen3_vl", "llava"):
-        _, other = family_models(family)
-        assert other.adapter.use_vision_graphs(FakeGraphCapture(), MAX_PATCHES) is False
-        assert getattr(other.adapter, "vision_graphs", None) is None
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_the_other_qwen_towers_replay_their_eager_calls(family, other_family, varlen_kernel):
+    """Qwen2.5-VL's windows (a second cut, its own bound) and Qwen3-VL's interpolated position embeddings
+    and deepstack features (more outputs, each copied out): a replay gives the call run eagerly at its
+    shape, over images of the same sizes and other pixels too, and the tower's own embeddings."""
+    other = other_family(family)
+    adapter = other.adapter
+
+    def fresh_graphs():
+        backend = FakeGraphCapture() if ON_CPU else graph_capture(torch.device(TEST_DEVICE))
+        assert adapter.use_vision_graphs(backend, MAX_PATCHES)
+
+    first, second = images(other, TWO_IMAGES, seed=60), images(other, TWO_IMAGES, seed=70)
+    try:
+        fresh_graphs()
+        eager_first = embeddings(other, first)
+        replayed = [embeddings(other, first), embeddings(other, second)]
+        graphs = adapter.vision_graphs
+        assert graphs.replays == 2 and len(graphs.captured) == 1
+        names = [cut.name for cut in graphs.captured[0].cuts]
+        assert names == (["cu_seqlens", "cu_window_seqlens"] if family == "qwen2_5_vl" else ["cu_seqlens"])
+        fresh_graphs()
+        eager_second = embeddings(other, second)
+        adapter.use_vision_graphs(None, 0)
+        plain = [embeddings(other, first), embeddings(other, second)]
+    finally:
+        adapter.use_vision_graphs(None, 0)
+    for eager, got in zip(eager_first + eager_second, replayed[0] + replayed[1], strict=True):
+        assert torch.equal(eager, got)
+    tolerance = {"atol": 1e-5, "rtol": 1e-5} if ON_CPU else {"atol": 0.05, "rtol": 0.05}
+    for want, got in zip(plain[0] + plain[1], replayed[0] + replayed[1], strict=True):
+        torch.testing.assert_close(got, want, **tolerance)
+
+
+def test_towers_without_the_varlen_attention_take_no_graphs(loaded, family_models, varlen_kernel):
+    """LLaVA's tower; and Qwen2-VL's attending by SDPA (`engine.vision_attention: sdpa`)."""
+    _, llava = family_models("llava")
+    assert llava.adapter.use_vision_graphs(FakeGraphCapture(), MAX_PATCHES) is False
     attentions = [m for m in loaded.adapter.model.modules() if hasattr(m, vision_attention.VARLEN_ATTRIBUTE)]
     assert attentions
     try:
         setattr(attentions[0], vision_attention.VARLEN_ATTRIBUTE, False)
         assert loaded.adapter.use_vision_graphs(FakeGraphCapture(), MAX_PATCHES) is False
+        assert loaded.adapter.vision_graphs is None
     finally:
         setattr(attentions[0], vision_attention.VARLEN_ATTRIBUTE, True)
     assert loaded.adapter.use_vision_graphs(FakeGraphCapture(), MAX_PATCHES) is True  # and with it
