@@ -107,6 +107,11 @@ def _flash_varlen(query, key, value, cu_seqlens, max_length, scaling):
     return out[None]
 
 
+def capturing(query: torch.Tensor) -> bool:
+    """Whether the call runs in a CUDA graph's capture (`qwen_vision_graphs`)."""
+    return query.is_cuda and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def equal_runs(lengths: list[int]) -> list[tuple[int, int]]:
     """(first, count) of each run of consecutive sequences of the same length."""
     runs = []
@@ -207,6 +212,8 @@ def varlen_vision_attention(
         except torch.OutOfMemoryError:
             raise  # SDPA would need more memory, not less
         except (RuntimeError, TypeError) as exc:
+            if capturing(query):
+                raise  # a graph's capture failing (its caller runs the call eagerly), not the kernel
             # A refusal not checked above (a head size, a build for other GPUs, a signature of another
             # torch release): said once, and SDPA
             # below from now on instead of the same failure in every layer.

@@ -91,11 +91,20 @@ class Cut:
 class CallShape:
     rows: int
     cuts: tuple[Cut, ...]
+    # the other inputs' (name, shape and dtype) or (name, value): what a graph records of them, read from
+    # the inputs rather than assumed to follow from the rows
+    others: tuple[tuple, ...] = ()
 
     @classmethod
     def of(cls, rows: int, inputs: dict) -> CallShape:
         """The shape of a call of `rows` whose tower inputs, made on the host, are `inputs`."""
-        return cls(rows, tuple(Cut.of(name, inputs[name]) for name in BOUNDARIES if name in inputs))
+        bounds = {BOUNDARIES[name] for name in BOUNDARIES if name in inputs}
+        others = tuple(
+            (name, tuple(value.shape), str(value.dtype)) if isinstance(value, torch.Tensor) else (name, value)
+            for name, value in sorted(inputs.items())
+            if name not in BOUNDARIES and name not in bounds
+        )
+        return cls(rows, tuple(Cut.of(name, inputs[name]) for name in BOUNDARIES if name in inputs), others)
 
     def inputs(self, inputs: dict) -> dict:
         """`inputs` at this shape: each cut's boundaries padded and its bound, the rest as they are."""

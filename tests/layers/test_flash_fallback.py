@@ -194,3 +194,28 @@ def test_the_sdpa_path_a_refused_flash_kernel_leaves_takes_torchs_own_order(monk
     before = torch._C._get_sdp_priority_order()
     on_gpu(*packed(torch.bfloat16))
     assert orders == [before, before]
+
+
+def test_a_bound_given_goes_to_the_kernel_and_a_failure_in_a_graphs_capture_is_not_a_refusal(monkeypatch):
+    """A vision call replayed as a graph (`qwen_vision_graphs`) gives the kernel its shape's bound, which
+    the kernel takes for the longest sequence; a kernel failing while a graph is being captured fails the
+    capture (its caller then runs the call eagerly, the kernel still taken)."""
+    gpu(monkeypatch, 9)
+    bounds = []
+
+    def kernel(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=None):
+        bounds.append((max_q, max_k))
+        return torch.zeros_like(q)
+
+    flash_attn(monkeypatch, kernel)
+    q, k, v, cu = (on_fake_cuda(t) for t in packed(torch.bfloat16))
+    varlen_vision_attention(None, q, k, v, None, scaling=0.25, cu_seq_lens_q=cu, max_length_q=16)
+    attend(q, k, v, cu)
+    assert bounds == [(16, 16), (9, 9)]  # the bound given; else the longest of LENGTHS
+
+    flash_attn(monkeypatch, refuses("operation not permitted when stream is capturing"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="capturing"):
+        attend(q, k, v, cu)
+    assert vision_attention._flash_refusals == []

@@ -298,3 +298,28 @@ def test_towers_without_the_varlen_attention_take_no_graphs(loaded, family_model
         setattr(attentions[0], vision_attention.VARLEN_ATTRIBUTE, True)
     assert loaded.adapter.use_vision_graphs(FakeGraphCapture(), MAX_PATCHES) is True  # and with it
     loaded.adapter.use_vision_graphs(None, 0)
+
+
+def test_a_shape_is_its_rows_its_cuts_and_the_other_inputs_layout():
+    """Calls whose inputs differ in values alone share a shape; an input of another shape, dtype or value
+    that is not a bound makes another one (a graph records them as they were)."""
+    boundaries = torch.tensor([0, 256, 384, 1024], dtype=torch.int32)
+    call = {
+        "cu_seqlens": boundaries,
+        "max_seqlen": 640,
+        "position_ids": torch.zeros(1024, 2, dtype=torch.long),
+    }
+    shape = CallShape.of(1024, call)
+    assert shape.cuts == (Cut("cu_seqlens", sequences=8, longest=1024),)
+    other_values = {**call, "cu_seqlens": torch.tensor([0, 128, 384, 1024], dtype=torch.int32)}
+    other_values["position_ids"] = torch.ones(1024, 2, dtype=torch.long)
+    assert CallShape.of(1024, other_values) == shape
+    for changed in (
+        {"position_ids": torch.zeros(1024, 3, dtype=torch.long)},
+        {"position_ids": torch.zeros(1024, 2, dtype=torch.int32)},
+        {"extra": 3},
+    ):
+        assert CallShape.of(1024, {**call, **changed}) != shape
+    shaped = shape.inputs(call)
+    assert shaped["max_seqlen"] == 1024
+    assert shaped["cu_seqlens"].tolist() == [0, 256, 384, 1024, 1024, 1024, 1024, 1024, 1024]
