@@ -110,7 +110,11 @@ def embeddings(loaded, media: list, max_patches: int = MAX_PATCHES) -> list[torc
 # buffers that one of its copies missed would give the other call's values.
 TWO_IMAGES = [(224, 224), (112, 224)]
 THREE_IMAGES = [(224, 112), (112, 112), (168, 112)]
-CALL_SHAPE = CallShape(rows=ROWS_STEP, cuts=(Cut("cu_seqlens", sequences=8, longest=1024),))
+CALL_SHAPE = CallShape(
+    rows=ROWS_STEP,
+    cuts=(Cut("cu_seqlens", sequences=8, longest=1024),),
+    others=(("position_ids", (ROWS_STEP, 2), "torch.int64"),),
+)
 
 
 def test_a_replay_gives_the_call_run_eagerly_at_its_shape_bit_for_bit(loaded, capture):
