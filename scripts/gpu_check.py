@@ -698,10 +698,14 @@ STAGES = [
         lambda work: gpu_throughput(work, "2b", FAST_PATHS, vision_attention="sdpa"),
     ),
     # every fast path and the vision calls replayed as CUDA graphs (`engine.vision_graphs`, off by default
-    # until this has measured it)
+    # until this has measured it); and the same on the thin model, the rate the host then allows
     (
         "gpu_throughput_2b_fast_vision_graphs",
         lambda work: gpu_throughput(work, "2b", (*FAST_PATHS, "vision_graphs")),
+    ),
+    (
+        "gpu_throughput_thin_fast_vision_graphs",
+        lambda work: gpu_throughput(work, "thin", (*FAST_PATHS, "vision_graphs")),
     ),
     # every fast path, each caption sampled (temperature 0.8, top-p 0.9: a sort of every row's vocabulary a
     # step) where the others are greedy: the draws on the device, steps overlapped
@@ -722,6 +726,7 @@ OPTIONAL = {
     "gpu_throughput_2b_256_seqs",
     "gpu_throughput_2b_fast_sdpa_vision",
     "gpu_throughput_2b_fast_vision_graphs",
+    "gpu_throughput_thin_fast_vision_graphs",
     "gpu_throughput_2b_fast_sampled",
     "gpu_throughput_2b_labels",
     "gpu_throughput_2b_labels_overlap",
