@@ -8,6 +8,10 @@ graph is captured and the fused kernels are Triton's, which need a GPU; overlapp
 computes one step while the host prepares the next, and a CPU does both: there they run only when asked for.
 (The model's fused kernels are swapped in when it is loaded, before any engine: `load_model` reads the same
 setting.)
+
+`engine.vision_graphs` (the Qwen-VL towers' vision calls as CUDA graphs) is a fast path whose `auto` is off
+until a GPU run has measured it (`make gpu-check`'s `vision_call` and `gpu_throughput_2b_fast_vision_graphs`);
+a GPU run that finds it pays moves it from UNMEASURED_PATHS to FAST_PATHS.
 """
 
 from __future__ import annotations

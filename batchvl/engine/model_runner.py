@@ -106,7 +106,7 @@ class ModelRunner:
         any_graphs = graph_capture(adapter.device) if decode_graph_rows or vision_graph_patches else None
         capture = any_graphs if decode_graph_rows else None
         # whether this runner's vision calls replay graphs (a runner without them turns the adapter's off)
-        self.vision_graphs = adapter.use_vision_graphs(
+        self.vision_graphs_on = adapter.use_vision_graphs(
             any_graphs if vision_graph_patches else None, vision_graph_patches
         )
         self.kv_cache = KVCache.allocate(

@@ -242,7 +242,7 @@ def test_on_the_cpu_the_engine_captures_no_vision_graph(loaded):
         pytest.skip("the CPU's engine")
     config = EngineConfig(kv_cache_mb=8, vision_graphs=True)
     engine = Engine(loaded.adapter, loaded.processor.tokenizer, config, loaded.eos_token_ids())
-    assert engine.config.vision_graphs is True and engine.runner.vision_graphs is False
+    assert engine.config.vision_graphs is True and engine.runner.vision_graphs_on is False
     assert loaded.adapter.vision_graphs is None
 
 

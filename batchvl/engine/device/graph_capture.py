@@ -60,8 +60,8 @@ class CudaGraphCapture:
         self.warmup_stream = torch.cuda.Stream(device)  # one as well: the warm-ups' memory is reused likewise
 
     def capture(self, forward: Callable[[], None], warmups: int = WARMUP_RUNS) -> Callable[[], None]:
-        """`forward` run `warmups` times on a side stream, then recorded; returns its replay. (None where
-        the same shapes have run eagerly before, as a vision call's have: `qwen_vision_graphs`.)"""
+        """`forward` run `warmups` times on a side stream, then recorded; returns its replay. (No warm-up
+        where the same shapes have run eagerly before, as a vision call's have: `qwen_vision_graphs`.)"""
         if warmups:
             current = torch.cuda.current_stream(self.device)
             side = self.warmup_stream
