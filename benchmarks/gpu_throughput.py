@@ -379,12 +379,18 @@ def measure(args, work: Path) -> dict:
 
 def vision_graph_counts(adapter) -> dict | None:
     """The timed job's vision graphs (`engine.vision_graphs`): the shapes captured, the host's seconds in
-    their captures, the calls replayed; None without them."""
+    their captures, the calls replayed and those run eagerly at a graph's shape (a shape's first, or after
+    a failed capture); None without them."""
     graphs = getattr(adapter, "vision_graphs", None)
     if graphs is None:
         return None
     captured, capture_s = len(graphs.captured), round(graphs.capture_s, 2)
-    return {"shapes": captured, "capture_s": capture_s, "replays": graphs.replays}
+    return {
+        "shapes": captured,
+        "capture_s": capture_s,
+        "replays": graphs.replays,
+        "eager_calls": graphs.eager_calls,
+    }
 
 
 def graph_capture_seconds(engine) -> float | None:

@@ -130,7 +130,8 @@ class VisionGraphs:
         self._needs: Counter[CallShape] = Counter()
         self._failed = False
         self.capture_s = 0.0  # the host's time in captures
-        self.replays = 0
+        self.replays = 0  # the calls replayed
+        self.eager_calls = 0  # the calls it took that ran eagerly at their shape: first needs, failures
 
     @property
     def captured(self) -> list[CallShape]:
@@ -150,7 +151,7 @@ class VisionGraphs:
         if shape not in self._replays:
             self._needs[shape] += 1
             if self._needs[shape] < CAPTURE_ON_NEED or len(self._replays) >= MOST_GRAPHS:
-                return self.tower(pixels, shaped)
+                return self._eager(pixels, shaped)
         if self.pixels is None:
             self.pixels = pixels.new_zeros((self.max_rows, *pixels.shape[1:]))
         self.pixels[: shape.rows].copy_(pixels)
@@ -160,11 +161,15 @@ class VisionGraphs:
                 buffer.copy_(shaped[name])
         graph = self._graph(shape)
         if graph is None:
-            return self.tower(pixels, shaped)
+            return self._eager(pixels, shaped)
         replay, outputs = graph
         replay()
         self.replays += 1
         return [output.clone() for output in outputs]  # out of the pool, which the next replay writes over
+
+    def _eager(self, pixels: torch.Tensor, shaped: dict) -> list[torch.Tensor]:
+        self.eager_calls += 1
+        return self.tower(pixels, shaped)
 
     def _inputs_of(self, shape: CallShape, shaped: dict) -> dict:
         """The shape's static inputs, made like a call's inputs at the shape (ints, its bounds, as they

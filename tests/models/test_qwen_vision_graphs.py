@@ -129,7 +129,7 @@ def test_a_replay_gives_the_call_run_eagerly_at_its_shape_bit_for_bit(loaded, ca
     replayed_first = [row.float().cpu() for row in replayed_first]
     graphs = loaded.adapter.vision_graphs
     assert graphs.captured == [CALL_SHAPE]
-    assert graphs.replays == 2
+    assert (graphs.replays, graphs.eager_calls) == (2, 1)
     for eager, replayed in zip(eager_first, replayed_first, strict=True):
         assert torch.equal(eager, replayed)
 
@@ -198,6 +198,7 @@ def test_a_failed_capture_leaves_every_later_call_eager(loaded, capture, caplog)
         results = [embeddings(loaded, media) for _ in range(3)]
     assert "vision calls run eagerly" in caplog.text
     assert not loaded.adapter.vision_graphs.takes(ROWS_STEP)
+    assert loaded.adapter.vision_graphs.eager_calls == 2  # the shape's first call, and the failed capture's
     for run in results[1:]:
         for got, want in zip(run, results[0], strict=True):
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
