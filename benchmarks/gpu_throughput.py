@@ -350,7 +350,7 @@ def measure(args, work: Path) -> dict:
         },
         # the host's time capturing decode graphs in the measured job (its wall time includes it)
         "graph_capture_s": graph_capture_seconds(timer.engine),
-        "vision_graph_use": vision_graphs,  # the shapes captured, their capture time, the calls replayed
+        "vision_graph_use": vision_graphs,  # shapes captured, capture time, calls replayed and run eagerly
         # overlapped steps are not waited for: their vision, prefill and decode seconds are launch times
         "split_s_is_launch_time": engine.overlap,
         "engine_replicas": stats["engine_replicas"],  # the CPU's replicas' seconds are summed
@@ -384,10 +384,9 @@ def vision_graph_counts(adapter) -> dict | None:
     graphs = getattr(adapter, "vision_graphs", None)
     if graphs is None:
         return None
-    captured, capture_s = len(graphs.captured), round(graphs.capture_s, 2)
     return {
-        "shapes": captured,
-        "capture_s": capture_s,
+        "shapes": len(graphs.captured),
+        "capture_s": round(graphs.capture_s, 2),
         "replays": graphs.replays,
         "eager_calls": graphs.eager_calls,
     }

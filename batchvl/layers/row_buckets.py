@@ -27,3 +27,8 @@ def bucket_rows(rows: int) -> int:
         return max(SMALL_STEP, -(-rows // SMALL_STEP) * SMALL_STEP)
     step = (1 << ((rows - 1).bit_length() - 1)) // STEPS_PER_DOUBLING
     return -(-rows // step) * step
+
+
+def power_of_two_at_least(n: int) -> int:
+    """The least power of two of at least n (n >= 1): a Triton block's size, or a graph's shape bound."""
+    return 1 << (n - 1).bit_length()

@@ -25,6 +25,7 @@ import os
 
 import torch
 
+from batchvl.layers.row_buckets import power_of_two_at_least
 from batchvl.layers.triton_grouped_decode import grouped_decode_attention
 
 logger = logging.getLogger(__name__)
@@ -189,7 +190,7 @@ def _works_on(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def _block_dims(head_dim: int) -> int:
-    return max(16, 1 << (head_dim - 1).bit_length())
+    return max(16, power_of_two_at_least(head_dim))
 
 
 def decode_kernel_name(heads: int, kv_heads: int) -> str:

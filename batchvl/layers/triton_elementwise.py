@@ -25,6 +25,8 @@ from types import SimpleNamespace
 
 import torch
 
+from batchvl.layers.row_buckets import power_of_two_at_least
+
 # How the kernels are launched (Triton's defaults: four warps a program). On an H200 the LayerNorm and
 # QuickGELU kernels moved some 2.4-2.5 TB/s at a vision call's 32,768 rows, where torch's own elementwise
 # kernels moved 4.4 (docs/benchmarks.md): `benchmarks/fused_elementwise.py` times other settings beside
@@ -192,11 +194,6 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
-def _covering(n: int) -> int:
-    """The least power of two of at least n: a block's size (Triton's blocks are powers of two)."""
-    return 1 << (n - 1).bit_length()
-
-
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -210,7 +207,7 @@ def rms_norm(
     _kernels().rms_norm[(rows.shape[0],)](
         out, summed, rows, other, weight, eps, rows.shape[1],
         out.stride(0), summed.stride(0), rows.stride(0), other.stride(0),
-        HAS_RESIDUAL=residual is not None, BLOCK=_covering(rows.shape[1]), num_warps=NORM_WARPS,
+        HAS_RESIDUAL=residual is not None, BLOCK=power_of_two_at_least(rows.shape[1]), num_warps=NORM_WARPS,
         **EAGER_ROUNDING,
     )  # fmt: skip
     return out.view(x.shape), summed.view(x.shape)
@@ -260,7 +257,7 @@ def layer_norm(
     _kernels().layer_norm[(rows.shape[0],)](
         out, summed, rows, other, weight, bias, eps, rows.shape[1],
         out.stride(0), summed.stride(0), rows.stride(0), other.stride(0),
-        HAS_RESIDUAL=residual is not None, BLOCK=_covering(rows.shape[1]), num_warps=NORM_WARPS,
+        HAS_RESIDUAL=residual is not None, BLOCK=power_of_two_at_least(rows.shape[1]), num_warps=NORM_WARPS,
         **EAGER_ROUNDING,
     )  # fmt: skip
     return out.view(x.shape), summed.view(x.shape)
@@ -278,7 +275,7 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, vision: bool 
     half = head_dim // 2
     _kernels().rotary[(rows,)](
         x, cos, sin, heads, x.stride(0), x.stride(1), cos.stride(0), sin.stride(0),
-        HALF=half, BLOCK_H=_covering(heads), BLOCK_D=_covering(half),
+        HALF=half, BLOCK_H=power_of_two_at_least(heads), BLOCK_D=power_of_two_at_least(half),
         ROUND_STEPS=not vision, **EAGER_ROUNDING,
     )  # fmt: skip
     return x

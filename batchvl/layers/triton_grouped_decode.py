@@ -15,6 +15,8 @@ import functools
 
 import torch
 
+from batchvl.layers.row_buckets import power_of_two_at_least
+
 BLOCK_KEYS = 64  # keys per block of the online softmax
 # The split kernel's warps and software-pipelining stages a program (Triton's defaults). On an H200 it read
 # the KV cache at 1.9-2.9 TB/s of the 4.8 at 256 sequences (docs/benchmarks.md): `benchmarks/
@@ -148,7 +150,7 @@ def grouped_decode_attention(
     sequences = len(rows)
     if splits is None:
         splits = split_count(sequences, kv_heads, len(pages) * page_size / max(sequences, 1))
-    block_d = max(16, 1 << (head_dim - 1).bit_length())
+    block_d = max(16, power_of_two_at_least(head_dim))
     if splits == 1:
         part_acc = part_best = part_total = out  # unused: the one split writes `out`
     else:
@@ -159,7 +161,7 @@ def grouped_decode_attention(
         out, part_acc, part_best, part_total, query, kv, rows, pages, starts, lengths, scale, page_size,
         out.stride(0), out.stride(1), query.stride(0), query.stride(1), kv.stride(0), kv.stride(1),
         kv.stride(2),
-        GROUP=group, GROUP_PADDED=max(LEAST_DOT_ROWS, 1 << (group - 1).bit_length()), HEAD_DIM=head_dim,
+        GROUP=group, GROUP_PADDED=max(LEAST_DOT_ROWS, power_of_two_at_least(group)), HEAD_DIM=head_dim,
         BLOCK_D=block_d, BLOCK_N=BLOCK_KEYS, SPLITS=splits,
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         num_warps=DECODE_WARPS, num_stages=DECODE_STAGES,

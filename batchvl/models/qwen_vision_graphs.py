@@ -44,6 +44,7 @@ import torch
 from batchvl.engine.device.graph_capture import GraphCapture, capture_or_none
 from batchvl.layers import vision_attention
 from batchvl.layers.qwen_vision_attention import QwenVisionAttention
+from batchvl.layers.row_buckets import power_of_two_at_least
 from batchvl.models.qwen_vision_inputs import BOUNDARIES, on_device
 
 logger = logging.getLogger(__name__)
@@ -55,11 +56,6 @@ MOST_GRAPHS = 64  # past this many shapes, calls of a new one run eagerly
 
 # (pixels, the other inputs by the tower's keyword) -> its outputs: the merged embeddings first
 Tower = Callable[[torch.Tensor, dict], list[torch.Tensor]]
-
-
-def _covering(n: int) -> int:
-    """The least power of two of at least n."""
-    return 1 << (n - 1).bit_length()
 
 
 def padded_rows(rows: int) -> int:
@@ -79,7 +75,8 @@ class Cut:
     def of(cls, name: str, boundaries: torch.Tensor) -> Cut:
         """The cut of sequences at `boundaries` (on the host, from 0 to the call's rows)."""
         lengths = boundaries.diff()
-        return cls(name, _covering(max(len(lengths), MIN_SEQUENCES)), _covering(int(lengths.max())))
+        sequences = power_of_two_at_least(max(len(lengths), MIN_SEQUENCES))
+        return cls(name, sequences, power_of_two_at_least(int(lengths.max())))
 
     def padded(self, boundaries: torch.Tensor) -> torch.Tensor:
         """`boundaries` with sequences of no rows after the call's, up to this cut's sequences."""

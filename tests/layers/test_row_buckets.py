@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from batchvl.layers.packed_linear import PackedLinear
-from batchvl.layers.row_buckets import MAX_BUCKETS, bucket_rows
+from batchvl.layers.row_buckets import MAX_BUCKETS, bucket_rows, power_of_two_at_least
 from tests.conftest import bf16_packs
 
 
@@ -51,3 +51,9 @@ def test_packed_linear_runs_its_kernel_on_bucketed_rows_and_returns_just_the_rea
             assert torch.equal(out, expected)
         else:
             torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_the_least_power_of_two_covering_a_count():
+    assert [power_of_two_at_least(n) for n in (1, 2, 3, 16, 17, 640, 1024, 1025)] == [
+        1, 2, 4, 16, 32, 1024, 1024, 2048,
+    ]  # fmt: skip
