@@ -38,6 +38,10 @@ def test_a_job_file_takes_true_false_and_auto_and_refuses_other_words(tmp_path):
     assert engine({"cuda_graphs": "auto"}).cuda_graphs == "auto"
     with pytest.raises(Exception, match="cuda_graphs"):
         engine({"cuda_graphs": "sometimes"})
+    assert engine({"vision_graphs": True}).vision_graphs is True
+    assert engine({}).vision_graphs == "auto"
+    with pytest.raises(Exception, match="vision_graphs"):
+        engine({"vision_graphs": "sometimes"})
 
 
 def test_the_engine_on_the_cpu_runs_serial_steps_by_default(loaded_fp32):
