@@ -453,12 +453,13 @@ class PreprocessPool:
         self.pixels_prefix = shared_pixels.pool_prefix()  # the workers' pixel files' (`shared_pixels.py`)
 
     def __iter__(self) -> Iterator[PreparedSample | ShardEnd | ShardSkipped]:
-        if self.pixels_prefix is not None:
-            shared_pixels.remove_left_behind()  # by job processes killed before they could
-        try:
-            yield from self._iterate()
-        finally:
-            self.forked.set()  # (an iteration that failed before its forks)
+        with shared_pixels.owning(self.pixels_prefix):  # its files' lock: this job is alive
+            if self.pixels_prefix is not None:
+                shared_pixels.remove_left_behind()  # by job processes killed before they could
+            try:
+                yield from self._iterate()
+            finally:
+                self.forked.set()  # (an iteration that failed before its forks)
 
     def _iterate(self) -> Iterator[PreparedSample | ShardEnd | ShardSkipped]:
         delivered: set[tuple[str, int]] = set()

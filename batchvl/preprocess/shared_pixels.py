@@ -17,16 +17,26 @@ The files of one pool are named `batchvl-pixels-<job pid>-<pool token>-<worker p
 removes each as it receives it; whenever the pool's workers stop (the pool's end, or their restart after
 a worker failed) it removes those of its own never received (a sample sent by a worker that was then
 killed, or waiting in the queue when the job stopped); and when a pool starts, those that a job process no
-longer alive left behind (killed before its own removal), once they are old enough that no job could still
-be receiving them.
+longer alive left behind (killed before its own removal: SIGKILL, the out-of-memory killer).
+
+Whether a pool's job is alive is told by a lock, not by its pid: while it iterates, the pool holds an
+exclusive `flock` on `batchvl-pixels-<job pid>-<pool token>.lock` (its forked workers share it), which the
+kernel releases when the last of them dies, however it dies. A pool that starts and can take another's
+lock removes that pool's files and its lock at once. A lock works across containers that share /dev/shm
+(pids of another pid namespace mean nothing here) and is not fooled by a pid used again. Files with no
+lock beside them (written by a version before the locks) are removed once their job's pid is gone and
+they are old enough that no job could still be receiving them.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import math
 import os
 import secrets
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,9 +45,11 @@ import torch
 
 SHM_DIR = Path("/dev/shm")
 PREFIX = "batchvl-pixels"
+LOCK_SUFFIX = ".lock"  # a pool's lock: `<its prefix>.lock`
 NONCE_BYTES = 8
-# A file of a job process that is gone is removed once it is this old: a job receives its files within
-# seconds, and another container's job (another pid namespace, its pids not seen here) may share /dev/shm
+# A file with no lock beside it, of a job process that is gone, is removed once it is this old: a job
+# receives its files within seconds, and another container's job (another pid namespace, its pids not seen
+# here) may share /dev/shm
 LEFT_BEHIND_AFTER_S = 600.0
 
 _writer: _Writer | None = None  # set in a preprocessing worker by `write_as`
@@ -122,11 +134,45 @@ def remove_unreceived(prefix: str) -> int:
     return sum(_removed(path) for path in SHM_DIR.glob(f"{prefix}-*"))
 
 
+@contextlib.contextmanager
+def owning(prefix: str | None) -> Iterator[None]:
+    """While a pool iterates: hold the lock of its files' `prefix` (None: no files, nothing held); at its
+    end remove the files never received, then the lock."""
+    if prefix is None:
+        yield
+        return
+    lock = SHM_DIR / f"{prefix}{LOCK_SUFFIX}"
+    # Made under another name and locked before it is renamed into place, so that no other pool's sweep
+    # can find it unlocked and take it for a dead job's
+    making = lock.with_name(f"{lock.name}-new")
+    descriptor = os.open(making, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX)
+        os.rename(making, lock)
+        yield
+    finally:
+        remove_unreceived(prefix)
+        _removed(lock)
+        _removed(making)  # (a rename that failed)
+        os.close(descriptor)
+
+
 def remove_left_behind() -> int:
-    """Remove the files that job processes no longer alive left behind, once old enough; how many."""
-    now = time.time()
+    """Remove the files that job processes no longer alive left behind: at once those of a pool whose
+    lock nobody holds, and those with no lock once old enough; how many files (locks aside)."""
     removed = 0
+    locked: set[str] = set()  # the prefixes of pools alive
+    for lock in SHM_DIR.glob(f"{PREFIX}-*{LOCK_SUFFIX}"):
+        prefix = lock.name.removesuffix(LOCK_SUFFIX)
+        if _held(lock):
+            locked.add(prefix)
+        else:
+            removed += remove_unreceived(prefix)
+            _removed(lock)
+    now = time.time()
     for path in SHM_DIR.glob(f"{PREFIX}-*"):
+        if path.name.endswith(LOCK_SUFFIX) or _pool_of(path.name) in locked:
+            continue
         pid = path.name[len(PREFIX) + 1 :].split("-", 1)[0]
         try:
             old = now - path.stat().st_mtime > LEFT_BEHIND_AFTER_S
@@ -135,6 +181,26 @@ def remove_left_behind() -> int:
         if old and pid.isdigit() and not psutil.pid_exists(int(pid)):
             removed += _removed(path)
     return removed
+
+
+def _held(lock: Path) -> bool:
+    """Whether a pool alive holds `lock` (a lock that cannot be opened, another user's, counts as held)."""
+    try:
+        descriptor = os.open(lock, os.O_RDONLY)
+    except OSError:
+        return True  # gone meanwhile (its pool ended and removed its files) or not ours to open
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    finally:
+        os.close(descriptor)  # (releases the lock, if this took it)
+    return False
+
+
+def _pool_of(name: str) -> str:
+    """The prefix of the pool that wrote the file `name` (its first four dash-separated parts)."""
+    return "-".join(name.split("-")[:4])
 
 
 def _removed(path: Path) -> bool:

@@ -122,8 +122,10 @@ def test_samples_sent_and_never_received_leave_no_pixel_files(loaded_fp32, shard
     while not pixel_files(pool):  # the workers prepare the next samples and send them
         assert time.monotonic() < deadline, "no sample was sent after the first"
         time.sleep(0.01)
+    lock = shared_pixels.SHM_DIR / f"{pool.pixels_prefix}{shared_pixels.LOCK_SUFFIX}"
+    assert lock.exists()  # held while the pool iterates: its job is alive
     items.close()  # the job stops reading
-    assert pixel_files(pool) == []
+    assert pixel_files(pool) == [] and not lock.exists()
 
 
 def test_a_pool_removes_the_pixel_files_a_killed_job_left_behind(loaded_fp32, shards):

@@ -1,15 +1,18 @@
 """Pixels cross from a preprocessing worker to the job process as shared-memory files the message names: the
 receiver maps and removes each, refuses a file that is not the one written, and no file outlives its job."""
 
+import contextlib
 import dataclasses
 import os
 import pickle
+import signal
 import subprocess
 import sys
 import time
 from multiprocessing.reduction import ForkingPickler
 
 import numpy as np
+import psutil
 import pytest
 import torch
 
@@ -136,3 +139,82 @@ def test_a_file_that_cannot_be_made_whole_raises_and_is_not_left(writing, monkey
     with pytest.raises(OSError, match="No space left"):
         media().in_shared_memory()
     assert files(writing) == []
+
+
+def lock_of(prefix: str):
+    return shared_pixels.SHM_DIR / f"{prefix}{shared_pixels.LOCK_SUFFIX}"
+
+
+# A job process that writes a pixel file under its pool's lock and is then killed, SIGKILL, as the
+# out-of-memory killer does: nothing of its own runs after. With a worker argument it first forks a child
+# that shares its lock and lives on, as a forked preprocessing worker would, until killed in its turn.
+KILLED_JOB = """
+import os, signal, sys, time, torch
+from batchvl.preprocess import shared_pixels
+prefix = shared_pixels.pool_prefix()
+with shared_pixels.owning(prefix):
+    shared_pixels.write_as(prefix)
+    shared_pixels.write(torch.zeros(64))
+    worker = os.fork() if len(sys.argv) > 1 else None
+    if worker == 0:  # (its output closed: the test reads the job's to its end)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1)
+        os.dup2(devnull, 2)
+        time.sleep(120)
+        os._exit(0)
+    print(prefix, worker or "", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def killed_job(*args: str) -> tuple[str, int | None]:
+    """Run KILLED_JOB: its pool's prefix and the pid of its worker still alive, if it forked one."""
+    done = subprocess.run([sys.executable, "-c", KILLED_JOB, *args], capture_output=True, text=True)
+    assert done.returncode == -9, done.stderr
+    prefix, *worker = done.stdout.split()
+    return prefix, int(worker[0]) if worker else None
+
+
+def test_a_killed_jobs_files_are_removed_at_once_since_nobody_holds_its_lock():
+    prefix, _ = killed_job()
+    try:
+        assert len(files(prefix)) == 1 and lock_of(prefix).exists()  # fresh: no age rule would take it
+        assert shared_pixels.remove_left_behind() == 1
+        assert files(prefix) == [] and not lock_of(prefix).exists()
+    finally:
+        shared_pixels.remove_unreceived(prefix)
+        lock_of(prefix).unlink(missing_ok=True)
+
+
+def test_a_killed_jobs_worker_still_alive_keeps_its_files_until_it_is_gone():
+    prefix, worker = killed_job("with a worker")
+    try:
+        shared_pixels.remove_left_behind()
+        assert len(files(prefix)) == 1 and lock_of(prefix).exists()  # the worker holds the lock
+        os.kill(worker, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while psutil.pid_exists(worker) and psutil.Process(worker).status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert shared_pixels.remove_left_behind() == 1 and files(prefix) == []
+    finally:
+        with contextlib.suppress(OSError):
+            os.kill(worker, signal.SIGKILL)
+        shared_pixels.remove_unreceived(prefix)
+        lock_of(prefix).unlink(missing_ok=True)
+
+
+def test_a_pool_that_holds_its_lock_keeps_its_files_however_old_and_whatever_its_pid():
+    """A job alive in another container sharing /dev/shm: its pid is not one this one sees."""
+    prefix = f"{shared_pixels.PREFIX}-{a_gone_pid()}-0badf00d"
+    with shared_pixels.owning(prefix):
+        shared_pixels.write_as(prefix)
+        try:
+            media().in_shared_memory()
+        finally:
+            shared_pixels.write_as(None)
+        old = time.time() - shared_pixels.LEFT_BEHIND_AFTER_S - 60
+        (path,) = files(prefix)
+        os.utime(path, (old, old))
+        assert shared_pixels.remove_left_behind() == 0 and files(prefix) == [path]
+    assert files(prefix) == [] and not lock_of(prefix).exists()  # its end removes both
