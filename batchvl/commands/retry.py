@@ -53,7 +53,7 @@ def retry_work(job: JobConfig, task: TaskSlice | None, model_loaded: bool = Fals
     selection = {}
     not_committed = 0
     for shard in plan.shards:
-        state, marker = commit_state(plan.out, shard.shard, plan.fingerprint, shard.stamp)
+        state, marker = commit_state(plan.out, shard.shard, plan.fingerprint, shard)
         if state is not CommitState.DONE:  # or committed with other prompts: `run` updates it first
             not_committed += 1
         elif marker.errors:

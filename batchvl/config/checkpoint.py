@@ -23,6 +23,8 @@ import time
 
 import xxhash
 
+from batchvl.utils.file_digest import RACY_S, file_digest
+
 # The parts of a checkpoint, each named in the refusal of a change, by the file names that make it
 PARTS = {
     "weights": ("*.safetensors", "*.bin", "*.index.json", "config.json", "generation_config.json"),
@@ -44,9 +46,7 @@ PART_NAMES = {
     "tokenizer": "tokenizer or chat template",
     "processor": "processor config",
 }
-RACY_S = 3.0  # a file changed this recently may change again within the same timestamp tick
 _DIGEST = re.compile("[0-9a-f]{32}")
-_CHUNK = 16 << 20
 
 
 def checkpoint_identity(path: str) -> dict[str, str] | None:
@@ -92,12 +92,9 @@ def _file_digest(path: str, remembered: list | None) -> tuple[list[int], str]:
     stamp = [st.st_size, st.st_ino, st.st_mtime_ns, st.st_ctime_ns]
     if remembered is not None and remembered[:4] == stamp:
         return stamp, remembered[4]
-    digest = xxhash.xxh3_128()
-    with open(path, "rb") as file:
-        while chunk := file.read(_CHUNK):
-            digest.update(chunk)
+    digest = file_digest(path)
     fresh = time.time_ns() - max(st.st_mtime_ns, st.st_ctime_ns) < RACY_S * 1e9
-    return ([] if fresh else stamp), digest.hexdigest()
+    return ([] if fresh else stamp), digest
 
 
 def _remembered_path(folder: str) -> str:

@@ -2,29 +2,49 @@
 replaced under the same name (a refreshed dataset) has another stamp, and its shard is redone whole
 rather than mixing rows of two files under the same keys.
 
-A local file's stamp is its size and modification time (what `make` and `rsync` compare); an object's,
-its size and the store's tag of its content or version (S3's ETag, GCS's generation, ...), as fsspec's
-`info()` gives it. A stamp is cheap, taken when the shards are listed, before any is read.
+A local file's stamp is what any write changes: its size, inode, and modification and change times (no
+tool sets a change time back: `cp -p`, `rsync -t` and `tar x` keep a modification time, not a change time).
+A shard's commit adds the content digest of the file it was made from (xxh3-128 of the whole file, read
+once more as its rows are committed, while it is likely still in the page cache), if the file is still the
+one listed. A later stamp is then compared:
+- another size or modification time: another file;
+- the same, and the same inode and change time: the same file, without reading it;
+- the same size and modification time, but another inode or change time (a file copied in place with its
+  times kept, a `chmod`, a restore from a backup): the file is read and its digest decides. A same-sized
+  file with the same modification time but other content is so told from a copy of the same file, which
+  keeps its rows.
+A stamp taken within `RACY_S` of the file's last change is not trusted without reading it: a second write
+within the filesystem's timestamp tick could leave every time as it was. Stamps recorded before digests
+were (size and modification time alone) are compared as they were then.
 
-A `folder` shard is a recorded list of files: its stamp is each file's size and modification time, and a
-file gone from the folder since is not a change (its rows stay, as a recorded shard's missing members'
-do), while a file replaced under its name is.
+An object's stamp is its size and the store's tag of its content or version (S3's ETag, GCS's generation,
+...), as fsspec's `info()` gives it. A stamp is cheap, taken when the shards are listed, before any is read.
+
+A `folder` shard is a recorded list of files: its stamp is each file's stamp, and a file gone from the
+folder since is not a change (its rows stay, as a recorded shard's missing members' do), while a file
+replaced under its name is.
 """
 
 from __future__ import annotations
 
 import os
+import time
 
+from batchvl.inputs.types import ShardInfo
 from batchvl.storage.remote import filesystem, is_remote
+from batchvl.utils.file_digest import RACY_S, file_digest
 
 # An object's version, by the first of these its filesystem's `info()` gives (content tags first)
 VERSION_KEYS = ("ETag", "etag", "md5Hash", "generation", "VersionId", "mtime", "LastModified", "created")
+STAT_KEYS = ("size", "mtime_ns", "ino", "ctime_ns")  # a local file's stamp
+# The older stamp of a local file, and of a `folder` shard's files then ([size, modification time])
+RECORDED_BEFORE_DIGESTS = ("size", "mtime_ns")
+DIGEST = "xxh3"
 
 
 def input_stamp(path: str, storage_options: dict) -> dict:
     if not is_remote(path):
-        st = os.stat(path)
-        return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+        return file_stamp(path)
     fs, inner = filesystem(path, storage_options)
     info = fs.info(inner)
     version = next((key for key in VERSION_KEYS if info.get(key) is not None), None)
@@ -34,21 +54,109 @@ def input_stamp(path: str, storage_options: dict) -> dict:
     return stamp
 
 
+def file_stamp(path: str) -> dict:
+    st = os.stat(path)
+    return dict(zip(STAT_KEYS, (st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns), strict=True))
+
+
 def folder_stamp(folder: str, members: tuple[str, ...]) -> dict:
-    """A folder shard's stamp: size and modification time of each of its files still in the folder."""
+    """A folder shard's stamp: the stamp of each of its files still in the folder."""
     files = {}
     for member in members:
         try:
-            st = os.stat(os.path.join(folder, member))
+            files[member] = file_stamp(os.path.join(folder, member))
         except OSError:
             continue  # gone since the shard was recorded: not a change of what is there
-        files[member] = [st.st_size, st.st_mtime_ns]
     return {"files": files}
 
 
-def stamps_match(recorded: dict, current: dict) -> bool:
-    """Whether the input is the one a shard was committed from: equal stamps, or for a folder shard every
-    file still there unchanged."""
+def with_content(listed: ShardInfo) -> dict | None:
+    """The shard's stamp as listed, with the content digest of each local file it stamps where that file
+    is still the one listed once read: what a commit records. A file changed since it was listed gets
+    none, so that a stamp differing from the recorded one in inode or change time alone is taken as
+    another file's."""
+    stamp = listed.stamp
+    if stamp is None:
+        return None
+    if "files" in stamp:
+        files = stamp["files"]
+        return {
+            "files": {
+                name: _digested(entry, os.path.join(listed.path, name)) for name, entry in files.items()
+            }
+        }
+    return _digested(stamp, listed.path) if "ino" in stamp else stamp  # (an object's: its store's tag)
+
+
+def stamps_match(recorded: dict, listed: ShardInfo) -> bool:
+    """Whether the input is the one a shard was committed from (`recorded`: its stamp then; `listed`: the
+    shard now, its file read only where the stamps alone cannot tell); a folder shard's where every file
+    still there is unchanged."""
+    current = listed.stamp
     if "files" in recorded and "files" in current:
-        return all(recorded["files"].get(name) == entry for name, entry in current["files"].items())
+        return all(
+            _same_file(recorded["files"].get(name), entry, os.path.join(listed.path, name))
+            for name, entry in current["files"].items()
+        )
+    if "ino" in current:
+        return _same_file(recorded, current, listed.path)
     return recorded == current
+
+
+def stands_for(recorded: dict, listed: ShardInfo) -> bool:
+    """Whether `recorded`, a stamp that matches the shard as `listed` (`stamps_match`), tells so without
+    reading its files: else a run records the listing's stamp with their digests in its place, so that
+    they are not read at every plan (a copy kept in place, or a stamp taken too soon after a change).
+    Stamps recorded before digests were are left as they are: replacing them would read every input."""
+    current = listed.stamp
+    if "files" in recorded and "files" in current:
+        pairs = [(recorded["files"].get(name), entry) for name, entry in current["files"].items()]
+    elif "ino" in current:
+        pairs = [(recorded, current)]
+    else:
+        return True  # an object's: its store's tag
+    return all(
+        not isinstance(old, dict)
+        or "ino" not in old
+        or (_trusted(old) and all(old[key] == new[key] for key in STAT_KEYS))
+        for old, new in pairs
+    )
+
+
+def _same_file(recorded: dict | list | None, current: dict, path: str) -> bool:
+    if isinstance(recorded, list) and len(recorded) == len(RECORDED_BEFORE_DIGESTS):
+        recorded = dict(zip(RECORDED_BEFORE_DIGESTS, recorded, strict=True))  # a folder's file, then
+    if not isinstance(recorded, dict):
+        return False  # not there when the shard was committed
+    if any(recorded.get(key) != current[key] for key in RECORDED_BEFORE_DIGESTS):
+        return False
+    if "ino" not in recorded:
+        return True  # recorded before digests were: size and modification time, as then
+    if _trusted(recorded) and all(recorded[key] == current[key] for key in STAT_KEYS):
+        return True
+    digest = recorded.get(DIGEST)
+    return digest is not None and _digest_or_none(path) == digest
+
+
+def _trusted(stamp: dict) -> bool:
+    """Whether the stamp was taken long enough after its file's last change to stand for its content."""
+    hashed = stamp.get("hashed_ns")
+    return hashed is None or hashed - max(stamp["mtime_ns"], stamp["ctime_ns"]) >= RACY_S * 1e9
+
+
+def _digested(stamp: dict, path: str) -> dict:
+    """A local file's stamp with its content's digest, where the file read is still the one stamped."""
+    hashed_ns = time.time_ns()
+    digest = _digest_or_none(path)
+    try:
+        unchanged = digest is not None and file_stamp(path) == {key: stamp[key] for key in STAT_KEYS}
+    except OSError:
+        unchanged = False
+    return {**stamp, DIGEST: digest, "hashed_ns": hashed_ns} if unchanged else stamp
+
+
+def _digest_or_none(path: str) -> str | None:
+    try:
+        return file_digest(path)
+    except OSError:
+        return None

@@ -40,6 +40,7 @@ import pyarrow.parquet as pq
 
 from batchvl.errors import UserError
 from batchvl.inputs.stamps import stamps_match
+from batchvl.inputs.types import ShardInfo
 from batchvl.outputs.writers import ResultRow, output_name, output_path, parquet_bytes
 from batchvl.storage import layout
 from batchvl.storage.output_dir import OutputDir
@@ -125,23 +126,25 @@ class CommitState(enum.Enum):
 
 
 def commit_state(
-    out: OutputDir, shard: str, fingerprint: str, stamp: dict | None = None
+    out: OutputDir, shard: str, fingerprint: str, listed: ShardInfo | None = None
 ) -> tuple[CommitState, ShardMarker | None]:
-    """The shard's state for the config with this fingerprint and the input with this stamp (None: not
-    known, as a marker written before stamps were recorded), and its marker where it has one."""
+    """The shard's state for the config with this fingerprint and its input as `listed` now (None, or a
+    listing without a stamp: not known, as a marker written before stamps were recorded), and its marker
+    where it has one."""
     marker = read_marker(out, shard)
     if marker is None:
         return CommitState.MISSING, None
-    recorded = read_input_stamp(out, shard) if stamp is not None else None
-    if recorded is not None and not stamps_match(recorded, stamp):
+    known = listed is not None and listed.stamp is not None
+    recorded = read_input_stamp(out, shard) if known else None
+    if recorded is not None and not stamps_match(recorded, listed):
         return CommitState.INPUT_CHANGED, marker
     return (CommitState.DONE if marker.fingerprint == fingerprint else CommitState.STALE), marker
 
 
-def is_committed_by(out: OutputDir, fingerprint: str, shard: str, stamp: dict | None = None) -> bool:
-    """Whether the shard is committed with rows of the config that has this fingerprint, from the input
-    with this stamp."""
-    return commit_state(out, shard, fingerprint, stamp)[0] is CommitState.DONE
+def is_committed_by(out: OutputDir, fingerprint: str, shard: str, listed: ShardInfo | None = None) -> bool:
+    """Whether the shard is committed with rows of the config that has this fingerprint, from its input
+    as `listed` now."""
+    return commit_state(out, shard, fingerprint, listed)[0] is CommitState.DONE
 
 
 def read_committed(out: OutputDir, shard: str, marker: ShardMarker) -> pa.Table:

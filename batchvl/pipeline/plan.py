@@ -38,6 +38,7 @@ from batchvl.engine.scheduling.kv_budget import check_kv_cache_fits
 from batchvl.errors import UserError
 from batchvl.inputs.paths import glob_matches
 from batchvl.inputs.sources import Source, check_has_samples, job_source
+from batchvl.inputs.stamps import stands_for, with_content
 from batchvl.inputs.types import ShardInfo
 from batchvl.models.checkpoint_folder import check_model_folder, vocab_size
 from batchvl.outputs.commit import (
@@ -170,18 +171,22 @@ def job_work(cfg: JobConfig, task: TaskSlice | None, model_loaded: bool = False)
 
 def committed_by_plan(plan: JobPlan) -> Callable[[str], bool]:
     """Whether a shard is committed by the planned config, from the input file as it was listed."""
-    stamps = {shard.shard: shard.stamp for shard in plan.shards}
-    return lambda shard: is_committed_by(plan.out, plan.fingerprint, shard, stamps[shard])
+    listed = {shard.shard: shard for shard in plan.shards}
+    return lambda shard: is_committed_by(plan.out, plan.fingerprint, shard, listed[shard])
 
 
 def record_in_markers(out: OutputDir, resume: ShardPlan, defining: dict, fingerprint: str) -> None:
     """Record what shards committed before they were recorded lack (the checkpoint's identity in the
     marker, the input's stamp beside it) in those a run accepted: from now on a change of either is
-    noticed. The markers of rewrites left unfinished are written by `finish_rewrites`."""
-    stamps = {shard.shard: shard.stamp for shard in resume.shards}
+    noticed. A stamp that needed the input read to match is recorded anew (`stamps.stands_for`). The
+    markers of rewrites left unfinished are written by `finish_rewrites`."""
+    listed = {shard.shard: shard for shard in resume.shards}
     for name, marker in resume.done.items():
-        if stamps[name] is not None and read_input_stamp(out, name) is None:
-            record_input_stamp(out, name, stamps[name])
+        shard = listed[name]
+        if shard.stamp is not None:
+            recorded = read_input_stamp(out, name)
+            if recorded is None or not stands_for(recorded, shard):
+                record_input_stamp(out, name, with_content(shard))
         if marker.fingerprint != fingerprint:
             marker.config, marker.fingerprint = defining, fingerprint
             if marker.replaces is None:

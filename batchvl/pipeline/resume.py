@@ -114,7 +114,7 @@ def shard_plan(
     changed: set[str] = set()
     input_changed = []
     for shard in shards:
-        state, marker = commit_state(out, shard.shard, fingerprint, shard.stamp)
+        state, marker = commit_state(out, shard.shard, fingerprint, shard)
         if state is CommitState.STALE and _recorded_before_identity(marker, output_defining):
             state = CommitState.DONE
         if state is CommitState.INPUT_CHANGED:

@@ -2,14 +2,22 @@
 more rows), the shard is run again whole, never kept in part, and `status` says so rather than
 'complete'. Real jobs on the tiny model."""
 
+import os
+import shutil
+
 import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
+import xxhash
 
 from batchvl.commands.labels import job_rows
 from batchvl.commands.status import format_status, job_status
 from batchvl.config import load_job_config
 from batchvl.errors import UserError
-from batchvl.inputs.stamps import input_stamp
+from batchvl.inputs import stamps
+from batchvl.inputs.stamps import folder_stamp, input_stamp, stamps_match, stands_for, with_content
+from batchvl.inputs.types import ShardInfo
 from batchvl.outputs.commit import read_input_stamp
 from batchvl.pipeline.runner import run_job
 from batchvl.storage.output_dir import LocalDir
@@ -59,7 +67,9 @@ def test_a_replaced_input_file_is_run_again_whole_with_an_added_prompt(job_dir, 
     assert len(rows) == 2 * (4 + 3)
     assert rows == output_rows(job_dir / "fresh", 2)
     stamp = read_input_stamp(LocalDir(str(job_dir / "out")), "part-0.parquet")
-    assert stamp == input_stamp(str(job_dir / "data" / "part-0.parquet"), {})
+    path = job_dir / "data" / "part-0.parquet"
+    assert stamp.items() >= input_stamp(str(path), {}).items()  # the new file's, with its content's digest
+    assert stamp["xxh3"] == xxhash.xxh3_128_hexdigest(path.read_bytes())
     again = run_job(config(job_dir, "out", added), loaded=loaded_fp32, show_progress=False)
     assert again.stats["shards_skipped"] == 2  # the new file's stamp recorded: done
 
@@ -71,3 +81,156 @@ def test_an_object_replaced_in_a_store_has_another_stamp():
     assert input_stamp("memory://stamps/part-0.parquet", {}) == before
     fs.pipe("/stamps/part-0.parquet", b"two")
     assert input_stamp("memory://stamps/part-0.parquet", {}) != before
+
+
+# A time long past, which a replacement keeps (`cp -p`, `rsync -t`, `tar x` set a file's modification time)
+KEPT_MTIME_NS = 1_600_000_000_123_456_789
+
+
+def write_kept(path, data: bytes) -> None:
+    """`data` written to a new file moved over `path`, with `path`'s modification time as a copy keeps it."""
+    new = path.with_name(path.name + ".new")
+    new.write_bytes(data)
+    os.utime(new, ns=(KEPT_MTIME_NS, KEPT_MTIME_NS))
+    os.replace(new, path)
+
+
+def listed(path) -> ShardInfo:
+    return ShardInfo(path.name, str(path), None, stamp=input_stamp(str(path), {}))
+
+
+@pytest.fixture
+def committed(tmp_path, monkeypatch):
+    """A file listed and its stamp recorded as a commit records it; stamps are trusted at once (a stamp
+    taken within seconds of its file's change is read every time: its own test)."""
+    monkeypatch.setattr(stamps, "RACY_S", 0.0)
+    path = tmp_path / "part-0.tar"
+    write_kept(path, b"a" * 1000)
+    return path, with_content(listed(path))
+
+
+def test_a_file_replaced_by_one_of_the_same_size_and_times_is_another_input(committed):
+    path, recorded = committed
+    write_kept(path, b"b" * 1000)
+    now = listed(path)
+    assert (now.stamp["size"], now.stamp["mtime_ns"]) == (1000, KEPT_MTIME_NS)  # what the old stamp compared
+    assert not stamps_match(recorded, now)
+
+
+def test_an_edit_in_place_that_sets_the_modification_time_back_is_another_input(committed):
+    path, recorded = committed
+    with open(path, "r+b") as file:
+        file.seek(500)
+        file.write(b"b")
+    os.utime(path, ns=(KEPT_MTIME_NS, KEPT_MTIME_NS))
+    assert listed(path).stamp["ino"] == recorded["ino"]
+    assert not stamps_match(recorded, listed(path))
+
+
+def test_a_copy_kept_in_place_is_the_same_input_read_once_then_recorded_anew(committed, monkeypatch):
+    path, recorded = committed
+    write_kept(path, path.read_bytes())  # a restore from a backup: another inode, the same bytes
+    os.chmod(path, 0o640)
+    now = listed(path)
+    assert now.stamp["ino"] != recorded["ino"] and stamps_match(recorded, now)
+    assert not stands_for(recorded, now)  # told by reading it: a run records its stamp anew
+    again = with_content(now)
+    assert stands_for(again, now)
+    monkeypatch.setattr(stamps, "_digest_or_none", unreadable)
+    assert stamps_match(again, now)  # not read
+
+
+def unreadable(path):
+    raise AssertionError(f"{path} was read")
+
+
+def test_an_unchanged_file_is_not_read(committed, monkeypatch):
+    path, recorded = committed
+    monkeypatch.setattr(stamps, "_digest_or_none", unreadable)
+    assert stamps_match(recorded, listed(path)) and stands_for(recorded, listed(path))
+
+
+def test_a_stamp_taken_right_after_its_files_change_is_read_every_time(tmp_path):
+    path = tmp_path / "part-0.tar"
+    write_kept(path, b"a" * 1000)  # changed just now
+    recorded = with_content(listed(path))
+    assert not stands_for(recorded, listed(path)) and stamps_match(recorded, listed(path))
+    with open(path, "r+b") as file:
+        file.write(b"b")
+    # a second write within the filesystem's timestamp tick: every time and the inode as they were
+    unchanged = {key: recorded[key] for key in stamps.STAT_KEYS}
+    assert not stamps_match(recorded, ShardInfo(path.name, str(path), None, stamp=unchanged))
+
+
+def test_a_file_changed_between_its_listing_and_the_commit_gets_no_digest(tmp_path, monkeypatch):
+    monkeypatch.setattr(stamps, "RACY_S", 0.0)
+    path = tmp_path / "part-0.tar"
+    write_kept(path, b"a" * 1000)
+    before = listed(path)
+    write_kept(path, b"b" * 1000)  # the rows may be the old file's or the new one's
+    recorded = with_content(before)
+    assert "xxh3" not in recorded and recorded == before.stamp
+    assert not stamps_match(recorded, listed(path))
+
+
+def test_a_folder_shards_file_replaced_with_the_same_size_and_times_is_a_change(tmp_path, monkeypatch):
+    monkeypatch.setattr(stamps, "RACY_S", 0.0)
+    folder = tmp_path / "images"
+    folder.mkdir()
+    for name in ("a.png", "b.png"):
+        write_kept(folder / name, name.encode() * 100)
+
+    def shard() -> ShardInfo:
+        return ShardInfo(
+            "images",
+            str(folder),
+            None,
+            ("a.png", "b.png", "c.png"),
+            stamp=folder_stamp(str(folder), ("a.png", "b.png", "c.png")),
+        )
+
+    recorded = with_content(shard())
+    (folder / "a.png").unlink()  # gone since: no change of what is there
+    write_kept(folder / "b.png", (folder / "b.png").read_bytes())  # copied in place
+    assert stamps_match(recorded, shard())
+    write_kept(folder / "b.png", b"x" * 500)
+    assert not stamps_match(recorded, shard())
+    write_kept(folder / "b.png", b"b.png" * 100)
+    write_kept(folder / "c.png", b"new")  # not there when the shard was committed
+    assert not stamps_match(recorded, shard())
+
+
+def test_stamps_recorded_before_digests_are_compared_by_size_and_modification_time(committed):
+    path, _ = committed
+    write_kept(path, b"b" * 1000)
+    assert stamps_match({"size": 1000, "mtime_ns": KEPT_MTIME_NS}, listed(path))
+    assert not stamps_match({"size": 1000, "mtime_ns": KEPT_MTIME_NS + 1}, listed(path))
+    old_folder = {"files": {path.name: [1000, KEPT_MTIME_NS]}}
+    shard = ShardInfo(
+        "data", str(path.parent), None, (path.name,), stamp=folder_stamp(str(path.parent), (path.name,))
+    )
+    assert stamps_match(old_folder, shard) and stands_for(old_folder, shard)  # not read again
+
+
+def test_a_parquet_shard_edited_in_place_with_its_size_and_time_kept_is_run_again(job_dir, loaded_fp32):
+    """The end to end case: a key's bytes changed where the file keeps its size and modification time."""
+    path = job_dir / "data" / "part-0.parquet"
+    images = [png_bytes(random_image(50, 70, seed=100 + i)) for i in range(2)]
+    pq.write_table(pa.table({"key": ["s0-0", "s0-1"], "image": images}), path, compression="none")
+    run_job(config(job_dir, "out"), loaded=loaded_fp32, show_progress=False)
+    st = os.stat(path)
+    data = path.read_bytes()
+    assert data.count(b"s0-1") >= 1
+    path.write_bytes(data.replace(b"s0-1", b"s0-7"))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert (os.stat(path).st_size, os.stat(path).st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+    rerun = run_job(config(job_dir, "out"), loaded=loaded_fp32, show_progress=False)
+    assert rerun.stats["shards_committed"] == 1
+    keys = pq.read_table(job_dir / "out" / "part-0.parquet")["key"].to_pylist()
+    assert sorted(keys) == ["s0-0", "s0-7"]
+    kept = shutil.copy2(path, path.with_suffix(".copy"))  # a copy kept in place: its rows stay
+    os.replace(kept, path)
+    again = run_job(config(job_dir, "out"), loaded=loaded_fp32, show_progress=False)
+    assert again.stats["shards_skipped"] == 2
+    recorded = read_input_stamp(LocalDir(str(job_dir / "out")), "part-0.parquet")
+    assert recorded["ino"] == os.stat(path).st_ino  # recorded anew: the next plan does not read the copy

@@ -10,6 +10,7 @@ import pyarrow as pa
 import pytest
 
 from batchvl.config import job_config_from_dict, output_definition, split_definition
+from batchvl.inputs.types import ShardInfo
 from batchvl.outputs.commit import (
     CommitState,
     ShardMarker,
@@ -80,7 +81,14 @@ def test_a_file_of_another_size_than_its_marker_names_is_not_committed(tmp_path)
 def test_a_shard_made_from_an_input_of_another_stamp_is_input_changed(tmp_path):
     out = LocalDir(str(tmp_path / "out"))
     marker = ShardMarker.for_rows(SHARD, [], {"a": 1}, "fp", task=None)
-    commit_shard(out, SHARD, pa.table({"x": [1]}), marker, stamp={"size": 1, "mtime_ns": 2})
-    assert commit_state(out, SHARD, "fp", {"size": 1, "mtime_ns": 2})[0] is CommitState.DONE
-    assert commit_state(out, SHARD, "fp", {"size": 1, "mtime_ns": 3})[0] is CommitState.INPUT_CHANGED
+    stamp = {"size": 1, "mtime_ns": 2, "ino": 3, "ctime_ns": 4}
+    commit_shard(out, SHARD, pa.table({"x": [1]}), marker, stamp=stamp)
+
+    def listed(**changed) -> ShardInfo:
+        return ShardInfo(SHARD, str(tmp_path / "gone.parquet"), None, stamp={**stamp, **changed})
+
+    assert commit_state(out, SHARD, "fp", listed())[0] is CommitState.DONE
+    assert commit_state(out, SHARD, "fp", listed(mtime_ns=3))[0] is CommitState.INPUT_CHANGED
+    # the same size and times but another inode, and no digest recorded to read the file against
+    assert commit_state(out, SHARD, "fp", listed(ino=5))[0] is CommitState.INPUT_CHANGED
     assert commit_state(out, SHARD, "fp")[0] is CommitState.DONE  # a stamp not known: not compared
