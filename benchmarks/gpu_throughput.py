@@ -63,13 +63,11 @@ from launch_settings import problem as launch_problem
 from matmul_probe import matmul_peak
 from PIL import Image
 from step_timing import TRACE_COLUMNS, StepTimer, WindowsDone
-from workloads import write_json
+from workloads import BASE_SIDE, LARGE, LARGE_EVERY, caption_image_size, write_json
 
 SIZES = ("tiny", "thin", "small", "2b", "7b")
 NEW_TOKENS = 64
 LABEL_MAX_TOKENS = 256  # above the longest compact JSON the schema allows: the grammar ends each answer
-BASE_SIDE, LARGE = 448, (896, 672)  # 1,024 patches (256 image tokens); every fifth image 3,072
-LARGE_EVERY = 5
 WARMUP_SAMPLES = 16
 # bf16 dense FLOP/s and memory bytes/s from NVIDIA's datasheets, by a part of the name torch gives the
 # device, the more specific first
@@ -104,7 +102,7 @@ def write_images(folder: Path, samples: int, first: int = 0) -> list[tuple[int, 
     rng = np.random.default_rng(first)
     keys, images, sizes = [], [], []
     for i in range(first, first + samples):
-        width, height = LARGE if i % LARGE_EVERY == LARGE_EVERY - 1 else (BASE_SIDE, BASE_SIDE)
+        width, height = caption_image_size(i)
         # smooth random colours: unique (no encoder or prefix cache hits) and small as JPEG
         coarse = Image.fromarray(rng.integers(0, 256, size=(16, 16, 3), dtype=np.uint8))
         buffer = io.BytesIO()

@@ -3,7 +3,10 @@
 The captioning benchmark gives vision calls most of a 2B job's wall time on an H200 (10.7 of 16.6 s with
 every fast path; 63% of the job's FLOPs), at about a quarter of the measured matmul peak. This times the
 engine's own vision call (`model_runner.encode_images`: the pixels staged from the host, the tower, the
-merger) on 448x448 images (1,024 patches each at Qwen2-VL's sizes) in calls of each `--patches` size: per
+merger) on 448x448 images (1,024 patches each at Qwen2-VL's sizes) in calls of each `--patches` size, and
+at the largest size on the captioning workload's mix too (`gpu_throughput.py`'s: every fifth image 896x672,
+3,072 patches, whose attention costs three times a 448x448 image's per patch; rows with `image_mix` "job",
+the others' "448x448"), so that the tower's attention is chosen on the calls a job makes: per
 call its wall time (synchronized, the median of `--calls`) and that of its staging alone and its three
 steps (the 8-bit pixels the preprocessing workers send in a job into one page-locked tensor, onto the
 device, normalized there into the tower's input) and the staging of the tower's input itself in its
@@ -35,9 +38,10 @@ import numpy as np
 import torch
 from flops import FlopCounter
 from step_timing import kernel_summary
-from workloads import markdown_table, write_json
+from workloads import caption_image_size, markdown_table, write_json
 
 IMAGE_SIDE = 448
+UNIFORM_MIX = f"{IMAGE_SIDE}x{IMAGE_SIDE}"  # a row's `image_mix` where its call's images are all that size
 # Untimed calls of each size first: the first compiles and caches; with vision graphs it runs eagerly at
 # the graph's shape and the second captures the graph (`qwen_vision_graphs.CAPTURE_ON_NEED`)
 WARMUP_CALLS = 2
@@ -56,19 +60,32 @@ def built_model(size: str, device: str, folder: Path):
     return build_on_device(folder / size, size, device), folder / size
 
 
-def images(loaded, count: int) -> list:
-    """`count` distinct IMAGE_SIDE-square images of random pixels, prepared as a job's workers do."""
+def images(loaded, count: int, job_mix: bool = False) -> list:
+    """`count` distinct images of random pixels, prepared as a job's workers do: IMAGE_SIDE-square, or with
+    `job_mix` the captioning workload's sizes."""
     from PIL import Image
 
     from batchvl.preprocess.qwen_vision import QwenVisionSpec, prepare_image
 
     spec = QwenVisionSpec.from_image_processor(loaded.processor.image_processor)
     generator = np.random.default_rng(0)
-    shape = (IMAGE_SIDE, IMAGE_SIDE, 3)
-    return [
-        prepare_image(Image.fromarray(generator.integers(0, 256, shape, dtype=np.uint8)), spec)
-        for _ in range(count)
-    ]
+    prepared = []
+    for index in range(count):
+        width, height = caption_image_size(index) if job_mix else (IMAGE_SIDE, IMAGE_SIDE)
+        pixels = generator.integers(0, 256, (height, width, 3), dtype=np.uint8)
+        prepared.append(prepare_image(Image.fromarray(pixels), spec))
+    return prepared
+
+
+def call_of(prepared: list, patches: int) -> list:
+    """The first of `prepared` that a call of `patches` patches holds (at least one)."""
+    batch, total = [], 0
+    for image in prepared:
+        if batch and total + image.num_patches > patches:
+            break
+        batch.append(image)
+        total += image.num_patches
+    return batch
 
 
 def synchronize(device: torch.device) -> None:
@@ -156,8 +173,7 @@ def measure(
     """One call size's row. The call's images are as a job's preprocessing workers send them (8-bit, the
     call normalizes them); the staging of the tower's input itself, in its dtype, as the workers sent it
     before, is timed beside it."""
-    per_image = prepared[0].num_patches
-    batch = prepared[: max(1, patches // per_image)]
+    batch = call_of(prepared, patches)
     for _ in range(WARMUP_CALLS):  # kernels compiled, the allocator's blocks cached, a graph captured
         timed_call(loaded, batch, patches)
     wall = statistics.median(timed_call(loaded, batch, patches) for _ in range(calls))
@@ -165,10 +181,13 @@ def measure(
     stacking, upload, normalizing = (statistics.median(times) for times in zip(*stagings, strict=True))
     tower_input = as_tower_input(loaded, batch)
     of_tower_input = statistics.median(sum(timed_staging(loaded, tower_input)) for _ in range(calls))
-    flops = counter.image(per_image) * len(batch)
+    flops = sum(counter.image(image.num_patches) for image in batch)
     row = {
-        "patches": per_image * len(batch),
+        "patches": sum(image.num_patches for image in batch),
         "images": len(batch),
+        "image_mix": "job"
+        if len({image.num_patches for image in prepared}) > 1
+        else f"{IMAGE_SIDE}x{IMAGE_SIDE}",
         "fused_kernels": fused,
         "vision_attention": attention,
         "vision_graphs": graphs,
@@ -231,10 +250,13 @@ def main() -> None:
         counter = FlopCounter(str(folder))
         per_image = images(loaded, 1)[0].num_patches
         prepared = images(loaded, max(1, max(sizes) // per_image))
+        job_mix = images(loaded, max(1, max(sizes) // per_image), job_mix=True)
 
         def rows_of(fused: bool, attention: str, graphs: bool = False) -> list[dict]:
+            calls = [(prepared, patches) for patches in sizes] + [(job_mix, max(sizes))]
             return [
-                measure(loaded, prepared, n, args.calls, counter, fused, attention, graphs) for n in sizes
+                measure(loaded, source, patches, args.calls, counter, fused, attention, graphs)
+                for source, patches in calls
             ]
 
         rows = rows_of(False, "flash_varlen")

@@ -9,6 +9,16 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+# The captioning workload's images on a GPU (`gpu_throughput.py`, and `vision_call.py`'s calls of its mix):
+# 448x448, 1,024 patches (256 image tokens) at Qwen2-VL's sizes, and every fifth 896x672, 3,072 patches
+BASE_SIDE, LARGE = 448, (896, 672)
+LARGE_EVERY = 5
+
+
+def caption_image_size(index: int) -> tuple[int, int]:
+    """(width, height) of the captioning workload's image `index`."""
+    return LARGE if index % LARGE_EVERY == LARGE_EVERY - 1 else (BASE_SIDE, BASE_SIDE)
+
 
 def mixed_size_images(count: int, seed: int = 0) -> list[Image.Image]:
     rng = np.random.default_rng(seed)

@@ -30,9 +30,10 @@ reported and the next still runs, in the order of what a GPU window must answer 
                    sent as shared-memory files opened by name, GIL handoffs every 1 ms) and with torch's
                    and Python's defaults
   vision_call      benchmarks/vision_call.py: one vision call of Qwen2-VL-2B's tower at 4,096 to 32,768
-                   patches, without and with the fused kernels, then with them and its attention by SDPA
-                   (cuDNN first): its wall, its pixels' staging and its kernels' time, the kernels with
-                   the most of it, its TFLOP/s
+                   patches of 448x448 images and at 32,768 of the 2B job's image mix, without and with the
+                   fused kernels, then with them replayed as a graph and with them and its attention by
+                   SDPA (cuDNN first): its wall, its pixels' staging and its kernels' time, the kernels
+                   with the most of it, its TFLOP/s
   prefill_attention benchmarks/prefill_attention.py: a step of prompt chunks at Qwen2-VL-2B's heads by the
                    paged Triton kernel against torch's flash varlen one, and a vision call's attention by
                    torch's flash varlen kernel against SDPA's backends on images batched by size, per call;
@@ -475,13 +476,14 @@ def reported_run(command: list[str], out: Path, limit_s: float, table_lines: int
 
 
 def vision_call(work: Path) -> dict:
-    """benchmarks/vision_call.py: Qwen2-VL-2B's vision call at 4,096 to 32,768 patches, without and with
-    the fused kernels, then with them and its attention by SDPA: its wall, its staging and its kernels'
-    time, the kernels with the most of it and its TFLOP/s (where a 2B job's vision time goes)."""
+    """benchmarks/vision_call.py: Qwen2-VL-2B's vision call at 4,096 to 32,768 patches (and at the largest
+    on the 2B job's image mix), without and with the fused kernels, then with them replayed as a graph and
+    with them and its attention by SDPA: its wall, its staging and its kernels' time, the kernels with the
+    most of it and its TFLOP/s (where a 2B job's vision time goes)."""
     out = work / "vision_call.json"
     workload = ["--size", "tiny", "--patches", "256,512", "--calls", "2"] if ON_CPU else ["--size", "2b"]
     command = [sys.executable, "benchmarks/vision_call.py", "--device", DEVICE, "--json", str(out)]
-    return reported_run([*command, *workload], out, 150, table_lines=14)
+    return reported_run([*command, *workload], out, 150, table_lines=24)
 
 
 def input_rate(work: Path) -> dict:

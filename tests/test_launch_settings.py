@@ -103,6 +103,18 @@ def test_the_towers_attention_is_chosen_at_the_largest_call_with_the_fused_kerne
     assert settings.fastest_vision_attention({"rows": []}) is None
 
 
+def test_the_towers_attention_is_chosen_on_the_jobs_image_mix_where_the_call_was_timed_on_it(settings):
+    def mixed(varlen_ms: float, sdpa_ms: float) -> dict:
+        rows = vision_rows(90.0)["rows"]  # SDPA faster on the 448x448 calls
+        for attention, wall in (("flash_varlen", varlen_ms), ("sdpa", sdpa_ms)):
+            row = {"patches": 31744, "fused_kernels": True, "vision_attention": attention, "wall_ms": wall}
+            rows.append({**row, "image_mix": "job"})
+        return {"rows": rows}
+
+    assert settings.fastest_vision_attention(mixed(100.0, 120.0)) is None  # slower on the job's mix
+    assert settings.fastest_vision_attention(mixed(120.0, 100.0)) == "sdpa"
+
+
 @pytest.mark.parametrize(
     "given,message",
     [
