@@ -23,8 +23,6 @@ import time
 
 import xxhash
 
-from batchvl.utils.file_digest import RACY_S, file_digest
-
 # The parts of a checkpoint, each named in the refusal of a change, by the file names that make it
 PARTS = {
     "weights": ("*.safetensors", "*.bin", "*.index.json", "config.json", "generation_config.json"),
@@ -46,7 +44,11 @@ PART_NAMES = {
     "tokenizer": "tokenizer or chat template",
     "processor": "processor config",
 }
+# A file changed this recently may change again within its filesystem's timestamp tick, leaving its times as
+# they were: a stamp of its times taken then does not stand for its content (input stamps use it too)
+RACY_S = 3.0
 _DIGEST = re.compile("[0-9a-f]{32}")
+_PIECE = 16 << 20
 
 
 def checkpoint_identity(path: str) -> dict[str, str] | None:
@@ -60,7 +62,7 @@ def checkpoint_identity(path: str) -> dict[str, str] | None:
     remembered = _read_remembered(remembered_at)
     digests, stamps = {}, {}
     for name in sorted({name for names in files.values() for name in names}):
-        stamps[name], digests[name] = _file_digest(os.path.join(folder, name), remembered.get(name))
+        stamps[name], digests[name] = _stamped_digest(os.path.join(folder, name), remembered.get(name))
     entries = {name: [*stamps[name], digests[name]] for name in digests if stamps[name]}
     if entries != remembered:
         _remember(remembered_at, entries)
@@ -86,7 +88,7 @@ def _part_digest(names: list[str], digests: dict[str, str]) -> str:
     return digest.hexdigest()
 
 
-def _file_digest(path: str, remembered: list | None) -> tuple[list[int], str]:
+def _stamped_digest(path: str, remembered: list | None) -> tuple[list[int], str]:
     """(the file's stamp, or [] when it is too fresh to remember; its content digest)."""
     st = os.stat(path)
     stamp = [st.st_size, st.st_ino, st.st_mtime_ns, st.st_ctime_ns]
@@ -95,6 +97,16 @@ def _file_digest(path: str, remembered: list | None) -> tuple[list[int], str]:
     digest = file_digest(path)
     fresh = time.time_ns() - max(st.st_mtime_ns, st.st_ctime_ns) < RACY_S * 1e9
     return ([] if fresh else stamp), digest
+
+
+def file_digest(path: str) -> str:
+    """The hex xxh3-128 digest of the whole file at `path`, read in large pieces (some GB a second, far
+    faster than the disks it reads); raises OSError where it cannot be read. Input stamps use it too."""
+    digest = xxhash.xxh3_128()
+    with open(path, "rb") as file:
+        while piece := file.read(_PIECE):
+            digest.update(piece)
+    return digest.hexdigest()
 
 
 def _remembered_path(folder: str) -> str:

@@ -30,9 +30,9 @@ from __future__ import annotations
 import os
 import time
 
+from batchvl.config.checkpoint import RACY_S, file_digest
 from batchvl.inputs.types import ShardInfo
 from batchvl.storage.remote import filesystem, is_remote
-from batchvl.utils.file_digest import RACY_S, file_digest
 
 # An object's version, by the first of these its filesystem's `info()` gives (content tags first)
 VERSION_KEYS = ("ETag", "etag", "md5Hash", "generation", "VersionId", "mtime", "LastModified", "created")
