@@ -5,8 +5,8 @@ rather than mixing rows of two files under the same keys.
 A local file's stamp is what any write changes: its size, inode, and modification and change times (no
 tool sets a change time back: `cp -p`, `rsync -t` and `tar x` keep a modification time, not a change time).
 A shard's commit adds the content digest of the file it was made from (xxh3-128 of the whole file, read
-once more as its rows are committed, while it is likely still in the page cache), if the file is still the
-one listed. A later stamp is then compared:
+once more once the shard's samples have all been read, while it is likely still in the page cache:
+`ContentStamps`), if the file is still the one listed. A later stamp is then compared:
 - another size or modification time: another file;
 - the same, and the same inode and change time: the same file, without reading it;
 - the same size and modification time, but another inode or change time (a file copied in place with its
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import os
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from batchvl.config.checkpoint import RACY_S, file_digest
 from batchvl.inputs.types import ShardInfo
@@ -86,6 +87,31 @@ def with_content(listed: ShardInfo) -> dict | None:
             }
         }
     return _digested(stamp, listed.path) if "ino" in stamp else stamp  # (an object's: its store's tag)
+
+
+class ContentStamps:
+    """A run's `with_content` of its shards, each read in a thread of its own once the shard's samples have
+    all been read (its file likely still in the page cache), so that the commit, a few engine steps later,
+    takes its stamp without reading the file on the job's thread, where a GPU would wait for it (a GB of
+    file reads in about 0.2 s from the page cache, far longer from a network filesystem)."""
+
+    def __init__(self):
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="batchvl-input-digests")
+        self._started: dict[str, Future] = {}
+
+    def start(self, listed: ShardInfo) -> None:
+        if listed.shard not in self._started:
+            self._started[listed.shard] = self._reader.submit(with_content, listed)
+
+    def of(self, listed: ShardInfo) -> dict | None:
+        """The shard's stamp with its content (waited for, or read here where it was not started)."""
+        started = self._started.pop(listed.shard, None)
+        return started.result() if started is not None else with_content(listed)
+
+    def close(self) -> None:
+        """Drop the stamps not taken (a run stopped before their commits)."""
+        self._reader.shutdown(wait=False, cancel_futures=True)
+        self._started.clear()
 
 
 def stamps_match(recorded: dict, listed: ShardInfo) -> bool:

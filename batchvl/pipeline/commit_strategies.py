@@ -13,7 +13,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from batchvl.config import JobConfig, config_to_dict
-from batchvl.inputs.stamps import with_content
 from batchvl.inputs.types import ShardInfo
 from batchvl.outputs.batch_output import model_name, write_batch_output
 from batchvl.outputs.commit import ShardMarker, commit_shard, read_committed, read_marker
@@ -116,8 +115,7 @@ class WriteShard:
             table = table.replace_schema_metadata(self.metadata)  # this config's, as the rest of the file
             count_rows(marker, table)
             marker.retries = committed.retries  # of rows it may keep
-        # the stamp with the content's digest of the file the rows were made from (read again here)
-        return commit_shard(self.out, info.shard, table, marker, self.companion, with_content(info))
+        return commit_shard(self.out, info.shard, table, marker, self.companion, info.stamp)
 
     def _count_kept_and_dropped(self, old: pa.Table, keep: pa.ChunkedArray) -> None:
         """Count the committed rows kept, and those of prompts the job no longer has (by prompt)."""

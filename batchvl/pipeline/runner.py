@@ -9,6 +9,7 @@ split job (`TaskSlice`), and stops cleanly between engine steps on a stop signal
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -25,6 +26,7 @@ from batchvl.engine.parallel.vit_dp import DistributedContext
 from batchvl.engine.stats import EngineStats
 from batchvl.errors import ServerGone
 from batchvl.inputs.download import DownloadStats
+from batchvl.inputs.stamps import ContentStamps
 from batchvl.inputs.types import ShardEnd, ShardInfo, ShardSkipped
 from batchvl.models.loader import LoadedModel, ModelParts
 from batchvl.outputs.claims import Holder, ShardClaims
@@ -106,6 +108,7 @@ class JobRunner:
         self.card = DatasetCard(self.out)
         self.server_gone: ServerGone | None = None  # the openai backend's server went away mid-run
         self.engine: EngineInterface | None = None  # once started, after the preprocessing workers
+        self.input_stamps = ContentStamps()  # the stamps its commits record, read beside the job's thread
 
     def run(self) -> RunSummary:
         keep_freed_memory()  # process-wide; the engine's steps reuse their activations' memory
@@ -214,6 +217,7 @@ class JobRunner:
             self.server_gone = gone  # the rows of the shards in flight are left for the next run
         finally:
             feed.close()
+            self.input_stamps.close()
             for shard in ledger.shards:
                 self.claims.release(shard)  # ours only; the next run may take them
             self.stats.processing_s = time.perf_counter() - started
@@ -244,6 +248,7 @@ class JobRunner:
                 break
             elif isinstance(item, ShardEnd):
                 ledger.end_of_shard(item.shard, item.num_samples)
+                self.input_stamps.start(ledger.shards[item.shard].info)  # its file read: its digest taken
                 self._commit_complete(ledger)
             elif isinstance(item, ShardSkipped):
                 self._skip(ledger, item, bar)
@@ -318,7 +323,9 @@ class JobRunner:
 
     def _commit_complete(self, ledger: ShardLedger) -> None:
         for state in ledger.complete_shards():
-            path = self.commit(state.info, state.rows)
+            # the input's stamp, with the digest of the file the rows were made from
+            info = dataclasses.replace(state.info, stamp=self.input_stamps.of(state.info))
+            path = self.commit(info, state.rows)
             logger.info("committed %s (%d rows)", path, len(state.rows))
             self.card.shard_committed(state.info.shard, path)
             ledger.mark_committed(state.info.shard)

@@ -4,6 +4,7 @@ more rows), the shard is run again whole, never kept in part, and `status` says 
 
 import os
 import shutil
+import threading
 
 import fsspec
 import pyarrow as pa
@@ -234,3 +235,36 @@ def test_a_parquet_shard_edited_in_place_with_its_size_and_time_kept_is_run_agai
     assert again.stats["shards_skipped"] == 2
     recorded = read_input_stamp(LocalDir(str(job_dir / "out")), "part-0.parquet")
     assert recorded["ino"] == os.stat(path).st_ino  # recorded anew: the next plan does not read the copy
+
+
+def test_a_runs_commits_take_their_inputs_digests_read_beside_the_jobs_thread(
+    job_dir, loaded_fp32, monkeypatch
+):
+    """Reading a shard's file for its digest on the job's thread would hold the engine's next step (a GPU
+    idle meanwhile): the run reads it in a thread of its own, once the shard's samples are all read."""
+    readers = []
+    digest = stamps.file_digest
+
+    def recorded(path):
+        readers.append((os.path.basename(path), threading.get_ident()))
+        return digest(path)
+
+    monkeypatch.setattr(stamps, "file_digest", recorded)
+    run_job(config(job_dir, "out"), loaded=loaded_fp32, show_progress=False)
+    assert sorted(name for name, _ in readers) == ["part-0.parquet", "part-1.parquet"]
+    assert threading.get_ident() not in {reader for _, reader in readers}
+    recorded_stamp = read_input_stamp(LocalDir(str(job_dir / "out")), "part-1.parquet")
+    assert recorded_stamp["xxh3"] == digest(str(job_dir / "data" / "part-1.parquet"))
+
+
+def test_content_stamps_not_started_are_read_when_taken(tmp_path, monkeypatch):
+    monkeypatch.setattr(stamps, "RACY_S", 0.0)
+    path = tmp_path / "part-0.tar"
+    write_kept(path, b"a" * 1000)
+    content = stamps.ContentStamps()
+    try:
+        taken = content.of(listed(path))
+        assert taken.items() >= listed(path).stamp.items()
+        assert taken["xxh3"] == xxhash.xxh3_128_hexdigest(path.read_bytes())
+    finally:
+        content.close()
