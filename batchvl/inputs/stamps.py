@@ -28,8 +28,10 @@ replaced under its name is.
 from __future__ import annotations
 
 import os
+import queue
+import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 from batchvl.config.checkpoint import RACY_S, file_digest
 from batchvl.inputs.types import ShardInfo
@@ -41,6 +43,7 @@ STAT_KEYS = ("size", "mtime_ns", "ino", "ctime_ns")  # a local file's stamp
 # The older stamp of a local file, and of a `folder` shard's files then ([size, modification time])
 RECORDED_BEFORE_DIGESTS = ("size", "mtime_ns")
 DIGEST = "xxh3"
+READER_NAME = "batchvl-input-digests"  # `ContentStamps`' thread
 
 
 def input_stamp(path: str, storage_options: dict) -> dict:
@@ -93,15 +96,22 @@ class ContentStamps:
     """A run's `with_content` of its shards, each read in a thread of its own once the shard's samples have
     all been read (its file likely still in the page cache), so that the commit, a few engine steps later,
     takes its stamp without reading the file on the job's thread, where a GPU would wait for it (a GB of
-    file reads in about 0.2 s from the page cache, far longer from a network filesystem)."""
+    file reads in about 0.2 s from the page cache, far longer from a network filesystem). The thread is a
+    daemon: a run that stops exits at once, dropping a read under way (it writes nothing), where a pool's
+    thread would be waited for, as long as a large file takes to read."""
 
     def __init__(self):
-        self._reader = ThreadPoolExecutor(1, thread_name_prefix="batchvl-input-digests")
         self._started: dict[str, Future] = {}
+        self._work: queue.SimpleQueue | None = None  # to the reading thread, once one is started
 
     def start(self, listed: ShardInfo) -> None:
-        if listed.shard not in self._started:
-            self._started[listed.shard] = self._reader.submit(with_content, listed)
+        if listed.shard in self._started:
+            return
+        if self._work is None:
+            self._work = queue.SimpleQueue()
+            threading.Thread(target=_read, args=(self._work,), name=READER_NAME, daemon=True).start()
+        self._started[listed.shard] = future = Future()
+        self._work.put((listed, future))
 
     def of(self, listed: ShardInfo) -> dict | None:
         """The shard's stamp with its content (waited for, or read here where it was not started)."""
@@ -109,9 +119,24 @@ class ContentStamps:
         return started.result() if started is not None else with_content(listed)
 
     def close(self) -> None:
-        """Drop the stamps not taken (a run stopped before their commits)."""
-        self._reader.shutdown(wait=False, cancel_futures=True)
+        """Drop the stamps not taken (a run stopped before their commits), and end the reading thread."""
+        for future in self._started.values():
+            future.cancel()
         self._started.clear()
+        if self._work is not None:
+            self._work.put(None)
+            self._work = None
+
+
+def _read(work: queue.SimpleQueue) -> None:
+    """`ContentStamps`' thread: each (shard, future) given, until None."""
+    while (item := work.get()) is not None:
+        listed, future = item
+        if future.set_running_or_notify_cancel():
+            try:
+                future.set_result(with_content(listed))
+            except BaseException as error:  # handed to the commit that takes it
+                future.set_exception(error)
 
 
 def stamps_match(recorded: dict, listed: ShardInfo) -> bool:

@@ -4,7 +4,10 @@ more rows), the shard is run again whole, never kept in part, and `status` says 
 
 import os
 import shutil
+import subprocess
+import sys
 import threading
+import time
 
 import fsspec
 import pyarrow as pa
@@ -268,3 +271,24 @@ def test_content_stamps_not_started_are_read_when_taken(tmp_path, monkeypatch):
         assert taken["xxh3"] == xxhash.xxh3_128_hexdigest(path.read_bytes())
     finally:
         content.close()
+
+
+# A run that stops while its input's digest is being read: the read (made to take minutes here, as a large
+# file on a slow filesystem would) is dropped at the process's exit, not waited for
+STOPPED_DURING_A_READ = """
+import time
+from batchvl.inputs import stamps
+from batchvl.inputs.types import ShardInfo
+stamps.with_content = lambda listed: time.sleep(300)
+content = stamps.ContentStamps()
+content.start(ShardInfo("part-0.tar", "/nowhere/part-0.tar", None, stamp={}))
+time.sleep(0.5)
+content.close()
+"""
+
+
+def test_a_run_that_stops_exits_without_waiting_for_a_digest_under_way():
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", STOPPED_DURING_A_READ], capture_output=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert time.monotonic() - started < 60
