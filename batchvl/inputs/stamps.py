@@ -95,10 +95,10 @@ def with_content(listed: ShardInfo) -> dict | None:
 class ContentStamps:
     """A run's `with_content` of its shards, each read in a thread of its own once the shard's samples have
     all been read (its file likely still in the page cache), so that the commit, a few engine steps later,
-    takes its stamp without reading the file on the job's thread, where a GPU would wait for it (a GB of
-    file reads in about 0.2 s from the page cache, far longer from a network filesystem). The thread is a
-    daemon: a run that stops exits at once, dropping a read under way (it writes nothing), where a pool's
-    thread would be waited for, as long as a large file takes to read."""
+    takes its stamp without reading the file on the job's thread, where a GPU would wait for it (a large
+    file takes seconds to read from a network filesystem). The thread is a daemon: a run that stops exits
+    at once, dropping a read under way (it writes nothing), where a pool's thread would be waited for, as
+    long as a large file takes to read."""
 
     def __init__(self):
         self._started: dict[str, Future] = {}
