@@ -185,9 +185,7 @@ def measure(
     row = {
         "patches": sum(image.num_patches for image in batch),
         "images": len(batch),
-        "image_mix": "job"
-        if len({image.num_patches for image in prepared}) > 1
-        else f"{IMAGE_SIDE}x{IMAGE_SIDE}",
+        "image_mix": "job" if len({image.num_patches for image in prepared}) > 1 else UNIFORM_MIX,
         "fused_kernels": fused,
         "vision_attention": attention,
         "vision_graphs": graphs,
