@@ -143,15 +143,10 @@ def stamps_match(recorded: dict, listed: ShardInfo) -> bool:
     """Whether the input is the one a shard was committed from (`recorded`: its stamp then; `listed`: the
     shard now, its file read only where the stamps alone cannot tell); a folder shard's where every file
     still there is unchanged."""
-    current = listed.stamp
-    if "files" in recorded and "files" in current:
-        return all(
-            _same_file(recorded["files"].get(name), entry, os.path.join(listed.path, name))
-            for name, entry in current["files"].items()
-        )
-    if "ino" in current:
-        return _same_file(recorded, current, listed.path)
-    return recorded == current
+    files = _file_entries(recorded, listed)
+    if files is None:
+        return recorded == listed.stamp
+    return all(_same_file(old, new, path) for old, new, path in files)
 
 
 def stands_for(recorded: dict, listed: ShardInfo) -> bool:
@@ -159,34 +154,48 @@ def stands_for(recorded: dict, listed: ShardInfo) -> bool:
     reading its files: else a run records the listing's stamp with their digests in its place, so that
     they are not read at every plan (a copy kept in place, or a stamp taken too soon after a change).
     Stamps recorded before digests were are left as they are: replacing them would read every input."""
+    files = _file_entries(recorded, listed)
+    if files is None:
+        return True  # an object's: its store's tag
+    return all(old is None or "ino" not in old or _unchanged(old, new) for old, new, _ in files)
+
+
+def _file_entries(recorded: dict, listed: ShardInfo) -> list[tuple[dict | None, dict, str]] | None:
+    """(recorded entry, listed entry, path) of each local file the listed stamp stamps (a recorded entry
+    from before digests as a dict; None: the file was not recorded), or None for an object's stamp."""
     current = listed.stamp
     if "files" in recorded and "files" in current:
-        pairs = [(recorded["files"].get(name), entry) for name, entry in current["files"].items()]
-    elif "ino" in current:
-        pairs = [(recorded, current)]
-    else:
-        return True  # an object's: its store's tag
-    return all(
-        not isinstance(old, dict)
-        or "ino" not in old
-        or (_trusted(old) and all(old[key] == new[key] for key in STAT_KEYS))
-        for old, new in pairs
-    )
+        return [
+            (_as_entry(recorded["files"].get(name)), entry, os.path.join(listed.path, name))
+            for name, entry in current["files"].items()
+        ]
+    if "ino" in current:
+        return [(_as_entry(recorded), current, listed.path)]
+    return None
 
 
-def _same_file(recorded: dict | list | None, current: dict, path: str) -> bool:
+def _as_entry(recorded: dict | list | None) -> dict | None:
+    """A file's recorded stamp as a dict: a folder's file recorded before digests was [size, mtime]."""
     if isinstance(recorded, list) and len(recorded) == len(RECORDED_BEFORE_DIGESTS):
-        recorded = dict(zip(RECORDED_BEFORE_DIGESTS, recorded, strict=True))  # a folder's file, then
-    if not isinstance(recorded, dict):
+        return dict(zip(RECORDED_BEFORE_DIGESTS, recorded, strict=True))
+    return recorded if isinstance(recorded, dict) else None
+
+
+def _same_file(recorded: dict | None, current: dict, path: str) -> bool:
+    if recorded is None:
         return False  # not there when the shard was committed
     if any(recorded.get(key) != current[key] for key in RECORDED_BEFORE_DIGESTS):
         return False
-    if "ino" not in recorded:
-        return True  # recorded before digests were: size and modification time, as then
-    if _trusted(recorded) and all(recorded[key] == current[key] for key in STAT_KEYS):
-        return True
+    if "ino" not in recorded or _unchanged(recorded, current):
+        return True  # (recorded before digests were: size and modification time, as then)
     digest = recorded.get(DIGEST)
     return digest is not None and _digest_or_none(path) == digest
+
+
+def _unchanged(recorded: dict, current: dict) -> bool:
+    """Whether a file's recorded stamp stands for it as it is now without reading it: trusted, and what any
+    write changes the same."""
+    return _trusted(recorded) and all(recorded[key] == current[key] for key in STAT_KEYS)
 
 
 def _trusted(stamp: dict) -> bool:
