@@ -68,6 +68,8 @@ class WriteShard:
     optional columns the job no longer writes (no kept row has a value there: a kept prompt's definition,
     which says what those columns hold, is unchanged). `stats` counts the rows kept and dropped."""
 
+    records_input_stamp = True  # every row made from the input as listed now: its stamp recorded with them
+
     def __init__(
         self,
         cfg: JobConfig,
@@ -144,6 +146,10 @@ def count_rows(marker: ShardMarker, table: pa.Table) -> None:
 class MergeIntoShard:
     """A retry's commit: the retried rows replace theirs in the committed file, rewritten whole in input
     order; the marker keeps the job's config, recounts the rows and records the retry."""
+
+    # most rows kept were made from the input the stamp on record names: it stays (a retry plans only
+    # shards whose input is unchanged), and the run reads no digest
+    records_input_stamp = False
 
     def __init__(self, job: JobConfig, out: OutputDir, overrides: list[str]):
         self.out = out

@@ -12,8 +12,9 @@ committed rows they use when first asked (`prompt_reuse.RowsToRun`), and is let 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from batchvl.inputs.types import ShardInfo
 from batchvl.outputs.writers import ResultRow
@@ -30,8 +31,16 @@ class SelectedRows:
 
 # shard -> sample index -> its rows to produce (a shard not in it: every (sample, prompt))
 Selection = dict[str, Mapping[int, SelectedRows]]
-# Writes a complete shard's rows (a new file, or merged into the committed one); returns where.
-CommitStrategy = Callable[[ShardInfo, list[ResultRow]], str]
+
+
+class CommitStrategy(Protocol):
+    """Writes a complete shard's rows (a new file, or merged into the committed one); returns where."""
+
+    # whether the commit records the stamp of the input the rows were made from, with its content's digest
+    # (`inputs/stamps.py`), which the run then reads beside the job's thread (`ContentStamps`)
+    records_input_stamp: bool
+
+    def __call__(self, info: ShardInfo, rows: list[ResultRow]) -> str: ...
 
 
 @dataclass

@@ -108,7 +108,8 @@ class JobRunner:
         self.card = DatasetCard(self.out)
         self.server_gone: ServerGone | None = None  # the openai backend's server went away mid-run
         self.engine: EngineInterface | None = None  # once started, after the preprocessing workers
-        self.input_stamps = ContentStamps()  # the stamps its commits record, read beside the job's thread
+        # the stamps its commits record, read beside the job's thread (None: its commits record none)
+        self.input_stamps: ContentStamps | None = None
 
     def run(self) -> RunSummary:
         keep_freed_memory()  # process-wide; the engine's steps reuse their activations' memory
@@ -189,6 +190,8 @@ class JobRunner:
             self.commit = WriteShard(
                 self.cfg, self.out, self.task, plan.output_defining, plan.fingerprint, work.kept, self.stats
             )
+        if self.commit.records_input_stamp:
+            self.input_stamps = ContentStamps()
         pool = PreprocessPool(
             work.plan.source,
             work.shards,
@@ -217,7 +220,8 @@ class JobRunner:
             self.server_gone = gone  # the rows of the shards in flight are left for the next run
         finally:
             feed.close()
-            self.input_stamps.close()
+            if self.input_stamps is not None:
+                self.input_stamps.close()
             for shard in ledger.shards:
                 self.claims.release(shard)  # ours only; the next run may take them
             self.stats.processing_s = time.perf_counter() - started
@@ -248,7 +252,8 @@ class JobRunner:
                 break
             elif isinstance(item, ShardEnd):
                 ledger.end_of_shard(item.shard, item.num_samples)
-                self.input_stamps.start(ledger.shards[item.shard].info)  # its file read: its digest taken
+                if self.input_stamps is not None:  # its file read: its digest taken
+                    self.input_stamps.start(ledger.shards[item.shard].info)
                 self._commit_complete(ledger)
             elif isinstance(item, ShardSkipped):
                 self._skip(ledger, item, bar)
@@ -323,8 +328,9 @@ class JobRunner:
 
     def _commit_complete(self, ledger: ShardLedger) -> None:
         for state in ledger.complete_shards():
-            # the input's stamp, with the digest of the file the rows were made from
-            info = dataclasses.replace(state.info, stamp=self.input_stamps.of(state.info))
+            info = state.info
+            if self.input_stamps is not None:  # the input's stamp, with the digest of the file read
+                info = dataclasses.replace(info, stamp=self.input_stamps.of(info))
             path = self.commit(info, state.rows)
             logger.info("committed %s (%d rows)", path, len(state.rows))
             self.card.shard_committed(state.info.shard, path)

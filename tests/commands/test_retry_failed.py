@@ -11,7 +11,8 @@ import pytest
 from batchvl.commands.retry import retry_failed
 from batchvl.config import load_job_config
 from batchvl.errors import UserError
-from batchvl.outputs.commit import read_marker
+from batchvl.inputs import stamps
+from batchvl.outputs.commit import read_input_stamp, read_marker
 from batchvl.outputs.writers import output_path
 from batchvl.pipeline.runner import run_job
 from batchvl.storage.output_dir import LocalDir
@@ -168,3 +169,27 @@ output: {{dir: out}}
 
 def rows_of_shard(out_dir) -> list[dict]:
     return pq.read_table(output_path(LocalDir(str(out_dir)), "part-0.parquet")).to_pylist()
+
+
+def test_a_retry_reads_no_inputs_digest_and_keeps_the_recorded_stamp(
+    tmp_path, tiny_model_dir, loaded_fp32, monkeypatch
+):
+    """A retry's commit keeps the input's stamp on record (it retries only shards whose input is unchanged):
+    a run reads each shard's file once more for its digest, which a retry would read for nothing."""
+    monkeypatch.setattr(stamps, "RACY_S", 0.0)  # stamps trusted at once: the plan reads no file either
+    (tmp_path / "data").mkdir()
+    images = [png_bytes(random_image(40, 50, seed=1)), b"junk"]
+    pq.write_table(pa.table({"key": ["a", "b"], "image": images}), tmp_path / "data" / "part-0.parquet")
+    (tmp_path / "job.yaml").write_text(two_prompt_job_yaml(tiny_model_dir, "{}", "preprocess: {workers: 0}"))
+    job = load_job_config(tmp_path / "job.yaml")
+    run_job(job, loaded=loaded_fp32, show_progress=False)
+    out = LocalDir(str(tmp_path / "out"))
+    recorded = read_input_stamp(out, "part-0.parquet")
+    assert "xxh3" in recorded
+
+    reads = []
+    monkeypatch.setattr(stamps, "file_digest", reads.append)
+    summary = retry_failed(job, job, [], loaded=loaded_fp32, show_progress=False)
+    assert (summary.stats["requests"], summary.stats["shards_committed"]) == (2, 1)  # the junk's two rows
+    assert reads == []
+    assert read_input_stamp(out, "part-0.parquet") == recorded

@@ -270,6 +270,7 @@ def test_a_shards_claim_is_released_when_it_commits_not_when_the_run_ends(
         seen.append((info.shard, {path.name for path in claims.iterdir()}))
         return write(info, rows)
 
+    look_then_commit.records_input_stamp = write.records_input_stamp
     JobRunner(cfg, loaded_fp32, show_progress=False, commit=look_then_commit).run()
     assert sorted(shard for shard, _ in seen) == ["part-0.parquet", "part-1.parquet", "part-2.parquet"]
     for i, (shard, held) in enumerate(seen):
