@@ -12,7 +12,7 @@ once more once the shard's samples have all been read, while it is likely still 
 - the same size and modification time, but another inode or change time (a file copied in place with its
   times kept, a `chmod`, a restore from a backup): the file is read and its digest decides. A same-sized
   file with the same modification time but other content is so told from a copy of the same file, which
-  keeps its rows.
+  keeps its rows, and whose stamp a run records anew with the digest the comparison read.
 A stamp taken within `RACY_S` of the file's last change is not trusted without reading it: a second write
 within the filesystem's timestamp tick could leave every time as it was. Stamps recorded before digests
 were (size and modification time alone) are compared as they were then.
@@ -189,7 +189,7 @@ def _same_file(recorded: dict | None, current: dict, path: str) -> bool:
     if "ino" not in recorded or _unchanged(recorded, current):
         return True  # (recorded before digests were: size and modification time, as then)
     digest = recorded.get(DIGEST)
-    return digest is not None and _digest_or_none(path) == digest
+    return digest is not None and _digested(current, path).get(DIGEST) == digest
 
 
 def _unchanged(recorded: dict, current: dict) -> bool:
@@ -205,14 +205,36 @@ def _trusted(stamp: dict) -> bool:
 
 
 def _digested(stamp: dict, path: str) -> dict:
-    """A local file's stamp with its content's digest, where the file read is still the one stamped."""
-    hashed_ns = time.time_ns()
-    digest = _digest_or_none(path)
+    """A local file's stamp with its content's digest, where the file read is still the one stamped. A
+    file read for a trusted digest is not read again while its stamp is the same (`_READ`)."""
+    key = (path, *(stamp[name] for name in STAT_KEYS))
+    read = _READ.get(key)
+    if read is None:
+        hashed_ns = time.time_ns()
+        digest = _digest_or_none(path)
+        read = {DIGEST: digest, "hashed_ns": hashed_ns} if digest is not None else None
+    if read is None or not _still(stamp, path):
+        return stamp
+    if _trusted({**stamp, **read}) and len(_READ) < READS_KEPT:
+        _READ[key] = read
+    return {**stamp, **read}
+
+
+# The digests read in this process, by path and stamp, of files whose stamps were taken long enough after
+# their last change to stand for their content (`_trusted`): a plan that read a copy kept in place to
+# compare it records its stamp with that digest without reading it again, and a run's commit of a shard
+# the plan read takes it too. A digest read sooner after a change is never kept: a second write in the
+# same timestamp tick could change the content under the same stamp.
+_READ: dict[tuple, dict] = {}
+READS_KEPT = 65_536  # (a few hundred bytes each)
+
+
+def _still(stamp: dict, path: str) -> bool:
+    """Whether the file at `path` is still the one stamped."""
     try:
-        unchanged = digest is not None and file_stamp(path) == {key: stamp[key] for key in STAT_KEYS}
+        return file_stamp(path) == {key: stamp[key] for key in STAT_KEYS}
     except OSError:
-        unchanged = False
-    return {**stamp, DIGEST: digest, "hashed_ns": hashed_ns} if unchanged else stamp
+        return False
 
 
 def _digest_or_none(path: str) -> str | None:

@@ -148,6 +148,45 @@ def unreadable(path):
     raise AssertionError(f"{path} was read")
 
 
+def counted_reads(monkeypatch) -> list[str]:
+    """The paths whose content is read for a digest from now on, in order."""
+    reads, digest = [], stamps.file_digest
+
+    def read(path):
+        reads.append(os.path.basename(path))
+        return digest(path)
+
+    monkeypatch.setattr(stamps, "file_digest", read)
+    return reads
+
+
+def test_a_copy_kept_in_place_is_read_once_to_compare_it_and_record_its_stamp(committed, monkeypatch):
+    """A plan compares a copy kept in place by reading it, then records its new stamp with the digest it
+    read: a dataset restored from a backup is read once at the next run's plan, not twice."""
+    path, recorded = committed
+    write_kept(path, path.read_bytes())
+    reads = counted_reads(monkeypatch)
+    now = listed(path)
+    assert stamps_match(recorded, now) and not stands_for(recorded, now)
+    restamped = with_content(now)
+    assert restamped["xxh3"] == recorded["xxh3"] and stands_for(restamped, now)
+    assert reads == [path.name]
+
+
+def test_a_digest_read_right_after_its_files_change_does_not_stand_for_it_later(tmp_path, monkeypatch):
+    """A digest read within seconds of its file's change is not kept for its stamp: a second write in the
+    same timestamp tick, leaving every time as it was, is then seen by reading the file again."""
+    path = tmp_path / "part-0.tar"
+    write_kept(path, b"a" * 1000)  # changed just now
+    first = listed(path)
+    recorded = with_content(first)
+    assert "xxh3" in recorded
+    with open(path, "r+b") as file:
+        file.write(b"b")
+    monkeypatch.setattr(stamps, "file_stamp", lambda _: dict(first.stamp))  # every time as it was
+    assert not stamps_match(recorded, first)
+
+
 def test_an_unchanged_file_is_not_read(committed, monkeypatch):
     path, recorded = committed
     monkeypatch.setattr(stamps, "_digest_or_none", unreadable)
@@ -216,8 +255,11 @@ def test_stamps_recorded_before_digests_are_compared_by_size_and_modification_ti
     assert stamps_match(old_folder, shard) and stands_for(old_folder, shard)  # not read again
 
 
-def test_a_parquet_shard_edited_in_place_with_its_size_and_time_kept_is_run_again(job_dir, loaded_fp32):
+def test_a_parquet_shard_edited_in_place_with_its_size_and_time_kept_is_run_again(
+    job_dir, loaded_fp32, monkeypatch
+):
     """The end to end case: a key's bytes changed where the file keeps its size and modification time."""
+    monkeypatch.setattr(stamps, "RACY_S", 0.0)  # stamps trusted at once: a plan reads only what it must
     path = job_dir / "data" / "part-0.parquet"
     images = [png_bytes(random_image(50, 70, seed=100 + i)) for i in range(2)]
     pq.write_table(pa.table({"key": ["s0-0", "s0-1"], "image": images}), path, compression="none")
@@ -234,8 +276,10 @@ def test_a_parquet_shard_edited_in_place_with_its_size_and_time_kept_is_run_agai
     assert sorted(keys) == ["s0-0", "s0-7"]
     kept = shutil.copy2(path, path.with_suffix(".copy"))  # a copy kept in place: its rows stay
     os.replace(kept, path)
+    reads = counted_reads(monkeypatch)
     again = run_job(config(job_dir, "out"), loaded=loaded_fp32, show_progress=False)
     assert again.stats["shards_skipped"] == 2
+    assert reads == ["part-0.parquet"]  # the copy, once; part-1.parquet is as it was recorded
     recorded = read_input_stamp(LocalDir(str(job_dir / "out")), "part-0.parquet")
     assert recorded["ino"] == os.stat(path).st_ino  # recorded anew: the next plan does not read the copy
 
