@@ -7,8 +7,9 @@ engine where it pays and keeps parity. `fused_gb_per_s` is the bytes the timed f
 (each tensor once; the in-place rotations' copy of their input included) over its time: set against the
 device's bandwidth, it says how far a kernel is from the most it could do at that size. At the largest
 row count the norms and the purely elementwise kernels are timed again under other launch settings
-(`SWEEP`: columns and warps a program, `triton_elementwise`'s settings, read at each launch), each row with
-its `launch` and its speed against the default's: the settings that pay can then become the defaults.
+(`SWEEP`: columns, rows and warps a program, `triton_elementwise`'s settings, read at each launch), each
+row with its `launch` and its speed against the default's: the settings that pay can then become the
+defaults.
 
     python benchmarks/fused_elementwise.py [--json out.json] [--rows 1,256,4096,32768] [--dtype bfloat16]
 """
@@ -34,7 +35,16 @@ ELEMENTWISE_LAUNCHES = (
     {"BLOCK_COLUMNS": 4096, "ELEMENTWISE_WARPS": 8},
     {"BLOCK_COLUMNS": 4096, "ELEMENTWISE_WARPS": 16},
 )
-NORM_LAUNCHES = ({"NORM_WARPS": 2}, {"NORM_WARPS": 8}, {"NORM_WARPS": 16})
+NORM_LAUNCHES = (
+    {"NORM_WARPS": 1},
+    {"NORM_WARPS": 2},
+    {"NORM_WARPS": 8},
+    {"NORM_WARPS": 16},
+    {"NORM_ROWS": 2},
+    {"NORM_ROWS": 4},
+    {"NORM_ROWS": 4, "NORM_WARPS": 8},
+    {"NORM_ROWS": 8, "NORM_WARPS": 8},
+)
 SWEEP = {
     "silu_and_mul": ELEMENTWISE_LAUNCHES,
     "quick_gelu_bias": ELEMENTWISE_LAUNCHES,

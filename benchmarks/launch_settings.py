@@ -21,10 +21,17 @@ from collections.abc import Iterator
 
 # The settings each kernels' module reads at launch; the block sizes and warps are powers of two
 TUNABLE = {
-    "triton_elementwise": ("BLOCK_COLUMNS", "ELEMENTWISE_WARPS", "NORM_WARPS"),
+    "triton_elementwise": ("BLOCK_COLUMNS", "ELEMENTWISE_WARPS", "NORM_WARPS", "NORM_ROWS"),
     "triton_grouped_decode": ("BLOCK_KEYS", "DECODE_WARPS", "DECODE_STAGES"),
 }
-POWERS_OF_TWO = {"BLOCK_COLUMNS", "ELEMENTWISE_WARPS", "NORM_WARPS", "BLOCK_KEYS", "DECODE_WARPS"}
+POWERS_OF_TWO = {
+    "BLOCK_COLUMNS",
+    "ELEMENTWISE_WARPS",
+    "NORM_WARPS",
+    "NORM_ROWS",
+    "BLOCK_KEYS",
+    "DECODE_WARPS",
+}
 MARGIN = 0.03  # a setting is kept where it takes at least 3% less time than the defaults
 # What identifies a timed case in each kernel benchmark's rows, and its time
 ELEMENTWISE_CASE, ELEMENTWISE_TIME = ("op", "rows"), "fused_us"

@@ -33,7 +33,10 @@ from batchvl.layers.row_buckets import power_of_two_at_least
 # these, read at each launch, so that the ones that pay can take their place.
 BLOCK_COLUMNS = 1024  # columns per program of the purely elementwise kernels
 ELEMENTWISE_WARPS = 4  # their warps per program
-NORM_WARPS = 4  # warps per row of the norms
+NORM_WARPS = 4  # warps a program of the norms
+# rows a program of the norms, each normalized on its own: a row of a vision call's 1,280 columns is 2.5 KB
+# for a program to read, and more rows a program may hide more of its reductions' latency (timed beside one)
+NORM_ROWS = 1
 EAGER_ROUNDING = {"enable_fp_fusion": False}  # a launch's compile option (ignored by the interpreter)
 
 
@@ -69,13 +72,14 @@ def _kernels() -> SimpleNamespace:
 
     @triton.jit
     def rms_norm_kernel(
-        out, new_residual, x, residual, weight, eps, width,
+        out, new_residual, x, residual, weight, eps, rows, width,
         stride_o, stride_n, stride_x, stride_r,
-        HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+        HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
     ):  # fmt: skip
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.arange(0, BLOCK)
-        inside = cols < width
+        # ROWS rows a program, each normalized on its own (`NORM_ROWS`)
+        row = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)[:, None]
+        cols = tl.arange(0, BLOCK)[None, :]
+        inside = (row < rows) & (cols < width)
         h = tl.load(x + row * stride_x + cols, mask=inside, other=0.0)
         if HAS_RESIDUAL:
             # the decoder's `residual + hidden_states`, rounded to their dtype before the norm reads it
@@ -83,10 +87,10 @@ def _kernels() -> SimpleNamespace:
             h = rounded(h.to(tl.float32) + r.to(tl.float32), x.dtype.element_ty)
             tl.store(new_residual + row * stride_n + cols, h.to(x.dtype.element_ty), mask=inside)
         h = h.to(tl.float32)
-        variance = tl.sum(h * h, axis=0) / width
+        variance = tl.sum(h * h, axis=1)[:, None] / width
         # transformers rounds the normalized row to the input's dtype, then multiplies by the weight
         normed = rounded(h * tl.rsqrt(variance + eps), x.dtype.element_ty)
-        w = tl.load(weight + cols, mask=inside, other=0.0).to(tl.float32)
+        w = tl.load(weight + cols, mask=cols < width, other=0.0).to(tl.float32)
         product = rounded(w * normed, out.dtype.element_ty)
         tl.store(out + row * stride_o + cols, product.to(out.dtype.element_ty), mask=inside)
 
@@ -120,24 +124,25 @@ def _kernels() -> SimpleNamespace:
 
     @triton.jit
     def layer_norm_kernel(
-        out, new_residual, x, residual, weight, bias, eps, width,
+        out, new_residual, x, residual, weight, bias, eps, rows, width,
         stride_o, stride_n, stride_x, stride_r,
-        HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+        HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
     ):  # fmt: skip
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.arange(0, BLOCK)
-        inside = cols < width
+        row = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)[:, None]
+        cols = tl.arange(0, BLOCK)[None, :]
+        in_row = cols < width
+        inside = (row < rows) & in_row
         h = tl.load(x + row * stride_x + cols, mask=inside, other=0.0).to(tl.float32)
         if HAS_RESIDUAL:
             # a vision block's `hidden_states + attn(...)`, rounded to their dtype before the norm reads it
             r = tl.load(residual + row * stride_r + cols, mask=inside, other=0.0)
             h = rounded(h + r.to(tl.float32), x.dtype.element_ty)
             tl.store(new_residual + row * stride_n + cols, h.to(x.dtype.element_ty), mask=inside)
-        mean = tl.sum(h, axis=0) / width
-        centered = tl.where(inside, h - mean, 0.0)
-        variance = tl.sum(centered * centered, axis=0) / width  # two passes: no cancellation
-        w = tl.load(weight + cols, mask=inside, other=0.0).to(tl.float32)
-        b = tl.load(bias + cols, mask=inside, other=0.0).to(tl.float32)
+        mean = tl.sum(h, axis=1)[:, None] / width
+        centered = tl.where(in_row, h - mean, 0.0)
+        variance = tl.sum(centered * centered, axis=1)[:, None] / width  # two passes: no cancellation
+        w = tl.load(weight + cols, mask=in_row, other=0.0).to(tl.float32)
+        b = tl.load(bias + cols, mask=in_row, other=0.0).to(tl.float32)
         # torch's LayerNorm computes in float32 and rounds once, the output
         y = centered * tl.rsqrt(variance + eps) * w + b
         tl.store(
@@ -204,11 +209,11 @@ def rms_norm(
     out = torch.empty(rows.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     summed = torch.empty_like(rows) if residual is not None else rows
     other = _rows(residual) if residual is not None else rows
-    _kernels().rms_norm[(rows.shape[0],)](
-        out, summed, rows, other, weight, eps, rows.shape[1],
+    _kernels().rms_norm[(-(-rows.shape[0] // NORM_ROWS),)](
+        out, summed, rows, other, weight, eps, rows.shape[0], rows.shape[1],
         out.stride(0), summed.stride(0), rows.stride(0), other.stride(0),
-        HAS_RESIDUAL=residual is not None, BLOCK=power_of_two_at_least(rows.shape[1]), num_warps=NORM_WARPS,
-        **EAGER_ROUNDING,
+        HAS_RESIDUAL=residual is not None, BLOCK=power_of_two_at_least(rows.shape[1]), ROWS=NORM_ROWS,
+        num_warps=NORM_WARPS, **EAGER_ROUNDING,
     )  # fmt: skip
     return out.view(x.shape), summed.view(x.shape)
 
@@ -254,11 +259,11 @@ def layer_norm(
     out = torch.empty_like(rows)
     summed = torch.empty_like(rows) if residual is not None else rows
     other = _rows(residual) if residual is not None else rows
-    _kernels().layer_norm[(rows.shape[0],)](
-        out, summed, rows, other, weight, bias, eps, rows.shape[1],
+    _kernels().layer_norm[(-(-rows.shape[0] // NORM_ROWS),)](
+        out, summed, rows, other, weight, bias, eps, rows.shape[0], rows.shape[1],
         out.stride(0), summed.stride(0), rows.stride(0), other.stride(0),
-        HAS_RESIDUAL=residual is not None, BLOCK=power_of_two_at_least(rows.shape[1]), num_warps=NORM_WARPS,
-        **EAGER_ROUNDING,
+        HAS_RESIDUAL=residual is not None, BLOCK=power_of_two_at_least(rows.shape[1]), ROWS=NORM_ROWS,
+        num_warps=NORM_WARPS, **EAGER_ROUNDING,
     )  # fmt: skip
     return out.view(x.shape), summed.view(x.shape)
 

@@ -14,7 +14,7 @@ CHECKS = Path(__file__).with_name("triton_elementwise_checks.py")
 
 @pytest.mark.timeout(600)
 def test_the_kernels_equal_transformers_modules_under_the_interpreter():
-    run_interpreter_checks(CHECKS, 39, timeout_s=500)
+    run_interpreter_checks(CHECKS, 43, timeout_s=500)
 
 
 def test_the_module_imports_without_triton():
@@ -32,10 +32,18 @@ def test_the_kernels_compile_for_a_hopper_gpu(dtype):
     pointers = ("out", "new_residual", "x", "residual", "weight", "bias", "gate_up", "cos", "sin")
     arguments = {**dict.fromkeys(pointers, f"*{dtype}"), "eps": "fp32"}
     builds = [
-        *((kernels.rms_norm, {"HAS_RESIDUAL": residual, "BLOCK": 2048}) for residual in (True, False)),
+        *(
+            (kernels.rms_norm, {"HAS_RESIDUAL": residual, "BLOCK": 2048, "ROWS": rows})
+            for residual in (True, False)
+            for rows in (1, 4)
+        ),
         (kernels.silu_and_mul, {"BLOCK": triton_elementwise.BLOCK_COLUMNS}),
         (kernels.quick_gelu, {"HAS_BIAS": True, "BLOCK": triton_elementwise.BLOCK_COLUMNS}),
-        *((kernels.layer_norm, {"HAS_RESIDUAL": residual, "BLOCK": 2048}) for residual in (True, False)),
+        *(
+            (kernels.layer_norm, {"HAS_RESIDUAL": residual, "BLOCK": 2048, "ROWS": rows})
+            for residual in (True, False)
+            for rows in (1, 4)
+        ),
         (kernels.rotary, {"HALF": 64, "BLOCK_H": 16, "BLOCK_D": 64, "ROUND_STEPS": dtype == "bf16"}),
     ]
     target = GPUTarget("cuda", 90, 32)

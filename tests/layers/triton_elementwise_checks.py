@@ -127,6 +127,26 @@ def test_layer_norm_with_the_residual_add_equals_torchs(dtype, width, with_resid
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("norm_rows", [4, 8])
+def test_the_norms_with_several_rows_a_program_equal_transformers(dtype, norm_rows, monkeypatch):
+    """The launch settings `benchmarks/fused_elementwise.py` times beside one row a program: each row still
+    normalized on its own, and 37 rows end in a partial program."""
+    monkeypatch.setattr(triton_elementwise, "NORM_ROWS", norm_rows)
+    rms = Qwen2RMSNorm(1536, eps=1e-6)
+    rms.weight.data = random(1536, dtype=dtype, seed=1)
+    hidden, residual = (random(ROWS, 1536, dtype=dtype, seed=seed) * (1 + seed) for seed in (2, 3))
+    out, summed = triton_elementwise.rms_norm(hidden, rms.weight, rms.variance_epsilon, residual)
+    assert torch.equal(summed, residual + hidden)
+    assert_close(out, rms(residual + hidden))
+    layer = torch.nn.LayerNorm(1280, eps=1e-6).to(DEVICE, dtype)
+    layer.weight.data, layer.bias.data = random(1280, dtype=dtype, seed=7), random(1280, dtype=dtype, seed=8)
+    x = random(ROWS, 1280, dtype=dtype, seed=9) * torch.arange(1, ROWS + 1, device=DEVICE)[:, None].to(dtype)
+    out, _ = triton_elementwise.layer_norm(x, layer.weight, layer.bias, layer.eps)
+    expected = layer(x)
+    assert_close(out, expected, scale=expected.abs().amax(-1, keepdim=True))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     "heads,kv_heads,head_dim,section", [(12, 2, 128, [16, 24, 24]), (5, 1, 80, [8, 16, 16])]
 )
