@@ -31,6 +31,7 @@ from batchvl.pipeline.prompt_graph import PromptGraph
 from batchvl.pipeline.runner import JobRunner
 from batchvl.pipeline.tasks import TaskSlice
 from batchvl.storage.output_dir import OutputDir
+from batchvl.storage.reads_at_once import each_at_once
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +53,12 @@ def retry_work(job: JobConfig, task: TaskSlice | None, model_loaded: bool = Fals
     graph = plan.graph
     selection = {}
     not_committed = 0
-    for shard in plan.shards:
-        state, marker = commit_state(plan.out, shard.shard, plan.fingerprint, shard)
+    states = each_at_once(
+        lambda shard: commit_state(plan.out, shard.shard, plan.fingerprint, shard),
+        plan.shards,
+        plan.out.reads_at_once,
+    )
+    for shard, (state, marker) in zip(plan.shards, states, strict=True):
         if state is not CommitState.DONE:  # or committed with other prompts: `run` updates it first
             not_committed += 1
         elif marker.errors:

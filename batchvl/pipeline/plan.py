@@ -62,6 +62,7 @@ from batchvl.pipeline.tasks import TaskSlice, shards_of_task
 from batchvl.preprocess.prompts import template_fields
 from batchvl.storage import layout
 from batchvl.storage.output_dir import OutputDir
+from batchvl.storage.reads_at_once import each_at_once
 from batchvl.storage.remote import check_storage_options
 
 logger = logging.getLogger(__name__)
@@ -181,8 +182,9 @@ def record_in_markers(out: OutputDir, resume: ShardPlan, defining: dict, fingerp
     noticed. A stamp that needed the input read to match is recorded anew (`stamps.stands_for`). The
     markers of rewrites left unfinished are written by `finish_rewrites`."""
     listed = {shard.shard: shard for shard in resume.shards}
-    for name, marker in resume.done.items():
-        shard = listed[name]
+
+    def record(name: str) -> None:
+        shard, marker = listed[name], resume.done[name]
         if shard.stamp is not None:
             recorded = read_input_stamp(out, name)
             if recorded is None or not stands_for(recorded, shard):
@@ -191,6 +193,8 @@ def record_in_markers(out: OutputDir, resume: ShardPlan, defining: dict, fingerp
             marker.config, marker.fingerprint = defining, fingerprint
             if marker.replaces is None:
                 record_marker(out, marker)
+
+    each_at_once(record, resume.done, out.reads_at_once)  # (each shard's files its own)
 
 
 def finish_rewrites(cfg: JobConfig, out: OutputDir, resume: ShardPlan) -> None:

@@ -33,6 +33,7 @@ from batchvl.pipeline.prompt_graph import PromptGraph
 from batchvl.pipeline.prompt_reuse import PromptReuse, committed_samples, prompt_reuse
 from batchvl.storage import layout
 from batchvl.storage.output_dir import LocalDir, OutputDir
+from batchvl.storage.reads_at_once import each_at_once
 
 PROMPTS_CHANGED = "prompts"  # a stale shard's change that a run updates (readers of results refuse it)
 
@@ -113,8 +114,10 @@ def shard_plan(
     done: dict[str, ShardMarker] = {}
     changed: set[str] = set()
     input_changed = []
-    for shard in shards:
-        state, marker = commit_state(out, shard.shard, fingerprint, shard)
+    states = each_at_once(
+        lambda shard: commit_state(out, shard.shard, fingerprint, shard), shards, out.reads_at_once
+    )
+    for shard, (state, marker) in zip(shards, states, strict=True):
         if state is CommitState.STALE and _recorded_before_identity(marker, output_defining):
             state = CommitState.DONE
         if state is CommitState.INPUT_CHANGED:

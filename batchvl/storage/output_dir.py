@@ -30,6 +30,7 @@ from typing import BinaryIO
 from batchvl.config import OutputConfig, is_remote
 from batchvl.errors import OutputWriteFailed, UserError
 from batchvl.storage import layout
+from batchvl.storage.reads_at_once import READS_AT_ONCE
 
 TEMP_INFIX = ".tmp-"  # local temp files: .<name>.tmp-<host>-<pid>, hidden, never matching *.parquet
 # The temp files of local writes: a whole file's (`write_bytes`: its writer's host and pid), and a claim's
@@ -43,6 +44,8 @@ TEMP_MAX_AGE_S = 3600.0
 
 class OutputDir:
     """Where a job's results and bookkeeping live; `url` is a local path or an fsspec URL."""
+
+    reads_at_once = 1  # how many shards a plan reads at a time here (`reads_at_once.py`)
 
     def __init__(self, url: str):
         self.url = url
@@ -310,6 +313,8 @@ def _pid_alive(pid: int) -> bool:
 
 class RemoteDir(OutputDir):
     """A prefix on an fsspec filesystem. Listings are never cached: other tasks write here too."""
+
+    reads_at_once = READS_AT_ONCE  # each read waits on the network
 
     def __init__(self, url: str, storage_options: dict):
         super().__init__(url.rstrip("/"))
