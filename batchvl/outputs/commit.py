@@ -131,14 +131,23 @@ def commit_state(
     """The shard's state for the config with this fingerprint and its input as `listed` now (None, or a
     listing without a stamp: not known, as a marker written before stamps were recorded), and its marker
     where it has one."""
+    state, marker, _ = commit_state_and_stamp(out, shard, fingerprint, listed)
+    return state, marker
+
+
+def commit_state_and_stamp(
+    out: OutputDir, shard: str, fingerprint: str, listed: ShardInfo | None = None
+) -> tuple[CommitState, ShardMarker | None, dict | None]:
+    """`commit_state`, and the input stamp on record as it read it: for a shard with a marker and a
+    `listed` stamp, None where none is recorded (for any other, None: not read)."""
     marker = read_marker(out, shard)
     if marker is None:
-        return CommitState.MISSING, None
+        return CommitState.MISSING, None, None
     known = listed is not None and listed.stamp is not None
     recorded = read_input_stamp(out, shard) if known else None
     if recorded is not None and not stamps_match(recorded, listed):
-        return CommitState.INPUT_CHANGED, marker
-    return (CommitState.DONE if marker.fingerprint == fingerprint else CommitState.STALE), marker
+        return CommitState.INPUT_CHANGED, marker, recorded
+    return (CommitState.DONE if marker.fingerprint == fingerprint else CommitState.STALE), marker, recorded
 
 
 def is_committed_by(out: OutputDir, fingerprint: str, shard: str, listed: ShardInfo | None = None) -> bool:

@@ -45,7 +45,6 @@ from batchvl.outputs.commit import (
     finish_commit,
     is_committed_by,
     read_committed,
-    read_input_stamp,
     record_input_stamp,
     record_marker,
 )
@@ -186,7 +185,7 @@ def record_in_markers(out: OutputDir, resume: ShardPlan, defining: dict, fingerp
     def record(name: str) -> None:
         shard, marker = listed[name], resume.done[name]
         if shard.stamp is not None:
-            recorded = read_input_stamp(out, name)
+            recorded = resume.recorded_stamps[name]
             if recorded is None or not stands_for(recorded, shard):
                 record_input_stamp(out, name, with_content(shard))
         if marker.fingerprint != fingerprint:

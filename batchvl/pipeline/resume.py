@@ -27,7 +27,7 @@ from batchvl.config import (
 )
 from batchvl.errors import UserError
 from batchvl.inputs.types import ShardInfo
-from batchvl.outputs.commit import CommitState, ShardMarker, commit_state
+from batchvl.outputs.commit import CommitState, ShardMarker, commit_state_and_stamp
 from batchvl.outputs.writers import output_path
 from batchvl.pipeline.prompt_graph import PromptGraph
 from batchvl.pipeline.prompt_reuse import PromptReuse, committed_samples, prompt_reuse
@@ -64,6 +64,9 @@ class ShardPlan:
     stale: list[ShardInfo] = field(default_factory=list)  # committed by a config that changes every row
     changed: tuple[str, ...] = ()  # the keys that differ in the stale shards' configs
     input_changed: list[ShardInfo] = field(default_factory=list)  # pending: their input changed since
+    # the input stamp each done shard's commit recorded, as the plan read it (None: none recorded); only
+    # for shards listed with a stamp
+    recorded_stamps: dict[str, dict | None] = field(default_factory=dict)
 
     @property
     def num_done(self) -> int:
@@ -114,10 +117,11 @@ def shard_plan(
     done: dict[str, ShardMarker] = {}
     changed: set[str] = set()
     input_changed = []
+    recorded_stamps: dict[str, dict | None] = {}
     states = each_at_once(
-        lambda shard: commit_state(out, shard.shard, fingerprint, shard), shards, out.reads_at_once
+        lambda shard: commit_state_and_stamp(out, shard.shard, fingerprint, shard), shards, out.reads_at_once
     )
-    for shard, (state, marker) in zip(shards, states, strict=True):
+    for shard, (state, marker, recorded) in zip(shards, states, strict=True):
         if state is CommitState.STALE and _recorded_before_identity(marker, output_defining):
             state = CommitState.DONE
         if state is CommitState.INPUT_CHANGED:
@@ -127,6 +131,8 @@ def shard_plan(
             pending.append(shard)
         elif state is CommitState.DONE:
             done[shard.shard] = marker
+            if shard.stamp is not None:
+                recorded_stamps[shard.shard] = recorded
         elif every_row := _job_wide_changes(marker, output_defining):
             stale.append(shard)  # named by the keys that refuse it, not the prompts
             changed.update(every_row)
@@ -136,7 +142,9 @@ def shard_plan(
         else:
             pending.append(shard)
             reuse[shard.shard] = prompt_reuse(graph, output_defining, marker)
-    return ShardPlan(shards, pending, reuse, done, stale, tuple(sorted(changed)), input_changed)
+    return ShardPlan(
+        shards, pending, reuse, done, stale, tuple(sorted(changed)), input_changed, recorded_stamps
+    )
 
 
 def plan_shards(

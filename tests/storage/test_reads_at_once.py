@@ -5,6 +5,7 @@ once, and on a real S3 server's (moto's)."""
 
 import threading
 import time
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -12,9 +13,11 @@ import pytest
 
 from batchvl.commands.retry import retry_work
 from batchvl.config import load_job_config
+from batchvl.outputs.commit import read_input_stamp
 from batchvl.pipeline import plan, resume
 from batchvl.pipeline.plan import plan_job
 from batchvl.pipeline.runner import run_job
+from batchvl.storage import layout
 from batchvl.storage.output_dir import LocalDir, RemoteDir
 from batchvl.storage.reads_at_once import READS_AT_ONCE, each_at_once
 from tests.conftest import caption_job_yaml, write_image_shards
@@ -45,26 +48,26 @@ def test_the_first_failure_in_the_items_order_is_raised_once_every_call_returned
     assert sorted(called) == list(range(8))
 
 
-class SlowReads:
-    """`directory`'s reads waiting for their answers as an object store's do, and the most it had under way
-    at once."""
+class SlowCalls:
+    """`directory`'s `method` (read_bytes, write_bytes) waiting for its answer as an object store's does,
+    and the most calls it had under way at once."""
 
-    def __init__(self, monkeypatch, directory=LocalDir):
-        self.lock, self.reading, self.most = threading.Lock(), 0, 0
-        read = directory.read_bytes
+    def __init__(self, monkeypatch, directory=LocalDir, method="read_bytes"):
+        self.lock, self.under_way, self.most = threading.Lock(), 0, 0
+        call = getattr(directory, method)
 
-        def slow_read(output_dir, location):
+        def slow_call(output_dir, *args):
             with self.lock:
-                self.reading += 1
-                self.most = max(self.most, self.reading)
+                self.under_way += 1
+                self.most = max(self.most, self.under_way)
             time.sleep(0.05)
             try:
-                return read(output_dir, location)
+                return call(output_dir, *args)
             finally:
                 with self.lock:
-                    self.reading -= 1
+                    self.under_way -= 1
 
-        monkeypatch.setattr(directory, "read_bytes", slow_read)
+        monkeypatch.setattr(directory, method, slow_call)
 
 
 def one_at_a_time(function, items, at_once):
@@ -89,7 +92,7 @@ def committed_job(tmp_path, tiny_model_dir, loaded_fp32, monkeypatch):
 
 
 def test_a_plan_reads_its_committed_shards_several_at_once(committed_job, monkeypatch):
-    reads = SlowReads(monkeypatch)
+    reads = SlowCalls(monkeypatch)
     planned = plan_job(
         committed_job, model_loaded=True
     )  # (as `status` and `validate` plan: nothing recorded)
@@ -98,16 +101,19 @@ def test_a_plan_reads_its_committed_shards_several_at_once(committed_job, monkey
 
 
 def test_a_runs_plan_records_what_its_markers_lack_several_shards_at_once(committed_job, monkeypatch):
-    monkeypatch.setattr(resume, "each_at_once", one_at_a_time)  # the shards' states read one by one
-    reads = SlowReads(monkeypatch)
-    plan_job(committed_job, record=True, model_loaded=True)  # each shard's stamp read to be checked
-    assert reads.most > 1
+    for stamp in (committed_job.output.dir / Path(layout.INPUT_STAMPS)).iterdir():
+        stamp.unlink()  # (as shards committed before stamps were recorded)
+    writes = SlowCalls(monkeypatch, method="write_bytes")
+    planned = plan_job(committed_job, record=True, model_loaded=True)
+    assert writes.most > 1
+    out = LocalDir(committed_job.output.dir)
+    assert all(read_input_stamp(out, name) is not None for name in planned.resume.done)
 
 
 def test_a_retry_finds_its_shards_with_errors_several_at_once(committed_job, monkeypatch):
     for module in (resume, plan):
         monkeypatch.setattr(module, "each_at_once", one_at_a_time)
-    reads = SlowReads(monkeypatch)
+    reads = SlowCalls(monkeypatch)
     work = retry_work(committed_job, None, model_loaded=True)
     assert [shard.shard for shard in work.shards] == ["part-5.parquet"]
     assert reads.most > 1
@@ -120,7 +126,7 @@ def test_a_local_folder_is_read_one_shard_at_a_time(tmp_path, tiny_model_dir, lo
     (tmp_path / "job.yaml").write_text(caption_job_yaml(tiny_model_dir))
     cfg = load_job_config(tmp_path / "job.yaml")
     run_job(cfg, loaded=loaded_fp32, show_progress=False)
-    reads = SlowReads(monkeypatch)
+    reads = SlowCalls(monkeypatch)
     plan_job(cfg, record=True, model_loaded=True)
     assert reads.most == 1
 
@@ -136,6 +142,20 @@ def test_an_object_stores_folder_is_planned_several_shards_at_once(
         tmp_path / "job.yaml", ["output.dir=s3://data/plans-at-once", f"output.storage_options={options}"]
     )
     run_job(cfg, loaded=loaded_fp32, show_progress=False)
-    reads = SlowReads(monkeypatch, RemoteDir)
+    reads = SlowCalls(monkeypatch, RemoteDir)
     planned = plan_job(cfg, record=True, model_loaded=True)
     assert planned.resume.num_done == 6 and reads.most > 1
+
+
+def test_a_runs_plan_reads_each_shards_recorded_stamp_once(committed_job, monkeypatch):
+    """The stamp a shard's state was checked by is the one its record is made from: not read again."""
+    read, stamps_read = LocalDir.read_bytes, []
+
+    def counted(output_dir, location):
+        if f"/{layout.INPUT_STAMPS}/" in location:
+            stamps_read.append(Path(location).name)
+        return read(output_dir, location)
+
+    monkeypatch.setattr(LocalDir, "read_bytes", counted)
+    plan_job(committed_job, record=True, model_loaded=True)
+    assert sorted(stamps_read) == [f"part-{i}.json" for i in range(6)]
