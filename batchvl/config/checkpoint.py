@@ -45,7 +45,7 @@ PART_NAMES = {
     "processor": "processor config",
 }
 # A file changed this recently may change again within its filesystem's timestamp tick, leaving its times as
-# they were: a stamp of its times taken then does not stand for its content (input stamps use it too)
+# they were: a stamp of its times taken then does not stand for its content (`settled`)
 RACY_S = 3.0
 _DIGEST = re.compile("[0-9a-f]{32}")
 _PIECE = 16 << 20
@@ -95,8 +95,13 @@ def _stamped_digest(path: str, remembered: list | None) -> tuple[list[int], str]
     if remembered is not None and remembered[:4] == stamp:
         return stamp, remembered[4]
     digest = file_digest(path)
-    fresh = time.time_ns() - max(st.st_mtime_ns, st.st_ctime_ns) < RACY_S * 1e9
-    return ([] if fresh else stamp), digest
+    return (stamp if settled(time.time_ns(), st.st_mtime_ns, st.st_ctime_ns) else []), digest
+
+
+def settled(read_ns: int, mtime_ns: int, ctime_ns: int) -> bool:
+    """Whether a file read at `read_ns` had been left alone long enough (RACY_S) after its last change for
+    its times to stand for the content read. Input stamps use it too."""
+    return read_ns - max(mtime_ns, ctime_ns) >= RACY_S * 1e9
 
 
 def file_digest(path: str) -> str:

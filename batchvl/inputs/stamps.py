@@ -13,9 +13,10 @@ once more once the shard's samples have all been read, while it is likely still 
   times kept, a `chmod`, a restore from a backup): the file is read and its digest decides. A same-sized
   file with the same modification time but other content is so told from a copy of the same file, which
   keeps its rows, and whose stamp a run records anew with the digest the comparison read.
-A stamp taken within `RACY_S` of the file's last change is not trusted without reading it: a second write
-within the filesystem's timestamp tick could leave every time as it was. Stamps recorded before digests
-were (size and modification time alone) are compared as they were then.
+A stamp taken within `checkpoint.RACY_S` of the file's last change is not trusted without reading it
+(`checkpoint.settled`): a second write within the filesystem's timestamp tick could leave every time as it
+was. Stamps recorded before digests were (size and modification time alone) are compared as they were
+then.
 
 An object's stamp is its size and the store's tag of its content or version (S3's ETag, GCS's generation,
 ...), as fsspec's `info()` gives it. A stamp is cheap, taken when the shards are listed, before any is read.
@@ -33,7 +34,7 @@ import threading
 import time
 from concurrent.futures import Future
 
-from batchvl.config.checkpoint import RACY_S, file_digest
+from batchvl.config.checkpoint import file_digest, settled
 from batchvl.inputs.types import ShardInfo
 from batchvl.storage.remote import filesystem, is_remote
 
@@ -201,7 +202,7 @@ def _unchanged(recorded: dict, current: dict) -> bool:
 def _trusted(stamp: dict) -> bool:
     """Whether the stamp was taken long enough after its file's last change to stand for its content."""
     hashed = stamp.get("hashed_ns")
-    return hashed is None or hashed - max(stamp["mtime_ns"], stamp["ctime_ns"]) >= RACY_S * 1e9
+    return hashed is None or settled(hashed, stamp["mtime_ns"], stamp["ctime_ns"])
 
 
 def _digested(stamp: dict, path: str) -> dict:

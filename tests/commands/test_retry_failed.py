@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchvl.commands.retry import retry_failed
-from batchvl.config import load_job_config
+from batchvl.config import checkpoint, load_job_config
 from batchvl.errors import UserError
 from batchvl.inputs import stamps
 from batchvl.outputs.commit import read_input_stamp, read_marker
@@ -176,7 +176,7 @@ def test_a_retry_reads_no_inputs_digest_and_keeps_the_recorded_stamp(
 ):
     """A retry's commit keeps the input's stamp on record (it retries only shards whose input is unchanged):
     a run reads each shard's file once more for its digest, which a retry would read for nothing."""
-    monkeypatch.setattr(stamps, "RACY_S", 0.0)  # stamps trusted at once: the plan reads no file either
+    monkeypatch.setattr(checkpoint, "RACY_S", 0.0)  # stamps trusted at once: the plan reads no file either
     (tmp_path / "data").mkdir()
     images = [png_bytes(random_image(40, 50, seed=1)), b"junk"]
     pq.write_table(pa.table({"key": ["a", "b"], "image": images}), tmp_path / "data" / "part-0.parquet")

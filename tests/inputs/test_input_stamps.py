@@ -17,7 +17,7 @@ import xxhash
 
 from batchvl.commands.labels import job_rows
 from batchvl.commands.status import format_status, job_status
-from batchvl.config import load_job_config
+from batchvl.config import checkpoint, load_job_config
 from batchvl.errors import UserError
 from batchvl.inputs import stamps
 from batchvl.inputs.stamps import folder_stamp, input_stamp, stamps_match, stands_for, with_content
@@ -107,7 +107,7 @@ def listed(path) -> ShardInfo:
 def committed(tmp_path, monkeypatch):
     """A file listed and its stamp recorded as a commit records it; stamps are trusted at once (a stamp
     taken within seconds of its file's change is read every time: its own test)."""
-    monkeypatch.setattr(stamps, "RACY_S", 0.0)
+    monkeypatch.setattr(checkpoint, "RACY_S", 0.0)
     path = tmp_path / "part-0.tar"
     write_kept(path, b"a" * 1000)
     return path, with_content(listed(path))
@@ -206,7 +206,7 @@ def test_a_stamp_taken_right_after_its_files_change_is_read_every_time(tmp_path)
 
 
 def test_a_file_changed_between_its_listing_and_the_commit_gets_no_digest(tmp_path, monkeypatch):
-    monkeypatch.setattr(stamps, "RACY_S", 0.0)
+    monkeypatch.setattr(checkpoint, "RACY_S", 0.0)
     path = tmp_path / "part-0.tar"
     write_kept(path, b"a" * 1000)
     before = listed(path)
@@ -217,7 +217,7 @@ def test_a_file_changed_between_its_listing_and_the_commit_gets_no_digest(tmp_pa
 
 
 def test_a_folder_shards_file_replaced_with_the_same_size_and_times_is_a_change(tmp_path, monkeypatch):
-    monkeypatch.setattr(stamps, "RACY_S", 0.0)
+    monkeypatch.setattr(checkpoint, "RACY_S", 0.0)
     folder = tmp_path / "images"
     folder.mkdir()
     for name in ("a.png", "b.png"):
@@ -259,7 +259,7 @@ def test_a_parquet_shard_edited_in_place_with_its_size_and_time_kept_is_run_agai
     job_dir, loaded_fp32, monkeypatch
 ):
     """The end to end case: a key's bytes changed where the file keeps its size and modification time."""
-    monkeypatch.setattr(stamps, "RACY_S", 0.0)  # stamps trusted at once: a plan reads only what it must
+    monkeypatch.setattr(checkpoint, "RACY_S", 0.0)  # stamps trusted at once: a plan reads only what it must
     path = job_dir / "data" / "part-0.parquet"
     images = [png_bytes(random_image(50, 70, seed=100 + i)) for i in range(2)]
     pq.write_table(pa.table({"key": ["s0-0", "s0-1"], "image": images}), path, compression="none")
@@ -305,7 +305,7 @@ def test_a_runs_commits_take_their_inputs_digests_read_beside_the_jobs_thread(
 
 
 def test_content_stamps_not_started_are_read_when_taken(tmp_path, monkeypatch):
-    monkeypatch.setattr(stamps, "RACY_S", 0.0)
+    monkeypatch.setattr(checkpoint, "RACY_S", 0.0)
     path = tmp_path / "part-0.tar"
     write_kept(path, b"a" * 1000)
     content = stamps.ContentStamps()
