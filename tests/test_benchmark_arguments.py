@@ -312,10 +312,17 @@ def test_the_node_benchmark_fails_when_more_processes_write_other_rows(benchmark
 # ---- host work per sample (benchmarks/host_per_sample.py) -----------------------------------------------
 
 
-def test_host_work_per_sample_is_the_wall_less_the_model_and_the_input_wait(tmp_path):
-    command = [sys.executable, str(BENCHMARKS / "host_per_sample.py"), "--samples", "0"]
+def refused_without_samples(script: str) -> list[str]:
+    """The script's command with `--samples 0`, checked to be refused in one line before any work (the
+    caller sets the count it runs)."""
+    command = [sys.executable, str(BENCHMARKS / script), "--samples", "0"]
     refused = subprocess.run(command, capture_output=True, text=True)
     assert refused.returncode == 2 and refused.stderr == "error: --samples 0 runs nothing; give 1 or more\n"
+    return command
+
+
+def test_host_work_per_sample_is_the_wall_less_the_model_and_the_input_wait(tmp_path):
+    command = refused_without_samples("host_per_sample.py")
     command[-1] = "5"
     done = subprocess.run(
         [*command, "--profile", "--json", str(tmp_path / "r.json")],
@@ -371,3 +378,25 @@ def test_the_input_rate_benchmark_refuses_a_setting_it_does_not_have_before_any_
     result = subprocess.run(command, capture_output=True, text=True, cwd=BENCHMARKS)
     assert result.returncode == 2 and not out.exists()
     assert "--settings: no setting fastest" in result.stderr
+
+
+# ---- engine replicas' waits for requests (benchmarks/replica_idle.py) --------------------------------------
+
+
+def test_replica_waits_are_put_in_tenths_of_each_jobs_wall(tmp_path):
+    command = refused_without_samples("replica_idle.py")
+    command[-1] = "4"
+    done = subprocess.run(
+        [*command, "--rounds", "1", "--json", str(tmp_path / "r.json")],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    jobs = json.loads((tmp_path / "r.json").read_text())["jobs"]
+    assert [job["job"] for job in jobs] == ["one_prompt", "two_prompts"]
+    for job in jobs:
+        assert len(job["waits_s_by_tenth_of_wall"]) == 10
+        assert sum(job["waits_s_by_tenth_of_wall"]) == pytest.approx(job["waits_s"], abs=0.06)
+        assert 0 <= job["while_other_busy_s"] <= job["waits_s"] + 0.01
+        assert job["waits_s"] <= job["replicas"] * job["wall_s"]
