@@ -18,7 +18,14 @@ import time
 from pathlib import Path
 
 from batchvl_method import batchvl_job
-from throughput_workload import PARTS, write_workload
+from throughput_workload import (
+    DUPLICATE_SHARE,
+    MAX_TOKENS,
+    MIN_TOKENS,
+    PARTS,
+    TWO_PROMPT_SHARE,
+    write_workload,
+)
 from workloads import write_json
 
 TENTHS = 10
@@ -70,6 +77,43 @@ class ReplicaWaits:
         }
 
 
+def measure(work: Path, samples: int, rounds: int) -> list[dict]:
+    """The workload of `samples` samples and the `small` model written under `work`, its two jobs run
+    `rounds` times: a row of their replicas' waits per job."""
+    from batchvl.demo.tiny_model import build_tiny_model
+    from batchvl.models.loader import load_model
+    from batchvl.pipeline.runner import run_job
+
+    model_dir = build_tiny_model(work / "model", size="small", seed=0)
+    write_workload(work, samples, DUPLICATE_SHARE, MIN_TOKENS, MAX_TOKENS, TWO_PROMPT_SHARE)
+    loaded = load_model(str(model_dir), dtype="float32", device="cpu")
+    model = {"path": str(model_dir), "dtype": "float32", "device": "cpu"}
+    rows = []
+    for round_number in range(rounds):
+        for part, names in PARTS.items():
+            waits = ReplicaWaits()
+            try:
+                started = time.perf_counter()
+                job = batchvl_job(work / "data" / part, names, work / f"out{round_number}" / part, model)
+                stats = run_job(job, loaded=loaded, show_progress=False).stats
+                wall = time.perf_counter() - started
+            finally:
+                waits.restore()
+            row = {
+                "round": round_number,
+                "job": part,
+                **waits.summary(started, wall, stats["engine_replicas"]),
+            }
+            print(
+                f"round {round_number} {part}: wall {row['wall_s']} s, {row['replicas']} replicas waited "
+                f"{row['waits_s']} s ({row['waits_share_of_replica_time']:.1%} of their time), "
+                f"{row['while_other_busy_s']} s of it while another held requests; by tenth of the wall: "
+                + " ".join(f"{seconds:.1f}" for seconds in row["waits_s_by_tenth_of_wall"])
+            )
+            rows.append(row)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=48)
@@ -80,36 +124,8 @@ def main() -> None:
         if getattr(args, name) < 1:
             parser.exit(2, f"error: --{name} {getattr(args, name)} runs nothing; give 1 or more\n")
 
-    from batchvl.demo.tiny_model import build_tiny_model
-    from batchvl.models.loader import load_model
-    from batchvl.pipeline.runner import run_job
-
-    work = Path(tempfile.mkdtemp())
-    model_dir = build_tiny_model(work / "model", size="small", seed=0)
-    write_workload(work, args.samples, 0.15, 8, 48, 0.5)  # throughput.py's defaults
-    loaded = load_model(str(model_dir), dtype="float32", device="cpu")
-    model = {"path": str(model_dir), "dtype": "float32", "device": "cpu"}
-    rows = []
-    for round_number in range(args.rounds):
-        for part, names in PARTS.items():
-            waits = ReplicaWaits()
-            try:
-                started = time.perf_counter()
-                job = batchvl_job(work / "data" / part, names, work / f"out{round_number}" / part, model)
-                stats = run_job(job, loaded=loaded, show_progress=False).stats
-                wall = time.perf_counter() - started
-            finally:
-                waits.restore()
-            rows.append(
-                {"round": round_number, "job": part, **waits.summary(started, wall, stats["engine_replicas"])}
-            )
-            row = rows[-1]
-            print(
-                f"round {round_number} {part}: wall {row['wall_s']} s, {row['replicas']} replicas waited "
-                f"{row['waits_s']} s ({row['waits_share_of_replica_time']:.1%} of their time), "
-                f"{row['while_other_busy_s']} s of it while another held requests; by tenth of the wall: "
-                + " ".join(f"{seconds:.1f}" for seconds in row["waits_s_by_tenth_of_wall"])
-            )
+    with tempfile.TemporaryDirectory() as work:
+        rows = measure(Path(work), args.samples, args.rounds)
     write_json(args.json, {"samples": args.samples, "model_size": "small", "dtype": "float32", "jobs": rows})
 
 

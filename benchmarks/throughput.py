@@ -60,7 +60,15 @@ from flops import FlopCounter, workload_flops
 from matmul_probe import TORCH_DTYPES, cpu_matmul_rates, matmul_peak
 from processes import PEER_ENV
 from server_method import run_bare_client, run_batchvl_on_server
-from throughput_workload import check_rows, expected_rows, write_workload
+from throughput_workload import (
+    DUPLICATE_SHARE,
+    MAX_TOKENS,
+    MIN_TOKENS,
+    TWO_PROMPT_SHARE,
+    check_rows,
+    expected_rows,
+    write_workload,
+)
 from transformers_method import run_transformers
 from vllm_cpu import VLLM_SETTINGS, VLLM_VENV
 from workloads import write_json
@@ -147,13 +155,13 @@ def main() -> None:
     )
     parser.add_argument("--json", type=Path, help="Write the results here.")
     parser.add_argument("--samples", type=int, default=200)
-    parser.add_argument("--duplicate-share", type=float, default=0.15)
-    parser.add_argument("--min-tokens", type=int, default=8)
-    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--duplicate-share", type=float, default=DUPLICATE_SHARE)
+    parser.add_argument("--min-tokens", type=int, default=MIN_TOKENS)
+    parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS)
     parser.add_argument(
         "--two-prompt-share",
         type=float,
-        default=0.5,
+        default=TWO_PROMPT_SHARE,
         help="Share of the samples asked two prompts (the rest one); 0 for one prompt each",
     )
     parser.add_argument(

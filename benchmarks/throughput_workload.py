@@ -19,6 +19,11 @@ PROMPTS = {
 }
 # Two parts: the first with one prompt per sample, the second with two.
 PARTS = {"one_prompt": ["caption"], "two_prompts": ["caption", "objects"]}
+# The workload's defaults (`throughput.py`'s options): a share of samples repeating an earlier image, each
+# sample's output budget drawn between two lengths, and the share of samples asked both prompts
+DUPLICATE_SHARE = 0.15
+MIN_TOKENS, MAX_TOKENS = 8, 48
+TWO_PROMPT_SHARE = 0.5
 SHOWN_ERRORS = 3  # error messages quoted when a method fails its row check
 
 
