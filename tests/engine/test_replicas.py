@@ -1,7 +1,8 @@
 """Engine replicas on the CPU (`engine.replicas`): engines over one loaded model stepping side by side in
 threads of their own write what one engine writes, which is what `generate` writes; a request goes to the
-replica that holds its image; each replica's thread runs with its share of torch's threads; and a
-replica's exception reaches the job instead of hanging it."""
+replica that holds its image; each replica's thread runs with its share of torch's threads, and the
+threads of replicas waiting for requests go to those with work; and a replica's exception reaches the job
+instead of hanging it."""
 
 import os
 import threading
@@ -142,9 +143,111 @@ def test_each_replica_thread_runs_with_its_share_of_threads_and_the_main_thread_
         run_to_the_end(replicas, [request(f"r{i}") for i in range(12)])
     finally:
         replicas.close()
-    assert [engine.thread_counts for engine in engines] == [{1}, {1}]
+    # its own thread, and the other's while that one waits for requests (at the job's end)
+    assert all(engine.thread_counts <= {1, 2} for engine in engines)
     assert all(engine.answered for engine in engines)
     assert torch.get_num_threads() == before
+
+
+def test_a_replica_with_work_runs_on_the_threads_of_those_waiting_for_requests():
+    engines = [FakeEngine(), FakeEngine(), FakeEngine()]
+    replicas = EngineReplicas(iter(engines).__next__, count=3, threads_each=2)
+    try:
+        # one image's requests, no more than a window: all go to the replica that holds it
+        run_to_the_end(replicas, [request(f"a{i}", "a") for i in range(FakeEngine.config.lookahead + 1)])
+    finally:
+        replicas.close()
+    assert [bool(engine.answered) for engine in engines] == [True, False, False]
+    assert engines[0].thread_counts == {6}
+
+
+class LockstepEngine(FakeEngine):
+    """A fake engine whose first two steps wait for the other replica's at a barrier and answer nothing, so
+    that both replicas have work as their second steps start; later steps answer all it holds once it
+    holds `requests`. It records each step's thread count."""
+
+    def __init__(self, barrier: threading.Barrier, requests: int):
+        super().__init__()
+        self.barrier = barrier
+        self.requests = requests
+        self.step_threads: list[int] = []
+
+    def step(self) -> list[EngineResult]:
+        self.step_threads.append(torch.get_num_threads())
+        if len(self.step_threads) <= 2:
+            self.barrier.wait(timeout=10)
+            return []
+        if len(self.waiting) < self.requests:
+            time.sleep(0.002)
+            return []
+        answered, self.waiting = self.waiting, []
+        return [EngineResult(item.tag, output_token_ids=[1]) for item in answered]
+
+
+def test_a_replica_gives_the_threads_back_once_the_others_have_work():
+    barrier = threading.Barrier(2)
+    engines = [LockstepEngine(barrier, 3), LockstepEngine(barrier, 3)]
+    replicas = EngineReplicas(iter(engines).__next__, count=2, threads_each=1)
+    try:
+        # an image a replica, three requests each
+        run_to_the_end(replicas, [request(f"{image}{i}", image) for i in range(3) for image in "ab"])
+    finally:
+        replicas.close()
+    # (the first step may start before the other replica has taken its first request, so it may run on
+    # both threads; the second starts once both have work)
+    assert [engine.step_threads[1] for engine in engines] == [1, 1]
+
+
+class TailEngine(FakeEngine):
+    """A fake engine that answers nothing until `until()` holds, then once more, then all it holds; it
+    records each step's thread count."""
+
+    def __init__(self):
+        super().__init__()
+        self.until = lambda: False
+        self.step_threads: list[int] = []
+        self.seen = False
+
+    def step(self) -> list[EngineResult]:
+        self.step_threads.append(torch.get_num_threads())
+        if not self.seen:
+            self.seen = self.until()
+            time.sleep(0.002)
+            return []
+        answered, self.waiting = self.waiting, []
+        return [EngineResult(item.tag, output_token_ids=[1]) for item in answered]
+
+
+def test_a_replica_whose_work_ran_out_lends_its_threads_to_the_one_still_working():
+    tail, short = TailEngine(), FakeEngine()
+    replicas = EngineReplicas(iter([tail, short]).__next__, count=2, threads_each=1)
+    # the tail's replica steps on until the other has answered its request and waits for another
+    tail.until = lambda: bool(short.answered) and replicas._replicas[1].idle
+    try:
+        run_to_the_end(replicas, [request("a0", "a"), request("b0", "b"), request("a1", "a")], timeout_s=10)
+    finally:
+        replicas.close()
+    assert short.answered == ["b0"]
+    assert tail.step_threads[-1] == 2  # the step after the other's work ran out
+
+
+def test_the_threads_of_idle_replicas_are_shared_evenly_among_those_with_work():
+    replicas = EngineReplicas(FakeEngine, count=4, threads_each=2)
+    replicas.close()  # the shares alone, with no thread setting the flags
+
+    def working_shares(*idle: bool) -> list[int]:
+        """The threads each replica with work takes, given which replicas wait for requests."""
+        for replica, is_idle in zip(replicas._replicas, idle, strict=True):
+            replica.idle = is_idle
+        return [replicas._threads_for(index) for index, is_idle in enumerate(idle) if not is_idle]
+
+    assert working_shares(False, False, False, False) == [2, 2, 2, 2]
+    assert working_shares(False, False, False, True) == [3, 3, 2]  # 2 lent: the first replicas' each
+    assert working_shares(True, False, True, False) == [4, 4]
+    assert working_shares(True, True, False, True) == [8]
+    # a replica about to step has work, whatever its flag still says: it lends nothing to itself
+    replicas._replicas[2].idle = True
+    assert replicas._threads_for(2) == 8
 
 
 def test_a_request_goes_to_the_replica_that_holds_its_image():

@@ -12,6 +12,11 @@ its share of the job's memory for them. A request goes to the replica that holds
 busy one; otherwise to the least busy one. Each replica's thread owns its engine: requests reach it
 through its inbox, results come back through one outbox, and an exception in a replica (a bug, like one
 in the single engine) stops the job from the next `step`.
+
+Requests are shared out as they arrive, so one replica's share can outlast another's (a job's last
+requests, an input running short): while a replica waits for requests, those with work take its threads,
+each setting its thread count as a step begins (measured in docs/benchmarks.md, "Replicas on an AVX-512
+CPU without AMX").
 """
 
 from __future__ import annotations
@@ -115,6 +120,9 @@ class _Replica:
     inbox: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     assigned: int = 0  # requests sent to it and not yet handed back (the main thread's count)
     thread: threading.Thread | None = None
+    # Whether its engine has nothing to do and it waits for a request: set and cleared by its own thread,
+    # read by the others' (a flag under the GIL, at worst a step stale)
+    idle: bool = True
 
     @property
     def num_waiting(self) -> int:
@@ -211,12 +219,19 @@ class EngineReplicas:
     # On a replica's thread from here on.
 
     def _serve(self, index: int, replica: _Replica) -> None:
-        torch.set_num_threads(self.threads_each)  # this thread's own count (OpenMP's is per thread)
+        threads = self.threads_each
+        # This thread's own count (OpenMP's is per thread). torch gives a thread, on its first parallel op
+        # or count asked, the count set last by any thread, over what it set itself before: asked first.
+        torch.get_num_threads()
+        torch.set_num_threads(threads)
         engine = replica.engine
         try:
             while not self._stop.is_set():
                 if not self._take_requests(replica):
                     continue
+                if threads != (wanted := self._threads_for(index)):
+                    threads = wanted
+                    torch.set_num_threads(threads)
                 finished = engine.step()
                 if finished:
                     self._outbox.put((index, finished))
@@ -229,12 +244,22 @@ class EngineReplicas:
         has work."""
         engine = replica.engine
         if not engine.num_unfinished:
+            replica.idle = True
             try:
                 engine.add_request(replica.inbox.get(timeout=IDLE_WAIT_S))
             except queue.Empty:
                 return False
+            replica.idle = False
         while True:
             try:
                 engine.add_request(replica.inbox.get_nowait())
             except queue.Empty:
                 return True
+
+    def _threads_for(self, index: int) -> int:
+        """The replica's threads for its next step: its own, and while other replicas wait for requests (a
+        job's tail, its input running short) an even share of theirs among those with work, so that no core
+        idles while a replica has steps to run."""
+        working = [i for i, other in enumerate(self._replicas) if not other.idle or i == index]
+        lent, extra = divmod(self.threads_each * (len(self._replicas) - len(working)), len(working))
+        return self.threads_each + lent + (working.index(index) < extra)
