@@ -9,7 +9,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 from processes import since_process_start
-from throughput_workload import PARTS, PROMPTS, read_part
+from throughput_workload import PROMPTS, read_part, workload_parts
 
 # The jobs' stats summed over the workload's parts (the row check compares `ok` and `errors` with the
 # rows in the output Parquet).
@@ -64,11 +64,13 @@ def run_batchvl(
         return batchvl_job(data, names, out, model, engine)
 
     # Start-up: loading the model and a job of the workload's first sample, as a user's first result.
+    parts = workload_parts(root)
+    first_part, first_names = next(iter(parts.items()))
     first = root / "startup" / dtype_name
     first.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.Table.from_pylist(read_part(root, "one_prompt")[:1]), first / "part-0.parquet")
+    pq.write_table(pa.Table.from_pylist(read_part(root, first_part)[:1]), first / "part-0.parquet")
     loaded = None if engine else load_model(model_dir, dtype=dtype_name, device=device)
-    run_job(job(first, PARTS["one_prompt"], first / "out"), loaded=loaded, show_progress=False)
+    run_job(job(first, first_names, first / "out"), loaded=loaded, show_progress=False)
     startup = since_process_start()
 
     def run_parts(out: Path) -> list[tuple[str, list[str], dict]]:
@@ -76,7 +78,7 @@ def run_batchvl(
         return [
             (part, names, run_job(job(root / "data" / part, names, out / part), loaded=loaded,
                                   show_progress=False).stats)
-            for part, names in PARTS.items()
+            for part, names in parts.items()
         ]  # fmt: skip
 
     totals: dict = {"startup_s": startup}
@@ -99,7 +101,7 @@ def run_batchvl(
     # The rows as written (after the clock): what the row check counts.
     rows = [
         [row["key"], row["prompt"], row["status"], row["error_message"]]
-        for part in PARTS for path in sorted((root / "out" / dtype_name / part).glob("*.parquet"))
+        for part in parts for path in sorted((root / "out" / dtype_name / part).glob("*.parquet"))
         for row in pq.read_table(path, columns=["key", "prompt", "status", "error_message"]).to_pylist()
     ]  # fmt: skip
     return {"wall_s": wall, **totals, "rows": rows}

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import torch
-from throughput_workload import PARTS, read_part
+from throughput_workload import read_part, workload_parts
 
 
 def linear_params(module) -> int:
@@ -68,7 +68,7 @@ def workload_flops(counter: FlopCounter, root: Path, dtype_name: str, model_dir:
     processor = load_processor(str(model_dir), read_model_config(str(model_dir)).model_type)
     spec = QwenVisionSpec.from_image_processor(processor.image_processor)
     totals = {"vit": 0.0, "prefill": 0.0, "decode": 0.0, "patches": 0, "prompt_tokens": 0, "requests": 0}
-    for part in PARTS:
+    for part in workload_parts(root):
         patches = {}
         for row in read_part(root, part):
             image = prepare_image(Image.open(io.BytesIO(row["image"])).convert("RGB"), spec)

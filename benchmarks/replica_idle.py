@@ -22,8 +22,8 @@ from throughput_workload import (
     DUPLICATE_SHARE,
     MAX_TOKENS,
     MIN_TOKENS,
-    PARTS,
     TWO_PROMPT_SHARE,
+    workload_parts,
     write_workload,
 )
 from workloads import write_json
@@ -90,7 +90,7 @@ def measure(work: Path, samples: int, rounds: int) -> list[dict]:
     model = {"path": str(model_dir), "dtype": "float32", "device": "cpu"}
     rows = []
     for round_number in range(rounds):
-        for part, names in PARTS.items():
+        for part, names in workload_parts(work).items():
             waits = ReplicaWaits()
             try:
                 started = time.perf_counter()

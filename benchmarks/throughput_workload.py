@@ -49,11 +49,19 @@ def write_workload(
     budgets = rng.integers(min_tokens, max_tokens + 1, size=samples).tolist()
     one = samples - round(samples * two_prompt_share)
     for number, (part, slice_) in enumerate(zip(PARTS, (slice(0, one), slice(one, samples)), strict=True)):
+        if slice_.start == slice_.stop:
+            # a share of 0 or 1 leaves a part without samples: no job runs it (one over no rows is refused)
+            continue
         folder = root / "data" / part
         folder.mkdir(parents=True)
         keys = [f"s{i}" for i in range(samples)][slice_]
         table = pa.table({"key": keys, "image": encoded[slice_], "budget": budgets[slice_]})
         pq.write_table(table, folder / f"part-{number}.parquet")
+
+
+def workload_parts(root: Path) -> dict[str, list[str]]:
+    """The parts `write_workload` wrote under `root`, those holding samples, with their prompts' names."""
+    return {part: names for part, names in PARTS.items() if (root / "data" / part).is_dir()}
 
 
 def read_part(root: Path, part: str) -> list[dict]:
@@ -64,7 +72,7 @@ def read_part(root: Path, part: str) -> list[dict]:
 def requests_of(root: Path) -> list[tuple[str, bytes, str, int]]:
     """(key, image bytes, prompt name, tokens to generate) per request, in dataset order."""
     return [
-        (row["key"], row["image"], name, row["budget"]) for part, names in PARTS.items()
+        (row["key"], row["image"], name, row["budget"]) for part, names in workload_parts(root).items()
         for row in read_part(root, part) for name in names
     ]  # fmt: skip
 
@@ -72,7 +80,10 @@ def requests_of(root: Path) -> list[tuple[str, bytes, str, int]]:
 def expected_rows(root: Path) -> list[tuple[str, str]]:
     """(key, prompt name) of every row the workload asks for: samples x their prompts."""
     return [
-        (row["key"], name) for part, names in PARTS.items() for row in read_part(root, part) for name in names
+        (row["key"], name)
+        for part, names in workload_parts(root).items()
+        for row in read_part(root, part)
+        for name in names
     ]
 
 

@@ -50,6 +50,26 @@ def test_batchvls_job_runs_on_the_benchmarks_device(benchmark, tmp_path):
     assert (cfg.model.device, cfg.model.dtype) == ("cuda:1", "bfloat16")
 
 
+@pytest.mark.parametrize(("two_prompt_share", "parts"), [(0, ["one_prompt"]), (1, ["two_prompts"])])
+def test_a_workload_without_one_of_its_parts_runs_the_other_alone(
+    benchmark, tmp_path, two_prompt_share, parts
+):
+    from batchvl.demo.tiny_model import build_tiny_model
+
+    workload = benchmark("throughput_workload")
+    workload.write_workload(tmp_path, 3, 0.0, 2, 2, two_prompt_share=two_prompt_share)
+    assert list(workload.workload_parts(tmp_path)) == parts
+    prompts = workload.PARTS[parts[0]]
+    expected = [(f"s{i}", name) for i in range(3) for name in prompts]
+    assert workload.expected_rows(tmp_path) == expected
+
+    model = build_tiny_model(tmp_path / "model", size="tiny", seed=0)
+    result = benchmark("batchvl_method").run_batchvl(tmp_path, str(model), "float32")
+    assert sorted((key, name) for key, name, status, _ in result["rows"] if status == "ok") == sorted(
+        expected
+    )
+
+
 def refusal(tmp_path: Path, *args: str) -> str:
     """The benchmark run with these arguments: it must exit 2 having written nothing; its stderr."""
     out = tmp_path / "result.json"
