@@ -42,6 +42,7 @@ from batchvl.config import (
     resolve_paths,
 )
 from batchvl.errors import UserError
+from batchvl.inputs.in_memory import as_dataset
 from batchvl.models.checkpoint_folder import check_model_folder
 from batchvl.models.loader import LoadedModel
 from batchvl.models.loader import load_model as _load_model
@@ -50,6 +51,7 @@ from batchvl.storage import layout
 if TYPE_CHECKING:
     import datasets
     import pandas
+    from PIL import Image
 
 CAPTION_KEY_COLUMN = "__batchvl_row__"  # caption(): the key is the row's index in the caller's dataset
 
@@ -167,7 +169,7 @@ def run(
 
 
 def caption(
-    dataset: datasets.Dataset,
+    dataset: datasets.Dataset | pandas.DataFrame | Sequence[Image.Image | str | os.PathLike | bytes | None],
     *,
     model: LoadedModel | str | Path,
     prompts: str
@@ -185,26 +187,18 @@ def caption(
     overwrite: bool = False,
     progress: bool = True,
 ) -> Results:
-    """Caption (or ask `prompts` about) every row of an in-memory `datasets.Dataset`.
+    """Caption (or ask `prompts` about) every row of an in-memory `datasets.Dataset`, a pandas DataFrame, or
+    every image of a list (PIL images, paths, URLs or encoded bytes; `inputs.in_memory.as_dataset`).
 
     `image_column` holds images (an `Image` feature, bytes, paths or http(s) URLs, or a list of these;
     `download` holds `input.download` settings for the URLs). Paths resolve against `root` (default: the
     current folder) and must lie under it, as a job's under its `input.root` (`root="/"` takes absolute
     paths anywhere). `prompts` is one text, `{name: text}`,
     `{name: {text, choices | json_schema | regex, ...}}` with a job file's prompt keys, or a list of
-    texts or such mappings with their `name`. Each row's key is its index in `dataset`. Calling again
+    texts or such mappings with their `name`. Each row's key is its index in `dataset` (its position in a
+    list or a frame). Calling again
     with the same `output_dir` resumes; a different dataset there is refused unless `overwrite=True`."""
-    import datasets
-
-    if isinstance(dataset, datasets.DatasetDict):
-        raise UserError(
-            f"caption() takes one split, e.g. dataset['{next(iter(dataset))}'], not a DatasetDict"
-        )
-    if not isinstance(dataset, datasets.Dataset):
-        raise UserError(
-            f"caption() takes a datasets.Dataset, got {type(dataset).__name__}; build one with "
-            "datasets.Dataset.from_dict({...}), .from_pandas(df) or .from_list([...])"
-        )
+    dataset = as_dataset(dataset, image_column)
     if not isinstance(model, LoadedModel | str | os.PathLike):
         raise UserError(
             f"caption(model=) takes a load_model() result or a checkpoint folder's path, got "

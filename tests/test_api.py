@@ -4,8 +4,10 @@ import io
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import datasets
+import PIL.Image
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -112,6 +114,38 @@ def test_caption_gives_the_cli_rows(tmp_path, tiny_model_dir, loaded_fp32, in_me
     labeled = in_memory.select([int(k) for k in captions["key"]]).add_column("caption", captions["text"])
     assert labeled.num_rows == len(images) - 1  # every image but the broken one
     assert labeled["question"] == [q for i, q in enumerate(questions) if i != 2]
+
+
+def test_a_list_of_images_or_a_frame_gives_the_datasets_rows(tmp_path, loaded_fp32, in_memory, images):
+    """A notebook's list of images (PIL images, bytes, a path, an empty cell) and a pandas frame are
+    captioned as the same images in a Dataset are: each row's key is the image's position."""
+    options = dict(model=loaded_fp32, prompts="Describe this image.", sampling={"max_new_tokens": 5})
+    expected = batchvl.caption(in_memory, output_dir=tmp_path / "dataset", progress=False, **options)
+    texts = {row["key"]: (row["status"], row["text"]) for row in expected.dataset.to_list()}
+
+    (tmp_path / "pictures").mkdir()
+    (tmp_path / "pictures" / "three.png").write_bytes(images[3])
+    listed = [PIL.Image.open(io.BytesIO(images[0])), images[1], images[2], None]
+    results = batchvl.caption(listed, output_dir=tmp_path / "list", progress=False, **options)
+    rows = {row["key"]: row for row in results.dataset.to_list()}
+    assert sorted(rows) == ["0", "1", "2", "3"]
+    for key in ("0", "1", "2"):
+        assert (rows[key]["status"], rows[key]["text"]) == texts[key], key
+    assert (rows["2"]["error_type"], rows["3"]["error_type"]) == ("image_decode_error", "missing_image")
+
+    paths = [None, "pictures/three.png", Path("pictures/three.png")]
+    from_paths = batchvl.caption(
+        paths, output_dir=tmp_path / "paths", root=tmp_path, progress=False, **options
+    )
+    rows = {row["key"]: row for row in from_paths.dataset.to_list()}
+    assert rows["0"]["error_type"] == "missing_image"
+    assert (rows["1"]["status"], rows["1"]["text"]) == (rows["2"]["status"], rows["2"]["text"]) == texts["3"]
+    with pytest.raises(UserError, match=r"^caption\(\) takes a list of images or a list of paths and URLs"):
+        batchvl.caption([images[0], "pictures/three.png"], output_dir=tmp_path / "mixed", **options)
+
+    frame = in_memory.to_pandas()
+    from_frame = batchvl.caption(frame, output_dir=tmp_path / "frame", progress=False, **options)
+    assert {row["key"]: (row["status"], row["text"]) for row in from_frame.dataset.to_list()} == texts
 
 
 def test_caption_resumes_and_refuses_another_dataset(tmp_path, loaded_fp32, in_memory):
@@ -247,8 +281,18 @@ def test_arguments_of_the_wrong_kind_are_user_errors_naming_what_is_taken(tmp_pa
         UserError, match=r"^a job is a JobConfig, a dict shaped like the job file .*; got int$"
     ):
         batchvl.run(5)
-    with pytest.raises(UserError, match=r"^caption\(\) takes a datasets.Dataset, got list; build one with"):
+    with pytest.raises(
+        UserError, match=r"^caption\(\) takes a list of images .*, but it holds a int; build one"
+    ):
         batchvl.caption([1, 2], model=loaded_fp32, output_dir=tmp_path)
+    with pytest.raises(
+        UserError, match=r"^caption\(\) takes a datasets.Dataset, a pandas DataFrame or a list"
+    ):
+        batchvl.caption({"image": []}, model=loaded_fp32, output_dir=tmp_path)
+    with pytest.raises(
+        UserError, match=r"^caption\(\) was given an empty list: there is nothing to caption$"
+    ):
+        batchvl.caption([], model=loaded_fp32, output_dir=tmp_path)
     with pytest.raises(UserError, match=r"^caption\(model=\) takes a load_model\(\) result .*, got int$"):
         batchvl.caption(in_memory, model=3, output_dir=tmp_path)
     with pytest.raises(UserError, match=r"^prompts= takes a text, .*; got int$"):

@@ -92,12 +92,19 @@ def apply_overrides(data: dict, overrides: Sequence[str]) -> dict:
             raise ConfigError(f"--set {item}: {exc}") from None
         node = data
         parts = dotted.strip().split(".")
-        for part in parts[:-1]:
+        for depth, part in enumerate(parts[:-1]):
             if _LIST_ITEM.fullmatch(part):
                 items, index = _list_slot(node, part, dotted)
                 child = items[index]
             else:
                 child = node.setdefault(part, {})
+            if isinstance(child, list):
+                after = parts[depth + 1 :]
+                rest = ".".join(after[1:] if after[0].isdigit() else after) or "KEY"
+                raise ConfigError(
+                    f"--set {dotted}: '{part}' is a list; name one of its items by index, as in "
+                    f"--set {part}[0].{rest}=..."
+                )
             if not isinstance(child, dict):
                 raise ConfigError(f"--set {dotted}: '{part}' is not a section")
             node = child

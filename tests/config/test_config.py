@@ -69,6 +69,14 @@ def test_a_list_item_is_set_by_its_number(tmp_path):
     assert error_of(tmp_path, MINIMAL, ["prompts[0].text=hi"]) == (
         "--set prompts[0].text: the job file has no list 'prompts'; set the whole list: prompts=[...]"
     )
+    assert error_of(tmp_path, prompts, ["prompts.0.text=hi"]) == (
+        "--set prompts.0.text: 'prompts' is a list; name one of its items by index, as in "
+        "--set prompts[0].text=..."
+    )
+    assert error_of(tmp_path, prompts, ["prompts.text=hi"]) == (
+        "--set prompts.text: 'prompts' is a list; name one of its items by index, as in "
+        "--set prompts[0].text=..."
+    )
     assert error_of(tmp_path, prompts, ["sampling={a: 1, a: 2}"]).startswith(
         "--set sampling={a: 1, a: 2}: key 'a' is given twice"
     )
