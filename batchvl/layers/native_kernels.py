@@ -16,7 +16,8 @@
 
 torch.utils.cpp_extension builds the sources once per machine kind and source version, under torch's
 extensions directory (`TORCH_EXTENSIONS_DIR`, by default `~/.cache/torch_extensions`), from a copy of
-them there, so that checkouts and environments sharing a home share the build; the first build takes
+them there, so that checkouts sharing a home share the build (environments get one each: the build file
+names where their torch and Python are installed); the first build takes
 about half a minute, when the model is loaded. Processes starting together (a Slurm array on a
 shared home) build it once: they queue on an flock, which the kernel releases when its holder dies.
 cpp_extension's own lock is a file that a process killed mid-build (`kill -9`, a preempted Slurm task)
@@ -35,6 +36,7 @@ import hashlib
 import logging
 import os
 import sys
+import sysconfig
 import time
 from pathlib import Path
 from types import ModuleType
@@ -116,12 +118,21 @@ def build_name_and_flags() -> tuple[str, list[str]]:
         f"-DCPU_CAPABILITY={_namespace(capability)}",
         "-fopenmp",
     ]
-    # The build links against this Python and this torch: machines or environments sharing a home with
-    # another of either get a build of their own.
-    digest = hashlib.sha256(" ".join([*flags, sys.version, torch.__version__]).encode())
+    # The build links against this Python and this torch, and its build file names where they are
+    # installed: environments sharing a home get a build each, where one at another path (another
+    # virtualenv of the same versions) rebuilt the shared one at its first use, and the other back.
+    digest = hashlib.sha256(" ".join([*flags, sys.version, torch.__version__, *installed_at()]).encode())
     for source in SOURCES:
         digest.update(source.read_bytes())
     return f"batchvl_native_{capability.lower()}_{digest.hexdigest()[:12]}", flags
+
+
+def installed_at() -> list[str]:
+    """The folders of torch's and Python's headers and torch's libraries, as cpp_extension writes them into
+    the build file (its compiler and linker flags)."""
+    from torch.utils import cpp_extension
+
+    return [*cpp_extension.include_paths(), *cpp_extension.library_paths(), sysconfig.get_paths()["include"]]
 
 
 def sources_in(directory: Path) -> list[Path]:

@@ -94,3 +94,15 @@ def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_load():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.stdout.strip() == "True", done.stderr
+
+
+def test_environments_at_other_paths_get_a_build_each(monkeypatch):
+    """cpp_extension's build file names where torch and Python are installed: an environment at another path
+    sharing the build rebuilt it at its first use, and the first environment back at its next."""
+    at_home = native_kernels.build_name_and_flags()[0]
+    assert native_kernels.build_name_and_flags()[0] == at_home  # the same environment: the same build
+    elsewhere = [
+        path.replace("site-packages", "other-packages") for path in torch.utils.cpp_extension.include_paths()
+    ]
+    monkeypatch.setattr(torch.utils.cpp_extension, "include_paths", lambda *args, **kwargs: elsewhere)
+    assert native_kernels.build_name_and_flags()[0] != at_home
