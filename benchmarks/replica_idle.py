@@ -80,12 +80,18 @@ class ReplicaWaits:
 def measure(work: Path, samples: int, rounds: int) -> list[dict]:
     """The workload of `samples` samples and the `small` model written under `work`, its two jobs run
     `rounds` times: a row of their replicas' waits per job."""
+    import torch
+
+    from batchvl.config import EngineConfig
     from batchvl.demo.tiny_model import build_tiny_model
+    from batchvl.engine.parallel.replicas import replica_count
     from batchvl.models.loader import load_model
     from batchvl.pipeline.runner import run_job
 
     model_dir = build_tiny_model(work / "model", size="small", seed=0)
     write_workload(work, samples, DUPLICATE_SHARE, MIN_TOKENS, MAX_TOKENS, TWO_PROMPT_SHARE)
+    # `auto`'s count for a job of many requests, named: `auto` runs one engine for a job of a few
+    replicas = {"replicas": replica_count(EngineConfig(), torch.device("cpu"), under_torchrun=False)}
     loaded = load_model(str(model_dir), dtype="float32", device="cpu")
     model = {"path": str(model_dir), "dtype": "float32", "device": "cpu"}
     rows = []
@@ -94,7 +100,8 @@ def measure(work: Path, samples: int, rounds: int) -> list[dict]:
             waits = ReplicaWaits()
             try:
                 started = time.perf_counter()
-                job = batchvl_job(work / "data" / part, names, work / f"out{round_number}" / part, model)
+                out = work / f"out{round_number}" / part
+                job = batchvl_job(work / "data" / part, names, out, model, replicas)
                 stats = run_job(job, loaded=loaded, show_progress=False).stats
                 wall = time.perf_counter() - started
             finally:

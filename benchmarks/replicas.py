@@ -1,9 +1,10 @@
 """One engine against engine replicas: the same `batchvl run` jobs in one process, alternating between
-`engine.replicas: 1` (one engine on all torch's threads) and `auto` (one engine of one thread per core),
-warm (a pass of each first builds oneDNN's kernels), on the throughput benchmark's held-out style workload
-(the `small` model, images 64 to 800 px with a quarter repeating an earlier one, one prompt, exactly 32 new
-tokens). Each pair's ratio is taken within the pair, the order alternating between pairs, since these
-machines' speed moves from minute to minute.
+`engine.replicas: 1` (one engine on all torch's threads) and replicas, as many as `auto` runs for a job of
+many requests (one engine of one thread per core; for a job of a few `auto` runs one engine), warm (a pass of
+each first builds oneDNN's kernels), on the throughput benchmark's held-out style workload (the `small` model,
+images 64 to 800 px with a quarter repeating an earlier one, one prompt, exactly 32 new tokens). Each pair's
+ratio is taken within the pair, the order alternating between pairs, since these machines' speed moves from
+minute to minute.
 
 `--isa` runs it as on another kind of CPU, on this one: `avx2` sets torch's kernels and oneDNN to AVX2
 (the fp32 machines), `avx512` caps oneDNN below AMX (an AVX-512 CPU without the tiles: batchvl then
@@ -83,14 +84,15 @@ def measure(args, work: Path) -> dict:
             )
         return stats["wall_s"]
 
+    # `auto`'s count for a job of many requests, named: `auto` runs one engine for a job of a few
+    count = replica_count(EngineConfig(), torch.device("cpu"), under_torchrun=False)
     seconds(1, "warm-one")
-    seconds("auto", "warm-replicas")
+    seconds(count, "warm-replicas")
     one, replicas = [], []
-    for pair, order in enumerate(round_orders([1, "auto"], args.pairs)):
+    for pair, order in enumerate(round_orders([1, count], args.pairs)):
         for setting in order:
             (one if setting == 1 else replicas).append(seconds(setting, f"pair{pair}-{setting}"))
     speedups = [round(a / b, 2) for a, b in zip(one, replicas, strict=True)]
-    count = replica_count(EngineConfig(), torch.device("cpu"), under_torchrun=False)
     print(
         f"\n{args.dtype}, CPU capability {torch.backends.cpu.get_cpu_capability()}, AMX {has_amx()}, "
         f"{torch.get_num_threads()} threads, {count} replicas (auto); {args.samples} samples per job"

@@ -353,8 +353,8 @@ class EngineConfig:
         "auto",
         "On the CPU, engines over the one loaded model, each stepping in a thread of its own with an equal "
         "share of the threads and of kv_cache_mb and encoder_cache_mb, an engine waiting for requests "
-        "lending its threads to those with work (auto: one per core, at most 8; 1 on CUDA and under ViT "
-        "data parallelism)",
+        "lending its threads to those with work (auto: one per core, at most 8; 1 for a run of fewer than "
+        "32 requests, on CUDA and under ViT data parallelism)",
         above=0,
     )
     backend: Literal["batchvl", "openai"] = job_key(

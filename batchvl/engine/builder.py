@@ -36,12 +36,14 @@ def build_engine(
     eos_token_ids: list[int],
     config: EngineConfig,
     context: DistributedContext | None = None,
+    most_requests: int | None = None,
 ) -> EngineInterface:
     """The engine a job drives: one `Engine`, or `replica_count` of them side by side on the CPU, each with
-    its share of the threads and caches (`replica_config`). Its step sizes are resolved once, here: under ViT
-    data parallelism rank 0's own vision calls then have the engine's size."""
+    its share of the threads and caches (`replica_config`; `most_requests`: at most the requests it will be
+    given, where known). Its step sizes are resolved once, here: under ViT data parallelism rank 0's own
+    vision calls then have the engine's size."""
     config = step_sizes_for(adapter, config)
-    count = replica_count(config, adapter.device, context is not None, adapter.model.config)
+    count = replica_count(config, adapter.device, context is not None, adapter.model.config, most_requests)
     if count == 1:
         parallel_encoder = None
         if context is not None:

@@ -54,10 +54,12 @@ def builtin_engine_setup(
     load: Callable[[], LoadedModel],
     context: DistributedContext | None,
     graph: PromptGraph,
+    most_requests: int | None = None,
 ) -> EngineSetup:
     """The built-in engine over the model `load` gives (called as the engine starts): prompts as token ids,
     images as the family's pixels (what the preprocessing workers run per sample, from the model's
-    `parts`: the family's media preparation and the prompts)."""
+    `parts`: the family's media preparation and the prompts). `most_requests` bounds the requests the run
+    makes, where known (`replica_count`'s choice for a small job)."""
     renderer = PromptRenderer(parts.processor)
     media = parts.family.media_preparer(parts.processor, parts.config, cfg.preprocess)
     cache = DownloadCache.of(cfg.input.download)
@@ -66,6 +68,6 @@ def builtin_engine_setup(
     def start() -> EngineInterface:
         loaded = load()
         tokenizer, eos = loaded.processor.tokenizer, loaded.eos_token_ids()
-        return build_engine(loaded.adapter, tokenizer, eos, cfg.engine, context)
+        return build_engine(loaded.adapter, tokenizer, eos, cfg.engine, context, most_requests)
 
     return EngineSetup(renderer, samples, start, cfg.engine.lookahead)

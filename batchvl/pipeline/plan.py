@@ -145,6 +145,18 @@ class Work:
         """The task's shards, done ones included."""
         return len(self.plan.shards)
 
+    def most_requests(self, num_prompts: int) -> int | None:
+        """At most how many requests the run makes: each sample it reads asked every prompt (a follow-up as
+        if its `when` matched); None where a shard's samples are known only by reading it (tar files)."""
+        total = 0
+        for info in self.shards:
+            selected = None if self.selection is None else self.selection.get(info.shard)
+            samples = info.num_rows if selected is None else len(selected)
+            if samples is None:
+                return None
+            total += samples * num_prompts
+        return total
+
 
 def job_work(cfg: JobConfig, task: TaskSlice | None, model_loaded: bool = False) -> Work:
     """A run's work: the task's shards that are not committed (all of them with --overwrite); of a shard

@@ -148,7 +148,8 @@ class JobRunner:
             else:
                 parts = self._model_parts()  # the weights load as the engine starts, after the workers'
                 load = functools.partial(self._load, parts)
-                setup = builtin_engine_setup(self.cfg, parts, load, context, work.plan.graph)
+                requests = work.most_requests(len(self.cfg.prompts))
+                setup = builtin_engine_setup(self.cfg, parts, load, context, work.plan.graph, requests)
             try:
                 pool_stats = self._process(work, setup)
             finally:

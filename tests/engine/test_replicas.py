@@ -313,6 +313,11 @@ def test_replica_count_and_shares(monkeypatch):
     monkeypatch.setattr(os, "cpu_count", lambda: 64)  # a large machine: auto stops at 8
     assert replica_count(EngineConfig(threads=64), cpu, under_torchrun=False) == 8
     assert replica_count(EngineConfig(threads=5), cpu, under_torchrun=False) == 5
+    # a job of a few requests: one engine under auto, and the count asked for otherwise
+    assert replica_count(EngineConfig(threads=5), cpu, False, most_requests=31) == 1
+    assert replica_count(EngineConfig(threads=5), cpu, False, most_requests=32) == 5
+    assert replica_count(EngineConfig(threads=5), cpu, False, most_requests=None) == 5  # unknown: by cores
+    assert replica_count(EngineConfig(replicas=3), cpu, False, most_requests=4) == 3
     share = replica_config(EngineConfig(encoder_cache_mb=512), 2)
     assert (share.kv_cache_mb, share.encoder_cache_mb) == (512, 256)  # auto's 1024 MiB on the CPU, halved
     assert replica_config(EngineConfig(kv_cache_mb=300), 3).kv_cache_mb == 100

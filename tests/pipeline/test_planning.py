@@ -2,10 +2,12 @@
 an output folder over the input or not writable, a shard without the job's columns, a prompt field no
 shard has. Folder shards stay put when files are added. `validate` and `run` refuse the same things."""
 
+import io
 import os
 import shutil
 import subprocess
 import sys
+import tarfile
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -425,3 +427,50 @@ def test_a_run_over_a_folder_without_media_is_one_line_exit_2_before_any_work(tm
     assert line.startswith("error: input.paths: the folder reader found no image or video under")
     assert line.endswith("(it holds 1 .parquet file); set input.format: parquet")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_job_of_a_few_requests_runs_one_engine_and_a_larger_one_replicas(tmp_path, tiny_model_dir):
+    """`engine.replicas: auto` counts the run's requests first: split over replicas, a few requests run
+    slower than on one engine of every thread (docs/benchmarks.md)."""
+    from batchvl.config import EngineConfig
+    from batchvl.engine.parallel.replicas import FEWEST_REQUESTS_FOR_REPLICAS, replica_count
+
+    image = png_bytes(random_image(20, 24, seed=1))
+    prompts = [{"name": "a", "text": "Describe."}, {"name": "b", "text": "Name it."}]
+    per_core = replica_count(EngineConfig(threads=2), torch.device("cpu"), under_torchrun=False)
+    for samples, engines in (
+        (FEWEST_REQUESTS_FOR_REPLICAS // 2 - 1, 1),
+        (FEWEST_REQUESTS_FOR_REPLICAS // 2, per_core),
+    ):
+        keys = [f"k{i}" for i in range(samples)]
+        table(tmp_path / f"in{samples}" / "part-0.parquet", key=keys, image=[image] * samples)
+        cfg = config(
+            tmp_path,
+            tiny_model_dir,
+            [str(tmp_path / f"in{samples}" / "*.parquet")],
+            out=str(tmp_path / f"out{samples}"),
+            input={"key_column": "key"},
+            prompts=prompts,
+            sampling={"max_new_tokens": 2},
+            engine={"threads": 2},
+        )
+        stats = run_job(cfg, show_progress=False).stats
+        assert (stats["ok"], stats["engine_replicas"]) == (2 * samples, engines), samples
+
+
+def test_a_runs_requests_are_bounded_by_its_samples_and_prompts(tmp_path, tiny_model_dir):
+    from batchvl.pipeline.plan import job_work
+
+    image = png_bytes(random_image(20, 24, seed=1))
+    table(tmp_path / "in" / "part-0.parquet", image=[image] * 3)
+    table(tmp_path / "in" / "part-1.parquet", image=[image] * 4)
+    prompts = [{"name": "a", "text": "Describe."}, {"name": "b", "text": "Name it."}]
+    cfg = config(tmp_path, tiny_model_dir, [str(tmp_path / "in" / "*.parquet")], prompts=prompts)
+    assert job_work(cfg, None).most_requests(2) == 14
+    (tmp_path / "shards").mkdir()
+    with tarfile.open(tmp_path / "shards" / "a.tar", "w") as tar_file:
+        member = tarfile.TarInfo("x.png")
+        member.size = len(image)
+        tar_file.addfile(member, io.BytesIO(image))
+    tar = config(tmp_path, tiny_model_dir, [str(tmp_path / "shards" / "*.tar")], format="webdataset")
+    assert job_work(tar, None).most_requests(1) is None  # a tar's samples are known only by reading it

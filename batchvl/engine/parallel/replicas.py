@@ -46,6 +46,11 @@ STEP_WAIT_S = 0.05  # how long `step` waits for a finished request when none is 
 IDLE_WAIT_S = 0.05  # how long an idle replica waits for a request before looking at its stop flag
 HOMES_KEPT = 16384  # images whose replica is remembered (a bounded map: the job's recent images)
 MOST_AUTO_REPLICAS = 8  # `auto` on a larger machine: more would split the caches too thin
+# `auto` runs one engine for a job of fewer requests: split over replicas, each one's share is a few
+# requests, whose decodes run at a replica's pace where one engine would run them all on every core (on
+# a 2-core AVX-512 machine, replicas took x0.72-0.80 of one engine's speed at 16 requests, x0.89-0.92 at
+# 32; on the AMX machine, x0.93 at 8; docs/benchmarks.md)
+FEWEST_REQUESTS_FOR_REPLICAS = 32
 
 
 def check_replicas(config: EngineConfig, device: torch.device) -> None:
@@ -65,10 +70,17 @@ def check_replicas(config: EngineConfig, device: torch.device) -> None:
         )
 
 
-def replica_count(config: EngineConfig, device: torch.device, under_torchrun: bool, model_config=None) -> int:
+def replica_count(
+    config: EngineConfig,
+    device: torch.device,
+    under_torchrun: bool,
+    model_config=None,
+    most_requests: int | None = None,
+) -> int:
     """How many engines the job runs: `engine.replicas`, with `auto` one per core the engine's threads use
-    (at most MOST_AUTO_REPLICAS); one where `check_replicas` allows no more (a GPU, ViT data parallelism,
-    torchrun's ranks), and for a model whose rotary embedding rewrites itself in its forward
+    (at most MOST_AUTO_REPLICAS), or one for a job of fewer than FEWEST_REQUESTS_FOR_REPLICAS requests
+    (`most_requests`, where known); one where `check_replicas` allows no more (a GPU, ViT data
+    parallelism, torchrun's ranks), and for a model whose rotary embedding rewrites itself in its forward
     (`updates_itself_in_forward`)."""
     check_replicas(config, device)
     if device.type != "cpu" or under_torchrun:
@@ -83,6 +95,8 @@ def replica_count(config: EngineConfig, device: torch.device, under_torchrun: bo
         return 1
     if config.replicas != "auto":
         return config.replicas
+    if most_requests is not None and most_requests < FEWEST_REQUESTS_FOR_REPLICAS:
+        return 1
     threads = config.threads or torch.get_num_threads()
     return max(1, min(threads, os.cpu_count() or 1, MOST_AUTO_REPLICAS))
 
