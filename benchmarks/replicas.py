@@ -1,17 +1,17 @@
 """One engine against engine replicas: the same `batchvl run` jobs in one process, alternating between
 `engine.replicas: 1` (one engine on all torch's threads) and replicas, as many as `auto` runs for a job of
 many requests (one engine of one thread per core; for a job of a few `auto` runs one engine), warm (a pass of
-each first builds oneDNN's kernels), on the throughput benchmark's held-out style workload (the `small` model,
-images 64 to 800 px with a quarter repeating an earlier one, one prompt, exactly 32 new tokens). Each pair's
-ratio is taken within the pair, the order alternating between pairs, since these machines' speed moves from
-minute to minute.
+each first builds oneDNN's kernels), on the throughput benchmark's held-out style workload (the `small` model
+or Qwen2-VL-2B's widths with `--size wide`; images 64 to 800 px with a quarter repeating an earlier one, one
+prompt, exactly 32 new tokens). Each pair's ratio is taken within the pair, the order alternating between
+pairs, since these machines' speed moves from minute to minute.
 
 `--isa` runs it as on another kind of CPU, on this one: `avx2` sets torch's kernels and oneDNN to AVX2
 (the fp32 machines), `avx512` caps oneDNN below AMX (an AVX-512 CPU without the tiles: batchvl then
 chooses its kernels as there too). The silicon stays this machine's: its cores, caches and their speeds.
 
-    python benchmarks/replicas.py [--samples 128] [--dtype bfloat16] [--pairs 3] [--isa native|avx2|avx512]
-        [--json PATH]
+    python benchmarks/replicas.py [--samples 128] [--size small|wide] [--dtype bfloat16] [--pairs 3]
+        [--isa native|avx2|avx512] [--json PATH]
 """
 
 from __future__ import annotations
@@ -36,6 +36,9 @@ ISA_ENVIRONMENT = {
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--samples", type=int, default=128)
+    parser.add_argument(
+        "--size", default="small", choices=["small", "wide"], help="wide: Qwen2-VL-2B's widths and depth"
+    )
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--pairs", type=int, default=3, help="Pairs of warm passes, one engine and replicas")
     parser.add_argument("--isa", default="native", choices=list(ISA_ENVIRONMENT))
@@ -68,7 +71,7 @@ def measure(args, work: Path) -> dict:
     from batchvl.models.loader import load_model
     from batchvl.pipeline.runner import run_job
 
-    model_dir = build_tiny_model(work / "model", size="small", seed=0)
+    model_dir = build_tiny_model(work / "model", size=args.size, seed=0)
     write_workload(work, args.samples, 0.25, 32, 32, two_prompt_share=0)
     loaded = load_model(str(model_dir), dtype=args.dtype, device="cpu")
     model = {"path": str(model_dir), "dtype": args.dtype, "device": "cpu"}
@@ -95,7 +98,8 @@ def measure(args, work: Path) -> dict:
     speedups = [round(a / b, 2) for a, b in zip(one, replicas, strict=True)]
     print(
         f"\n{args.dtype}, CPU capability {torch.backends.cpu.get_cpu_capability()}, AMX {has_amx()}, "
-        f"{torch.get_num_threads()} threads, {count} replicas (auto); {args.samples} samples per job"
+        f"{torch.get_num_threads()} threads, {count} replicas (auto); {args.samples} samples per job, "
+        f"the {args.size} model"
     )
     print(f"{'pair':<6}{'one engine, s':>16}{'replicas, s':>14}{'speed-up':>11}")
     for pair, (a, b, ratio) in enumerate(zip(one, replicas, speedups, strict=True)):
@@ -108,6 +112,7 @@ def measure(args, work: Path) -> dict:
         "torch_threads": torch.get_num_threads(),
         "replicas": count,
         "samples": args.samples,
+        "size": args.size,
         "one_engine_s": one,
         "replicas_s": replicas,
         "speedup_per_pair": speedups,

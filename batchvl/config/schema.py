@@ -354,7 +354,7 @@ class EngineConfig:
         "On the CPU, engines over the one loaded model, each stepping in a thread of its own with an equal "
         "share of the threads and of kv_cache_mb and encoder_cache_mb, an engine waiting for requests "
         "lending its threads to those with work (auto: one per core, at most 8; 1 for a run of fewer than "
-        "32 requests, on CUDA and under ViT data parallelism)",
+        "32 requests or a model of more than 1 GiB of weights, on CUDA and under ViT data parallelism)",
         above=0,
     )
     backend: Literal["batchvl", "openai"] = job_key(

@@ -30,6 +30,13 @@ def local_encoder(adapter: ModelAdapter, config: EngineConfig) -> EncodeImages:
     return functools.partial(encode_images, adapter, max_patches=max_patches)
 
 
+def weight_bytes(adapter: ModelAdapter) -> int:
+    """The bytes of the model's weights, as a step reads them: its parameters and its buffers (the CPU's
+    packed linear weights are buffers)."""
+    tensors = [*adapter.model.parameters(), *adapter.model.buffers()]
+    return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
+
+
 def build_engine(
     adapter: ModelAdapter,
     tokenizer,
@@ -43,7 +50,8 @@ def build_engine(
     given, where known). Its step sizes are resolved once, here: under ViT data parallelism rank 0's own
     vision calls then have the engine's size."""
     config = step_sizes_for(adapter, config)
-    count = replica_count(config, adapter.device, context is not None, adapter.model.config, most_requests)
+    under_torchrun, model = context is not None, adapter.model.config
+    count = replica_count(config, adapter.device, under_torchrun, model, most_requests, weight_bytes(adapter))
     if count == 1:
         parallel_encoder = None
         if context is not None:

@@ -4,6 +4,7 @@ replica that holds its image; each replica's thread runs with its share of torch
 threads of replicas waiting for requests go to those with work; and a replica's exception reaches the job
 instead of hanging it."""
 
+import math
 import os
 import threading
 import time
@@ -14,7 +15,12 @@ from transformers import AutoModelForImageTextToText
 
 from batchvl.config import EngineConfig
 from batchvl.engine.engine import Engine
-from batchvl.engine.parallel.replicas import EngineReplicas, replica_config, replica_count
+from batchvl.engine.parallel.replicas import (
+    MOST_WEIGHT_BYTES_FOR_REPLICAS,
+    EngineReplicas,
+    replica_config,
+    replica_count,
+)
 from batchvl.engine.request import EngineRequest, EngineResult
 from batchvl.engine.sampling.params import SamplingParams
 from batchvl.errors import UserError
@@ -318,6 +324,11 @@ def test_replica_count_and_shares(monkeypatch):
     assert replica_count(EngineConfig(threads=5), cpu, False, most_requests=32) == 5
     assert replica_count(EngineConfig(threads=5), cpu, False, most_requests=None) == 5  # unknown: by cores
     assert replica_count(EngineConfig(replicas=3), cpu, False, most_requests=4) == 3
+    # a model of more weights than replicas suit: one engine under auto, the count asked for otherwise
+    large = MOST_WEIGHT_BYTES_FOR_REPLICAS + 1
+    assert replica_count(EngineConfig(threads=5), cpu, False, weight_bytes=large) == 1
+    assert replica_count(EngineConfig(threads=5), cpu, False, weight_bytes=large - 1) == 5
+    assert replica_count(EngineConfig(replicas=3), cpu, False, weight_bytes=large) == 3
     share = replica_config(EngineConfig(encoder_cache_mb=512), 2)
     assert (share.kv_cache_mb, share.encoder_cache_mb) == (512, 256)  # auto's 1024 MiB on the CPU, halved
     assert replica_config(EngineConfig(kv_cache_mb=300), 3).kv_cache_mb == 100
@@ -339,3 +350,33 @@ def test_a_model_whose_rotary_embedding_rewrites_itself_gets_one_engine(tiny_mod
     for kind in ("dynamic", "longrope"):
         config.text_config.rope_parameters = {**config.text_config.rope_parameters, "rope_type": kind}
         assert replica_count(EngineConfig(replicas=2), cpu, False, config) == 1, kind
+
+
+def test_a_models_weights_are_counted_as_a_step_reads_them(loaded_fp32, tiny_model_dir):
+    """Every weight of the checkpoint, at float32's 4 bytes, counted once, give or take the packing's own
+    layout: the CPU's packed linear weights are buffers, not parameters."""
+    from safetensors import safe_open
+
+    from batchvl.engine.builder import weight_bytes
+
+    with safe_open(str(tiny_model_dir / "model.safetensors"), "pt") as checkpoint:
+        shapes = [checkpoint.get_slice(name).get_shape() for name in checkpoint.keys()]  # noqa: SIM118
+    checkpoint_bytes = 4 * sum(math.prod(shape) for shape in shapes)
+    assert checkpoint_bytes <= weight_bytes(loaded_fp32.adapter) <= 1.5 * checkpoint_bytes
+
+
+def test_a_model_of_more_weights_than_replicas_suit_gets_one_engine(loaded_fp32, monkeypatch):
+    from batchvl.engine import builder
+    from batchvl.engine.parallel import replicas as module
+
+    tokenizer, eos = loaded_fp32.processor.tokenizer, loaded_fp32.eos_token_ids()
+    config = EngineConfig(threads=2, kv_cache_mb=8)
+    engine = builder.build_engine(loaded_fp32.adapter, tokenizer, eos, config, most_requests=64)
+    engine.close()
+    assert engine.num_engines == min(2, os.cpu_count())
+    monkeypatch.setattr(
+        module, "MOST_WEIGHT_BYTES_FOR_REPLICAS", builder.weight_bytes(loaded_fp32.adapter) - 1
+    )
+    engine = builder.build_engine(loaded_fp32.adapter, tokenizer, eos, config, most_requests=64)
+    engine.close()
+    assert engine.num_engines == 1

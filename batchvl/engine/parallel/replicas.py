@@ -51,6 +51,12 @@ MOST_AUTO_REPLICAS = 8  # `auto` on a larger machine: more would split the cache
 # a 2-core AVX-512 machine, replicas took x0.72-0.80 of one engine's speed at 16 requests, x0.89-0.92 at
 # 32; on the AMX machine, x0.93 at 8; docs/benchmarks.md)
 FEWEST_REQUESTS_FOR_REPLICAS = 32
+# `auto` runs one engine for a model of more weights: each replica's decode step reads every weight, so that
+# replicas read them once each where one engine reads them once for all its rows, and a large model's ops
+# split well over threads (at Qwen2-VL-2B's widths, 4.4 GB in bf16, replicas took x0.79-0.83 of one engine's
+# speed at 32 samples on a 2-core AVX-512 machine; the `small` model's 0.2 GB gained x1.09-1.30 from them on
+# the AMX machine; docs/benchmarks.md)
+MOST_WEIGHT_BYTES_FOR_REPLICAS = 1 << 30
 
 
 def check_replicas(config: EngineConfig, device: torch.device) -> None:
@@ -76,12 +82,13 @@ def replica_count(
     under_torchrun: bool,
     model_config=None,
     most_requests: int | None = None,
+    weight_bytes: int = 0,
 ) -> int:
     """How many engines the job runs: `engine.replicas`, with `auto` one per core the engine's threads use
     (at most MOST_AUTO_REPLICAS), or one for a job of fewer than FEWEST_REQUESTS_FOR_REPLICAS requests
-    (`most_requests`, where known); one where `check_replicas` allows no more (a GPU, ViT data
-    parallelism, torchrun's ranks), and for a model whose rotary embedding rewrites itself in its forward
-    (`updates_itself_in_forward`)."""
+    (`most_requests`, where known) or a model of more than MOST_WEIGHT_BYTES_FOR_REPLICAS of weights; one
+    where `check_replicas` allows no more (a GPU, ViT data parallelism, torchrun's ranks), and for a model
+    whose rotary embedding rewrites itself in its forward (`updates_itself_in_forward`)."""
     check_replicas(config, device)
     if device.type != "cpu" or under_torchrun:
         return 1
@@ -96,6 +103,8 @@ def replica_count(
     if config.replicas != "auto":
         return config.replicas
     if most_requests is not None and most_requests < FEWEST_REQUESTS_FOR_REPLICAS:
+        return 1
+    if weight_bytes > MOST_WEIGHT_BYTES_FOR_REPLICAS:
         return 1
     threads = config.threads or torch.get_num_threads()
     return max(1, min(threads, os.cpu_count() or 1, MOST_AUTO_REPLICAS))
