@@ -33,6 +33,13 @@ class SelectedRows:
 Selection = dict[str, Mapping[int, SelectedRows]]
 
 
+def samples_read(info: ShardInfo, selection: Selection | None) -> int | None:
+    """How many samples of the shard a run with `selection` reads: the selected ones, or all of its rows
+    (None: known only by reading it)."""
+    selected = None if selection is None else selection.get(info.shard)
+    return info.num_rows if selected is None else len(selected)
+
+
 class CommitStrategy(Protocol):
     """Writes a complete shard's rows (a new file, or merged into the committed one); returns where."""
 
@@ -84,8 +91,7 @@ class ShardLedger:
 
     def samples_of(self, info: ShardInfo) -> int | None:
         """How many samples of the shard this run reads (None: known only by reading it)."""
-        selected = self._selected(info.shard)
-        return info.num_rows if selected is None else len(selected)
+        return samples_read(info, self.selection)
 
     def wanted(self) -> dict[str, frozenset[int]] | None:
         """Per shard, the only sample indices to read (None, or a shard not in it: all)."""

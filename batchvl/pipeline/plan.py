@@ -52,7 +52,7 @@ from batchvl.outputs.writers import output_name, output_path
 from batchvl.pipeline.cache_folders import check_cache_folder, check_encoder_cache_folder
 from batchvl.pipeline.commit_strategies import companion_files
 from batchvl.pipeline.constraints import check_constraints
-from batchvl.pipeline.ledger import Selection
+from batchvl.pipeline.ledger import Selection, samples_read
 from batchvl.pipeline.prompt_graph import PromptGraph
 from batchvl.pipeline.prompt_reuse import RowsToRun
 from batchvl.pipeline.resume import ShardPlan, plan_shards
@@ -148,14 +148,8 @@ class Work:
     def most_requests(self, num_prompts: int) -> int | None:
         """At most how many requests the run makes: each sample it reads asked every prompt (a follow-up as
         if its `when` matched); None where a shard's samples are known only by reading it (tar files)."""
-        total = 0
-        for info in self.shards:
-            selected = None if self.selection is None else self.selection.get(info.shard)
-            samples = info.num_rows if selected is None else len(selected)
-            if samples is None:
-                return None
-            total += samples * num_prompts
-        return total
+        samples = [samples_read(info, self.selection) for info in self.shards]
+        return None if None in samples else sum(samples) * num_prompts
 
 
 def job_work(cfg: JobConfig, task: TaskSlice | None, model_loaded: bool = False) -> Work:
