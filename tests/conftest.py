@@ -108,6 +108,7 @@ NEW_FAMILIES = [
     "qwen3_vl",
     "llava",
     "idefics3",
+    "smolvlm",
 ]  # qwen2_vl is the `tiny_model_dir` of the other tests
 
 

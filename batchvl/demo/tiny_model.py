@@ -17,6 +17,7 @@ from batchvl.demo.tiny_tokenizers import (
     build_idefics3_tokenizer,
     build_llama_tokenizer,
     build_qwen_tokenizer,
+    build_smolvlm_tokenizer,
 )
 from batchvl.errors import UserError
 
@@ -146,7 +147,7 @@ SIZES = {
 SIZES["thin"] = replace(SIZES["tiny"], merged_patches=SIZES["2b"].merged_patches)
 
 
-def _qwen_text_config(spec: TinySize, vocab_size: int, ids: dict[str, int], interleaved: bool) -> dict:
+def _decoder_widths(spec: TinySize, vocab_size: int) -> dict:
     return {
         "vocab_size": vocab_size,
         "hidden_size": spec.hidden_size,
@@ -154,6 +155,12 @@ def _qwen_text_config(spec: TinySize, vocab_size: int, ids: dict[str, int], inte
         "num_hidden_layers": spec.num_layers,
         "num_attention_heads": spec.num_heads,
         "num_key_value_heads": spec.num_kv_heads,
+    }
+
+
+def _qwen_text_config(spec: TinySize, vocab_size: int, ids: dict[str, int], interleaved: bool) -> dict:
+    return {
+        **_decoder_widths(spec, vocab_size),
         "head_dim": spec.head_dim,
         "max_position_embeddings": 32768,
         "rope_parameters": {
@@ -326,20 +333,15 @@ def _build_llava(out: Path, spec: TinySize, seed: int, sharpness: float) -> None
             "projection_dim": spec.vit_dim,
             "hidden_act": "quick_gelu",
         },
-        text_config={
-            "model_type": "llama",
-            "vocab_size": len(tokenizer),
-            "hidden_size": spec.hidden_size,
-            "intermediate_size": spec.intermediate_size,
-            "num_hidden_layers": spec.num_layers,
-            "num_attention_heads": spec.num_heads,
-            "num_key_value_heads": spec.num_kv_heads,
-            "max_position_embeddings": 4096,
-            "rms_norm_eps": 1e-5,
-            "bos_token_id": tokenizer.bos_token_id,
-            "eos_token_id": tokenizer.eos_token_id,
-            "pad_token_id": pad_id,
-        },
+        text_config=_llama_text_config(
+            spec,
+            len(tokenizer),
+            tokenizer.bos_token_id,
+            tokenizer.eos_token_id,
+            pad_id,
+            max_position_embeddings=4096,
+            rms_norm_eps=1e-5,
+        ),
         image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
         image_seq_length=(side // patch) ** 2,
         projector_hidden_act="gelu",
@@ -382,47 +384,107 @@ def _build_idefics3(out: Path, spec: TinySize, seed: int, sharpness: float) -> N
     tokenizer = build_idefics3_tokenizer(spec.vocab_size, seed, chat_templates.IDEFICS3)
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in tokenizer.all_special_tokens}
     tile, patch, scale = spec.tile_size, 14, 2
+    bos, eos, pad = ids["<|begin_of_text|>"], ids["<end_of_utterance>"], ids["<|finetune_right_pad_id|>"]
     config = Idefics3Config(
-        vision_config={
-            "hidden_size": spec.vit_dim,
-            "intermediate_size": 2 * spec.vit_dim,
-            "num_hidden_layers": spec.vit_depth,
-            "num_attention_heads": spec.vit_heads,
-            "image_size": tile,
-            "patch_size": patch,
-        },
-        text_config={
-            "model_type": "llama",
-            "vocab_size": len(tokenizer),
-            "hidden_size": spec.hidden_size,
-            "intermediate_size": spec.intermediate_size,
-            "num_hidden_layers": spec.num_layers,
-            "num_attention_heads": spec.num_heads,
-            "num_key_value_heads": spec.num_kv_heads,
-            "max_position_embeddings": 8192,
-            "bos_token_id": ids["<|begin_of_text|>"],
-            "eos_token_id": ids["<end_of_utterance>"],
-            "pad_token_id": ids["<|finetune_right_pad_id|>"],
-        },
+        vision_config=_tile_tower_config(spec, tile, patch),
+        text_config=_llama_text_config(spec, len(tokenizer), bos, eos, pad),
         scale_factor=scale,
         image_token_id=ids["<image>"],
-        pad_token_id=ids["<|finetune_right_pad_id|>"],
+        pad_token_id=pad,
     )
-    eos = [ids["<end_of_utterance>"], ids["<|end_of_text|>"]]
-    pad, bos = ids["<|finetune_right_pad_id|>"], ids["<|begin_of_text|>"]
-    _save_model(Idefics3ForConditionalGeneration, config, seed, out, eos, pad, bos, sharpness)
-    image_processor = Idefics3ImageProcessorPil(
+    _save_model(
+        Idefics3ForConditionalGeneration,
+        config,
+        seed,
+        out,
+        [eos, ids["<|end_of_text|>"]],
+        pad,
+        bos,
+        sharpness,
+    )
+    _save_tiled_processor(
+        Idefics3Processor,
+        Idefics3ImageProcessorPil,
+        tokenizer,
+        (tile, patch, scale),
+        chat_templates.IDEFICS3,
+        out,
+    )
+
+
+def _build_smolvlm(out: Path, spec: TinySize, seed: int, sharpness: float) -> None:
+    """SmolVLM2-256M's and -500M's layout: Idefics3's with 16-pixel patches and a pixel shuffle of scale 4
+    (a 512-pixel tile's 1,024 patches become 64 image tokens), SmolLM2-style text. The tiny size's tile is
+    128 pixels (4 tokens); the others have the real 512. An image is resized to 4 tiles on its longest edge,
+    as Idefics3's."""
+    from transformers import SmolVLMConfig, SmolVLMForConditionalGeneration
+
+    from batchvl.models.processor import SmolVLMImageOnlyProcessor, SmolVLMImageProcessorPil
+
+    tokenizer = build_smolvlm_tokenizer(spec.vocab_size, seed, chat_templates.SMOLVLM)
+    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in tokenizer.all_special_tokens}
+    tile, patch, scale = (128 if spec.tile_size < 256 else 512), 16, 4
+    bos, eos, pad = ids["<|im_start|>"], ids["<end_of_utterance>"], ids["<|im_end|>"]
+    config = SmolVLMConfig(
+        vision_config=_tile_tower_config(spec, tile, patch),
+        text_config=_llama_text_config(spec, len(tokenizer), bos, eos, pad, rope_theta=100000.0),
+        scale_factor=scale,
+        image_token_id=ids["<image>"],
+        pad_token_id=pad,
+    )
+    _save_model(SmolVLMForConditionalGeneration, config, seed, out, eos, pad, bos, sharpness)
+    _save_tiled_processor(
+        SmolVLMImageOnlyProcessor,
+        SmolVLMImageProcessorPil,
+        tokenizer,
+        (tile, patch, scale),
+        chat_templates.SMOLVLM,
+        out,
+    )
+
+
+def _tile_tower_config(spec: TinySize, tile: int, patch: int) -> dict:
+    """The SigLIP-style tower of the tiled families, one tile a call."""
+    return {
+        "hidden_size": spec.vit_dim,
+        "intermediate_size": 2 * spec.vit_dim,
+        "num_hidden_layers": spec.vit_depth,
+        "num_attention_heads": spec.vit_heads,
+        "image_size": tile,
+        "patch_size": patch,
+    }
+
+
+def _llama_text_config(spec: TinySize, vocab_size: int, bos: int, eos: int, pad: int, **extra) -> dict:
+    return {
+        "model_type": "llama",
+        **_decoder_widths(spec, vocab_size),
+        "max_position_embeddings": 8192,
+        "bos_token_id": bos,
+        "eos_token_id": eos,
+        "pad_token_id": pad,
+        **extra,
+    }
+
+
+def _save_tiled_processor(
+    processor_class, image_processor_class, tokenizer, tiling, chat_template, out: Path
+):
+    """An image is resized to 4 tiles on its longest edge; each tile's patches, pixel-shuffled by `scale`,
+    fill `image_seq_len` tokens."""
+    tile, patch, scale = tiling
+    image_processor = image_processor_class(
         size={"longest_edge": 4 * tile}, max_image_size={"longest_edge": tile}
     )
-    Idefics3Processor(
+    processor_class(
         image_processor=image_processor,
         tokenizer=tokenizer,
         image_seq_len=(tile // patch) ** 2 // scale**2,
-        chat_template=chat_templates.IDEFICS3,
+        chat_template=chat_template,
     ).save_pretrained(out)
 
 
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "idefics3")
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "idefics3", "smolvlm")
 
 
 def build_tiny_model(
@@ -441,6 +503,8 @@ def build_tiny_model(
         _build_llava(out, SIZES[size], seed, sharpness)
     elif family == "idefics3":
         _build_idefics3(out, SIZES[size], seed, sharpness)
+    elif family == "smolvlm":
+        _build_smolvlm(out, SIZES[size], seed, sharpness)
     else:
         _build_qwen(out, family, SIZES[size], seed, sharpness)
     return out

@@ -2,8 +2,9 @@
 
 Qwen families get a byte-level BPE in `Qwen2Tokenizer` with the Qwen special tokens; Llama-style families
 (LLaVA) a Metaspace BPE with byte fallback in `LlamaTokenizer` (`<unk> <s> </s>`, the 256 byte tokens),
-adding BOS like Llama does, plus `<image>` and `<pad>`; Idefics3 (Llama 3 text) a byte-level BPE in a
-`PreTrainedTokenizerFast` with the Idefics3 image tokens (its chat template writes the BOS).
+adding BOS like Llama does, plus `<image>` and `<pad>`; Idefics3 (Llama 3 text) and SmolVLM (SmolLM2 text)
+a byte-level BPE in a `PreTrainedTokenizerFast` with their image grid's tokens (their chat templates write
+the BOS).
 """
 
 from __future__ import annotations
@@ -106,10 +107,7 @@ def build_llama_tokenizer(vocab_size: int, seed: int, chat_template: str):
     return tokenizer
 
 
-IDEFICS3_SPECIAL_TOKENS = [
-    "<|begin_of_text|>",
-    "<|end_of_text|>",
-    "<|finetune_right_pad_id|>",
+IMAGE_GRID_TOKENS = [
     "<fake_token_around_image>",
     "<image>",
     "<global-img>",
@@ -119,20 +117,43 @@ IDEFICS3_SPECIAL_TOKENS = [
 
 
 def build_idefics3_tokenizer(vocab_size: int, seed: int, chat_template: str):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab, merges = _train_byte_level_bpe(vocab_size - len(IDEFICS3_SPECIAL_TOKENS), seed)
-    bpe = Tokenizer(models.BPE(vocab=vocab, merges=merges))
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=bpe,
+    """Llama 3's BOS, EOS and pad tokens, then the image grid's."""
+    return _byte_level_tokenizer(
+        vocab_size,
+        seed,
+        chat_template,
         bos_token="<|begin_of_text|>",
         eos_token="<|end_of_text|>",
         pad_token="<|finetune_right_pad_id|>",
-        unk_token=None,
     )
-    tokenizer.add_special_tokens({"additional_special_tokens": IDEFICS3_SPECIAL_TOKENS[3:]})
+
+
+def build_smolvlm_tokenizer(vocab_size: int, seed: int, chat_template: str):
+    """SmolVLM2's: SmolLM2's `<|endoftext|>` (unknown), `<|im_start|>` (BOS) and `<|im_end|>` (pad), the
+    image grid's tokens, `<end_of_utterance>` the EOS."""
+    return _byte_level_tokenizer(
+        vocab_size,
+        seed,
+        chat_template,
+        bos_token="<|im_start|>",
+        eos_token="<end_of_utterance>",
+        pad_token="<|im_end|>",
+        unk_token="<|endoftext|>",
+    )
+
+
+def _byte_level_tokenizer(vocab_size: int, seed: int, chat_template: str, **special: str):
+    """A byte-level BPE in a `PreTrainedTokenizerFast` with `special` (bos_token=..., ...) and the image
+    grid's tokens, `vocab_size` tokens in all."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    extra = [token for token in IMAGE_GRID_TOKENS if token not in special.values()]
+    vocab, merges = _train_byte_level_bpe(vocab_size - len(special) - len(extra), seed)
+    bpe = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, **{"unk_token": None, **special})
+    tokenizer.add_special_tokens({"additional_special_tokens": extra})
     tokenizer.chat_template = chat_template
     return tokenizer

@@ -62,6 +62,7 @@ PRE_NORM_LAYERS = {
     "CLIPEncoderLayer": ENCODER,
     "SiglipEncoderLayer": ENCODER,
     "Idefics3EncoderLayer": ENCODER,
+    "SmolVLMEncoderLayer": ENCODER,
     "Qwen2VLVisionBlock": QWEN_VISION_BLOCK,
     "Qwen2_5_VLVisionBlock": QWEN_VISION_BLOCK,
     "Qwen3VLVisionBlock": QWEN_VISION_BLOCK,

@@ -6,9 +6,12 @@ nothing untrusted is unpickled.
 
 from __future__ import annotations
 
+import inspect
+import json
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -134,7 +137,8 @@ def load_processor(path: str, model_type: str, trust_remote_code: bool = False):
     try:
         return AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code, backend=PIL_BACKEND)
     except (ImportError, ValueError, OSError, TypeError) as exc:
-        # Stock Qwen-VL processors carry a video processor that needs torchvision.
+        # Stock Qwen-VL and SmolVLM processors carry a video processor that needs torchvision (SmolVLM's
+        # also num2words).
         if model_type not in IMAGE_ONLY_PROCESSORS:
             raise UserError(f"cannot load the processor of '{path}': {exc}") from exc
         logger.debug("AutoProcessor failed (%s); building an image-only processor", exc)
@@ -142,9 +146,28 @@ def load_processor(path: str, model_type: str, trust_remote_code: bool = False):
         image_processor = AutoImageProcessor.from_pretrained(
             path, trust_remote_code=trust_remote_code, backend=PIL_BACKEND
         )
-        return IMAGE_ONLY_PROCESSORS[model_type](
-            image_processor=image_processor, tokenizer=tokenizer, chat_template=tokenizer.chat_template
+        image_only = IMAGE_ONLY_PROCESSORS[model_type]
+        return image_only(
+            image_processor=image_processor,
+            tokenizer=tokenizer,
+            chat_template=tokenizer.chat_template,
+            **saved_processor_settings(path, image_only),
         )
+
+
+def saved_processor_settings(path: str, processor_class: type) -> dict:
+    """The settings a checkpoint's `processor_config.json` gives its processor that `processor_class` takes
+    (SmolVLM's `image_seq_len`, the image tokens a frame's features fill), its parts and template aside."""
+    saved = Path(path, "processor_config.json")
+    if not saved.is_file():
+        return {}
+    taken = inspect.signature(processor_class.__init__).parameters
+    parts = {"self", "image_processor", "tokenizer", "chat_template"}
+    return {
+        key: value
+        for key, value in json.loads(saved.read_text()).items()
+        if key in taken and key not in parts
+    }
 
 
 def load_model(

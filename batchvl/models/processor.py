@@ -7,9 +7,13 @@ processor. They are registered with `AutoProcessor` on import so that a checkpoi
 batchvl's own preprocessing handles video for these families; the processor is used for its chat
 template and tokenizer (and, in tests, as the reference for images).
 
-Idefics3's PIL image processor needs no torchvision either, but some transformers releases (5.17 among them)
-declare that it does and hand out a placeholder that refuses to construct (`AutoImageProcessor` too); their
-own modules give the real classes, and the PIL class is registered by name in the same way.
+SmolVLM's processor also refuses to construct without num2words, which only its video prompts use (they
+spell the frame count out); batchvl's image-only one sets its attributes itself and does not ask for it.
+
+Idefics3's (and SmolVLM's) PIL image processor needs no torchvision either, but some transformers releases
+(5.17 among them) declare that it does and hand out a placeholder that refuses to construct
+(`AutoImageProcessor` too); their own modules give the real classes, and the PIL classes are registered by
+name in the same way.
 """
 
 from __future__ import annotations
@@ -23,9 +27,13 @@ from transformers import (
     Qwen2VLProcessor,
     Qwen3VLConfig,
     Qwen3VLProcessor,
+    SmolVLMConfig,
+    SmolVLMProcessor,
 )
 from transformers.models.auto.image_processing_auto import AutoImageProcessor
 from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+from transformers.models.smolvlm.image_processing_pil_smolvlm import SmolVLMImageProcessorPil
+from transformers.processing_utils import ProcessorMixin
 
 
 class QwenVLImageOnlyProcessor(Qwen2VLProcessor):
@@ -43,10 +51,32 @@ class Qwen3VLImageOnlyProcessor(Qwen3VLProcessor):
         super().__init__(image_processor=image_processor, tokenizer=tokenizer, chat_template=chat_template)
 
 
+class SmolVLMImageOnlyProcessor(SmolVLMProcessor):
+    """SmolVLM's image prompts and chat template, without its video processor and num2words: the attributes
+    `SmolVLMProcessor.__init__` sets, then the mixin's own construction."""
+
+    def __init__(
+        self, image_processor=None, tokenizer=None, image_seq_len: int = 169, chat_template=None, **kwargs
+    ):
+        self.fake_image_token = getattr(tokenizer, "fake_image_token", "<fake_token_around_image>")
+        self.image_token = getattr(tokenizer, "image_token", "<image>")
+        self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+        self.end_of_utterance_token = getattr(tokenizer, "end_of_utterance_token", "<end_of_utterance>")
+        self.global_image_token = getattr(tokenizer, "global_image_token", "<global-img>")
+        self.image_seq_len = image_seq_len
+        self.video_token = getattr(tokenizer, "video_token", "<video>")
+        ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+
+    def apply_chat_template(self, conversation, chat_template=None, **kwargs):
+        # SmolVLMProcessor's own adds its video processor's frame defaults to every call
+        return ProcessorMixin.apply_chat_template(self, conversation, chat_template, **kwargs)
+
+
 IMAGE_ONLY_PROCESSORS = {
     "qwen2_vl": QwenVLImageOnlyProcessor,
     "qwen2_5_vl": Qwen2_5_VLImageOnlyProcessor,
     "qwen3_vl": Qwen3VLImageOnlyProcessor,
+    "smolvlm": SmolVLMImageOnlyProcessor,
 }
 
 
@@ -65,9 +95,12 @@ for _config, _processor in (
     (Qwen2VLConfig, QwenVLImageOnlyProcessor),
     (Qwen2_5_VLConfig, Qwen2_5_VLImageOnlyProcessor),
     (Qwen3VLConfig, Qwen3VLImageOnlyProcessor),
+    (SmolVLMConfig, SmolVLMImageOnlyProcessor),
 ):
     AutoProcessor.register(_name_key(_config), _processor)
 
-AutoImageProcessor.register(
-    _name_key(Idefics3Config), image_processor_classes={"pil": Idefics3ImageProcessorPil}
-)
+for _config, _image_processor in (
+    (Idefics3Config, Idefics3ImageProcessorPil),
+    (SmolVLMConfig, SmolVLMImageProcessorPil),
+):
+    AutoImageProcessor.register(_name_key(_config), image_processor_classes={"pil": _image_processor})

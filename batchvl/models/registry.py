@@ -84,6 +84,14 @@ FAMILIES = {
             False,
             False,
         ),
+        # SmolVLM2: Idefics3's model with another processor (SmolVLM's first release is `idefics3`)
+        ModelFamily(
+            "smolvlm",
+            "batchvl.models.idefics3:Idefics3Adapter",
+            "batchvl.preprocess.tiled_vision:tiled_media_preparer",
+            False,
+            False,
+        ),
     )
 }
 

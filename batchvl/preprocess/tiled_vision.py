@@ -1,4 +1,5 @@
-"""Idefics3-style preprocessing without transformers: an image split into square tiles plus a global view.
+"""Idefics3-style preprocessing (Idefics3, SmolVLM) without transformers: an image split into square tiles
+plus a global view.
 
 The rule of the Idefics3 image processor: scale so the longest edge is `longest_edge` (short edge
 truncated, then made even; at most 4096), round both edges up to multiples of the tile (the vision
@@ -57,7 +58,8 @@ class TiledVisionSpec:
             rescale_factor=float(image_processor.rescale_factor),
             image_token=processor.image_token,
             fake_image_token=processor.fake_image_token,
-            global_image_token=processor.global_image_tag,
+            # Idefics3's processor names it global_image_tag, SmolVLM's global_image_token
+            global_image_token=getattr(processor, "global_image_tag", None) or processor.global_image_token,
         )
 
     def placeholder(self, rows: int, cols: int) -> str:

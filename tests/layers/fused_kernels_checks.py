@@ -99,6 +99,7 @@ SWAPPED = {
     "qwen3_vl": (9, 7, 0, 2, 2, 2, 2, 2),  # and the per-head q/k norms of its 2 text layers
     "llava": (5, 8, 3, 2, 2, 0, 2, 3),  # CLIP with one layer more than it uses
     "idefics3": (5, 5, 0, 2, 2, 0, 2, 2),  # SigLIP's MLP is GELU-tanh
+    "smolvlm": (5, 5, 0, 2, 2, 0, 2, 2),  # Idefics3's model
 }
 
 

@@ -163,7 +163,7 @@ def test_batched_towers_take_the_kernel_unmasked_in_bf16_and_sdpa_otherwise(ops,
     assert torch.equal(got, sdpa_attention_forward(module, query, key, value, None, scaling=0.1)[0])
 
 
-@pytest.mark.parametrize("family", ["llava", "idefics3"])
+@pytest.mark.parametrize("family", ["llava", "idefics3", "smolvlm"])
 def test_a_bf16_llava_or_idefics3_tower_runs_on_the_kernel(ops, family, tmp_path, monkeypatch):
     from batchvl.demo.tiny_model import build_tiny_model
     from batchvl.models.loader import load_model
@@ -182,7 +182,7 @@ def test_a_bf16_llava_or_idefics3_tower_runs_on_the_kernel(ops, family, tmp_path
     )
     tower = (
         loaded.adapter.model.model.vision_model
-        if family == "idefics3"
+        if family in ("idefics3", "smolvlm")
         else loaded.adapter.model.model.vision_tower
     )
     size = vision.image_size
