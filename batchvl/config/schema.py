@@ -381,12 +381,18 @@ class PreprocessConfig:
         above=0,
         defines_output=True,
     )
-    video_fps: float = job_key(2.0, "Video frames sampled per second of video", above=0, defines_output=True)
-    video_min_frames: int = job_key(4, "Fewest frames sampled from a video", above=0, defines_output=True)
-    video_max_frames: int = job_key(64, "Most frames sampled from a video", above=0, defines_output=True)
+    video_fps: float = job_key(
+        2.0, "Frames sampled per second of video (Qwen-VL)", above=0, defines_output=True
+    )
+    video_min_frames: int = job_key(
+        4, "Fewest frames sampled from a video (Qwen-VL)", above=0, defines_output=True
+    )
+    video_max_frames: int = job_key(
+        64, "Most frames sampled from a video (Qwen-VL)", above=0, defines_output=True
+    )
     video_max_pixels: int = job_key(
         20_000_000,
-        "Pixel budget of one video over all its frames (each frame gets an even share)",
+        "Pixel budget of one video over all its frames (each frame gets an even share; Qwen-VL)",
         above=0,
         defines_output=True,
     )

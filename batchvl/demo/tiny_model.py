@@ -440,6 +440,8 @@ def _build_smolvlm(out: Path, spec: TinySize, seed: int, sharpness: float) -> No
         (tile, patch, scale),
         chat_templates.SMOLVLM,
         out,
+        # as SmolVLM2's checkpoints: 1 frame a second, at most 64, each the size of a tile
+        video_sampling={"fps": 1, "max_frames": 64, "video_size": {"longest_edge": tile}},
     )
 
 
@@ -468,13 +470,13 @@ def _llama_text_config(spec: TinySize, vocab_size: int, bos: int, eos: int, pad:
 
 
 def _save_tiled_processor(
-    processor_class, image_processor_class, tokenizer, tiling, chat_template, out: Path
+    processor_class, image_processor_class, tokenizer, tiling, chat_template, out: Path, **image_settings
 ):
     """An image is resized to 4 tiles on its longest edge; each tile's patches, pixel-shuffled by `scale`,
     fill `image_seq_len` tokens."""
     tile, patch, scale = tiling
     image_processor = image_processor_class(
-        size={"longest_edge": 4 * tile}, max_image_size={"longest_edge": tile}
+        size={"longest_edge": 4 * tile}, max_image_size={"longest_edge": tile}, **image_settings
     )
     processor_class(
         image_processor=image_processor,

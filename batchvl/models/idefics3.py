@@ -37,3 +37,11 @@ class Idefics3Adapter(VLMAdapter):
         features = model.connector(hidden)  # (frames, image_seq_len, hidden)
         rows_per_frame = features.shape[1]
         return list(features.flatten(0, 1).split((grid_thw[:, 0] * rows_per_frame).tolist()))
+
+
+class SmolVLMAdapter(Idefics3Adapter):
+    """SmolVLM2: Idefics3's model, whose video frames fill image tokens (each frame a global view)."""
+
+    def __init__(self, model, dtype: torch.dtype, device: torch.device):
+        super().__init__(model, dtype, device)
+        self.placeholder_token_ids["video"] = model.config.image_token_id

@@ -84,12 +84,12 @@ FAMILIES = {
             False,
             False,
         ),
-        # SmolVLM2: Idefics3's model with another processor (SmolVLM's first release is `idefics3`)
+        # SmolVLM2: Idefics3's model with another processor, and video (SmolVLM's first release is `idefics3`)
         ModelFamily(
             "smolvlm",
-            "batchvl.models.idefics3:Idefics3Adapter",
-            "batchvl.preprocess.tiled_vision:tiled_media_preparer",
-            False,
+            "batchvl.models.idefics3:SmolVLMAdapter",
+            "batchvl.preprocess.smolvlm_video:smolvlm_media_preparer",
+            True,
             False,
         ),
     )

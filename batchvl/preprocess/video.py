@@ -1,15 +1,18 @@
 """Video decoding (PyAV) and frame sampling: which frames a clip contributes, decoded to RGB arrays.
 
-Frames are sampled uniformly at `fps` frames per second of video, at least `min_frames`, at most
-`max_frames`, and always a multiple of the vision tower's temporal patch (the rule of the Qwen-VL video
-processors). Only the chosen frames are converted to arrays, so a long clip costs decode time, not memory.
+For the Qwen-VL families, frames are sampled uniformly at `fps` frames per second of video, at least
+`min_frames`, at most `max_frames`, and always a multiple of the vision tower's temporal patch (the rule of
+the Qwen-VL video processors); other families give `decode_frames` their own rule. Only the chosen frames
+are converted to arrays, so a long clip costs decode time, not memory.
 """
 
 from __future__ import annotations
 
 import io
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -63,10 +66,37 @@ def pad_to_temporal_patch(
     return frames, indices
 
 
+class ClipFrames(NamedTuple):
+    """Chosen frames of a clip, decoded, with what a family's sampling rule read of the clip."""
+
+    frames: np.ndarray  # uint8 (N, H, W, 3)
+    indices: list[int]  # each frame's index in the clip
+    total_frames: int
+    native_fps: float
+
+
 def decode_video(
     data: bytes | None, path: str | None, sampling: FrameSampling, temporal_patch: int, max_frame_pixels: int
 ) -> DecodedVideo:
     """Decode the sampled frames of a clip: uint8 (T, H, W, 3), T a multiple of `temporal_patch`."""
+
+    def qwen_indices(total: int, native_fps: float) -> list[int]:
+        return frame_indices(total, num_sampled_frames(total, native_fps, sampling, temporal_patch))
+
+    clip = decode_frames(data, path, qwen_indices, max_frame_pixels)
+    padded, padded_indices = pad_to_temporal_patch(clip.frames, clip.indices, temporal_patch)
+    sampled_fps = len(clip.frames) * clip.native_fps / clip.total_frames
+    return DecodedVideo(padded, padded_indices, clip.native_fps, sampled_fps)
+
+
+def decode_frames(
+    data: bytes | None,
+    path: str | None,
+    choose: Callable[[int, float], list[int]],
+    max_frame_pixels: int,
+) -> ClipFrames:
+    """Decode the frames `choose(total frames, frames per second)` names (ascending) of a clip, or raise a
+    SampleError saying what is wrong with it."""
     try:
         import av
     except ImportError as exc:  # a core dependency, but a broken install should say what is missing
@@ -78,7 +108,7 @@ def decode_video(
         total, native_fps = _count_frames(data, path)
         if total == 0:
             raise SampleError("video_decode_error", "video has no decodable frames")
-        wanted = frame_indices(total, num_sampled_frames(total, native_fps, sampling, temporal_patch))
+        wanted = choose(total, native_fps)
         frames, indices = [], []
         with av.open(io.BytesIO(data) if data is not None else path) as container:
             stream = container.streams.video[0]
@@ -99,8 +129,7 @@ def decode_video(
                     break
         if not frames:
             raise SampleError("video_decode_error", "no frame of the video could be decoded")
-        padded, padded_indices = pad_to_temporal_patch(np.stack(frames), indices, temporal_patch)
-        return DecodedVideo(padded, padded_indices, native_fps, len(frames) * native_fps / total)
+        return ClipFrames(np.stack(frames), indices, total, native_fps)
     except SampleError:
         raise
     except FileNotFoundError as exc:

@@ -88,6 +88,14 @@ def inputs_for(model, ids: list[int], media: list[PreparedMedia]) -> dict:
     """`generate`'s inputs for batchvl's own prompt ids and media tensors: for media the family's own
     processor cannot make here (video processors need torchvision)."""
     tensor_ids = torch.tensor([ids])
+    if model.config.model_type == "smolvlm":
+        # every image's and video's frames, in prompt order, as one sample's frames
+        pixels = torch.from_numpy(tower_pixels(media))[None]
+        return {
+            "input_ids": tensor_ids,
+            "attention_mask": torch.ones_like(tensor_ids),
+            "pixel_values": pixels,
+        }
     token_types = torch.zeros_like(tensor_ids)
     token_types[tensor_ids == model.config.image_token_id] = 1
     token_types[tensor_ids == model.config.video_token_id] = 2

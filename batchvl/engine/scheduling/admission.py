@@ -19,25 +19,27 @@ def media_spans(
     prompt_token_ids: list[int], media: list[PreparedMedia], placeholder_token_ids: dict[str, int]
 ) -> list[MediaSpan]:
     """Each image (or video) takes the next `num_tokens` placeholder tokens of its kind, in prompt order;
-    they form one run or several (tiles, frames), each filled by the next rows of its embedding."""
+    they form one run or several (tiles, frames), each filled by the next rows of its embedding. Kinds that
+    share a token (SmolVLM's video frames are image tokens) take that token's placeholders in turn."""
     ids = np.asarray(prompt_token_ids)
     placeholders = {kind: np.flatnonzero(ids == token) for kind, token in placeholder_token_ids.items()}
-    taken = dict.fromkeys(placeholders, 0)
+    taken = dict.fromkeys(placeholder_token_ids.values(), 0)
     none = np.empty(0, dtype=np.int64)  # a kind the model has no placeholder for
     spans = []
     for item in media:
-        first = taken.get(item.kind, 0)
+        token = placeholder_token_ids.get(item.kind)
+        first = taken.get(token, 0)
         positions = placeholders.get(item.kind, none)[first : first + item.num_tokens]
         if len(positions) < item.num_tokens:
             raise _placeholder_mismatch(media, placeholders)
-        taken[item.kind] = first + item.num_tokens
+        taken[token] = first + item.num_tokens
         run_starts = np.flatnonzero(np.diff(positions, prepend=-2) != 1)
         run_ends = np.append(run_starts[1:], len(positions))
         spans += [
             MediaSpan(int(positions[lo]), int(hi - lo), item.content_hash, int(lo))
             for lo, hi in zip(run_starts, run_ends, strict=True)
         ]
-    if any(taken[kind] != len(found) for kind, found in placeholders.items()):
+    if any(taken[placeholder_token_ids[kind]] != len(found) for kind, found in placeholders.items()):
         raise _placeholder_mismatch(media, placeholders)
     return sorted(spans, key=lambda span: span.offset)
 
