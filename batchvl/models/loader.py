@@ -7,11 +7,9 @@ nothing untrusted is unpickled.
 from __future__ import annotations
 
 import inspect
-import json
 import logging
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -147,26 +145,22 @@ def load_processor(path: str, model_type: str, trust_remote_code: bool = False):
             path, trust_remote_code=trust_remote_code, backend=PIL_BACKEND
         )
         image_only = IMAGE_ONLY_PROCESSORS[model_type]
-        return image_only(
-            image_processor=image_processor,
-            tokenizer=tokenizer,
-            chat_template=tokenizer.chat_template,
-            **saved_processor_settings(path, image_only),
-        )
+        settings = {"chat_template": tokenizer.chat_template, **saved_processor_settings(path, image_only)}
+        return image_only(image_processor=image_processor, tokenizer=tokenizer, **settings)
 
 
 def saved_processor_settings(path: str, processor_class: type) -> dict:
-    """The settings a checkpoint's `processor_config.json` gives its processor that `processor_class` takes
-    (SmolVLM's `image_seq_len`, the image tokens a frame's features fill), its parts and template aside."""
-    saved = Path(path, "processor_config.json")
-    if not saved.is_file():
-        return {}
+    """What a checkpoint saved for its processor that `processor_class` takes, its parts aside: the settings
+    of `processor_config.json` (SmolVLM's `image_seq_len`, the image tokens a frame's features fill) and the
+    processor's chat template (`chat_template.jinja`, or the older `chat_template.json`, which a tokenizer
+    does not read)."""
+    from transformers.processing_utils import ProcessorMixin
+
+    saved, _ = ProcessorMixin.get_processor_dict(path)
     taken = inspect.signature(processor_class.__init__).parameters
-    parts = {"self", "image_processor", "tokenizer", "chat_template"}
+    parts = {"self", "image_processor", "tokenizer"}
     return {
-        key: value
-        for key, value in json.loads(saved.read_text()).items()
-        if key in taken and key not in parts
+        key: value for key, value in saved.items() if key in taken and key not in parts and value is not None
     }
 
 

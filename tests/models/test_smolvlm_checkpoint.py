@@ -10,6 +10,7 @@ import pytest
 from transformers import AutoConfig
 
 from batchvl.config import PreprocessConfig
+from batchvl.demo import chat_templates
 from batchvl.demo.tiny_model import build_tiny_model
 from batchvl.inputs.types import MediaRef
 from batchvl.models.loader import load_processor
@@ -23,8 +24,12 @@ from tests.conftest import png_bytes, random_image, tower_pixels
 def published_layout(tmp_path_factory):
     """The tiny SmolVLM saved as the hub's checkpoints lay their processor out: `processor_config.json`
     with the stock class and the image tokens a frame fills, the image processor in
-    `preprocessor_config.json`."""
+    `preprocessor_config.json`, the chat template in the processor's older `chat_template.json` (which the
+    tokenizer does not read)."""
     path = build_tiny_model(tmp_path_factory.mktemp("models") / "smolvlm", family="smolvlm", seed=0)
+    template = (path / "chat_template.jinja").read_text()
+    (path / "chat_template.jinja").unlink()
+    (path / "chat_template.json").write_text(json.dumps({"chat_template": template}))
     saved = json.loads((path / "processor_config.json").read_text())
     image_processor = {**saved.pop("image_processor"), "processor_class": "SmolVLMProcessor"}
     (path / "preprocessor_config.json").write_text(json.dumps(image_processor))
@@ -39,6 +44,7 @@ def test_the_published_layout_loads_with_its_own_image_tokens_a_frame(published_
     assert type(processor) is SmolVLMImageOnlyProcessor
     assert image_seq_len != 169  # the processor's default, which the model's features would not fill
     assert processor.image_seq_len == image_seq_len
+    assert processor.chat_template == chat_templates.SMOLVLM
 
 
 def test_the_published_layouts_prompt_and_pixels_are_the_processors(published_layout):
