@@ -492,7 +492,10 @@ def _where(path: str) -> str:
 def make_tiny_model(
     out_dir: Annotated[Path, typer.Argument(help="Folder to write the checkpoint to.", show_default=False)],
     family: Annotated[
-        str, typer.Option(help="Model family: qwen2_vl, qwen2_5_vl, qwen3_vl, llava, idefics3 or smolvlm.")
+        str,
+        typer.Option(
+            help="Model family: qwen2_vl, qwen2_5_vl, qwen3_vl, llava, idefics3, smolvlm or internvl."
+        ),
     ] = "qwen2_vl",
     size: Annotated[
         str,

@@ -109,6 +109,7 @@ NEW_FAMILIES = [
     "llava",
     "idefics3",
     "smolvlm",
+    "internvl",
 ]  # qwen2_vl is the `tiny_model_dir` of the other tests
 
 

@@ -179,7 +179,7 @@ def test_unknown_model_type_is_a_user_error(job, tmp_path):
     assert result.returncode == 2
     (line,) = result.stderr.strip().splitlines()
     assert "'bert' is not supported" in line
-    for family in ("idefics3", "llava", "qwen2_5_vl", "qwen2_vl", "qwen3_vl", "smolvlm"):
+    for family in ("idefics3", "internvl", "llava", "qwen2_5_vl", "qwen2_vl", "qwen3_vl", "smolvlm"):
         assert family in line
 
 

@@ -69,3 +69,16 @@ SMOLVLM = (
     "{% endif %}{% endfor %}<end_of_utterance>\n"
     "{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
 )
+
+# InternVL (the transformers-format checkpoints, "-hf"): ChatML, an image as "<IMG_CONTEXT>\n", a video as
+# "<video>\n", no default system turn.
+INTERNVL = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n'}}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' %}{{ '<IMG_CONTEXT>\n' }}"
+    "{% elif content['type'] == 'video' %}{{ '<video>\n' }}"
+    "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{{'<|im_end|>\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{'<|im_start|>assistant\n' }}{% endif %}"
+)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from batchvl.demo import chat_templates
 from batchvl.demo.tiny_tokenizers import (
+    INTERNVL_IMAGE_TOKENS,
     QWEN_SPECIAL_TOKENS,
     build_idefics3_tokenizer,
     build_llama_tokenizer,
@@ -445,6 +446,58 @@ def _build_smolvlm(out: Path, spec: TinySize, seed: int, sharpness: float) -> No
     )
 
 
+def _build_internvl(out: Path, spec: TinySize, seed: int, sharpness: float) -> None:
+    """InternVL3's layout (the transformers-format checkpoints): an InternViT tower over square tiles of
+    14-pixel patches, CLS dropped, a pixel shuffle of 0.5 and a 2-layer projector, Qwen2.5-style text. The
+    tile is the CLIP crop's side (448 in the real ones); an image becomes up to 12 tiles plus a thumbnail."""
+    from transformers import InternVLConfig, InternVLForConditionalGeneration
+
+    from batchvl.models.processor import GotOcr2ImageProcessorPil, InternVLImageOnlyProcessor
+
+    named = INTERNVL_IMAGE_TOKENS
+    tokenizer = build_qwen_tokenizer(spec.vocab_size, seed, chat_templates.INTERNVL, named)
+    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in tokenizer.all_special_tokens}
+    tile, patch = spec.clip_image_size, 14
+    config = InternVLConfig(
+        vision_config={
+            "hidden_size": spec.vit_dim,
+            "intermediate_size": 2 * spec.vit_dim,
+            "num_hidden_layers": spec.vit_depth,
+            "num_attention_heads": spec.vit_heads,
+            "image_size": [tile, tile],
+            "patch_size": [patch, patch],
+            "use_absolute_position_embeddings": True,
+        },
+        text_config={
+            "model_type": "qwen2",
+            **_decoder_widths(spec, len(tokenizer)),
+            "max_position_embeddings": 8192,
+            "bos_token_id": ids["<|endoftext|>"],
+            "eos_token_id": ids["<|im_end|>"],
+            "pad_token_id": ids["<|endoftext|>"],
+        },
+        image_token_id=ids[named["context_image_token"]],
+        downsample_ratio=0.5,
+    )
+    eos, pad = ids["<|im_end|>"], ids["<|endoftext|>"]
+    _save_model(InternVLForConditionalGeneration, config, seed, out, eos, pad, pad, sharpness)
+    # as the published checkpoints: crop_to_patches saved false, which the processor's call overrides
+    image_processor = GotOcr2ImageProcessorPil(
+        size={"height": tile, "width": tile},
+        crop_to_patches=False,
+        min_patches=1,
+        max_patches=12,
+        image_mean=[0.485, 0.456, 0.406],
+        image_std=[0.229, 0.224, 0.225],
+    )
+    InternVLImageOnlyProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        image_seq_length=(tile // patch) ** 2 // 4,
+        chat_template=chat_templates.INTERNVL,
+    ).save_pretrained(out)
+
+
 def _tile_tower_config(spec: TinySize, tile: int, patch: int) -> dict:
     """The SigLIP-style tower of the tiled families, one tile a call."""
     return {
@@ -486,7 +539,7 @@ def _save_tiled_processor(
     ).save_pretrained(out)
 
 
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "idefics3", "smolvlm")
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "idefics3", "smolvlm", "internvl")
 
 
 def build_tiny_model(
@@ -507,6 +560,8 @@ def build_tiny_model(
         _build_idefics3(out, SIZES[size], seed, sharpness)
     elif family == "smolvlm":
         _build_smolvlm(out, SIZES[size], seed, sharpness)
+    elif family == "internvl":
+        _build_internvl(out, SIZES[size], seed, sharpness)
     else:
         _build_qwen(out, family, SIZES[size], seed, sharpness)
     return out

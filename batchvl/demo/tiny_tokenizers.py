@@ -1,8 +1,9 @@
 """Tokenizers for locally built checkpoints: a BPE trained here, in the family's real tokenizer class.
 
-Qwen families get a byte-level BPE in `Qwen2Tokenizer` with the Qwen special tokens; Llama-style families
-(LLaVA) a Metaspace BPE with byte fallback in `LlamaTokenizer` (`<unk> <s> </s>`, the 256 byte tokens),
-adding BOS like Llama does, plus `<image>` and `<pad>`; Idefics3 (Llama 3 text) and SmolVLM (SmolLM2 text)
+Qwen families and InternVL (Qwen2.5 text) get a byte-level BPE in `Qwen2Tokenizer` with the Qwen special
+tokens (InternVL's image tokens too); Llama-style families (LLaVA) a Metaspace BPE with byte fallback in
+`LlamaTokenizer` (`<unk> <s> </s>`, the 256 byte tokens), adding BOS like Llama does, plus `<image>` and
+`<pad>`; Idefics3 (Llama 3 text) and SmolVLM (SmolLM2 text)
 a byte-level BPE in a `PreTrainedTokenizerFast` with their image grid's tokens (their chat templates write
 the BOS).
 """
@@ -67,10 +68,13 @@ def _train_byte_level_bpe(vocab_size: int, seed: int):
     )
 
 
-def build_qwen_tokenizer(vocab_size: int, seed: int, chat_template: str):
+def build_qwen_tokenizer(vocab_size: int, seed: int, chat_template: str, named: dict[str, str] | None = None):
+    """Qwen2's special tokens, and `named` ones the processor reads as the tokenizer's attributes (InternVL's
+    `start_image_token`, ...)."""
     from transformers import Qwen2Tokenizer
 
-    vocab, merges = _train_byte_level_bpe(vocab_size - len(QWEN_SPECIAL_TOKENS), seed)
+    named = named or {}
+    vocab, merges = _train_byte_level_bpe(vocab_size - len(QWEN_SPECIAL_TOKENS) - len(named), seed)
     tokenizer = Qwen2Tokenizer(
         vocab=vocab,
         merges=merges,
@@ -78,11 +82,21 @@ def build_qwen_tokenizer(vocab_size: int, seed: int, chat_template: str):
         bos_token=None,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
+        **({"extra_special_tokens": named} if named else {}),
     )
     tokenizer.add_special_tokens({"additional_special_tokens": QWEN_SPECIAL_TOKENS[1:]})
-    tokenizer.add_tokens(["<|endoftext|>"], special_tokens=True)
+    tokenizer.add_tokens(["<|endoftext|>", *named.values()], special_tokens=True)
     tokenizer.chat_template = chat_template
     return tokenizer
+
+
+# InternVL's image tokens, by the names its processor reads them from the tokenizer
+INTERNVL_IMAGE_TOKENS = {
+    "start_image_token": "<img>",
+    "end_image_token": "</img>",
+    "context_image_token": "<IMG_CONTEXT>",
+    "video_token": "<video>",
+}
 
 
 def build_llama_tokenizer(vocab_size: int, seed: int, chat_template: str):

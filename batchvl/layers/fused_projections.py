@@ -27,7 +27,13 @@ from batchvl.layers.rotary import apply_rotary_rows
 # cos/sin the decoder passes as `position_embeddings` (Qwen3-VL's with q_norm and k_norm, per head, between
 # projection and rotation), and MLPs computing down_proj(act_fn(gate_proj(x)) * up_proj(x)), in
 # transformers 5.23.
-FUSABLE_ATTENTION = ("Qwen2VLAttention", "Qwen2_5_VLAttention", "Qwen3VLTextAttention", "LlamaAttention")
+FUSABLE_ATTENTION = (
+    "Qwen2VLAttention",
+    "Qwen2_5_VLAttention",
+    "Qwen3VLTextAttention",
+    "LlamaAttention",
+    "Qwen2Attention",  # InternVL3's text
+)
 FUSABLE_MLPS = ("Qwen2MLP", "Qwen2_5_VLMLP", "Qwen3VLTextMLP", "LlamaMLP")
 
 

@@ -18,6 +18,10 @@ class LlavaAdapter(VLMAdapter):
 
     @torch.inference_mode()
     def encode(self, kind: str, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]:
+        return list(self.crop_features(pixel_values))
+
+    def crop_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """(crops, rows, hidden): each crop's features, the chosen layer's through the projector."""
         config = self.model.config
         out = self.model.model.get_image_features(
             pixel_values.to(self.device, self.dtype),
@@ -25,4 +29,4 @@ class LlavaAdapter(VLMAdapter):
             vision_feature_select_strategy=config.vision_feature_select_strategy,
             return_dict=True,
         )
-        return list(out.pooler_output)
+        return out.pooler_output

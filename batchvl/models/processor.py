@@ -4,16 +4,17 @@ transformers' `ProcessorMixin` reads its sub-processors from the `__init__` sign
 takes only (image_processor, tokenizer, chat_template) constructs, saves and reloads without a video
 processor. They are registered with `AutoProcessor` on import so that a checkpoint saved with one (its
 `processor_class` names it, as `batchvl make-tiny-model` saves them) loads offline.
-batchvl's own preprocessing handles video for these families; the processor is used for its chat
-template and tokenizer (and, in tests, as the reference for images).
+batchvl's own preprocessing handles video for these families (InternVL's videos are refused as
+`unsupported_media`); the processor is used for its chat template and tokenizer (and, in tests, as the
+reference for images).
 
 SmolVLM's processor also refuses to construct without num2words, which only its video prompts use (they
 spell the frame count out); batchvl's image-only one sets its attributes itself and does not ask for it.
 
-Idefics3's (and SmolVLM's) PIL image processor needs no torchvision either, but some transformers releases
-(5.17 among them) declare that it does and hand out a placeholder that refuses to construct
-(`AutoImageProcessor` too); their own modules give the real classes, and the PIL classes are registered by
-name in the same way.
+Idefics3's (and SmolVLM's, and InternVL's GOT-OCR2) PIL image processor needs no torchvision either, but
+some transformers releases (5.17 among them) declare that it does and hand out a placeholder that refuses
+to construct (`AutoImageProcessor` too); their own modules give the real classes, and the PIL classes are
+registered by name in the same way.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from __future__ import annotations
 from transformers import (
     AutoProcessor,
     Idefics3Config,
+    InternVLConfig,
+    InternVLProcessor,
     Qwen2_5_VLConfig,
     Qwen2_5_VLProcessor,
     Qwen2VLConfig,
@@ -31,6 +34,7 @@ from transformers import (
     SmolVLMProcessor,
 )
 from transformers.models.auto.image_processing_auto import AutoImageProcessor
+from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
 from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
 from transformers.models.smolvlm.image_processing_pil_smolvlm import SmolVLMImageProcessorPil
 from transformers.processing_utils import ProcessorMixin
@@ -49,6 +53,18 @@ class Qwen2_5_VLImageOnlyProcessor(Qwen2_5_VLProcessor):
 class Qwen3VLImageOnlyProcessor(Qwen3VLProcessor):
     def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
         super().__init__(image_processor=image_processor, tokenizer=tokenizer, chat_template=chat_template)
+
+
+class InternVLImageOnlyProcessor(InternVLProcessor):
+    def __init__(
+        self, image_processor=None, tokenizer=None, image_seq_length: int = 256, chat_template=None, **kwargs
+    ):
+        super().__init__(
+            image_processor=image_processor,
+            tokenizer=tokenizer,
+            image_seq_length=image_seq_length,
+            chat_template=chat_template,
+        )
 
 
 class SmolVLMImageOnlyProcessor(SmolVLMProcessor):
@@ -77,6 +93,7 @@ IMAGE_ONLY_PROCESSORS = {
     "qwen2_5_vl": Qwen2_5_VLImageOnlyProcessor,
     "qwen3_vl": Qwen3VLImageOnlyProcessor,
     "smolvlm": SmolVLMImageOnlyProcessor,
+    "internvl": InternVLImageOnlyProcessor,
 }
 
 
@@ -96,11 +113,13 @@ for _config, _processor in (
     (Qwen2_5_VLConfig, Qwen2_5_VLImageOnlyProcessor),
     (Qwen3VLConfig, Qwen3VLImageOnlyProcessor),
     (SmolVLMConfig, SmolVLMImageOnlyProcessor),
+    (InternVLConfig, InternVLImageOnlyProcessor),
 ):
     AutoProcessor.register(_name_key(_config), _processor)
 
 for _config, _image_processor in (
     (Idefics3Config, Idefics3ImageProcessorPil),
     (SmolVLMConfig, SmolVLMImageProcessorPil),
+    (InternVLConfig, GotOcr2ImageProcessorPil),
 ):
     AutoImageProcessor.register(_name_key(_config), image_processor_classes={"pil": _image_processor})

@@ -84,6 +84,13 @@ FAMILIES = {
             False,
             False,
         ),
+        ModelFamily(
+            "internvl",
+            "batchvl.models.internvl:InternVLAdapter",
+            "batchvl.preprocess.internvl_tiles:internvl_media_preparer",
+            False,
+            False,
+        ),
         # SmolVLM2: Idefics3's model with another processor, and video (SmolVLM's first release is `idefics3`)
         ModelFamily(
             "smolvlm",

@@ -19,7 +19,7 @@ from PIL import Image
 from batchvl.config import PreprocessConfig
 from batchvl.preprocess.image import ImagePreparer, channels_first, check_aspect_ratio
 from batchvl.preprocess.media import PreparedMedia, prepared_media
-from batchvl.preprocess.pixel_normalization import PixelNormalization
+from batchvl.preprocess.pixel_normalization import PixelNormalization, image_processor_pixels
 
 
 @dataclass(frozen=True)
@@ -50,10 +50,7 @@ class ClipVisionSpec:
             crop_height=int(crop["height"]),
             crop_width=int(crop["width"]),
             pad_to_square=bool(getattr(image_processor, "do_pad", False)),
-            image_mean=tuple(float(v) for v in image_processor.image_mean),
-            image_std=tuple(float(v) for v in image_processor.image_std),
-            rescale_factor=float(image_processor.rescale_factor),
-            resample=int(image_processor.resample),
+            **image_processor_pixels(image_processor),
             patch_size=patch,
             num_image_tokens=num_tokens,
             image_token=processor.image_token,

@@ -42,6 +42,17 @@ class PixelNormalization:
         return struct.pack(f"<{len(numbers)}dq", *numbers, self.repeat)
 
 
+def image_processor_pixels(image_processor) -> dict:
+    """What a family's spec takes of its image processor's pixel arithmetic: the resize filter (a PIL
+    resampling filter) and the normalization's numbers."""
+    return {
+        "resample": int(image_processor.resample),
+        "image_mean": tuple(float(v) for v in image_processor.image_mean),
+        "image_std": tuple(float(v) for v in image_processor.image_std),
+        "rescale_factor": float(image_processor.rescale_factor),
+    }
+
+
 def normalized_pixels(
     raw: torch.Tensor, normalization: PixelNormalization, dtype: torch.dtype, rows: int | None = None
 ) -> torch.Tensor:

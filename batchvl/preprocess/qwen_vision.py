@@ -22,7 +22,7 @@ from batchvl.config import PreprocessConfig
 from batchvl.inputs.types import MediaRef
 from batchvl.preprocess.image import channels_first, check_aspect_ratio, decode_image
 from batchvl.preprocess.media import PreparedMedia, prepared_media
-from batchvl.preprocess.pixel_normalization import PixelNormalization
+from batchvl.preprocess.pixel_normalization import PixelNormalization, image_processor_pixels
 from batchvl.preprocess.video import DecodedVideo, FrameSampling, decode_video
 
 
@@ -67,10 +67,7 @@ class QwenVisionSpec:
             merge_size=int(image_processor.merge_size),
             min_pixels=int(min_pixels if min_pixels is not None else own_min),
             max_pixels=int(max_pixels if max_pixels is not None else own_max),
-            image_mean=tuple(float(v) for v in image_processor.image_mean),
-            image_std=tuple(float(v) for v in image_processor.image_std),
-            rescale_factor=float(image_processor.rescale_factor),
-            resample=int(image_processor.resample),
+            **image_processor_pixels(image_processor),
             video_timestamps=video_timestamps,
         )
 

@@ -23,7 +23,7 @@ from PIL import Image
 from batchvl.config import PreprocessConfig
 from batchvl.preprocess.image import ImagePreparer, channels_first, check_aspect_ratio
 from batchvl.preprocess.media import PreparedMedia, prepared_media
-from batchvl.preprocess.pixel_normalization import PixelNormalization
+from batchvl.preprocess.pixel_normalization import PixelNormalization, image_processor_pixels
 
 MAX_SIDE = 4096  # the processor caps the resized longest edge here
 
@@ -52,10 +52,7 @@ class TiledVisionSpec:
             patch_size=patch_size,
             image_seq_len=int(processor.image_seq_len),
             split=bool(image_processor.do_image_splitting),
-            resample=int(image_processor.resample),
-            image_mean=tuple(float(v) for v in image_processor.image_mean),
-            image_std=tuple(float(v) for v in image_processor.image_std),
-            rescale_factor=float(image_processor.rescale_factor),
+            **image_processor_pixels(image_processor),
             image_token=processor.image_token,
             fake_image_token=processor.fake_image_token,
             # Idefics3's processor names it global_image_tag, SmolVLM's global_image_token

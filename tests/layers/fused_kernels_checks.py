@@ -100,6 +100,7 @@ SWAPPED = {
     "llava": (5, 8, 3, 2, 2, 0, 2, 3),  # CLIP with one layer more than it uses
     "idefics3": (5, 5, 0, 2, 2, 0, 2, 2),  # SigLIP's MLP is GELU-tanh
     "smolvlm": (5, 5, 0, 2, 2, 0, 2, 2),  # Idefics3's model
+    "internvl": (5, 5, 0, 2, 2, 0, 2, 0),  # InternViT's layers scale their branches: not fused
 }
 
 

@@ -163,8 +163,8 @@ def test_batched_towers_take_the_kernel_unmasked_in_bf16_and_sdpa_otherwise(ops,
     assert torch.equal(got, sdpa_attention_forward(module, query, key, value, None, scaling=0.1)[0])
 
 
-@pytest.mark.parametrize("family", ["llava", "idefics3", "smolvlm"])
-def test_a_bf16_llava_or_idefics3_tower_runs_on_the_kernel(ops, family, tmp_path, monkeypatch):
+@pytest.mark.parametrize("family", ["llava", "idefics3", "smolvlm", "internvl"])
+def test_a_bf16_tower_over_equal_crops_runs_on_the_kernel(ops, family, tmp_path, monkeypatch):
     from batchvl.demo.tiny_model import build_tiny_model
     from batchvl.models.loader import load_model
 
@@ -185,7 +185,7 @@ def test_a_bf16_llava_or_idefics3_tower_runs_on_the_kernel(ops, family, tmp_path
         if family in ("idefics3", "smolvlm")
         else loaded.adapter.model.model.vision_tower
     )
-    size = vision.image_size
+    size = vision.image_size[0] if isinstance(vision.image_size, list) else vision.image_size  # InternViT's
     with torch.inference_mode():
         tower(torch.randn(2, 3, size, size, dtype=torch.bfloat16))
     assert len(calls) == vision.num_hidden_layers

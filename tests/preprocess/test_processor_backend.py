@@ -25,7 +25,7 @@ def backends_asked(monkeypatch, loader_class) -> list:
     return asked
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "llava", "idefics3", "smolvlm"])
+@pytest.mark.parametrize("family", ["qwen2_vl", "llava", "idefics3", "smolvlm", "internvl"])
 def test_the_loaded_processor_is_the_pillow_backend(tmp_path, monkeypatch, family):
     path = build_tiny_model(tmp_path / family, family=family, seed=0)
     asked = backends_asked(monkeypatch, transformers.AutoProcessor)

@@ -1,0 +1,22 @@
+"""Adapter for InternVL (the transformers-format checkpoints): an InternViT tower over square tiles, a pixel
+shuffle and MLP projector, a Qwen2-style decoder.
+
+The model is LLaVA's with tiles: an image is several tiles (a grid and a thumbnail); each tile's features
+(the chosen layer, without the CLS token, pixel-shuffled and projected) are `image_seq_length` rows,
+filling that tile's run of context tokens. The tiles of every image in an encode call go through the tower
+as one batch. Positions are plain 1-D.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from batchvl.models.llava import LlavaAdapter
+
+
+class InternVLAdapter(LlavaAdapter):
+    @torch.inference_mode()
+    def encode(self, kind: str, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]:
+        features = self.crop_features(pixel_values)  # (all tiles, image_seq_length, hidden)
+        rows_per_tile = features.shape[1]
+        return list(features.flatten(0, 1).split((grid_thw[:, 0] * rows_per_tile).tolist()))
