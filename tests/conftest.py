@@ -132,6 +132,15 @@ def family_models(tmp_path_factory):
     return get
 
 
+def processor_and_preparer(family_models, family: str):
+    """(processor, media preparer at the default preprocessing settings) of a family's tiny model."""
+    from batchvl.config import PreprocessConfig
+
+    _, loaded = family_models(family)
+    config = loaded.adapter.model.config
+    return loaded.processor, loaded.family.media_preparer(loaded.processor, config, PreprocessConfig())
+
+
 def tower_pixels(media) -> np.ndarray:
     """The float32 tower input of prepared media (one item, or a vision call's list), made as a vision call
     stages it (normalized where it has a normalization), on the CPU."""

@@ -382,13 +382,13 @@ class PreprocessConfig:
         defines_output=True,
     )
     video_fps: float = job_key(
-        2.0, "Frames sampled per second of video (Qwen-VL)", above=0, defines_output=True
+        2.0, "Frames sampled per second of video (Qwen-VL, InternVL)", above=0, defines_output=True
     )
     video_min_frames: int = job_key(
-        4, "Fewest frames sampled from a video (Qwen-VL)", above=0, defines_output=True
+        4, "Fewest frames sampled from a video (Qwen-VL, InternVL)", above=0, defines_output=True
     )
     video_max_frames: int = job_key(
-        64, "Most frames sampled from a video (Qwen-VL)", above=0, defines_output=True
+        64, "Most frames sampled from a video (Qwen-VL, InternVL)", above=0, defines_output=True
     )
     video_max_pixels: int = job_key(
         20_000_000,

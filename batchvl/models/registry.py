@@ -87,8 +87,8 @@ FAMILIES = {
         ModelFamily(
             "internvl",
             "batchvl.models.internvl:InternVLAdapter",
-            "batchvl.preprocess.internvl_tiles:internvl_media_preparer",
-            False,
+            "batchvl.preprocess.internvl_video:internvl_media_preparer",
+            True,
             False,
         ),
         # SmolVLM2: Idefics3's model with another processor, and video (SmolVLM's first release is `idefics3`)

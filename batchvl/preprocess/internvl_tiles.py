@@ -19,9 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
-from batchvl.config import PreprocessConfig
 from batchvl.errors import UserError
-from batchvl.preprocess.image import ImagePreparer, channels_first, check_aspect_ratio
+from batchvl.preprocess.image import channels_first, check_aspect_ratio
 from batchvl.preprocess.media import PreparedMedia, prepared_media
 from batchvl.preprocess.pixel_normalization import PixelNormalization, image_processor_pixels
 
@@ -105,7 +104,7 @@ def split_into_tiles(image: Image.Image, spec: InternVLTileSpec) -> list[np.ndar
     return tiles
 
 
-def internvl_media_preparer(processor, model_config, pre: PreprocessConfig) -> ImagePreparer:
+def internvl_tile_spec(processor, model_config) -> InternVLTileSpec:
     kind = type(processor.image_processor).__name__
     if not kind.startswith("GotOcr2"):
         # InternVL3.5's converted checkpoints name Phi-4-multimodal's image processor, another tiling rule
@@ -115,8 +114,7 @@ def internvl_media_preparer(processor, model_config, pre: PreprocessConfig) -> I
         )
     patch_size = model_config.vision_config.patch_size
     patch_size = int(patch_size[0] if isinstance(patch_size, list | tuple) else patch_size)
-    spec = InternVLTileSpec.from_processor(processor, patch_size)
-    return ImagePreparer(functools.partial(prepare_internvl_image, spec=spec), pre.max_image_pixels)
+    return InternVLTileSpec.from_processor(processor, patch_size)
 
 
 def prepare_internvl_image(image: Image.Image, spec: InternVLTileSpec) -> PreparedMedia:

@@ -17,7 +17,6 @@ resizes with torchvision, which can round some pixels one level differently.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -26,12 +25,12 @@ from num2words import num2words
 from PIL import Image
 
 from batchvl.config import PreprocessConfig
-from batchvl.inputs.types import MediaRef
-from batchvl.preprocess.image import channels_first, decode_image
+from batchvl.preprocess.frames_preparer import FramesPreparer
+from batchvl.preprocess.image import channels_first
 from batchvl.preprocess.media import PreparedMedia, prepared_media
 from batchvl.preprocess.pixel_normalization import PixelNormalization
 from batchvl.preprocess.tiled_vision import TiledVisionSpec, longest_edge_size, prepare_tiled_image
-from batchvl.preprocess.video import ClipFrames, decode_frames
+from batchvl.preprocess.video import ClipFrames
 
 SKIP_SECONDS = 1  # left out at each end of a long clip
 
@@ -101,24 +100,23 @@ def prepare_video(clip: ClipFrames, spec: TiledVisionSpec, sampling: VideoSampli
 
 
 @dataclass(frozen=True)
-class SmolVLMMediaPreparer:
-    """MediaRef -> PreparedMedia for SmolVLM2: images as Idefics3's tiles, videos as above; picklable for
-    worker processes."""
+class SmolVLMMediaPreparer(FramesPreparer):
+    """Images as Idefics3's tiles, videos as above."""
 
     spec: TiledVisionSpec
     sampling: VideoSampling
-    max_image_pixels: int
 
-    def __call__(self, ref: MediaRef) -> PreparedMedia:
-        if ref.kind == "video":
-            choose = functools.partial(sampled_frame_indices, sampling=self.sampling)
-            clip = decode_frames(ref.data, ref.path, choose, self.max_image_pixels)
-            return prepare_video(clip, self.spec, self.sampling)
-        return prepare_tiled_image(decode_image(ref.data, ref.path, self.max_image_pixels), self.spec)
+    def choose_frames(self, total_frames: int, native_fps: float) -> list[int]:
+        return sampled_frame_indices(total_frames, native_fps, self.sampling)
+
+    def prepare_frames(self, clip: ClipFrames) -> PreparedMedia:
+        return prepare_video(clip, self.spec, self.sampling)
+
+    def prepare_image(self, image: Image.Image) -> PreparedMedia:
+        return prepare_tiled_image(image, self.spec)
 
 
 def smolvlm_media_preparer(processor, model_config, pre: PreprocessConfig) -> SmolVLMMediaPreparer:
     spec = TiledVisionSpec.from_processor(processor, int(model_config.vision_config.patch_size))
-    return SmolVLMMediaPreparer(
-        spec, VideoSampling.from_image_processor(processor.image_processor, spec.tile), pre.max_image_pixels
-    )
+    sampling = VideoSampling.from_image_processor(processor.image_processor, spec.tile)
+    return SmolVLMMediaPreparer(max_image_pixels=pre.max_image_pixels, spec=spec, sampling=sampling)

@@ -88,9 +88,10 @@ def inputs_for(model, ids: list[int], media: list[PreparedMedia]) -> dict:
     """`generate`'s inputs for batchvl's own prompt ids and media tensors: for media the family's own
     processor cannot make here (video processors need torchvision)."""
     tensor_ids = torch.tensor([ids])
-    if model.config.model_type == "smolvlm":
-        # every image's and video's frames, in prompt order, as one sample's frames
-        pixels = torch.from_numpy(tower_pixels(media))[None]
+    if model.config.model_type in ("smolvlm", "internvl"):
+        # every image's and video's frames (tiles), in prompt order: SmolVLM's as one sample's
+        pixels = torch.from_numpy(tower_pixels(media))
+        pixels = pixels[None] if model.config.model_type == "smolvlm" else pixels
         return {
             "input_ids": tensor_ids,
             "attention_mask": torch.ones_like(tensor_ids),
@@ -328,3 +329,19 @@ def assert_matches_reference(observed: Observed, case: Case) -> None:
     assert fed == list(range(fed[0], case.positions.shape[1])), case.tag
     got = torch.stack([observed.positions[i] for i in fed], dim=1)
     assert torch.equal(got, case.positions[:, fed[0] :]), case.tag
+
+
+def video_cases(reference, processor, clip: PreparedMedia, image: PreparedMedia, max_new_tokens: int) -> list:
+    """The video parity tests' cases: a video alone, and an image with the video after it, one prompt."""
+    from batchvl.preprocess.prompts import PromptRenderer
+
+    renderer = PromptRenderer(processor)
+    cases = []
+    for name, media in {"video": [clip], "image+video": [image, clip]}.items():
+        ids = renderer.token_ids(
+            renderer.render("What happens in this clip?", [m.kind for m in media]), media
+        )
+        cases.append(
+            make_case(reference, name, ids, media, inputs_for(reference, ids, media), max_new_tokens)
+        )
+    return cases

@@ -18,7 +18,7 @@ from batchvl.preprocess.prompts import PromptRenderer
 from batchvl.preprocess.qwen_vision import QwenVisionSpec, prepare_image, prepare_video
 from batchvl.preprocess.video import FrameSampling, decode_video
 from tests.conftest import random_image, video_bytes
-from tests.engine.reference import assert_matches_reference, inputs_for, make_case, run_cases
+from tests.engine.reference import assert_matches_reference, run_cases, video_cases
 
 MAX_NEW_TOKENS = 8
 
@@ -39,7 +39,6 @@ def test_video_and_image_with_video_match_generate(family, budget):
     processor = loaded_fp32.processor
     # the family's own spec: Qwen3-VL's has frame timestamps
     spec = loaded_fp32.family.media_preparer(processor, reference.config, PreprocessConfig()).spec
-    renderer = PromptRenderer(processor)
     sampling = FrameSampling(fps=4.0, min_frames=4, max_frames=8)
     clip = prepare_video(
         decode_video(video_bytes(30, 10, 56, 84, seed=1), None, sampling, 2, 10**8), spec, 10**6
@@ -47,13 +46,7 @@ def test_video_and_image_with_video_match_generate(family, budget):
     image = prepare_image(random_image(60, 90, 3), spec)
     # 3 s at 4 fps would be 12 frames, capped at 8 -> 4 temporal patches; 8 frames over 3 s -> 0.75 s each
     assert clip.grid_thw[0] == 4 and clip.seconds_per_grid_t == pytest.approx(0.75)
-    cases = []
-    for name, media in {"video": [clip], "image+video": [image, clip]}.items():
-        ids = renderer.token_ids(
-            renderer.render("What happens in this clip?", [m.kind for m in media]), media
-        )
-        inputs = inputs_for(reference, ids, media)
-        cases.append(make_case(reference, name, ids, media, inputs, MAX_NEW_TOKENS))
+    cases = video_cases(reference, processor, clip, image, MAX_NEW_TOKENS)
     limits = EngineConfig(max_num_batched_tokens=budget)
     _, observed = run_cases(loaded_fp32, cases, limits, SamplingParams(MAX_NEW_TOKENS))
     for case in cases:

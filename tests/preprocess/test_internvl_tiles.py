@@ -6,9 +6,8 @@ import dataclasses
 import pytest
 from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import get_optimal_tiled_canvas
 
-from batchvl.config import PreprocessConfig
 from batchvl.errors import UserError
-from batchvl.preprocess.internvl_tiles import InternVLTileSpec, best_grid, internvl_media_preparer
+from batchvl.preprocess.internvl_tiles import InternVLTileSpec, best_grid, internvl_tile_spec
 
 
 @pytest.fixture(scope="module")
@@ -35,4 +34,4 @@ def test_a_checkpoint_with_another_tiling_is_refused(family_models):
     phi4 = type("Phi4MultimodalImageProcessorFast", (), {})()
     processor = type("Processor", (), {"image_processor": phi4})()
     with pytest.raises(UserError, match="Phi4MultimodalImageProcessorFast"):
-        internvl_media_preparer(processor, loaded.adapter.model.config, PreprocessConfig())
+        internvl_tile_spec(processor, loaded.adapter.model.config)

@@ -11,13 +11,12 @@ from transformers.models.smolvlm.processing_smolvlm import SmolVLMProcessor
 from transformers.models.smolvlm.video_processing_smolvlm import SmolVLMVideoProcessor
 from transformers.video_utils import VideoMetadata
 
-from batchvl.config import PreprocessConfig
 from batchvl.inputs.types import MediaRef
 from batchvl.models.processor import SmolVLMImageProcessorPil
 from batchvl.preprocess.prompts import PromptRenderer
 from batchvl.preprocess.smolvlm_video import VideoSampling, sampled_frame_indices, video_placeholder
 from batchvl.preprocess.video import decode_frames
-from tests.conftest import tower_pixels, video_bytes
+from tests.conftest import processor_and_preparer, tower_pixels, video_bytes
 
 
 @pytest.mark.parametrize(
@@ -44,9 +43,7 @@ def test_frames_are_the_video_processors(total, native_fps, fps, max_frames):
 
 @pytest.fixture(scope="module")
 def smolvlm(family_models):
-    path, loaded = family_models("smolvlm")
-    preparer = loaded.family.media_preparer(loaded.processor, loaded.adapter.model.config, PreprocessConfig())
-    return loaded.processor, preparer
+    return processor_and_preparer(family_models, "smolvlm")
 
 
 @pytest.mark.parametrize("total,native_fps", [(300, 30.0), (4000, 25.0), (12, 10.0)])
