@@ -335,8 +335,9 @@ class EngineConfig:
         "auto",
         "On CUDA, replay the Qwen-VL towers' vision calls as CUDA graphs, their rows, images (and "
         "windows) and longest image rounded up to a few shapes (each captured the second time a call "
-        "needs it): one launch a call, not some 400; ignored off CUDA, for LLaVA's and Idefics3's towers "
-        "and under vision_attention: sdpa. auto: off until measured on a GPU",
+        "needs it): one launch a call, not some 400; ignored off CUDA, for the towers over equal crops "
+        "(LLaVA, Idefics3, SmolVLM2, InternVL) and under vision_attention: sdpa. auto: off until measured "
+        "on a GPU",
     )
     vision_attention: Literal["auto", "flash_varlen", "sdpa"] = job_key(
         "auto",
