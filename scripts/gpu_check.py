@@ -122,6 +122,7 @@ SHOWN = 2000  # characters of a failed stage's output kept in the report
 PARITY_TESTS = [
     "tests/engine/test_parity.py",
     "tests/engine/test_family_parity.py",
+    "tests/engine/test_tiled_video_parity.py",  # SmolVLM2's and InternVL's video frames as image tokens
     "tests/engine/test_sampler.py",
     "tests/engine/test_logprobs.py",
     "tests/engine/test_choice_scoring.py",
