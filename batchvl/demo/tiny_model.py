@@ -415,16 +415,16 @@ def _build_idefics3(out: Path, spec: TinySize, seed: int, sharpness: float) -> N
 
 def _build_smolvlm(out: Path, spec: TinySize, seed: int, sharpness: float) -> None:
     """SmolVLM2-256M's and -500M's layout: Idefics3's with 16-pixel patches and a pixel shuffle of scale 4
-    (a 512-pixel tile's 1,024 patches become 64 image tokens), SmolLM2-style text. The tiny size's tile is
-    128 pixels (4 tokens); the others have the real 512. An image is resized to 4 tiles on its longest edge,
-    as Idefics3's."""
+    (a 512-pixel tile's 1,024 patches become 64 image tokens), SmolLM2-style text. The test sizes (tiny,
+    thin) have a 128-pixel tile (4 tokens), the others the real 512. An image is resized to 4 tiles on its
+    longest edge, as Idefics3's."""
     from transformers import SmolVLMConfig, SmolVLMForConditionalGeneration
 
     from batchvl.models.processor import SmolVLMImageOnlyProcessor, SmolVLMImageProcessorPil
 
     tokenizer = build_smolvlm_tokenizer(spec.vocab_size, seed, chat_templates.SMOLVLM)
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in tokenizer.all_special_tokens}
-    tile, patch, scale = (128 if spec.tile_size < 256 else 512), 16, 4
+    tile, patch, scale = (128 if spec.tile_size < 128 else 512), 16, 4
     bos, eos, pad = ids["<|im_start|>"], ids["<end_of_utterance>"], ids["<|im_end|>"]
     config = SmolVLMConfig(
         vision_config=_tile_tower_config(spec, tile, patch),
