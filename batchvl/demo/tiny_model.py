@@ -42,10 +42,15 @@ class TinySize:
     # The locally trained tokenizer's vocabulary; the model's may be larger (ids no text reaches), since
     # training a BPE to a real model's 151,936 tokens would take minutes on the small text it learns from
     tokenizer_vocab: int | None = None
+    vit_intermediate: int | None = None  # the vision MLP's width (SigLIP's 4x); None: 2 x vit_dim
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
+
+    @property
+    def vit_mlp_size(self) -> int:
+        return self.vit_intermediate or 2 * self.vit_dim
 
     def mrope_section(self, interleaved: bool) -> list[int]:
         """Rope frequencies per (t, h, w) axis, summing to head_dim / 2, in the real checkpoints' ratios:
@@ -142,6 +147,27 @@ SIZES = {
         tokenizer_vocab=32768,
     ),
 }
+# SmolVLM2-256M's whole configuration (HuggingFaceTB/SmolVLM2-256M-Video-Instruct's config.json: SmolLM2's
+# 576-wide text of 30 layers, 9 heads over 3 KV heads, 49,280 tokens, tied; a SigLIP tower of 12 layers of 768
+# with 12 heads and 3,072-wide MLPs over 512-pixel tiles), random weights; for CPU benchmarks of a model CPU
+# users run (`--family smolvlm`). About 0.26B parameters.
+SIZES["256m"] = TinySize(
+    vocab_size=49280,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_layers=30,
+    num_heads=9,
+    num_kv_heads=3,
+    vit_depth=12,
+    vit_dim=768,
+    vit_heads=12,
+    merged_patches=(4, 1024),
+    clip_image_size=336,
+    tile_size=512,
+    tied_embeddings=True,
+    tokenizer_vocab=32768,
+    vit_intermediate=3072,
+)
 # The tiny model's layers with the real image processor's pixel limits: a 448x448 image is 1,024 patches and
 # 256 prompt tokens, as for Qwen2-VL-2B, while every kernel is small. A job's rate on it is what its host
 # allows (input, scheduling, launches) at a real workload's shapes; for GPU benchmarks.
@@ -183,7 +209,7 @@ def _qwen_vision_config(family: str, spec: TinySize) -> dict:
     wide = {
         **common,
         "hidden_size": spec.vit_dim,
-        "intermediate_size": 2 * spec.vit_dim,
+        "intermediate_size": spec.vit_mlp_size,
         "out_hidden_size": spec.hidden_size,
     }
     if family == "qwen2_5_vl":
@@ -326,7 +352,7 @@ def _build_llava(out: Path, spec: TinySize, seed: int, sharpness: float) -> None
         vision_config={
             "model_type": "clip_vision_model",
             "hidden_size": spec.vit_dim,
-            "intermediate_size": 2 * spec.vit_dim,
+            "intermediate_size": spec.vit_mlp_size,
             "num_hidden_layers": spec.vit_depth + 1,  # the last layer is computed but not used (layer -2)
             "num_attention_heads": spec.vit_heads,
             "image_size": side,
@@ -422,16 +448,19 @@ def _build_smolvlm(out: Path, spec: TinySize, seed: int, sharpness: float) -> No
 
     from batchvl.models.processor import SmolVLMImageOnlyProcessor, SmolVLMImageProcessorPil
 
-    tokenizer = build_smolvlm_tokenizer(spec.vocab_size, seed, chat_templates.SMOLVLM)
+    tokenizer = build_smolvlm_tokenizer(spec.tokenizer_vocab or spec.vocab_size, seed, chat_templates.SMOLVLM)
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in tokenizer.all_special_tokens}
     tile, patch, scale = (128 if spec.tile_size < 128 else 512), 16, 4
     bos, eos, pad = ids["<|im_start|>"], ids["<end_of_utterance>"], ids["<|im_end|>"]
     config = SmolVLMConfig(
         vision_config=_tile_tower_config(spec, tile, patch),
-        text_config=_llama_text_config(spec, len(tokenizer), bos, eos, pad, rope_theta=100000.0),
+        text_config=_llama_text_config(
+            spec, max(spec.vocab_size, len(tokenizer)), bos, eos, pad, rope_theta=100000.0
+        ),
         scale_factor=scale,
         image_token_id=ids["<image>"],
         pad_token_id=pad,
+        tie_word_embeddings=spec.tied_embeddings,
     )
     _save_model(SmolVLMForConditionalGeneration, config, seed, out, eos, pad, bos, sharpness)
     _save_tiled_processor(
@@ -461,7 +490,7 @@ def _build_internvl(out: Path, spec: TinySize, seed: int, sharpness: float) -> N
     config = InternVLConfig(
         vision_config={
             "hidden_size": spec.vit_dim,
-            "intermediate_size": 2 * spec.vit_dim,
+            "intermediate_size": spec.vit_mlp_size,
             "num_hidden_layers": spec.vit_depth,
             "num_attention_heads": spec.vit_heads,
             "image_size": [tile, tile],
@@ -502,7 +531,7 @@ def _tile_tower_config(spec: TinySize, tile: int, patch: int) -> dict:
     """The SigLIP-style tower of the tiled families, one tile a call."""
     return {
         "hidden_size": spec.vit_dim,
-        "intermediate_size": 2 * spec.vit_dim,
+        "intermediate_size": spec.vit_mlp_size,
         "num_hidden_layers": spec.vit_depth,
         "num_attention_heads": spec.vit_heads,
         "image_size": tile,
