@@ -70,6 +70,18 @@ def test_a_workload_without_one_of_its_parts_runs_the_other_alone(
     )
 
 
+@pytest.mark.parametrize("family", ["qwen2_vl", "smolvlm", "internvl"])
+def test_the_transformers_batches_give_each_prompt_its_own_image(benchmark, tmp_path, family):
+    # SmolVLM's processor refuses a flat list of a batch's images ("[8] images per sample")
+    from batchvl.demo.tiny_model import build_tiny_model
+
+    workload = benchmark("throughput_workload")
+    workload.write_workload(tmp_path, 3, 0.0, 2, 2, two_prompt_share=0.0)
+    model = build_tiny_model(tmp_path / "model", family=family, size="tiny", seed=0)
+    result = benchmark("transformers_method").run_transformers(tmp_path, str(model), torch.float32, 2, "cpu")
+    assert [status for _, _, status, _ in result["rows"]] == ["ok"] * 3, result["rows"]
+
+
 def refusal(tmp_path: Path, *args: str) -> str:
     """The benchmark run with these arguments: it must exit 2 having written nothing; its stderr."""
     out = tmp_path / "result.json"
