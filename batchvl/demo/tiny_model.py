@@ -150,7 +150,7 @@ SIZES = {
 # SmolVLM2-256M's whole configuration (HuggingFaceTB/SmolVLM2-256M-Video-Instruct's config.json: SmolLM2's
 # 576-wide text of 30 layers, 9 heads over 3 KV heads, 49,280 tokens, tied; a SigLIP tower of 12 layers of 768
 # with 12 heads and 3,072-wide MLPs over 512-pixel tiles), random weights; for CPU benchmarks of a model CPU
-# users run (`--family smolvlm`). About 0.26B parameters.
+# users run (`--family smolvlm`). About 0.22B parameters.
 SIZES["256m"] = TinySize(
     vocab_size=49280,
     hidden_size=576,
@@ -484,7 +484,9 @@ def _build_internvl(out: Path, spec: TinySize, seed: int, sharpness: float) -> N
     from batchvl.models.processor import GotOcr2ImageProcessorPil, InternVLImageOnlyProcessor
 
     named = INTERNVL_IMAGE_TOKENS
-    tokenizer = build_qwen_tokenizer(spec.vocab_size, seed, chat_templates.INTERNVL, named)
+    tokenizer = build_qwen_tokenizer(
+        spec.tokenizer_vocab or spec.vocab_size, seed, chat_templates.INTERNVL, named
+    )
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in tokenizer.all_special_tokens}
     tile, patch = spec.clip_image_size, 14
     config = InternVLConfig(
@@ -499,7 +501,7 @@ def _build_internvl(out: Path, spec: TinySize, seed: int, sharpness: float) -> N
         },
         text_config={
             "model_type": "qwen2",
-            **_decoder_widths(spec, len(tokenizer)),
+            **_decoder_widths(spec, max(spec.vocab_size, len(tokenizer))),
             "max_position_embeddings": 8192,
             "bos_token_id": ids["<|endoftext|>"],
             "eos_token_id": ids["<|im_end|>"],

@@ -3,9 +3,8 @@
 Qwen families and InternVL (Qwen2.5 text) get a byte-level BPE in `Qwen2Tokenizer` with the Qwen special
 tokens (InternVL's image tokens too); Llama-style families (LLaVA) a Metaspace BPE with byte fallback in
 `LlamaTokenizer` (`<unk> <s> </s>`, the 256 byte tokens), adding BOS like Llama does, plus `<image>` and
-`<pad>`; Idefics3 (Llama 3 text) and SmolVLM (SmolLM2 text)
-a byte-level BPE in a `PreTrainedTokenizerFast` with their image grid's tokens (their chat templates write
-the BOS).
+`<pad>`; Idefics3 (Llama 3 text) and SmolVLM (SmolLM2 text) a byte-level BPE in a `PreTrainedTokenizerFast`
+with their image grid's tokens (their chat templates write the BOS).
 """
 
 from __future__ import annotations

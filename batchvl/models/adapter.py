@@ -49,6 +49,13 @@ class VLMAdapter:
         """See `ModelAdapter.vision_call_rows`. Default: no padding."""
         return rows
 
+    @staticmethod
+    def per_item(features: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]:
+        """(tiles, rows, hidden) features of a call's items, each `grid_thw[i, 0]` tiles in order -> each
+        item's rows, (its tiles x rows, hidden), as views."""
+        rows_per_tile = features.shape[1]
+        return list(features.flatten(0, 1).split((grid_thw[:, 0] * rows_per_tile).tolist()))
+
     def use_vision_graphs(self, graph_capture, max_patches: int) -> bool:
         """See `ModelAdapter.use_vision_graphs`. Default: the tower runs eagerly."""
         return False

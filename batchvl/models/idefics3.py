@@ -34,9 +34,7 @@ class Idefics3Adapter(VLMAdapter):
         every_patch = torch.ones(patches, dtype=torch.bool, device=self.device)
         hidden = tower.embeddings(pixel_values=frames, patch_attention_mask=every_patch)
         hidden = tower.post_layernorm(tower.encoder(inputs_embeds=hidden).last_hidden_state)
-        features = model.connector(hidden)  # (frames, image_seq_len, hidden)
-        rows_per_frame = features.shape[1]
-        return list(features.flatten(0, 1).split((grid_thw[:, 0] * rows_per_frame).tolist()))
+        return self.per_item(model.connector(hidden), grid_thw)  # (frames, image_seq_len, hidden)
 
 
 class SmolVLMAdapter(Idefics3Adapter):

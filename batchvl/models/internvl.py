@@ -21,6 +21,4 @@ class InternVLAdapter(LlavaAdapter):
 
     @torch.inference_mode()
     def encode(self, kind: str, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]:
-        features = self.crop_features(pixel_values)  # (all tiles, image_seq_length, hidden)
-        rows_per_tile = features.shape[1]
-        return list(features.flatten(0, 1).split((grid_thw[:, 0] * rows_per_tile).tolist()))
+        return self.per_item(self.crop_features(pixel_values), grid_thw)  # (tiles, image_seq_length, hidden)

@@ -4,9 +4,8 @@ transformers' `ProcessorMixin` reads its sub-processors from the `__init__` sign
 takes only (image_processor, tokenizer, chat_template) constructs, saves and reloads without a video
 processor. They are registered with `AutoProcessor` on import so that a checkpoint saved with one (its
 `processor_class` names it, as `batchvl make-tiny-model` saves them) loads offline.
-batchvl's own preprocessing handles video for these families (InternVL's videos are refused as
-`unsupported_media`); the processor is used for its chat template and tokenizer (and, in tests, as the
-reference for images).
+batchvl's own preprocessing handles video for these families; the processor is used for its chat template
+and tokenizer (and, in tests, as the reference for images).
 
 SmolVLM's processor also refuses to construct without num2words, which only its video prompts use (they
 spell the frame count out); batchvl's image-only one sets its attributes itself and does not ask for it.

@@ -14,7 +14,8 @@ from PIL import Image, ImageOps
 from batchvl.errors import SampleError
 from batchvl.inputs.paths import is_empty_file
 from batchvl.inputs.types import MediaRef
-from batchvl.preprocess.media import PreparedMedia
+from batchvl.preprocess.media import PreparedMedia, prepared_media
+from batchvl.preprocess.pixel_normalization import PixelNormalization
 
 SIXTEEN_BIT_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I")
 
@@ -102,6 +103,24 @@ def channels_first(frames: np.ndarray) -> np.ndarray:
     """8-bit (..., H, W, C) -> (..., C, H, W), a view: the towers' layout, normalized where the vision call is
     staged (`pixel_normalization.py`)."""
     return np.moveaxis(frames, -1, -3)
+
+
+def square_tiles_media(
+    tiles: list[np.ndarray], spec, tokens_per_tile: int, placeholder: str, kind: str = "image"
+):
+    """uint8 (T, T, 3) tiles (an image's or a video's frames) as one item the tower takes as a batch:
+    (tiles, 3, T, T) pixels, a grid of (tiles, T / patch, T / patch), `tokens_per_tile` placeholder tokens
+    each. `spec` gives the side (`tile`), the `patch_size` and the normalization."""
+    pixel_values = np.ascontiguousarray(channels_first(np.stack(tiles)))
+    side = spec.tile // spec.patch_size
+    return prepared_media(
+        pixel_values,
+        (len(tiles), side, side),
+        len(tiles) * tokens_per_tile,
+        placeholder,
+        PixelNormalization.of(spec),
+        kind=kind,
+    )
 
 
 @dataclass(frozen=True)

@@ -20,9 +20,9 @@ import numpy as np
 from PIL import Image
 
 from batchvl.errors import UserError
-from batchvl.preprocess.image import channels_first, check_aspect_ratio
-from batchvl.preprocess.media import PreparedMedia, prepared_media
-from batchvl.preprocess.pixel_normalization import PixelNormalization, image_processor_pixels
+from batchvl.preprocess.image import check_aspect_ratio, square_tiles_media
+from batchvl.preprocess.media import PreparedMedia
+from batchvl.preprocess.pixel_normalization import image_processor_pixels
 
 
 @dataclass(frozen=True)
@@ -120,12 +120,4 @@ def internvl_tile_spec(processor, model_config) -> InternVLTileSpec:
 def prepare_internvl_image(image: Image.Image, spec: InternVLTileSpec) -> PreparedMedia:
     check_aspect_ratio(image.height, image.width)
     tiles = split_into_tiles(image, spec)
-    pixel_values = np.ascontiguousarray(channels_first(np.stack(tiles)))  # (tiles, 3, T, T)
-    side = spec.tile // spec.patch_size
-    return prepared_media(
-        pixel_values,
-        (len(tiles), side, side),
-        len(tiles) * spec.image_seq_length,
-        spec.placeholder(len(tiles)),
-        PixelNormalization.of(spec),
-    )
+    return square_tiles_media(tiles, spec, spec.image_seq_length, spec.placeholder(len(tiles)))

@@ -18,10 +18,9 @@ from PIL import Image
 
 from batchvl.config import PreprocessConfig
 from batchvl.preprocess.frames_preparer import FramesPreparer
-from batchvl.preprocess.image import channels_first
+from batchvl.preprocess.image import square_tiles_media
 from batchvl.preprocess.internvl_tiles import InternVLTileSpec, internvl_tile_spec, prepare_internvl_image
-from batchvl.preprocess.media import PreparedMedia, prepared_media
-from batchvl.preprocess.pixel_normalization import PixelNormalization
+from batchvl.preprocess.media import PreparedMedia
 from batchvl.preprocess.video import ClipFrames, FrameSampling
 
 
@@ -44,16 +43,8 @@ def prepare_video(clip: ClipFrames, spec: InternVLTileSpec) -> PreparedMedia:
         np.asarray(Image.fromarray(pixels).resize((side, side), resample=spec.resample))
         for pixels in clip.frames
     ]
-    pixel_values = np.ascontiguousarray(channels_first(np.stack(frames)))  # (frames, 3, T, T)
-    patches = side // spec.patch_size
-    return prepared_media(
-        pixel_values,
-        (len(frames), patches, patches),
-        len(frames) * spec.image_seq_length,
-        video_placeholder(spec, len(frames)),
-        PixelNormalization.of(spec),
-        kind="video",
-    )
+    placeholder = video_placeholder(spec, len(frames))
+    return square_tiles_media(frames, spec, spec.image_seq_length, placeholder, kind="video")
 
 
 @dataclass(frozen=True)

@@ -26,9 +26,8 @@ from PIL import Image
 
 from batchvl.config import PreprocessConfig
 from batchvl.preprocess.frames_preparer import FramesPreparer
-from batchvl.preprocess.image import channels_first
-from batchvl.preprocess.media import PreparedMedia, prepared_media
-from batchvl.preprocess.pixel_normalization import PixelNormalization
+from batchvl.preprocess.image import square_tiles_media
+from batchvl.preprocess.media import PreparedMedia
 from batchvl.preprocess.tiled_vision import TiledVisionSpec, longest_edge_size, prepare_tiled_image
 from batchvl.preprocess.video import ClipFrames
 
@@ -86,17 +85,9 @@ def prepare_video(clip: ClipFrames, spec: TiledVisionSpec, sampling: VideoSampli
         height, width = longest_edge_size(frame.height, frame.width, sampling.longest_edge)
         frame = frame.resize((width, height), resample=spec.resample)
         frames.append(np.asarray(frame.resize((spec.tile, spec.tile), resample=spec.resample)))
-    pixel_values = np.ascontiguousarray(channels_first(np.stack(frames)))  # (frames, 3, T, T)
-    side = spec.tile // spec.patch_size
     seconds = [index / clip.native_fps for index in clip.indices]
-    return prepared_media(
-        pixel_values,
-        (len(frames), side, side),
-        len(frames) * spec.image_seq_len,
-        video_placeholder(spec, seconds, clip.total_frames / clip.native_fps),
-        PixelNormalization.of(spec),
-        kind="video",
-    )
+    placeholder = video_placeholder(spec, seconds, clip.total_frames / clip.native_fps)
+    return square_tiles_media(frames, spec, spec.image_seq_len, placeholder, kind="video")
 
 
 @dataclass(frozen=True)

@@ -21,9 +21,9 @@ import numpy as np
 from PIL import Image
 
 from batchvl.config import PreprocessConfig
-from batchvl.preprocess.image import ImagePreparer, channels_first, check_aspect_ratio
-from batchvl.preprocess.media import PreparedMedia, prepared_media
-from batchvl.preprocess.pixel_normalization import PixelNormalization, image_processor_pixels
+from batchvl.preprocess.image import ImagePreparer, check_aspect_ratio, square_tiles_media
+from batchvl.preprocess.media import PreparedMedia
+from batchvl.preprocess.pixel_normalization import image_processor_pixels
 
 MAX_SIDE = 4096  # the processor caps the resized longest edge here
 
@@ -131,10 +131,4 @@ def prepare_tiled_image(image: Image.Image, spec: TiledVisionSpec) -> PreparedMe
         height, width = longest_edge_size(image.height, image.width, spec.longest_edge)
         image = image.resize((width, height), resample=spec.resample)
     frames, rows, cols = split_into_tiles(image, spec)
-    pixel_values = np.ascontiguousarray(channels_first(np.stack(frames)))  # (frames, 3, T, T)
-    side = spec.tile // spec.patch_size
-    grid = (len(frames), side, side)
-    num_tokens = len(frames) * spec.image_seq_len
-    return prepared_media(
-        pixel_values, grid, num_tokens, spec.placeholder(rows, cols), PixelNormalization.of(spec)
-    )
+    return square_tiles_media(frames, spec, spec.image_seq_len, spec.placeholder(rows, cols))
