@@ -12,10 +12,11 @@ norm's kernel (`triton_elementwise.rms_norm` or `layer_norm` with a residual), w
 sum for the MLP's residual add and normalizes it, in one pass and with the layer's roundings (the sum
 rounded to the activations' dtype before the norm reads it).
 
-The add after the MLP stays the layer's: its sum leaves the layer, and transformers' own loop of layers
-hands it to the next layer's first norm (Qwen3-VL adds deepstack features to it in between, and CLIP's
-loop keeps each layer's output for LLaVA's choice of layer), so fusing it into that norm would mean
-replacing each family's loop.
+The add after the MLP stays the layer's here: its sum leaves the layer. For the language model the engine
+runs the loop of layers itself (`decoder_stack`) and hands that add to the next norm too; a decoder layer
+then runs its parts from that loop, not this forward, which serves a text model the loop does not take.
+The vision towers' loops stay transformers' (Qwen3-VL's keeps deepstack features of some blocks, CLIP's
+each layer's output for LLaVA's choice of layer).
 
 On an H200, a Qwen2-VL-2B vision call of 32,768 patches spent 3.7 of its 99.5 ms of kernels in the adds
 before the second norms and 4.6 in its LayerNorms (`vision_call`'s kernels with the other kernels fused):

@@ -46,6 +46,20 @@ class NativeRMSNorm(torch.nn.Module):
         native_ops().rms_norm(out, rows, self.weight, self.variance_epsilon)
         return out.view(hidden_states.shape)
 
+    def add_and_norm(
+        self, hidden_states: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the norm of `residual + hidden_states`, that sum) in one pass (see `decoder_stack`)."""
+        if not hidden_states.dtype == residual.dtype == self.weight.dtype:
+            summed = residual + hidden_states
+            return self(summed), summed
+        width = hidden_states.shape[-1]
+        rows, added = (t.reshape(-1, width) for t in (hidden_states, residual))
+        rows, added = (t if t.stride(-1) == 1 else t.contiguous() for t in (rows, added))
+        out, summed = torch.empty_like(rows), torch.empty_like(rows)
+        native_ops().add_rms_norm(out, summed, rows, added, self.weight, self.variance_epsilon)
+        return out.view(hidden_states.shape), summed.view(hidden_states.shape)
+
     def stock_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         input_dtype = hidden_states.dtype
         hidden_states = hidden_states.to(torch.float32)

@@ -13,6 +13,7 @@ import torch
 
 from batchvl.engine.adapter import TextGeometry
 from batchvl.layers.attention import uploaded
+from batchvl.layers.decoder_stack import DecoderStack
 from batchvl.preprocess.media import PreparedMedia
 
 
@@ -38,6 +39,8 @@ class VLMAdapter:
         )
         self.hidden_size = text.hidden_size
         self.language_model = getattr(model.model, self.decoder_name)
+        # the engine's own loop of its layers, where the text model is one it computes (else its forward)
+        self.decoder_stack = DecoderStack.of(self.language_model)
         self._embed = model.model.get_input_embeddings()
 
     def encode(self, kind: str, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]:
@@ -91,13 +94,18 @@ class VLMAdapter:
             # mask on the device would make the host wait for the GPU (the count of its rows sizes the
             # result), which an overlapped step must not
             (media_positions,) = uploaded([media_mask.nonzero().flatten()], self.device)
+        inputs_embeds = self.embed(token_ids, media_positions, media_rows)[None]
+        position_ids = self.position_ids(positions.to(self.device))
+        media_kwargs = self.media_kwargs(media_positions, media_rows)
+        if self.decoder_stack is not None:
+            return self.decoder_stack(inputs_embeds, position_ids, **media_kwargs, **attn_kwargs)[0]
         out = self.language_model(
-            inputs_embeds=self.embed(token_ids, media_positions, media_rows)[None],
-            position_ids=self.position_ids(positions.to(self.device)),
+            inputs_embeds=inputs_embeds,
+            position_ids=position_ids,
             # no cache argument at all: its name differs between releases (transformers 5.24 deprecates
             # past_key_values for cache) and its default, none, is what the engine's own KV cache needs
             use_cache=False,
-            **self.media_kwargs(media_positions, media_rows),
+            **media_kwargs,
             **attn_kwargs,
         )
         return out.last_hidden_state[0]

@@ -68,6 +68,30 @@ def test_native_rms_norm_equals_the_stock_module(name, dtype):
 
 
 @torch.inference_mode()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_residual_add_and_norm_give_the_sum_and_its_norm(dtype):
+    """The sum is torch's `residual + hidden_states` bit for bit (rounded to the dtype where the layer's add
+    rounds it), and its norm the native norm's of that sum, bit for bit: the kernel normalizes what it
+    stored. Strided rows, and a residual of another dtype (the eager add's promotion), too."""
+    torch.manual_seed(0)
+    norm = NativeRMSNorm(stock_norm("Qwen2RMSNorm", 100, dtype))
+    for shape in [(1, 13, 100), (40, 100), (1, 1, 100)]:
+        hidden, residual = (torch.randn(shape) * 4).to(dtype), (torch.randn(shape) * 4).to(dtype)
+        out, summed = norm.add_and_norm(hidden, residual)
+        assert summed.shape == out.shape == hidden.shape
+        assert torch.equal(summed, residual + hidden)
+        assert torch.equal(out, norm(residual + hidden))
+    wide = torch.randn(9, 200).to(dtype)
+    hidden, residual = wide[:, ::2], wide[:, 1::2]
+    out, summed = norm.add_and_norm(hidden, residual)
+    assert torch.equal(summed, residual + hidden) and torch.equal(out, norm(residual + hidden))
+    other = torch.float32 if dtype == torch.bfloat16 else torch.bfloat16
+    hidden, residual = torch.randn(3, 100).to(dtype), torch.randn(3, 100).to(other)
+    out, summed = norm.add_and_norm(hidden, residual)
+    assert torch.equal(summed, residual + hidden) and torch.equal(out, norm(residual + hidden))
+
+
+@torch.inference_mode()
 def test_bf16_rows_are_mostly_bitwise_the_stock_module():
     """The roundings are the module's: only values at a rounding boundary can differ."""
     torch.manual_seed(0)

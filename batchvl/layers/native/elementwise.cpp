@@ -41,16 +41,33 @@ fVec rounded(fVec value, const at::BFloat16*) {
 // Rows per task: enough elements that a second thread pays for its wake-up.
 int64_t grain(int64_t row_size) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(row_size, 1)); }
 
+// With a residual: each row's sum with it is rounded to T (torch's `residual + hidden_states`), written to
+// sum_out, and normalized as the norm would read that T tensor: the add and the norm in one pass.
 template <typename T>
-void rms_norm_rows(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight, float eps) {
+void rms_norm_rows(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight, float eps,
+                   const at::Tensor* residual = nullptr, at::Tensor* sum_out = nullptr) {
   const int64_t rows = input.size(0), dim = input.size(1), in_stride = input.stride(0), out_stride = out.stride(0);
   const T* in_data = input.data_ptr<T>();
   const T* weight_data = weight.data_ptr<T>();
   T* out_data = out.data_ptr<T>();
+  const T* residual_data = residual != nullptr ? residual->data_ptr<T>() : nullptr;
+  T* sum_data = sum_out != nullptr ? sum_out->data_ptr<T>() : nullptr;
+  const int64_t residual_stride = residual != nullptr ? residual->stride(0) : 0;
+  const int64_t sum_stride = sum_out != nullptr ? sum_out->stride(0) : 0;
   constexpr int64_t step = fVec::size();
   at::parallel_for(0, rows, grain(dim), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* x = in_data + r * in_stride;
+      if (residual_data != nullptr) {
+        // the row's sum, stored in T, becomes the row the norm reads
+        const T* added = residual_data + r * residual_stride;
+        T* sum = sum_data + r * sum_stride;
+        for (int64_t d = 0; d < dim; d += step) {
+          const int64_t count = std::min(step, dim - d);
+          store(load(added + d, count) + load(x + d, count), sum + d, count);
+        }
+        x = sum;
+      }
       T* y = out_data + r * out_stride;
       fVec squares(0.f);
       for (int64_t d = 0; d < dim; d += step) {
@@ -161,6 +178,24 @@ void rms_norm(at::Tensor out, at::Tensor input, at::Tensor weight, double eps) {
     rms_norm_rows<float>(out, input, weight, static_cast<float>(eps));
   } else {
     rms_norm_rows<at::BFloat16>(out, input, weight, static_cast<float>(eps));
+  }
+}
+
+// sum_out = residual + input (rounded to their dtype) and out = RMSNorm of sum_out, all (R, D): a layer's
+// residual add and the norm after it.
+void add_rms_norm(at::Tensor out, at::Tensor sum_out, at::Tensor input, at::Tensor residual, at::Tensor weight,
+                  double eps) {
+  check_rows(out, input, "add_rms_norm");
+  check_rows(sum_out, residual, "add_rms_norm");
+  TORCH_CHECK(out.sizes() == input.sizes() && sum_out.sizes() == input.sizes() && residual.sizes() == input.sizes() &&
+                  residual.scalar_type() == input.scalar_type() && weight.dim() == 1 &&
+                  weight.size(0) == input.size(1) && weight.is_contiguous() &&
+                  weight.scalar_type() == input.scalar_type(),
+              "add_rms_norm: out, sum_out and residual like input, a contiguous weight of the row size and dtype");
+  if (input.scalar_type() == at::kFloat) {
+    rms_norm_rows<float>(out, input, weight, static_cast<float>(eps), &residual, &sum_out);
+  } else {
+    rms_norm_rows<at::BFloat16>(out, input, weight, static_cast<float>(eps), &residual, &sum_out);
   }
 }
 
