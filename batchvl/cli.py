@@ -500,7 +500,8 @@ def make_tiny_model(
     size: Annotated[
         str,
         typer.Option(
-            help="tiny (tests, seconds), thin (tiny's layers, the real images' sizes), small (~90M params, "
+            help="tiny (tests, seconds), thin (tiny's layers, the real images' sizes), deep (tiny's widths, "
+            "Qwen2-VL-2B's depth), small (~90M params, "
             "benchmarks), wide (Qwen2-VL-2B's widths), 2b or 7b (Qwen2-VL-2B's or -7B's whole "
             "configuration: 2.2B or 8.3B parameters, gigabytes), 256m (SmolVLM2-256M's whole configuration; "
             "with --family smolvlm)."

@@ -2,7 +2,9 @@
 slot mappings, attention metadata, sampling, bookkeeping), at many long decodes.
 
 256 text requests of 600 prompt tokens on the `tiny` model in fp32 (Qwen2-VL's, or `--family`'s; `--size 2b`
-or `7b`: Qwen2-VL-2B or -7B at full depth, made on the device in bf16), with a job's default engine settings
+or `7b`: Qwen2-VL-2B or -7B at full depth, made on the device in bf16; `--size deep`: the tiny model's widths
+at Qwen2-VL-2B's 28 layers, in fp32, where on a CPU a forward's time is mostly what a GPU's host spends
+launching one), with a job's default engine settings
 (prefix caching on), are prefilled, then timed over decode steps: per step, the wall time of `Engine.step`,
 the model's forward (`forward_s`, logits included) and their difference, the host work. On a GPU the
 forward runs while the host prepares nothing else, so the host work is what keeps the device waiting; on a
@@ -15,9 +17,13 @@ overlapped step launches its forward without waiting for it and then waits for t
 so its wall is what a job's decode steps take, its `forward` the launch, and `pack_and_launch` holds that
 wait; set against the serial run's forward, it says whether the host or the device bounds the step.
 
+`--transformers-loop-too` then times as many steps again with the engine's own loop of the language
+model's layers (`layers/decoder_stack.py`) and as many with transformers' text model calling them, in four
+alternated blocks each: the row's `loops` says what the engine's loop saves a step, in the same process.
+
     python benchmarks/host_step.py [--size tiny] [--family qwen2_vl] [--requests 256] [--prompt 600]
                                    [--steps 30] [--device cpu] [--profile] [--overlap] [--cuda-graphs]
-                                   [--json PATH]
+                                   [--transformers-loop-too] [--json PATH]
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ STEP_TOKENS = 4096  # engine.max_num_batched_tokens of the timed engine
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", choices=("tiny", "2b", "7b"), default="tiny")
+    parser.add_argument("--size", choices=("tiny", "deep", "2b", "7b"), default="tiny")
     parser.add_argument("--family", default="qwen2_vl", help="the tiny model's family (batchvl's names)")
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--prompt", type=int, default=600)
@@ -44,6 +50,11 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="Also profile the timed steps' host work")
     parser.add_argument("--overlap", action="store_true", help="Overlapped steps (engine.overlap)")
     parser.add_argument("--cuda-graphs", action="store_true", help="Decode steps as CUDA graphs (CUDA only)")
+    parser.add_argument(
+        "--transformers-loop-too",
+        action="store_true",
+        help="Then time the steps with transformers' text model calling the layers",
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
 
@@ -60,7 +71,8 @@ def main() -> None:
     if args.requests >= STEP_TOKENS:
         raise SystemExit(f"--requests must be under {STEP_TOKENS}, the tokens of a step")
     prefill_steps = -(-args.requests * args.prompt // (STEP_TOKENS - args.requests))
-    max_new_tokens = prefill_steps + args.steps + 16 + 10 * args.profile
+    timed_steps = args.steps * (1 + 2 * args.transformers_loop_too)
+    max_new_tokens = prefill_steps + timed_steps + 16 + 10 * args.profile
     tokens = args.prompt + max_new_tokens
     config = EngineConfig(
         max_num_seqs=args.requests,
@@ -77,29 +89,18 @@ def main() -> None:
         engine.add_request(EngineRequest(ids, [], sampling, tag=i))
     while engine.scheduler.waiting or any(not r.is_prefill_done for r in engine.scheduler.running):
         engine.step()  # prefills, not timed
-    walls, forwards = [], []
     phases = PhaseTimes(engine)
-    for _ in range(args.steps):
-        forward_before = engine.runner.forward_s
-        started = time.perf_counter()
-        if engine.step() or len(engine.scheduler.running) != args.requests:
-            raise SystemExit("a request finished or left before the timed steps ended")
-        walls.append(time.perf_counter() - started)
-        forwards.append(engine.runner.forward_s - forward_before)
-        phases.end_step(walls[-1] - forwards[-1])
+    timed = timed_steps_ms(engine, args.requests, args.steps, phases)
     phases.stop()
     if args.profile:
         profile = profiled_steps(engine, args.requests, steps=5)
-    host = [wall - forward for wall, forward in zip(walls, forwards, strict=True)]
     result = {
         "size": args.size,
         "family": args.family,
         "requests": args.requests,
         "context_tokens": args.prompt,
         "steps": args.steps,
-        "step_ms_median": round(statistics.median(walls) * 1e3, 2),
-        "forward_ms_median": round(statistics.median(forwards) * 1e3, 2),
-        "host_ms_median": round(statistics.median(host) * 1e3, 2),
+        **timed,
         "host_ms_median_by_phase": phases.medians_ms(),
         "overlap": args.overlap,
         "cuda_graphs": engine.runner.decode_graphs is not None,  # as the engine ran, not as asked
@@ -115,6 +116,11 @@ def main() -> None:
     print(
         "host work by phase (medians, ms): " + ", ".join(f"{k} {v}" for k, v in phases.medians_ms().items())
     )
+    if args.transformers_loop_too:
+        result["loops"] = loops_compared(engine, loaded.adapter, args.requests, args.steps)
+        for loop, timed in result["loops"].items():
+            step, forward = timed["step_ms_median"], timed["forward_ms_median"]
+            print(f"{loop} loop of layers: step {step} ms, forward {forward} ms")
     if args.profile:
         result["profile_per_step"] = profile
         for kind, rows in profile.items():
@@ -122,6 +128,51 @@ def main() -> None:
             for row in rows:
                 print(f"{row['ms']:>9.3f} ms {row['calls']:>8.1f} calls  {row['name']}")
     write_json(args.json, result)
+
+
+LOOP_ROUNDS = 4  # blocks of steps per loop, alternated: on a noisy machine a block's steps move together
+
+
+def loops_compared(engine, adapter, requests: int, steps: int) -> dict:
+    """`timed_steps_ms` of `steps` more decode steps with the engine's loop of layers and as many with
+    transformers' text model running them, in alternated blocks (the first transformers')."""
+    stack = adapter.decoder_stack
+    times: dict[str, list] = {"engine": [], "transformers": []}
+    for round_ in range(2 * LOOP_ROUNDS):
+        loop = ("transformers", "engine")[round_ % 2]
+        adapter.decoder_stack = stack if loop == "engine" else None
+        times[loop] += step_times(engine, requests, steps // LOOP_ROUNDS)
+    adapter.decoder_stack = stack
+    return {loop: medians_ms(*zip(*pairs, strict=True)) for loop, pairs in times.items()}
+
+
+def timed_steps_ms(engine, requests: int, steps: int, phases: PhaseTimes | None = None) -> dict:
+    """Medians over `steps` decode steps of the step's wall, the model's forward and their difference (ms)."""
+    return medians_ms(*zip(*step_times(engine, requests, steps, phases), strict=True))
+
+
+def medians_ms(walls, forwards) -> dict:
+    host = [wall - forward for wall, forward in zip(walls, forwards, strict=True)]
+    return {
+        "step_ms_median": round(statistics.median(walls) * 1e3, 2),
+        "forward_ms_median": round(statistics.median(forwards) * 1e3, 2),
+        "host_ms_median": round(statistics.median(host) * 1e3, 2),
+    }
+
+
+def step_times(engine, requests: int, steps: int, phases: PhaseTimes | None = None) -> list[tuple]:
+    """(wall, forward) seconds of each of `steps` decode steps."""
+    walls, forwards = [], []
+    for _ in range(steps):
+        forward_before = engine.runner.forward_s
+        started = time.perf_counter()
+        if engine.step() or len(engine.scheduler.running) != requests:
+            raise SystemExit("a request finished or left before the timed steps ended")
+        walls.append(time.perf_counter() - started)
+        forwards.append(engine.runner.forward_s - forward_before)
+        if phases is not None:
+            phases.end_step(walls[-1] - forwards[-1])
+    return list(zip(walls, forwards, strict=True))
 
 
 class PhaseTimes:

@@ -31,9 +31,10 @@ def mixed_size_images(count: int, seed: int = 0) -> list[Image.Image]:
     return images
 
 
-def tiny_model(device: str, family: str = "qwen2_vl"):
-    """The family's `tiny` random-weight model, built in a temporary folder and loaded in fp32 on `device`:
-    the engine benchmarks that measure its host work rather than its matmuls."""
+def tiny_model(device: str, family: str = "qwen2_vl", size: str = "tiny"):
+    """The family's `tiny` random-weight model (or another of the builder's sizes), built in a temporary
+    folder and loaded in fp32 on `device`: the engine benchmarks that measure its host work rather than its
+    matmuls."""
     import tempfile
     from pathlib import Path
 
@@ -41,15 +42,15 @@ def tiny_model(device: str, family: str = "qwen2_vl"):
     from batchvl.models.loader import load_model
 
     with tempfile.TemporaryDirectory() as tmp:
-        folder = build_tiny_model(Path(tmp) / "tiny", family=family, size="tiny")
+        folder = build_tiny_model(Path(tmp) / size, family=family, size=size)
         return load_model(str(folder), dtype="float32", device=device)
 
 
 def sized_model(size: str, device: str, family: str = "qwen2_vl"):
-    """The family's `tiny_model`, or at `2b` or `7b` Qwen2-VL-2B or -7B made on `device` in bf16 (no
-    checkpoint)."""
-    if size == "tiny":
-        return tiny_model(device, family)
+    """The family's `tiny_model` (`deep`: its widths at Qwen2-VL-2B's depth), or at `2b` or `7b` Qwen2-VL-2B
+    or -7B made on `device` in bf16 (no checkpoint)."""
+    if size in ("tiny", "deep"):
+        return tiny_model(device, family, size)
     if family != "qwen2_vl":
         raise SystemExit(f"--size {size} is Qwen2-VL's; another family runs at --size tiny")
     import tempfile

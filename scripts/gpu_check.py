@@ -50,7 +50,8 @@ reported and the next still runs, in the order of what a GPU window must answer 
   vit_dp           the ViT data-parallel job test (two torchrun ranks on the one device) on the device
   host_step        benchmarks/host_step.py on the device at Qwen2-VL-2B's full size (`--size 2b`): host work
                    per step at 256 long decodes, and where it goes (the torch ops and Python functions with
-                   the most host time)
+                   the most host time); then the steps with the engine's own loop of the decoder's layers
+                   against transformers' text model calling them, in alternated blocks
   host_step_1024   the same at 1,024 decodes a step, what `engine.max_num_seqs: auto` gives a large GPU
   host_step_1024_fast the same with decode graphs and overlapped steps: each step's wall against the serial
                    run's forward says whether the host or the GPU bounds a step of 1,024 decodes
@@ -447,7 +448,8 @@ def host_step(work: Path, requests: int = 256, fast: bool = False) -> dict:
     if not ON_CPU:
         workload = ["--size", "2b", "--requests", str(requests)]
     command = [sys.executable, "benchmarks/host_step.py", "--device", DEVICE, "--profile", "--json", str(out)]
-    command += workload + (["--overlap", "--cuda-graphs"] if fast else [])
+    # and the serial steps with the engine's loop of layers against transformers' (a second or two)
+    command += workload + (["--overlap", "--cuda-graphs"] if fast else ["--transformers-loop-too"])
     result = run(command, 120)
     result.pop("stdout", None)
     return {"ok": result["rc"] == 0, **result, **(json.loads(out.read_text()) if out.exists() else {})}

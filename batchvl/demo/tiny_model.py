@@ -172,6 +172,10 @@ SIZES["256m"] = TinySize(
 # 256 prompt tokens, as for Qwen2-VL-2B, while every kernel is small. A job's rate on it is what its host
 # allows (input, scheduling, launches) at a real workload's shapes; for GPU benchmarks.
 SIZES["thin"] = replace(SIZES["tiny"], merged_patches=SIZES["2b"].merged_patches)
+# The tiny model's widths at Qwen2-VL-2B's depth (28 decoder layers, 32 vision blocks): every kernel small, so
+# that on a CPU a step's time is mostly the host's work of running its layers, what a GPU's host spends
+# launching them; for host benchmarks.
+SIZES["deep"] = replace(SIZES["tiny"], num_layers=SIZES["2b"].num_layers, vit_depth=SIZES["2b"].vit_depth)
 
 
 def _decoder_widths(spec: TinySize, vocab_size: int) -> dict:
