@@ -8,10 +8,11 @@ Qwen-VL vision towers' (five to seven kernels per tensor eager). Each kernel rou
 replaces rounds.
 
 The residual add that ends a decoder layer goes to the next norm's kernel in the engine's own loop of
-layers (`decoder_stack`); left eager: the add that ends a vision layer (see `residual_norm`), the GELUs (GELU-tanh in
-SigLIP's and Qwen3-VL's vision MLPs, the exact GELU in LLaVA's projector and the Qwen-VL mergers: torch runs
-each as one kernel already, so a Triton one could only take in the bias add before it, which would round a
-bf16 matmul's output twice) and, for that reason, the bias before QuickGELU (see `TritonQuickGELU`).
+layers (`decoder_stack`). Left eager: the add that ends a vision layer (see `residual_norm`), the GELUs
+(GELU-tanh in SigLIP's and Qwen3-VL's vision MLPs, the exact GELU in LLaVA's projector and the Qwen-VL
+mergers: torch runs each as one kernel already, so a Triton one could only take in the bias add before it,
+which would round a bf16 matmul's output twice) and, for that reason, the bias before QuickGELU (see
+`TritonQuickGELU`).
 
 Applied by the loader on CUDA only; the tests apply it to CPU models under Triton's interpreter.
 """
