@@ -20,21 +20,19 @@ from batchvl.engine.device.graph_capture import graph_capture
 from batchvl.engine.device.pixel_staging import stage_pixels
 from batchvl.engine.device.sync import synchronize
 from batchvl.engine.overlap import with_picks
+from batchvl.engine.packed_step import PackedStep
 from batchvl.engine.parallel.vit_dp import DataParallelEncoder
-from batchvl.engine.request import Request, RequestPositions, ScheduledChunk
+from batchvl.engine.request import RequestPositions, ScheduledChunk
 from batchvl.engine.scheduling.block_manager import BlockManager
 from batchvl.layers import triton_attention
 from batchvl.layers.attention import (
     InPlaceDecodes,
     KVCache,
     PagedAttentionMetadata,
-    SequenceSlice,
     decode_splits,
     uploaded,
 )
-from batchvl.layers.row_buckets import bucket_rows
 from batchvl.preprocess.media import PreparedMedia
-from batchvl.utils.int_tensors import int64_tensor
 
 
 @dataclass
@@ -142,17 +140,6 @@ class ModelRunner:
             return self.parallel_encoder.encode(images)
         return encode_images(self.adapter, images, max_patches_per_call)
 
-    def _chunk_positions(self, request: Request, start: int, end: int) -> torch.Tensor:
-        pos = request.positions
-        num_prompt = pos.prompt.shape[1]
-        if end <= num_prompt:
-            return pos.prompt[:, start:end]
-        generated = torch.arange(max(start, num_prompt), end) + pos.delta
-        generated = generated.expand(pos.prompt.shape[0], -1)
-        if start >= num_prompt:
-            return generated
-        return torch.cat([pos.prompt[:, start:], generated], dim=1)
-
     @torch.inference_mode()
     def execute(
         self,
@@ -174,67 +161,13 @@ class ModelRunner:
                     synchronize(self.adapter.device)
                 self.forward_s += time.perf_counter() - started
                 return StepLogits(sampled, sampled[:0])
-        block_manager = self.block_manager
         in_place = self.kv_cache.decodes_in_place
-        token_ids: list[int] = []
-        positions = []
-        # the chunks attended one by one: every chunk of more than one query, and where the kernels do not
-        # read the cache in place, the single-query ones too (see PagedAttentionMetadata)
-        sequences: list[SequenceSlice] = []
-        # Per chunk: its request's block table row, its first position, its tokens and its first packed row
-        # (the step's cache slots and in-place decodes are taken from these at once, after the loop)
-        table_rows: list[int] = []
-        starts: list[int] = []
-        counts: list[int] = []
-        first_rows: list[int] = []
-        # A run of decodes (one generated token each, most of a step) as plain ints, made into one tensor
-        # at the run's end: a tensor or two per decode cost milliseconds a step at hundreds of them.
-        decode_positions: list[int] = []
-
-        def end_decode_run() -> None:
-            if decode_positions:
-                axes = chunks[0].request.positions.prompt.shape[0]
-                positions.append(int64_tensor(decode_positions).expand(axes, -1))
-                decode_positions.clear()
-
-        # The rows whose logits the step returns (see StepLogits): each sampling chunk's last, then each
-        # scoring chunk's scored positions, gathered in the same pass as the rest.
-        last_rows: list[int] = []
-        scored_rows: list[int] = []
-        query_start = 0
-        for chunk in chunks:
-            request = chunk.request
-            start, num_tokens = chunk.start, chunk.num_tokens
-            table_rows.append(request.table_row)
-            starts.append(start)
-            counts.append(num_tokens)
-            first_rows.append(query_start)
-            if num_tokens == 1 and chunk.is_generated:
-                token_ids.append(request.output_token_ids[start - len(request.prompt_token_ids)])
-                decode_positions.append(start + request.positions.delta)  # on every axis
-            else:
-                token_ids.extend(request.token_ids(start, chunk.end))
-                end_decode_run()
-                positions.append(self._chunk_positions(request, start, chunk.end))
-            if num_tokens > 1 or not in_place:
-                key_slots, _ = block_manager.key_layout(request, chunk.end)
-                sequences.append(SequenceSlice(query_start, num_tokens, key_slots, num_keys=chunk.end))
-            if chunk.samples_next_token:
-                last_rows.append(query_start + num_tokens - 1)
-            elif request.score_from is not None:
-                scored_rows.extend(query_start + position - start for position in chunk.scored_positions)
-            query_start += num_tokens
-        end_decode_run()
-        # Padding rows up to the step's row bucket: the packed linear layers then take the step as it is
-        # (no copy per layer) and oneDNN reuses the kernels it built for that bucket. Padding tokens attend
-        # to nothing and write no KV; their rows are dropped with the rest of the hidden states.
-        padding = bucket_rows(query_start) - query_start
-        token_ids.extend([0] * padding)
-        positions.append(torch.zeros((positions[0].shape[0], padding), dtype=torch.long))
+        packed = PackedStep.of(chunks, in_place, self.block_manager)
+        token_ids, positions, sequences = packed.token_ids, packed.positions, packed.sequences
+        chunk_rows, chunk_starts, chunk_counts = packed.table_rows, packed.starts, packed.counts
+        chunk_first_rows, last_rows, scored_rows = packed.first_rows, packed.last_rows, packed.scored_rows
+        first_rows = chunk_first_rows.tolist()
         media_mask, media_rows = self._media_rows(len(token_ids), chunks, first_rows, embeddings)
-        chunk_rows, chunk_starts, chunk_counts, chunk_first_rows = (
-            np.array(values, dtype=np.int64) for values in (table_rows, starts, counts, first_rows)
-        )
         slot_mapping = self._slot_mapping(chunk_rows, chunk_starts, chunk_counts, chunk_first_rows)
         # the single-query chunks the kernels attend where the cache holds them (see `_in_place_decodes`)
         single = chunk_counts == 1 if in_place else np.zeros(len(chunks), dtype=bool)
@@ -243,10 +176,10 @@ class ModelRunner:
         # the step's tokens, positions, cache slots, logits rows and decodes go to the device in one copy
         token_ids_on, positions_on, slots_on, logits_rows, *decodes = uploaded(
             [
-                int64_tensor(token_ids),
-                torch.cat(positions, dim=1),
+                torch.from_numpy(token_ids),
+                positions,
                 torch.from_numpy(slot_mapping),
-                int64_tensor(last_rows + scored_rows),
+                torch.from_numpy(np.concatenate([last_rows, scored_rows])),
                 torch.from_numpy(chunk_first_rows[single]),
                 torch.from_numpy(self.block_table.starts(chunk_rows[single])),
                 torch.from_numpy(decode_lengths),
