@@ -25,11 +25,13 @@ import torch
 print("oldest end:", ", ".join(f"{name} {pinned}" for name, pinned in pins.items()), f"(torch {torch.__version__})")
 PY
 
-# The parity tests; and the Triton attention kernels compiled for a Hopper GPU (none needed) by the environment's
-# Triton, which is torch's: torch 2.6 brings Triton 3.2.
+# The parity tests, the engine's own loop of layers and a job that reads nothing back from the device; and the
+# Triton attention kernels compiled for a Hopper GPU (none needed) by the environment's Triton, which is torch's:
+# torch 2.6 brings Triton 3.2.
 oldest "$py" -m pytest -q -p no:cacheprovider tests/engine/test_parity.py tests/engine/test_family_parity.py \
     tests/engine/test_video_parity.py tests/engine/test_tiled_video_parity.py tests/preprocess/test_smolvlm_video.py \
     tests/preprocess/test_internvl_video.py tests/preprocess/test_internvl_tiles.py tests/models/test_published_layouts.py \
+    tests/layers/test_decoder_stack.py tests/engine/test_device_reads.py \
     "tests/layers/test_triton_attention.py::test_the_kernels_compile_for_a_hopper_gpu" \
     "tests/layers/test_triton_grouped_decode.py::test_the_kernels_compile_for_a_hopper_gpu"
 

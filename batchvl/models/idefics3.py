@@ -8,9 +8,32 @@ tower as one batch (each frame attends only to itself). Positions are plain 1-D.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 
 from batchvl.models.adapter import VLMAdapter
+
+
+def frame_position_ids(embeddings: torch.nn.Module, patches_h: int, patches_w: int, dtype) -> torch.Tensor:
+    """The position ids (patches_h x patches_w,) the tower's embeddings give a frame whose every patch is
+    valid, computed on the host by the installed module's own forward: its arithmetic changed between
+    transformers releases (5.17 rounds the patches' fractional coordinates to the pixels' dtype and picks
+    the valid patches by a boolean index, a wait for the device on a GPU; later releases do neither), so it
+    runs as it is, over a stand-in that has no weights: its patch embedding gives zeros, and its position
+    embedding hands back the ids it is given."""
+    taken = []
+    size = embeddings.patch_size
+    stand_in = SimpleNamespace(
+        patch_size=size,
+        num_patches_per_side=embeddings.num_patches_per_side,
+        patch_embedding=lambda pixels: torch.zeros((1, 1, patches_h, patches_w), dtype=pixels.dtype),
+        position_embedding=lambda ids: taken.append(ids) or torch.zeros(ids.shape + (1,), dtype=dtype),
+    )
+    pixels = torch.zeros((1, 3, patches_h * size, patches_w * size), dtype=dtype)
+    every_patch = torch.ones((1, patches_h, patches_w), dtype=torch.bool)
+    type(embeddings).forward(stand_in, pixel_values=pixels, patch_attention_mask=every_patch)
+    return taken[0][0]
 
 
 class Idefics3Adapter(VLMAdapter):
@@ -19,6 +42,7 @@ class Idefics3Adapter(VLMAdapter):
     def __init__(self, model, dtype: torch.dtype, device: torch.device):
         super().__init__(model, dtype, device)
         self.placeholder_token_ids = {"image": model.config.image_token_id}
+        self._position_ids: dict[tuple[int, int], torch.Tensor] = {}  # per frame's patch grid, on the device
 
     @torch.inference_mode()
     def encode(self, kind: str, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]:
@@ -26,13 +50,19 @@ class Idefics3Adapter(VLMAdapter):
         index and a read of their count (each a wait for the device on a GPU): batchvl's frames are each
         an image's own, never padding. The frames of the call go through the tower as one batch, as its
         forward runs them but for the attention mask it makes of their patch mask (all patches valid, which
-        it checks by reading the mask back on a GPU): the tower attends without one."""
+        it checks by reading the mask back on a GPU): the tower attends without one. The embeddings are the
+        tower's (patches, then their position embedding) with the position ids of a frame whose patches are
+        all valid, made once per frame size (`frame_position_ids`)."""
         model = self.model.model
         tower = model.vision_model
         frames = pixel_values.to(self.device, self.dtype)  # (all frames, 3, T, T)
-        patches = (frames.shape[0], frames.shape[2] // tower.patch_size, frames.shape[3] // tower.patch_size)
-        every_patch = torch.ones(patches, dtype=torch.bool, device=self.device)
-        hidden = tower.embeddings(pixel_values=frames, patch_attention_mask=every_patch)
+        embeddings = tower.embeddings
+        patches = embeddings.patch_embedding(frames)  # (frames, hidden, patches_h, patches_w)
+        grid = (patches.shape[2], patches.shape[3])
+        if grid not in self._position_ids:
+            ids = frame_position_ids(embeddings, *grid, self.dtype)
+            self._position_ids[grid] = ids.to(self.device)
+        hidden = patches.flatten(2).transpose(1, 2) + embeddings.position_embedding(self._position_ids[grid])
         hidden = tower.post_layernorm(tower.encoder(inputs_embeds=hidden).last_hidden_state)
         return self.per_item(model.connector(hidden), grid_thw)  # (frames, image_seq_len, hidden)
 

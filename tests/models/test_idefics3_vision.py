@@ -2,6 +2,8 @@
 `get_image_features` over the same frames, and the tower and connector read nothing back from their tensors
 (on a GPU, each such read makes the host wait for the device)."""
 
+import copy
+
 import torch
 
 from tests.engine.fake_graphs import guard_host_reads
@@ -36,3 +38,26 @@ def test_the_tower_and_connector_read_nothing_back(family_models, monkeypatch):
         guard_host_reads(monkeypatch, owner, name)
     pixels, grid = vision_call(loaded, IMAGE_SIZES)
     assert len(loaded.adapter.encode("image", pixels, grid)) == len(IMAGE_SIZES)
+
+
+@torch.inference_mode()
+def test_the_frames_position_ids_are_the_embeddings_own_in_each_dtype(family_models):
+    """The position ids made once per frame size give the tower's embeddings of frames whose patches are all
+    valid, bit for bit, in float32 and in bf16 (where transformers 5.17 rounds the patches' coordinates to
+    the pixels' dtype first)."""
+    from batchvl.models.idefics3 import frame_position_ids
+
+    _, loaded = family_models("idefics3")
+    tower = loaded.adapter.model.model.vision_model
+    for dtype in (torch.float32, torch.bfloat16):
+        embeddings = copy.deepcopy(tower.embeddings).to(dtype)
+        side = embeddings.num_patches_per_side
+        for patches_h, patches_w in ((side, side), (side // 2, side)):
+            size = embeddings.patch_size
+            frames = torch.randn(3, 3, patches_h * size, patches_w * size).to(dtype)
+            every_patch = torch.ones((3, patches_h, patches_w), dtype=torch.bool)
+            stock = embeddings(pixel_values=frames, patch_attention_mask=every_patch)
+            ids = frame_position_ids(embeddings, patches_h, patches_w, dtype)
+            assert ids.shape == (patches_h * patches_w,)
+            patched = embeddings.patch_embedding(frames).flatten(2).transpose(1, 2)
+            assert torch.equal(patched + embeddings.position_embedding(ids), stock)
