@@ -118,8 +118,8 @@ def main() -> None:
     )
     if args.transformers_loop_too:
         result["loops"] = loops_compared(engine, loaded.adapter, args.requests, args.steps)
-        for loop, timed in result["loops"].items():
-            step, forward = timed["step_ms_median"], timed["forward_ms_median"]
+        for loop, medians in result["loops"].items():
+            step, forward = medians["step_ms_median"], medians["forward_ms_median"]
             print(f"{loop} loop of layers: step {step} ms, forward {forward} ms")
     if args.profile:
         result["profile_per_step"] = profile
@@ -137,18 +137,19 @@ def loops_compared(engine, adapter, requests: int, steps: int) -> dict:
     """`timed_steps_ms` of `steps` more decode steps with the engine's loop of layers and as many with
     transformers' text model running them, in alternated blocks (the first transformers')."""
     stack = adapter.decoder_stack
-    times: dict[str, list] = {"engine": [], "transformers": []}
+    times = {"engine": ([], []), "transformers": ([], [])}  # per loop: the steps' walls, their forwards
     for round_ in range(2 * LOOP_ROUNDS):
         loop = ("transformers", "engine")[round_ % 2]
         adapter.decoder_stack = stack if loop == "engine" else None
-        times[loop] += step_times(engine, requests, steps // LOOP_ROUNDS)
+        for kept, timed in zip(times[loop], step_times(engine, requests, steps // LOOP_ROUNDS), strict=True):
+            kept += timed
     adapter.decoder_stack = stack
-    return {loop: medians_ms(*zip(*pairs, strict=True)) for loop, pairs in times.items()}
+    return {loop: medians_ms(walls, forwards) for loop, (walls, forwards) in times.items()}
 
 
 def timed_steps_ms(engine, requests: int, steps: int, phases: PhaseTimes | None = None) -> dict:
     """Medians over `steps` decode steps of the step's wall, the model's forward and their difference (ms)."""
-    return medians_ms(*zip(*step_times(engine, requests, steps, phases), strict=True))
+    return medians_ms(*step_times(engine, requests, steps, phases))
 
 
 def medians_ms(walls, forwards) -> dict:
@@ -160,8 +161,8 @@ def medians_ms(walls, forwards) -> dict:
     }
 
 
-def step_times(engine, requests: int, steps: int, phases: PhaseTimes | None = None) -> list[tuple]:
-    """(wall, forward) seconds of each of `steps` decode steps."""
+def step_times(engine, requests: int, steps: int, phases: PhaseTimes | None = None) -> tuple[list, list]:
+    """The walls and the forwards (seconds) of `steps` decode steps."""
     walls, forwards = [], []
     for _ in range(steps):
         forward_before = engine.runner.forward_s
@@ -172,7 +173,7 @@ def step_times(engine, requests: int, steps: int, phases: PhaseTimes | None = No
         forwards.append(engine.runner.forward_s - forward_before)
         if phases is not None:
             phases.end_step(walls[-1] - forwards[-1])
-    return list(zip(walls, forwards, strict=True))
+    return walls, forwards
 
 
 class PhaseTimes:

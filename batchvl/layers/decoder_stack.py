@@ -56,19 +56,19 @@ def add_and_norm(
 class DecoderStack:
     """The text model's forward over the engine's packed step (batch 1), as the engine's own loop."""
 
-    def __init__(self, text_model: torch.nn.Module):
+    def __init__(self, text_model: torch.nn.Module, layers: list[torch.nn.Module]):
         self.text_model = text_model
-        self.layers = list(text_model.layers[: text_model.config.num_hidden_layers])
+        self.layers = layers
 
     @classmethod
     def of(cls, text_model: torch.nn.Module) -> DecoderStack | None:
         """The stack of a text model the loop computes as transformers does; None for another."""
         if type(text_model).__name__ not in TEXT_MODELS:
             return None
-        layers = text_model.layers[: text_model.config.num_hidden_layers]
+        layers = list(text_model.layers[: text_model.config.num_hidden_layers])
         if not all(PRE_NORM_LAYERS.get(type(layer).__name__) is DECODER for layer in layers):
             return None
-        return cls(text_model)
+        return cls(text_model, layers)
 
     def __call__(
         self,

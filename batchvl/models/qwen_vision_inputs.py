@@ -74,7 +74,8 @@ def on_device(inputs: dict, device: torch.device) -> dict:
         if key in moved:
             value = moved[key].to(inputs[key].dtype)  # `uploaded` packs as int64; on the CPU a no-op
         elif isinstance(value, torch.Tensor) and torch.device(device).type != "cpu":
-            host = value.pin_memory() if torch.cuda.is_available() else value  # as `uploaded` stages
+            # page-locked for a CUDA device, as a vision call's pixels are staged (`pixel_staging`)
+            host = value.pin_memory() if torch.device(device).type == "cuda" else value
             value = host.to(device, non_blocking=True)
         placed[key] = value
     for key in BOUNDARIES:
