@@ -32,9 +32,10 @@ from batchvl.engine.request import (
     RequestStatus,
     ScheduledChunk,
 )
+from batchvl.engine.request_mix import RequestMix
 from batchvl.engine.sampling.choice_scoring import ChoiceGroup, ChoiceTokenizer, StepScores
 from batchvl.engine.sampling.logprobs import TokenLogprobs, keeps_logprobs, kept_logprobs, logprob_fields
-from batchvl.engine.sampling.sampler import make_generator, step_picks
+from batchvl.engine.sampling.sampler import greedy_picks, make_generator, step_picks
 from batchvl.engine.sampling.stopping import StopChecker
 from batchvl.engine.sampling.structured_output import GrammarMatchers
 from batchvl.engine.scheduling.activation_peak import step_activation_peak
@@ -63,10 +64,15 @@ def step_sizes_for(adapter: ModelAdapter, config: EngineConfig) -> EngineConfig:
     )
 
 
-def picks_of(logits: torch.Tensor, requests: list[Request], taken: list[Request | None]) -> torch.Tensor:
+def picks_of(
+    logits: torch.Tensor, requests: list[Request], taken: list[Request | None], mix: RequestMix
+) -> torch.Tensor:
     """The next token of each request, row i of (rows, vocab) `logits` being requests[i]'s, on the device;
     the sampled rows whose log-probabilities are taken (`taken[i]`, None where not) left warped in `logits`,
-    as `kept_logprobs` takes them."""
+    as `kept_logprobs` takes them. Where no unfinished request draws (`mix`), every row's argmax, with no
+    pass over the rows."""
+    if not mix.sampled:
+        return greedy_picks(logits)
     warped = {row for row, request in enumerate(taken) if keeps_logprobs(request)}
     return step_picks(logits, [r.sampling for r in requests], [r.generator for r in requests], warped)
 
@@ -127,6 +133,7 @@ class Engine:
         self._stats = EngineStats()  # the engine's own counters; `stats` adds its components'
         self._rejected: list[EngineResult] = []
         self._ids = itertools.count()  # request ids, in arrival order
+        self._mix = RequestMix()  # what the unfinished requests ask of a step beyond a greedy pick
         self._in_flight: InFlightPicks | None = None  # an overlapped step's picks, not yet read
         logger.info(
             "KV cache: %d blocks of %d tokens (%.0f MiB, engine.kv_cache_mb=%s); steps of %d tokens, vision "
@@ -205,7 +212,9 @@ class Engine:
             request.positions = self.runner.prompt_positions(request.prompt_token_ids, item.images)
             if item.constraint is not None and request.choice is None:
                 request.grammar = self.grammars.matcher(item.constraint)
+            self.stopping.prepare(request)
             self.scheduler.add(request)
+            self._mix.count(request)
             self._stats.prompt_tokens += request.num_prompt_tokens
 
     def _requests_of(self, item: EngineRequest, spans: list[MediaSpan]) -> list[Request]:
@@ -233,6 +242,7 @@ class Engine:
         self.block_manager.check_integrity(requests)
         live = {request.request_id for request in requests}
         self.encoder_cache.check_integrity(live, self.scheduler.pending_freed)
+        assert self._mix == RequestMix.of(requests), (self._mix, RequestMix.of(requests))
 
     def step(self) -> list[EngineResult]:
         """Run one step (schedule, run, postprocess); returns the requests that finished or were rejected.
@@ -266,26 +276,33 @@ class Engine:
         # chunks are committed, since the blocks that commit publishes to the prefix cache hold them.
         ended = self._stopped(previous.read()) if previous is not None else []
         scored = previous.scored() if previous is not None else []
-        ending = {request.request_id for request, _ in ended}
         sampling = [chunk.request for chunk in chunks if chunk.samples_next_token]
         # a request those picks end has a row here whose pick is dropped: its grammar masks nothing more,
         # and its log-probabilities are not taken (None)
-        taken = [None if request.request_id in ending else request for request in sampling]
-        self.grammars.mask(logits.sampled, [None if r is None else r.grammar for r in taken])
-        picks = picks_of(logits.sampled, sampling, taken)
+        taken = sampling
+        if ended:
+            ending = {request.request_id for request, _ in ended}
+            taken = [None if request.request_id in ending else request for request in sampling]
+        mix = self._mix
+        if mix.grammars:
+            self.grammars.mask(logits.sampled, [None if r is None else r.grammar for r in taken])
+        picks = picks_of(logits.sampled, sampling, taken, mix)
         host = HostCopy(picks)
-        keep, logprobs = kept_logprobs(logits.sampled, taken, picks)
-        scores = StepScores(chunks, logits.scored)
+        keep, logprobs = kept_logprobs(logits.sampled, taken, picks) if mix.logprobs else ([], None)
+        scores = StepScores(chunks if mix.scored else [], logits.scored)
         self.scheduler.commit(chunks)
         self._count_step(chunks)
         finished = [self._finish(request, reason) for request, reason in ended] + scored
         self._free_scored(scores)
-        requests, rows = [], []
-        for row, request in enumerate(sampling):
-            if request.status is not RequestStatus.FINISHED:  # else its pick is one past its end: dropped
-                request.output_token_ids.append(placeholder(row))
-                requests.append(request)
-                rows.append(row)
+        if ended:  # a request they finished has a pick one past its end here: dropped
+            rows = [
+                row for row, request in enumerate(sampling) if request.status is not RequestStatus.FINISHED
+            ]
+            requests = [sampling[row] for row in rows]
+        else:
+            requests, rows = sampling, range(len(sampling))
+        for request, row in zip(requests, rows, strict=True):
+            request.output_token_ids.append(placeholder(row))
         logprob_requests = [sampling[row] for row in keep]
         scores_in_flight = scores if scores.chunks else None
         in_flight = InFlightPicks(requests, rows, picks, host, logprob_requests, logprobs, scores_in_flight)
@@ -301,8 +318,10 @@ class Engine:
         return [self._finish(request, reason) for request, reason in ended] + previous.scored()
 
     def _stopped(self, requests: list[Request]) -> list[tuple[Request, str]]:
-        """The requests whose newest token (a greedy pick) ends them."""
+        """The requests whose newest token ends them, with why, in their order."""
         self._stats.output_tokens += len(requests)
+        if not self._mix.grammars:  # (the stop rules alone, asked only of the requests they may end)
+            return self.stopping.ended(requests)
         reasons = [(request, self._finish_reason(request)) for request in requests]
         return [(request, reason) for request, reason in reasons if reason is not None]
 
@@ -340,27 +359,24 @@ class Engine:
         log-probabilities kept (computed on the device, as an overlapped step does), and finish the requests
         that are done."""
         sampling = [chunk.request for chunk in chunks if chunk.samples_next_token]
-        self.grammars.mask(logits, [request.grammar for request in sampling])
-        picks = picks_of(logits, sampling, sampling)
-        keep, logprobs = kept_logprobs(logits, sampling, picks)
+        mix = self._mix
+        if mix.grammars:
+            self.grammars.mask(logits, [request.grammar for request in sampling])
+        picks = picks_of(logits, sampling, sampling, mix)
+        keep, logprobs = kept_logprobs(logits, sampling, picks) if mix.logprobs else ([], None)
         tokens = picks.tolist()
-        kept = dict(zip(keep, logprobs.read(), strict=True)) if logprobs is not None else {}
-        self._stats.output_tokens += len(tokens)
-        finished = []
-        for row, (request, token) in enumerate(zip(sampling, tokens, strict=True)):
-            if row in kept:
-                request.logprobs.append(*kept[row], request.sampling)
+        if logprobs is not None:
+            for row, (chosen, top) in zip(keep, logprobs.read(), strict=True):
+                sampling[row].logprobs.append(chosen, top, sampling[row].sampling)
+        for request, token in zip(sampling, tokens, strict=True):
             request.output_token_ids.append(token)
-            reason = self._finish_reason(request)
-            if reason is not None:
-                finished.append(self._finish(request, reason))
-        return finished
+        return [self._finish(request, reason) for request, reason in self._stopped(sampling)]
 
     def _score(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> list[EngineResult]:
         """Hand each scoring request's chunk its rows' log-probabilities (a row per scored position, in
         chunk order) to its choice group; a request is done when its chunk reaches its end, and the group's
         result comes with its last request's."""
-        scores = StepScores(chunks, logits)
+        scores = StepScores(chunks if self._mix.scored else [], logits)
         self._free_scored(scores)
         return scores.collect()
 
@@ -368,10 +384,15 @@ class Engine:
         """Finish the scoring requests whose chunk reached their end: their group holds what they scored."""
         for chunk in scores.chunks:
             if chunk.reaches_end:
-                self.scheduler.finish(chunk.request)  # frees its KV blocks and images; nothing else holds it
+                self._forget(chunk.request)
+
+    def _forget(self, request: Request) -> None:
+        """Finish a request: frees its KV blocks and images; nothing else holds it."""
+        self.scheduler.finish(request)
+        self._mix.count(request, -1)
 
     def _finish(self, request: Request, reason: str) -> EngineResult:
-        self.scheduler.finish(request)  # frees its KV blocks and images; nothing else holds it
+        self._forget(request)
         return EngineResult(
             tag=request.tag,
             output_token_ids=list(request.output_token_ids),

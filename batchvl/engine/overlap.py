@@ -26,6 +26,7 @@ values for the same logits.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -53,7 +54,7 @@ class InFlightPicks:
     `logprob_requests`' order), and its scored choices' log-probabilities."""
 
     requests: list[Request]
-    rows: list[int]
+    rows: Sequence[int]
     picks: torch.Tensor  # on the device, read by the next step's forward
     host: HostCopy
     logprob_requests: list[Request]

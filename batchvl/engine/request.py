@@ -94,6 +94,10 @@ class Request:
     generator: random.Random | None = None  # a sampling request's own seeded generator (`make_generator`)
     logprobs: Any = None  # its TokenLogprobs record, when it asked for its tokens' log-probabilities
     grammar: Any = None  # the xgrammar matcher of its output constraint (see `GrammarMatchers`)
+    # What the stop rules ask of each new token (`StopChecker.prepare`): the tokens that end it, and the most
+    # tokens it may generate
+    stop_ids: frozenset[int] = frozenset()
+    output_limit: int = 0
     start_time: float = field(default_factory=time.perf_counter)
 
     @property

@@ -27,6 +27,7 @@ from batchvl.layers.cpu_features import has_amx
 from batchvl.layers.native_kernels import HEAD_DIMS, native_ops, runs_natively
 from batchvl.layers.triton_grouped_decode import split_count
 from batchvl.utils.int_tensors import int64_tensor
+from batchvl.utils.page_locked import host_empty
 
 PAGED_ATTENTION_NAME = "batchvl_paged"
 
@@ -303,24 +304,17 @@ def paged_kernels(layer: torch.Tensor):
 
 def uploaded(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
     """Integer step metadata on `device` in one copy: packed into one host tensor, moved, and split again
-    (a copy per tensor costs a transfer each on a GPU). The packed tensor is page-locked where CUDA is, and
-    the copy does not wait: from pageable memory the driver stages it and the host waits for it, some 80 us
-    a copy on an H200. The device's stream orders the copy before the kernels that read it."""
+    (a copy per tensor costs a transfer each on a GPU). The packed tensor is page-locked for a CUDA device
+    (`page_locked`), and the copy does not wait. The device's stream orders the copy before the kernels that
+    read it."""
     if torch.device(device).type == "cpu":
         return tensors
     flat = [tensor.reshape(-1).to(torch.long) for tensor in tensors]
-    staging = staging_buffer(sum(piece.numel() for piece in flat))
+    staging = host_empty(sum(piece.numel() for piece in flat), torch.long, device)
     torch.cat(flat, out=staging)
     packed = staging.to(device, non_blocking=True)
     pieces = packed.split([tensor.numel() for tensor in tensors])
     return [piece.view(tensor.shape) for piece, tensor in zip(pieces, tensors, strict=True)]
-
-
-def staging_buffer(size: int) -> torch.Tensor:
-    """int64 host memory for an upload: page-locked where CUDA is, from torch's caching host allocator,
-    which hands a block out again only once the copies recorded on it are done (an asynchronous copy never
-    reads a buffer already refilled); plain memory elsewhere."""
-    return torch.empty(size, dtype=torch.long, pin_memory=torch.cuda.is_available())
 
 
 def split_decodes(

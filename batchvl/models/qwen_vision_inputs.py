@@ -25,6 +25,7 @@ from transformers.vision_utils import (
 
 from batchvl.layers.attention import uploaded
 from batchvl.layers.vision_attention import remember_lengths
+from batchvl.utils.page_locked import locks_pages_for
 
 # The inputs that cut a call's rows into the sequences the tower attends within (its images; Qwen2.5-VL's
 # windows), each with the input of its longest sequence's rows
@@ -75,7 +76,7 @@ def on_device(inputs: dict, device: torch.device) -> dict:
             value = moved[key].to(inputs[key].dtype)  # `uploaded` packs as int64; on the CPU a no-op
         elif isinstance(value, torch.Tensor) and torch.device(device).type != "cpu":
             # page-locked for a CUDA device, as a vision call's pixels are staged (`pixel_staging`)
-            host = value.pin_memory() if torch.device(device).type == "cuda" else value
+            host = value.pin_memory() if locks_pages_for(device) else value
             value = host.to(device, non_blocking=True)
         placed[key] = value
     for key in BOUNDARIES:

@@ -7,6 +7,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 import batchvl.layers.attention as attention
+import batchvl.utils.page_locked as page_locked
 from batchvl.config import EngineConfig
 from batchvl.engine.engine import Engine
 from batchvl.engine.request import EngineRequest
@@ -81,10 +82,10 @@ class Staging(TorchFunctionMode):
 
 
 def test_an_upload_is_staged_in_page_locked_memory_and_does_not_wait(monkeypatch):
-    """Where CUDA is, a step's metadata is packed in page-locked memory and copied without the host waiting
+    """Towards a GPU, a step's metadata is packed in page-locked memory and copied without the host waiting
     (from pageable memory the driver stages the copy and the host waits: some 80 us a copy on an H200).
-    CUDA is faked as present; "meta" stands for the GPU."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    "meta" stands for the GPU: its memory is page-locked as a CUDA device's is."""
+    monkeypatch.setattr(page_locked, "locks_pages_for", lambda device: torch.device(device).type == "meta")
     tensors = [torch.arange(5), torch.zeros(3, 4, dtype=torch.int32)]
     staging = Staging()
     with staging:
@@ -92,3 +93,21 @@ def test_an_upload_is_staged_in_page_locked_memory_and_does_not_wait(monkeypatch
     assert staging.pinned_sizes == [(17,)]
     assert staging.copies_non_blocking == [True]
     assert [(t.device.type, t.shape) for t in moved] == [("meta", t.shape) for t in tensors]
+
+
+@pytest.mark.parametrize(
+    "device, locked",
+    [("cuda", True), ("cuda:1", True), (torch.device("cuda:0"), True), ("cpu", False), ("meta", False)],
+)
+def test_host_memory_is_page_locked_for_a_cuda_device_alone(device, locked):
+    """The one rule of every copy's host memory: the device at the other end, not whether CUDA is present (a
+    CPU engine on a GPU machine would lock pages for nothing)."""
+    assert page_locked.locks_pages_for(device) is locked
+
+
+def test_a_cpu_engines_upload_locks_no_pages_where_cuda_is_present(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    staging = Staging()
+    with staging:
+        page_locked.host_empty(5, torch.long, "cpu")
+    assert staging.pinned_sizes == []

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import torch
 
+from batchvl.utils.page_locked import host_empty
+
 
 class HostCopy:
     def __init__(self, tensor: torch.Tensor):
         if tensor.device.type != "cuda":
             self._host, self._done = tensor, None
             return
-        self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        self._host = host_empty(tensor.shape, tensor.dtype, tensor.device)
         self._host.copy_(tensor, non_blocking=True)
         self._done = torch.cuda.Event()
         self._done.record(torch.cuda.current_stream(tensor.device))

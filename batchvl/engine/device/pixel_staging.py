@@ -17,6 +17,7 @@ import torch
 
 from batchvl.preprocess.media import PreparedMedia
 from batchvl.preprocess.pixel_normalization import normalized_pixels
+from batchvl.utils.page_locked import locks_pages_for
 
 
 def stage_pixels(
@@ -66,7 +67,7 @@ def _stacked_pixels(
         device=source,
         # page-locked: the upload then runs without the host waiting for it, and torch's allocator keeps
         # the pages from reuse until it is done
-        pin_memory=source.type == "cpu" and device.type == "cuda",
+        pin_memory=source.type == "cpu" and locks_pages_for(device),
     )
     offset = 0
     for tensor in tensors:

@@ -22,6 +22,7 @@ import torch
 from batchvl.errors import first_line
 from batchvl.layers.attention import uploaded
 from batchvl.utils.int_tensors import int64_tensor
+from batchvl.utils.page_locked import host_empty
 
 # JSON without whitespace between tokens: with free whitespace a weak model can fill its whole budget with
 # spaces and newlines, and every byte of layout is a token generated for nothing.
@@ -150,7 +151,7 @@ class GrammarMatchers:
         import xgrammar as xgr
 
         shape = xgr.get_bitmask_shape(rows, self.vocab_size)
-        return torch.empty(shape, dtype=torch.int32, pin_memory=device.type == "cuda")
+        return host_empty(shape, torch.int32, device)
 
     def accept(self, matcher, token: int) -> None:
         if matcher is not None and not matcher.is_terminated():

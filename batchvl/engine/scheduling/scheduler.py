@@ -107,9 +107,12 @@ class Scheduler:
         preempted = False
 
         block_size = self.block_manager.block_size
+        # (the list itself, which a preemption shortens, and the loop's calls, looked up once: at 1,024
+        # decodes a step each lookup in the loop is some 30 us)
+        running, add_chunk = self.running, chunks.append
         index = 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
+        while index < len(running) and budget > 0:
+            request = running[index]
             # A decode (one token left to compute: most of a step) cuts no image, so its size needs no look.
             # (The request's properties spelled out here and below: at 1,024 decodes a step, their calls
             # were a fifth of the schedule.)
@@ -123,7 +126,7 @@ class Scheduler:
             # once, where a step of hundreds of decodes spent microseconds each asking twice).
             if computed + num_new > len(request.block_ids) * block_size:  # no room left in its blocks
                 while not self.block_manager.can_allocate(request, num_new):
-                    victim = self.running[-1]
+                    victim = running[-1]
                     self._preempt(victim)
                     preempted = True
                     if victim is request:
@@ -131,7 +134,7 @@ class Scheduler:
                 if request.status is not RequestStatus.RUNNING:
                     break
                 self.block_manager.allocate(request, num_new)
-            chunks.append(ScheduledChunk(request, computed, num_new, num_tokens))
+            add_chunk(ScheduledChunk(request, computed, num_new, num_tokens))
             budget -= num_new
             index += 1
 
