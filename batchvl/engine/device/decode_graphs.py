@@ -205,14 +205,14 @@ class DecodeGraphs:
     def _load(self, chunks: list[ScheduledChunk], lengths: np.ndarray, rows: int, axes: int) -> None:
         """Fill the static buffers with the step's inputs (`lengths`: each chunk's keys, its start + 1), the
         padding rows' after them up to `rows` (all of the rows without chunks)."""
-        padding = rows - len(chunks)
-        token_ids, deltas, table_rows = [], [], []
-        for chunk in chunks:
-            request = chunk.request
-            token_ids.append(request.output_token_ids[chunk.start - len(request.prompt_token_ids)])
-            deltas.append(request.positions.delta)
-            table_rows.append(request.table_row)
-        starts, table_rows = lengths - 1, np.array(table_rows, dtype=np.int64)
+        padding, count = rows - len(chunks), len(chunks)
+        # a pass per quantity (a loop appending to three lists cost some 0.2 ms a step at 1,024 decodes on a
+        # 2-core CPU); each decode's token is its request's newest, which its chunk reaches (`is_graphable`)
+        requests = [chunk.request for chunk in chunks]
+        token_ids = [request.output_token_ids[-1] for request in requests]
+        deltas = np.fromiter((request.positions.delta for request in requests), np.int64, count)
+        table_rows = np.fromiter((request.table_row for request in requests), np.int64, count)
+        starts = lengths - 1
         table = self.block_table
 
         def padded(values, pad: int) -> torch.Tensor:
@@ -222,7 +222,7 @@ class DecodeGraphs:
 
         step = [
             padded(token_ids, 0),
-            padded(starts + np.array(deltas, dtype=np.int64), 0).expand(axes, -1),  # on every axis
+            padded(starts + deltas, 0).expand(axes, -1),  # on every axis
             padded(table.host.slots(table_rows, starts), self.scratch_slot),
             padded(table.starts(table_rows), table.padding_start),
             padded(lengths, 1),
