@@ -26,7 +26,7 @@ import os
 import torch
 
 from batchvl.layers.row_buckets import power_of_two_at_least
-from batchvl.layers.triton_grouped_decode import grouped_decode_attention
+from batchvl.layers.triton_grouped_decode import CONTRACTED, grouped_decode_attention
 
 logger = logging.getLogger(__name__)
 
@@ -225,6 +225,7 @@ def per_head_decode_attention(
         out.stride(0), out.stride(1), query.stride(0), query.stride(1), kv.stride(0), kv.stride(1),
         kv.stride(2),
         GROUP=heads // kv.shape[1], HEAD_DIM=head_dim, BLOCK_D=_block_dims(head_dim), BLOCK_N=BLOCK_KEYS,
+        **CONTRACTED,
     )  # fmt: skip
 
 
@@ -244,5 +245,5 @@ def paged_prefill_attention(
         out.stride(0), out.stride(1), query.stride(0), query.stride(1), kv.stride(0), kv.stride(1),
         kv.stride(2), slots.stride(0),
         GROUP=heads // kv.shape[1], HEAD_DIM=head_dim, BLOCK_D=_block_dims(head_dim), BLOCK_M=block_m,
-        BLOCK_N=BLOCK_KEYS, PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        BLOCK_N=BLOCK_KEYS, PRECISION="ieee" if query.dtype == torch.float32 else "tf32", **CONTRACTED,
     )  # fmt: skip

@@ -23,6 +23,9 @@ BLOCK_KEYS = 64  # keys per block of the online softmax
 # decode_attention.py` times other settings beside these and `BLOCK_KEYS`, all read at each launch.
 DECODE_WARPS = 4
 DECODE_STAGES = 3
+# Products and sums contracted into fused multiply-adds, as Triton compiles them by default up to 3.9: named
+# at each launch, since Triton 3.10 turns that default off (the kernels' outputs would move by a rounding)
+CONTRACTED = {"enable_fp_fusion": True}
 LEAST_DOT_ROWS = 16  # the fewest rows a Triton dot takes: a group of fewer query heads is padded to it
 # Split a sequence's keys only while there are fewer programs than this (a few per SM of an H100/H200, 132),
 # and never into splits of fewer keys than MIN_SPLIT_KEYS, whose merge would cost more than it saves
@@ -164,10 +167,10 @@ def grouped_decode_attention(
         GROUP=group, GROUP_PADDED=max(LEAST_DOT_ROWS, power_of_two_at_least(group)), HEAD_DIM=head_dim,
         BLOCK_D=block_d, BLOCK_N=BLOCK_KEYS, SPLITS=splits,
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        num_warps=DECODE_WARPS, num_stages=DECODE_STAGES,
+        num_warps=DECODE_WARPS, num_stages=DECODE_STAGES, **CONTRACTED,
     )  # fmt: skip
     if splits > 1:
         merge_kernel[(sequences, heads)](
             out, part_acc, part_best, part_total, rows, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS=splits,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS=splits, **CONTRACTED,
         )  # fmt: skip

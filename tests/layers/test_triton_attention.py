@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from batchvl.layers import triton_attention
+from batchvl.layers import triton_attention, triton_grouped_decode
 from tests.layers.interpreter import run_interpreter_checks
 
 CHECKS = Path(__file__).with_name("triton_kernel_checks.py")
@@ -68,5 +68,9 @@ def test_the_kernels_compile_for_a_hopper_gpu(dtype):
     for kernel, arguments, constants in builds:
         order = list(kernel.arg_names)
         signature = {name: arguments.get(name, "constexpr") for name in order}
-        compiled = triton.compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32))
+        source = ASTSource(kernel, signature, constants)
+        # with the launches' own compile options
+        compiled = triton.compile(
+            source, target=GPUTarget("cuda", 90, 32), options=triton_grouped_decode.CONTRACTED
+        )
         assert ".entry" in compiled.asm["ptx"]

@@ -75,5 +75,9 @@ def test_the_kernels_compile_for_a_hopper_gpu(dtype, group, splits):
         builds.append((merge_kernel, merge_args, {**sizes, "SPLITS": splits}))
     for kernel, arguments, constants in builds:
         signature = {name: arguments.get(name, "constexpr") for name in kernel.arg_names}
-        compiled = triton.compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32))
+        source = ASTSource(kernel, signature, constants)
+        # with the launches' own compile options
+        compiled = triton.compile(
+            source, target=GPUTarget("cuda", 90, 32), options=triton_grouped_decode.CONTRACTED
+        )
         assert ".entry" in compiled.asm["ptx"]
