@@ -70,10 +70,10 @@ def picks_of(
     """The next token of each request, row i of (rows, vocab) `logits` being requests[i]'s, on the device;
     the sampled rows whose log-probabilities are taken (`taken[i]`, None where not) left warped in `logits`,
     as `kept_logprobs` takes them. Where no unfinished request draws (`mix`), every row's argmax, with no
-    pass over the rows."""
+    pass over the rows; where none keeps log-probabilities, no pass for the rows to leave warped."""
     if not mix.sampled:
         return greedy_picks(logits)
-    warped = {row for row, request in enumerate(taken) if keeps_logprobs(request)}
+    warped = {row for row, request in enumerate(taken) if keeps_logprobs(request)} if mix.logprobs else ()
     return step_picks(logits, [r.sampling for r in requests], [r.generator for r in requests], warped)
 
 

@@ -107,8 +107,8 @@ class Scheduler:
         preempted = False
 
         block_size = self.block_manager.block_size
-        # (the list itself, which a preemption shortens, and the loop's calls, looked up once: at 1,024
-        # decodes a step each lookup in the loop is some 30 us)
+        # (the list itself, which a preemption shortens, and the append, looked up once a step, not once a
+        # decode)
         running, add_chunk = self.running, chunks.append
         index = 0
         while index < len(running) and budget > 0:
