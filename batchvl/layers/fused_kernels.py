@@ -8,7 +8,8 @@ Qwen-VL vision towers' (five to seven kernels per tensor eager). Each kernel rou
 replaces rounds.
 
 The residual add that ends a decoder layer goes to the next norm's kernel in the engine's own loop of
-layers (`decoder_stack`). Left eager: the add that ends a vision layer (see `residual_norm`), the GELUs
+layers (`decoder_stack`), the one that ends a vision layer to the next layer's first norm's kernel
+(`residual_norm`). Left eager: the add that ends a tower's last layer, the GELUs
 (GELU-tanh in SigLIP's and Qwen3-VL's vision MLPs, the exact GELU in LLaVA's projector and the Qwen-VL
 mergers: torch runs each as one kernel already, so a Triton one could only take in the bias add before it,
 which would round a bf16 matmul's output twice) and, for that reason, the bias before QuickGELU (see
@@ -26,7 +27,7 @@ from batchvl.layers import triton_elementwise
 from batchvl.layers.fused_projections import FusedQKVAttention, GatedMLP, is_silu
 from batchvl.layers.module_swap import replace_children
 from batchvl.layers.qwen_vision_attention import QwenVisionAttention
-from batchvl.layers.residual_norm import fuse_residual_norms, fused_residual_norm
+from batchvl.layers.residual_norm import fuse_residual_norms, fused_residual_norm, fused_successor
 from batchvl.layers.rms_norm import STOCK_RMS_NORMS
 from batchvl.layers.triton_modules import (
     TritonLayerNorm,
@@ -78,4 +79,5 @@ def use_fused_kernels(model: torch.nn.Module) -> dict[str, int]:
     norms = [fused_residual_norm(module) for module in model.modules()]
     counts["residual_rms_norm"] = sum(isinstance(norm, TritonRMSNorm) for norm in norms)
     counts["residual_layer_norm"] = sum(isinstance(norm, TritonLayerNorm) for norm in norms)
+    counts["closing_add_ahead"] = sum(fused_successor(module) is not None for module in model.modules())
     return counts

@@ -12,16 +12,21 @@ norm's kernel (`triton_elementwise.rms_norm` or `layer_norm` with a residual), w
 sum for the MLP's residual add and normalizes it, in one pass and with the layer's roundings (the sum
 rounded to the activations' dtype before the norm reads it).
 
-The add after the MLP stays the layer's here: its sum leaves the layer. For the language model the engine
-runs the loop of layers itself (`decoder_stack`) and hands that add to the next norm too; a decoder layer
-then runs its parts from that loop, not this forward, which serves a text model the loop does not take.
-The vision towers' loops stay transformers' (Qwen3-VL's keeps deepstack features of some blocks, CLIP's
-each layer's output for LLaVA's choice of layer).
+The add after the MLP leaves the layer: its sum is the next layer's input, which that layer's first norm
+reads again. A vision layer followed by another in its list, whose first norm is a Triton one, hands that
+add to it ahead (`TritonNorm.add_ahead`): the norm's kernel makes the sum and its norm in one pass, the layer
+returns the sum, and the next layer's call of its first norm on that very sum takes the output kept. The
+loop of layers stays transformers' (Qwen3-VL's tower keeps deepstack features of some blocks, CLIP's each
+layer's output for LLaVA's choice of layer): it sees the sums it always did, and where it hands the next
+layer anything else, that norm normalizes what it is given. The last layer's add stays its own. For the
+language model the engine runs the loop of layers itself (`decoder_stack`) and hands the adds to the norms
+there; a decoder layer then runs its parts from that loop, not this forward, which serves a text model the
+loop does not take.
 
-On an H200, a Qwen2-VL-2B vision call of 32,768 patches spent 3.7 of its 99.5 ms of kernels in the adds
-before the second norms and 4.6 in its LayerNorms (`vision_call`'s kernels with the other kernels fused):
-an add reads two tensors and writes one, the norm reads and writes one, and fused they read two and write
-two, a fifth of those bytes fewer.
+On an H200, a Qwen2-VL-2B vision call of 32,768 patches spent 3.7 of its 99.5 ms of kernels in its 64
+residual adds and 4.6 in its 65 LayerNorms (`vision_call`'s kernels with the other kernels fused): an add
+reads two tensors and writes one, the norm reads and writes one, and fused they read two and write two, a
+fifth of those bytes fewer and a launch fewer. Both adds of each block but the last are now fused.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from batchvl.layers.triton_modules import TritonLayerNorm, TritonRMSNorm
+from batchvl.layers.triton_modules import TritonNorm
 
 
 @dataclass(frozen=True)
@@ -68,13 +73,18 @@ PRE_NORM_LAYERS = {
     "Qwen2_5_VLVisionBlock": QWEN_VISION_BLOCK,
     "Qwen3VLVisionBlock": QWEN_VISION_BLOCK,
 }
-FUSED_NORMS = (TritonRMSNorm, TritonLayerNorm)  # the norms whose kernel adds a residual (`add_and_norm`)
 
 
 def add_and_norm_forward(
-    layer: torch.nn.Module, kind: PreNormLayer, hidden_states: torch.Tensor, *args, **kwargs
+    layer: torch.nn.Module,
+    kind: PreNormLayer,
+    successor: TritonNorm | None,
+    hidden_states: torch.Tensor,
+    *args,
+    **kwargs,
 ) -> torch.Tensor:
-    """The layer's forward with the residual add before its second norm done by the norm's kernel."""
+    """The layer's forward with the residual add before its second norm done by the norm's kernel, and the
+    add that ends it by the kernel of the norm that reads its output next (`successor`), where it has one."""
     if len(args) > len(kind.positional):
         name, most = type(layer).__name__, len(kind.positional)
         raise TypeError(f"{name} takes {most} arguments by position after its hidden states")
@@ -86,30 +96,62 @@ def add_and_norm_forward(
     if kind.attention_returns_tuple:
         attended = attended[0]
     hidden_states, residual = getattr(layer, kind.second_norm).add_and_norm(attended, residual)
-    return residual + layer.mlp(hidden_states)
+    if successor is None:
+        return residual + layer.mlp(hidden_states)
+    return successor.add_ahead(layer.mlp(hidden_states), residual)
 
 
-def fused_residual_norm(layer: torch.nn.Module) -> torch.nn.Module | None:
+def fused_residual_norm(layer: torch.nn.Module) -> TritonNorm | None:
     """The norm that adds the layer's residual, where the layer runs the fused forward."""
+    arguments = _fused_arguments(layer)
+    return None if arguments is None else getattr(layer, arguments[1].second_norm)
+
+
+def fused_successor(layer: torch.nn.Module) -> TritonNorm | None:
+    """The norm the layer's fused forward hands its closing add to, if any."""
+    arguments = _fused_arguments(layer)
+    return None if arguments is None else arguments[2]
+
+
+def _fused_arguments(layer: torch.nn.Module) -> tuple | None:
+    """What the layer's fused forward is bound to (layer, kind, successor); None for another forward."""
     forward = vars(layer).get("forward")
-    if getattr(forward, "func", None) is not add_and_norm_forward:
-        return None
-    return getattr(layer, forward.args[1].second_norm)
+    return forward.args if getattr(forward, "func", None) is add_and_norm_forward else None
 
 
 def fuse_residual_norms(model: torch.nn.Module) -> int:
-    """Give each pre-norm layer whose second norm is a Triton norm the fused forward; returns how many
-    layers took it."""
-    layers = [
-        (module, PRE_NORM_LAYERS[type(module).__name__])
+    """Give each pre-norm layer whose second norm is a Triton norm the fused forward; a vision layer hands
+    its closing add to the next layer's first norm where that layer follows it in a list and that norm is a
+    Triton norm. Returns how many layers took the fused forward."""
+    fused = 0
+    for layer, kind, following in pre_norm_layers(model):
+        if isinstance(getattr(layer, kind.second_norm), TritonNorm):
+            successor = None
+            # (a decoder layer's closing add: the engine's loop of layers hands it on, `decoder_stack`)
+            if following is not None and kind is not DECODER:
+                norm = getattr(following, PRE_NORM_LAYERS[type(following).__name__].first_norm)
+                successor = norm if isinstance(norm, TritonNorm) else None
+            # the instance's own forward: nn.Module's call finds it before the class's, and the layer keeps
+            # every attribute transformers' loop of layers may read
+            layer.forward = functools.partial(add_and_norm_forward, layer, kind, successor)
+            fused += 1
+    return fused
+
+
+def pre_norm_layers(
+    model: torch.nn.Module,
+) -> list[tuple[torch.nn.Module, PreNormLayer, torch.nn.Module | None]]:
+    """Each pre-norm layer of the model with its kind and the pre-norm layer after it in its list (a loop
+    of layers runs a list in order), None where there is none."""
+    following = {}
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList):
+            listed = list(module)
+            for layer, after in zip(listed, listed[1:], strict=False):
+                if type(after).__name__ in PRE_NORM_LAYERS:
+                    following[id(layer)] = after
+    return [
+        (module, PRE_NORM_LAYERS[type(module).__name__], following.get(id(module)))
         for module in model.modules()
         if type(module).__name__ in PRE_NORM_LAYERS
     ]
-    fused = 0
-    for layer, kind in layers:
-        if isinstance(getattr(layer, kind.second_norm), FUSED_NORMS):
-            # the instance's own forward: nn.Module's call finds it before the class's, and the layer keeps
-            # every attribute transformers' loop of layers may read
-            layer.forward = functools.partial(add_and_norm_forward, layer, kind)
-            fused += 1
-    return fused

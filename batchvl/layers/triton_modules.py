@@ -1,6 +1,7 @@
 """Drop-ins for the models' norms and activation on CUDA, each one Triton kernel of `triton_elementwise`
 (transformers' RMSNorm, torch's LayerNorm, QuickGELU), with the roundings of the modules they replace; the
-norms also add a layer's residual before they normalize (`residual_norm`)."""
+norms also add a layer's residual before they normalize, and the add that ends the layer before theirs
+(`residual_norm`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,41 @@ import torch.nn.functional as F
 from batchvl.layers import triton_elementwise
 
 
-class TritonRMSNorm(torch.nn.Module):
+class TritonNorm(torch.nn.Module):
+    """A norm by one kernel that also adds a residual first (`add_and_norm`), and that can take the add
+    ending the layer before its own: `add_ahead` makes that sum and normalizes it in one pass, and the
+    norm's next call, on that very sum, returns the output kept (see `residual_norm`)."""
+
+    def __init__(self):
+        super().__init__()
+        self._ahead: tuple[torch.Tensor, torch.Tensor] | None = None  # (a sum, its output): `add_ahead`
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ahead = self._ahead
+        if ahead is not None:
+            self._ahead = None  # kept for the next call alone, whatever that call is on
+            if ahead[0] is x:
+                return ahead[1]
+        return self.norm(x)
+
+    def add_ahead(self, hidden_states: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """`residual + hidden_states`, normalized by the same kernel pass for this norm's next call: if that
+        call is on the sum returned, it returns the output kept; on anything else it normalizes that. The
+        sum and output are the ones `add_and_norm` gives: the same bits as the add and the call apart."""
+        normed, summed = self.add_and_norm(hidden_states, residual)
+        self._ahead = (summed, normed)
+        return summed
+
+    def norm(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def add_and_norm(
+        self, hidden_states: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+
+class TritonRMSNorm(TritonNorm):
     """A stock RMSNorm (`rms_norm.STOCK_RMS_NORMS`) with its weight and epsilon, its output in the dtype
     the module gives (x's and the weight's promoted)."""
 
@@ -19,7 +54,7 @@ class TritonRMSNorm(torch.nn.Module):
         self.weight = stock.weight
         self.variance_epsilon = stock.variance_epsilon
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def norm(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return triton_elementwise.rms_norm(hidden_states, self.weight, self.variance_epsilon)[0]
 
     def add_and_norm(
@@ -29,7 +64,7 @@ class TritonRMSNorm(torch.nn.Module):
         return triton_elementwise.rms_norm(hidden_states, self.weight, self.variance_epsilon, residual)
 
 
-class TritonLayerNorm(torch.nn.Module):
+class TritonLayerNorm(TritonNorm):
     """torch.nn.LayerNorm over the last dimension, with its weight, bias and epsilon."""
 
     def __init__(self, stock: torch.nn.LayerNorm):
@@ -38,7 +73,7 @@ class TritonLayerNorm(torch.nn.Module):
         self.bias = stock.bias
         self.eps = stock.eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def norm(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != self.weight.dtype:  # torch's mixed-dtype LayerNorm: not the kernel's (one dtype)
             return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
         return triton_elementwise.layer_norm(x, self.weight, self.bias, self.eps)[0]
@@ -49,7 +84,7 @@ class TritonLayerNorm(torch.nn.Module):
         """(the norm of `residual + hidden_states`, that sum) in one kernel (see `residual_norm`)."""
         if hidden_states.dtype != self.weight.dtype or residual.dtype != hidden_states.dtype:
             summed = residual + hidden_states
-            return self(summed), summed
+            return self.norm(summed), summed
         return triton_elementwise.layer_norm(hidden_states, self.weight, self.bias, self.eps, residual)
 
 

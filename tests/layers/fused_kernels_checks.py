@@ -26,6 +26,7 @@ from transformers.models.qwen2.modeling_qwen2 import (
 from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLVisionBlock, Qwen2_5_VLVisionConfig
 from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
 from transformers.models.qwen2_vl.modeling_qwen2_vl import (
+    Qwen2VisionTransformerPretrainedModel,
     Qwen2VLVisionBlock,
     apply_rotary_pos_emb,
     apply_rotary_pos_emb_vision,
@@ -46,9 +47,14 @@ from batchvl.layers import (
 from batchvl.layers.fused_kernels import rotate_text_rows, rotate_vision_rows, use_fused_kernels
 from batchvl.layers.fused_projections import FusedQKVAttention, GatedMLP
 from batchvl.layers.native_kernels import DISABLE_VARIABLE, native_ops
-from batchvl.layers.residual_norm import add_and_norm_forward, fuse_residual_norms, fused_residual_norm
+from batchvl.layers.residual_norm import (
+    add_and_norm_forward,
+    fuse_residual_norms,
+    fused_residual_norm,
+    fused_successor,
+)
 from batchvl.layers.rms_norm import STOCK_RMS_NORMS
-from batchvl.layers.triton_modules import TritonLayerNorm, TritonQuickGELU, TritonRMSNorm
+from batchvl.layers.triton_modules import TritonLayerNorm, TritonNorm, TritonQuickGELU, TritonRMSNorm
 from batchvl.models.loader import load_model
 from batchvl.preprocess.prompts import PromptRenderer
 from tests.conftest import SHARPNESS, random_image
@@ -69,8 +75,9 @@ DTYPES = [torch.float32, torch.bfloat16]
 ROWS = 13
 NEW_TOKENS = 4
 PROMPT = "Describe this image."
-# each kernel as it is counted: the rotary of the text model and of the vision tower apart, and the norms
-# that add the residual before them (one per layer) apart from the others
+# each kernel as it is counted: the rotary of the text model and of the vision tower apart, the norms that
+# add the residual before them (one per layer) apart from the others, and the vision layers' closing adds
+# handed to the next layer's first norm (by the residual norms' kernels)
 KERNELS = (
     "rms_norm",
     "layer_norm",
@@ -80,12 +87,13 @@ KERNELS = (
     "vision_rotary",
     "residual_rms_norm",
     "residual_layer_norm",
+    "closing_add_ahead",
 )
 # what each family has for each kernel to take: RMSNorms, LayerNorms, QuickGELUs, SiLU MLPs, text and
 # vision attention modules rotating queries and keys, layers adding their residual in an RMSNorm and in a
-# LayerNorm (decoder layers, vision blocks and encoder layers)
+# LayerNorm (decoder layers, vision blocks and encoder layers), vision layers followed by another
 SWAPPED = {
-    "qwen2_vl": (5, 5, 2, 2, 2, 2, 2, 2),  # 2 text layers, 2 vision blocks, the merger's LayerNorm
+    "qwen2_vl": (5, 5, 2, 2, 2, 2, 2, 2, 1),  # 2 text layers, 2 vision blocks, the merger's LayerNorm
     "qwen2_5_vl": (
         10,
         0,
@@ -95,12 +103,13 @@ SWAPPED = {
         2,
         4,
         0,
+        1,
     ),  # its vision blocks' norms are RMSNorms, its vision MLPs SiLU-gated
-    "qwen3_vl": (9, 7, 0, 2, 2, 2, 2, 2),  # and the per-head q/k norms of its 2 text layers
-    "llava": (5, 8, 3, 2, 2, 0, 2, 3),  # CLIP with one layer more than it uses
-    "idefics3": (5, 5, 0, 2, 2, 0, 2, 2),  # SigLIP's MLP is GELU-tanh
-    "smolvlm": (5, 5, 0, 2, 2, 0, 2, 2),  # Idefics3's model
-    "internvl": (5, 5, 0, 2, 2, 0, 2, 0),  # InternViT's layers scale their branches: not fused
+    "qwen3_vl": (9, 7, 0, 2, 2, 2, 2, 2, 1),  # and the per-head q/k norms of its 2 text layers
+    "llava": (5, 8, 3, 2, 2, 0, 2, 3, 2),  # CLIP with one layer more than it uses
+    "idefics3": (5, 5, 0, 2, 2, 0, 2, 2, 1),  # SigLIP's MLP is GELU-tanh
+    "smolvlm": (5, 5, 0, 2, 2, 0, 2, 2, 1),  # Idefics3's model
+    "internvl": (5, 5, 0, 2, 2, 0, 2, 0, 0),  # InternViT's layers scale their branches: not fused
 }
 
 
@@ -255,6 +264,86 @@ def test_a_vision_layer_adding_its_residual_in_the_norm_gives_the_layers_bits(dt
     assert not torch.equal(fused, x + layer.mlp(second(x)))  # the attention did work
 
 
+def weighted_norms(module: torch.nn.Module, dtype: torch.dtype, seed: int) -> None:
+    """Norm weights away from one, each its own, so that a norm's output read for another's shows."""
+    norms = [child for child in module.modules() if "norm" in type(child).__name__.lower()]
+    for i, norm in enumerate(norms):
+        norm.weight.data = random(norm.weight.shape[0], dtype=dtype, seed=seed + i) + 1
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["qwen2_vl_block", "qwen2_5_vl_block", "clip"])
+def test_a_vision_layer_handing_its_closing_add_to_the_next_layers_norm_gives_the_layers_bits(dtype, kind):
+    first, by_position, by_keyword = vision_layer(kind, dtype)
+    second = vision_layer(kind, dtype)[0]
+    layers = torch.nn.ModuleList([first, second]).to(dtype).eval()  # as a tower lists its layers
+    weighted_norms(layers, dtype, seed=15)
+    counts = use_fused_kernels(layers)
+    norm = second.layer_norm1 if kind == "clip" else second.norm1
+    assert counts["closing_add_ahead"] == 1
+    assert fused_successor(first) is norm and fused_successor(second) is None  # the last one's stays its own
+    x = random(ROWS, 48, dtype=dtype, seed=13) * 3
+    if kind == "clip":
+        x = x[None]
+    with torch.inference_mode():
+        summed = first(x, *by_position, **by_keyword)
+        assert norm._ahead is not None and norm._ahead[0] is summed
+        chained = second(summed, *by_position, **by_keyword)
+        assert norm._ahead is None  # taken by the call on the sum
+        stock = type(second).forward(
+            second, type(first).forward(first, x, *by_position, **by_keyword), *by_position, **by_keyword
+        )
+        # a loop that hands the next layer another tensor than the sum (as Qwen3-VL's text model adds
+        # deepstack features after its first layers): the norm normalizes what it is given
+        first(x, *by_position, **by_keyword)
+        changed = summed + random(*summed.shape, dtype=dtype, seed=30)
+        given_other = second(changed, *by_position, **by_keyword)
+        stock_other = type(second).forward(second, changed, *by_position, **by_keyword)
+    assert torch.equal(chained, stock)
+    assert torch.equal(given_other, stock_other)
+    assert not torch.equal(given_other, chained)
+
+
+def qwen2_vl_tower(dtype: torch.dtype) -> Qwen2VisionTransformerPretrainedModel:
+    """A Qwen2-VL vision tower of three blocks, its norms' weights each their own."""
+    config = Qwen2VLVisionConfig(embed_dim=48, num_heads=4, mlp_ratio=2, depth=3, hidden_size=32)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    tower = Qwen2VisionTransformerPretrainedModel(config).to(dtype).eval()
+    weighted_norms(tower, dtype, seed=40)
+    return tower
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_towers_blocks_handing_their_closing_adds_on_give_the_towers_bits_with_fewer_passes(
+    dtype, kernel_calls
+):
+    tower = qwen2_vl_tower(dtype)
+    assert use_fused_kernels(tower)["closing_add_ahead"] == 2
+    blocks = tower.blocks
+    assert [fused_successor(block) for block in blocks] == [blocks[1].norm1, blocks[2].norm1, None]
+    grid = torch.tensor([[1, 4, 4], [1, 2, 4]])  # two images, 24 patches
+    pixels = random(24, 3 * 2 * 14 * 14, dtype=dtype, seed=41)
+    with torch.inference_mode():
+        chained = tower(pixels, grid)
+        chained_calls = collections.Counter(kernel_calls)
+        kernel_calls.clear()
+        for block in blocks:
+            del block.forward  # transformers' forwards, with the same Triton norms
+        stock = tower(pixels, grid)
+    assert torch.equal(chained.last_hidden_state, stock.last_hidden_state)
+    assert torch.equal(chained.pooler_output, stock.pooler_output)
+    # each block's two norms and the merger's: the first block's first norm and the merger's alone normalize
+    # what they are given, every other norm adds a residual first
+    assert dict(kernel_calls) == {"layer_norm": 7, "quick_gelu": 3}
+    assert dict(chained_calls) == {
+        "layer_norm": 2,
+        "residual_layer_norm": 5,
+        "closing_add_ahead": 2,
+        "quick_gelu": 3,
+    }
+
+
 def test_a_layer_given_more_arguments_by_position_than_its_loop_passes_says_so():
     layer, _, _ = vision_layer("clip", torch.float32)
     use_fused_kernels(layer)
@@ -339,6 +428,7 @@ def kernels_in(model: torch.nn.Module) -> tuple[int, ...]:
         sum(getattr(m, "rotate", None) is rotate_vision_rows for m in modules),
         sum(isinstance(fused_residual_norm(m), TritonRMSNorm) for m in modules),
         sum(isinstance(fused_residual_norm(m), TritonLayerNorm) for m in modules),
+        sum(fused_successor(m) is not None for m in modules),
     )
 
 
@@ -391,6 +481,13 @@ def kernel_calls(monkeypatch) -> collections.Counter:
             return _kernel(*args, **kwargs)
 
         monkeypatch.setattr(triton_elementwise, name, counted)
+    add_ahead = TritonNorm.add_ahead
+
+    def counted_ahead(norm, *args):
+        calls["closing_add_ahead"] += 1  # (its kernel counted too, as a residual norm's)
+        return add_ahead(norm, *args)
+
+    monkeypatch.setattr(TritonNorm, "add_ahead", counted_ahead)
     return calls
 
 

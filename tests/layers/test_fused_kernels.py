@@ -13,4 +13,4 @@ CHECKS = Path(__file__).with_name("fused_kernels_checks.py")
 
 @pytest.mark.timeout(600)
 def test_the_swapped_modules_and_models_equal_transformers_under_the_interpreter():
-    run_interpreter_checks(CHECKS, 32, timeout_s=500)
+    run_interpreter_checks(CHECKS, 40, timeout_s=500)
