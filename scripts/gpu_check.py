@@ -60,6 +60,10 @@ reported and the next still runs, in the order of what a GPU window must answer 
                    second, at Qwen2-VL-2B's widths up to a vision call's 32,768 rows, where the norms
                    and elementwise kernels are timed under other launch settings too;
                    refused on the CPU (reported as skipped)
+  launch_overhead  benchmarks/launch_overhead.py on the host: the Python of a launch of each Triton
+                   kernel (the engine's launch function's, Triton's dispatch's), compiled offline for the
+                   GPU, its launcher a no-op: beside fused_elementwise's one-row calls, a launch's Python
+                   against the driver's part on this host
   decode_attention benchmarks/decode_attention.py: the per-head and the grouped Triton decode kernels per
                    call at Qwen2-VL-2B's and 7B's heads (256 sequences of 600 and 2,000 keys, 1,024 of 600,
                    8 of 16,384), their outputs' difference, the grouped one at 1 to 8 splits forced, and
@@ -505,6 +509,15 @@ def fused_elementwise(work: Path) -> dict:
     return cuda_benchmark(work, "fused_elementwise", 90)
 
 
+def launch_overhead(work: Path) -> dict:
+    """benchmarks/launch_overhead.py on this machine's host: what a launch of each Triton kernel costs it in
+    Python, the engine's launch function's and Triton's dispatch apart (kernels compiled offline, nothing
+    run): with `fused_elementwise`'s calls at one row, how much of a launch is Python on this host."""
+    out = work / "launch_overhead.json"
+    command = [sys.executable, "benchmarks/launch_overhead.py", "--calls", "500" if ON_CPU else "2000"]
+    return reported_run([*command, "--json", str(out)], out, 90)
+
+
 def decode_attention(work: Path) -> dict:
     return cuda_benchmark(work, "decode_attention", 90)
 
@@ -683,6 +696,8 @@ STAGES = [
     ("host_step_1024_fast", lambda work: host_step(work, 1024, fast=True)),  # the same, and the captures
     # some 20-60 s: compiling the kernels, 56 timed ops and 17 other launch settings
     ("fused_elementwise", fused_elementwise),
+    # some 15 s on the host alone: the Python of each Triton kernel's launch, against the launches timed above
+    ("launch_overhead", launch_overhead),
     # some 25-70 s: 8 cases of two kernels and four split counts (each compiled), 50 calls each, and 16
     # launch settings (8 at each of two cases)
     ("decode_attention", decode_attention),

@@ -199,50 +199,72 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
+def _row_layout(x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """(x's rows as a kernel reads them, how many, the stride between them): x itself where it is
+    contiguous, else `_rows(x)`. The norms and activations are launched for every layer of a step: each view
+    made and undone around their kernel (the rows' view, then the outputs' views back to x's shape) cost a
+    couple of microseconds of the host's time a launch, a third of a norm's launch beside Triton's own."""
+    width = x.shape[-1]
+    if x.is_contiguous():
+        return x, x.numel() // width, width
+    rows = _rows(x)
+    return rows, rows.shape[0], rows.stride(0)
+
+
+def _like(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A new contiguous tensor of x's shape in `dtype`, its rows `x.shape[-1]` apart."""
+    if dtype == x.dtype:
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
+    return torch.empty(x.shape, dtype=dtype, device=x.device)
+
+
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """transformers' RMSNorm (Qwen2RMSNorm and its copies) of `x + residual`, or of x where there is no
-    residual: (the normalized rows, x + residual for the next residual add, or x). The output's dtype is
-    the module's, x's and the weight's promoted."""
-    rows = _rows(x)
-    out = torch.empty(rows.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
-    summed = torch.empty_like(rows) if residual is not None else rows
-    other = _rows(residual) if residual is not None else rows
-    _kernels().rms_norm[(-(-rows.shape[0] // NORM_ROWS),)](
-        out, summed, rows, other, weight, eps, rows.shape[0], rows.shape[1],
-        out.stride(0), summed.stride(0), rows.stride(0), other.stride(0),
-        HAS_RESIDUAL=residual is not None, BLOCK=power_of_two_at_least(rows.shape[1]), ROWS=NORM_ROWS,
+    residual: (the normalized rows, x + residual for the next residual add, or x), each of x's shape. The
+    output's dtype is the module's, x's and the weight's promoted."""
+    rows, count, stride = _row_layout(x)
+    width = x.shape[-1]
+    out = _like(x, torch.promote_types(x.dtype, weight.dtype))
+    summed, other, other_stride = x, rows, stride
+    if residual is not None:
+        summed = _like(x, x.dtype)
+        other, _, other_stride = _row_layout(residual)
+    _kernels().rms_norm[(-(-count // NORM_ROWS),)](
+        out, summed, rows, other, weight, eps, count, width, width, width, stride, other_stride,
+        HAS_RESIDUAL=residual is not None, BLOCK=power_of_two_at_least(width), ROWS=NORM_ROWS,
         num_warps=NORM_WARPS, **EAGER_ROUNDING,
     )  # fmt: skip
-    return out.view(x.shape), summed.view(x.shape)
+    return out, summed
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """`silu(gate) * up` of a fused gate/up projection's output (..., 2 * I), gate first: (..., I)."""
-    rows = _rows(gate_up)
-    width = rows.shape[1] // 2
-    out = rows.new_empty((rows.shape[0], width))
-    grid = (rows.shape[0], -(-width // BLOCK_COLUMNS))
+    rows, count, stride = _row_layout(gate_up)
+    width = gate_up.shape[-1] // 2
+    out = gate_up.new_empty((*gate_up.shape[:-1], width))
+    grid = (count, -(-width // BLOCK_COLUMNS))
     _kernels().silu_and_mul[grid](
-        out, rows, width, out.stride(0), rows.stride(0),
+        out, rows, width, width, stride,
         BLOCK=BLOCK_COLUMNS, num_warps=ELEMENTWISE_WARPS, **EAGER_ROUNDING,
     )  # fmt: skip
-    return out.view(*gate_up.shape[:-1], width)
+    return out
 
 
 def quick_gelu(x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """transformers' QuickGELUActivation of `x + bias` (or of x): the activation of a linear layer run
     without its bias. In bf16 that rounds the matmul's output before the bias is added, where a linear
     layer with its bias rounds once: keep the bias in the layer (and none here) for its exact outputs."""
-    rows = _rows(x)
-    out = torch.empty_like(rows)
-    grid = (rows.shape[0], -(-rows.shape[1] // BLOCK_COLUMNS))
+    rows, count, stride = _row_layout(x)
+    width = x.shape[-1]
+    out = _like(x, x.dtype)
+    grid = (count, -(-width // BLOCK_COLUMNS))
     _kernels().quick_gelu[grid](
-        out, rows, bias if bias is not None else rows, rows.shape[1], out.stride(0), rows.stride(0),
+        out, rows, bias if bias is not None else rows, width, width, stride,
         HAS_BIAS=bias is not None, BLOCK=BLOCK_COLUMNS, num_warps=ELEMENTWISE_WARPS, **EAGER_ROUNDING,
     )  # fmt: skip
-    return out.view(x.shape)
+    return out
 
 
 def layer_norm(
@@ -254,18 +276,20 @@ def layer_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """torch.nn.LayerNorm over the last dimension, with its weight and bias, in x's dtype, of `x + residual`
     or of x where there is no residual: (the normalized rows, x + residual for the next residual add, or
-    x)."""
-    rows = _rows(x)
-    out = torch.empty_like(rows)
-    summed = torch.empty_like(rows) if residual is not None else rows
-    other = _rows(residual) if residual is not None else rows
-    _kernels().layer_norm[(-(-rows.shape[0] // NORM_ROWS),)](
-        out, summed, rows, other, weight, bias, eps, rows.shape[0], rows.shape[1],
-        out.stride(0), summed.stride(0), rows.stride(0), other.stride(0),
-        HAS_RESIDUAL=residual is not None, BLOCK=power_of_two_at_least(rows.shape[1]), ROWS=NORM_ROWS,
+    x), each of x's shape."""
+    rows, count, stride = _row_layout(x)
+    width = x.shape[-1]
+    out = _like(x, x.dtype)
+    summed, other, other_stride = x, rows, stride
+    if residual is not None:
+        summed = _like(x, x.dtype)
+        other, _, other_stride = _row_layout(residual)
+    _kernels().layer_norm[(-(-count // NORM_ROWS),)](
+        out, summed, rows, other, weight, bias, eps, count, width, width, width, stride, other_stride,
+        HAS_RESIDUAL=residual is not None, BLOCK=power_of_two_at_least(width), ROWS=NORM_ROWS,
         num_warps=NORM_WARPS, **EAGER_ROUNDING,
     )  # fmt: skip
-    return out.view(x.shape), summed.view(x.shape)
+    return out, summed
 
 
 def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, vision: bool = False) -> torch.Tensor:

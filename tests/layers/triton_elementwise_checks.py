@@ -127,6 +127,45 @@ def test_layer_norm_with_the_residual_add_equals_torchs(dtype, width, with_resid
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_the_norms_and_activations_take_rows_wherever_they_lie_and_answer_in_their_shape(dtype):
+    """Inputs as the layers hand them: a step's (1, T, width) hidden states, contiguous, read where they
+    are; rows of a wider tensor (a fused projection's slice: rows `3 * width` apart), and (T, heads, D)
+    heads of one (Qwen3-VL's q/k norms: copied to rows first). Each output has its input's shape."""
+    width = 80
+    wide = random(ROWS, 3 * width, dtype=dtype, seed=20) * 3 + 1
+    inputs = [
+        random(1, ROWS, width, dtype=dtype, seed=21) * 3 + 1,
+        wide[:, width : 2 * width],
+        wide.view(ROWS, 3, width)[:, :2],
+    ]
+    residuals = [random(*x.shape, dtype=dtype, seed=22) for x in inputs]
+    rms = Qwen2RMSNorm(width, eps=1e-6)
+    rms.weight.data = random(width, dtype=dtype, seed=23) + 1
+    layer = torch.nn.LayerNorm(width, eps=1e-6).to(DEVICE, dtype)
+    layer.weight.data = random(width, dtype=dtype, seed=24)
+    layer.bias.data = random(width, dtype=dtype, seed=25)
+    for x, residual in zip(inputs, residuals, strict=True):
+        summed = residual + x
+        out, kept = triton_elementwise.rms_norm(x, rms.weight, rms.variance_epsilon, residual)
+        assert out.shape == kept.shape == x.shape and torch.equal(kept, summed)
+        assert_close(out, rms(summed))
+        out, kept = triton_elementwise.rms_norm(x, rms.weight, rms.variance_epsilon)
+        assert torch.equal(kept, x)
+        assert_close(out, rms(x))
+        out, kept = triton_elementwise.layer_norm(x, layer.weight, layer.bias, layer.eps, residual)
+        assert out.shape == x.shape and torch.equal(kept, summed)
+        expected = layer(summed)
+        assert_close(out, expected, scale=expected.abs().amax(-1, keepdim=True))
+        activated = triton_elementwise.quick_gelu(x)
+        assert activated.shape == x.shape
+        assert_close(activated, QuickGELUActivation()(x))
+        gate, up = x.split(width // 2, dim=-1)  # x as a gate/up projection's output
+        product = triton_elementwise.silu_and_mul(x)
+        assert product.shape == (*x.shape[:-1], width // 2)
+        assert_close(product, ACT2FN["silu"](gate) * up)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("norm_rows", [4, 8])
 def test_the_norms_with_several_rows_a_program_equal_transformers(dtype, norm_rows, monkeypatch):
     """The launch settings `benchmarks/fused_elementwise.py` times beside one row a program: each row still
