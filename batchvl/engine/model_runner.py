@@ -32,6 +32,7 @@ from batchvl.layers.attention import (
     decode_splits,
     uploaded,
 )
+from batchvl.layers.row_buckets import pads_rows
 from batchvl.preprocess.media import PreparedMedia
 
 
@@ -162,7 +163,7 @@ class ModelRunner:
                 self.forward_s += time.perf_counter() - started
                 return StepLogits(sampled, sampled[:0])
         in_place = self.kv_cache.decodes_in_place
-        packed = PackedStep.of(chunks, in_place, self.block_manager)
+        packed = PackedStep.of(chunks, in_place, self.block_manager, pads_rows(self.adapter.device))
         token_ids, positions, sequences = packed.token_ids, packed.positions, packed.sequences
         chunk_rows, chunk_starts, chunk_counts = packed.table_rows, packed.starts, packed.counts
         chunk_first_rows, last_rows, scored_rows = packed.first_rows, packed.last_rows, packed.scored_rows

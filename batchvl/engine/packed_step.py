@@ -8,10 +8,10 @@ fraction of a loop iteration's cost), the decodes' tokens and positions are writ
 operation each, and only the chunks of more than one token (prompt chunks, at most a few dozen a step) are
 visited one by one.
 
-Rows past the chunks pad the step to its row bucket (`row_buckets`): the packed linear layers then take the
-step as it is (no copy per layer) and oneDNN reuses the kernels it built for that bucket. Padding tokens
-are token 0 at position 0; they attend to nothing, write no KV, and their rows are dropped with the rest of
-the hidden states.
+On the CPU, rows past the chunks pad the step to its row bucket (`row_buckets`): the packed linear layers
+then take the step as it is (no copy per layer) and oneDNN reuses the kernels it built for that bucket.
+Padding tokens are token 0 at position 0; they attend to nothing, write no KV, and their rows are dropped
+with the rest of the hidden states. A GPU's step is not padded (`row_buckets.pads_rows`).
 """
 
 from __future__ import annotations
@@ -43,8 +43,11 @@ class PackedStep:
     scored_rows: np.ndarray  # each scoring chunk's scored positions' rows, in chunk order then position order
 
     @classmethod
-    def of(cls, chunks: list[ScheduledChunk], in_place: bool, block_manager: BlockManager) -> PackedStep:
-        """`in_place`: whether the kernels attend single-query chunks where the cache holds them."""
+    def of(
+        cls, chunks: list[ScheduledChunk], in_place: bool, block_manager: BlockManager, pad: bool
+    ) -> PackedStep:
+        """`in_place`: whether the kernels attend single-query chunks where the cache holds them; `pad`:
+        whether the rows are padded to their bucket."""
         count = len(chunks)
         requests = [chunk.request for chunk in chunks]
         starts = np.fromiter((chunk.start for chunk in chunks), np.int64, count)
@@ -52,7 +55,7 @@ class PackedStep:
         table_rows = np.fromiter((request.table_row for request in requests), np.int64, count)
         first_rows = np.cumsum(counts) - counts
         total = int(counts.sum())
-        rows = bucket_rows(total)
+        rows = bucket_rows(total) if pad else total
         axes = requests[0].positions.prompt.shape[0]
         token_ids = np.zeros(rows, dtype=np.int64)
         positions = torch.zeros((axes, rows), dtype=torch.long)

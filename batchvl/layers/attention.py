@@ -377,7 +377,8 @@ def paged_attention(
 
     num_tokens = query.shape[2]
     out = query.new_empty((num_tokens, query.shape[1], query.shape[3]))
-    out[real:] = 0
+    if real < num_tokens:  # (a GPU's eager step has no padding rows: no call to fill none)
+        out[real:] = 0
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     heads = query[0] if query.stride(-1) == 1 else query[0].contiguous()  # (H, T, D) as the kernels read it
     if meta.in_place_decodes is not None:

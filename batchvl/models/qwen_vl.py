@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from batchvl.engine.device.graph_capture import GraphCapture
-from batchvl.layers.row_buckets import bucket_rows
+from batchvl.layers.row_buckets import bucket_rows, pads_rows
 from batchvl.models.adapter import VLMAdapter
 from batchvl.models.qwen_vision_graphs import VisionGraphs, graphable, padded_rows
 from batchvl.models.qwen_vision_inputs import grid_inputs, on_device
@@ -73,7 +73,7 @@ class Qwen2VLAdapter(VLMAdapter):
         graphs = self.vision_graphs
         if graphs is not None and graphs.takes(padded_rows(rows)):
             return padded_rows(rows)
-        return bucket_rows(rows) if self.device.type == "cpu" else rows
+        return bucket_rows(rows) if pads_rows(self.device) else rows
 
     @torch.inference_mode()
     def encode(self, kind: str, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]:

@@ -88,7 +88,7 @@ def expected(chunks: list[ScheduledChunk]) -> dict:
 def test_the_packed_step_is_the_chunks_tokens_in_order(in_place):
     manager = BlockManager(64, 4, max_running=8)
     chunks = chunks_of(step_requests(manager))
-    packed = PackedStep.of(chunks, in_place, manager)
+    packed = PackedStep.of(chunks, in_place, manager, pad=True)
     want = expected(chunks)
     assert packed.token_ids.tolist() == want["tokens"]
     assert packed.positions.T.tolist() == want["positions"]
@@ -109,3 +109,16 @@ def test_the_packed_step_is_the_chunks_tokens_in_order(in_place):
     for sequence, i in zip(packed.sequences, attended, strict=True):
         slots, _ = manager.key_layout(chunks[i].request, chunks[i].end)
         assert np.array_equal(sequence.key_slots, slots)
+
+
+def test_a_step_not_padded_has_its_chunks_rows_alone():
+    # a GPU's step (`row_buckets.pads_rows`): the padded step's rows before its padding, and nothing else
+    manager = BlockManager(64, 4, max_running=8)
+    chunks = chunks_of(step_requests(manager))
+    padded, alone = (PackedStep.of(chunks, True, manager, pad=pad) for pad in (True, False))
+    total = sum(chunk.num_tokens for chunk in chunks)
+    assert len(padded.token_ids) == bucket_rows(total) > total
+    assert alone.token_ids.tolist() == padded.token_ids[:total].tolist()
+    assert torch.equal(alone.positions, padded.positions[:, :total])
+    for name in ("table_rows", "starts", "counts", "first_rows", "last_rows", "scored_rows"):
+        assert np.array_equal(getattr(alone, name), getattr(padded, name)), name

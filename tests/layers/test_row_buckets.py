@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from batchvl.layers.packed_linear import PackedLinear
-from batchvl.layers.row_buckets import MAX_BUCKETS, bucket_rows, power_of_two_at_least
+from batchvl.layers.row_buckets import MAX_BUCKETS, bucket_rows, pads_rows, power_of_two_at_least
 from tests.conftest import bf16_packs
 
 
@@ -57,3 +57,8 @@ def test_the_least_power_of_two_covering_a_count():
     assert [power_of_two_at_least(n) for n in (1, 2, 3, 16, 17, 640, 1024, 1025)] == [
         1, 2, 4, 16, 32, 1024, 1024, 2048,
     ]  # fmt: skip
+
+
+def test_steps_are_padded_for_the_cpus_kernels_alone():
+    assert pads_rows("cpu") and pads_rows(torch.device("cpu"))
+    assert not pads_rows("cuda") and not pads_rows(torch.device("cuda", 1)) and not pads_rows("meta")
