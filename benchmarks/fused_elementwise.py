@@ -93,6 +93,28 @@ def cases(rows: int, dtype: torch.dtype, device: str = "cuda"):
             None
         ]
 
+    # the rotation writing the keys and values into a cache layer too, against the rotation's kernel then
+    # the cache's two copies (`KVCache.write`), as the engine ran them before: the step's rows at scattered
+    # slots of a cache four times their size
+    cache_layer = torch.zeros(2, KV_HEADS, 4 * rows, HEAD_DIM, device=device, dtype=dtype)
+    slots = torch.randperm(4 * rows, device=device)[:rows]
+    copied_cache, written_cache = cache_layer.clone(), cache_layer.clone()
+    rotated_too = qkv.clone()
+    qk_heads = HEADS + KV_HEADS
+
+    def rotary_then_cache_copies():
+        rotated.copy_(qkv)
+        fused.rotary_(rotated[:, :qk_heads], cos, sin)
+        copied_cache[0].index_copy_(1, slots, rotated[:, HEADS:qk_heads].transpose(0, 1))
+        copied_cache[1].index_copy_(1, slots, rotated[:, qk_heads:].transpose(0, 1))
+        return rotated[:, :qk_heads], copied_cache
+
+    def rotary_into_cache():
+        rotated_too.copy_(qkv)
+        queries_and_keys, values = rotated_too[:, :qk_heads], rotated_too[:, qk_heads:]
+        fused.rotary_into_cache_(queries_and_keys, values, cos, sin, written_cache, slots)
+        return rotated_too[:, :qk_heads], written_cache
+
     patches = randn(rows, 3 * VISION_HEADS, VISION_HEAD_DIM)
     vision_angles = torch.rand(rows, VISION_HEAD_DIM // 2, device=device) * 100
     vision_cos, vision_sin = (torch.cat([f, f], dim=-1) for f in (vision_angles.cos(), vision_angles.sin()))
@@ -119,7 +141,7 @@ def cases(rows: int, dtype: torch.dtype, device: str = "cuda"):
 
     norm_parameters = (layer_norm.weight, layer_norm.bias, layer_norm.eps)
     size = torch.finfo(dtype).bits // 8
-    qk_heads = HEADS + KV_HEADS
+    rotary_bytes = (2 * qkv.numel() + 2 * rows * qk_heads * HEAD_DIM + 2 * rows * HEAD_DIM) * size
 
     return [
         (
@@ -129,11 +151,13 @@ def cases(rows: int, dtype: torch.dtype, device: str = "cuda"):
             4 * rows * HIDDEN * size,
         ),
         ("silu_and_mul", eager_silu, lambda: fused.silu_and_mul(gate_up), 3 * rows * INTERMEDIATE * size),
+        ("rotary_q_k", eager_rotary, fused_rotary, rotary_bytes),
+        # (its "eager" the engine's two launches before: the rotation's kernel, then the cache's copies)
         (
-            "rotary_q_k",
-            eager_rotary,
-            fused_rotary,
-            (2 * qkv.numel() + 2 * rows * qk_heads * HEAD_DIM + 2 * rows * HEAD_DIM) * size,
+            "rotary_q_k_into_cache",
+            rotary_then_cache_copies,
+            rotary_into_cache,
+            rotary_bytes + 3 * rows * KV_HEADS * HEAD_DIM * size,
         ),
         (
             "vision_rotary_q_k",

@@ -42,17 +42,24 @@ def launches() -> dict[str, Callable[[], None]]:
     back first)."""
     from fused_elementwise import HEAD_DIM, HEADS, KV_HEADS, VISION_HEAD_DIM, VISION_HEADS
 
-    from batchvl.layers.triton_elementwise import rotary_
+    from batchvl.layers.triton_elementwise import rotary_, rotary_into_cache_
+
+    rows = ELEMENTWISE_ROWS
 
     def rotation(heads: int, dim: int, vision: bool) -> Callable[[], None]:
-        rows = ELEMENTWISE_ROWS
         qk = torch.zeros(rows, heads, dim, dtype=torch.bfloat16)
         cos = torch.zeros(rows, dim, dtype=torch.float32 if vision else torch.bfloat16)
         return lambda: rotary_(qk, cos, cos, vision=vision)
 
+    qkv = torch.zeros(rows, HEADS + 2 * KV_HEADS, HEAD_DIM, dtype=torch.bfloat16)
+    cos = torch.zeros(rows, HEAD_DIM, dtype=torch.bfloat16)
+    cache = torch.zeros(2, KV_HEADS, 4 * rows, HEAD_DIM, dtype=torch.bfloat16)
+    slots = torch.arange(rows)
+    qk, values = qkv[:, : HEADS + KV_HEADS], qkv[:, HEADS + KV_HEADS :]
     return {
         **elementwise_launches(),
         "rotary_q_k": rotation(HEADS + KV_HEADS, HEAD_DIM, vision=False),
+        "rotary_q_k_into_cache": lambda: rotary_into_cache_(qk, values, cos, cos, cache, slots),
         "vision_rotary_q_k": rotation(2 * VISION_HEADS, VISION_HEAD_DIM, vision=True),
         "grouped_decode_2b": decode_launch("2b"),
         "paged_prefill_2b": prefill_launch(),

@@ -361,8 +361,11 @@ def paged_attention(
     attention_mask: torch.Tensor | None,
     scaling: float | None = None,
     batchvl_attention: PagedAttentionMetadata | None = None,
+    kv_written: bool = False,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
+    """The step's attention; `kv_written`: whether the caller wrote this step's K/V into the cache already
+    (the rotation's kernel does on CUDA: `fused_projections.FusedQKVAttention`)."""
     meta = batchvl_attention
     if meta is None:
         raise RuntimeError(
@@ -373,7 +376,8 @@ def paged_attention(
     # (1, Hkv, T, D): already head-major. Rows past the slot mapping pad the step to its row bucket: they
     # write no KV, no query reads them, and their output is zero.
     real = len(meta.slot_mapping)
-    cache.write(layer, meta.slot_mapping, key[0, :, :real], value[0, :, :real])
+    if not kv_written:
+        cache.write(layer, meta.slot_mapping, key[0, :, :real], value[0, :, :real])
 
     num_tokens = query.shape[2]
     out = query.new_empty((num_tokens, query.shape[1], query.shape[3]))

@@ -43,6 +43,12 @@ def rotate_text_rows(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> 
     return triton_elementwise.rotary_(qk, cos.contiguous(), sin.contiguous())
 
 
+def rotate_text_rows_into_cache(*args: torch.Tensor) -> torch.Tensor:
+    """`rotate_text_rows` that also writes the keys and the values into a cache layer at the step's slots
+    (`FusedQKVAttention.rotate_into_cache`; `triton_elementwise.rotary_into_cache_`'s arguments)."""
+    return triton_elementwise.rotary_into_cache_(*args)
+
+
 def rotate_vision_rows(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """`QwenVisionAttention.rotate` by the kernel, in place, in float32 as transformers' vision towers
     rotate (S, 2, heads, D) queries and keys."""
@@ -71,6 +77,7 @@ def use_fused_kernels(model: torch.nn.Module) -> dict[str, int]:
             counts["silu_and_mul"] += 1
         elif isinstance(module, FusedQKVAttention):
             module.rotate = rotate_text_rows
+            module.rotate_into_cache = rotate_text_rows_into_cache
             counts["text_rotary"] += 1
         elif isinstance(module, QwenVisionAttention):
             module.rotate = rotate_vision_rows

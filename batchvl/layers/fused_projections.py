@@ -110,6 +110,10 @@ class FusedQKVAttention(torch.nn.Module):
         # queries and keys (T, heads + kv heads, D) and cos/sin (T, D) -> rotated; a GPU's in-place Triton
         # kernel where `fused_kernels` sets it
         self.rotate = apply_rotary_rows
+        # or, where `fused_kernels` sets it, that rotation writing the keys and the values (T, kv heads, D)
+        # into a cache layer at the step's slots too (`triton_elementwise.rotary_into_cache_`), so that the
+        # attention does not copy them there itself
+        self.rotate_into_cache = None
 
     def forward(
         self,
@@ -122,13 +126,21 @@ class FusedQKVAttention(torch.nn.Module):
         heads, kv_heads = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(hidden_states).view(rows, heads + 2 * kv_heads, self.head_dim)
         cos, sin = (t[0] for t in position_embeddings)  # (1, T, D) -> (T, D)
-        rotated = self.rotate(self.normalized_queries_and_keys(qkv), cos, sin)
+        values = qkv[:, heads + kv_heads :]
+        meta = batchvl_attention
+        written = self.rotate_into_cache is not None and meta is not None
+        if written:
+            layer = meta.kv_cache.layers[self.layer_idx]
+            qk = self.normalized_queries_and_keys(qkv)
+            rotated = self.rotate_into_cache(qk, values, cos, sin, layer, meta.slot_mapping)
+        else:
+            rotated = self.rotate(self.normalized_queries_and_keys(qkv), cos, sin)
         # (T, heads, D) -> (1, heads, T, D): the layout the attention function takes
         query = rotated[:, :heads].transpose(0, 1)[None]
         key = rotated[:, heads:].transpose(0, 1)[None]
-        value = qkv[:, heads + kv_heads :].transpose(0, 1)[None]
+        value = values.transpose(0, 1)[None]
         out, _ = paged_attention(
-            self, query, key, value, None, scaling=self.scaling, batchvl_attention=batchvl_attention
+            self, query, key, value, None, scaling=self.scaling, batchvl_attention=meta, kv_written=written
         )
         return self.o_proj(out.reshape(1, rows, -1)), None
 

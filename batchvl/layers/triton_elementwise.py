@@ -154,7 +154,9 @@ def _kernels() -> SimpleNamespace:
     @triton.jit
     def rotary_kernel(
         x, cos, sin, heads, stride_xr, stride_xh, stride_cr, stride_sr,
+        cache, slots, values, slot_rows, first_key, stride_vr, stride_vh, stride_ch,
         HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, ROUND_STEPS: tl.constexpr,
+        INTO_CACHE: tl.constexpr,
     ):  # fmt: skip
         row = tl.program_id(0).to(tl.int64)
         dims = tl.arange(0, BLOCK_D)
@@ -183,6 +185,28 @@ def _kernels() -> SimpleNamespace:
             o2 = rounded(x2 * c2 + x1 * s2, dtype)
         tl.store(first, o1.to(dtype), mask=both)
         tl.store(first + HALF, o2.to(dtype), mask=both)
+        if INTO_CACHE:
+            # this row's rotated keys (x's heads from `first_key` on) and its values, at its slot of a cache
+            # layer (2, kv heads, slots, head dim): the bits a copy of the rotated keys and the values into
+            # the cache writes. Rows past `slot_rows` pad the step: they write nothing.
+            slot = tl.load(slots + tl.minimum(row, slot_rows - 1)).to(tl.int64)  # (a padding row's: unused)
+            at_slot = slot * (2 * HALF) + dims[None, :]
+            kv_heads = heads - first_key
+            key = (heads_at - first_key).to(tl.int64)  # (a layer of a large cache passes 2**31 elements)
+            # (whether the row writes, as a vector: Triton's interpreter takes no scalar in a mask)
+            writes = (heads_at * 0 + row) < slot_rows
+            is_key = (writes & (heads_at >= first_key) & (heads_at < heads))[:, None] & in_dims[None, :]
+            at_key = cache + key[:, None] * stride_ch + at_slot
+            tl.store(at_key, o1.to(dtype), mask=is_key)
+            tl.store(at_key + HALF, o2.to(dtype), mask=is_key)
+            # (the values in a tile of the keys' shape, its rows past the KV heads masked: a tile of the KV
+            # heads alone would hold an element a thread, read and written one at a time)
+            value_heads = heads_at.to(tl.int64)
+            is_value = (writes & (heads_at < kv_heads))[:, None] & in_dims[None, :]
+            source = values + row * stride_vr + value_heads[:, None] * stride_vh + dims[None, :]
+            at_value = cache + (kv_heads + value_heads)[:, None] * stride_ch + at_slot
+            tl.store(at_value, tl.load(source, mask=is_value), mask=is_value)
+            tl.store(at_value + HALF, tl.load(source + HALF, mask=is_value), mask=is_value)
 
     return SimpleNamespace(
         rms_norm=rms_norm_kernel,
@@ -304,7 +328,41 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, vision: bool 
     half = head_dim // 2
     _kernels().rotary[(rows,)](
         x, cos, sin, heads, x.stride(0), x.stride(1), cos.stride(0), sin.stride(0),
+        x, x, x, 0, 0, 0, 0, 0,  # (no cache written)
         HALF=half, BLOCK_H=power_of_two_at_least(heads), BLOCK_D=power_of_two_at_least(half),
-        ROUND_STEPS=not vision, **EAGER_ROUNDING,
+        ROUND_STEPS=not vision, INTO_CACHE=False, **EAGER_ROUNDING,
+    )  # fmt: skip
+    return x
+
+
+def rotary_into_cache_(
+    x: torch.Tensor,
+    values: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor:
+    """`rotary_` of a decoder layer's queries and keys x (rows, heads + kv heads, head dim), as the text
+    model rotates them, that also writes the rotated keys and the `values` (rows, kv heads, head dim) of
+    the first len(slots) rows at their `slots` of a cache layer (2, kv heads, cache slots, head dim), as
+    `attention.KVCache.write` writes them: the cache's two copies in the same kernel, where they were two
+    launches a layer."""
+    rows, heads, head_dim = x.shape
+    kv_heads = values.shape[1]
+    cos, sin = cos.contiguous(), sin.contiguous()
+    if x.stride(-1) != 1 or values.stride(-1) != 1:
+        raise ValueError("rotary_into_cache_ needs unit strides along the head dimension")
+    if not cache.is_contiguous() or cache.shape != (2, kv_heads, cache.shape[2], head_dim):
+        raise ValueError("rotary_into_cache_ writes a contiguous cache layer (2, kv heads, slots, head dim)")
+    if not len(slots):  # (nothing to write: the slots' first would be read)
+        return rotary_(x, cos, sin)
+    half = head_dim // 2
+    _kernels().rotary[(rows,)](
+        x, cos, sin, heads, x.stride(0), x.stride(1), cos.stride(0), sin.stride(0),
+        cache, slots, values, len(slots), heads - kv_heads, values.stride(0), values.stride(1),
+        cache.stride(1),
+        HALF=half, BLOCK_H=power_of_two_at_least(heads), BLOCK_D=power_of_two_at_least(half),
+        ROUND_STEPS=True, INTO_CACHE=True, **EAGER_ROUNDING,
     )  # fmt: skip
     return x

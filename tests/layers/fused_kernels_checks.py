@@ -44,6 +44,7 @@ from batchvl.layers import (
     triton_attention,
     triton_elementwise,
 )
+from batchvl.layers.attention import KVCache
 from batchvl.layers.fused_kernels import rotate_text_rows, rotate_vision_rows, use_fused_kernels
 from batchvl.layers.fused_projections import FusedQKVAttention, GatedMLP
 from batchvl.layers.native_kernels import DISABLE_VARIABLE, native_ops
@@ -466,11 +467,14 @@ LIMITS = EngineConfig(max_num_batched_tokens=16, block_size=4)
 def kernel_calls(monkeypatch) -> collections.Counter:
     """Calls of each kernel from here on (the swaps take the counting functions)."""
     calls = collections.Counter()
-    for name in ("rms_norm", "layer_norm", "quick_gelu", "silu_and_mul", "rotary_"):
+    for name in ("rms_norm", "layer_norm", "quick_gelu", "silu_and_mul", "rotary_", "rotary_into_cache_"):
         kernel = getattr(triton_elementwise, name)
 
         def counted(*args, _kernel=kernel, _name=name, **kwargs):
-            if _name == "rotary_":
+            if _name == "rotary_into_cache_":
+                calls["text_rotary"] += 1
+                calls["kv_written_by_rotary"] += 1
+            elif _name == "rotary_":
                 calls["vision_rotary" if kwargs.get("vision") else "text_rotary"] += 1
             elif _name == "rms_norm" and len(args) > 3:
                 calls["residual_rms_norm"] += 1
@@ -492,17 +496,24 @@ def kernel_calls(monkeypatch) -> collections.Counter:
 
 
 @pytest.mark.parametrize("family", SWAPPED)
-def test_a_model_with_the_kernels_equals_generate_in_float32(family, as_on_cuda, model_dirs, kernel_calls):
+def test_a_model_with_the_kernels_equals_generate_in_float32(
+    family, as_on_cuda, model_dirs, kernel_calls, monkeypatch
+):
     path = model_dirs(family)
     loaded = fused_model(family, path, "float32")
     reference = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
     case = make_case(reference, "fp32", *request_of(loaded), NEW_TOKENS)
+    copies = collections.Counter()
+    write = KVCache.write
+    monkeypatch.setattr(KVCache, "write", lambda *args: copies.update(["kv"]) or write(*args))
     _, observed = run_cases(loaded, [case], LIMITS, SamplingParams(NEW_TOKENS))
     assert_matches_reference(observed[case.tag], case)
     # every kernel the family has ran (its modules call them, not the eager ops)
     assert {name for name in KERNELS if kernel_calls[name]} == {
         name for name, count in zip(KERNELS, SWAPPED[family], strict=True) if count
     }
+    # every text layer's keys and values went into the cache by its rotation's kernel, none by a copy
+    assert kernel_calls["kv_written_by_rotary"] == kernel_calls["text_rotary"] > 0 and not copies
 
 
 def teacher_forced_logits(model, inputs: dict, generated: list[int]) -> torch.Tensor:

@@ -14,7 +14,7 @@ CHECKS = Path(__file__).with_name("triton_elementwise_checks.py")
 
 @pytest.mark.timeout(600)
 def test_the_kernels_equal_transformers_modules_under_the_interpreter():
-    run_interpreter_checks(CHECKS, 45, timeout_s=500)
+    run_interpreter_checks(CHECKS, 49, timeout_s=500)
 
 
 def test_the_module_imports_without_triton():
@@ -30,7 +30,9 @@ def test_the_kernels_compile_for_a_hopper_gpu(dtype):
 
     kernels = triton_elementwise._kernels()
     pointers = ("out", "new_residual", "x", "residual", "weight", "bias", "gate_up", "cos", "sin")
-    arguments = {**dict.fromkeys(pointers, f"*{dtype}"), "eps": "fp32"}
+    pointers += ("cache", "values")  # (the rotation's into a cache layer)
+    arguments = {**dict.fromkeys(pointers, f"*{dtype}"), "slots": "*i64", "eps": "fp32"}
+    rotary_blocks = {"HALF": 64, "BLOCK_H": 16, "BLOCK_D": 64}
     builds = [
         *(
             (kernels.rms_norm, {"HAS_RESIDUAL": residual, "BLOCK": 2048, "ROWS": rows})
@@ -44,7 +46,10 @@ def test_the_kernels_compile_for_a_hopper_gpu(dtype):
             for residual in (True, False)
             for rows in (1, 4)
         ),
-        (kernels.rotary, {"HALF": 64, "BLOCK_H": 16, "BLOCK_D": 64, "ROUND_STEPS": dtype == "bf16"}),
+        *(
+            (kernels.rotary, {**rotary_blocks, "ROUND_STEPS": dtype == "bf16", "INTO_CACHE": cache})
+            for cache in (False, True)
+        ),
     ]
     target = GPUTarget("cuda", 90, 32)
     for kernel, constants in builds:

@@ -23,6 +23,7 @@ from transformers.models.qwen2_vl.modeling_qwen2_vl import (
 )
 
 from batchvl.layers import triton_elementwise
+from batchvl.layers.attention import KVCache
 from tests.conftest import TEST_DEVICE
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -226,3 +227,32 @@ def test_rotary_of_the_vision_tower_equals_its_float32_rotation(dtype, heads, he
     triton_elementwise.rotary_(rotated[:, : 2 * heads], cos, sin, vision=True)
     assert_close(rotated[:, :heads], expected_query)
     assert_close(rotated[:, heads : 2 * heads], expected_key)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(12, 2, 128), (7, 3, 80)])
+def test_rotary_into_the_cache_writes_the_bits_of_the_rotation_then_the_caches_copies(
+    dtype, heads, kv_heads, head_dim
+):
+    """A decoder layer's rotation that also writes its keys and values into the cache: its queries and keys
+    those of `rotary_`, and the cache that of `KVCache.write` of the rotated keys and the values, at the
+    step's scattered slots; the rows past the slots (a step's padding) write nothing."""
+    qkv = random(ROWS, heads + 2 * kv_heads, head_dim, dtype=dtype, seed=30)
+    angles = random(ROWS, head_dim // 2, dtype=torch.float32, seed=31) * 50
+    cos, sin = (torch.cat([f, f], dim=-1).to(dtype) for f in (angles.cos(), angles.sin()))
+    cache_slots = 3 * ROWS
+    layer = random(2, kv_heads, cache_slots, head_dim, dtype=dtype, seed=32)
+    written = ROWS - 5  # the step's last rows pad it
+    slots = torch.randperm(cache_slots, generator=torch.Generator().manual_seed(33))[:written].to(DEVICE)
+    expected_qkv, expected_layer = qkv.clone(), layer.clone()
+    triton_elementwise.rotary_(expected_qkv[:, : heads + kv_heads], cos, sin)
+    cache = KVCache([expected_layer])
+    keys, values = (part[:written].transpose(0, 1) for part in expected_qkv[:, heads:].split(kv_heads, 1))
+    cache.write(0, slots, keys, values)
+    rotated = triton_elementwise.rotary_into_cache_(
+        qkv[:, : heads + kv_heads], qkv[:, heads + kv_heads :], cos, sin, layer, slots
+    )
+    assert rotated.data_ptr() == qkv.data_ptr()  # in place, as `rotary_`
+    assert torch.equal(qkv, expected_qkv)
+    assert torch.equal(layer, expected_layer)
+    assert not torch.equal(layer, random(2, kv_heads, cache_slots, head_dim, dtype=dtype, seed=32))
